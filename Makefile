@@ -1,0 +1,35 @@
+# Set-up and entry points. `make test` and `make demo` each create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install_torch.sh
+	@if [ ! -x $(BIN)/python ]; then \
+	  if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+	    echo "using the machine's CUDA torch"; $(PY) -m venv --system-site-packages $(VENV); \
+	  else $(PY) -m venv $(VENV); fi; \
+	fi
+	sh scripts/install_torch.sh $(BIN)/python
+	$(BIN)/python -m pip install -q -e ".[test,prometheus]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff check tiering resources policies tests benchmarks
+	$(BIN)/python -m pytest -q -n 2 tests || { rc=$$?; [ $$rc -eq 5 ] && echo "no tests ran"; exit $$rc; }
+
+demo: $(STAMP)
+	$(BIN)/tiering demo
+
+bench: $(STAMP)
+	mkdir -p bench-out
+	$(BIN)/python benchmarks/transfer.py --out bench-out/transfer.json
+	$(BIN)/python benchmarks/disk.py --out bench-out/disk.json
+	$(BIN)/python benchmarks/controller.py --out bench-out/controller.json
+
+clean:
+	rm -rf $(VENV) bench-out .pytest_cache .hypothesis

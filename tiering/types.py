@@ -1,0 +1,90 @@
+"""Small shared vocabulary: tiers, request states and the legal moves between them.
+
+Every layer speaks of where a request's KV lives in these words, so they live
+in one module with no dependencies of its own.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Tier(enum.Enum):
+    """Where a request's KV cache lives."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+class RequestState(enum.Enum):
+    """The lifecycle of one request's KV cache.
+
+    A request is in exactly one tier, except while a transfer is in flight
+    (OFFLOADING, DEMOTING, RELOADING), when it holds slots in both the source
+    and the destination tier.
+    """
+
+    RESIDENT = "resident"  # on the device, readable
+    OFFLOADING = "offloading"  # device -> host (or device -> disk) copy in flight
+    ON_HOST = "on_host"
+    DEMOTING = "demoting"  # host -> disk write in flight
+    ON_DISK = "on_disk"
+    RELOADING = "reloading"  # host/disk -> device copy in flight
+    LOST = "lost"  # its bytes could not be kept; the reason is recorded
+
+    @property
+    def in_flight(self) -> bool:
+        return self in (RequestState.OFFLOADING, RequestState.DEMOTING, RequestState.RELOADING)
+
+    @property
+    def tier(self) -> Tier | None:
+        """The tier a request in this state is read from (None for LOST).
+
+        A request in flight is reported at its source tier: until the copy
+        completes that is where its bytes are known to be good.
+        """
+        return _STATE_TIER[self]
+
+
+_STATE_TIER = {
+    RequestState.RESIDENT: Tier.DEVICE,
+    RequestState.OFFLOADING: Tier.DEVICE,
+    RequestState.ON_HOST: Tier.HOST,
+    RequestState.DEMOTING: Tier.HOST,
+    RequestState.ON_DISK: Tier.DISK,
+    RequestState.RELOADING: Tier.DEVICE,
+    RequestState.LOST: None,
+}
+
+# The only moves a request's state may make. Anything else is a bug in the
+# caller and is refused with an error naming the request and its state.
+LEGAL_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.RESIDENT: frozenset({RequestState.OFFLOADING, RequestState.LOST}),
+    RequestState.OFFLOADING: frozenset(
+        {RequestState.ON_HOST, RequestState.ON_DISK, RequestState.RESIDENT, RequestState.LOST}
+    ),
+    RequestState.ON_HOST: frozenset(
+        {RequestState.RELOADING, RequestState.DEMOTING, RequestState.LOST}
+    ),
+    RequestState.DEMOTING: frozenset(
+        {RequestState.ON_DISK, RequestState.ON_HOST, RequestState.LOST}
+    ),
+    RequestState.ON_DISK: frozenset({RequestState.RELOADING, RequestState.LOST}),
+    RequestState.RELOADING: frozenset(
+        {RequestState.RESIDENT, RequestState.ON_HOST, RequestState.ON_DISK, RequestState.LOST}
+    ),
+    RequestState.LOST: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A request was asked to move in a way its state does not allow."""
+
+
+def check_transition(rid: str, current: RequestState, new: RequestState) -> None:
+    """Raise IllegalTransition naming the request unless current -> new is legal."""
+    if new not in LEGAL_TRANSITIONS[current]:
+        raise IllegalTransition(
+            f"request {rid!r} is {current.value}; it cannot become {new.value}"
+        )
