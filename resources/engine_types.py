@@ -1,0 +1,87 @@
+"""Small local stand-ins for the engine types the ``Resource`` contract names.
+
+The engine this product plugs into defines richer versions of these. We keep
+only the fields our resources and tests need, with the same names, so that a
+resource written against this package reads the same as one written against
+the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # pragma: no cover
+    from resources.base import Resource
+
+
+class BucketKey(NamedTuple):
+    """A captured batch shape: batch size and tokens per step."""
+
+    bs: int
+    num_tokens: int
+
+
+class AdmitOutcome(NamedTuple):
+    """Whether a step may run now; ``reason`` says why not."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:  # so `if resource.admit(...)` reads naturally
+        return self.ok
+
+
+ADMIT_OK = AdmitOutcome(True)
+
+
+@dataclass(frozen=True)
+class ResourceReqConfig:
+    """Per-request settings a worker hands a resource at ingest.
+
+    ``retention_priority`` (0..100, higher keeps the request's state longer;
+    None means the default) and ``retention_expiry_s`` (seconds after ingest
+    when the priority stops applying; None means never) are how a serving
+    layer tells the KV cache which idle requests it would rather keep.
+    """
+
+    retention_priority: float | None = None
+    retention_expiry_s: float | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        p = self.retention_priority
+        if p is not None and not (0.0 <= float(p) <= 100.0):
+            raise ValueError(f"retention_priority must be in [0, 100], got {p!r}")
+        e = self.retention_expiry_s
+        if e is not None and not float(e) > 0.0:
+            raise ValueError(f"retention_expiry_s must be > 0 seconds, got {e!r}")
+
+
+@dataclass(frozen=True)
+class ResourceStep:
+    """One request's share of a step, as the runner hands it to a resource."""
+
+    rid: str
+    node_name: str = ""
+    graph_walk: str = ""
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the runner knows about the step as a whole."""
+
+    step_index: int = 0
+    plan_results: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodeResourceSpec:
+    """How a node of the engine's graph asks for a resource to be built."""
+
+    key: str
+    resource_class: type[Resource]
+    config: Mapping[str, Any] = field(default_factory=dict)
+    depends_on: tuple[str, ...] = ()

@@ -1,0 +1,819 @@
+"""PagedKVCache: a paged KV cache whose requests move between device, host and disk.
+
+Ownership:
+- ``PagePool`` objects own the device and host slots, their free lists and
+  byte ledgers; ``DiskPageStore`` owns the disk chunks and its ledger.
+- This class owns the per-request records (state, slot lists, checksums) and
+  is the only thing that changes them, always on the caller's thread.
+- Worker threads only copy bytes and compute checksums; they return results
+  that ``poll`` applies. So no lock guards the records.
+
+Contract of every move (see ``tiering.types`` for the states):
+- destination slots are reserved before a copy starts, and source slots are
+  freed only after it has completed;
+- a refused move (no room) returns 0/False and changes nothing;
+- a move asked of a request in the wrong state raises ``IllegalTransition``
+  naming the request and its state, and changes nothing;
+- a copy or write that fails leaves the request where it was; a read that
+  fails, or bytes whose checksum does not match, mark it LOST with the reason.
+  No wrong byte is ever handed back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from resources.base import (
+    ADMIT_OK,
+    AdmitOutcome,
+    EngineResourceInfo,
+    NodeResourceSpec,
+    Resource,
+    ResourceReqConfig,
+    ResourceStep,
+    StepContext,
+)
+from resources.kv_geometry import KVGeometry
+from tiering.checksum import ChecksumMismatch, crc_of, crc_of_pages
+from tiering.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
+from tiering.pools import PagePool, PoolIntegrityError
+from tiering.transfer import StreamSet, coalesce, copy_runs, no_fault
+from tiering.types import IllegalTransition, RequestState, Tier, check_transition
+
+log = logging.getLogger("tiering.kv_cache")
+
+#: Retention priority assumed when a request names none (0..100 scale).
+DEFAULT_RETENTION = 35.0
+
+S = RequestState
+
+
+class UnknownRequest(KeyError):
+    """A request id this cache has not ingested."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0])
+
+
+class RequestLost(RuntimeError):
+    """The request's KV could not be kept; ``reason`` says why."""
+
+    def __init__(self, rid: str, reason: str) -> None:
+        super().__init__(f"request {rid!r} is lost: {reason}")
+        self.rid = rid
+        self.reason = reason
+
+
+@dataclass
+class _Job:
+    """A transfer in flight for one request."""
+
+    kind: str  # offload_host | offload_disk | demote | reload_host | reload_disk
+    future: cf.Future
+    started: float
+
+
+@dataclass
+class _Request:
+    rid: str
+    overrides: ResourceReqConfig | None
+    ingested_at: float
+    num_tokens: int = 0
+    state: RequestState = S.RESIDENT
+    device: list[int] = field(default_factory=list)
+    host: list[int] = field(default_factory=list)
+    disk: Any = None  # DiskExtent while the request holds disk chunks
+    job: _Job | None = None
+    checksum: int | None = None
+    ready_event: Any = None
+    lost_reason: str | None = None
+
+
+@dataclass
+class _Tombstone:
+    """What a request removed mid-copy still holds until its copy finishes."""
+
+    key: tuple
+    future: cf.Future
+    device: list[int]
+    host: list[int]
+    disk: Any
+
+
+class KVStats:
+    """Counters of moves and faults. Plain integers; ``as_dict`` for reports."""
+
+    FIELDS = (
+        "offloads_to_host", "offloads_to_disk", "demotions", "reloads_from_host",
+        "reloads_from_disk", "bytes_device_to_host", "bytes_device_to_disk",
+        "bytes_host_to_disk", "bytes_host_to_device", "bytes_disk_to_device",
+        "offload_refusals", "reload_refusals", "demote_refusals_disk_full",
+        "offload_failures", "demote_failures", "reload_failures", "lost", "dropped",
+        "reload_stall_s_total",
+    )
+
+    def __init__(self) -> None:
+        for f in self.FIELDS:
+            setattr(self, f, 0)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+
+class PagedKVCache(Resource):
+    """A paged KV cache implementing the engine's eviction hooks.
+
+    ``device_pages`` pages are allocated once on ``device`` page-first; the
+    host tier is one slab of ``host_pages`` pages (pinned, exactly that size,
+    when CUDA is present); the disk tier is a ``DiskPageStore`` when ``disk``
+    is given. ``offload``, ``demote`` and ``reload`` queue their copies and
+    return at once; ``poll`` applies finished ones and ``synchronize`` waits
+    for all of them.
+    """
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        device: str | torch.device = "cpu",
+        device_pages: int = 64,
+        host_pages: int = 64,
+        *,
+        disk=None,
+        verify: bool = False,
+        offload_to_disk_when_host_full: bool = True,
+        copy_workers: int = 2,
+        io_workers: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+        copy_fault_hook: Callable[[str], None] = no_fault,
+        disk_store=None,
+    ) -> None:
+        if not isinstance(geometry, KVGeometry):
+            raise TypeError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
+        for name, v in (("device_pages", device_pages), ("host_pages", host_pages)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(
+                    f"{name} must be an int >= 1 (a tier smaller than one page), got {v!r}"
+                )
+        self.geometry = geometry
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for but CUDA is not available")
+        self.verify = bool(verify)
+        self.offload_to_disk_when_host_full = bool(offload_to_disk_when_host_full)
+        self._clock = clock
+        self._fault = copy_fault_hook
+        pb = geometry.page_bytes
+        self.device_pool = PagePool("device", device_pages, pb)
+        self.host_pool = PagePool("host", host_pages, pb)
+        shape = geometry.page_shape
+        self._dev = torch.empty((device_pages, *shape), dtype=geometry.dtype, device=self.device)
+        self._host = self._alloc_host((host_pages, *shape), geometry.dtype)
+        self._streams = StreamSet(self.device)
+        self._copier = PriorityExecutor(copy_workers, "tiering-copy")
+        self._io = PriorityExecutor(io_workers, "tiering-io")
+        self._reqs: dict[str, _Request] = {}
+        self._inflight: set[str] = set()
+        self._tombstones: dict[tuple, _Tombstone] = {}
+        self._tomb_seq = 0
+        self._newly_lost: list[tuple[str, str]] = []
+        self.stats = KVStats()
+        self.disk = disk_store
+        if self.disk is None and disk is not None:
+            from tiering.disk_store import DiskPageStore
+
+            self.disk = DiskPageStore(disk, shape, geometry.dtype, fingerprint=geometry.fingerprint())
+        if self.disk is not None:
+            self._adopt_reattached()
+
+    # -- construction helpers ------------------------------------------------------
+
+    def _alloc_host(self, shape, dtype) -> torch.Tensor:
+        """One slab for the host tier, pinned to exactly its size when CUDA is present.
+
+        torch's pinned caching allocator rounds a request up to a power of two;
+        registering an ordinary allocation with cudaHostRegister pins just the
+        bytes asked for, so that is tried first.
+        """
+        t = torch.empty(shape, dtype=dtype)
+        if self.device.type == "cuda":
+            try:
+                cudart = torch.cuda.cudart()
+                rc = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+                if int(rc) != 0:
+                    raise RuntimeError(f"cudaHostRegister returned {rc}")
+                self._registered = t
+            except Exception as exc:  # fall back to torch's pinning
+                log.warning("exact-size host pinning failed (%s); using pin_memory()", exc)
+                t = t.pin_memory()
+        return t
+
+    def _adopt_reattached(self) -> None:
+        """Requests an earlier process left intact on disk come back as ON_DISK."""
+        for rid, (extent, meta) in self.disk.reattached().items():
+            r = _Request(rid, None, self._clock(), num_tokens=int(meta["num_tokens"]))
+            r.state = S.ON_DISK
+            r.disk = extent
+            r.checksum = meta.get("checksum")
+            self._reqs[rid] = r
+
+    @classmethod
+    def build(cls, spec: NodeResourceSpec, info: EngineResourceInfo) -> PagedKVCache:
+        cfg = dict(spec.config)
+        geometry = cfg.pop("geometry")
+        return cls(geometry, device=info.device, **cfg)
+
+    # -- small lookups ----------------------------------------------------------------
+
+    def _req(self, rid: str) -> _Request:
+        try:
+            return self._reqs[rid]
+        except KeyError:
+            raise UnknownRequest(f"unknown request {rid!r}") from None
+
+    def _pages_for(self, r: _Request) -> int:
+        return self.geometry.pages_for(r.num_tokens)
+
+    @property
+    def device_capacity_bytes(self) -> int:
+        return self.device_pool.capacity_bytes
+
+    @property
+    def host_capacity_bytes(self) -> int:
+        return self.host_pool.capacity_bytes
+
+    def device_used_bytes(self) -> int:
+        return self.device_pool.used_bytes
+
+    def host_used_bytes(self) -> int:
+        return self.host_pool.used_bytes
+
+    def requests(self) -> list[str]:
+        return list(self._reqs)
+
+    def state_of(self, rid: str) -> RequestState:
+        return self._req(rid).state
+
+    def tier_of(self, rid: str) -> Tier | None:
+        return self._req(rid).state.tier
+
+    def num_tokens(self, rid: str) -> int:
+        return self._req(rid).num_tokens
+
+    def page_table(self, rid: str) -> list[int]:
+        """Device slots of the request, in token order. Only while it is resident."""
+        r = self._req(rid)
+        if r.state is not S.RESIDENT:
+            raise IllegalTransition(f"request {rid!r} is {r.state.value}; it has no page table")
+        return list(r.device)
+
+    def lost_reason(self, rid: str) -> str | None:
+        return self._req(rid).lost_reason
+
+    def take_lost(self) -> list[tuple[str, str]]:
+        """(rid, reason) of requests lost since the last call."""
+        out, self._newly_lost = self._newly_lost, []
+        return out
+
+    def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer over all device pages, ``[pages, tokens, heads, dim]``
+        views (no copy) for attention kernels that take a page table."""
+        self._check_layer(layer)
+        return self._dev[:, layer, 0], self._dev[:, layer, 1]
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.geometry.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.geometry.num_layers})")
+
+    # -- request lifecycle ----------------------------------------------------------
+
+    def ingest_request(self, rid: str, overrides: ResourceReqConfig | None = None):
+        """Register ``rid`` (idempotent). Ingesting it again with different
+        overrides is an error: the first settings are the ones in force."""
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request id must be a non-empty str, got {rid!r}")
+        if overrides is not None and not isinstance(overrides, ResourceReqConfig):
+            raise TypeError(f"overrides for {rid!r} must be a ResourceReqConfig or None")
+        r = self._reqs.get(rid)
+        if r is not None:
+            if r.overrides != overrides:
+                raise ValueError(
+                    f"request {rid!r} was already ingested with overrides {r.overrides!r};"
+                    f" got different overrides {overrides!r}"
+                )
+            return
+        self._reqs[rid] = _Request(rid, overrides, self._clock())
+
+    def allocate(self, rid: str, num_tokens: int) -> bool:
+        """Make room for ``num_tokens`` tokens in total (growing, never
+        shrinking). False, with nothing changed, when the device pool is short."""
+        r = self._req(rid)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"allocate({rid!r}): num_tokens must be an int >= 0, got {num_tokens!r}")
+        if r.state is not S.RESIDENT:
+            raise IllegalTransition(f"request {rid!r} is {r.state.value}; allocate needs it resident")
+        if num_tokens <= r.num_tokens:
+            return True
+        extra = self.geometry.pages_for(num_tokens) - len(r.device)
+        if extra > 0:
+            slots = self.device_pool.allocate(rid, extra)
+            if slots is None:
+                return False
+            r.device.extend(slots)
+        r.num_tokens = num_tokens
+        return True
+
+    def _token_pages(self, r: _Request, start: int, n: int):
+        """(slot, offset in page, token index in the input, count) pieces of a token range."""
+        T = self.geometry.page_tokens
+        pos, end = start, start + n
+        while pos < end:
+            page, off = divmod(pos, T)
+            take = min(T - off, end - pos)
+            yield r.device[page], off, pos - start, take
+            pos += take
+
+    def write(self, rid: str, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V ``[tokens, heads, dim]`` of one layer at token ``start``."""
+        r = self._readable(rid, "write")
+        self._check_layer(layer)
+        g = self.geometry
+        want = (g.num_kv_heads, g.head_dim)
+        if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != want:
+            raise ValueError(
+                f"write({rid!r}): k and v must both be [tokens, {want[0]}, {want[1]}],"
+                f" got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        n = k.shape[0]
+        if start < 0 or start + n > r.num_tokens:
+            raise ValueError(
+                f"write({rid!r}): tokens [{start}, {start + n}) are past the {r.num_tokens}"
+                " allocated tokens"
+            )
+        for slot, off, i, take in self._token_pages(r, start, n):
+            self._dev[slot, layer, 0, off : off + take].copy_(k[i : i + take])
+            self._dev[slot, layer, 1, off : off + take].copy_(v[i : i + take])
+
+    def read(self, rid: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[num_tokens, heads, dim]`` of one layer (copies)."""
+        r = self._readable(rid, "read")
+        self._check_layer(layer)
+        g = self.geometry
+        idx = torch.tensor(r.device, dtype=torch.long, device=self.device)
+        pages = self._dev[:, layer].index_select(0, idx)  # [p, 2, T, H, D]
+        k = pages[:, 0].reshape(-1, g.num_kv_heads, g.head_dim)[: r.num_tokens]
+        v = pages[:, 1].reshape(-1, g.num_kv_heads, g.head_dim)[: r.num_tokens]
+        return k, v
+
+    def _readable(self, rid: str, what: str) -> _Request:
+        r = self._req(rid)
+        if r.state is S.LOST:
+            raise RequestLost(rid, r.lost_reason or "unknown")
+        if r.state is S.RELOADING:
+            self._finish(r)  # maybe the copy is done already
+        if r.state is not S.RESIDENT:
+            raise IllegalTransition(
+                f"{what}({rid!r}): request is {r.state.value}; it must be resident on the device"
+            )
+        self._streams.wait_on_compute(r.ready_event)
+        r.ready_event = None
+        return r
+
+    def remove_request(self, rid: str):
+        """Forget ``rid`` and give back every slot. A copy in flight is
+        cancelled if it has not started, else its slots come back when it ends."""
+        r = self._req(rid)
+        fut = r.job.future if r.job else None
+        if fut is not None and not fut.cancel() and not fut.done():
+            self._tomb_seq += 1
+            key = ("removed", rid, self._tomb_seq)
+            for pool, slots in ((self.device_pool, r.device), (self.host_pool, r.host)):
+                pool.transfer_ownership(rid, key, slots)
+            self._tombstones[key] = _Tombstone(key, fut, r.device, r.host, r.disk)
+        else:
+            self._release_all(r)
+        self._inflight.discard(rid)
+        del self._reqs[rid]
+
+    def _release_all(self, r: _Request) -> None:
+        self.device_pool.release(r.rid, r.device)
+        self.host_pool.release(r.rid, r.host)
+        if r.disk is not None:
+            self.disk.release(r.disk)
+            self.disk.forget(r.rid)
+        r.device, r.host, r.disk = [], [], None
+
+    # -- step lifecycle (the engine's admit) -------------------------------------
+
+    def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
+        """OK only when the request's KV is resident and its reload has landed."""
+        r = self._req(step.rid)
+        if r.state is S.RELOADING:
+            self._finish(r)
+        if r.state is S.RESIDENT:
+            self._streams.wait_on_compute(r.ready_event)
+            r.ready_event = None
+            return ADMIT_OK
+        if r.state is S.LOST:
+            return AdmitOutcome(False, f"lost: {r.lost_reason}")
+        return AdmitOutcome(False, r.state.value)
+
+    # -- eviction hooks -------------------------------------------------------------
+
+    @property
+    def supports_eviction(self):
+        return True
+
+    def reclaimable(self, rid: str) -> int:
+        r = self._req(rid)
+        if r.state is not S.RESIDENT or not r.device:
+            return 0
+        n = len(r.device)
+        if self.host_pool.can_allocate(n) or (
+            self.disk is not None
+            and self.offload_to_disk_when_host_full
+            and self.disk.can_reserve(n)
+        ):
+            return n * self.geometry.page_bytes
+        return 0
+
+    def get_offload_priority(self, rid: str) -> float:
+        """(100 - retention) / 100: a request the serving layer wants kept
+        (high retention) is a poor victim. An expired retention falls back to
+        the default."""
+        r = self._req(rid)
+        p = DEFAULT_RETENTION
+        o = r.overrides
+        if o is not None and o.retention_priority is not None:
+            expired = (
+                o.retention_expiry_s is not None
+                and self._clock() - r.ingested_at >= o.retention_expiry_s
+            )
+            if not expired:
+                p = float(o.retention_priority)
+        return (100.0 - p) / 100.0
+
+    def is_offloaded(self, rid: str) -> bool:
+        return self._req(rid).state in (S.ON_HOST, S.DEMOTING, S.ON_DISK)
+
+    def can_reload(self, rid: str) -> bool:
+        return self._req(rid).state in (S.ON_HOST, S.ON_DISK)
+
+    def reload_bytes(self, rid: str) -> int:
+        r = self._req(rid)
+        if r.state not in (S.ON_HOST, S.ON_DISK, S.DEMOTING):
+            return 0
+        return self._pages_for(r) * self.geometry.page_bytes
+
+    def offload(self, rid: str) -> int:
+        """Start moving a resident request to host (or straight to disk when the
+        host is full and that is allowed). Returns the device bytes it will
+        free; 0 (nothing changed) when no tier below has room."""
+        r = self._req(rid)
+        if r.state is not S.RESIDENT:
+            raise IllegalTransition(
+                f"offload({rid!r}): request is {r.state.value}; only a resident request offloads"
+            )
+        n = len(r.device)
+        freed = n * self.geometry.page_bytes
+        marker = self._streams.compute_marker()
+        host = self.host_pool.allocate(rid, n)
+        if host is not None:
+            r.host = host
+            fut = self._copier.submit(
+                OFFLOAD, self._job_offload_host, list(r.device), list(host), marker
+            )
+            self._start(r, "offload_host", fut, S.OFFLOADING)
+            return freed
+        if self.disk is not None and self.offload_to_disk_when_host_full:
+            extent = self.disk.reserve(rid, n)
+            if extent is not None:
+                r.disk = extent
+                fut = self._io.submit(WRITE, self._job_offload_disk, list(r.device), extent, marker)
+                self._start(r, "offload_disk", fut, S.OFFLOADING)
+                return freed
+        self.stats.offload_refusals += 1
+        return 0
+
+    def demote(self, rid: str) -> bool:
+        """Start moving an on-host request to disk. False (nothing changed)
+        when there is no disk tier or it cannot take the request."""
+        r = self._req(rid)
+        if r.state is not S.ON_HOST:
+            raise IllegalTransition(
+                f"demote({rid!r}): request is {r.state.value}; only an on-host request demotes"
+            )
+        if self.disk is None:
+            return False
+        extent = self.disk.reserve(rid, len(r.host))
+        if extent is None:
+            self.stats.demote_refusals_disk_full += 1
+            return False
+        r.disk = extent
+        fut = self._io.submit(WRITE, self._job_demote, list(r.host), extent)
+        self._start(r, "demote", fut, S.DEMOTING)
+        return True
+
+    def reload(self, rid: str) -> bool:
+        """Start bringing an offloaded request back. False (nothing changed)
+        when the device pool cannot hold it yet."""
+        r = self._req(rid)
+        if r.state not in (S.ON_HOST, S.ON_DISK):
+            raise IllegalTransition(
+                f"reload({rid!r}): request is {r.state.value}; only an offloaded request reloads"
+            )
+        n = self._pages_for(r)
+        slots = self.device_pool.allocate(rid, n)
+        if slots is None:
+            self.stats.reload_refusals += 1
+            return False
+        r.device = slots
+        if r.state is S.ON_HOST:
+            fut = self._copier.submit(RELOAD, self._job_reload_host, list(r.host), list(slots), r.checksum)
+            self._start(r, "reload_host", fut, S.RELOADING)
+        else:
+            fut = self._io.submit(RELOAD, self._job_reload_disk, r.disk, list(slots), r.checksum)
+            self._start(r, "reload_disk", fut, S.RELOADING)
+        return True
+
+    def drop(self, rid: str) -> None:
+        """Give up an offloaded request's KV (the worker will recompute it)."""
+        r = self._req(rid)
+        if r.state not in (S.ON_HOST, S.ON_DISK):
+            raise IllegalTransition(
+                f"drop({rid!r}): request is {r.state.value}; only an offloaded request is dropped"
+            )
+        self.stats.dropped += 1
+        self._mark_lost(r, "dropped")
+
+    # -- jobs (worker threads: bytes only, no records) ------------------------------
+
+    def _job_offload_host(self, dev_slots, host_slots, marker):
+        copy_runs(self._streams, self._dev, self._host, coalesce(dev_slots, host_slots), "d2h",
+                  after=marker, fault_hook=self._fault)
+        return crc_of_pages(self._host, host_slots) if self.verify else None
+
+    def _job_offload_disk(self, dev_slots, extent, marker):
+        staging = torch.empty((len(dev_slots), *self.geometry.page_shape), dtype=self.geometry.dtype)
+        copy_runs(self._streams, self._dev, staging, coalesce(dev_slots, range(len(dev_slots))),
+                  "d2h", after=marker, fault_hook=self._fault)
+        crc = crc_of(staging) if self.verify else None
+        self.disk.write(extent, staging)
+        return crc
+
+    def _job_demote(self, host_slots, extent):
+        staging = torch.empty((len(host_slots), *self.geometry.page_shape), dtype=self.geometry.dtype)
+        for run in coalesce(host_slots, range(len(host_slots))):
+            staging[run.dst : run.dst + run.length].copy_(self._host[run.src : run.src + run.length])
+        self.disk.write(extent, staging)
+
+    def _job_reload_host(self, host_slots, dev_slots, checksum):
+        if checksum is not None and crc_of_pages(self._host, host_slots) != checksum:
+            raise ChecksumMismatch("host copy does not match the checksum taken at offload")
+        return copy_runs(self._streams, self._host, self._dev, coalesce(host_slots, dev_slots),
+                         "h2d", fault_hook=self._fault)
+
+    def _job_reload_disk(self, extent, dev_slots, checksum):
+        n = len(dev_slots)
+        staging = torch.empty((n, *self.geometry.page_shape), dtype=self.geometry.dtype)
+        self.disk.read(extent, staging)
+        if checksum is not None and crc_of(staging) != checksum:
+            raise ChecksumMismatch("disk copy does not match the checksum taken at offload")
+        return copy_runs(self._streams, staging, self._dev, coalesce(range(n), dev_slots),
+                         "h2d", fault_hook=self._fault)
+
+    # -- completion (caller's thread) -------------------------------------------------
+
+    def _start(self, r: _Request, kind: str, fut: cf.Future, state: RequestState) -> None:
+        check_transition(r.rid, r.state, state)
+        r.state = state
+        r.job = _Job(kind, fut, self._clock())
+        self._inflight.add(r.rid)
+
+    def _set_state(self, r: _Request, state: RequestState) -> None:
+        check_transition(r.rid, r.state, state)
+        r.state = state
+
+    def poll(self) -> int:
+        """Apply every finished transfer; returns how many finished."""
+        done = 0
+        for rid in [rid for rid in self._inflight if self._reqs[rid].job.future.done()]:
+            self._finish(self._reqs[rid])
+            done += 1
+        for key in [k for k, t in self._tombstones.items() if t.future.done()]:
+            self._bury(self._tombstones.pop(key))
+        return done
+
+    def _bury(self, t: _Tombstone) -> None:
+        self.device_pool.release(t.key, t.device)
+        self.host_pool.release(t.key, t.host)
+        if t.disk is not None:
+            self.disk.release(t.disk)
+            self.disk.forget(t.key[1])
+
+    def _finish(self, r: _Request) -> None:
+        """Apply the outcome of ``r``'s finished job (no-op if still running)."""
+        job = r.job
+        if job is None or not job.future.done():
+            return
+        r.job = None
+        self._inflight.discard(r.rid)
+        exc = job.future.exception()
+        getattr(self, f"_done_{job.kind}")(r, job, exc)
+
+    def _done_offload_host(self, r, job, exc):
+        if exc is not None:
+            self._survived(r, S.RESIDENT, "offload_failures", exc, host=True)
+            return
+        nbytes = len(r.device) * self.geometry.page_bytes
+        self.device_pool.release(r.rid, r.device)
+        r.device = []
+        r.checksum = job.future.result()
+        self._set_state(r, S.ON_HOST)
+        self.stats.offloads_to_host += 1
+        self.stats.bytes_device_to_host += nbytes
+
+    def _done_offload_disk(self, r, job, exc):
+        if exc is not None:
+            self._survived(r, S.RESIDENT, "offload_failures", exc, disk=True)
+            return
+        nbytes = len(r.device) * self.geometry.page_bytes
+        self.device_pool.release(r.rid, r.device)
+        r.device = []
+        r.checksum = job.future.result()
+        self._commit_disk(r)
+        self._set_state(r, S.ON_DISK)
+        self.stats.offloads_to_disk += 1
+        self.stats.bytes_device_to_disk += nbytes
+
+    def _done_demote(self, r, job, exc):
+        if exc is not None:
+            self._survived(r, S.ON_HOST, "demote_failures", exc, disk=True)
+            return
+        nbytes = len(r.host) * self.geometry.page_bytes
+        self.host_pool.release(r.rid, r.host)
+        r.host = []
+        self._commit_disk(r)
+        self._set_state(r, S.ON_DISK)
+        self.stats.demotions += 1
+        self.stats.bytes_host_to_disk += nbytes
+
+    def _done_reload_host(self, r, job, exc):
+        if isinstance(exc, ChecksumMismatch):
+            self._mark_lost(r, f"checksum mismatch on reload from host: {exc}")
+            return
+        if exc is not None:
+            self._survived(r, S.ON_HOST, "reload_failures", exc, device=True)
+            return
+        nbytes = len(r.host) * self.geometry.page_bytes
+        self.host_pool.release(r.rid, r.host)
+        r.host = []
+        r.ready_event = job.future.result()
+        self._set_state(r, S.RESIDENT)
+        self.stats.reloads_from_host += 1
+        self.stats.bytes_host_to_device += nbytes
+        self.stats.reload_stall_s_total += max(0.0, self._clock() - job.started)
+
+    def _done_reload_disk(self, r, job, exc):
+        if exc is not None and not isinstance(exc, (OSError, ChecksumMismatch)):
+            self._survived(r, S.ON_DISK, "reload_failures", exc, device=True)
+            return
+        if exc is not None:
+            self._mark_lost(r, f"reload from disk failed: {type(exc).__name__}: {exc}")
+            return
+        nbytes = len(r.device) * self.geometry.page_bytes
+        self.disk.release(r.disk)
+        self.disk.forget(r.rid)
+        r.disk = None
+        r.ready_event = job.future.result()
+        self._set_state(r, S.RESIDENT)
+        self.stats.reloads_from_disk += 1
+        self.stats.bytes_disk_to_device += nbytes
+        self.stats.reload_stall_s_total += max(0.0, self._clock() - job.started)
+
+    def _commit_disk(self, r: _Request) -> None:
+        self.disk.commit(r.rid, r.disk, {"num_tokens": r.num_tokens, "checksum": r.checksum})
+
+    def _survived(self, r, back_to, counter, exc, *, host=False, disk=False, device=False):
+        """A failed copy or write: give back the destination, stay at the source."""
+        log.warning("request %r: %s failed, kept where it was: %s", r.rid, counter, exc)
+        if host:
+            self.host_pool.release(r.rid, r.host)
+            r.host = []
+        if disk:
+            self.disk.release(r.disk)
+            r.disk = None
+        if device:
+            self.device_pool.release(r.rid, r.device)
+            r.device = []
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        self._set_state(r, back_to)
+
+    def _mark_lost(self, r: _Request, reason: str) -> None:
+        log.error("request %r lost: %s", r.rid, reason)
+        self._release_all(r)
+        r.lost_reason = reason
+        r.checksum = None
+        self._set_state(r, S.LOST)
+        if reason != "dropped":
+            self.stats.lost += 1
+        self._newly_lost.append((r.rid, reason))
+
+    def synchronize(self, timeout: float = 60.0) -> None:
+        """Wait for every transfer in flight, then apply them all. Raises
+        TimeoutError naming what is still in flight after ``timeout`` seconds."""
+        futs = [self._reqs[rid].job.future for rid in self._inflight]
+        futs += [t.future for t in self._tombstones.values()]
+        _, pending = cf.wait(futs, timeout=timeout)
+        self.poll()
+        if pending:
+            raise TimeoutError(
+                f"synchronize: {len(pending)} transfer(s) still in flight after {timeout}s:"
+                f" {sorted(self._inflight)[:10]}"
+            )
+
+    def in_flight(self) -> int:
+        return len(self._inflight) + len(self._tombstones)
+
+    # -- integrity --------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Every slot of every tier is free, held by exactly one request, or
+        held by a removed request's copy still in flight; each request holds
+        exactly what its state allows; ledgers equal the slots they count."""
+        problems = []
+        dev: dict = {}
+        host: dict = {}
+        pages = self.geometry.pages_for
+        for rid, r in self._reqs.items():
+            dev[rid], host[rid] = r.device, r.host
+            need = pages(r.num_tokens)
+            st = r.state
+            has = (bool(r.device), bool(r.host), r.disk is not None)
+            allowed = {
+                S.RESIDENT: {(True, False, False), (False, False, False)},
+                S.OFFLOADING: {(True, True, False), (True, False, True)},
+                S.ON_HOST: {(False, True, False), (False, False, False)},
+                S.DEMOTING: {(False, True, True)},
+                S.ON_DISK: {(False, False, True)},
+                S.RELOADING: {(True, True, False), (True, False, True)},
+                S.LOST: {(False, False, False)},
+            }[st]
+            if need == 0 and st is not S.LOST:
+                allowed = allowed | {(False, False, False)}
+            if has not in allowed:
+                problems.append(f"{rid}: state {st.value} holds device/host/disk {has}")
+            if st is S.RESIDENT and len(r.device) != need:
+                problems.append(f"{rid}: {len(r.device)} device pages for {r.num_tokens} tokens")
+            for name, slots in (("device", r.device), ("host", r.host)):
+                if slots and len(slots) != need:
+                    problems.append(f"{rid}: {len(slots)} {name} pages, needs {need}")
+            if st.in_flight != (r.job is not None) or st.in_flight != (rid in self._inflight):
+                problems.append(f"{rid}: state {st.value} but job={r.job is not None}")
+            if r.disk is not None and r.disk.num_pages != need:
+                problems.append(f"{rid}: disk extent of {r.disk.num_pages} pages, needs {need}")
+        for key, t in self._tombstones.items():
+            dev[key], host[key] = t.device, t.host
+        try:
+            self.device_pool.check_integrity(dev)
+            self.host_pool.check_integrity(host)
+            if self.disk is not None:
+                self.disk.check_integrity()
+                held = sum(1 for r in self._reqs.values() if r.disk is not None)
+                held += sum(1 for t in self._tombstones.values() if t.disk is not None)
+                if held != self.disk.num_extents():
+                    problems.append(f"disk holds {self.disk.num_extents()} extents, records {held}")
+        except (PoolIntegrityError, AssertionError) as exc:
+            problems.append(str(exc))
+        if problems:
+            raise PoolIntegrityError("PagedKVCache integrity: " + "; ".join(problems[:20]))
+
+    # -- engine lifecycle -----------------------------------------------------------
+
+    def cleanup(self):
+        """Finish or abandon transfers and stop the worker threads."""
+        try:
+            self.synchronize(timeout=30.0)
+        finally:
+            self._copier.shutdown(timeout=10.0)
+            self._io.shutdown(timeout=10.0)
+            if self.disk is not None:
+                self.disk.close()
+            reg = getattr(self, "_registered", None)
+            if reg is not None:
+                torch.cuda.cudart().cudaHostUnregister(reg.data_ptr())
+                self._registered = None
+
+    close = cleanup
+
+    def __enter__(self) -> PagedKVCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()

@@ -1,0 +1,76 @@
+"""A small priority thread pool: reloads go ahead of offload and disk writes.
+
+``concurrent.futures.ThreadPoolExecutor`` runs jobs in arrival order; a
+reload waiting behind a queue of 1 GiB demotions stalls a request the
+scheduler wants to run now. Here every job carries a priority (lower runs
+first, arrival order within a priority). Workers block on the queue (no
+polling); ``shutdown`` waits with a timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+RELOAD = 0  # priorities, lower first
+OFFLOAD = 1
+WRITE = 2
+
+_STOP = object()
+
+
+class PriorityExecutor:
+    """Runs submitted callables on ``workers`` daemon threads, lowest priority first."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        if workers < 1:
+            raise ValueError(f"{name}: workers must be >= 1, got {workers}")
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("executor is shut down")
+            fut: Future = Future()
+            self._q.put((priority, next(self._seq), fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self._q.get()
+            if item[2] is _STOP:
+                return
+            _, _, fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # handed to whoever waits on the future
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Finish queued jobs, then stop the workers (waiting at most ``timeout`` each)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in self._threads:
+                # sorts after every real job (priority is larger than any used)
+                self._q.put((1 << 30, next(self._seq), _STOP, None, ()))
+        for t in self._threads:
+            t.join(timeout)

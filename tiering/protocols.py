@@ -1,0 +1,82 @@
+"""What the tiering core expects of the things it drives, as structural protocols.
+
+The controller lives below the ``resources`` package and must not import it,
+so it sees a resource only through these duck-typed hooks: the eviction part of
+the engine's ``Resource`` contract, plus a few optional extensions that a
+tiered resource (our ``PagedKVCache``, or the replay simulator's model of it)
+offers. A resource that lacks an optional hook simply does not take part in
+what that hook is for.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from tiering.types import Tier
+
+
+@runtime_checkable
+class EvictableResource(Protocol):
+    """The eviction hooks of the engine's Resource contract.
+
+    - ``supports_eviction``: the resource opts in; a resource that says False is
+      never asked anything else.
+    - ``reclaimable(rid)``: what ``offload`` would free on the device now, in
+      bytes; 0 means the request is not a candidate.
+    - ``get_offload_priority(rid)``: higher means more wants it gone; asked only
+      by a PRIORITY policy that names this resource.
+    - ``offload(rid) -> int``: start moving the request off the device; returns
+      the bytes it will free (the copy may still be in flight).
+    - ``is_offloaded``, ``can_reload``, ``reload(rid) -> bool`` (False when it
+      does not fit on the device yet; nothing changed).
+    """
+
+    @property
+    def supports_eviction(self) -> bool: ...
+
+    def reclaimable(self, rid: str) -> int: ...
+
+    def get_offload_priority(self, rid: str) -> float: ...
+
+    def offload(self, rid: str) -> int: ...
+
+    def is_offloaded(self, rid: str) -> bool: ...
+
+    def can_reload(self, rid: str) -> bool: ...
+
+    def reload(self, rid: str) -> bool: ...
+
+
+@runtime_checkable
+class TieredResource(EvictableResource, Protocol):
+    """Optional extensions a tiered resource offers the controller.
+
+    - ``reload_bytes(rid)``: device bytes a reload of ``rid`` would take, so
+      admission can reserve them up front.
+    - ``tier_of(rid)``: the tier the request lives in now.
+    - ``device_capacity_bytes`` / ``host_capacity_bytes``: sizes of the pools.
+    - ``host_used_bytes()``: bytes of the host tier held or reserved.
+    - ``demote(rid) -> bool``: start moving a request host -> disk; False when
+      the disk cannot take it (full, or no disk tier); nothing changed then.
+    - ``drop(rid)``: give up a request's offloaded KV (it will be recomputed);
+      its state becomes LOST with reason "dropped".
+    - ``poll()``: complete finished transfers; returns how many completed.
+    """
+
+    def reload_bytes(self, rid: str) -> int: ...
+
+    def tier_of(self, rid: str) -> Tier | None: ...
+
+    @property
+    def device_capacity_bytes(self) -> int: ...
+
+    @property
+    def host_capacity_bytes(self) -> int: ...
+
+    def host_used_bytes(self) -> int: ...
+
+    def demote(self, rid: str) -> bool: ...
+
+    def drop(self, rid: str) -> None: ...
+
+    def poll(self) -> int: ...

@@ -1,0 +1,125 @@
+"""Page copies between page-first tensors, off the caller's thread.
+
+Pages are laid out page-first (``[pages, layers, 2, tokens, heads, dim]``), so
+one page is one contiguous region across all layers and a run of adjacent
+pages is one contiguous region too. ``coalesce`` turns a request's slot lists
+into as few runs as possible, and each run is a single ``copy_``.
+
+On CUDA, copies go on dedicated device-to-host and host-to-device streams.
+A device-to-host copy first waits on an event recorded on the compute stream
+when the offload was asked for, because the KV it reads may still be being
+written by kernels queued there. The host-to-device copy records an event that
+the compute stream waits on before the request's next step. The job that
+issued the copies waits for that event on a worker thread, never on the step
+thread, so completion is observed by polling futures.
+
+Without CUDA the same jobs run on worker threads (torch copies release the
+GIL), so every test runs on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+
+class PageRun(NamedTuple):
+    """``length`` adjacent pages copied from ``src`` onwards to ``dst`` onwards."""
+
+    src: int
+    dst: int
+    length: int
+
+
+def coalesce(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[PageRun]:
+    """Pair up slots in order, merging neighbours that are adjacent on both sides."""
+    if len(src_slots) != len(dst_slots):
+        raise ValueError(f"coalesce: {len(src_slots)} source vs {len(dst_slots)} destination slots")
+    runs: list[PageRun] = []
+    for s, d in zip(src_slots, dst_slots, strict=True):
+        if runs:
+            last = runs[-1]
+            if s == last.src + last.length and d == last.dst + last.length:
+                runs[-1] = PageRun(last.src, last.dst, last.length + 1)
+                continue
+        runs.append(PageRun(s, d, 1))
+    return runs
+
+
+class CopyFault(RuntimeError):
+    """A page copy failed (raised by real failures and by injected faults)."""
+
+
+def no_fault(kind: str) -> None:
+    """The default fault hook: never injects anything."""
+
+
+class StreamSet:
+    """Where copies are issued: CUDA streams on a GPU, nothing on a CPU.
+
+    ``compute_marker()`` is called on the step thread when a copy is asked
+    for; the returned marker (a CUDA event, or None) is what the copy waits on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.d2h = torch.cuda.Stream(device=device)
+            self.h2d = torch.cuda.Stream(device=device)
+
+    def compute_marker(self):
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def wait_on_compute(self, ready_event) -> None:
+        """Make the compute stream wait for a reload's copy (no-op on CPU)."""
+        if self.cuda and ready_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready_event)
+
+
+def copy_runs(
+    streams: StreamSet,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    runs: Sequence[PageRun],
+    direction: str,
+    after=None,
+    fault_hook: Callable[[str], None] = no_fault,
+):
+    """Copy ``runs`` of pages from ``src`` to ``dst`` and wait until done.
+
+    Runs on a worker thread. ``direction`` is "d2h" or "h2d" and picks the
+    CUDA stream; ``after`` is a compute-stream marker to wait on first.
+    Returns the CUDA event recorded after the copies (None on CPU).
+    """
+    fault_hook(direction)
+    if streams.cuda and (src.is_cuda or dst.is_cuda):
+        stream = streams.d2h if direction == "d2h" else streams.h2d
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            for r in runs:
+                dst[r.dst : r.dst + r.length].copy_(src[r.src : r.src + r.length], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
+        return done
+    for r in runs:
+        dst[r.dst : r.dst + r.length].copy_(src[r.src : r.src + r.length])
+    return None
+
+
+def gather_pages(src: torch.Tensor, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pages ``slots`` of ``src`` packed into one contiguous tensor (a few large copies)."""
+    n = len(slots)
+    if out is None:
+        out = torch.empty((n, *src.shape[1:]), dtype=src.dtype, device="cpu")
+    for r in coalesce(slots, range(n)):
+        out[r.dst : r.dst + r.length].copy_(src[r.src : r.src + r.length])
+    return out
