@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 
 test: $(STAMP)
 	$(BIN)/ruff check tiering resources policies tests benchmarks
-	$(BIN)/python -m pytest -q -n 2 tests || { rc=$$?; [ $$rc -eq 5 ] && echo "no tests ran"; exit $$rc; }
+	$(BIN)/python -m pytest -q -n 2 --timeout=600 tests || { rc=$$?; [ $$rc -eq 5 ] && echo "no tests ran"; exit $$rc; }
 
 demo: $(STAMP)
 	$(BIN)/tiering demo

@@ -379,7 +379,7 @@ class PagedKVCache(Resource):
             self._finish(r)  # maybe the copy is done already
         if r.state is not S.RESIDENT:
             raise IllegalTransition(
-                f"{what}({rid!r}): request is {r.state.value}; it must be resident on the device"
+                f"{what}: request {rid!r} is {r.state.value}; it must be resident on the device"
             )
         self._streams.wait_on_compute(r.ready_event)
         r.ready_event = None
@@ -478,7 +478,7 @@ class PagedKVCache(Resource):
         r = self._req(rid)
         if r.state is not S.RESIDENT:
             raise IllegalTransition(
-                f"offload({rid!r}): request is {r.state.value}; only a resident request offloads"
+                f"offload: request {rid!r} is {r.state.value}; only a resident request offloads"
             )
         n = len(r.device)
         freed = n * self.geometry.page_bytes
@@ -507,7 +507,7 @@ class PagedKVCache(Resource):
         r = self._req(rid)
         if r.state is not S.ON_HOST:
             raise IllegalTransition(
-                f"demote({rid!r}): request is {r.state.value}; only an on-host request demotes"
+                f"demote: request {rid!r} is {r.state.value}; only an on-host request demotes"
             )
         if self.disk is None:
             return False
@@ -526,7 +526,7 @@ class PagedKVCache(Resource):
         r = self._req(rid)
         if r.state not in (S.ON_HOST, S.ON_DISK):
             raise IllegalTransition(
-                f"reload({rid!r}): request is {r.state.value}; only an offloaded request reloads"
+                f"reload: request {rid!r} is {r.state.value}; only an offloaded request reloads"
             )
         n = self._pages_for(r)
         slots = self.device_pool.allocate(rid, n)
@@ -547,7 +547,7 @@ class PagedKVCache(Resource):
         r = self._req(rid)
         if r.state not in (S.ON_HOST, S.ON_DISK):
             raise IllegalTransition(
-                f"drop({rid!r}): request is {r.state.value}; only an offloaded request is dropped"
+                f"drop: request {rid!r} is {r.state.value}; only an offloaded request is dropped"
             )
         self.stats.dropped += 1
         self._mark_lost(r, "dropped")

@@ -1,0 +1,58 @@
+"""Shared fixtures: small geometries, seeded random KV, and the cuda marker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resources.kv_geometry import KVGeometry
+
+
+def _cuda_ok() -> bool:
+    try:
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except Exception:  # torch raises mixed types without a driver
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_ok():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def geom() -> KVGeometry:
+    return KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_tokens=4, dtype=torch.bfloat16)
+
+
+def random_kv(gen: torch.Generator, geometry: KVGeometry, tokens: int):
+    """Random K and V for every layer: list of (k, v) shaped [tokens, heads, dim]."""
+    shape = (tokens, geometry.num_kv_heads, geometry.head_dim)
+    return [
+        (
+            torch.randn(shape, generator=gen).to(geometry.dtype),
+            torch.randn(shape, generator=gen).to(geometry.dtype),
+        )
+        for _ in range(geometry.num_layers)
+    ]
+
+
+def fill(kv, rid: str, gen: torch.Generator, tokens: int):
+    """Ingest, allocate and write random KV for ``rid``; returns what was written."""
+    kv.ingest_request(rid, None)
+    assert kv.allocate(rid, tokens)
+    data = random_kv(gen, kv.geometry, tokens)
+    for layer, (k, v) in enumerate(data):
+        kv.write(rid, layer, 0, k, v)
+    return data
+
+
+def assert_same(kv, rid: str, data) -> None:
+    for layer, (k, v) in enumerate(data):
+        k2, v2 = kv.read(rid, layer)
+        assert torch.equal(k2, k), f"{rid} layer {layer}: K differs"
+        assert torch.equal(v2, v), f"{rid} layer {layer}: V differs"
