@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress
+
+import numpy as np
 
 from tiering.types import Tier
 
@@ -47,10 +49,10 @@ class Candidate:
         if (
             not isinstance(self.reclaimable, int)
             or isinstance(self.reclaimable, bool)
-            or self.reclaimable < 0
+            or not 0 <= self.reclaimable < 2**63
         ):
             raise ValueError(
-                f"Candidate {self.rid!r}: reclaimable must be an int >= 0, "
+                f"Candidate {self.rid!r}: reclaimable must be an int in [0, 2**63), "
                 f"got {self.reclaimable!r}"
             )
         _check_finite(self.rid, "last_used", self.last_used)
@@ -134,75 +136,78 @@ def check_now(now: object) -> float:
 
 def rank_by(
     candidates: Sequence[Candidate],
-    key: Callable[[Candidate], float] | Sequence[float],
+    key: Callable[[Candidate], float] | Sequence[float] | np.ndarray,
     *,
     descending: bool = False,
     then: tuple[str, ...] = ("rid", "resource"),
 ) -> list[Candidate]:
     """Order candidates by one numeric key, breaking ties by fields in ascending order.
 
-    ``key`` is either a function of a candidate (``operator.attrgetter`` is the
-    fast choice) or a list of precomputed keys aligned with ``candidates``.
-    Equal keys are ordered by the candidate fields named in ``then``, each
-    ascending, ending with ``rid`` and ``resource`` so that the result does not
+    ``key`` is either a function of a candidate returning a number
+    (``operator.attrgetter`` is the fast choice; values are compared as
+    float64) or precomputed numeric keys aligned with ``candidates`` (a list or
+    a 1-D numpy array; pass int64 to compare large integers exactly). Equal keys
+    are ordered by the candidate fields named in ``then``, each ascending,
+    normally ending with ``rid`` and ``resource`` so that the result does not
     depend on the input order. A new list is returned; the input is untouched.
 
     This is the building block of the built-in policies and is offered to
-    custom ones. It sorts on a single key first (fast: the common case has few
-    ties) and only re-sorts the runs of equal keys by the ``then`` fields.
+    custom ones. It sorts on the single key first (one vectorised sort; the
+    common case has few ties) and then re-sorts only the runs of equal keys.
     """
     n = len(candidates)
     if n < 2:
         return list(candidates)
-    if callable(key):
-        ordered = sorted(candidates, key=key, reverse=descending)
-        keys = list(map(key, ordered))
-    else:
-        if len(key) != n:
-            raise ValueError(f"rank_by got {len(key)} keys for {n} candidates")
-        order = sorted(range(n), key=key.__getitem__, reverse=descending)
-        take = operator.itemgetter(*order)
-        ordered = list(take(candidates))
-        keys = list(take(key))
+    keys = _key_array(candidates, key, n)
+    order = np.argsort(-keys if descending else keys, kind="stable")
+    ordered = list(operator.itemgetter(*order.tolist())(candidates))
     if then:
-        _resolve_ties(ordered, keys, then)
+        _fix_spans(ordered, _equal_spans_sorted(keys[order]), then)
     return ordered
 
 
-# Runs of equal keys at least this long are ordered level by level (one fast
-# single-key sort per level); shorter runs are sorted once on a tuple key.
-_RECURSE_RUN = 64
+def _key_array(candidates: Sequence[Candidate], key: object, n: int) -> np.ndarray:
+    if callable(key):
+        try:
+            return np.fromiter(map(key, candidates), dtype=np.float64, count=n)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"rank_by: the key must return numbers ({err})") from err
+    keys = np.asarray(key)
+    if keys.shape != (n,):
+        raise ValueError(f"rank_by got keys of shape {keys.shape} for {n} candidates")
+    if keys.dtype.kind not in "iuf":
+        raise ValueError(f"rank_by: keys must be numeric, got dtype {keys.dtype}")
+    if keys.dtype.kind == "f" and np.isnan(keys).any():
+        raise ValueError("rank_by: keys contain NaN, which has no order")
+    return keys
 
 
-def _resolve_ties(ordered: list[Candidate], keys: list, then: tuple[str, ...]) -> None:
-    """Re-sort, in place, each run of equal ``keys`` in ``ordered`` by ``then``."""
-    n = len(ordered)
+def _equal_spans_sorted(sorted_keys: np.ndarray) -> Iterator[tuple[int, int]]:
+    """(start, stop) of every run of two or more equal values in a sorted array."""
+    equal_next = sorted_keys[1:] == sorted_keys[:-1]
+    if not equal_next.any():
+        return iter(())
+    edges = np.diff(equal_next.astype(np.int8), prepend=0, append=0)
+    starts = np.flatnonzero(edges == 1)
+    stops = np.flatnonzero(edges == -1) + 1
+    return zip(starts.tolist(), stops.tolist(), strict=True)
+
+
+def _equal_spans_list(keys: list) -> Iterator[tuple[int, int]]:
+    """(start, stop) spans of equal neighbours in a sorted list (some may be single)."""
+    n = len(keys)
     equal_next = list(map(operator.eq, keys, keys[1:]))  # equal_next[i]: keys[i] == keys[i+1]
     ties = equal_next.count(True)
     if ties == 0:
-        return
-    tail_key = operator.attrgetter(*then)
-    first = operator.attrgetter(then[0])
-    # Iterate over whichever is fewer: the boundaries between distinct keys, or
-    # the tied positions.
+        return iter(())
+    # Walk whichever is fewer: the boundaries between distinct keys, or the ties.
     if n - ties <= ties:
         starts = [0, *compress(range(1, n), map(operator.not_, equal_next)), n]
-        spans = zip(starts, starts[1:], strict=False)
-    else:
-        spans = _tied_spans(list(compress(range(n - 1), equal_next)))
-    for start, stop in spans:
-        size = stop - start
-        if size < 2:
-            continue
-        if size >= _RECURSE_RUN and len(then) > 1:
-            run = sorted(ordered[start:stop], key=first)
-            _resolve_ties(run, list(map(first, run)), then[1:])
-        else:
-            run = sorted(ordered[start:stop], key=tail_key)
-        ordered[start:stop] = run
+        return zip(starts, starts[1:], strict=False)
+    return _tied_spans(list(compress(range(n - 1), equal_next)))
 
 
-def _tied_spans(tied: list[int]):
+def _tied_spans(tied: list[int]) -> Iterator[tuple[int, int]]:
     """Turn positions i with keys[i] == keys[i+1] into (start, stop) spans of equal keys."""
     index = 0
     count = len(tied)
@@ -212,3 +217,31 @@ def _tied_spans(tied: list[int]):
             index += 1
         yield start, tied[index] + 2
         index += 1
+
+
+# Runs of equal keys at least this long are ordered level by level (one
+# single-key sort per field); shorter runs are sorted once on a tuple key.
+_RECURSE_RUN = 64
+# Candidate fields that hold numbers (sorted vectorised) rather than strings.
+_NUMERIC_FIELDS = frozenset({"reclaimable", "last_used", "priority", "reload_cost_s"})
+
+
+def _fix_spans(
+    ordered: list[Candidate], spans: Iterable[tuple[int, int]], then: tuple[str, ...]
+) -> None:
+    """Re-sort, in place, each span of ``ordered`` by the fields in ``then``."""
+    tail_key = operator.attrgetter(*then)
+    for start, stop in spans:
+        size = stop - start
+        if size < 2:
+            continue
+        if size >= _RECURSE_RUN and len(then) > 1:
+            first = operator.attrgetter(then[0])
+            if then[0] in _NUMERIC_FIELDS:
+                run = rank_by(ordered[start:stop], first, then=then[1:])
+            else:
+                run = sorted(ordered[start:stop], key=first)
+                _fix_spans(run, _equal_spans_list(list(map(first, run))), then[1:])
+        else:
+            run = sorted(ordered[start:stop], key=tail_key)
+        ordered[start:stop] = run
