@@ -133,7 +133,9 @@ class PagedKVCache(Resource):
     ``device_pages`` pages are allocated once on ``device`` page-first; the
     host tier is one slab of ``host_pages`` pages (pinned, exactly that size,
     when CUDA is present); the disk tier is a ``DiskPageStore`` when ``disk``
-    is given. ``offload``, ``demote`` and ``reload`` queue their copies and
+    is given (``disk_wrap_store`` wraps its zarr store: the fault-injection
+    seam; ``disk_store`` injects a ready-made store). ``offload``, ``demote``
+    and ``reload`` queue their copies and
     return at once; ``poll`` applies finished ones and ``synchronize`` waits
     for all of them.
     """
@@ -153,6 +155,7 @@ class PagedKVCache(Resource):
         clock: Callable[[], float] = time.monotonic,
         copy_fault_hook: Callable[[str], None] = no_fault,
         disk_store=None,
+        disk_wrap_store: Callable[[Any], Any] | None = None,
     ) -> None:
         if not isinstance(geometry, KVGeometry):
             raise TypeError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
@@ -188,7 +191,10 @@ class PagedKVCache(Resource):
         if self.disk is None and disk is not None:
             from tiering.disk_store import DiskPageStore
 
-            self.disk = DiskPageStore(disk, shape, geometry.dtype, fingerprint=geometry.fingerprint())
+            self.disk = DiskPageStore(
+                disk, shape, geometry.dtype, fingerprint=geometry.fingerprint(),
+                wrap_store=disk_wrap_store,
+            )
         if self.disk is not None:
             self._adopt_reattached()
 
@@ -405,8 +411,7 @@ class PagedKVCache(Resource):
         self.device_pool.release(r.rid, r.device)
         self.host_pool.release(r.rid, r.host)
         if r.disk is not None:
-            self.disk.release(r.disk)
-            self.disk.forget(r.rid)
+            self.disk.release(r.disk)  # also forgets its committed entry
         r.device, r.host, r.disk = [], [], None
 
     # -- step lifecycle (the engine's admit) -------------------------------------
@@ -615,7 +620,6 @@ class PagedKVCache(Resource):
         self.host_pool.release(t.key, t.host)
         if t.disk is not None:
             self.disk.release(t.disk)
-            self.disk.forget(t.key[1])
 
     def _finish(self, r: _Request) -> None:
         """Apply the outcome of ``r``'s finished job (no-op if still running)."""
@@ -689,7 +693,6 @@ class PagedKVCache(Resource):
             return
         nbytes = len(r.device) * self.geometry.page_bytes
         self.disk.release(r.disk)
-        self.disk.forget(r.rid)
         r.disk = None
         r.ready_event = job.future.result()
         self._set_state(r, S.RESIDENT)
@@ -787,8 +790,9 @@ class PagedKVCache(Resource):
                 self.disk.check_integrity()
                 held = sum(1 for r in self._reqs.values() if r.disk is not None)
                 held += sum(1 for t in self._tombstones.values() if t.disk is not None)
-                if held != self.disk.num_extents():
-                    problems.append(f"disk holds {self.disk.num_extents()} extents, records {held}")
+                extents = self.disk.stats()["extents"]
+                if held != extents:
+                    problems.append(f"disk holds {extents} extents, records {held}")
         except (PoolIntegrityError, AssertionError) as exc:
             problems.append(str(exc))
         if problems:

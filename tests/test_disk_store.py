@@ -1,0 +1,864 @@
+"""The disk tier's page store: round trips, the hard cap, faults, corruption, start-up."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from zarr.storage import LocalStore, MemoryStore, StorePath
+
+from tiering.disk_faults import FaultPlan, FaultyStore
+from tiering.disk_ledger import pick_chunks
+from tiering.disk_manifest import MANIFEST_KEY
+from tiering.disk_slotfile import SLOT_FILE_NAME, SlotFileStore
+from tiering.disk_store import (
+    DiskConfig,
+    DiskCorruptionError,
+    DiskExtent,
+    DiskIntegrityError,
+    DiskIOError,
+    DiskPageStore,
+)
+
+PAGE_SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, tokens, heads, head dim: 256 elements
+CHUNK = 4096  # 4 float32 pages or 8 bf16 pages per chunk
+
+
+def make(
+    tmp_path: Path, *, dtype=torch.float32, capacity_chunks=16, sub="disk", **kw
+) -> DiskPageStore:
+    page_bytes = int(np.prod(PAGE_SHAPE)) * dtype.itemsize
+    ppc = max(1, kw.get("chunk_bytes", CHUNK) // page_bytes)
+    wrap = kw.pop("wrap_store", None)
+    fingerprint = kw.pop("fingerprint", "test-geometry")
+    kw.setdefault("chunk_bytes", CHUNK)
+    if "store" not in kw and "path" not in kw:
+        kw["path"] = tmp_path / sub
+    cfg = DiskConfig(capacity_bytes=capacity_chunks * ppc * page_bytes, **kw)
+    return DiskPageStore(cfg, PAGE_SHAPE, dtype, fingerprint=fingerprint, wrap_store=wrap)
+
+
+def pages(gen: torch.Generator, n: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn((n, *PAGE_SHAPE), generator=gen).to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def round_trip(store: DiskPageStore, extent: DiskExtent, data: torch.Tensor) -> torch.Tensor:
+    store.write(extent, data)
+    out = torch.full_like(data, 7)
+    store.read(extent, out)
+    return out
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = make(tmp_path)
+    yield s
+    s.close()
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_round_trip_many_extents_bitwise(tmp_path, gen, dtype):
+    s = make(tmp_path, dtype=dtype, capacity_chunks=24)
+    written = {}
+    for i, n in enumerate([1, 3, 4, 5, 9, 2, 7, 13]):
+        data = (
+            torch.randint(-128, 127, (n, *PAGE_SHAPE), generator=gen, dtype=torch.int8)
+            if dtype == torch.int8
+            else pages(gen, n, dtype)
+        )
+        extent = s.reserve(f"r{i}", n)
+        assert extent is not None and extent.num_pages == n
+        s.write(extent, data)
+        written[extent] = data
+        s.check_integrity()
+    for extent, data in written.items():  # read everything after all writes
+        out = torch.empty_like(data)
+        s.read(extent, out)
+        assert same_bits(out, data), f"extent {extent} changed"
+    s.close()
+
+
+def test_page_of_zeros_and_extent_of_zeros_read_back(store, gen):
+    data = pages(gen, 6)
+    data[2].zero_()  # one zero page among random ones
+    extent = store.reserve("mixed", 6)
+    assert same_bits(round_trip(store, extent, data), data)
+    zeros = torch.zeros((4, *PAGE_SHAPE))  # a whole chunk of zeros
+    extent2 = store.reserve("zeros", 4)
+    out = round_trip(store, extent2, zeros)
+    assert same_bits(out, zeros)
+
+
+def test_numpy_pages_and_out(store):
+    rng = np.random.default_rng(5)
+    data = rng.standard_normal((5, *PAGE_SHAPE)).astype(np.float32)
+    extent = store.reserve("np", 5)
+    store.write(extent, data)
+    out = np.full_like(data, 3.0)
+    store.read(extent, out)
+    assert np.array_equal(out, data)
+
+
+def test_non_contiguous_pages_are_written_correctly(store, gen):
+    base = pages(gen, 10)
+    strided = base[::2]  # non-contiguous view of 5 pages
+    extent = store.reserve("strided", 5)
+    assert same_bits(round_trip(store, extent, strided), strided.contiguous())
+
+
+def test_rewrite_replaces_contents(store, gen):
+    extent = store.reserve("r", 5)
+    first, second = pages(gen, 5), pages(gen, 5)
+    round_trip(store, extent, first)
+    assert same_bits(round_trip(store, extent, second), second)
+
+
+def test_stored_array_is_plain_zarr_with_crc32c(tmp_path, gen):
+    s = make(tmp_path, store=LocalStore(tmp_path / "plain"))
+    data = pages(gen, 6)
+    extent = s.reserve("r", 6)
+    s.write(extent, data)
+    arr = zarr.open_array(LocalStore(tmp_path / "plain"), mode="r")
+    assert any(c.to_dict()["name"] == "crc32c" for c in arr.metadata.codecs)
+    ppc = s.pages_per_chunk
+    rows = [arr[c * ppc : (c + 1) * ppc] for c in extent.chunks]
+    stored = np.concatenate(rows)[: extent.num_pages]
+    assert np.array_equal(
+        stored.view(np.uint8).reshape(-1), data.view(torch.uint8).numpy().reshape(-1)
+    )
+    s.close()
+
+
+def test_concurrent_reads_and_writes_on_distinct_extents(tmp_path, gen):
+    s = make(tmp_path, capacity_chunks=32)
+    work = [(s.reserve(f"r{i}", 3 + i % 5), pages(gen, 3 + i % 5)) for i in range(12)]
+
+    def job(item):
+        extent, data = item
+        s.write(extent, data)
+        out = torch.empty_like(data)
+        s.read(extent, out)
+        return same_bits(out, data)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = [f.result(timeout=60) for f in [pool.submit(job, w) for w in work]]
+    assert all(results)
+    s.check_integrity()
+    assert s.stats()["writes"] == 12 and s.stats()["reads"] == 12
+    s.close()
+
+
+# ---------------------------------------------------------------------------- ledger and cap
+
+
+def test_sizes_follow_the_chunk_rule(tmp_path):
+    s = make(tmp_path, capacity_chunks=5)
+    assert s.page_bytes == 1024 and s.pages_per_chunk == 4
+    assert s.capacity_pages == 20 and s.capacity_bytes == 5 * 4096
+    assert s.bytes_for(1) == 4096 and s.bytes_for(4) == 4096 and s.bytes_for(5) == 8192
+    s.close()
+
+
+def test_reserve_refuses_beyond_cap_and_counts(store):
+    big = store.reserve("big", store.capacity_pages)
+    assert big is not None and store.used_bytes() == store.capacity_bytes
+    assert not store.can_reserve(1)
+    assert store.reserve("more", 1) is None
+    assert store.reserve("huge", store.capacity_pages + 1) is None
+    assert store.stats()["refusals"] == 2
+    store.release(big)
+    assert store.used_bytes() == 0 and store.can_reserve(store.capacity_pages)
+
+
+def test_reserve_prefers_one_adjacent_run(store):
+    a = store.reserve("a", 4)
+    b = store.reserve("b", 8)
+    store.reserve("c", 4)
+    store.release(b)  # a hole of two chunks between a and c
+    d = store.reserve("d", 5)
+    assert d.chunks == tuple(range(a.chunks[-1] + 1, a.chunks[-1] + 3))
+    store.check_integrity()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.booleans(), st.integers(1, 30), st.integers(0, 1000)), max_size=60)
+)
+def test_cap_never_exceeded_under_random_reserve_release(tmp_path_factory, ops):
+    s = make(tmp_path_factory.mktemp("cap"), capacity_chunks=12, store=MemoryStore())
+    live: list[DiskExtent] = []
+    refusals = 0
+    try:
+        for do_reserve, n, pick in ops:
+            if do_reserve or not live:
+                could = s.can_reserve(n)
+                extent = s.reserve(f"o{len(live)}", n)
+                assert (extent is not None) == could
+                if extent is None:
+                    refusals += 1
+                else:
+                    assert len(extent.chunks) == -(-n // s.pages_per_chunk)
+                    live.append(extent)
+            else:
+                s.release(live.pop(pick % len(live)))
+            s.check_integrity()
+            expected = sum(len(e.chunks) for e in live) * s.chunk_alloc_bytes
+            assert s.used_bytes() == expected <= s.capacity_bytes
+            held = [c for e in live for c in e.chunks]
+            assert len(held) == len(set(held))
+        assert s.stats()["refusals"] == refusals
+    finally:
+        s.close()
+
+
+def test_check_integrity_reports_a_broken_ledger(store):
+    extent = store.reserve("a", 3)
+    ledger = store._ledger  # deliberately broken below, to prove the check can fail
+    ledger._used += 1
+    with pytest.raises(DiskIntegrityError, match="ledger counts"):
+        store.check_integrity()
+    ledger._used -= 1
+    ledger._free[extent.chunks[0]] = True
+    with pytest.raises(DiskIntegrityError, match="held yet marked free"):
+        store.check_integrity()
+    ledger._free[extent.chunks[0]] = False
+    store.check_integrity()
+
+
+def test_pick_chunks_prefers_the_tightest_run_then_the_longest_runs():
+    free = np.array([1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1, 0, 1], dtype=bool)
+    assert pick_chunks(free, 2) == (4, 5)  # the run of exactly two
+    assert pick_chunks(free, 3) == (0, 1, 2)
+    assert pick_chunks(free, 4) == (7, 8, 9, 10)
+    assert pick_chunks(free, 6) == (0, 1, 7, 8, 9, 10)  # no run fits: longest runs first
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_raises_and_changes_nothing(store, gen):
+    extent = store.reserve("a", 5)
+    before = store.stats()
+    with pytest.raises(ValueError, match="shape"):
+        store.write(extent, pages(gen, 4))
+    with pytest.raises(ValueError, match="dtype"):
+        store.write(extent, pages(gen, 5, torch.bfloat16))
+    with pytest.raises(ValueError, match="not been written"):
+        store.read(extent, torch.empty((5, *PAGE_SHAPE)))
+    with pytest.raises(ValueError, match="not completely written"):
+        store.commit("a", extent, {})
+    with pytest.raises(ValueError, match="num_pages"):
+        store.reserve("b", 0)
+    with pytest.raises(ValueError, match="owner"):
+        store.reserve("", 1)
+    with pytest.raises(ValueError, match="not reserved"):
+        store.write(DiskExtent((9,), 1), pages(gen, 1))
+    with pytest.raises(ValueError, match="reserved for 5 pages"):
+        store.write(DiskExtent(extent.chunks, 4), pages(gen, 4))
+    store.write(extent, pages(gen, 5))
+    with pytest.raises(ValueError, match="contiguous"):
+        store.read(extent, torch.empty((10, *PAGE_SHAPE))[::2])
+    with pytest.raises(ValueError, match="reserved by 'a'"):
+        store.commit("b", extent, {})
+    with pytest.raises(ValueError, match="JSON"):
+        store.commit("a", extent, {"x": object()})
+    after = store.stats()
+    assert after["writes"] == before["writes"] + 1 and after["used_bytes"] == before["used_bytes"]
+    store.release(extent)
+    with pytest.raises(ValueError, match="not reserved"):
+        store.release(extent)
+    store.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "field, kwargs",
+    [
+        ("capacity_bytes", {"path": "x", "capacity_bytes": 0}),
+        ("capacity_bytes", {"path": "x", "capacity_bytes": -5}),
+        ("capacity_bytes", {"path": "x", "capacity_bytes": True}),
+        ("codec", {"path": "x", "capacity_bytes": 10, "codec": "lz4"}),
+        ("chunk_bytes", {"path": "x", "capacity_bytes": 10, "chunk_bytes": 0}),
+        ("on_start", {"path": "x", "capacity_bytes": 10, "on_start": "keep"}),
+        ("io_threads", {"path": "x", "capacity_bytes": 10, "io_threads": 0}),
+        ("io_timeout_s", {"path": "x", "capacity_bytes": 10, "io_timeout_s": 0}),
+        ("path", {"capacity_bytes": 10}),
+        ("path", {"path": 42, "capacity_bytes": 10}),
+        ("store", {"store": object(), "capacity_bytes": 10}),
+    ],
+)
+def test_invalid_config_names_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        DiskConfig(**kwargs)
+
+
+def test_capacity_below_one_chunk_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        DiskPageStore(
+            DiskConfig(path=tmp_path, capacity_bytes=1000, chunk_bytes=CHUNK),
+            PAGE_SHAPE,
+            torch.float32,
+        )
+    with pytest.raises(ValueError, match="page_shape"):
+        DiskPageStore(DiskConfig(path=tmp_path, capacity_bytes=1 << 20), (2, 0), torch.float32)
+
+
+# ---------------------------------------------------------------------------- faults
+
+
+def faulty(tmp_path, plan: FaultPlan, **kw) -> DiskPageStore:
+    return make(tmp_path, wrap_store=lambda s: FaultyStore(s, plan), **kw)
+
+
+@pytest.mark.parametrize("kind, code", [("enospc_write", errno.ENOSPC), ("eio_write", errno.EIO)])
+def test_write_fault_raises_with_errno_and_leaves_ledger(tmp_path, gen, kind, code):
+    plan = FaultPlan(seed=1)
+    s = faulty(tmp_path, plan)
+    extent = s.reserve("a", 6)  # two chunks: the second one fails
+    used = s.used_bytes()
+    plan.arm(kind, next_n=1)
+    with pytest.raises(DiskIOError) as info:
+        s.write(extent, pages(gen, 6))
+    assert info.value.errno == code
+    assert plan.injected[kind] == 1
+    assert s.used_bytes() == used
+    s.check_integrity()
+    with pytest.raises(ValueError, match="not been written"):  # never served after a failed write
+        s.read(extent, torch.empty((6, *PAGE_SHAPE)))
+    data = pages(gen, 6)
+    assert same_bits(round_trip(s, extent, data), data)  # the fault was one-shot
+    stats = s.stats()
+    assert stats["write_faults"] == 1 and stats["faults"] == 1
+    s.release(extent)
+    assert s.used_bytes() == 0
+    s.close()
+
+
+def test_read_fault_and_corruption_are_reported(tmp_path, gen):
+    plan = FaultPlan(seed=2)
+    s = faulty(tmp_path, plan)
+    data = pages(gen, 7)
+    extent = s.reserve("a", 7)
+    s.write(extent, data)
+    plan.arm("eio_read", next_n=1)
+    with pytest.raises(DiskIOError) as info:
+        s.read(extent, torch.empty_like(data))
+    assert info.value.errno == errno.EIO and not isinstance(info.value, DiskCorruptionError)
+    plan.arm("corrupt", next_n=1)
+    with pytest.raises(DiskCorruptionError):
+        s.read(extent, torch.empty_like(data))
+    assert plan.injected["eio_read"] == 1 and plan.injected["corrupt"] == 1
+    out = torch.empty_like(data)
+    s.read(extent, out)  # the stored bytes were never harmed
+    assert same_bits(out, data)
+    stats = s.stats()
+    assert stats["read_faults"] == 2 and stats["corruptions"] == 1
+    s.close()
+
+
+def test_slow_fault_uses_the_injected_sleep(tmp_path, gen):
+    slept: list[float] = []
+    plan = FaultPlan(seed=3, sleep=slept.append, slow_seconds=0.25)
+    s = faulty(tmp_path, plan)
+    data = pages(gen, 5)
+    extent = s.reserve("a", 5)
+    plan.arm("slow", next_n=3)
+    assert same_bits(round_trip(s, extent, data), data)
+    assert slept == [0.25, 0.25, 0.25] and plan.injected["slow"] == 3
+    s.close()
+
+
+def test_every_injected_fault_surfaces(tmp_path, gen):
+    """Under random faults, an operation fails exactly when a failing fault struck it."""
+    plan = FaultPlan(seed=11)
+    for kind in ("enospc_write", "eio_write", "eio_read", "corrupt"):
+        plan.arm(kind, probability=0.08)
+    s = faulty(tmp_path, plan, capacity_chunks=20)
+    rng = random.Random(7)
+    live: dict[DiskExtent, torch.Tensor] = {}
+    failing = ("enospc_write", "eio_write", "eio_read", "corrupt")
+    surfaced = 0
+    for step in range(120):
+        before = sum(plan.injected[k] for k in failing)
+        if live and rng.random() < 0.5:
+            extent = rng.choice(list(live))
+            out = torch.empty_like(live[extent])
+            try:
+                s.read(extent, out)
+                ok = True
+            except DiskIOError:
+                ok = False
+            if ok:
+                assert same_bits(out, live[extent]), f"step {step}: wrong bytes served"
+        else:
+            n = rng.randint(1, 9)
+            extent = s.reserve(f"o{step}", n)
+            if extent is None:
+                s.release(live.popitem()[0])
+                continue
+            data = pages(gen, n)
+            try:
+                s.write(extent, data)
+                ok = True
+                live[extent] = data
+            except DiskIOError:
+                ok = False
+                s.release(extent)
+        struck = sum(plan.injected[k] for k in failing) - before
+        assert ok == (struck == 0), f"step {step}: ok={ok} but {struck} faults struck"
+        surfaced += 0 if ok else 1
+        s.check_integrity()
+    stats = s.stats()
+    assert surfaced > 5 and stats["faults"] == surfaced
+    assert (
+        stats["corruptions"] == plan.injected["corrupt"]
+        or stats["corruptions"] <= plan.injected["corrupt"]
+    )
+    s.close()
+
+
+def test_fault_plan_is_reproducible_and_validated():
+    def sequence(seed):
+        plan = FaultPlan(seed=seed)
+        plan.arm("eio_write", probability=0.3)
+        return [plan.draw("set")[0] for _ in range(50)]
+
+    assert sequence(5) == sequence(5)
+    assert sequence(5) != sequence(6)
+    plan = FaultPlan()
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        plan.arm("melt")
+    with pytest.raises(ValueError, match="probability"):
+        plan.arm("corrupt", probability=1.5)
+    plan.arm("eio_read", next_n=2)
+    assert [plan.draw("get")[0] for _ in range(3)] == ["eio_read", "eio_read", None]
+    assert plan.draw("set") == (None, False)
+
+
+def test_timed_out_write_keeps_chunks_until_stray_io_ends(tmp_path, gen):
+    gate = threading.Event()
+    plan = FaultPlan(seed=4, sleep=lambda _s: gate.wait(30), slow_seconds=1.0)
+    s = faulty(tmp_path, plan, io_timeout_s=0.2)
+    extent = s.reserve("a", 4)
+    plan.arm("slow", next_n=1)
+    with pytest.raises(DiskIOError) as info:
+        s.write(extent, pages(gen, 4))
+    assert info.value.errno == errno.ETIMEDOUT
+    s.release(extent)  # allowed, but the chunk stays out of circulation
+    assert s.used_bytes() == s.chunk_alloc_bytes and s.stats()["quarantined_chunks"] == 1
+    s.check_integrity()
+    gate.set()
+    assert s.wait_idle(30)
+    assert s.used_bytes() == 0 and s.stats()["quarantined_chunks"] == 0
+    s.check_integrity()
+    s.close()
+
+
+# ---------------------------------------------------------------------------- on-disk corruption
+
+
+def _flip_first_occurrence(path: Path, needle: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    at = raw.find(needle)
+    assert at >= 0, f"data not found in {path}"
+    raw[at + len(needle) // 2] ^= 0x5A
+    path.write_bytes(bytes(raw))
+
+
+def test_byte_flipped_in_slot_file_is_detected(tmp_path, gen):
+    s = make(tmp_path)
+    data, other = pages(gen, 5), pages(gen, 3)
+    extent, extent2 = s.reserve("a", 5), s.reserve("b", 3)
+    s.write(extent, data)
+    s.write(extent2, other)
+    _flip_first_occurrence(tmp_path / "disk" / SLOT_FILE_NAME, data[4].numpy().tobytes()[:64])
+    with pytest.raises(DiskCorruptionError):
+        s.read(extent, torch.empty_like(data))
+    out = torch.empty_like(other)
+    s.read(extent2, out)  # other extents are untouched
+    assert same_bits(out, other)
+    assert s.stats()["corruptions"] == 1
+    s.close()
+
+
+def test_byte_flipped_in_local_store_chunk_file_is_detected(tmp_path, gen):
+    s = make(tmp_path, store=LocalStore(tmp_path / "local"))
+    data = pages(gen, 4)
+    extent = s.reserve("a", 4)
+    s.write(extent, data)
+    chunk_file = tmp_path / "local" / "c" / str(extent.chunks[0]) / "0"
+    _flip_first_occurrence(chunk_file, data[1].numpy().tobytes()[:64])
+    with pytest.raises(DiskCorruptionError):
+        s.read(extent, torch.empty_like(data))
+    s.close()
+
+
+def test_missing_chunk_is_an_error_not_fill_values(tmp_path, gen):
+    s = make(tmp_path, store=LocalStore(tmp_path / "local"))
+    data = pages(gen, 4)
+    extent = s.reserve("a", 4)
+    s.write(extent, data)
+    (tmp_path / "local" / "c" / str(extent.chunks[0]) / "0").unlink()
+    with pytest.raises(DiskIOError) as info:
+        s.read(extent, torch.empty_like(data))
+    assert info.value.errno == errno.ENODATA
+    s.close()
+
+
+# ---------------------------------------------------------------------------- start-up
+
+
+def _file_contains(path: Path, needle: bytes) -> bool:
+    return needle in path.read_bytes()
+
+
+def test_clear_removes_leftovers(tmp_path, gen):
+    first = make(tmp_path, on_start="reattach")
+    data = pages(gen, 5)
+    extent = first.reserve("old", 5)
+    first.write(extent, data)
+    first.commit("old", extent, {"tokens": 20})
+    first.close()
+    (tmp_path / "disk" / "junk.bin").write_bytes(b"stale")
+    (tmp_path / "disk" / "c").mkdir()
+    slot_file = tmp_path / "disk" / SLOT_FILE_NAME
+    assert _file_contains(slot_file, data[0].numpy().tobytes()[:64])
+    second = make(tmp_path)  # on_start="clear"
+    assert second.reattached() == {} and second.used_bytes() == 0
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == sorted(
+        [SLOT_FILE_NAME, "zarr.json"]
+    )
+    assert not _file_contains(slot_file, data[0].numpy().tobytes()[:64])
+    second.check_integrity()
+    second.close()
+
+
+def test_reattach_adopts_committed_and_clears_the_rest(tmp_path, gen):
+    plan = FaultPlan(seed=9)
+    first = faulty(tmp_path, plan, on_start="reattach")
+    kept, dropped, torn = pages(gen, 6), pages(gen, 3), pages(gen, 9)
+    e_kept = first.reserve("kept", 6)
+    first.write(e_kept, kept)
+    first.commit("kept", e_kept, {"tokens": 24, "layers": [0, 1]})
+    e_dropped = first.reserve("dropped", 3)
+    first.write(e_dropped, dropped)  # written, never committed
+    e_torn = first.reserve("torn", 9)
+    plan.arm("eio_write", next_n=1)
+    with pytest.raises(DiskIOError):  # a write that dies half way: some chunks landed
+        first.write(e_torn, torn)
+    first.close()
+
+    second = make(tmp_path, on_start="reattach")
+    adopted = second.reattached()
+    assert list(adopted) == ["kept"]
+    extent, meta = adopted["kept"]
+    assert extent == e_kept and meta == {"tokens": 24, "layers": [0, 1]}
+    out = torch.empty_like(kept)
+    second.read(extent, out)
+    assert same_bits(out, kept)
+    assert second.used_bytes() == len(e_kept.chunks) * second.chunk_alloc_bytes
+    second.check_integrity()
+    slots = SlotFileStore(
+        tmp_path / "disk",
+        num_slots=second.capacity_chunks,
+        slot_capacity=second.chunk_alloc_bytes + 4,
+    )
+    slots.open_sync()
+    assert slots.occupied_slots() == list(e_kept.chunks)  # uncommitted chunks were cleared
+    slots.close()
+    # A reattached extent behaves like any other: released, it is forgotten for good.
+    second.release(extent)
+    second.close()
+    third = make(tmp_path, on_start="reattach")
+    assert third.reattached() == {} and third.used_bytes() == 0
+    third.close()
+
+
+def test_forget_keeps_the_extent_but_drops_it_from_the_manifest(tmp_path, gen):
+    first = make(tmp_path, on_start="reattach")
+    e = first.reserve("a", 4)
+    first.write(e, pages(gen, 4))
+    first.commit("a", e, {})
+    manifest = json.loads((tmp_path / "disk" / MANIFEST_KEY).read_text())
+    assert list(manifest["body"]["entries"]) == ["a"]
+    assert first.forget("a") and not first.forget("a")
+    manifest = json.loads((tmp_path / "disk" / MANIFEST_KEY).read_text())
+    assert manifest["body"]["entries"] == {}
+    assert first.used_bytes() == first.chunk_alloc_bytes
+    first.close()
+
+
+def _committed_store(tmp_path, gen, **kw):
+    s = make(tmp_path, on_start="reattach", **kw)
+    data = pages(gen, 5)
+    e = s.reserve("a", 5)
+    s.write(e, data)
+    s.commit("a", e, {"n": 1})
+    s.close()
+    return data
+
+
+def test_mismatched_fingerprint_clears(tmp_path, gen, caplog):
+    _committed_store(tmp_path, gen)
+    with caplog.at_level(logging.WARNING, logger="tiering.disk_store"):
+        s = make(tmp_path, on_start="reattach", fingerprint="another-model")
+    assert s.reattached() == {} and s.used_bytes() == 0
+    assert "fingerprint" in caplog.text
+    s.close()
+
+
+def test_other_geometry_clears(tmp_path, gen, caplog):
+    _committed_store(tmp_path, gen)
+    with caplog.at_level(logging.WARNING, logger="tiering.disk_store"):
+        s = make(tmp_path, on_start="reattach", capacity_chunks=9)
+    assert s.reattached() == {} and "geometry" in caplog.text
+    s.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "edit"])
+def test_damaged_manifest_clears(tmp_path, gen, caplog, damage):
+    _committed_store(tmp_path, gen)
+    path = tmp_path / "disk" / MANIFEST_KEY
+    text = path.read_text()
+    if damage == "flip":
+        path.write_text(text.replace('"n": 1', '"n": 2'))  # still JSON, checksum no longer matches
+    elif damage == "truncate":
+        path.write_text(text[: len(text) // 2])
+    else:
+        doc = json.loads(text)
+        doc["body"]["entries"]["a"]["num_pages"] = 99
+        path.write_text(json.dumps(doc))
+    with caplog.at_level(logging.WARNING, logger="tiering.disk_store"):
+        s = make(tmp_path, on_start="reattach")
+    assert s.reattached() == {} and s.used_bytes() == 0
+    assert "not reattaching" in caplog.text
+    s.close()
+
+
+def test_reattach_through_a_shared_memory_store(gen):
+    shared = MemoryStore()
+    first = DiskPageStore(
+        DiskConfig(store=shared, capacity_bytes=8 * CHUNK, chunk_bytes=CHUNK, on_start="reattach"),
+        PAGE_SHAPE,
+        torch.float32,
+        fingerprint="f",
+    )
+    data = pages(gen, 7)
+    e = first.reserve("a", 7)
+    first.write(e, data)
+    first.commit("a", e, {"k": "v"})
+    stray = first.reserve("b", 2)
+    first.write(stray, pages(gen, 2))
+    first.close()
+    second = DiskPageStore(
+        DiskConfig(store=shared, capacity_bytes=8 * CHUNK, chunk_bytes=CHUNK, on_start="reattach"),
+        PAGE_SHAPE,
+        torch.float32,
+        fingerprint="f",
+    )
+    extent, meta = second.reattached()["a"]
+    out = torch.empty_like(data)
+    second.read(extent, out)
+    assert same_bits(out, data) and meta == {"k": "v"}
+    assert f"c/{stray.chunks[0]}/0" not in shared._store_dict
+    second.close()
+
+
+# ---------------------------------------------------------------------------- other stores
+
+
+def test_file_url_path(tmp_path, gen):
+    s = make(tmp_path, path=f"file://{tmp_path / 'viaurl'}")
+    data = pages(gen, 6)
+    extent = s.reserve("a", 6)
+    assert same_bits(round_trip(s, extent, data), data)
+    assert (tmp_path / "viaurl" / SLOT_FILE_NAME).is_file()
+    s.close()
+
+
+def test_memory_store_and_store_path_and_fsspec_url(tmp_path, gen):
+    for cfg in (
+        {"store": MemoryStore()},
+        {"store": StorePath(MemoryStore(), "worker-3/kv")},
+        {"path": "memory://tiering-test/kv"},
+    ):
+        s = make(tmp_path, **cfg)
+        data = pages(gen, 5)
+        extent = s.reserve("a", 5)
+        assert same_bits(round_trip(s, extent, data), data), cfg
+        s.close()
+
+
+@pytest.mark.parametrize("codec", ["zstd", "blosc"])
+def test_compressed_codecs_round_trip_and_detect_corruption(tmp_path, gen, codec):
+    plan = FaultPlan(seed=1)
+    s = faulty(tmp_path, plan, codec=codec, dtype=torch.bfloat16)
+    data = pages(gen, 6, torch.bfloat16)
+    data[1].zero_()
+    extent = s.reserve("a", 6)
+    assert same_bits(round_trip(s, extent, data), data)
+    plan.arm("corrupt", next_n=1)
+    with pytest.raises(DiskCorruptionError):
+        s.read(extent, torch.empty_like(data))
+    s.close()
+
+
+# ---------------------------------------------------------------------------- slot store itself
+
+
+def test_slot_store_keys_ranges_and_listing(tmp_path):
+    import asyncio
+
+    from zarr.abc.store import RangeByteRequest, SuffixByteRequest
+    from zarr.core.buffer import default_buffer_prototype
+
+    proto = default_buffer_prototype()
+    store = SlotFileStore(tmp_path / "s", num_slots=4, slot_capacity=100, read_buffers=2)
+    store.open_sync()
+    payload = bytes(range(60))
+
+    async def scenario():
+        await store.set("c/2/0", proto.buffer.from_bytes(payload))
+        await store.set("zarr.json", proto.buffer.from_bytes(b"{}"))
+        got = await store.get("c/2/0", proto)
+        part = await store.get("c/2/0", proto, RangeByteRequest(10, 20))
+        tail = await store.get("c/2/0", proto, SuffixByteRequest(5))
+        missing = await store.get("c/1/0", proto)
+        keys = sorted([k async for k in store.list()])
+        await store.delete("c/2/0")
+        after = await store.exists("c/2/0")
+        return got.to_bytes(), part.to_bytes(), tail.to_bytes(), missing, keys, after
+
+    got, part, tail, missing, keys, after = asyncio.run(scenario())
+    assert got == payload and part == payload[10:20] and tail == payload[-5:]
+    assert missing is None and keys == ["c/2/0", "zarr.json"] and after is False
+    with pytest.raises(OSError) as info:
+        store.set_sync("c/0/0", proto.buffer.from_bytes(bytes(101)))
+    assert info.value.errno == errno.EFBIG
+    with pytest.raises(ValueError, match="slot"):
+        store.set_sync("c/9/0", proto.buffer.from_bytes(b"x"))
+    store.close()
+    reopened = SlotFileStore(tmp_path / "s", num_slots=5, slot_capacity=100)
+    reopened.open_sync()  # another geometry: recreated empty
+    assert reopened.found_existing and not reopened.matched_existing
+    assert reopened.occupied_slots() == []
+    reopened.close()
+
+
+# ---------------------------------------------------------------------------- manifest faults, busy extents
+
+
+class ManifestFaults(FaultyStore):
+    """Fails manifest writes while ``failing`` is set (FaultyStore leaves metadata alone)."""
+
+    failing = False
+
+    async def set(self, key, value):
+        if key.endswith(MANIFEST_KEY) and self.failing:
+            raise OSError(errno.EIO, "manifest write refused", key)
+        await super().set(key, value)
+
+
+def test_manifest_write_failures_never_leave_a_stale_manifest(tmp_path, gen):
+    wrapper: dict[str, ManifestFaults] = {}
+
+    def wrap(inner):
+        wrapper["w"] = ManifestFaults(inner, FaultPlan())
+        return wrapper["w"]
+
+    s = make(tmp_path, on_start="reattach", wrap_store=wrap)
+    a, b = s.reserve("a", 4), s.reserve("b", 4)
+    s.write(a, pages(gen, 4))
+    s.write(b, pages(gen, 4))
+    s.commit("a", a, {})
+    wrapper["w"].failing = True
+    with pytest.raises(DiskIOError, match="manifest"):
+        s.commit("b", b, {})
+    assert s.stats()["committed"] == 1  # the failed commit left nothing behind
+    with pytest.raises(DiskIOError, match="manifest"):
+        s.release(a)
+    # The manifest on disk still lists a's chunk, so it must not be handed out again yet.
+    assert s.used_bytes() == 2 * s.chunk_alloc_bytes and s.stats()["quarantined_chunks"] == 1
+    s.check_integrity()
+    wrapper["w"].failing = False
+    s.commit("b", b, {})  # the next good manifest write frees it
+    assert s.used_bytes() == s.chunk_alloc_bytes and s.stats()["quarantined_chunks"] == 0
+    s.check_integrity()
+    s.close()
+    again = make(tmp_path, on_start="reattach")
+    assert list(again.reattached()) == ["b"]
+    again.close()
+
+
+def test_clear_mode_keeps_commits_in_memory_only(store, tmp_path, gen):
+    e = store.reserve("a", 4)
+    store.write(e, pages(gen, 4))
+    store.commit("a", e, {"x": 1})
+    assert store.stats()["committed"] == 1
+    assert not (tmp_path / "disk" / MANIFEST_KEY).exists()
+
+
+def test_operations_on_a_busy_extent_are_refused(tmp_path, gen):
+    entered = threading.Semaphore(0)
+    gate = threading.Event()
+
+    def held_sleep(_seconds):
+        entered.release()
+        assert gate.wait(30), "gate never opened"
+
+    plan = FaultPlan(seed=8, sleep=held_sleep)
+    s = faulty(tmp_path, plan)
+    extent = s.reserve("a", 4)
+    data = pages(gen, 4)
+    plan.arm("slow", next_n=1)
+    with ThreadPoolExecutor(1) as pool:
+        writing = pool.submit(s.write, extent, data)
+        assert entered.acquire(timeout=30), "write never reached the store"
+        with pytest.raises(ValueError, match="in flight"):
+            s.write(extent, data)
+        with pytest.raises(ValueError, match="in flight"):
+            s.release(extent)
+        assert s.stats()["in_flight"] == 1
+        gate.set()
+        writing.result(timeout=30)
+    out = torch.empty_like(data)
+    s.read(extent, out)
+    assert same_bits(out, data)
+    s.close()
+
+
+def test_closed_store_refuses_work(tmp_path, gen):
+    s = make(tmp_path)
+    e = s.reserve("a", 2)
+    s.write(e, pages(gen, 2))
+    s.close()
+    with pytest.raises(ValueError, match="closed"):
+        s.reserve("b", 1)
+    with pytest.raises(ValueError, match="closed"):
+        s.read(e, torch.empty((2, *PAGE_SHAPE)))
+    with pytest.raises(ValueError, match="closed"):
+        s.release(e)
+    assert not s.can_reserve(1)
+    s.close()  # idempotent

@@ -1,0 +1,219 @@
+"""PagedKVCache with its disk tier: round trips, the cap, faults, start-up."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import assert_same, fill
+
+from resources.kv_cache import PagedKVCache, RequestLost
+from tiering.disk_faults import FaultPlan, FaultyStore
+from tiering.disk_store import DiskConfig
+from tiering.types import RequestState, Tier
+
+S = RequestState
+
+
+def make(geom, tmp_path, *, host_pages=8, device_pages=16, cap_pages=16, plan=None, **kw):
+    page = geom.page_bytes
+    cfg = DiskConfig(path=tmp_path / "disk", capacity_bytes=cap_pages * page, chunk_bytes=2 * page,
+                     **{k: kw.pop(k) for k in ("on_start",) if k in kw})
+    wrap = (lambda s: FaultyStore(s, plan)) if plan is not None else None
+    return PagedKVCache(geom, device_pages=device_pages, host_pages=host_pages, disk=cfg,
+                        disk_wrap_store=wrap, **kw)
+
+
+def to_disk(kv, rid):
+    kv.offload(rid)
+    kv.synchronize(10)
+    if kv.state_of(rid) is S.ON_HOST:
+        assert kv.demote(rid)
+        kv.synchronize(10)
+    assert kv.state_of(rid) is S.ON_DISK, kv.state_of(rid)
+
+
+def test_round_trip_device_host_disk_device(geom, tmp_path):
+    kv = make(geom, tmp_path, verify=True)
+    try:
+        gen = torch.Generator().manual_seed(11)
+        data = {f"r{i}": fill(kv, f"r{i}", gen, 3 + 4 * i) for i in range(4)}
+        for rid in data:
+            to_disk(kv, rid)
+            kv.check_integrity()
+        assert kv.host_used_bytes() == 0 and kv.device_used_bytes() == 0
+        assert all(kv.tier_of(r) is Tier.DISK for r in data)
+        for rid in data:
+            assert kv.reload(rid)
+            kv.check_integrity()
+        kv.synchronize(10)
+        kv.check_integrity()
+        for rid, d in data.items():
+            assert_same(kv, rid, d)
+        assert kv.stats.reloads_from_disk == 4 and kv.stats.demotions == 4
+        assert kv.disk.used_bytes() == 0
+    finally:
+        kv.close()
+
+
+def test_offload_goes_straight_to_disk_when_host_full(geom, tmp_path):
+    kv = make(geom, tmp_path, host_pages=1)
+    try:
+        gen = torch.Generator().manual_seed(12)
+        a = fill(kv, "a", gen, 12)  # 3 pages: the host cannot take it
+        assert kv.reclaimable("a") == 3 * geom.page_bytes
+        assert kv.offload("a") == 3 * geom.page_bytes
+        kv.synchronize(10)
+        assert kv.state_of("a") is S.ON_DISK
+        assert kv.stats.offloads_to_disk == 1
+        assert kv.reload("a")
+        kv.synchronize(10)
+        assert_same(kv, "a", a)
+    finally:
+        kv.close()
+
+
+def test_disk_cap_never_exceeded_under_random_load(geom, tmp_path):
+    kv = make(geom, tmp_path, host_pages=6, device_pages=24, cap_pages=8)
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(13)
+    data = {}
+    try:
+        ops = ["add"] * 3 + ["offload"] * 3 + ["demote"] * 3 + ["reload", "remove", "poll"]
+        for step in range(300):
+            op = rng.choice(ops)
+            rids = sorted(data)
+            rid = rng.choice(rids) if rids else None
+            st = kv.state_of(rid) if rid else None
+            if op == "add":
+                r = f"n{step}"
+                kv.ingest_request(r)
+                if kv.allocate(r, rng.randint(1, 9)):
+                    data[r] = None
+                else:
+                    kv.remove_request(r)
+            elif op == "offload" and st is S.RESIDENT:
+                kv.offload(rid)
+            elif op == "demote" and st is S.ON_HOST:
+                before = kv.disk.used_bytes()
+                ok = kv.demote(rid)
+                assert ok or kv.disk.used_bytes() == before
+            elif op == "reload" and st in (S.ON_HOST, S.ON_DISK):
+                kv.reload(rid)
+            elif op == "remove" and rid:
+                kv.remove_request(rid)
+                del data[rid]
+            else:
+                kv.poll()
+            assert kv.disk.used_bytes() <= kv.disk.capacity_bytes
+            kv.check_integrity()
+            if step % 3 == 0:
+                kv.poll()
+        kv.synchronize(10)
+        kv.check_integrity()
+        assert kv.disk.stats()["refusals"] > 0, "the cap was never reached"
+        assert kv.stats.demotions + kv.stats.offloads_to_disk > 0, kv.stats.as_dict()
+        del gen
+    finally:
+        kv.close()
+
+
+def test_write_fault_leaves_request_on_host(geom, tmp_path):
+    plan = FaultPlan(seed=1)
+    kv = make(geom, tmp_path, plan=plan)
+    try:
+        gen = torch.Generator().manual_seed(14)
+        a = fill(kv, "a", gen, 8)
+        kv.offload("a")
+        kv.synchronize(10)
+        plan.arm("enospc_write", next_n=1)
+        assert kv.demote("a")
+        kv.synchronize(10)
+        assert plan.injected["enospc_write"] == 1
+        assert kv.state_of("a") is S.ON_HOST
+        assert kv.stats.demote_failures == 1
+        assert kv.disk.used_bytes() == 0
+        kv.check_integrity()
+        assert kv.reload("a")
+        kv.synchronize(10)
+        assert_same(kv, "a", a)
+    finally:
+        kv.close()
+
+
+@pytest.mark.parametrize("kind", ["eio_read", "corrupt"])
+def test_read_fault_loses_only_that_request(geom, tmp_path, kind):
+    plan = FaultPlan(seed=2)
+    kv = make(geom, tmp_path, plan=plan)
+    try:
+        gen = torch.Generator().manual_seed(15)
+        a = fill(kv, "a", gen, 8)
+        b = fill(kv, "b", gen, 8)
+        to_disk(kv, "a")
+        to_disk(kv, "b")
+        plan.arm(kind, next_n=1)
+        assert kv.reload("a")
+        kv.synchronize(10)
+        plan.disarm()
+        assert plan.injected[kind] == 1
+        assert kv.state_of("a") is S.LOST
+        assert "disk" in kv.lost_reason("a")
+        with pytest.raises(RequestLost):
+            kv.read("a", 0)
+        assert kv.reload("b")
+        kv.synchronize(10)
+        assert_same(kv, "b", b)
+        kv.check_integrity()
+        assert kv.take_lost() == [("a", kv.lost_reason("a"))]
+        del a
+    finally:
+        kv.close()
+
+
+def test_flipped_byte_in_the_file_is_detected_never_served(geom, tmp_path):
+    kv = make(geom, tmp_path)
+    try:
+        gen = torch.Generator().manual_seed(16)
+        a = fill(kv, "a", gen, 8)
+        to_disk(kv, "a")
+        needle = a[0][0][:4].contiguous().view(torch.uint8).numpy().tobytes()  # layer 0 K, page 0
+        hits = 0
+        for path in (tmp_path / "disk").rglob("*"):
+            raw = bytearray(path.read_bytes()) if path.is_file() else bytearray()
+            at = raw.find(needle)
+            if at >= 0:
+                raw[at + 7] ^= 0xFF
+                path.write_bytes(bytes(raw))
+                hits += 1
+        assert hits == 1, "the request's bytes were not found on disk exactly once"
+        assert kv.reload("a")
+        kv.synchronize(10)
+        assert kv.state_of("a") is S.LOST
+        kv.check_integrity()
+    finally:
+        kv.close()
+
+
+def test_start_up_reattach_and_clear(geom, tmp_path):
+    kv = make(geom, tmp_path, on_start="reattach")
+    gen = torch.Generator().manual_seed(17)
+    a = fill(kv, "a", gen, 10)
+    to_disk(kv, "a")
+    fill(kv, "b", gen, 4)  # resident only: nothing of it on disk
+    kv.close()
+    kv2 = make(geom, tmp_path, on_start="reattach")
+    try:
+        assert kv2.requests() == ["a"]
+        assert kv2.state_of("a") is S.ON_DISK
+        kv2.check_integrity()
+        assert kv2.reload("a")
+        kv2.synchronize(10)
+        assert_same(kv2, "a", a)
+    finally:
+        kv2.close()
+    kv3 = make(geom, tmp_path, on_start="clear")
+    try:
+        assert kv3.requests() == [] and kv3.disk.used_bytes() == 0
+    finally:
+        kv3.close()

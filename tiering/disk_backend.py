@@ -1,0 +1,240 @@
+"""Where the disk tier's zarr array lives: the store, and starting, clearing and
+reattaching it.
+
+``PageBackend`` opens the zarr store named by a ``DiskConfig`` (a local
+directory becomes a ``SlotFileStore``; another URL an ``FsspecStore``; a given
+store or ``StorePath`` is used as it is), wraps it so that a missing chunk is an
+error rather than fill values, and holds the page array. It knows nothing of
+owners or ledgers: ``reattach`` returns the manifest's entries, or raises
+``StartRefused`` saying why they cannot be trusted, and the caller then clears.
+All store calls go through zarr's event loop and are bounded by the configured
+timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+import zarr
+import zarr.api.asynchronous as zasync
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+from zarr.core.sync import sync
+from zarr.storage import FsspecStore, StorePath, WrapperStore
+
+from tiering.disk_array import create_page_array, max_encoded_bytes, page_array_mismatch
+from tiering.disk_config import DiskConfig
+from tiering.disk_manifest import MANIFEST_KEY, ManifestEntry, ManifestError
+from tiering.disk_slotfile import SlotFileStore
+
+_T = TypeVar("_T")
+
+
+class StartRefused(Exception):
+    """Why a reattach was declined; ``nothing_there`` for a plain first start."""
+
+    def __init__(self, reason: str, *, nothing_there: bool = False) -> None:
+        super().__init__(reason)
+        self.nothing_there = nothing_there
+
+
+@dataclass(frozen=True)
+class ArrayGeometry:
+    """The page array's shape, chunking, storage dtype and codec."""
+
+    rows: int
+    row_elems: int
+    pages_per_chunk: int
+    dtype: np.dtype
+    codec: str
+
+
+class _MissingChunk(OSError):
+    pass
+
+
+class _RequireChunks(WrapperStore[Store]):
+    """Turns a missing chunk into ``OSError(ENODATA)``: zarr would hand back fill values."""
+
+    def _with_store(self, store: Store) -> _RequireChunks:
+        return _RequireChunks(store)
+
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        value = await self._store.get(key, prototype, byte_range)
+        if value is None and (key.startswith("c/") or "/c/" in key):
+            raise _MissingChunk(errno.ENODATA, "chunk is missing from the store", key)
+        return value
+
+
+def local_dir(path: str | os.PathLike[str]) -> str | None:
+    """The local directory a path or ``file://`` URL names; None for other URLs."""
+    text = os.fspath(path)
+    parsed = urlparse(text)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"DiskConfig.path {text!r}: file URLs must name a local path")
+        return unquote(parsed.path)
+    if len(parsed.scheme) > 1 and "://" in text:
+        return None
+    return text
+
+
+class PageBackend:
+    """The zarr store and page array of one disk tier.
+
+    ``num_slots`` and ``chunk_bytes`` size the slot file when the config names a
+    local directory. ``wrap_store`` wraps the base store (fault injection).
+    """
+
+    def __init__(
+        self,
+        config: DiskConfig,
+        *,
+        num_slots: int,
+        chunk_bytes: int,
+        wrap_store: Callable[[Store], Store] | None = None,
+    ) -> None:
+        self.config = config
+        self.slots: SlotFileStore | None = None
+        self.prefix = ""
+        self._owns_store = config.store is None
+        if isinstance(config.store, StorePath):
+            base: Store = config.store.store
+            self.prefix = config.store.path
+        elif config.store is not None:
+            base = config.store
+        else:
+            assert config.path is not None
+            local = local_dir(config.path)
+            if local is None:
+                base = FsspecStore.from_url(os.fspath(config.path))
+            else:
+                self.slots = SlotFileStore(
+                    local,
+                    num_slots=num_slots,
+                    slot_capacity=max_encoded_bytes(config.codec, chunk_bytes),
+                    read_buffers=2 * config.io_threads,
+                )
+                self.slots.open_sync()
+                base = self.slots
+        try:
+            wrapped = wrap_store(base) if wrap_store is not None else base
+            if not isinstance(wrapped, Store):
+                raise ValueError(
+                    f"wrap_store must return a zarr Store, got {type(wrapped).__name__}"
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.store: Store = _RequireChunks(wrapped)
+        self.store_path = StorePath(self.store, self.prefix)
+        self.array: zarr.AsyncArray[Any] | None = None
+
+    @property
+    def where(self) -> str:
+        return repr(self.config.path) if self.config.store is None else repr(self.config.store)
+
+    def call(self, aw: Awaitable[_T]) -> _T:
+        """Run a store or array coroutine on zarr's loop, bounded by the I/O timeout."""
+        return sync(_as_coroutine(aw), timeout=self.config.io_timeout_s)
+
+    def close(self) -> None:
+        """Close the slot file if this backend opened one (no I/O may be running)."""
+        if self._owns_store and self.slots is not None:
+            self.slots.close()
+
+    # ------------------------------------------------------------------ start-up
+
+    def clear_and_create(self, geometry: ArrayGeometry) -> None:
+        """Remove everything an earlier process left, then create an empty page array."""
+        if self.slots is not None:
+            self.slots.clear_sync()
+        elif self.prefix:
+            self.call(self.store.delete_dir(self.prefix))
+        else:
+            try:
+                self.call(self.store.clear())
+            except FileNotFoundError:
+                pass
+        self.array = self.call(create_page_array(self.store_path, **asdict(geometry)))
+
+    def reattach(
+        self, geometry: ArrayGeometry, decode: Callable[[bytes], dict[str, ManifestEntry]]
+    ) -> dict[str, ManifestEntry]:
+        """Open the existing array and return the manifest's entries (decoded and
+        verified by ``decode``), after deleting every chunk the manifest does not
+        list. Raises StartRefused if anything is missing, unreadable or different."""
+        if self.slots is not None and not self.slots.found_existing:
+            raise StartRefused("no slot file (first start)", nothing_there=True)
+        if self.slots is not None and not self.slots.matched_existing:
+            raise StartRefused("the slot file was made for another geometry")
+        try:
+            raw = self.call(self.store.get(self._manifest_key(), default_buffer_prototype()))
+        except OSError as exc:
+            raise StartRefused(f"manifest unreadable: {exc}") from exc
+        if raw is None:
+            raise StartRefused("no manifest", nothing_there=True)
+        try:
+            entries = decode(raw.to_bytes())
+        except ManifestError as exc:
+            raise StartRefused(str(exc)) from exc
+        try:
+            array = self.call(zasync.open_array(store=self.store_path, zarr_format=3))
+        except Exception as exc:  # noqa: BLE001 - any failure to open means "do not trust it"
+            raise StartRefused(f"array metadata unreadable: {exc!r}") from exc
+        mismatch = page_array_mismatch(array, **asdict(geometry))
+        if mismatch is not None:
+            raise StartRefused(mismatch)
+        self._drop_unlisted_chunks({c for e in entries.values() for c in e.chunks})
+        self.array = array
+        return entries
+
+    def write_manifest(self, body: bytes, *, flush_data: bool) -> None:
+        """Replace the manifest (after flushing the slot file when ``flush_data``)."""
+        if flush_data and self.slots is not None:
+            self.slots.fsync()
+        buf = default_buffer_prototype().buffer.from_bytes(body)
+        self.call(self.store.set(self._manifest_key(), buf))
+
+    def _manifest_key(self) -> str:
+        return f"{self.prefix}/{MANIFEST_KEY}" if self.prefix else MANIFEST_KEY
+
+    def _drop_unlisted_chunks(self, listed: set[int]) -> None:
+        """Delete every chunk not in ``listed``; refuse if a listed one is missing."""
+        prefix = f"{self.prefix}/c/" if self.prefix else "c/"
+        try:
+            keys = self.call(_collect(self.store.list_prefix(prefix)))
+            present: set[int] = set()
+            strays: list[str] = []
+            for key in keys:
+                parts = key[len(prefix) :].split("/")
+                index = int(parts[0]) if len(parts) == 2 and parts[0].isdigit() else -1
+                if parts[-1] == "0" and index in listed:
+                    present.add(index)
+                else:
+                    strays.append(key)
+            missing = listed - present
+            if missing:
+                raise StartRefused(
+                    f"manifest lists chunks missing from the store: {sorted(missing)[:20]}"
+                )
+            for key in strays:
+                self.call(self.store.delete(key))
+        except OSError as exc:
+            raise StartRefused(f"store listing failed: {exc}") from exc
+
+
+async def _as_coroutine(aw: Awaitable[_T]) -> _T:
+    return await aw
+
+
+async def _collect(it: Any) -> list[str]:
+    return [key async for key in it]

@@ -1,0 +1,81 @@
+"""Configuration of the disk tier: where its pages live, how much it may hold, how it starts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from zarr.abc.store import Store
+from zarr.storage import StorePath
+
+from tiering.disk_array import CODECS
+
+ON_START = ("clear", "reattach")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """How the disk tier is stored and sized; validated on construction.
+
+    ``path``: local directory or URL (``file://`` is local; other schemes go to
+    fsspec). ``store``: a zarr store or StorePath used instead of ``path``; the
+    disk tier owns it (a clear empties the whole store, or a StorePath's prefix).
+    ``capacity_bytes``: the hard cap of the ledger. ``codec``: ``none`` (default),
+    ``zstd`` or ``blosc`` (bitshuffle); crc32c is always applied.
+    ``chunk_bytes``: target chunk size, the allocation unit. ``on_start``:
+    ``clear`` or ``reattach``. ``io_threads``: chunk operations one read or write
+    keeps in flight (the local slot store also keeps ``2 * io_threads`` reusable
+    chunk-sized read buffers). ``io_timeout_s``: the longest one read or write may
+    take.
+    """
+
+    path: str | os.PathLike[str] | None = None
+    capacity_bytes: int = 0
+    store: Any = None
+    codec: str = "none"
+    chunk_bytes: int = 32 << 20
+    on_start: str = "clear"
+    io_threads: int = 2
+    io_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.store is None and self.path is None:
+            raise ValueError("DiskConfig.path or DiskConfig.store must be given")
+        if self.store is not None and not isinstance(self.store, (Store, StorePath)):
+            raise ValueError(
+                f"DiskConfig.store must be a zarr Store or StorePath, got {type(self.store).__name__}"
+            )
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            raise ValueError(
+                f"DiskConfig.path must be a str or os.PathLike, got {type(self.path).__name__}"
+            )
+        if self.path is not None and not os.fspath(self.path):
+            raise ValueError("DiskConfig.path must not be empty")
+        if not _is_int(self.capacity_bytes) or self.capacity_bytes <= 0:
+            raise ValueError(
+                f"DiskConfig.capacity_bytes must be a positive int, got {self.capacity_bytes!r}"
+            )
+        if self.codec not in CODECS:
+            raise ValueError(f"DiskConfig.codec must be one of {CODECS}, got {self.codec!r}")
+        if not _is_int(self.chunk_bytes) or self.chunk_bytes <= 0:
+            raise ValueError(
+                f"DiskConfig.chunk_bytes must be a positive int, got {self.chunk_bytes!r}"
+            )
+        if self.on_start not in ON_START:
+            raise ValueError(
+                f"DiskConfig.on_start must be one of {ON_START}, got {self.on_start!r}"
+            )
+        if not _is_int(self.io_threads) or self.io_threads < 1:
+            raise ValueError(f"DiskConfig.io_threads must be an int >= 1, got {self.io_threads!r}")
+        if (
+            not isinstance(self.io_timeout_s, (int, float))
+            or isinstance(self.io_timeout_s, bool)
+            or not self.io_timeout_s > 0
+        ):
+            raise ValueError(f"DiskConfig.io_timeout_s must be > 0, got {self.io_timeout_s!r}")

@@ -1,0 +1,374 @@
+"""The disk tier's chunk ledger: which chunk belongs to whom, and what may be reused.
+
+``ChunkLedger`` is the one owner of the disk tier's allocation state: the free
+map, the live extents (owner, page count, written, busy), the committed
+entries, and the quarantine of released chunks that may not be reused yet. It
+does no I/O; ``DiskPageStore`` drives it and does the reading and writing. All
+methods are thread-safe (one lock); a chunk is always exactly one of free, held
+by one live extent, or quarantined.
+
+A released chunk is quarantined while either reason holds:
+- ``"io"``: the extent's last operation timed out and its I/O is still running;
+- ``"manifest"``: the manifest on disk still lists it (so a restart would adopt it).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+class DiskExtent(NamedTuple):
+    """What one reservation holds: whole chunks, and how many pages they carry."""
+
+    chunks: tuple[int, ...]
+    num_pages: int
+
+
+class DiskIntegrityError(AssertionError):
+    """The disk tier's bookkeeping broke one of its invariants."""
+
+
+@dataclass
+class ExtentState:
+    """One live extent's book-keeping (guarded by the ledger's lock)."""
+
+    owner: str
+    num_pages: int
+    written: bool = False
+    busy: bool = False
+    timed_out: bool = False
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_owner(owner: object) -> None:
+    if not isinstance(owner, str) or not owner:
+        raise ValueError(f"owner must be a non-empty str, got {owner!r}")
+
+
+def check_extent(extent: object) -> None:
+    if not isinstance(extent, DiskExtent):
+        raise ValueError(f"expected a DiskExtent, got {type(extent).__name__}")
+
+
+class ChunkLedger:
+    """Allocation state of ``capacity_chunks`` chunks of ``pages_per_chunk`` pages each."""
+
+    def __init__(self, capacity_chunks: int, pages_per_chunk: int) -> None:
+        self.capacity_chunks = capacity_chunks
+        self.pages_per_chunk = pages_per_chunk
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._free = np.ones(capacity_chunks, dtype=bool)
+        self._used = 0
+        self._extents: dict[tuple[int, ...], ExtentState] = {}
+        self._committed: dict[str, tuple[DiskExtent, dict[str, Any]]] = {}
+        self._quarantine: dict[int, set[str]] = {}
+        self._on_disk: set[int] = set()
+        self._in_flight = 0
+        self._refusals = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ sizing
+
+    def chunks_for(self, num_pages: int) -> int:
+        if not _is_int(num_pages) or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        return -(-int(num_pages) // self.pages_per_chunk)
+
+    def used_chunks(self) -> int:
+        with self._lock:
+            return self._used
+
+    def can_reserve(self, num_pages: int) -> bool:
+        need = self.chunks_for(num_pages)
+        with self._lock:
+            return not self._closed and self.capacity_chunks - self._used >= need
+
+    # ------------------------------------------------------------------ reserve / release
+
+    def reserve(self, owner: str, num_pages: int) -> DiskExtent | None:
+        """Whole chunks for ``num_pages``, one adjacent run if any fits; None (counted) if full."""
+        check_owner(owner)
+        need = self.chunks_for(num_pages)
+        with self._lock:
+            self._check_open()
+            if self.capacity_chunks - self._used < need:
+                self._refusals += 1
+                return None
+            chunks = pick_chunks(self._free, need)
+            self._free[list(chunks)] = False
+            self._used += need
+            self._extents[chunks] = ExtentState(owner=owner, num_pages=int(num_pages))
+            return DiskExtent(chunks, int(num_pages))
+
+    def release(self, extent: DiskExtent, *, persistent: bool) -> bool:
+        """Drop a live extent and its committed entry; free or quarantine its chunks.
+
+        Returns True when the manifest must be rewritten before some of its
+        chunks can be reused (``persistent`` stores only).
+        """
+        with self._lock:
+            self._check_open()
+            state = self._state(extent)
+            if state.busy and not state.timed_out:
+                raise ValueError(
+                    f"extent {extent.chunks} of {state.owner!r} has an operation in flight"
+                )
+            del self._extents[extent.chunks]
+            owner = self._committed_owner_of(extent)
+            if owner is not None:
+                del self._committed[owner]
+            needs_manifest = False
+            free_now = []
+            for c in extent.chunks:
+                reasons = set()
+                if state.busy:
+                    reasons.add("io")
+                if persistent and c in self._on_disk:
+                    reasons.add("manifest")
+                    needs_manifest = True
+                if reasons:
+                    self._quarantine[c] = reasons
+                else:
+                    free_now.append(c)
+            self._free_chunks(free_now)
+            return needs_manifest
+
+    # ------------------------------------------------------------------ operations
+
+    def begin(self, extent: DiskExtent, what: str) -> ExtentState:
+        """Mark the extent busy for one ``"read"`` or ``"write"``; refuse what may not start."""
+        with self._lock:
+            self._check_open()
+            state = self._state(extent)
+            if state.busy:
+                raise ValueError(
+                    f"{what} of extent {extent.chunks} of {state.owner!r}: "
+                    f"another operation is in flight"
+                )
+            if what == "read" and not state.written:
+                raise ValueError(
+                    f"extent {extent.chunks} of {state.owner!r} has not been written successfully"
+                )
+            if what == "write":
+                owner = self._committed_owner_of(extent)
+                if owner is not None:
+                    raise ValueError(
+                        f"extent {extent.chunks} is committed by {owner!r}; "
+                        f"forget it before rewriting"
+                    )
+                state.written = False
+            state.busy = True
+            state.timed_out = False
+            self._in_flight += 1
+            return state
+
+    def finish(self, extent: DiskExtent, state: ExtentState, *, wrote: bool = False) -> None:
+        """The operation's last I/O has ended; ``wrote``: it was a write and every chunk
+        landed. A write the caller already gave up on (timed out) stays unwritten."""
+        with self._lock:
+            state.busy = False
+            state.written = state.written or (wrote and not state.timed_out)
+            self._in_flight -= 1
+            if self._extents.get(extent.chunks) is not state:
+                self._unquarantine(extent.chunks, "io")  # released while its I/O ran
+            self._idle.notify_all()
+
+    def mark_timed_out(self, state: ExtentState) -> None:
+        """The caller gave up waiting; the extent stays busy until ``finish``."""
+        with self._lock:
+            if state.busy:
+                state.timed_out = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._lock:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout)
+
+    def close(self) -> bool:
+        """Refuse further work; False if it was already closed."""
+        with self._lock:
+            was_open = not self._closed
+            self._closed = True
+            return was_open
+
+    # ------------------------------------------------------------------ committed entries
+
+    def commit(self, owner: str, extent: DiskExtent, meta: dict[str, Any]) -> None:
+        with self._lock:
+            self._check_open()
+            state = self._state(extent)
+            if state.owner != owner:
+                raise ValueError(
+                    f"commit of {owner!r}: extent {extent.chunks} was reserved by {state.owner!r}"
+                )
+            if state.busy or not state.written:
+                raise ValueError(
+                    f"commit of {owner!r}: extent {extent.chunks} is busy or not completely written"
+                )
+            previous = self._committed.get(owner)
+            if previous is not None and previous[0] != extent:
+                raise ValueError(
+                    f"commit of {owner!r}: already committed with extent {previous[0].chunks}; "
+                    f"forget it first"
+                )
+            self._committed[owner] = (extent, meta)
+
+    def uncommit(self, owner: str, extent: DiskExtent, meta: dict[str, Any]) -> None:
+        """Undo ``commit(owner, extent, meta)`` if that entry is still the current one."""
+        with self._lock:
+            if self._committed.get(owner) == (extent, meta):
+                del self._committed[owner]
+
+    def forget(self, owner: str) -> bool:
+        check_owner(owner)
+        with self._lock:
+            self._check_open()
+            return self._committed.pop(owner, None) is not None
+
+    def committed(self) -> dict[str, tuple[DiskExtent, dict[str, Any]]]:
+        with self._lock:
+            return dict(self._committed)
+
+    def manifest_written(self, entries: dict[str, tuple[DiskExtent, dict[str, Any]]]) -> None:
+        """The manifest on disk now lists exactly ``entries``: free chunks that waited for it."""
+        with self._lock:
+            self._on_disk = {c for extent, _ in entries.values() for c in extent.chunks}
+            waiting = [c for c in self._quarantine if c not in self._on_disk]
+            self._unquarantine(waiting, "manifest")
+
+    def adopt(self, owner: str, extent: DiskExtent, meta: dict[str, Any]) -> None:
+        """Take over an extent a manifest listed at start-up: written, committed, on disk."""
+        with self._lock:
+            if not all(self._free[c] for c in extent.chunks):
+                raise ValueError(f"adopting {owner!r}: chunks {extent.chunks} are not free")
+            self._free[list(extent.chunks)] = False
+            self._used += len(extent.chunks)
+            self._extents[extent.chunks] = ExtentState(
+                owner=owner, num_pages=extent.num_pages, written=True
+            )
+            self._committed[owner] = (extent, meta)
+            self._on_disk.update(extent.chunks)
+
+    # ------------------------------------------------------------------ checks
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "extents": len(self._extents),
+                "committed": len(self._committed),
+                "quarantined_chunks": len(self._quarantine),
+                "in_flight": self._in_flight,
+                "refusals": self._refusals,
+                "used_chunks": self._used,
+            }
+
+    def check(self) -> None:
+        """Raise DiskIntegrityError unless every chunk is free, held by exactly one live
+        extent, or quarantined for a reason; the count of used chunks equals the chunks
+        not free; every extent fits its pages; every committed entry names a live,
+        written extent of the same owner."""
+        with self._lock:
+            problems = self._problems()
+        if problems:
+            raise DiskIntegrityError("disk store integrity: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        problems: list[str] = []
+        holders = np.zeros(self.capacity_chunks, dtype=np.int64)
+        for chunks, state in self._extents.items():
+            if len(set(chunks)) != len(chunks):
+                problems.append(f"extent {chunks} of {state.owner!r} repeats a chunk")
+            if len(chunks) != -(-state.num_pages // self.pages_per_chunk):
+                problems.append(
+                    f"extent {chunks} of {state.owner!r} does not fit {state.num_pages} pages"
+                )
+            holders[list(chunks)] += 1
+        for c, reasons in self._quarantine.items():
+            holders[c] += 1
+            if not reasons:
+                problems.append(f"chunk {c} is quarantined for no reason")
+        for label, mask in (
+            ("held twice", holders > 1),
+            ("held yet marked free", (holders > 0) & self._free),
+            ("neither free nor held", (holders == 0) & ~self._free),
+        ):
+            bad = np.flatnonzero(mask)
+            if bad.size:
+                problems.append(f"chunks {label}: {bad.tolist()[:20]}")
+        reserved = int(np.count_nonzero(~self._free))
+        if reserved != self._used:
+            problems.append(f"ledger counts {self._used} chunks, {reserved} are reserved")
+        if self._used > self.capacity_chunks:
+            problems.append(f"ledger counts {self._used} chunks of {self.capacity_chunks}")
+        for owner, (extent, _) in self._committed.items():
+            state = self._extents.get(extent.chunks)
+            if state is None or state.owner != owner or not state.written:
+                problems.append(f"committed entry {owner!r} does not name a live written extent")
+        return problems
+
+    # ------------------------------------------------------------------ internals (lock held)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("disk store is closed")
+
+    def _state(self, extent: DiskExtent) -> ExtentState:
+        check_extent(extent)
+        state = self._extents.get(tuple(extent.chunks))
+        if state is None:
+            raise ValueError(f"extent {extent.chunks} is not reserved in this store")
+        if extent.num_pages != state.num_pages:
+            raise ValueError(
+                f"extent {extent.chunks} was reserved for {state.num_pages} pages, "
+                f"not {extent.num_pages}"
+            )
+        return state
+
+    def _committed_owner_of(self, extent: DiskExtent) -> str | None:
+        for owner, (committed, _) in self._committed.items():
+            if committed.chunks == extent.chunks:
+                return owner
+        return None
+
+    def _unquarantine(self, chunks: Any, reason: str) -> None:
+        freed = []
+        for c in chunks:
+            reasons = self._quarantine.get(c)
+            if reasons is not None and reason in reasons:
+                reasons.discard(reason)
+                if not reasons:
+                    del self._quarantine[c]
+                    freed.append(c)
+        self._free_chunks(freed)
+
+    def _free_chunks(self, chunks: list[int]) -> None:
+        if chunks:
+            self._free[chunks] = True
+            self._used -= len(chunks)
+
+
+def pick_chunks(free: np.ndarray, need: int) -> tuple[int, ...]:
+    """``need`` free chunk indices: the smallest free run that fits (lowest first on ties),
+    else the longest runs first. The caller has checked that enough are free."""
+    padded = np.concatenate(([False], free, [False]))
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    starts, lengths = edges[0::2], edges[1::2] - edges[0::2]
+    fits = np.flatnonzero(lengths >= need)
+    if fits.size:
+        best = fits[np.argmin(lengths[fits])]
+        start = int(starts[best])
+        return tuple(range(start, start + need))
+    chosen: list[int] = []
+    for run in np.argsort(-lengths, kind="stable"):
+        take = min(int(lengths[run]), need - len(chosen))
+        chosen.extend(range(int(starts[run]), int(starts[run]) + take))
+        if len(chosen) == need:
+            break
+    return tuple(sorted(chosen))

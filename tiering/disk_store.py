@@ -1,0 +1,544 @@
+"""The disk tier's page store: KV pages in one zarr array, under a hard byte cap.
+
+Layout. Pages live as rows of a single zarr v3 array of shape
+``[capacity_chunks * pages_per_chunk, page_elems]``, chunked by whole rows
+``[pages_per_chunk, page_elems]``. A page's bytes are stored reinterpreted as an
+unsigned integer of the dtype's width (``uint16`` for bf16/fp16, ``uint8`` for
+odd widths), so dtypes numpy lacks round-trip bit for bit. Every chunk carries
+zarr's crc32c codec (after the optional zstd or bitshuffled blosc compressor),
+so a damaged chunk is refused at read, never served. Chunks are written with
+``write_empty_chunks`` on: a page of zeros is stored like any other.
+
+Allocation. The unit is one chunk (``pages_per_chunk`` pages, about
+``chunk_bytes``). ``reserve`` hands an owner whole chunks, preferring one
+adjacent run (best fit), so no two requests ever share a chunk and no write
+has to read-modify-write. ``capacity_pages = capacity_chunks * pages_per_chunk``
+with ``capacity_chunks = capacity_bytes // chunk_alloc_bytes``; the ledger counts
+reserved chunks times ``chunk_alloc_bytes`` and never exceeds ``capacity_bytes``.
+A reservation that would exceed it returns None and is counted as a refusal.
+
+I/O. ``write`` and ``read`` are synchronous and safe to call from several
+threads on distinct extents. Each is one round trip to zarr's event loop that
+issues one zarr call per chunk (at most ``io_threads`` in flight) and waits for
+all of them, so when a call returns, successfully or not, no I/O for that extent
+is still running. (One zarr call spanning several chunks would return at the
+first failing chunk while its siblings were still being written, and those
+could land after the chunks had been handed to another owner.) A short tail chunk is padded to a whole chunk in a side buffer.
+A failure surfaces as ``DiskIOError`` (with the errno when known), a checksum
+mismatch or undecodable chunk as ``DiskCorruptionError``, a chunk that vanished
+from the store as ``DiskIOError(ENODATA)``. A failed write leaves the extent
+reserved but unwritten (it cannot be read or committed until rewritten); the
+caller decides whether to release it. An operation that outlives
+``io_timeout_s`` raises ``DiskIOError(ETIMEDOUT)``; its chunks stay out of
+circulation (still counted) until the stray I/O has finished, even if the
+extent is released meanwhile.
+
+Stores. ``DiskConfig.path`` names a local directory (also as ``file://``), kept
+as one preallocated slot file by ``SlotFileStore``; any other URL opens a zarr
+``FsspecStore``; ``DiskConfig.store`` takes any zarr store (or ``StorePath``)
+instead. ``wrap_store`` wraps the store before use (the fault-injection seam,
+see ``tiering.disk_faults``).
+
+Modules. This one holds the public API and the I/O; ``disk_config`` the config;
+``disk_ledger`` the allocation state (one owner); ``disk_pages`` the byte view
+of a page; ``disk_array`` the zarr array and codecs; ``disk_backend`` the store
+and start-up; ``disk_slotfile`` the slot-file store; ``disk_manifest`` the
+manifest format; ``disk_faults`` fault injection.
+
+Start-up. With ``on_start="clear"`` (the default) everything an earlier process
+left in the store is removed first: stale bytes are never served, and commits
+are kept in memory only. With ``on_start="reattach"`` every ``commit`` and
+``forget`` rewrites a manifest (``tiering.disk_manifest``; atomically replaced,
+and for the slot file after an fsync of the data). At start, if the manifest
+parses, its checksum matches, its fingerprint and layout equal ours, the array
+metadata matches and every listed chunk is present, its entries are adopted
+(reserved in the ledger, returned by ``reattached()``) and every other chunk is
+deleted. If anything is off the whole store is cleared and the reason logged.
+Since ``commit`` is only accepted for a completely written extent, a crash in
+the middle of a write leaves nothing committed, and the next start clears it.
+Releasing a committed extent forgets its entry first, so a manifest never lists
+chunks that another owner may be rewriting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from zarr.abc.store import Store
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+
+from tiering.disk_array import CODECS
+from tiering.disk_backend import ArrayGeometry, PageBackend, StartRefused
+from tiering.disk_config import DiskConfig
+from tiering.disk_ledger import (
+    ChunkLedger,
+    DiskExtent,
+    DiskIntegrityError,
+    ExtentState,
+    check_extent,
+    check_owner,
+)
+from tiering.disk_manifest import ManifestEntry, decode_manifest, encode_manifest
+from tiering.disk_pages import PageFormat
+
+__all__ = [
+    "CODECS",
+    "DiskConfig",
+    "DiskCorruptionError",
+    "DiskExtent",
+    "DiskIOError",
+    "DiskIntegrityError",
+    "DiskPageStore",
+]
+
+log = logging.getLogger(__name__)
+
+
+class DiskIOError(OSError):
+    """A disk-tier read or write failed; ``errno`` is set when known."""
+
+
+class DiskCorruptionError(DiskIOError):
+    """A chunk's bytes failed their checksum (or could not be decoded) at read."""
+
+
+@dataclass
+class _Counters:
+    writes: int = 0
+    reads: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_faults: int = 0
+    read_faults: int = 0
+    corruptions: int = 0
+    timeouts: int = 0
+    manifest_faults: int = 0
+    errnos: dict[str, int] = field(default_factory=dict)
+
+
+class DiskPageStore:
+    """Fixed-size KV pages on disk, in whole-chunk extents, under a hard byte cap.
+
+    ``page_shape`` is one page's shape; ``dtype`` its element type (torch or
+    numpy). ``fingerprint`` describes the caller's geometry; a reattach refuses
+    data written under another. ``wrap_store`` (optional) wraps the underlying
+    zarr store, e.g. ``lambda s: FaultyStore(s, plan)``. See the module docstring
+    for the full contract.
+    """
+
+    def __init__(
+        self,
+        config: DiskConfig,
+        page_shape: tuple[int, ...],
+        dtype: torch.dtype | np.dtype | str,
+        *,
+        fingerprint: str = "",
+        wrap_store: Callable[[Store], Store] | None = None,
+    ) -> None:
+        if not isinstance(config, DiskConfig):
+            raise ValueError(f"config must be a DiskConfig, got {type(config).__name__}")
+        if not isinstance(fingerprint, str):
+            raise ValueError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
+        self.config = config
+        self.fingerprint = fingerprint
+        self.format = PageFormat.of(page_shape, dtype)
+        self.page_shape = self.format.page_shape
+        self.dtype = dtype
+        self.page_bytes = self.format.page_bytes
+        self.pages_per_chunk = max(1, config.chunk_bytes // self.page_bytes)
+        self.chunk_alloc_bytes = self.pages_per_chunk * self.page_bytes
+        self.capacity_chunks = config.capacity_bytes // self.chunk_alloc_bytes
+        if self.capacity_chunks < 1:
+            raise ValueError(
+                f"DiskConfig.capacity_bytes {config.capacity_bytes} is smaller than one chunk "
+                f"({self.chunk_alloc_bytes} bytes = {self.pages_per_chunk} pages of "
+                f"{self.page_bytes}); raise it or lower chunk_bytes"
+            )
+        self.capacity_pages = self.capacity_chunks * self.pages_per_chunk
+        self.capacity_bytes = config.capacity_bytes
+
+        self._ledger = ChunkLedger(self.capacity_chunks, self.pages_per_chunk)
+        self._counters = _Counters()
+        self._stats_lock = threading.Lock()
+        self._manifest_lock = threading.Lock()
+        self._reattached: dict[str, tuple[DiskExtent, dict[str, Any]]] = {}
+
+        self._geometry = ArrayGeometry(
+            rows=self.capacity_pages,
+            row_elems=self.format.row_elems,
+            pages_per_chunk=self.pages_per_chunk,
+            dtype=self.format.storage_dtype,
+            codec=config.codec,
+        )
+        self._backend = PageBackend(
+            config,
+            num_slots=self.capacity_chunks,
+            chunk_bytes=self.chunk_alloc_bytes,
+            wrap_store=wrap_store,
+        )
+        try:
+            self._start()
+        except BaseException:
+            self._backend.close()
+            raise
+
+    # ------------------------------------------------------------------ sizing and ledger
+
+    def used_bytes(self) -> int:
+        """Bytes the ledger holds: reserved (and quarantined) chunks times the chunk size."""
+        return self._ledger.used_chunks() * self.chunk_alloc_bytes
+
+    def bytes_for(self, num_pages: int) -> int:
+        """What reserving ``num_pages`` would add to the ledger (whole chunks)."""
+        return self._ledger.chunks_for(num_pages) * self.chunk_alloc_bytes
+
+    def can_reserve(self, num_pages: int) -> bool:
+        """Whether ``reserve(owner, num_pages)`` would succeed now."""
+        return self._ledger.can_reserve(num_pages)
+
+    def reserve(self, owner: str, num_pages: int) -> DiskExtent | None:
+        """Reserve whole chunks for ``num_pages`` pages; None (counted) when the cap forbids it."""
+        return self._ledger.reserve(owner, num_pages)
+
+    def release(self, extent: DiskExtent) -> None:
+        """Return an extent's chunks to the free pool, forgetting its committed entry.
+
+        Raises ValueError for an extent that is not live or has an operation in
+        flight. Chunks stay reserved (quarantined) while a timed-out operation's
+        I/O is still running, and while the manifest on disk still lists them;
+        the manifest is rewritten here, and if that fails DiskIOError is raised
+        and the chunks wait for the next successful manifest write.
+        """
+        if self._ledger.release(extent, persistent=self._persistent):
+            self._persist_manifest(f"releasing extent {extent.chunks}")
+
+    # ------------------------------------------------------------------ I/O
+
+    def write(self, extent: DiskExtent, pages: torch.Tensor | np.ndarray) -> None:
+        """Store ``pages`` ([n, *page_shape], n == extent.num_pages) in the extent's chunks.
+
+        Synchronous. Raises ValueError for bad input (nothing changes) and
+        DiskIOError on an I/O fault (the extent stays reserved and unwritten).
+        """
+        check_extent(extent)
+        rows = self.format.rows(pages, extent.num_pages, "pages", writable=False)
+        ppc = self.pages_per_chunk
+        parts: list[tuple[int, np.ndarray]] = []
+        for i, chunk in enumerate(extent.chunks):
+            part = rows[i * ppc : (i + 1) * ppc]
+            if part.shape[0] < ppc:
+                # Pad the tail to a whole chunk so zarr never reads-modifies-writes.
+                padded = np.zeros((ppc, self.format.row_elems), dtype=self.format.storage_dtype)
+                padded[: part.shape[0]] = part
+                part = padded
+            parts.append((chunk, part))
+        array = self._require_array()
+
+        async def one(chunk: int, part: np.ndarray) -> None:
+            await array.setitem((slice(chunk * ppc, (chunk + 1) * ppc), slice(None)), part)
+
+        state = self._ledger.begin(extent, "write")
+        self._run_io(extent, state, [(one, part) for part in parts], "write")
+        with self._stats_lock:
+            self._counters.writes += 1
+            self._counters.bytes_written += extent.num_pages * self.page_bytes
+
+    def read(self, extent: DiskExtent, out: torch.Tensor | np.ndarray) -> None:
+        """Fill ``out`` ([n, *page_shape], CPU, contiguous) with the extent's pages.
+
+        Raises ValueError for bad input or an extent that is not completely
+        written; DiskIOError / DiskCorruptionError on a fault, in which case the
+        contents of ``out`` are unspecified and must not be used.
+        """
+        check_extent(extent)
+        rows = self.format.rows(out, extent.num_pages, "out", writable=True)
+        ppc = self.pages_per_chunk
+        prototype = default_buffer_prototype()
+        array = self._require_array()
+
+        async def one(chunk: int, dest: np.ndarray) -> None:
+            start = chunk * ppc
+            selection = (slice(start, start + dest.shape[0]), slice(None))
+            out_buf = prototype.nd_buffer.from_numpy_array(dest)
+            await array.get_orthogonal_selection(selection, out=out_buf, prototype=prototype)
+
+        jobs = [
+            (one, (chunk, rows[i * ppc : (i + 1) * ppc])) for i, chunk in enumerate(extent.chunks)
+        ]
+        state = self._ledger.begin(extent, "read")
+        self._run_io(extent, state, jobs, "read")
+        with self._stats_lock:
+            self._counters.reads += 1
+            self._counters.bytes_read += extent.num_pages * self.page_bytes
+
+    # ------------------------------------------------------------------ manifest
+
+    def commit(self, owner: str, extent: DiskExtent, meta: Mapping[str, Any] | None = None) -> None:
+        """Record that ``owner``'s completely written extent should survive a restart.
+
+        ``meta`` must be JSON-serialisable (it comes back from ``reattached()``
+        as JSON types). In ``reattach`` mode the manifest is rewritten (after the
+        data is flushed); DiskIOError if that fails, and nothing is committed.
+        """
+        check_owner(owner)
+        try:
+            # A JSON round trip both checks and copies: the caller may mutate its dict later.
+            meta_dict = json.loads(json.dumps(dict(meta or {}), allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"commit of {owner!r}: meta is not JSON-serialisable: {exc}") from exc
+        self._ledger.commit(owner, extent, meta_dict)
+        if self._persistent:
+            try:
+                self._persist_manifest(f"committing {owner!r}", flush_data=True)
+            except DiskIOError:
+                self._ledger.uncommit(owner, extent, meta_dict)
+                raise
+
+    def forget(self, owner: str) -> bool:
+        """Drop ``owner``'s committed entry (its chunks stay reserved); False if it had none."""
+        if not self._ledger.forget(owner):
+            return False
+        if self._persistent:
+            self._persist_manifest(f"forgetting {owner!r}")
+        return True
+
+    def reattached(self) -> dict[str, tuple[DiskExtent, dict[str, Any]]]:
+        """Entries adopted at start-up (owner -> (extent, meta)); empty after a clear."""
+        return {owner: (ext, dict(meta)) for owner, (ext, meta) in self._reattached.items()}
+
+    # ------------------------------------------------------------------ checks, stats, life cycle
+
+    def check_integrity(self) -> None:
+        """Raise DiskIntegrityError unless every chunk is free, held by exactly one live
+        extent, or quarantined; the ledger equals the reserved chunks times the chunk
+        size and stays under the cap; every committed entry names a live, written
+        extent of the same owner."""
+        self._ledger.check()
+        ledger = self.used_bytes()
+        if ledger > self.capacity_bytes:
+            raise DiskIntegrityError(f"ledger {ledger} bytes exceeds the cap {self.capacity_bytes}")
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and occupancy, as a fresh dict."""
+        counts = self._ledger.counts()
+        with self._stats_lock:
+            c = self._counters
+            return {
+                "writes": c.writes,
+                "reads": c.reads,
+                "bytes_written": c.bytes_written,
+                "bytes_read": c.bytes_read,
+                "refusals": counts["refusals"],
+                "write_faults": c.write_faults,
+                "read_faults": c.read_faults,
+                "corruptions": c.corruptions,
+                "timeouts": c.timeouts,
+                "manifest_faults": c.manifest_faults,
+                "faults": c.write_faults + c.read_faults + c.manifest_faults,
+                "fault_errnos": dict(c.errnos),
+                "extents": counts["extents"],
+                "committed": counts["committed"],
+                "quarantined_chunks": counts["quarantined_chunks"],
+                "in_flight": counts["in_flight"],
+                "used_bytes": counts["used_chunks"] * self.chunk_alloc_bytes,
+                "capacity_bytes": self.capacity_bytes,
+            }
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no read or write (timed-out ones included) is still running.
+
+        Returns False if some still are after ``timeout`` seconds.
+        """
+        return self._ledger.wait_idle(timeout)
+
+    def close(self) -> None:
+        """Stop accepting work; wait (bounded) for in-flight I/O; close a store we opened."""
+        if not self._ledger.close():
+            return
+        if not self.wait_idle(self.config.io_timeout_s):
+            log.warning("disk store closed with I/O still in flight; its file stays open")
+            return
+        self._backend.close()
+
+    def __enter__(self) -> DiskPageStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals: I/O
+
+    @property
+    def _persistent(self) -> bool:
+        return self.config.on_start == "reattach"
+
+    def _require_array(self) -> zarr.AsyncArray[Any]:
+        assert self._backend.array is not None
+        return self._backend.array
+
+    def _run_io(
+        self,
+        extent: DiskExtent,
+        state: ExtentState,
+        jobs: list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]],
+        what: str,
+    ) -> None:
+        """Run per-chunk coroutines on zarr's loop, at most ``io_threads`` at a time,
+        wait for every one of them, and turn failures into DiskIOError. The ledger
+        hears ``finish`` exactly once, when the last chunk's I/O has ended."""
+        started = threading.Event()
+        finished = threading.Event()
+        once = threading.Lock()
+        limit = self.config.io_threads
+
+        def finish_once(ok: bool) -> None:
+            with once:
+                if finished.is_set():
+                    return
+                finished.set()
+            self._ledger.finish(extent, state, wrote=ok and what == "write")
+
+        async def run_all() -> list[BaseException | None]:
+            started.set()
+            ok = False
+            try:
+                sem = asyncio.Semaphore(limit)
+
+                async def guarded(
+                    fn: Callable[..., Awaitable[None]], args: tuple[Any, ...]
+                ) -> None:
+                    async with sem:
+                        await fn(*args)
+
+                results = await asyncio.gather(
+                    *(guarded(fn, args) for fn, args in jobs), return_exceptions=True
+                )
+                ok = not any(isinstance(r, BaseException) for r in results)
+                return results
+            finally:
+                finish_once(ok)
+
+        coro = run_all()
+        try:
+            results = sync(coro, timeout=self.config.io_timeout_s)
+        except TimeoutError as exc:
+            if finished.is_set():
+                raise self._fault(what, extent, exc) from exc
+            self._ledger.mark_timed_out(state)
+            with self._stats_lock:
+                self._counters.timeouts += 1
+            raise self._fault(
+                what,
+                extent,
+                OSError(errno.ETIMEDOUT, f"no answer within {self.config.io_timeout_s} s"),
+            ) from exc
+        except BaseException:
+            if not started.is_set():  # never scheduled: nothing runs, so settle it here
+                coro.close()
+                finish_once(False)
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise self._fault(what, extent, errors[0], count=len(errors)) from errors[0]
+
+    def _fault(
+        self, what: str, extent: DiskExtent, exc: BaseException, count: int = 1
+    ) -> DiskIOError:
+        """Classify one failed operation, count it, and build the error to raise."""
+        where = f"{what} of extent {extent.chunks}"
+        more = f" (and {count - 1} more chunk errors)" if count > 1 else ""
+        if isinstance(exc, OSError):  # store faults, missing chunks, timeouts
+            code = exc.errno if exc.errno is not None else errno.EIO
+            err: DiskIOError = DiskIOError(code, f"{where} failed: {exc}{more}")
+        elif what == "read" and isinstance(exc, (ValueError, RuntimeError)):
+            err = DiskCorruptionError(
+                errno.EBADMSG, f"{where}: stored chunk is corrupt: {exc}{more}"
+            )
+        else:
+            err = DiskIOError(errno.EIO, f"{where} failed: {exc!r}{more}")
+        with self._stats_lock:
+            c = self._counters
+            if isinstance(err, DiskCorruptionError):
+                c.corruptions += 1
+            if what == "write":
+                c.write_faults += 1
+            else:
+                c.read_faults += 1
+            name = errno.errorcode.get(err.errno or errno.EIO, str(err.errno))
+            c.errnos[name] = c.errnos.get(name, 0) + 1
+        return err
+
+    # ------------------------------------------------------------------ internals: start-up
+
+    def _layout(self) -> dict[str, Any]:
+        return {
+            "page_shape": list(self.page_shape),
+            "dtype": self.format.dtype_name,
+            "page_bytes": self.page_bytes,
+            "storage_dtype": str(self.format.storage_dtype),
+            "pages_per_chunk": self.pages_per_chunk,
+            "capacity_chunks": self.capacity_chunks,
+            "codec": self.config.codec,
+        }
+
+    def _decode(self, raw: bytes) -> dict[str, ManifestEntry]:
+        return decode_manifest(
+            raw,
+            fingerprint=self.fingerprint,
+            layout=self._layout(),
+            capacity_chunks=self.capacity_chunks,
+            pages_per_chunk=self.pages_per_chunk,
+        )
+
+    def _start(self) -> None:
+        where = self._backend.where
+        if self.config.on_start == "reattach":
+            try:
+                entries = self._backend.reattach(self._geometry, self._decode)
+            except StartRefused as exc:
+                level = logging.INFO if exc.nothing_there else logging.WARNING
+                log.log(level, "disk store %s: not reattaching, clearing it: %s", where, exc)
+            else:
+                for owner, entry in entries.items():
+                    extent = DiskExtent(tuple(entry.chunks), entry.num_pages)
+                    self._ledger.adopt(owner, extent, dict(entry.meta))
+                    self._reattached[owner] = (extent, dict(entry.meta))
+                log.info("disk store %s: reattached %d entries", where, len(entries))
+                return
+        try:
+            self._backend.clear_and_create(self._geometry)
+        except OSError as exc:
+            raise DiskIOError(
+                exc.errno or errno.EIO, f"disk store {where}: cannot start: {exc}"
+            ) from exc
+
+    def _persist_manifest(self, why: str, *, flush_data: bool = False) -> None:
+        """Write the manifest from the committed entries; the ledger then frees released
+        chunks that were waiting for the old manifest to stop listing them."""
+        with self._manifest_lock:
+            committed = self._ledger.committed()
+            entries = {
+                owner: ManifestEntry(ext.chunks, ext.num_pages, meta)
+                for owner, (ext, meta) in committed.items()
+            }
+            body = encode_manifest(self.fingerprint, self._layout(), entries)
+            try:
+                self._backend.write_manifest(body, flush_data=flush_data)
+            except OSError as exc:
+                with self._stats_lock:
+                    self._counters.manifest_faults += 1
+                raise DiskIOError(
+                    exc.errno or errno.EIO, f"manifest write ({why}) failed: {exc}"
+                ) from exc
+            self._ledger.manifest_written(committed)
