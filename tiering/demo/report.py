@@ -1,0 +1,50 @@
+"""The demo's printed summary, from the dict that ``scenario.summarize`` builds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_MIB = 1024 * 1024
+
+
+def _mib(n: float) -> str:
+    return f"{n / _MIB:.1f} MiB"
+
+
+def _rate(x: float | None, unit: str) -> str:
+    return "n/a" if x is None else f"{x:,.0f} {unit}"
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """A few aligned lines a person reads at the end of ``tiering demo``."""
+    t = s["tiers"]
+    ws = t["working_set_bytes"]
+    off, rel, moved = s["offloads"], s["reloads"], s["bytes_moved"]
+    share = f"{100.0 * t['device_bytes'] / ws:.0f}%" if ws else "n/a"
+    rows = [
+        ("tiers", f"device {_mib(t['device_bytes'])} ({share} of the {_mib(ws)} working set), "
+                  f"host {_mib(t['host_bytes'])}, disk {_mib(t['disk_bytes'])}"),
+        ("served", f"{s['prompt_tokens']:,} prompt + {s['generated_tokens']:,} generated tokens "
+                   f"in {s['steps']} steps, {s['wall_s']:.1f} s"),
+        ("throughput", f"{_rate(s['tokens_per_s'], 'generated tok/s')}, "
+                       f"{_rate(s['prompt_tokens_per_s'], 'prompt tok/s')}"),
+        ("reference", f"all KV on the device: {s['reference_wall_s']:.1f} s, "
+                      f"{_rate(s['reference_tokens_per_s'], 'generated tok/s')}"),
+        ("offloads", f"device->host {off['device_to_host']}, device->disk {off['device_to_disk']},"
+                     f" host->disk {off['host_to_disk']}"),
+        ("reloads", f"host->device {rel['from_host']}, disk->device {rel['from_disk']}"),
+        ("bytes moved", ", ".join(f"{k.replace('_to_', '->')} {_mib(v)}"
+                                  for k, v in moved.items())),
+        ("reload stall", f"{s['reload_stall_s']:.2f} s of reloads in flight (summed); "
+                         f"{s['stalled_steps']} steps with nothing to run"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    head = (f"tiering demo: {s['requests']} requests, seed {s['seed']}, "
+            f"device {s['device']}")
+    lines = [head] + [f"  {k:<{width}}  {v}" for k, v in rows]
+    verdict = "true" if s["identical"] else "false"
+    lines.append(f"identical: {verdict} (tokens and final logits of every request, bitwise, "
+                 f"vs the unpressured run)")
+    for m in s.get("mismatches", []):
+        lines.append(f"  mismatch: {m}")
+    return "\n".join(lines)
