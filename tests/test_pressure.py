@@ -13,6 +13,7 @@ import pytest
 from tiering.pressure import (
     CompositePressure,
     NvmlPressure,
+    PoolAdjustedPressure,
     PoolPressure,
     PressurePoller,
     PressureReading,
@@ -430,3 +431,28 @@ def test_real_device_sources_see_an_allocation():
     finally:
         del block
         nvml.close()
+
+
+def test_pool_adjusted_counts_the_pools_free_pages_as_free():
+    rng = random.Random(9)
+    total = 80 << 30
+    pool_cap = 40 << 30
+    other = rng.randint(1 << 30, 20 << 30)  # activations, caching allocator, other processes
+    pool = FakePool(used=rng.randint(0, pool_cap), capacity=pool_cap)
+    fake = FakeNvml(used=pool_cap + other, total=total)  # NVML sees the whole pool as used
+    nvml = NvmlPressure(nvml=fake)
+    adjusted = PoolAdjustedPressure(nvml, pool)
+    assert nvml.read() == pytest.approx((pool_cap + other) / total)
+    assert adjusted.read() == pytest.approx((pool.used + other) / total)
+    pool.used = 0
+    assert adjusted.read() == pytest.approx(other / total)
+    composite = CompositePressure(PoolPressure(pool), adjusted)
+    pool.used = pool_cap // 2
+    assert composite.read() == pytest.approx(max(0.5, (pool.used + other) / total))
+    fake.fail_read = True
+    assert adjusted.read() == 0.0 and not adjusted.available
+
+
+def test_pool_adjusted_needs_a_byte_source():
+    with pytest.raises(TypeError, match="read_bytes"):
+        PoolAdjustedPressure(ScriptedPressure([0.5]), FakePool(0, 1))

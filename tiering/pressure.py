@@ -114,15 +114,22 @@ class NvmlPressure(_OptionalSource):
         self._usable = True
 
     def read(self) -> float:
+        got = self.read_bytes()
+        return 0.0 if got is None else _used_fraction(got[0], got[1], self.name)
+
+    def read_bytes(self) -> tuple[int, int] | None:
+        """(used, total) bytes of the whole device; None when unavailable."""
         if not self._usable:
-            return 0.0
+            return None
         try:
             info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
-            return _used_fraction(int(info.used), int(info.total), self.name)
+            used, total = int(info.used), int(info.total)
+            _used_fraction(used, total, self.name)  # validates
+            return used, total
         except Exception as err:
             self._give_up("nvmlDeviceGetMemoryInfo", err)
             self._release()
-            return 0.0
+            return None
 
     def close(self) -> None:
         """Release NVML; the source is unavailable afterwards."""
@@ -171,13 +178,21 @@ class TorchCudaPressure(_OptionalSource):
         return _used_fraction(int(total) - int(free), int(total), self.name)
 
     def read(self) -> float:
+        got = self.read_bytes()
+        return 0.0 if got is None else _used_fraction(got[0], got[1], self.name)
+
+    def read_bytes(self) -> tuple[int, int] | None:
+        """(used, total) bytes of the device; None when unavailable."""
         if not self._usable:
-            return 0.0
+            return None
         try:
-            return self._measure()
+            free, total = self._torch.cuda.mem_get_info(self.device)
+            used = int(total) - int(free)
+            _used_fraction(used, int(total), self.name)  # validates
+            return used, int(total)
         except Exception as err:
             self._give_up("torch.cuda.mem_get_info", err)
-            return 0.0
+            return None
 
 
 class PoolPressure(PressureSource):
@@ -205,6 +220,41 @@ class PoolPressure(PressureSource):
         return _used_fraction(
             int(self._kv.device_used_bytes()), int(self._kv.device_capacity_bytes), self.name
         )
+
+
+class PoolAdjustedPressure(PressureSource):
+    """A whole-device reading with the pool's free pages counted as free.
+
+    The KV pool is allocated once at start-up, so NVML and ``mem_get_info`` see
+    all of it as used whether its pages hold KV or not; used alone they would
+    read near-full forever. This source takes ``(used, total)`` bytes from
+    ``device`` (an ``NvmlPressure`` or ``TorchCudaPressure``) and returns
+    ``(used - pool_free) / total``: it rises with the pool's own occupancy and
+    with everything else on the device (activations, the caching allocator,
+    other processes). Combine it with ``PoolPressure`` in a
+    ``CompositePressure`` to act on the worse of the two. Unavailable (and
+    0.0) when ``device`` is.
+    """
+
+    def __init__(self, device: Any, kv: Any) -> None:
+        if not callable(getattr(device, "read_bytes", None)):
+            raise TypeError(f"PoolAdjustedPressure needs a source with read_bytes(), got {device!r}")
+        self._device = device
+        self._pool = PoolPressure(kv)  # validates kv
+        self._kv = kv
+        self.name = f"pool-adjusted:{getattr(device, 'name', 'device')}"
+
+    @property
+    def available(self) -> bool:
+        return bool(getattr(self._device, "available", True))
+
+    def read(self) -> float:
+        got = self._device.read_bytes()
+        if got is None:
+            return 0.0
+        used, total = got
+        pool_free = int(self._kv.device_capacity_bytes) - int(self._kv.device_used_bytes())
+        return min(1.0, max(0.0, (used - pool_free) / total))
 
 
 class ScriptedPressure(PressureSource):
