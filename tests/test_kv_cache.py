@@ -340,3 +340,23 @@ def test_cuda_device_refused_without_cuda(geom):
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="CUDA is not available"):
         PagedKVCache(geom, device="cuda:0")
+
+
+def test_synchronize_times_out_naming_what_is_in_flight(geom):
+    gate = Gate()
+    kv = PagedKVCache(geom, device_pages=8, host_pages=8, copy_fault_hook=gate)
+    try:
+        gen = torch.Generator().manual_seed(10)
+        fill(kv, "slow", gen, 6)
+        kv.offload("slow")
+        assert gate.entered.acquire(timeout=10)
+        with pytest.raises(TimeoutError, match="slow"):
+            kv.synchronize(timeout=0.05)
+        assert kv.state_of("slow") is RequestState.OFFLOADING
+        kv.check_integrity()
+        gate.open.set()
+        kv.synchronize(10)
+        assert kv.state_of("slow") is RequestState.ON_HOST
+    finally:
+        gate.open.set()
+        kv.close()

@@ -1,0 +1,48 @@
+"""The priority executor: reloads overtake queued writes; shutdown is bounded."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tiering.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
+
+
+def test_reload_runs_before_writes_queued_earlier():
+    ex = PriorityExecutor(1, "t")
+    gate = threading.Event()
+    order: list[str] = []
+    try:
+        blocker = ex.submit(WRITE, gate.wait, 10)
+        futs = [ex.submit(WRITE, order.append, f"w{i}") for i in range(3)]
+        futs.append(ex.submit(OFFLOAD, order.append, "o"))
+        futs.append(ex.submit(RELOAD, order.append, "r"))
+        gate.set()
+        blocker.result(10)
+        for f in futs:
+            f.result(10)
+        assert order == ["r", "o", "w0", "w1", "w2"]
+    finally:
+        gate.set()
+        ex.shutdown(5)
+
+
+def test_exceptions_reach_the_future_and_workers_survive():
+    ex = PriorityExecutor(2, "t")
+    try:
+        bad = ex.submit(RELOAD, lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            bad.result(5)
+        assert ex.submit(RELOAD, lambda: 7).result(5) == 7
+    finally:
+        ex.shutdown(5)
+
+
+def test_submit_after_shutdown_is_refused():
+    ex = PriorityExecutor(1, "t")
+    ex.shutdown(5)
+    with pytest.raises(RuntimeError, match="shut down"):
+        ex.submit(RELOAD, print)
+    with pytest.raises(ValueError, match="workers"):
+        PriorityExecutor(0, "t")
