@@ -5,15 +5,22 @@ For each built-in policy (made by name with ``policies.make_policy``):
 - ``idle_step_us``: median cost of one ``evict_if_needed`` with 10,000 live
   requests, pressure below the high watermark and nothing waiting (target
   <= 20 us). The resource has a host tier, so the cascade check runs too.
-- ``pick_100k_ms``: median time to build the candidates of 100,000 idle
-  requests, rank them and pick the victims for 1 % of the device, on a fresh
-  controller (every Candidate record is built; target <= 20 ms).
-- ``pick_100k_warm_ms``: the same pick repeated with nothing changed, when the
-  controller reuses the records it built last time.
-- ``rank_100k_ms``: the policy's ``rank`` alone on the same 100,000 records,
-  for scale: the part of the pick that belongs to the policy.
-- ``scan_100k_ms``: the ``reclaimable`` calls and bookkeeping alone for
-  100,000 requests (warm, no ranking), the part that belongs to the controller.
+- ``pick_100k_ms``: median time of ``plan_offload`` for 1 % of the device
+  among 100,000 idle requests, on a fresh controller (target <= 20 ms): the
+  candidate columns, the resource's answers (``reclaimable_many`` where the
+  resource offers it), the policy's order of the prefix it needs, and the
+  victims' ``Candidate`` records.
+- ``pick_100k_warm_ms``: the same pick again on the same controller.
+- ``pick_100k_one_by_one_ms``: the cold pick on a resource without the
+  optional ``reclaimable_many`` / ``get_offload_priority_many`` hooks, asked
+  one request at a time: for bytes lazily, only for the rows walked, by lru
+  and priority; all up front by largest and cost.
+- ``scan_100k_ms``: the controller's part alone: the candidate columns and
+  the resource's answers, for 100,000 requests.
+- ``order_100k_ms``: ``Policy.order`` of all 100,000 rows of that batch (the
+  whole order, which a pick never needs), for scale.
+- ``rank_100k_ms``: ``Policy.rank`` on 100,000 ``Candidate`` records (the
+  object API: columns gathered from the records, then ``order``), for scale.
 
 Usage: ``python benchmarks/controller.py --out controller.json [--quick] [--repeats N]``
 
@@ -34,7 +41,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import table, write_json  # noqa: E402
-from policies import make_policy  # noqa: E402
+from policies import Candidate, make_policy  # noqa: E402
 from tiering.controller import ControllerConfig, EvictionController  # noqa: E402
 from tiering.testing import ExactPressure, FakeClock, FakeTieredResource  # noqa: E402
 from tiering.types import RequestState  # noqa: E402
@@ -52,12 +59,21 @@ class LeanResource(FakeTieredResource):
         return self.priorities.get(rid, 0.0)
 
 
-def _populate(n: int, seed: int, fill: float) -> tuple[LeanResource, list[tuple[str, int]]]:
+class OneByOneResource(LeanResource):
+    """``LeanResource`` without the optional ``*_many`` hooks: asked one request at a time."""
+
+    reclaimable_many = None
+    get_offload_priority_many = None
+
+
+def _populate(
+    n: int, seed: int, fill: float, cls: type[LeanResource] = LeanResource
+) -> tuple[LeanResource, list[tuple[str, int]]]:
     """A resource holding ``n`` random-sized requests that fill ``fill`` of its device."""
     rng = random.Random(seed)
     sizes = [rng.randint(4096, 65536) for _ in range(n)]
     capacity = int(sum(sizes) / fill) + 1
-    res = LeanResource(capacity, host_capacity=capacity, disk_capacity=capacity)
+    res = cls(capacity, host_capacity=capacity, disk_capacity=capacity)
     out = []
     for i, size in enumerate(sizes):
         rid = f"req-{i:06d}"
@@ -103,9 +119,10 @@ def idle_step_us(policy_name: str, requests: int, calls: int) -> float:
 def pick_100k(policy_name: str, requests: int, repeats: int) -> dict[str, float]:
     clock = FakeClock()
     res, rids = _populate(requests, seed=2, fill=0.85)
+    one_by_one, _ = _populate(requests, seed=2, fill=0.85, cls=OneByOneResource)
     need = res.device_capacity_bytes // 100
     running = frozenset(rid for rid, _ in rids[:256])
-    cold, warm, rank, scan = [], [], [], []
+    cold, warm, lazy, scan, order, rank = [], [], [], [], [], []
     for _ in range(repeats):
         ctl = _controller(res, rids, policy_name, clock)
         t0 = time.perf_counter()
@@ -114,29 +131,56 @@ def pick_100k(policy_name: str, requests: int, repeats: int) -> dict[str, float]
         if not victims or sum(v.reclaimable for v in victims) < need:
             raise AssertionError("the pick did not cover the bytes asked for")
         t0 = time.perf_counter()
-        ctl.plan_offload(running, need)
+        again = ctl.plan_offload(running, need)
         warm.append(time.perf_counter() - t0)
+        if again != victims:
+            raise AssertionError("the same pick twice gave different victims")
         t0 = time.perf_counter()
-        candidates, _ = ctl._candidates(running, clock())
+        batch, _ = ctl._candidate_batch(running, clock())
         scan.append(time.perf_counter() - t0)
         policy = make_policy(policy_name, **POLICIES[policy_name])
         t0 = time.perf_counter()
-        policy.rank(candidates, clock())
+        policy.order(batch, clock())
+        order.append(time.perf_counter() - t0)
+
+        other = _controller(one_by_one, rids, policy_name, clock)
+        t0 = time.perf_counter()
+        same = other.plan_offload(running, need)
+        lazy.append(time.perf_counter() - t0)
+        if [v.rid for v in same] != [v.rid for v in victims]:
+            raise AssertionError("asking one by one picked other victims")
+
+    records = _records(res, ctl, running)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        policy.rank(records, clock())
         rank.append(time.perf_counter() - t0)
     ms = 1e3
     return {
         "pick_100k_ms": statistics.median(cold) * ms,
         "pick_100k_warm_ms": statistics.median(warm) * ms,
-        "rank_100k_ms": statistics.median(rank) * ms,
+        "pick_100k_one_by_one_ms": statistics.median(lazy) * ms,
         "scan_100k_ms": statistics.median(scan) * ms,
+        "order_100k_ms": statistics.median(order) * ms,
+        "rank_100k_ms": statistics.median(rank) * ms,
     }
+
+
+def _records(res: LeanResource, ctl: EvictionController, running) -> list[Candidate]:
+    """The idle requests as ``Candidate`` records, as a pick would see them."""
+    return [
+        Candidate(rid, res.size[rid], ctl.last_used(rid), priority=res.priorities[rid],
+                  resource="kv")
+        for rid in res.state
+        if rid not in running
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
-    parser.add_argument("--repeats", type=int, default=3, help="fresh controllers per pick figure")
+    parser.add_argument("--repeats", type=int, default=5, help="fresh controllers per pick figure")
     args = parser.parse_args(argv)
 
     idle_requests, pick_requests = 10_000, 100_000
@@ -149,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = entry
 
     headers = ("policy", "idle_step_us", "pick_100k_ms", "pick_100k_warm_ms",
-               "rank_100k_ms", "scan_100k_ms")
+               "pick_100k_one_by_one_ms", "scan_100k_ms", "order_100k_ms", "rank_100k_ms")
     rows = [(name, *(r[h] for h in headers[1:])) for name, r in results.items()]
     print(table(rows, headers))
     write_json(args.out, {

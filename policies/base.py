@@ -1,82 +1,32 @@
-"""The record a policy ranks and the interface every policy implements.
+"""The interface every policy implements, and helpers for writing one.
 
-Policies are pure: they receive immutable ``Candidate`` records and return an
-order. They never touch pools, resources, torch or the filesystem, which keeps
-them cheap to test and safe to swap.
+Policies are pure: they receive immutable candidates (``Candidate`` records or
+a ``CandidateBatch`` of columns, both defined in ``policies.candidate`` and
+re-exported here) and return an order. They never touch pools, resources,
+torch or the filesystem, which keeps them cheap to test and safe to swap.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from itertools import compress
 
 import numpy as np
 
-from tiering.types import Tier
+from policies.candidate import Candidate, CandidateBatch
+from policies.ordering import check_keys, order_rows
 
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One request that could be offloaded, as the controller sees it.
-
-    ``rid``            request id
-    ``reclaimable``    bytes ``offload`` would free now (always > 0 here)
-    ``last_used``      clock time of the request's last step (injected clock)
-    ``tier``           where it lives now (DEVICE for offload, HOST for demotion)
-    ``priority``       the named resource's ``get_offload_priority`` (0.0 unless a
-                       PRIORITY policy asked for it); higher means more wants it gone
-    ``reload_cost_s``  expected seconds to bring it back (0.0 when unknown)
-    ``resource``       name of the resource the request belongs to
-    """
-
-    rid: str
-    reclaimable: int
-    last_used: float
-    tier: Tier = Tier.DEVICE
-    priority: float = 0.0
-    reload_cost_s: float = 0.0
-    resource: str = ""
-
-    def __post_init__(self) -> None:
-        # Ranking sorts on these fields; a NaN or a wrong type would make the
-        # order depend on the input order, so refuse them at the door.
-        if not isinstance(self.rid, str) or not self.rid:
-            raise ValueError(f"Candidate.rid must be a non-empty str, got {self.rid!r}")
-        if (
-            not isinstance(self.reclaimable, int)
-            or isinstance(self.reclaimable, bool)
-            or not 0 <= self.reclaimable < 2**63
-        ):
-            raise ValueError(
-                f"Candidate {self.rid!r}: reclaimable must be an int in [0, 2**63), "
-                f"got {self.reclaimable!r}"
-            )
-        _check_finite(self.rid, "last_used", self.last_used)
-        _check_finite(self.rid, "priority", self.priority)
-        _check_finite(self.rid, "reload_cost_s", self.reload_cost_s)
-        if self.reload_cost_s < 0:
-            raise ValueError(
-                f"Candidate {self.rid!r}: reload_cost_s must be >= 0, got {self.reload_cost_s!r}"
-            )
-        if not isinstance(self.tier, Tier):
-            raise ValueError(f"Candidate {self.rid!r}: tier must be a Tier, got {self.tier!r}")
-        if not isinstance(self.resource, str):
-            raise ValueError(
-                f"Candidate {self.rid!r}: resource must be a str, got {self.resource!r}"
-            )
-
-
-def _check_finite(rid: str, field: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-    ):
-        raise ValueError(f"Candidate {rid!r}: {field} must be a finite number, got {value!r}")
+__all__ = [
+    "Candidate",
+    "CandidateBatch",
+    "OrderCursor",
+    "Policy",
+    "PriorityLookup",
+    "check_now",
+    "rank_by",
+]
 
 
 # A callable the controller hands to a policy that needs a resource's opinion:
@@ -84,14 +34,35 @@ def _check_finite(rid: str, field: str, value: object) -> None:
 PriorityLookup = Callable[[str, str], float]
 
 
-class Policy(ABC):
-    """Ranks candidates; the first of the result is evicted first.
+class Policy:
+    """Orders candidates; the first is evicted first.
+
+    A policy states its order in one of three ways, fastest first:
+
+    - ``sort_keys(batch, now)``: numeric columns, compared most significant
+      first, each ascending (smaller is evicted sooner). The base class does
+      the rest: ties by ``rid`` then ``resource``, and only as much sorting as
+      the prefix a caller reads needs (see ``policies.ordering``).
+    - ``order(batch, now, limit)``: its own columnar order.
+    - ``rank(candidates, now)``: records only, the simplest form. The base
+      class then builds records from a batch to serve ``order``.
+
+    The most derived of these wins: a subclass of a built-in policy that
+    overrides ``rank`` is ordered by its ``rank``.
 
     Contract (checked for every policy by one shared test):
-    - ``rank`` returns every candidate exactly once;
+
+    - ``rank`` returns every candidate exactly once, in a new list;
     - the order is deterministic: the same input gives the same output, ties
-      broken by ``rid``;
-    - the input is never mutated.
+      broken by ``rid`` (then ``resource``), whatever order the input came in;
+    - the input is never mutated;
+    - ``rank`` and ``order`` agree: ``rank(cs, now)`` is
+      ``[cs[i] for i in order(CandidateBatch.from_candidates(cs), now)]``;
+    - ``order(batch, now, limit)`` is a prefix of ``order(batch, now)`` with
+      at least ``min(limit, len(batch))`` rows;
+    - a policy whose ``needs_reclaimable`` is False orders without reading
+      ``batch.reclaimable`` (it may be None), so the bytes do not change its
+      order and a caller may ask for them only for the rows it walks.
     """
 
     #: Name of the resource whose ``get_offload_priority`` this policy needs, or
@@ -99,11 +70,83 @@ class Policy(ABC):
     #: for policies that name a resource, and only from that resource.
     needs_priority_from: str | None = None
 
+    #: Whether this policy's ``sort_keys`` (or ``order``) reads
+    #: ``batch.reclaimable``; a policy that orders without the bytes says False.
+    reads_reclaimable: bool = True
+
     name: str = "policy"
 
-    @abstractmethod
+    @property
+    def needs_reclaimable(self) -> bool:
+        """Whether ordering needs the candidates' reclaimable bytes.
+
+        False only for a policy ordered by ``sort_keys`` or ``order`` that
+        says it ``reads_reclaimable`` = False; a policy ordered by ``rank`` is
+        handed complete records, bytes included.
+        """
+        return self.reads_reclaimable or _ranks_records(type(self))
+
+    def sort_keys(self, batch: CandidateBatch, now: float) -> tuple[np.ndarray, ...] | None:
+        """Numeric keys of every row, most significant first; smaller is evicted sooner.
+
+        None (the default) means this policy has no keys: it overrides
+        ``order`` or ``rank`` instead.
+        """
+        return None
+
+    def order(
+        self, batch: CandidateBatch, now: float, limit: int | None = None
+    ) -> np.ndarray:
+        """Row indices of ``batch``, most evictable first (int64).
+
+        Without ``limit``, every row once. With one, a prefix of that order
+        holding at least ``min(limit, len(batch))`` rows (possibly more).
+        """
+        check_now(now)
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
+        ):
+            raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+        keys = None if _ranks_records(type(self)) else self.sort_keys(batch, now)
+        if keys is None:
+            return self._order_by_rank(batch, now)
+        return order_rows(check_keys(keys, len(batch)), batch, limit)
+
+    def _order_by_rank(self, batch: CandidateBatch, now: float) -> np.ndarray:
+        if not _ranks_records(type(self)):
+            raise TypeError(
+                f"policy {type(self).__name__} defines none of sort_keys, order and rank"
+            )
+        if batch.reclaimable is None:
+            raise ValueError(
+                f"policy {self.name!r} ranks records, which need the batch's reclaimable bytes"
+            )
+        records = batch.records()
+        ranked = self.rank(records, now)
+        # map each returned record back to its row (a list may hold one
+        # record object twice: each occurrence is a row of its own)
+        rows_of: dict[int, list[int]] = {}
+        for row, record in enumerate(records):
+            rows_of.setdefault(id(record), []).append(row)
+        rows = []
+        for record in ranked:
+            waiting = rows_of.get(id(record))
+            if not waiting:
+                break
+            rows.append(waiting.pop())
+        if len(rows) != len(records) or len(ranked) != len(records):
+            raise ValueError(
+                f"policy {self.name!r}: rank must return every candidate it is given exactly once"
+            )
+        return np.array(rows, dtype=np.int64)
+
     def rank(self, candidates: Sequence[Candidate], now: float) -> list[Candidate]:
-        """Return ``candidates`` ordered most-evictable first."""
+        """Return ``candidates`` ordered most-evictable first (a new list)."""
+        check_now(now)
+        if not candidates:
+            return []
+        rows = self.order(CandidateBatch.from_candidates(candidates), now)
+        return [candidates[row] for row in rows.tolist()]
 
     def pick(self, candidates: Sequence[Candidate], now: float, need_bytes: int) -> list[Candidate]:
         """The victims to offload to free ``need_bytes``.
@@ -113,18 +156,128 @@ class Policy(ABC):
         ranking when even all of it falls short, and an empty list when
         ``need_bytes`` is 0. ``need_bytes`` must be an int >= 0.
         """
-        if isinstance(need_bytes, bool) or not isinstance(need_bytes, int) or need_bytes < 0:
-            raise ValueError(f"need_bytes must be an int >= 0, got {need_bytes!r}")
-        if need_bytes == 0:
+        _check_need(need_bytes)
+        check_now(now)
+        if need_bytes == 0 or not candidates:
             return []
-        ranked = self.rank(candidates, now)
+        rows = self.pick_rows(CandidateBatch.from_candidates(candidates), now, need_bytes)
+        return [candidates[row] for row in rows.tolist()]
+
+    def pick_rows(self, batch: CandidateBatch, now: float, need_bytes: int) -> np.ndarray:
+        """``pick`` on a batch: the rows of the shortest covering prefix of ``order``."""
+        _check_need(need_bytes)
+        sizes = batch.reclaimable
+        if sizes is None:
+            raise ValueError("pick_rows needs the batch's reclaimable bytes")
+        if need_bytes == 0 or not len(batch):
+            return np.empty(0, dtype=np.int64)
+        cursor = OrderCursor(self, batch, now)
+        mean = float(sizes.mean())
         total = 0
-        for count, candidate in enumerate(ranked, start=1):
-            total += candidate.reclaimable
-            if total >= need_bytes:
-                del ranked[count:]
+        taken: list[np.ndarray] = []
+        while True:
+            chunk = cursor.take_for(need_bytes - total, mean)
+            if not len(chunk):
                 break
-        return ranked
+            covered, total = _covering_prefix(sizes[chunk], total, need_bytes)
+            if covered is not None:
+                taken.append(chunk[:covered])
+                break
+            taken.append(chunk)
+        return np.concatenate(taken) if taken else np.empty(0, dtype=np.int64)
+
+
+class OrderCursor:
+    """Reads ``policy.order(batch, now)`` front to back, sorting only what is read.
+
+    Each ``take`` returns the next rows of the order. The cursor asks the
+    policy for a prefix long enough to cover them (a policy with sort keys
+    then sorts little more than that prefix) and keeps any extra rows it got
+    for the next ``take``.
+    """
+
+    __slots__ = ("_policy", "_batch", "_now", "_known", "_read")
+
+    #: Rows read first when nothing says how many will be needed.
+    FIRST_ROWS = 256
+
+    def __init__(self, policy: Policy, batch: CandidateBatch, now: float) -> None:
+        self._policy = policy
+        self._batch = batch
+        self._now = check_now(now)
+        self._known = np.empty(0, dtype=np.int64)
+        self._read = 0
+
+    @property
+    def read(self) -> int:
+        """How many rows have been returned so far."""
+        return self._read
+
+    def take(self, count: int) -> np.ndarray:
+        """The next ``count`` rows of the order (fewer at its end, none past it)."""
+        n = len(self._batch)
+        want = min(self._read + max(count, 0), n)
+        if len(self._known) < want:
+            known = self._policy.order(self._batch, self._now, want)
+            if len(known) < want:
+                raise ValueError(
+                    f"policy {self._policy.name!r}: order(limit={want}) returned "
+                    f"{len(known)} rows of {n}"
+                )
+            self._known = known
+        chunk = self._known[self._read:want]
+        self._read = want
+        return chunk
+
+    def take_for(self, need_bytes: float, mean_bytes: float | None) -> np.ndarray:
+        """The next rows, about enough to free ``need_bytes`` at ``mean_bytes`` a row.
+
+        A margin is added, and at least half as many rows as were read so far
+        are taken, so a walk that keeps falling short costs a bounded number
+        of sorts. Without a usable mean, ``FIRST_ROWS`` rows.
+        """
+        if mean_bytes is None or not mean_bytes > 0:
+            count = self.FIRST_ROWS
+        else:
+            count = int(min(max(need_bytes, 1.0) / mean_bytes * 1.25, 2.0**62)) + 16
+        return self.take(max(count, self._read // 2, 1))
+
+
+def _ranks_records(cls: type) -> bool:
+    """Whether the most derived ordering method of ``cls`` is ``rank``.
+
+    Within one class, ``sort_keys`` or ``order`` is preferred to ``rank``
+    (they must agree; the columnar one is faster).
+    """
+    for klass in cls.__mro__:
+        if klass is Policy:
+            break
+        found = vars(klass)
+        if "sort_keys" in found or "order" in found:
+            return False
+        if "rank" in found:
+            return True
+    return False
+
+
+def _check_need(need_bytes: object) -> None:
+    if isinstance(need_bytes, bool) or not isinstance(need_bytes, int) or need_bytes < 0:
+        raise ValueError(f"need_bytes must be an int >= 0, got {need_bytes!r}")
+
+
+def _covering_prefix(sizes: np.ndarray, total: int, need: int) -> tuple[int | None, int]:
+    """How many of ``sizes`` bring ``total`` to ``need`` (None if all fall short), new total."""
+    if len(sizes) and total + int(sizes.max()) * len(sizes) < 2**63:
+        running = np.cumsum(sizes) + total  # exact: no partial sum can overflow
+        end = int(np.searchsorted(running, need, side="left"))
+        if end < len(sizes):
+            return end + 1, int(running[end])
+        return None, int(running[-1])
+    for count, nbytes in enumerate(sizes.tolist(), start=1):
+        total += nbytes
+        if total >= need:
+            return count, total
+    return None, total
 
 
 def check_now(now: object) -> float:
@@ -151,9 +304,10 @@ def rank_by(
     normally ending with ``rid`` and ``resource`` so that the result does not
     depend on the input order. A new list is returned; the input is untouched.
 
-    This is the building block of the built-in policies and is offered to
-    custom ones. It sorts on the single key first (one vectorised sort; the
-    common case has few ties) and then re-sorts only the runs of equal keys.
+    Offered to custom policies that rank records (the built-ins give
+    ``sort_keys`` instead). It sorts on the single key first (one vectorised
+    sort; the common case has few ties) and then re-sorts only the runs of
+    equal keys.
     """
     n = len(candidates)
     if n < 2:

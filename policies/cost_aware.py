@@ -25,18 +25,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 
 import numpy as np
 
-from policies.base import Candidate, Policy, check_now, rank_by
+from policies.base import Candidate, CandidateBatch, Policy, check_now
 
 #: Floor on the reload time a score divides by, in seconds.
 EPS_S = 1e-9
-
-_RECLAIMABLE = attrgetter("reclaimable")
-_RELOAD_COST = attrgetter("reload_cost_s")
-_LAST_USED = attrgetter("last_used")
 
 
 @dataclass(frozen=True)
@@ -85,25 +80,25 @@ class CostAware(Policy):
 
     def scores(self, candidates: Sequence[Candidate], now: float) -> list[float]:
         """``score`` of every candidate, computed in one vectorised pass."""
-        return self._score_array(candidates, check_now(now)).tolist()
+        check_now(now)
+        if not candidates:
+            return []
+        return self.batch_scores(CandidateBatch.from_candidates(candidates), now).tolist()
 
-    def _score_array(self, candidates: Sequence[Candidate], now: float) -> np.ndarray:
-        count = len(candidates)
-        reclaimable = np.fromiter(map(_RECLAIMABLE, candidates), dtype=np.float64, count=count)
-        given = np.fromiter(map(_RELOAD_COST, candidates), dtype=np.float64, count=count)
-        last_used = np.fromiter(map(_LAST_USED, candidates), dtype=np.float64, count=count)
+    def batch_scores(self, batch: CandidateBatch, now: float) -> np.ndarray:
+        """``score`` of every row of ``batch`` (float64)."""
+        check_now(now)
+        reclaimable = batch.reclaimable.astype(np.float64)
+        given = batch.reload_cost_s
         estimated = self.default_overhead_s + reclaimable / self.default_bandwidth_bps
         reload_s = np.maximum(np.where(given > 0, given, estimated), EPS_S)
         with np.errstate(over="ignore", invalid="ignore"):  # extreme clocks give inf, not noise
-            idle_s = np.maximum(now - last_used, 0.0)
+            idle_s = np.maximum(now - batch.last_used, 0.0)
             score = reclaimable / reload_s * (1.0 + idle_s / self.aging_s)
         return np.where(reclaimable > 0, score, 0.0)
 
-    def rank(self, candidates: Sequence[Candidate], now: float) -> list[Candidate]:
-        check_now(now)
-        if len(candidates) < 2:
-            return list(candidates)
-        return rank_by(candidates, self._score_array(candidates, now), descending=True)
+    def sort_keys(self, batch: CandidateBatch, now: float) -> tuple[np.ndarray, ...]:
+        return (-self.batch_scores(batch, now),)
 
 
 def _finite_number(value: object) -> bool:

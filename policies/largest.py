@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 
 import numpy as np
 
-from policies.base import Candidate, Policy, check_now, rank_by
-
-_RECLAIMABLE = attrgetter("reclaimable")
+from policies.base import CandidateBatch, Policy
 
 
 @dataclass(frozen=True)
@@ -20,8 +16,7 @@ class LargestFirst(Policy):
     name = "largest"
     needs_priority_from = None
 
-    def rank(self, candidates: Sequence[Candidate], now: float) -> list[Candidate]:
-        check_now(now)
-        # int64 keys: byte counts compare exactly, even above 2**53.
-        sizes = np.fromiter(map(_RECLAIMABLE, candidates), dtype=np.int64, count=len(candidates))
-        return rank_by(candidates, sizes, descending=True, then=("last_used", "rid", "resource"))
+    def sort_keys(self, batch: CandidateBatch, now: float) -> tuple[np.ndarray, ...]:
+        # int64 keys: byte counts compare exactly, even above 2**53; every
+        # count is in [0, 2**63), so its negation cannot overflow.
+        return (-batch.reclaimable, batch.last_used)

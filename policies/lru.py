@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 
-from policies.base import Candidate, Policy, check_now, rank_by
+import numpy as np
 
-_LAST_USED = attrgetter("last_used")
+from policies.base import CandidateBatch, Policy
 
 
 @dataclass(frozen=True)
 class LRU(Policy):
     """Smallest ``last_used`` first; ties by ``rid`` (then ``resource``).
 
-    Needs no priority from any resource.
+    Needs no priority from any resource, and no reclaimable bytes to order.
     """
 
     name = "lru"
     needs_priority_from = None
+    reads_reclaimable = False
 
-    def rank(self, candidates: Sequence[Candidate], now: float) -> list[Candidate]:
-        check_now(now)
-        return rank_by(candidates, _LAST_USED)
+    def sort_keys(self, batch: CandidateBatch, now: float) -> tuple[np.ndarray, ...]:
+        return (batch.last_used,)

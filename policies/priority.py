@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 
-from policies.base import Candidate, Policy, check_now, rank_by
+import numpy as np
 
-_PRIORITY = attrgetter("priority")
+from policies.base import CandidateBatch, Policy
 
 
 @dataclass(frozen=True)
@@ -18,10 +16,12 @@ class Priority(Policy):
     ``resource`` names the resource whose ``get_offload_priority`` fills
     ``Candidate.priority``; the controller asks that resource only, and leaves
     ``priority`` at 0.0 for everything else (so those rank by recency alone).
+    Needs no reclaimable bytes to order.
     """
 
     resource: str
     name = "priority"
+    reads_reclaimable = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.resource, str) or not self.resource:
@@ -34,8 +34,5 @@ class Priority(Policy):
     def needs_priority_from(self) -> str:  # type: ignore[override]
         return self.resource
 
-    def rank(self, candidates: Sequence[Candidate], now: float) -> list[Candidate]:
-        check_now(now)
-        return rank_by(
-            candidates, _PRIORITY, descending=True, then=("last_used", "rid", "resource")
-        )
+    def sort_keys(self, batch: CandidateBatch, now: float) -> tuple[np.ndarray, ...]:
+        return (-batch.priority, batch.last_used)

@@ -6,6 +6,7 @@ import random
 from collections.abc import Sequence
 from operator import attrgetter
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,6 +37,30 @@ from tiering.testing import (
 from tiering.types import RequestState, Tier
 
 # -- local stand-ins ---------------------------------------------------------------
+
+
+class NoBulkAnswers(FakeTieredResource):
+    """The fake without the ``*_many`` hooks: it must be asked one request at a time."""
+
+    reclaimable_many = None
+    get_offload_priority_many = None
+
+
+class CountingBulk(FakeTieredResource):
+    """The fake, recording what its ``*_many`` hooks were asked about."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked = 0  # requests reclaimable_many answered for
+        self.asked_priority: list[str] = []
+
+    def reclaimable_many(self, rids):
+        self.asked += len(rids)
+        return super().reclaimable_many(rids)
+
+    def get_offload_priority_many(self, rids):
+        self.asked_priority.extend(rids)
+        return super().get_offload_priority_many(rids)
 
 
 class OldestFirst(Policy):
@@ -84,11 +109,12 @@ def _setup(
     policy: Policy | None = None,
     config: ControllerConfig | None = None,
     host: int = 1 << 40,
+    resource_cls: type = FakeTieredResource,
     **fake_kwargs,
 ):
     """A fake resource with ``n`` random-sized resident requests filling ~``fill`` of it."""
     clock = FakeClock()
-    res = FakeTieredResource(device, host, 1 << 40, **fake_kwargs)
+    res = resource_cls(device, host, 1 << 40, **fake_kwargs)
     sizes = [rng.randint(1, 1000) for _ in range(n)]
     scale = fill * device / sum(sizes)
     ctl = EvictionController(
@@ -254,7 +280,7 @@ def test_hysteresis_offloads_down_to_under_low_and_no_further(policy_name, seed)
 def test_policy_order_is_followed():
     rng = random.Random(5)
     res, ctl, clock, rids = _setup(rng, n=40, fill=0.95, policy=OldestFirst())
-    order = sorted(rids, key=lambda r: ctl._last_used[r])
+    order = sorted(rids, key=lambda r: ctl.last_used(r))
     report = ctl.evict_if_needed(())
     assert list(report.offloaded) == order[: len(report.offloaded)]
 
@@ -284,11 +310,12 @@ def test_running_requests_are_never_offloaded(seed, running_share, policy_name, 
         assert set(report.offloaded) == idle
 
 
-def test_priority_policy_asks_only_the_named_resource():
+@pytest.mark.parametrize("resource_cls", [CountingBulk, NoBulkAnswers])
+def test_priority_policy_asks_only_the_named_resource(resource_cls):
     rng = random.Random(8)
     clock = FakeClock()
-    kv = FakeTieredResource(10_000, 1 << 30, 1 << 30)
-    aux = FakeTieredResource(10_000, 1 << 30, 1 << 30)
+    kv = resource_cls(10_000, 1 << 30, 1 << 30)
+    aux = resource_cls(10_000, 1 << 30, 1 << 30)
     both = [f"b{i}" for i in range(10)]
     aux_only = [f"a{i}" for i in range(5)]
     for rid in both:
@@ -312,11 +339,19 @@ def test_priority_policy_asks_only_the_named_resource():
         wanted = max(both, key=lambda r: kv.priorities[r])
         assert plan[0].rid == wanted
         assert plan[0].priority == kv.priorities[wanted]
-        assert kv.calls["get_offload_priority"] == len(both)  # once per request, not per part
+        # once per request, not per part: one by one, or all in one call
+        if resource_cls is NoBulkAnswers:
+            assert kv.calls["get_offload_priority"] == len(both)
+        else:
+            assert kv.calls["get_offload_priority"] == 0
+            assert sorted(kv.asked_priority) == both
+            assert aux.asked_priority == []
         assert aux.calls["get_offload_priority"] == 0
         report = ctl.evict_if_needed(())
         assert report.offloaded[0] == wanted
         assert aux.calls["get_offload_priority"] == 0
+        if resource_cls is CountingBulk:
+            kv.asked_priority.clear()
         # aux-only requests were never asked about on kv
         assert all(r not in kv.state for r in aux_only)
         for rid in both:  # reset for the next policy
@@ -328,36 +363,253 @@ def test_priority_policy_asks_only_the_named_resource():
                 assert aux.reload(rid)
 
 
-@settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000))
-def test_the_fast_candidate_scan_matches_the_general_one(seed):
+
+
+def _twin_scenario(seed: int, policy: Policy, resource_cls: type) -> tuple:
+    """One random scenario; the same seed builds the same requests on any fake class.
+
+    Two evicting resources (kv with offloads left in flight, lora without) and
+    one that does not evict; requests on one, two or all three; some on host,
+    some reloaded a moment ago, ties in recency and priority.
+    """
     rng = random.Random(seed)
     clock = FakeClock()
-    kv = FakeTieredResource(1 << 30, 1 << 30, 1 << 30)
-    aux = FakeTieredResource(1 << 30, supports_eviction=False)
-    ctl = EvictionController(
-        {"kv": kv, "aux": aux}, OldestFirst(), ScriptedPressure([0.5]),
-        ControllerConfig(min_residency_s=1.0), device_capacity_bytes=1 << 30, clock=clock,
-    )
+    kv = resource_cls(1 << 40, 1 << 40, 1 << 40, async_transfers=True, complete_on_poll=False)
+    lora = resource_cls(1 << 40, 1 << 40, 1 << 40)
+    aux = FakeTieredResource(1 << 40, supports_eviction=False)
     rids = []
-    for i in range(rng.randint(1, 60)):
-        rid = f"r{i}"
-        where = rng.choice(["kv", "aux", None])
-        if where != "aux":
-            kv.add(rid, rng.randint(1, 5000), rng.choice([Tier.DEVICE, Tier.DEVICE, Tier.HOST]))
+    for i in range(rng.randint(1, 70)):
+        rid = f"r{rng.randrange(10_000):04d}-{i}"
+        where = rng.choice(["kv", "lora", "aux", None])
+        for name, res in (("kv", kv), ("lora", lora)):
+            if where in (name, None):
+                tier = rng.choice([Tier.DEVICE, Tier.DEVICE, Tier.DEVICE, Tier.HOST])
+                res.add(rid, rng.choice([4096, 8192, rng.randint(1, 10**6)]), tier)
+                res.priorities[rid] = rng.choice([0.0, 0.5, rng.random()])
+        rids.append((rid, where))
+    capacity = int(1.2 * (kv.device_used + lora.device_used + kv.host_used + lora.host_used)) + 1
+    pressure = ScriptedPressure([rng.uniform(0.5, 0.7)])
+    ctl = EvictionController(
+        {"kv": kv, "lora": lora, "aux": aux}, policy, pressure,
+        ControllerConfig(min_residency_s=1.0), device_capacity_bytes=capacity, clock=clock,
+    )
+    for rid, where in rids:
         ctl.add_request(rid, resource=where)
-        clock.advance(rng.random())
-        rids.append(rid)
-    for rid in rids:
-        if rid in kv.state and kv.state[rid] is RequestState.ON_HOST and rng.random() < 0.7:
+        clock.advance(rng.choice([0.0, rng.random()]))
+    for rid, _ in rng.sample(rids, len(rids) // 2):
+        ctl.touch(rid)
+        clock.advance(rng.choice([0.0, rng.random()]))
+    for rid, where in rids:
+        if where != "aux" and any(
+            r.state.get(rid) is RequestState.ON_HOST for r in (kv, lora)
+        ) and rng.random() < 0.5:
             ctl.request_reload(rid)
-            clock.advance(rng.random() * 0.5)
-    running = {r for r in rids if rng.random() < 0.2}
-    now = clock()
-    fast = ctl._candidates_of_one(ctl._evicting[0], running, now)
-    general = ctl._candidates_general(running, now)
-    assert fast == general
-    assert all(c.resource == "kv" and c.priority == 0.0 for c in fast[0])
+            clock.advance(rng.random() * 0.6)
+    running = {rid for rid, _ in rids if rng.random() < 0.2}
+    needs = [1, rng.randint(1, 2 * 10**6), rng.randint(1, capacity), capacity * 2]
+    return ctl, (kv, lora), pressure, running, needs, rng.uniform(0.91, 0.99)
+
+
+def _twin_runs(seed: int, policy: Policy, resource_cls: type) -> tuple:
+    """Plans, then an eviction round, then plans again: what a controller decided."""
+    ctl, resources, pressure, running, needs, high_reading = _twin_scenario(
+        seed, policy, resource_cls
+    )
+    plans = [ctl.plan_offload(running, need) for need in needs]
+    pressure.set(high_reading)  # offload down to under low: kv's copies stay in flight
+    report = ctl.evict_if_needed(running)
+    pressure.set(0.5)
+    later = [ctl.plan_offload(running, need) for need in needs]
+    asked = sum(r.calls["reclaimable"] for r in resources)
+    for r in resources:
+        r.check_integrity()
+    return plans, report, later, asked
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_lazy_asking_picks_the_same_victims_as_asking_everyone_first(seed):
+    # lru/priority ask for bytes only while walking the order: one request at
+    # a time without the *_many hooks, a chunk at a time with them. A rank-only
+    # policy has everyone asked first. Every way must choose the same victims,
+    # records and all.
+    for lazy_policy, rank_only in (
+        (make_policy("lru"), OldestFirst()),
+        (make_policy("priority", resource="kv"), WantedGoneFirst("kv")),
+    ):
+        lazy = _twin_runs(seed, lazy_policy, NoBulkAnswers)
+        for policy, resource_cls in (
+            (lazy_policy, FakeTieredResource),
+            (rank_only, FakeTieredResource),
+        ):
+            other = _twin_runs(seed, policy, resource_cls)
+            assert lazy[:3] == other[:3], (policy.name, resource_cls.__name__)
+        everyone = _twin_runs(seed, rank_only, NoBulkAnswers)
+        assert lazy[:3] == everyone[:3]
+        assert lazy[3] <= everyone[3]  # never asks more than asking everyone
+        assert all(all(c.reclaimable > 0 for c in plan) for plan in lazy[0] + lazy[2])
+
+
+def test_lazy_asking_asks_only_the_requests_it_walks():
+    rng = random.Random(31)
+    res, ctl, clock, rids = _setup(
+        rng, n=3000, fill=0.5, policy=make_policy("lru"), resource_cls=NoBulkAnswers
+    )
+    oldest = sorted(rids, key=ctl.last_used)
+    for rid in oldest[:5]:  # the five oldest have nothing to reclaim: skipped, not picked
+        res.offload(rid)
+    res.calls.clear()
+    plan = ctl.plan_offload((), 1)
+    assert [c.rid for c in plan] == [oldest[5]]
+    assert res.calls["reclaimable"] == 6
+    assert res.calls["get_offload_priority"] == 0
+    need = sum(res.size[r] for r in oldest[5:25])
+    res.calls.clear()
+    plan = ctl.plan_offload((), need)
+    assert [c.rid for c in plan] == oldest[5:25]
+    assert res.calls["reclaimable"] == 25
+    # with reclaimable_many the same plan asks once, for a chunk of the order
+    bulk, bulk_ctl, _, _ = _setup(random.Random(31), n=3000, fill=0.5,
+                                  policy=make_policy("lru"), resource_cls=CountingBulk)
+    for rid in oldest[:5]:
+        bulk.offload(rid)
+    bulk.calls.clear()
+    assert bulk_ctl.plan_offload((), need) == plan
+    assert bulk.calls["reclaimable_many"] == 1 and bulk.calls["reclaimable"] == 0
+    assert 25 <= bulk.asked <= 500  # the chunk read, far from all 3000
+    # a policy that needs the bytes to order has everyone asked
+    largest = EvictionController({"kv": bulk}, make_policy("largest"), ScriptedPressure([0.5]),
+                                 device_capacity_bytes=bulk.device_capacity_bytes)
+    for rid in bulk.state:
+        largest.add_request(rid)
+    bulk.asked = 0
+    largest.plan_offload((), 1)
+    assert bulk.asked == 3000 and bulk.calls["reclaimable"] == 0
+
+
+@pytest.mark.parametrize("resource_cls", [FakeTieredResource, NoBulkAnswers])
+@pytest.mark.parametrize("policy_name", ["lru", "largest"])
+def test_slots_stay_right_through_adds_and_removes(resource_cls, policy_name):
+    rng = random.Random(32)
+    clock = FakeClock()
+    res = resource_cls(1 << 40, 1 << 40, 1 << 40)
+    ctl = EvictionController(
+        {"kv": res}, make_policy(policy_name), ScriptedPressure([0.5]),
+        device_capacity_bytes=1 << 40, clock=clock,
+    )
+    live: dict[str, float] = {}
+    for step in range(1500):
+        clock.advance(rng.choice([0.0, rng.random()]))
+        action = rng.random()
+        if action < 0.55 or not live:
+            rid = f"q{step}"
+            res.add(rid, rng.randint(1, 50) * 4096)
+            ctl.add_request(rid)
+            live[rid] = clock()
+        elif action < 0.8:
+            rid = rng.choice(sorted(live))
+            ctl.remove_request(rid)
+            res.remove(rid)
+            del live[rid]
+        else:
+            rid = rng.choice(sorted(live))
+            ctl.touch(rid)
+            live[rid] = clock()
+    assert ctl.stats()["live_requests"] == len(live)
+    assert all(ctl.last_used(rid) == t for rid, t in live.items())
+    running = set(rng.sample(sorted(live), len(live) // 10))
+    plan = ctl.plan_offload(running, 1 << 50)
+    if policy_name == "lru":
+        expected = sorted(set(live) - running, key=lambda r: (live[r], r))
+    else:
+        expected = sorted(set(live) - running, key=lambda r: (-res.size[r], live[r], r))
+    assert [c.rid for c in plan] == expected
+    assert [c.reclaimable for c in plan] == [res.size[r] for r in expected]
+    assert [c.last_used for c in plan] == [live[r] for r in expected]
+
+
+class _Answers(NoBulkAnswers):
+    """A fake, asked one request at a time, whose answers a test can spoil."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.bad_bytes: dict[str, object] = {}
+        self.bad_priority: dict[str, float] = {}
+
+    def reclaimable(self, rid: str) -> int:
+        return self.bad_bytes.get(rid, super().reclaimable(rid))
+
+    def get_offload_priority(self, rid: str) -> float:
+        return self.bad_priority.get(rid, super().get_offload_priority(rid))
+
+
+@pytest.mark.parametrize("bad", [1.5, "4096", None, True, 2**63])
+@pytest.mark.parametrize("policy_name", ["lru", "largest"])
+def test_a_bad_reclaimable_answer_is_refused_by_name(bad, policy_name):
+    rng = random.Random(33)
+    res = _Answers(1 << 30, 1 << 30, 1 << 30)
+    ctl = EvictionController(
+        {"kv": res}, make_policy(policy_name), ScriptedPressure([0.5]),
+        device_capacity_bytes=1 << 30, clock=FakeClock(),
+    )
+    for i in range(20):
+        res.add(f"r{i}", rng.randint(1, 10**5))
+        ctl.add_request(f"r{i}")
+    res.bad_bytes = {"r0": bad}
+    with pytest.raises(ValueError, match=r"'kv'.*reclaimable\('r0'\)"):
+        ctl.plan_offload((), 1 << 40)
+
+
+def test_bad_bulk_and_priority_answers_are_refused_by_name():
+    rng = random.Random(34)
+    res = _Answers(1 << 30, 1 << 30, 1 << 30)
+    ctl = EvictionController(
+        {"kv": res}, make_policy("priority", resource="kv"), ScriptedPressure([0.5]),
+        device_capacity_bytes=1 << 30, clock=FakeClock(),
+    )
+    for i in range(20):
+        res.add(f"r{i}", rng.randint(1, 10**5))
+        ctl.add_request(f"r{i}")
+    res.bad_priority = {"r7": float("nan")}
+    with pytest.raises(ValueError, match=r"'kv'.*get_offload_priority\('r7'\).*finite"):
+        ctl.plan_offload((), 1)
+    res.bad_priority = {}
+    assert ctl.plan_offload((), 1)
+    for bulk, match in (
+        (lambda rids: np.full(len(rids), np.inf), r"get_offload_priority\('r0'\).*finite"),
+        (lambda rids: ["high"] * len(rids), r"get_offload_priority_many.*one number each"),
+        (lambda rids: np.zeros(len(rids) + 1), r"shape \(21,\) for 20 requests"),
+    ):
+        res.get_offload_priority_many = bulk  # looked up when the controller is made
+        ctl = EvictionController(
+            {"kv": res}, make_policy("priority", resource="kv"), ScriptedPressure([0.5]),
+            device_capacity_bytes=1 << 30, clock=FakeClock(),
+        )
+        for rid in res.state:
+            ctl.add_request(rid)
+        with pytest.raises(ValueError, match=match):
+            ctl.plan_offload((), 1)
+
+    def controller_with(bulk_answer) -> EvictionController:
+        short = _Answers(1 << 30, 1 << 30, 1 << 30)
+        short.reclaimable_many = bulk_answer  # looked up when the controller is made
+        ctl = EvictionController(
+            {"kv": short}, make_policy("largest"), ScriptedPressure([0.5]),
+            device_capacity_bytes=1 << 30, clock=FakeClock(),
+        )
+        for i in range(3):
+            short.add(f"r{i}", 4096)
+            ctl.add_request(f"r{i}")
+        return ctl
+
+    ctl = controller_with(lambda rids: np.ones(len(rids) - 1, dtype=np.int64))
+    with pytest.raises(ValueError, match=r"'kv'.*shape \(2,\) for 3 requests"):
+        ctl.plan_offload((), 1)
+    ctl = controller_with(lambda rids: [4096.5] * len(rids))
+    with pytest.raises(ValueError, match=r"'kv'.*reclaimable\('r0'\) returned 4096.5"):
+        ctl.plan_offload((), 1)
+    ctl = controller_with(lambda rids: np.full(len(rids), 4096, dtype=np.uint64))
+    assert [c.rid for c in ctl.plan_offload((), 1 << 20)] == ["r0", "r1", "r2"]
 
 
 @pytest.mark.parametrize("policy", [OldestFirst(), make_policy("lru"), make_policy("largest"),
@@ -398,11 +650,27 @@ def test_a_resource_without_eviction_is_never_asked():
     ctl.request_reload(offloaded[0])
     ctl.evict_if_needed(())
     assert ctl.stats()["demotions"] > 0  # the cascade ran on kv
-    for hook in ("reclaimable", "offload", "get_offload_priority", "is_offloaded",
+    for hook in ("reclaimable", "reclaimable_many", "offload", "get_offload_priority",
+                 "is_offloaded",
                  "can_reload", "reload", "reload_bytes", "tier_of", "demote", "drop",
                  "host_used_bytes"):
         assert aux.calls[hook] == 0, hook
     assert aux.calls["poll"] > 0  # poll is the only thing it is asked
+
+
+@pytest.mark.parametrize("policy_name", ["lru", "largest"])
+def test_with_no_resource_that_evicts_nothing_is_picked(policy_name):
+    rng = random.Random(35)
+    aux = FakeTieredResource(10_000, 10_000, 10_000, supports_eviction=False)
+    ctl = EvictionController({"aux": aux}, make_policy(policy_name), ScriptedPressure([0.99]),
+                             clock=FakeClock())
+    for i in range(rng.randint(1, 20)):
+        aux.add(f"r{i}", rng.randint(1, 400))
+        ctl.add_request(f"r{i}")
+    assert ctl.plan_offload((), 1000) == ()
+    report = ctl.evict_if_needed(())
+    assert report.offloaded == () and report.pressure_before == 0.99
+    assert sum(aux.calls.values()) == aux.calls["poll"]
 
 
 def test_idle_path_does_no_per_request_work():
@@ -823,7 +1091,7 @@ def test_a_long_waiting_reload_gets_room_made_from_idle_requests():
     clock.advance(1.5)
     report = ctl.evict_if_needed(())
     assert report.offloaded, "an old head must get room made for it"
-    order = sorted((r for r in res.state if r.startswith("idle")), key=ctl._last_used.get)
+    order = sorted((r for r in res.state if r.startswith("idle")), key=ctl.last_used)
     assert list(report.offloaded) == order[: len(report.offloaded)]
     assert ctl.stats()["make_room_offloads"] == len(report.offloaded)
     report = ctl.evict_if_needed(())
@@ -874,7 +1142,7 @@ def _host_world(rng, *, disk: int, on_disk_full: str = "keep", async_transfers=F
     for rid in rng.sample(rids, len(rids)):
         clock.advance(0.1)
         ctl.touch(rid)
-    coldest = sorted(rids, key=ctl._last_used.get)
+    coldest = sorted(rids, key=ctl.last_used)
     return res, ctl, clock, coldest
 
 

@@ -6,9 +6,11 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +20,7 @@ from policies import (
     Candidate,
     CostAware,
     LargestFirst,
+    OrderCursor,
     Policy,
     PolicyRegistry,
     Priority,
@@ -26,7 +29,9 @@ from policies import (
     rank_by,
     register_policy,
 )
+from policies.candidate import CandidateBatch
 from policies.cost_aware import EPS_S
+from policies.ordering import check_keys, order_rows
 from tiering.types import Tier
 
 
@@ -118,17 +123,50 @@ def test_policy_contract(policy_name, candidates, now, data):
     assert picked == _expected_pick(ranked, need)
     if need <= total:
         assert sum(c.reclaimable for c in picked) >= need
+    # the columnar order agrees with rank, and a limited order is its prefix
+    batch = CandidateBatch.from_candidates(shuffled)
+    order = policy.order(batch, now)
+    assert isinstance(order, np.ndarray) and order.dtype == np.int64
+    assert [shuffled[i] for i in order.tolist()] == ranked
+    limit = data.draw(st.integers(0, len(candidates) + 2), label="limit")
+    prefix = policy.order(batch, now, limit)
+    assert min(limit, len(candidates)) <= len(prefix) <= len(candidates)
+    assert prefix.tolist() == order.tolist()[: len(prefix)]
+    assert [shuffled[i] for i in policy.pick_rows(batch, now, need).tolist()] == picked
+    # a policy that says it orders without the bytes is not moved by them
+    if not policy.needs_reclaimable:
+        for reclaimable in (None, data.draw(st.permutations(batch.reclaimable.tolist()))):
+            blind = _same_batch(batch, reclaimable=reclaimable)
+            assert policy.order(blind, now).tolist() == order.tolist()
     # the input was never touched
     assert candidates == snapshot
     assert all(a is b for a, b in zip(candidates, snapshot, strict=True))
 
 
+def _same_batch(batch: CandidateBatch, **changes) -> CandidateBatch:
+    """``batch`` rebuilt through the checking constructor, with ``changes``."""
+    columns = {
+        "reclaimable": batch.reclaimable,
+        "priority": batch.priority,
+        "reload_cost_s": batch.reload_cost_s,
+        "resources": batch.resources.tolist(),
+        "tier": batch.tier,
+        **changes,
+    }
+    return CandidateBatch(batch.rids.tolist(), batch.last_used, **columns)
+
+
+def _cost_reference(c: Candidate, now: float) -> tuple:
+    return (-CostAware().score(c, now), c.rid, c.resource)
+
+
 # Reference orders, written as one tuple sort each: the specification the fast
-# implementations (single-key sort + tie runs) must reproduce.
+# implementations (sort keys, partial selection, tie runs) must reproduce.
 REFERENCE_KEYS = {
-    "lru": lambda c: (c.last_used, c.rid, c.resource),
-    "priority": lambda c: (-c.priority, c.last_used, c.rid, c.resource),
-    "largest": lambda c: (-c.reclaimable, c.last_used, c.rid, c.resource),
+    "lru": lambda c, now: (c.last_used, c.rid, c.resource),
+    "priority": lambda c, now: (-c.priority, c.last_used, c.rid, c.resource),
+    "largest": lambda c, now: (-c.reclaimable, c.last_used, c.rid, c.resource),
+    "cost": _cost_reference,
 }
 
 
@@ -155,8 +193,17 @@ def test_large_inputs_match_the_reference_order(policy_name, distinct_times):
     candidates = _random_candidates(rng, 3000, distinct_times)
     policy = POLICY_FACTORIES[policy_name]()
     now = float(distinct_times)
-    expected = sorted(candidates, key=REFERENCE_KEYS[policy_name])
+    expected = sorted(candidates, key=lambda c: REFERENCE_KEYS[policy_name](c, now))
     assert policy.rank(candidates, now) == expected
+    # a prefix: only the rows that can be in it are sorted
+    batch = CandidateBatch.from_candidates(candidates)
+    for limit in (1, 2, 17, 300, 1499, 1501, 3000, 5000):
+        prefix = policy.order(batch, now, limit).tolist()
+        assert len(prefix) >= min(limit, 3000)
+        assert [candidates[i] for i in prefix] == expected[: len(prefix)]
+    # and the smallest covering prefix for a byte need, read in chunks
+    need = rng.randint(1, sum(c.reclaimable for c in candidates) // 3)
+    assert policy.pick(candidates, now, need) == _expected_pick(expected, need)
 
 
 def test_lru_orders_least_recently_used_first_ties_by_rid():
@@ -417,3 +464,230 @@ def test_register_policy_checks_what_it_is_given():
     empty = PolicyRegistry()
     with pytest.raises(ValueError, match="known policies: $"):
         empty.make("lru")
+
+
+# -- the columnar path -------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_order_rows_matches_a_tuple_sort_for_any_prefix(data):
+    # sizes on both sides of the partial-selection threshold; keys from tiny
+    # pools (many ties on every level), ints and floats, huge ints, -0.0
+    n = data.draw(st.one_of(st.integers(0, 40), st.integers(500, 2500)), label="n")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    rng = np.random.default_rng(seed)
+    pools = [
+        lambda: rng.integers(0, 3, n),
+        lambda: rng.choice([-0.0, 0.0, 1.5, -2.0], n),
+        lambda: rng.random(n),
+        lambda: rng.integers(2**62, 2**62 + 3, n) * rng.choice([-1, 1], n),
+    ]
+    count = data.draw(st.integers(0, 3), label="keys")
+    picks = data.draw(st.lists(st.integers(0, 3), min_size=count, max_size=count))
+    keys = check_keys([pools[i]() for i in picks], n)
+    rid_pool = [f"r{i}" for i in range(data.draw(st.integers(1, max(1, n)), label="rids"))]
+    rids = np.array([rid_pool[i] for i in rng.integers(0, len(rid_pool), n)] + [""], object)[:n]
+    resources = np.array(list(rng.choice(["kv", "lora", ""], n)) + [""], object)[:n]
+    expected = sorted(
+        range(n), key=lambda i: (*(k[i].item() for k in keys), rids[i], resources[i])
+    )
+    tuples = [(*(k[i].item() for k in keys), rids[i], resources[i]) for i in range(n)]
+    ids = SimpleNamespace(rids=rids, resources=resources)
+    whole = order_rows(keys, ids).tolist()
+    assert [tuples[i] for i in whole] == [tuples[i] for i in expected]
+    assert sorted(whole) == list(range(n))
+    limit = data.draw(st.integers(0, n + 3), label="limit")
+    prefix = order_rows(keys, ids, limit).tolist()
+    assert min(limit, n) <= len(prefix) <= n
+    assert [tuples[i] for i in prefix] == [tuples[i] for i in expected[: len(prefix)]]
+
+
+def test_check_keys_refuses_what_it_cannot_order():
+    rng = random.Random(40)
+    n = rng.randint(2, 9)
+    with pytest.raises(ValueError, match="key 0 has shape"):
+        check_keys([np.zeros(n + 1)], n)
+    with pytest.raises(ValueError, match="key 1 must be numeric"):
+        check_keys([np.zeros(n), np.array(["a"] * n)], n)
+    with pytest.raises(ValueError, match="key 0 contains NaN"):
+        check_keys([np.full(n, math.nan)], n)
+    assert check_keys([np.ones(n, dtype=bool)], n)[0].dtype.kind == "i"
+
+
+def _random_batch(rng: random.Random, n: int) -> CandidateBatch:
+    return CandidateBatch(
+        [f"r{rng.randrange(10**6)}-{i}" for i in range(n)],
+        [rng.uniform(0, 100) for _ in range(n)],
+        reclaimable=[rng.randint(0, 2**40) for _ in range(n)],
+        priority=[rng.uniform(-5, 5) for _ in range(n)],
+        reload_cost_s=[rng.choice([0.0, rng.uniform(0.001, 2)]) for _ in range(n)],
+        resources=[rng.choice(["kv", "lora"]) for _ in range(n)],
+        tier=rng.choice([Tier.DEVICE, Tier.HOST]),
+    )
+
+
+def test_batch_records_equal_records_built_the_checked_way():
+    rng = random.Random(41)
+    batch = _random_batch(rng, 50)
+    rows = [rng.randrange(50) for _ in range(20)]
+    expected = [
+        Candidate(
+            batch.rids[i], int(batch.reclaimable[i]), float(batch.last_used[i]), batch.tier,
+            float(batch.priority[i]), float(batch.reload_cost_s[i]), batch.resources[i],
+        )
+        for i in rows
+    ]
+    got = batch.records(rows)
+    assert got == expected
+    assert [hash(c) for c in got] == [hash(c) for c in expected]
+    assert all(type(c.reclaimable) is int and type(c.last_used) is float for c in got)
+    sizes = [rng.randint(1, 2**50) for _ in rows]
+    assert [c.reclaimable for c in batch.records(rows, reclaimable=sizes)] == sizes
+    assert len(batch.records()) == 50
+    # records given are records returned
+    records = batch.records()
+    again = CandidateBatch.from_candidates(records)
+    assert all(a is b for a, b in zip(again.records(), records, strict=True))
+    assert again.records([3], reclaimable=[7])[0] == replace(records[3], reclaimable=7)
+    with pytest.raises(IndexError, match="out of range"):
+        batch.records([50])
+    with pytest.raises(ValueError, match="reclaimable"):
+        batch.records(rows, reclaimable=[-1] * len(rows))
+    blind = _same_batch(batch, reclaimable=None)
+    with pytest.raises(ValueError, match="not asked"):
+        blind.records(rows)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"rids": ["a", ""]}, "rids"),
+        ({"rids": ["a", 7]}, "rids"),
+        ({"last_used": [1.0, math.nan]}, "last_used"),
+        ({"last_used": [1.0]}, "last_used"),
+        ({"last_used": ["1.0", "2.0"]}, "last_used"),
+        ({"priority": [0.0, math.inf]}, "priority"),
+        ({"reload_cost_s": [0.0, -0.5]}, "reload_cost_s"),
+        ({"reclaimable": [1, -1]}, "reclaimable"),
+        ({"reclaimable": [1, 2**63]}, "reclaimable"),
+        ({"reclaimable": [1.0, 2.5]}, "reclaimable"),
+        ({"reclaimable": [True, False]}, "reclaimable"),
+        ({"resources": ["kv", None]}, "resources"),
+        ({"resources": ["kv"]}, "resources"),
+        ({"tier": "device"}, "tier"),
+    ],
+)
+def test_batch_rejects_bad_columns_by_name(change, field):
+    rng = random.Random(42)
+    columns = {"rids": ["a", "b"], "last_used": [rng.random(), rng.random()], **change}
+    with pytest.raises(ValueError, match=field):
+        CandidateBatch(columns.pop("rids"), columns.pop("last_used"), **columns)
+
+
+def test_batch_is_read_only_and_of_registered_still_checks_numbers():
+    rng = random.Random(43)
+    batch = _random_batch(rng, 8)
+    for column in (batch.rids, batch.resources, batch.reclaimable, batch.last_used,
+                   batch.priority, batch.reload_cost_s):
+        with pytest.raises(ValueError, match="read-only"):
+            column[0] = column[1]
+    rids = np.array([f"r{i}" for i in range(3)], dtype=object)
+    names = np.array(["kv"] * 3, dtype=object)
+    made = CandidateBatch.of_registered(rids, names, np.array([1.0, 2.0, 3.0]))
+    assert len(made) == 3 and made.reclaimable is None
+    assert made.rids is rids and not rids.flags.writeable  # taken over, not copied
+    with pytest.raises(ValueError, match="last_used"):
+        CandidateBatch.of_registered(rids, names, np.array([1.0, math.nan, 3.0]))
+    with pytest.raises(ValueError, match="object array"):
+        CandidateBatch.of_registered(["r0", "r1", "r2"], names, np.zeros(3))
+
+
+class OverriddenLRU(LRU):
+    """A subclass of a built-in that overrides rank: newest first."""
+
+    def rank(self, candidates: Sequence[Candidate], now: float) -> list[Candidate]:
+        return sorted(candidates, key=lambda c: (-c.last_used, c.rid, c.resource))
+
+
+class NoOrder(Policy):
+    """Defines no way to order at all."""
+
+
+class Forger(Policy):
+    """Returns records it was not given."""
+
+    def rank(self, candidates: Sequence[Candidate], now: float) -> list[Candidate]:
+        return [replace(c, priority=c.priority + 1.0) for c in candidates]
+
+
+def test_the_most_derived_ordering_method_is_used():
+    rng = random.Random(44)
+    batch = _random_batch(rng, 30)
+    records = batch.records()
+    now = 200.0
+    overridden = OverriddenLRU()
+    assert overridden.needs_reclaimable  # ranked from records, which carry the bytes
+    assert not LRU().needs_reclaimable
+    newest = [records[i] for i in overridden.order(batch, now).tolist()]
+    assert newest == overridden.rank(records, now)
+    assert newest == list(reversed(LRU().rank(records, now)))
+    with pytest.raises(ValueError, match="reclaimable"):
+        overridden.order(_same_batch(batch, reclaimable=None), now)
+    with pytest.raises(TypeError, match="NoOrder defines none"):
+        NoOrder().rank(records, now)
+    with pytest.raises(ValueError, match="exactly once"):
+        Forger().order(batch, now)
+    # one record object listed twice is two candidates, for rank-only policies too
+    twice = [records[0], *records[1:5], records[0]]
+    for policy in (MostRecentFirst(), LRU()):
+        assert policy.pick(twice, now, 1 << 62) == policy.rank(twice, now)
+        assert len(policy.rank(twice, now)) == 6
+
+
+def test_order_cursor_reads_the_order_in_chunks():
+    rng = random.Random(45)
+    batch = _random_batch(rng, 2000)
+    now = 50.0
+    for policy in (LRU(), Priority("kv"), LargestFirst(), CostAware(), MostRecentFirst()):
+        whole = policy.order(batch, now).tolist()
+        cursor = OrderCursor(policy, batch, now)
+        read: list[int] = []
+        assert cursor.take(0).tolist() == []
+        while cursor.read < len(batch):
+            read += cursor.take(rng.choice([1, 7, 64, 700])).tolist()
+        assert read == whole
+        assert cursor.take(5).tolist() == []
+        sizes = batch.reclaimable
+        chunk = OrderCursor(policy, batch, now).take_for(float(sizes.sum()) / 10, None)
+        assert len(chunk) == OrderCursor.FIRST_ROWS
+        first = OrderCursor(policy, batch, now).take_for(float(sizes[0]) * 40, float(sizes[0]))
+        assert 40 <= len(first) <= 100
+    with pytest.raises(ValueError, match="limit"):
+        LRU().order(batch, now, -1)
+    with pytest.raises(ValueError, match="reclaimable"):
+        LRU().pick_rows(_same_batch(batch, reclaimable=None), now, 10)
+    with pytest.raises(ValueError, match="need_bytes"):
+        LRU().pick_rows(batch, now, -3)
+
+
+class _IdsNeverRead:
+    """Ids that fail the test if they are read."""
+
+    @property
+    def rids(self) -> np.ndarray:
+        raise AssertionError("ids were read, but no rows tie")
+
+    resources = rids
+
+
+def test_order_rows_reads_ids_only_when_rows_tie():
+    rng = random.Random(46)
+    n = rng.randint(600, 900)
+    distinct = check_keys([np.array(rng.sample(range(10**6), n), dtype=np.float64)], n)
+    expected = np.argsort(distinct[0]).tolist()
+    assert order_rows(distinct, _IdsNeverRead()).tolist() == expected
+    assert order_rows(distinct, _IdsNeverRead(), 10).tolist() == expected[:10]
+    tied = check_keys([np.zeros(n)], n)
+    with pytest.raises(AssertionError, match="ids were read"):
+        order_rows(tied, _IdsNeverRead())

@@ -30,6 +30,22 @@ One call to ``evict_if_needed`` does, in order:
 With no pressure and nothing waiting, a call does a fixed amount of work per
 resource and none per request.
 
+Finding victims among many requests: the controller keeps each request's slot,
+last use and resource membership in numpy columns, so the idle candidates are
+found by array operations and handed to the policy as a
+``policies.CandidateBatch``. The policy's order is read front to back in
+chunks (``policies.OrderCursor``) sized to free about the bytes needed, so
+only a prefix a little longer than the victims is sorted. A policy that
+orders by the bytes (``Policy.needs_reclaimable``: largest, cost) gets every
+idle request's ``reclaimable`` up front, from one ``reclaimable_many`` call
+where the resource offers it; for one that does not (lru, priority) they are
+asked only for the requests the walk of its order reaches (a chunk at a time
+from ``reclaimable_many``, else one request at a time). A PRIORITY policy's
+resource is asked ``get_offload_priority`` (or ``get_offload_priority_many``)
+once for each idle request registered with it (each with bytes to reclaim,
+when those were asked up front). ``Candidate`` records are built only for the
+victims ``plan_offload`` returns.
+
 Reload admission: a reload needing ``need`` bytes (``reload_bytes``; 0 when
 the resource does not say) starts only if
 ``current + reserved + need <= (high - reload_headroom) * capacity``, where
@@ -54,11 +70,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from policies.base import Candidate, Policy
+import numpy as np
+
+from policies.base import Candidate, CandidateBatch, OrderCursor, Policy
 from tiering.admission import InFlightLedger, ReloadQueue, WaitingReload
 from tiering.stats import ControllerStats
 from tiering.types import Tier
@@ -173,14 +191,18 @@ class _Handle:
     __slots__ = (
         "name", "resource", "evicts", "reclaimable", "offload", "priority", "is_offloaded",
         "can_reload", "reload", "reload_bytes", "tier_of", "poll", "device_capacity",
-        "host_capacity", "host_used", "demote", "drop", "rids", "demoting", "candidates",
+        "host_capacity", "host_used", "demote", "drop", "demoting", "reclaimable_many",
+        "priority_many",
     )
 
     def __init__(self, name: str, resource: Any) -> None:
         self.name = name
         self.resource = resource
         self.evicts = bool(getattr(resource, "supports_eviction", False))
+        self.reclaimable_many = self.priority_many = None
         if self.evicts:
+            self.reclaimable_many = getattr(resource, "reclaimable_many", None)
+            self.priority_many = getattr(resource, "get_offload_priority_many", None)
             self.reclaimable = resource.reclaimable
             self.offload = resource.offload
             self.priority = resource.get_offload_priority
@@ -197,10 +219,7 @@ class _Handle:
         self.host_used = getattr(resource, "host_used_bytes", None)
         self.demote = getattr(resource, "demote", None)
         self.drop = getattr(resource, "drop", None)
-        self.rids: set[str] = set()  # requests registered with this resource
         self.demoting: dict[str, int] = {}  # demotions in flight: rid -> host bytes
-        # the last Candidate built per rid, reused while its fields are unchanged
-        self.candidates: dict[str, Candidate] = {}
 
     @property
     def cascades(self) -> bool:
@@ -214,6 +233,100 @@ class _Handle:
             and self.tier_of is not None
             and self.reload_bytes is not None
         )
+
+
+class _RequestTable:
+    """The live requests, one slot each, with their per-request columns.
+
+    ``slot`` maps a rid to its slot; ``rid_at``, ``last_used`` and ``live``
+    are numpy columns indexed by slot, and ``member[name]`` says which slots
+    are registered with the evicting resource ``name``. A scan of every
+    request for victims is then array slicing, not a walk over dicts. Slots of
+    removed requests are reused; ``end`` is one past the highest slot used.
+    Owned by one controller, which is the only writer.
+    """
+
+    __slots__ = ("slot", "rid_at", "last_used", "live", "member", "end", "_free")
+
+    def __init__(self, names: Iterable[str], capacity: int = 64) -> None:
+        self.slot: dict[str, int] = {}
+        self.rid_at = np.empty(capacity, dtype=object)
+        self.last_used = np.zeros(capacity, dtype=np.float64)
+        self.live = np.zeros(capacity, dtype=bool)
+        self.member = {name: np.zeros(capacity, dtype=bool) for name in names}
+        self.end = 0
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.slot)
+
+    def add(self, rid: str, now: float) -> int:
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = self.end
+            if slot == len(self.live):
+                self._grow(2 * slot)
+            self.end = slot + 1
+        self.slot[rid] = slot
+        self.rid_at[slot] = rid
+        self.last_used[slot] = now
+        self.live[slot] = True
+        return slot
+
+    def remove(self, rid: str) -> None:
+        slot = self.slot.pop(rid)
+        self.rid_at[slot] = None
+        self.live[slot] = False
+        for column in self.member.values():
+            column[slot] = False
+        self._free.append(slot)
+
+    def members_of(self, name: str) -> list[str]:
+        """The rids registered with the evicting resource ``name``, by slot."""
+        return self.rid_at[np.flatnonzero(self.member[name][: self.end])].tolist()
+
+    def _grow(self, capacity: int) -> None:
+        def grown(column: np.ndarray) -> np.ndarray:
+            bigger = np.full(capacity, None if column.dtype == object else 0, column.dtype)
+            bigger[: len(column)] = column
+            return bigger
+
+        self.rid_at = grown(self.rid_at)
+        self.last_used = grown(self.last_used)
+        self.live = grown(self.live)
+        self.member = {name: grown(column) for name, column in self.member.items()}
+
+
+def _bytes_answer(name: str, rid: str, value: object) -> int:
+    """One ``reclaimable`` answer as an int (<= 0: nothing to reclaim); raise if not an int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(
+            f"resource {name!r}: reclaimable({rid!r}) returned {value!r}; expected an int"
+        )
+    if value >= 2**63:
+        raise ValueError(
+            f"resource {name!r}: reclaimable({rid!r}) returned {value!r}; expected < 2**63"
+        )
+    return int(value)
+
+
+def _bytes_answers(name: str, rids: list[str], values: object) -> np.ndarray:
+    """Many ``reclaimable`` answers as int64 (<= 0: nothing to reclaim); raise if not ints."""
+    answers = np.asarray(values)
+    if answers.shape != (len(rids),):
+        raise ValueError(
+            f"resource {name!r}: got reclaimable answers of shape {answers.shape} "
+            f"for {len(rids)} requests"
+        )
+    if answers.dtype.kind not in "iu" or (answers.dtype.kind == "u" and len(answers) and
+                                          int(answers.max()) >= 2**63):
+        checked = [
+            _bytes_answer(name, rid, value)
+            for rid, value in zip(rids, answers.tolist(), strict=True)
+        ]
+        return np.array(checked, dtype=np.int64)
+    return answers.astype(np.int64, copy=False)
 
 
 # outcomes of one reload attempt
@@ -314,9 +427,13 @@ class EvictionController:
         self._low = config.low
         self._limit_bytes = (config.high - config.reload_headroom) * self._capacity
 
+        # A policy that orders without the bytes (lru, priority) gets them
+        # asked for only as the walk of its order reaches each request; any
+        # other is handed the bytes of every idle request, asked up front.
+        self._ask_lazily = not policy.needs_reclaimable
         self._names: dict[str, frozenset[str]] = {}  # rid -> every resource it was added to
         self._members: dict[str, tuple[_Handle, ...]] = {}  # rid -> its evicting resources
-        self._last_used: dict[str, float] = {}
+        self._table = _RequestTable(h.name for h in self._evicting)
         self._reloaded_at: dict[str, float] = {}
         self._ledger = InFlightLedger(lag=2 if self._latest is not None else 1)
         self._queue = ReloadQueue(config.aging_s)
@@ -361,10 +478,12 @@ class EvictionController:
         else:
             members = tuple(h for h in self._evicting if h.name in added)
         self._members[rid] = members
+        table = self._table
+        slot = table.slot.get(rid)
+        if slot is None:
+            slot = table.add(rid, self._clock())
         for h in members:
-            h.rids.add(rid)
-        if rid not in self._last_used:
-            self._last_used[rid] = self._clock()
+            table.member[h.name][slot] = True
 
     def remove_request(self, rid: str) -> None:
         """Forget a request that finished; its waiting reload, if any, is cancelled."""
@@ -372,20 +491,28 @@ class EvictionController:
         if members is None:
             raise UnknownRequestError(f"unknown request {rid!r}")
         del self._names[rid]
-        del self._last_used[rid]
+        self._table.remove(rid)
         self._reloaded_at.pop(rid, None)
         self._queue.remove(rid)
         for h in members:
-            h.rids.discard(rid)
             h.demoting.pop(rid, None)
-            h.candidates.pop(rid, None)
             self._ledger.forget_offload((h.name, rid))
 
     def touch(self, rid: str) -> None:
         """The request ran now."""
-        if rid not in self._last_used:
+        table = self._table
+        slot = table.slot.get(rid)
+        if slot is None:
             raise UnknownRequestError(f"unknown request {rid!r}")
-        self._last_used[rid] = self._clock()
+        table.last_used[slot] = self._clock()
+
+    def last_used(self, rid: str) -> float:
+        """When the request last ran (``touch``), or was registered if it never has."""
+        table = self._table
+        slot = table.slot.get(rid)
+        if slot is None:
+            raise UnknownRequestError(f"unknown request {rid!r}")
+        return float(table.last_used[slot])
 
     # -- pressure -----------------------------------------------------------------
 
@@ -516,118 +643,203 @@ class EvictionController:
             skipped,
         )
 
-    def _candidates(
+    def _candidate_batch(
         self, running: Collection[str], now: float
-    ) -> tuple[list[Candidate], int]:
-        """Every idle (rid, resource) with something to reclaim, and how many ran.
+    ) -> tuple[CandidateBatch, int]:
+        """Every idle (request, resource) pair that may be offloaded, as columns; how many ran.
 
-        Candidates are immutable and most idle requests do not change between
-        two pressure events, so the record built last time is reused while its
-        reclaimable bytes, last use and priority are the same.
+        Idle: not in ``running``, past its minimum residency, and not already
+        being offloaded from that resource. When bytes are asked for up front
+        (see ``_ask_lazily``), each resource is asked once for all its idle
+        requests (``reclaimable_many``, or one ``reclaimable`` call each) and
+        rows with nothing to reclaim are left out; otherwise the batch carries
+        no bytes and ``_victim_rows`` asks for them as it walks the order. A
+        PRIORITY policy's resource is asked ``get_offload_priority`` once per
+        request that has a row.
         """
         if not isinstance(running, (set, frozenset, dict)):
             running = set(running)
-        moving = self._ledger.moving
-        prio_handle = self._prio_handle
-        if len(self._evicting) == 1 and prio_handle is None and not moving:
-            return self._candidates_of_one(self._evicting[0], running, now)
-        return self._candidates_general(running, now)
-
-    def _candidates_general(
-        self, running: Collection[str], now: float
-    ) -> tuple[list[Candidate], int]:
-        """``_candidates`` for any number of resources, priorities and offloads in flight."""
-        moving = self._ledger.moving
-        prio_handle = self._prio_handle
-        min_res = self._config.min_residency_s
-        recent = self._reloaded_at
-        members = self._members
-        device = Tier.DEVICE
-        out: list[Candidate] = []
-        append = out.append
+        table = self._table
+        end = table.end
+        slot_of = table.slot
+        idle = table.live[:end].copy()
         skipped = 0
-        expired: list[str] = []
-        for rid, last in self._last_used.items():
-            if rid in running:
+        for rid in running:
+            slot = slot_of.get(rid)
+            if slot is not None:
+                idle[slot] = False
                 skipped += 1
-                continue
-            if recent:
-                t = recent.get(rid)
-                if t is not None:
-                    if now - t < min_res:
-                        continue
+        recent = self._reloaded_at
+        if recent:
+            min_res = self._config.min_residency_s
+            expired = []
+            for rid, started_at in recent.items():
+                if now - started_at < min_res:
+                    idle[slot_of[rid]] = False
+                else:
                     expired.append(rid)
-            handles = members[rid]
-            prio = None
-            for h in handles:
-                if moving and (h.name, rid) in moving:
-                    continue
-                nbytes = h.reclaimable(rid)
-                if nbytes <= 0:
-                    continue
-                if prio is None:
-                    if prio_handle is not None and prio_handle in handles:
-                        prio = float(prio_handle.priority(rid))
-                    else:
-                        prio = 0.0
-                c = h.candidates.get(rid)
-                if (
-                    c is None
-                    or c.reclaimable != nbytes
-                    or c.last_used != last
-                    or c.priority != prio
-                ):
-                    c = Candidate(rid, nbytes, last, device, prio, 0.0, h.name)
-                    h.candidates[rid] = c
-                append(c)
-        for rid in expired:
-            del recent[rid]
-        return out, skipped
+            for rid in expired:
+                del recent[rid]
+        moving = self._ledger.moving
+        ask_now = not self._ask_lazily
+        slot_parts: list[np.ndarray] = []
+        rid_parts: list[np.ndarray] = []
+        byte_parts: list[np.ndarray] = []
+        for h in self._evicting:
+            rows = idle & table.member[h.name][:end]
+            for name, rid in moving:
+                if name == h.name and rid in slot_of:
+                    rows[slot_of[rid]] = False
+            slots = np.flatnonzero(rows)
+            rids = table.rid_at[slots]
+            if ask_now:
+                sizes = self._ask_reclaimable(h, rids.tolist())
+                keep = sizes > 0
+                if not keep.all():
+                    slots, rids, sizes = slots[keep], rids[keep], sizes[keep]
+                byte_parts.append(sizes)
+            slot_parts.append(slots)
+            rid_parts.append(rids)
+        if not slot_parts:  # no resource supports eviction
+            slot_parts, rid_parts = [np.empty(0, dtype=np.int64)], [np.empty(0, dtype=object)]
+            byte_parts = [np.empty(0, dtype=np.int64)]
+        single = len(slot_parts) == 1
+        if single:
+            slots, rids = slot_parts[0], rid_parts[0]
+            resources = np.empty(len(slots), dtype=object)
+            if self._evicting:
+                resources.fill(self._evicting[0].name)
+        else:
+            slots, rids = np.concatenate(slot_parts), np.concatenate(rid_parts)
+            resources = np.repeat(
+                np.array([h.name for h in self._evicting], dtype=object),
+                [len(part) for part in slot_parts],
+            )
+        reclaimable = None
+        if ask_now:
+            reclaimable = byte_parts[0] if single else np.concatenate(byte_parts)
+        priority = None
+        if self._prio_handle is not None and len(slots):
+            priority = self._ask_priorities(slots, rids, single=single)
+        batch = CandidateBatch.of_registered(
+            rids, resources, table.last_used[slots], reclaimable=reclaimable, priority=priority
+        )
+        return batch, skipped
 
-    def _candidates_of_one(
-        self, h: _Handle, running: Collection[str], now: float
-    ) -> tuple[list[Candidate], int]:
-        """``_candidates`` for the common case, in a tighter loop (same result).
+    @staticmethod
+    def _ask_reclaimable(h: _Handle, rids: list[str]) -> np.ndarray:
+        """``h``'s reclaimable bytes for each of ``rids`` (int64), in one call when it can."""
+        if not rids:
+            return np.empty(0, dtype=np.int64)
+        if h.reclaimable_many is not None:
+            return _bytes_answers(h.name, rids, h.reclaimable_many(rids))
+        answers = list(map(h.reclaimable, rids))
+        if not set(map(type, answers)) <= {int}:  # check each, naming the first bad one
+            answers = [
+                _bytes_answer(h.name, rid, value)
+                for rid, value in zip(rids, answers, strict=True)
+            ]
+        return _bytes_answers(h.name, rids, answers)
 
-        One resource can evict, the policy needs no priority and no offload is
-        in flight; this is the loop a 100,000-request pick spends its time in.
+    def _ask_priorities(self, slots: np.ndarray, rids: np.ndarray, *, single: bool) -> np.ndarray:
+        """The PRIORITY resource's opinion of the request of each row (0.0 elsewhere).
+
+        ``slots`` and ``rids`` are the rows' request slots and ids; ``single``
+        says they all belong to the one evicting resource, which is then the
+        PRIORITY one. Asked once per request registered with that resource,
+        in one ``get_offload_priority_many`` call when it offers one.
         """
-        min_res = self._config.min_residency_s
-        recent = self._reloaded_at
-        reclaimable = h.reclaimable
-        cache = h.candidates
-        cached = cache.get
-        members = h.rids
-        check_members = len(members) != len(self._last_used)
-        name = h.name
-        device = Tier.DEVICE
-        out: list[Candidate] = []
-        append = out.append
-        skipped = 0
-        expired: list[str] = []
-        for rid, last in self._last_used.items():
-            if rid in running:
-                skipped += 1
+        h = self._prio_handle
+        table = self._table
+        if single:  # one row per request, each registered with h
+            asked, rids = slots, rids.tolist()
+        else:
+            asked = np.unique(slots)
+            asked = asked[table.member[h.name][asked]]
+            rids = table.rid_at[asked].tolist()
+        if h.priority_many is not None:
+            values = np.asarray(h.priority_many(rids))
+            if values.shape != (len(rids),) or (len(rids) and values.dtype.kind not in "iuf"):
+                raise ValueError(
+                    f"resource {h.name!r}: get_offload_priority_many gave {values.dtype} "
+                    f"answers of shape {values.shape} for {len(rids)} requests; expected "
+                    "one number each"
+                )
+            values = values.astype(np.float64, copy=False)
+        else:
+            values = np.fromiter(map(h.priority, rids), dtype=np.float64, count=len(rids))
+        finite = np.isfinite(values)
+        if not finite.all():
+            bad = int(np.flatnonzero(~finite)[0])
+            raise ValueError(
+                f"resource {h.name!r}: get_offload_priority({rids[bad]!r}) returned "
+                f"{values[bad]!r}; expected a finite number"
+            )
+        if single:
+            return values
+        by_slot = np.zeros(table.end, dtype=np.float64)
+        by_slot[asked] = values
+        return by_slot[slots]
+
+    def _victim_rows(
+        self, batch: CandidateBatch, now: float, need_bytes: float
+    ) -> Iterator[tuple[int, int]]:
+        """(row, reclaimable bytes) of ``batch`` in the policy's order, skipping empty rows.
+
+        The order is computed in chunks sized to free about ``need_bytes``
+        (``OrderCursor``), so a pick sorts little more than its victims. For
+        a batch without bytes, the walk asks for them chunk by chunk: a
+        resource with ``reclaimable_many`` answers for the chunk's rows in one
+        call when the chunk is read; any other is asked ``reclaimable`` for
+        one row at a time, when the walk reaches that row (after the offloads
+        of the rows before it).
+        """
+        cursor = OrderCursor(self._policy, batch, now)
+        sizes = batch.reclaimable
+        handles = self._handles
+        mean = float(sizes.mean()) if sizes is not None and len(sizes) else None
+        seen = 0
+        while True:
+            chunk = cursor.take_for(need_bytes - seen, mean)
+            if not len(chunk):
+                return
+            if sizes is not None:
+                for row, nbytes in zip(chunk.tolist(), sizes[chunk].tolist(), strict=True):
+                    seen += nbytes
+                    yield row, nbytes
+            else:
+                rids = batch.rids[chunk].tolist()
+                names = batch.resources[chunk]
+                told = self._bulk_answers(rids, names)
+                for row, rid, name, nbytes in zip(
+                    chunk.tolist(), rids, names.tolist(), told, strict=True
+                ):
+                    if nbytes is None:
+                        nbytes = _bytes_answer(name, rid, handles[name].reclaimable(rid))
+                    if nbytes > 0:
+                        seen += nbytes
+                        yield row, nbytes
+            mean = seen / cursor.read if seen else None
+
+    def _bulk_answers(self, rids: list[str], names: np.ndarray) -> list[int | None]:
+        """Bytes of each row from resources with ``reclaimable_many``; None for the others."""
+        evicting = self._evicting
+        if len(evicting) == 1:
+            h = evicting[0]
+            if h.reclaimable_many is None:
+                return [None] * len(rids)
+            return _bytes_answers(h.name, rids, h.reclaimable_many(rids)).tolist()
+        told: list[int | None] = [None] * len(rids)
+        for h in evicting:
+            if h.reclaimable_many is None:
                 continue
-            if recent:
-                t = recent.get(rid)
-                if t is not None:
-                    if now - t < min_res:
-                        continue
-                    expired.append(rid)
-            if check_members and rid not in members:
-                continue
-            nbytes = reclaimable(rid)
-            if nbytes <= 0:
-                continue
-            c = cached(rid)
-            if c is None or c.last_used != last or c.reclaimable != nbytes:
-                c = Candidate(rid, nbytes, last, device, 0.0, 0.0, name)
-                cache[rid] = c
-            append(c)
-        for rid in expired:
-            del recent[rid]
-        return out, skipped
+            positions = np.flatnonzero(names == h.name).tolist()
+            if positions:
+                asked = [rids[p] for p in positions]
+                answers = _bytes_answers(h.name, asked, h.reclaimable_many(asked)).tolist()
+                for p, nbytes in zip(positions, answers, strict=True):
+                    told[p] = nbytes
+        return told
 
     def plan_offload(self, running: Collection[str], need_bytes: int) -> tuple[Candidate, ...]:
         """The victims the policy would offload now to free ``need_bytes``; moves nothing.
@@ -638,9 +850,20 @@ class EvictionController:
         """
         if isinstance(need_bytes, bool) or not isinstance(need_bytes, int) or need_bytes < 0:
             raise ValueError(f"need_bytes must be an int >= 0, got {need_bytes!r}")
+        if need_bytes == 0:
+            return ()
         now = self._clock()
-        candidates, _ = self._candidates(running, now)
-        return tuple(self._policy.pick(candidates, now, need_bytes))
+        batch, _ = self._candidate_batch(running, now)
+        rows: list[int] = []
+        sizes: list[int] = []
+        total = 0
+        for row, nbytes in self._victim_rows(batch, now, need_bytes):
+            rows.append(row)
+            sizes.append(nbytes)
+            total += nbytes
+            if total >= need_bytes:
+                break
+        return tuple(batch.records(rows, reclaimable=sizes))
 
     def _offload_until(
         self,
@@ -652,35 +875,41 @@ class EvictionController:
         *,
         inclusive: bool,
     ) -> tuple[int, int]:
-        """Offload ranked victims until the projection is under ``target`` (or at it).
+        """Offload victims in policy order until the projection is under ``target`` (or at it).
 
         Returns (bytes freed, requests skipped because running).
         """
-        candidates, skipped = self._candidates(running, now)
-        if not candidates:
+        batch, skipped = self._candidate_batch(running, now)
+        if not len(batch):
             return 0, skipped
-        ranked = self._policy.rank(candidates, now)
         stats = self._stats
         handles = self._handles
+        rids = batch.rids
+        resources = batch.resources
         # in bytes, so that many small subtractions do not drift
         projected_bytes = projected * self._capacity
         target_bytes = target * self._capacity
+        victims = self._victim_rows(batch, now, projected_bytes - target_bytes + 1)
         freed = 0
-        for c in ranked:
-            if projected_bytes < target_bytes or (inclusive and projected_bytes <= target_bytes):
+        while projected_bytes > target_bytes or (
+            not inclusive and projected_bytes == target_bytes
+        ):
+            victim = next(victims, None)
+            if victim is None:
                 break
-            h = handles[c.resource]
-            nbytes = h.offload(c.rid)
+            rid = rids[victim[0]]
+            h = handles[resources[victim[0]]]
+            nbytes = h.offload(rid)
             if nbytes <= 0:
                 stats.offload_refusals += 1
                 continue
-            out.append(c.rid)
+            out.append(rid)
             freed += nbytes
             projected_bytes -= nbytes
             stats.offloads += 1
             stats.bytes_offloaded += nbytes
-            key = (h.name, c.rid)
-            tier = h.tier_of(c.rid) if h.tier_of is not None else Tier.HOST
+            key = (h.name, rid)
+            tier = h.tier_of(rid) if h.tier_of is not None else Tier.HOST
             if tier is Tier.DISK:
                 stats.bytes_device_to_disk += nbytes
             else:
@@ -689,6 +918,7 @@ class EvictionController:
                 self._ledger.add_offload(key, nbytes)
             else:
                 self._ledger.add_released(nbytes, self._fresh_stamp())
+        victims.close()
         return freed, skipped
 
     # -- reloads ------------------------------------------------------------------
@@ -849,12 +1079,13 @@ class EvictionController:
         config = self._config
         stats = self._stats
         target = config.host_low * h.host_capacity
-        last_used = self._last_used
+        table = self._table
+        last_used, slot_of = table.last_used, table.slot
         queue = self._queue
         tier_of = h.tier_of
         cold = sorted(
-            (last_used[rid], rid)
-            for rid in h.rids
+            (float(last_used[slot_of[rid]]), rid)
+            for rid in table.members_of(h.name)
             if rid not in h.demoting and rid not in queue and tier_of(rid) is Tier.HOST
         )
         for _, rid in cold:
@@ -892,6 +1123,6 @@ class EvictionController:
         out["releasing_bytes"] = self._ledger.releasing_bytes
         out["offloads_in_flight"] = len(self._ledger.moving)
         out["demotions_in_flight"] = sum(len(h.demoting) for h in self._cascade)
-        out["live_requests"] = len(self._last_used)
+        out["live_requests"] = len(self._table)
         out["device_capacity_bytes"] = self._capacity
         return out

@@ -61,6 +61,26 @@ class TieredResource(EvictableResource, Protocol):
     - ``drop(rid)``: give up a request's offloaded KV (it will be recomputed);
       its state becomes LOST with reason "dropped".
     - ``poll()``: complete finished transfers; returns how many completed.
+    - ``reclaimable_many(rids: Sequence[str]) -> numpy.ndarray``: optional, and
+      not part of the structural check below. The answers ``reclaimable``
+      would give for each of ``rids`` right now, in one call: a 1-D integer
+      array (int64) aligned with ``rids``, values in [0, 2**63), 0 meaning
+      "not a candidate". It must not change any state, and may raise like
+      ``reclaimable`` for an unknown rid. ``rids`` is a list of requests the
+      controller registered with this resource (up to all of them at once,
+      each at most once). A policy whose order needs the bytes (largest,
+      cost) has every idle request asked up front: one call of this hook
+      instead of one ``reclaimable`` call each. A policy that orders without
+      them (lru, priority) has them asked as the walk of its order goes: with
+      this hook, one call per chunk of the order read (about the victims
+      needed, plus a margin); without it, one ``reclaimable`` call per request
+      walked, just before it would be offloaded.
+    - ``get_offload_priority_many(rids: Sequence[str]) -> numpy.ndarray``:
+      optional in the same way. The answers ``get_offload_priority`` would
+      give for each of ``rids``, in one call: a 1-D float array aligned with
+      ``rids``, every value finite. Asked, instead of one call per request,
+      only of the resource a PRIORITY policy names, for every idle request
+      registered with it (the policy orders by it).
     """
 
     def reload_bytes(self, rid: str) -> int: ...

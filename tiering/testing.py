@@ -12,8 +12,11 @@ publishes numbered samples only when told, as a background poller would.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from operator import itemgetter
 from typing import NamedTuple
+
+import numpy as np
 
 from tiering.types import RequestState, Tier
 
@@ -47,7 +50,8 @@ class FakeTieredResource:
     ``enforce_device_capacity=False`` lets ``reload`` go past the device
     capacity (recorded in ``max_device_used`` and ``max_device_used_by_reload``)
     instead of refusing.
-    ``calls`` counts every hook call by name.
+    ``calls`` counts every hook call by name (a ``*_many`` hook once per
+    call, however many requests it answers for).
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class FakeTieredResource:
         self.enforce_device_capacity = enforce_device_capacity
         self.state: dict[str, RequestState] = {}
         self.size: dict[str, int] = {}
+        # rid -> what get_offload_priority answers: 0.0 from add() until a test sets it
         self.priorities: dict[str, float] = {}
         # in-flight rid -> (state it left, state it will reach); both tiers are held
         self._dest: dict[str, tuple[RequestState, RequestState]] = {}
@@ -82,6 +87,9 @@ class FakeTieredResource:
         self.max_device_used_by_reload = 0  # device bytes in use right after any reload
         self.calls: Counter[str] = Counter()
         self.offloaded_rids: list[str] = []
+        # what reclaimable() answers, per request, kept with every state change
+        # so that reclaimable_many is one dict lookup a request
+        self._reclaimable_now: dict[str, int] = {}
 
     # -- set-up -------------------------------------------------------------------
 
@@ -96,18 +104,20 @@ class FakeTieredResource:
                 raise ValueError(f"request {rid!r} does not fit on the device")
             self.device_used += nbytes
             self.max_device_used = max(self.max_device_used, self.device_used)
-            self.state[rid] = _RESIDENT
+            state = _RESIDENT
         elif tier is Tier.HOST:
             if self.host_used + nbytes > self._host_capacity:
                 raise ValueError(f"request {rid!r} does not fit on the host")
             self.host_used += nbytes
-            self.state[rid] = _ON_HOST
+            state = _ON_HOST
         else:
             if self.disk_used + nbytes > self.disk_capacity:
                 raise ValueError(f"request {rid!r} does not fit on disk")
             self.disk_used += nbytes
-            self.state[rid] = _ON_DISK
+            state = _ON_DISK
         self.size[rid] = nbytes
+        self.priorities[rid] = 0.0
+        self._set_state(rid, state)
 
     def remove(self, rid: str) -> None:
         """The request finished: free whatever it holds."""
@@ -119,7 +129,12 @@ class FakeTieredResource:
             self._free(rid, self.state[rid])
         del self.state[rid]
         del self.size[rid]
-        self.priorities.pop(rid, None)
+        del self._reclaimable_now[rid]
+        del self.priorities[rid]
+
+    def _set_state(self, rid: str, state: RequestState) -> None:
+        self.state[rid] = state
+        self._reclaimable_now[rid] = self.size[rid] if state is _RESIDENT else 0
 
     def _free(self, rid: str, state: RequestState) -> None:
         tier = state.tier
@@ -147,10 +162,10 @@ class FakeTieredResource:
         self._take(rid, dest)
         if self.async_transfers:
             self._dest[rid] = (self.state[rid], dest)
-            self.state[rid] = in_flight
+            self._set_state(rid, in_flight)
         else:
             self._free(rid, self.state[rid])
-            self.state[rid] = dest
+            self._set_state(rid, dest)
 
     def complete_transfers(self, rids: Iterable[str] | None = None) -> int:
         """Complete in-flight transfers (all, or those named); returns how many."""
@@ -158,14 +173,14 @@ class FakeTieredResource:
         for rid in chosen:
             source, dest = self._dest.pop(rid)
             self._free(rid, source)
-            self.state[rid] = dest
+            self._set_state(rid, dest)
         return len(chosen)
 
     def fail_transfer(self, rid: str) -> None:
         """An in-flight transfer fails: the request goes back to where it came from."""
         source, dest = self._dest.pop(rid)
         self._free(rid, dest)
-        self.state[rid] = source
+        self._set_state(rid, source)
 
     def in_flight(self) -> tuple[str, ...]:
         return tuple(self._dest)
@@ -191,6 +206,16 @@ class FakeTieredResource:
     def reclaimable(self, rid: str) -> int:
         self.calls["reclaimable"] += 1
         return self.size[rid] if self.state[rid] is _RESIDENT else 0
+
+    def reclaimable_many(self, rids: Sequence[str]) -> np.ndarray:
+        """``reclaimable`` of every rid, in one call (int64); KeyError for an unknown one."""
+        self.calls["reclaimable_many"] += 1
+        return _look_up_all(self._reclaimable_now, rids, np.int64)
+
+    def get_offload_priority_many(self, rids: Sequence[str]) -> np.ndarray:
+        """``get_offload_priority`` of every rid, in one call; KeyError for an unknown one."""
+        self.calls["get_offload_priority_many"] += 1
+        return _look_up_all(self.priorities, rids, np.float64)
 
     def get_offload_priority(self, rid: str) -> float:
         self.calls["get_offload_priority"] += 1
@@ -257,7 +282,7 @@ class FakeTieredResource:
         if state not in (_ON_HOST, _ON_DISK):
             raise ValueError(f"request {rid!r} is {state.value}; cannot drop")
         self._free(rid, state)
-        self.state[rid] = RequestState.LOST
+        self._set_state(rid, RequestState.LOST)
 
     def poll(self) -> int:
         self.calls["poll"] += 1
@@ -278,8 +303,18 @@ class FakeTieredResource:
         got = {Tier.DEVICE: self.device_used, Tier.HOST: self.host_used, Tier.DISK: self.disk_used}
         if used != got:
             raise AssertionError(f"byte ledger mismatch: states say {used}, counters say {got}")
+        answers = {r: self.size[r] if s is _RESIDENT else 0 for r, s in self.state.items()}
+        if answers != self._reclaimable_now:
+            raise AssertionError("reclaimable_many would disagree with the request states")
         if self.host_used > self._host_capacity or self.disk_used > self.disk_capacity:
             raise AssertionError("host or disk over capacity")
+
+
+def _look_up_all(mapping: dict, keys: Sequence[str], dtype: type) -> np.ndarray:
+    """``[mapping[k] for k in keys]`` as an array, in one C-level pass; KeyError if one is missing."""
+    if len(keys) < 2:
+        return np.array([mapping[k] for k in keys], dtype=dtype)
+    return np.fromiter(itemgetter(*keys)(mapping), dtype=dtype, count=len(keys))
 
 
 class ExactPressure:
