@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from resources.base import (
@@ -447,6 +448,23 @@ class PagedKVCache(Resource):
         ):
             return n * self.geometry.page_bytes
         return 0
+
+    def reclaimable_many(self, rids) -> np.ndarray:
+        """``reclaimable`` for each of ``rids`` in one call (int64, aligned)."""
+        return np.fromiter((self.reclaimable(r) for r in rids), dtype=np.int64, count=len(rids))
+
+    def get_offload_priority_many(self, rids) -> np.ndarray:
+        """``get_offload_priority`` for each of ``rids`` in one call (float64, aligned)."""
+        return np.fromiter(
+            (self.get_offload_priority(r) for r in rids), dtype=np.float64, count=len(rids)
+        )
+
+    def offload_destination(self, rid: str) -> Tier | None:
+        """Where an offload in flight is copying to: HOST, or DISK when the host was full."""
+        r = self._req(rid)
+        if r.state is S.OFFLOADING:
+            return Tier.DISK if r.disk is not None else Tier.HOST
+        return r.state.tier
 
     def get_offload_priority(self, rid: str) -> float:
         """(100 - retention) / 100: a request the serving layer wants kept

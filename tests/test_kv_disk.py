@@ -217,3 +217,32 @@ def test_start_up_reattach_and_clear(geom, tmp_path):
         assert kv3.requests() == [] and kv3.disk.used_bytes() == 0
     finally:
         kv3.close()
+
+
+def test_controller_splits_offload_bytes_by_destination(geom, tmp_path):
+    from policies import make_policy
+    from tiering.controller import ControllerConfig, EvictionController
+    from tiering.pressure import PoolPressure
+
+    kv = make(geom, tmp_path, host_pages=2, device_pages=8)
+    try:
+        gen = torch.Generator().manual_seed(18)
+        for rid in ("a", "b", "c"):
+            fill(kv, rid, gen, 8)  # 2 pages each: 6 of 8 device pages
+        clock = [0.0]
+        ctl = EvictionController({"kv": kv}, make_policy("lru"), PoolPressure(kv),
+                                 ControllerConfig(high=0.5, low=0.3), clock=lambda: clock[0])
+        for i, rid in enumerate(("a", "b", "c")):
+            ctl.add_request(rid)
+            clock[0] = float(i)
+            ctl.touch(rid)
+        report = ctl.evict_if_needed(running=())
+        kv.synchronize(10)
+        kv.check_integrity()
+        assert report.offloaded == ("a", "b")  # oldest first, until under low
+        assert kv.state_of("a") is S.ON_HOST and kv.state_of("b") is S.ON_DISK
+        st = ctl.stats()
+        assert st["bytes_device_to_host"] == 2 * geom.page_bytes
+        assert st["bytes_device_to_disk"] == 2 * geom.page_bytes
+    finally:
+        kv.close()

@@ -192,7 +192,7 @@ class _Handle:
         "name", "resource", "evicts", "reclaimable", "offload", "priority", "is_offloaded",
         "can_reload", "reload", "reload_bytes", "tier_of", "poll", "device_capacity",
         "host_capacity", "host_used", "demote", "drop", "demoting", "reclaimable_many",
-        "priority_many",
+        "priority_many", "destination_of",
     )
 
     def __init__(self, name: str, resource: Any) -> None:
@@ -211,6 +211,7 @@ class _Handle:
             self.reload = resource.reload
         self.reload_bytes = getattr(resource, "reload_bytes", None)
         self.tier_of = getattr(resource, "tier_of", None)
+        self.destination_of = getattr(resource, "offload_destination", None)
         self.poll = getattr(resource, "poll", None)
         cap = getattr(resource, "device_capacity_bytes", None)
         self.device_capacity = int(cap) if cap is not None else None
@@ -910,7 +911,10 @@ class EvictionController:
             stats.bytes_offloaded += nbytes
             key = (h.name, rid)
             tier = h.tier_of(rid) if h.tier_of is not None else Tier.HOST
-            if tier is Tier.DISK:
+            # while the copy is in flight the resource reports the source tier;
+            # where the bytes go is a separate (optional) question
+            dest = h.destination_of(rid) if h.destination_of is not None else tier
+            if dest is Tier.DISK:
                 stats.bytes_device_to_disk += nbytes
             else:
                 stats.bytes_device_to_host += nbytes

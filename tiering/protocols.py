@@ -81,6 +81,11 @@ class TieredResource(EvictableResource, Protocol):
       ``rids``, every value finite. Asked, instead of one call per request,
       only of the resource a PRIORITY policy names, for every idle request
       registered with it (the policy orders by it).
+    - ``offload_destination(rid) -> Tier | None``: optional. Where the bytes
+      of the request's offload are going (HOST, or DISK when the host was
+      full), asked right after ``offload``; while the copy is in flight
+      ``tier_of`` still reports the source tier. Used only to split the
+      controller's byte totals by link.
     """
 
     def reload_bytes(self, rid: str) -> int: ...
