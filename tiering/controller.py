@@ -70,264 +70,23 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
 from policies.base import Candidate, CandidateBatch, OrderCursor, Policy
 from tiering.admission import InFlightLedger, ReloadQueue, WaitingReload
+from tiering.controller_config import (
+    ControllerConfig,
+    EvictionReport,
+    UnknownRequestError,
+)
+from tiering.request_table import RequestTable, ResourceHandle, bytes_answer, bytes_answers
 from tiering.stats import ControllerStats
 from tiering.types import Tier
 
-ON_DISK_FULL_CHOICES = ("keep", "drop")
-
-
-class UnknownRequestError(KeyError):
-    """A request id the controller was never told about (or was told is gone)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown request"
-
-
-def _check_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"ControllerConfig.{name} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"ControllerConfig.{name} must be finite, got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    """Watermarks and timings of the eviction controller.
-
-    ``high`` / ``low``: device occupancy fractions; above ``high`` the
-    controller offloads until the projection is under ``low``.
-    ``host_high`` / ``host_low``: the same for the host tier, which demotes to
-    disk. ``min_residency_s``: a request just reloaded is not offloaded again
-    within this. ``reload_headroom``: admission keeps this fraction free below
-    ``high``. ``aging_s``: a waiting reload gains one unit of priority per
-    ``aging_s`` seconds of waiting, and may be overtaken only while it has
-    waited less than that. ``on_disk_full``: what a refused demotion does,
-    ``"keep"`` (stay on host) or ``"drop"`` (give the KV up for recompute).
-    """
-
-    high: float = 0.90
-    low: float = 0.75
-    host_high: float = 0.90
-    host_low: float = 0.75
-    min_residency_s: float = 1.0
-    reload_headroom: float = 0.02
-    aging_s: float = 10.0
-    on_disk_full: str = "keep"
-
-    def __post_init__(self) -> None:
-        for name in ("high", "low", "host_high", "host_low", "min_residency_s",
-                     "reload_headroom", "aging_s"):
-            _check_number(name, getattr(self, name))
-        if not 0 < self.high <= 1:
-            raise ValueError(f"ControllerConfig.high must be in (0, 1], got {self.high!r}")
-        if not 0 < self.low < self.high:
-            raise ValueError(
-                f"ControllerConfig.low must satisfy 0 < low < high, got low={self.low!r}, "
-                f"high={self.high!r}"
-            )
-        if not 0 < self.host_high <= 1:
-            raise ValueError(
-                f"ControllerConfig.host_high must be in (0, 1], got {self.host_high!r}"
-            )
-        if not 0 < self.host_low < self.host_high:
-            raise ValueError(
-                f"ControllerConfig.host_low must satisfy 0 < host_low < host_high, got "
-                f"host_low={self.host_low!r}, host_high={self.host_high!r}"
-            )
-        for name in ("min_residency_s", "aging_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(
-                    f"ControllerConfig.{name} must be >= 0, got {getattr(self, name)!r}"
-                )
-        if not 0 <= self.reload_headroom < self.high:
-            raise ValueError(
-                f"ControllerConfig.reload_headroom must satisfy 0 <= reload_headroom < high, "
-                f"got {self.reload_headroom!r}"
-            )
-        if self.on_disk_full not in ON_DISK_FULL_CHOICES:
-            raise ValueError(
-                f"ControllerConfig.on_disk_full must be one of {ON_DISK_FULL_CHOICES}, "
-                f"got {self.on_disk_full!r}"
-            )
-
-
-class EvictionReport(NamedTuple):
-    """What one ``evict_if_needed`` call did.
-
-    ``pressure_before``: effective device occupancy at the start of the call
-    (reading adjusted for moves it may not show yet). ``projected_after``: the
-    same after this call's offloads and reloads. ``offloaded``: one rid per
-    offload made (a request spread over several resources may appear more than
-    once). ``skipped_running``: known requests passed over because they were
-    running (counted only when victims were looked for). Both fractions are
-    NaN when the pressure source has no sample yet (nothing was done then).
-    """
-
-    pressure_before: float
-    projected_after: float
-    offloaded: tuple[str, ...]
-    bytes_offloaded: int
-    demoted: tuple[str, ...]
-    dropped: tuple[str, ...]
-    reloads_started: tuple[str, ...]
-    skipped_running: int
-
-
 _NO_RIDS: tuple[str, ...] = ()
-
-
-class _Handle:
-    """One resource as the controller drives it, with its optional hooks looked up once."""
-
-    __slots__ = (
-        "name", "resource", "evicts", "reclaimable", "offload", "priority", "is_offloaded",
-        "can_reload", "reload", "reload_bytes", "tier_of", "poll", "device_capacity",
-        "host_capacity", "host_used", "demote", "drop", "demoting", "reclaimable_many",
-        "priority_many", "destination_of",
-    )
-
-    def __init__(self, name: str, resource: Any) -> None:
-        self.name = name
-        self.resource = resource
-        self.evicts = bool(getattr(resource, "supports_eviction", False))
-        self.reclaimable_many = self.priority_many = None
-        if self.evicts:
-            self.reclaimable_many = getattr(resource, "reclaimable_many", None)
-            self.priority_many = getattr(resource, "get_offload_priority_many", None)
-            self.reclaimable = resource.reclaimable
-            self.offload = resource.offload
-            self.priority = resource.get_offload_priority
-            self.is_offloaded = resource.is_offloaded
-            self.can_reload = resource.can_reload
-            self.reload = resource.reload
-        self.reload_bytes = getattr(resource, "reload_bytes", None)
-        self.tier_of = getattr(resource, "tier_of", None)
-        self.destination_of = getattr(resource, "offload_destination", None)
-        self.poll = getattr(resource, "poll", None)
-        cap = getattr(resource, "device_capacity_bytes", None)
-        self.device_capacity = int(cap) if cap is not None else None
-        host_cap = getattr(resource, "host_capacity_bytes", None)
-        self.host_capacity = int(host_cap) if host_cap is not None else None
-        self.host_used = getattr(resource, "host_used_bytes", None)
-        self.demote = getattr(resource, "demote", None)
-        self.drop = getattr(resource, "drop", None)
-        self.demoting: dict[str, int] = {}  # demotions in flight: rid -> host bytes
-
-    @property
-    def cascades(self) -> bool:
-        """Whether this resource takes part in the host -> disk cascade."""
-        return (
-            self.evicts
-            and self.host_capacity is not None
-            and self.host_capacity > 0
-            and self.host_used is not None
-            and self.demote is not None
-            and self.tier_of is not None
-            and self.reload_bytes is not None
-        )
-
-
-class _RequestTable:
-    """The live requests, one slot each, with their per-request columns.
-
-    ``slot`` maps a rid to its slot; ``rid_at``, ``last_used`` and ``live``
-    are numpy columns indexed by slot, and ``member[name]`` says which slots
-    are registered with the evicting resource ``name``. A scan of every
-    request for victims is then array slicing, not a walk over dicts. Slots of
-    removed requests are reused; ``end`` is one past the highest slot used.
-    Owned by one controller, which is the only writer.
-    """
-
-    __slots__ = ("slot", "rid_at", "last_used", "live", "member", "end", "_free")
-
-    def __init__(self, names: Iterable[str], capacity: int = 64) -> None:
-        self.slot: dict[str, int] = {}
-        self.rid_at = np.empty(capacity, dtype=object)
-        self.last_used = np.zeros(capacity, dtype=np.float64)
-        self.live = np.zeros(capacity, dtype=bool)
-        self.member = {name: np.zeros(capacity, dtype=bool) for name in names}
-        self.end = 0
-        self._free: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.slot)
-
-    def add(self, rid: str, now: float) -> int:
-        if self._free:
-            slot = self._free.pop()
-        else:
-            slot = self.end
-            if slot == len(self.live):
-                self._grow(2 * slot)
-            self.end = slot + 1
-        self.slot[rid] = slot
-        self.rid_at[slot] = rid
-        self.last_used[slot] = now
-        self.live[slot] = True
-        return slot
-
-    def remove(self, rid: str) -> None:
-        slot = self.slot.pop(rid)
-        self.rid_at[slot] = None
-        self.live[slot] = False
-        for column in self.member.values():
-            column[slot] = False
-        self._free.append(slot)
-
-    def members_of(self, name: str) -> list[str]:
-        """The rids registered with the evicting resource ``name``, by slot."""
-        return self.rid_at[np.flatnonzero(self.member[name][: self.end])].tolist()
-
-    def _grow(self, capacity: int) -> None:
-        def grown(column: np.ndarray) -> np.ndarray:
-            bigger = np.full(capacity, None if column.dtype == object else 0, column.dtype)
-            bigger[: len(column)] = column
-            return bigger
-
-        self.rid_at = grown(self.rid_at)
-        self.last_used = grown(self.last_used)
-        self.live = grown(self.live)
-        self.member = {name: grown(column) for name, column in self.member.items()}
-
-
-def _bytes_answer(name: str, rid: str, value: object) -> int:
-    """One ``reclaimable`` answer as an int (<= 0: nothing to reclaim); raise if not an int."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(
-            f"resource {name!r}: reclaimable({rid!r}) returned {value!r}; expected an int"
-        )
-    if value >= 2**63:
-        raise ValueError(
-            f"resource {name!r}: reclaimable({rid!r}) returned {value!r}; expected < 2**63"
-        )
-    return int(value)
-
-
-def _bytes_answers(name: str, rids: list[str], values: object) -> np.ndarray:
-    """Many ``reclaimable`` answers as int64 (<= 0: nothing to reclaim); raise if not ints."""
-    answers = np.asarray(values)
-    if answers.shape != (len(rids),):
-        raise ValueError(
-            f"resource {name!r}: got reclaimable answers of shape {answers.shape} "
-            f"for {len(rids)} requests"
-        )
-    if answers.dtype.kind not in "iu" or (answers.dtype.kind == "u" and len(answers) and
-                                          int(answers.max()) >= 2**63):
-        checked = [
-            _bytes_answer(name, rid, value)
-            for rid, value in zip(rids, answers.tolist(), strict=True)
-        ]
-        return np.array(checked, dtype=np.int64)
-    return answers.astype(np.int64, copy=False)
 
 
 # outcomes of one reload attempt
@@ -370,7 +129,7 @@ class EvictionController:
         for name in resources:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"resource names must be non-empty strings, got {name!r}")
-        handles = {name: _Handle(name, res) for name, res in resources.items()}
+        handles = {name: ResourceHandle(name, res) for name, res in resources.items()}
 
         latest = getattr(pressure, "latest", None)
         read = getattr(pressure, "read", None)
@@ -433,8 +192,8 @@ class EvictionController:
         # other is handed the bytes of every idle request, asked up front.
         self._ask_lazily = not policy.needs_reclaimable
         self._names: dict[str, frozenset[str]] = {}  # rid -> every resource it was added to
-        self._members: dict[str, tuple[_Handle, ...]] = {}  # rid -> its evicting resources
-        self._table = _RequestTable(h.name for h in self._evicting)
+        self._members: dict[str, tuple[ResourceHandle, ...]] = {}  # rid -> its evicting resources
+        self._table = RequestTable(h.name for h in self._evicting)
         self._reloaded_at: dict[str, float] = {}
         self._ledger = InFlightLedger(lag=2 if self._latest is not None else 1)
         self._queue = ReloadQueue(config.aging_s)
@@ -728,19 +487,19 @@ class EvictionController:
         return batch, skipped
 
     @staticmethod
-    def _ask_reclaimable(h: _Handle, rids: list[str]) -> np.ndarray:
+    def _ask_reclaimable(h: ResourceHandle, rids: list[str]) -> np.ndarray:
         """``h``'s reclaimable bytes for each of ``rids`` (int64), in one call when it can."""
         if not rids:
             return np.empty(0, dtype=np.int64)
         if h.reclaimable_many is not None:
-            return _bytes_answers(h.name, rids, h.reclaimable_many(rids))
+            return bytes_answers(h.name, rids, h.reclaimable_many(rids))
         answers = list(map(h.reclaimable, rids))
         if not set(map(type, answers)) <= {int}:  # check each, naming the first bad one
             answers = [
-                _bytes_answer(h.name, rid, value)
+                bytes_answer(h.name, rid, value)
                 for rid, value in zip(rids, answers, strict=True)
             ]
-        return _bytes_answers(h.name, rids, answers)
+        return bytes_answers(h.name, rids, answers)
 
     def _ask_priorities(self, slots: np.ndarray, rids: np.ndarray, *, single: bool) -> np.ndarray:
         """The PRIORITY resource's opinion of the request of each row (0.0 elsewhere).
@@ -816,7 +575,7 @@ class EvictionController:
                     chunk.tolist(), rids, names.tolist(), told, strict=True
                 ):
                     if nbytes is None:
-                        nbytes = _bytes_answer(name, rid, handles[name].reclaimable(rid))
+                        nbytes = bytes_answer(name, rid, handles[name].reclaimable(rid))
                     if nbytes > 0:
                         seen += nbytes
                         yield row, nbytes
@@ -829,7 +588,7 @@ class EvictionController:
             h = evicting[0]
             if h.reclaimable_many is None:
                 return [None] * len(rids)
-            return _bytes_answers(h.name, rids, h.reclaimable_many(rids)).tolist()
+            return bytes_answers(h.name, rids, h.reclaimable_many(rids)).tolist()
         told: list[int | None] = [None] * len(rids)
         for h in evicting:
             if h.reclaimable_many is None:
@@ -837,7 +596,7 @@ class EvictionController:
             positions = np.flatnonzero(names == h.name).tolist()
             if positions:
                 asked = [rids[p] for p in positions]
-                answers = _bytes_answers(h.name, asked, h.reclaimable_many(asked)).tolist()
+                answers = bytes_answers(h.name, asked, h.reclaimable_many(asked)).tolist()
                 for p, nbytes in zip(positions, answers, strict=True):
                     told[p] = nbytes
         return told
@@ -1059,7 +818,7 @@ class EvictionController:
 
     # -- host -> disk cascade -------------------------------------------------------
 
-    def _settle_demotions(self, h: _Handle) -> None:
+    def _settle_demotions(self, h: ResourceHandle) -> None:
         """Forget demotions that completed (off the host) or failed (reloadable again).
 
         A request whose demotion is in flight is not reloadable, so one on the
@@ -1073,7 +832,7 @@ class EvictionController:
             del h.demoting[rid]
 
     def _demote_coldest(
-        self, h: _Handle, used: int, demoted: list[str], dropped: list[str]
+        self, h: ResourceHandle, used: int, demoted: list[str], dropped: list[str]
     ) -> None:
         """Demote h's least recently used host requests until under host_low.
 
