@@ -18,6 +18,10 @@ Method:
   first; ratios are store / raw.
 - Codecs: compression ratio (on an in-memory zarr store) and write/read rate
   (through the store on disk) for each codec, on a smaller sample of the same data.
+- Recorded with the figures: whether the store used its direct path (codec
+  ``none`` on the local slot file), whether crc32c ran without the GIL, and the
+  1-minute load average before and after the timed passes, since other work on
+  a small shared machine moves both sides.
 
 Usage: python benchmarks/disk.py --out FILE.json [--bytes N] [--dir D]
 """
@@ -40,6 +44,7 @@ from zarr.storage import MemoryStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._report import table, write_json  # noqa: E402
+from tiering.disk_crc import RELEASES_GIL  # noqa: E402
 from tiering.disk_store import CODECS, DiskConfig, DiskPageStore  # noqa: E402
 
 PAGE_SHAPE = (32, 2, 16, 8, 128)  # layers, K/V, tokens per page, KV heads, head dim
@@ -289,6 +294,7 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
     if base_dir is not None:
         Path(base_dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tiering-disk-bench-", dir=base_dir))
+    load_before = os.getloadavg()[0]
     try:
         pages = _random_pages(num_pages, seed)
         out = torch.zeros_like(pages)
@@ -296,6 +302,7 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
         dst = out.view(torch.uint8).numpy().reshape(-1)
         raw = _RawFile(work / "raw.bin", nbytes)
         side = _StoreSide(work / "store", pages)
+        direct_io = side.store.direct_io
         evictor = _Evictor()
         try:
 
@@ -341,6 +348,7 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
                 cold(store_read, lambda: _files_under(side.root)),
                 cold(raw_read, lambda: [raw.path]),
             )
+            load_after = os.getloadavg()[0]
         finally:
             side.close()
             raw.close()
@@ -361,6 +369,9 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
         "chunk_bytes": CHUNK_BYTES,
         "request_pages": REQUEST_PAGES,
         "store": "SlotFileStore (zarr v3 array, crc32c on every chunk, one preallocated file)",
+        "direct_io": direct_io,
+        "crc_releases_gil": RELEASES_GIL,
+        "load_avg_1min": [load_before, load_after],
         "write_gbps": best(store_w),
         "raw_write_gbps": best(raw_w),
         "read_gbps": best(store_r),
@@ -404,6 +415,11 @@ def print_table(r: dict) -> None:
     ]
     print(table(rows, ("", "store GB/s", "raw GB/s", "store/raw")))
     print(f"cold reads: {r['cold_method'] or 'page cache could not be dropped'}")
+    print(
+        f"direct path: {r['direct_io']}, crc32c without the GIL: {r['crc_releases_gil']}, "
+        f"{r['cpus']} CPUs, 1-min load before/after: "
+        + "/".join(f"{x:.2f}" for x in r["load_avg_1min"])
+    )
     print(f"codecs on {r['codec_sample_bytes'] >> 20} MiB of the same data:")
     rows = [
         (name, c["compression_ratio"], c["write_gbps"], c["read_gbps"])

@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 import pytest
 import torch
@@ -18,10 +19,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from zarr.storage import LocalStore, MemoryStore, StorePath
 
+from tiering import disk_crc, disk_slotfile
+from tiering.disk_array import page_codecs
 from tiering.disk_faults import FaultPlan, FaultyStore
 from tiering.disk_ledger import pick_chunks
 from tiering.disk_manifest import MANIFEST_KEY
-from tiering.disk_slotfile import SLOT_FILE_NAME, SlotFileStore
+from tiering.disk_slotfile import (
+    SLOT_FILE_NAME,
+    ChunkChecksumError,
+    SlotFileStore,
+    slot_chunk_key,
+)
 from tiering.disk_store import (
     DiskConfig,
     DiskCorruptionError,
@@ -862,3 +870,276 @@ def test_closed_store_refuses_work(tmp_path, gen):
         s.release(e)
     assert not s.can_reserve(1)
     s.close()  # idempotent
+
+
+# ---------------------------------------------------------------------------- direct chunk I/O
+
+
+def slot_store_of(tmp_path: Path, s: DiskPageStore, *, read_only: bool = False) -> SlotFileStore:
+    """A second view of the slot file behind ``s`` (default local layout, codec none)."""
+    slots = SlotFileStore(
+        tmp_path / "disk",
+        num_slots=s.capacity_chunks,
+        slot_capacity=s.chunk_alloc_bytes + 4,
+        read_only=read_only,
+    )
+    slots.open_sync()
+    return slots
+
+
+def storage_rows(s: DiskPageStore, data: torch.Tensor) -> np.ndarray:
+    """``data`` as the array's rows: one page per row, of the storage dtype."""
+    raw = data.contiguous().view(torch.uint8).numpy().reshape(data.shape[0], -1)
+    return raw.view(s.format.storage_dtype)
+
+
+def padded_chunk(s: DiskPageStore, rows: np.ndarray, i: int) -> np.ndarray:
+    ppc = s.pages_per_chunk
+    block = np.zeros((ppc, s.format.row_elems), dtype=s.format.storage_dtype)
+    part = rows[i * ppc : (i + 1) * ppc]
+    block[: part.shape[0]] = part
+    return block
+
+
+def test_direct_io_only_for_the_unwrapped_uncompressed_slot_file(tmp_path):
+    cases = [
+        ({}, True),
+        ({"path": f"file://{tmp_path / 'url'}"}, True),
+        ({"codec": "zstd"}, False),
+        ({"codec": "blosc"}, False),
+        ({"store": LocalStore(tmp_path / "local")}, False),
+        ({"store": MemoryStore()}, False),
+        ({"wrap_store": lambda inner: FaultyStore(inner, FaultPlan())}, False),
+    ]
+    for i, (kw, direct) in enumerate(cases):
+        s = make(tmp_path, sub=f"d{i}", **kw)
+        assert s.direct_io is direct, kw
+        s.close()
+
+
+@pytest.mark.parametrize("piece", [1000, 4096, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_direct_round_trip_across_piece_boundaries(tmp_path, gen, monkeypatch, piece, dtype):
+    """Chunks move in pieces; any piece size, with a padded tail, gives the same bits."""
+    if piece is not None:
+        monkeypatch.setattr(disk_slotfile, "PIECE_BYTES", piece)
+    s = make(tmp_path, dtype=dtype, capacity_chunks=12, chunk_bytes=3 * CHUNK + 512, io_threads=3)
+    assert s.direct_io
+    written = {}
+    for i, n in enumerate([1, s.pages_per_chunk, 2 * s.pages_per_chunk + 5, 3 * s.pages_per_chunk]):
+        data = (
+            torch.randint(-128, 127, (n, *PAGE_SHAPE), generator=gen, dtype=torch.int8)
+            if dtype == torch.int8
+            else pages(gen, n, dtype)
+        )
+        extent = s.reserve(f"r{i}", n)
+        s.write(extent, data)
+        written[extent] = data
+    for extent, data in written.items():
+        out = torch.full_like(data, 5)
+        s.read(extent, out)
+        assert same_bits(out, data), f"extent {extent} changed"
+    s.check_integrity()
+    s.close()
+
+
+def test_large_chunks_written_by_several_threads_at_once(tmp_path, gen):
+    """Many-chunk extents: each chunk spans several pieces and the I/O threads overlap."""
+    s = make(tmp_path, capacity_chunks=10, chunk_bytes=(1 << 20) + 3 * 1024, io_threads=4)
+    assert s.direct_io and s.pages_per_chunk * s.page_bytes > disk_slotfile.PIECE_BYTES
+    n = 4 * s.pages_per_chunk - 7
+    first, second = pages(gen, n), pages(gen, 2 * s.pages_per_chunk + 1)
+    e1, e2 = s.reserve("a", n), s.reserve("b", second.shape[0])
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(s.write, e1, first), pool.submit(s.write, e2, second)]:
+            f.result(timeout=60)
+    out1, out2 = torch.empty_like(first), torch.empty_like(second)
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(s.read, e1, out1), pool.submit(s.read, e2, out2)]:
+            f.result(timeout=60)
+    assert same_bits(out1, first) and same_bits(out2, second)
+    s.close()
+
+
+def test_direct_chunks_are_byte_for_byte_what_zarr_encodes(tmp_path, gen):
+    s = make(tmp_path, dtype=torch.bfloat16)
+    assert s.direct_io
+    n = s.pages_per_chunk + 3  # one whole chunk and one padded tail
+    data = pages(gen, n, torch.bfloat16)
+    extent = s.reserve("a", n)
+    s.write(extent, data)
+    rows = storage_rows(s, data)
+    serializer, compressors = page_codecs("none", s.format.storage_dtype.itemsize)
+    encoded: dict = {}
+    reference = zarr.create_array(
+        MemoryStore(store_dict=encoded),
+        shape=(s.pages_per_chunk, s.format.row_elems),
+        chunks=(s.pages_per_chunk, s.format.row_elems),
+        dtype=s.format.storage_dtype,
+        serializer=serializer,
+        compressors=compressors,
+        filters=[],
+        fill_value=0,
+        chunk_key_encoding={"name": "default", "separator": "/"},
+        config={"write_empty_chunks": True},
+    )
+    slots = slot_store_of(tmp_path, s, read_only=True)
+    for i, chunk in enumerate(extent.chunks):
+        block = padded_chunk(s, rows, i)
+        reference[:] = block
+        stored = slots.get_sync(slot_chunk_key(chunk)).to_bytes()
+        assert stored == encoded["c/0/0"].to_bytes(), f"chunk {chunk} differs from zarr's encoding"
+        assert stored[-4:] == google_crc32c.value(block.tobytes()).to_bytes(4, "little")
+    slots.close()
+    s.close()
+
+
+def test_plain_zarr_reads_what_the_direct_path_wrote(tmp_path, gen):
+    s = make(tmp_path)
+    assert s.direct_io
+    data = pages(gen, 7)  # 4 pages a chunk: the second chunk is padded
+    extent = s.reserve("a", 7)
+    s.write(extent, data)
+    rows = storage_rows(s, data)
+    slots = slot_store_of(tmp_path, s, read_only=True)
+    arr = zarr.open_array(slots, mode="r")
+    ppc = s.pages_per_chunk
+    for i, chunk in enumerate(extent.chunks):
+        got = arr[chunk * ppc : (chunk + 1) * ppc]
+        assert np.array_equal(got, padded_chunk(s, rows, i)), f"chunk {chunk}"
+    slots.close()
+    s.close()
+
+
+def _passthrough(inner):
+    return FaultyStore(inner, FaultPlan())  # nothing armed: only forces zarr's pipeline
+
+
+@pytest.mark.parametrize("writer_wrapped", [True, False])
+def test_zarr_pipeline_and_direct_path_read_each_others_chunks(tmp_path, gen, writer_wrapped):
+    """Written through one path and committed, reattached and read through the other."""
+    first = make(tmp_path, on_start="reattach", wrap_store=_passthrough if writer_wrapped else None)
+    assert first.direct_io is not writer_wrapped
+    data = pages(gen, 10)
+    extent = first.reserve("a", 10)
+    first.write(extent, data)
+    first.commit("a", extent, {})
+    first.close()
+    second = make(
+        tmp_path, on_start="reattach", wrap_store=None if writer_wrapped else _passthrough
+    )
+    assert second.direct_io is writer_wrapped
+    adopted, _ = second.reattached()["a"]
+    out = torch.full_like(data, 9)
+    second.read(adopted, out)
+    assert same_bits(out, data)
+    second.close()
+
+
+def _damage(path: Path, offset: int, value: bytes | None = None) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(1) if value is None else None
+        f.seek(offset)
+        f.write(bytes([old[0] ^ 0x5A]) if value is None else value)
+
+
+@pytest.mark.parametrize("where", ["payload", "padding", "crc", "length"])
+def test_direct_read_refuses_a_damaged_slot(tmp_path, gen, where):
+    s = make(tmp_path)
+    data, other = pages(gen, 6), pages(gen, 4)  # extent a: a whole chunk and a padded one
+    a, b = s.reserve("a", 6), s.reserve("b", 4)
+    s.write(a, data)
+    s.write(b, other)
+    slots = slot_store_of(tmp_path, s, read_only=True)
+    tail = slots.payload_offset(a.chunks[1])
+    chunk_bytes = s.chunk_alloc_bytes
+    offset = {
+        "payload": tail + s.page_bytes + 17,  # inside page 5 (the tail chunk's second page)
+        "padding": tail + 3 * s.page_bytes + 5,  # in the zero rows after the last page
+        "crc": tail + chunk_bytes + 2,
+        "length": tail - 8,  # the header's encoded length
+    }[where]
+    slots.close()
+    _damage(tmp_path / "disk" / SLOT_FILE_NAME, offset)
+    with pytest.raises(DiskCorruptionError):
+        s.read(a, torch.empty_like(data))
+    out = torch.empty_like(other)
+    s.read(b, out)  # other extents are untouched
+    assert same_bits(out, other)
+    assert s.stats()["corruptions"] == 1 and s.stats()["read_faults"] == 1
+    s.close()
+
+
+def test_direct_read_of_an_emptied_or_truncated_slot_is_an_io_error(tmp_path, gen):
+    s = make(tmp_path, capacity_chunks=4)
+    data = pages(gen, 8)
+    extent = s.reserve("a", 8)
+    s.write(extent, data)
+    slots = slot_store_of(tmp_path, s)
+    magic_at = slots.payload_offset(extent.chunks[0]) - 16
+    last_payload = slots.payload_offset(extent.chunks[1])
+    slots.close()
+    path = tmp_path / "disk" / SLOT_FILE_NAME
+    _damage(path, magic_at, bytes(8))  # the header no longer says "chunk here"
+    with pytest.raises(DiskIOError) as info:
+        s.read(extent, torch.empty_like(data))
+    assert info.value.errno == errno.ENODATA and not isinstance(info.value, DiskCorruptionError)
+    s.write(extent, data)
+    with open(path, "r+b") as f:
+        f.truncate(last_payload + 100)  # the second chunk runs past the end of the file
+    with pytest.raises(DiskIOError) as info:
+        s.read(extent, torch.empty_like(data))
+    assert info.value.errno == errno.EIO and not isinstance(info.value, DiskCorruptionError)
+    s.close()
+
+
+def test_slot_store_direct_calls_validate_and_round_trip(tmp_path):
+    store = SlotFileStore(tmp_path / "s", num_slots=3, slot_capacity=1000, read_buffers=1)
+    store.open_sync()
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 255, 700, dtype=np.uint8)
+    store.write_chunk(1, data, pad=200)
+    out = np.zeros(700, dtype=np.uint8)
+    store.read_chunk(1, out, pad=200)
+    assert np.array_equal(out, data)
+    expected = data.tobytes() + bytes(200)
+    stored = store.get_sync(slot_chunk_key(1)).to_bytes()
+    assert stored == expected + google_crc32c.value(expected).to_bytes(4, "little")
+    with pytest.raises(ChunkChecksumError, match="expected"):
+        store.read_chunk(1, out)  # the caller expects 700 payload bytes, the slot holds 900
+    with pytest.raises(OSError) as info:
+        store.write_chunk(0, data, pad=297)
+    assert info.value.errno == errno.EFBIG
+    with pytest.raises(ValueError, match="slot index"):
+        store.write_chunk(3, data)
+    with pytest.raises(ValueError, match="read-only"):
+        store.read_chunk(1, np.frombuffer(bytes(700), dtype=np.uint8), pad=200)
+    with pytest.raises(ValueError, match="contiguous"):
+        store.write_chunk(0, np.zeros(20, dtype=np.uint8)[::2])
+    with pytest.raises(OSError) as info:
+        store.read_chunk(2, out)
+    assert info.value.errno == errno.ENODATA
+    store.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_crc32c_matches_the_reference_in_place(monkeypatch, native):
+    rng = np.random.default_rng(4)
+    buf = rng.integers(0, 255, 3 << 20, dtype=np.uint8)
+    if native:
+        assert disk_crc.RELEASES_GIL, "crc32c would hold the GIL: the I/O threads cannot overlap"
+    else:
+        monkeypatch.setattr(disk_crc, "_NATIVE", None)  # the fallback through the binding
+    for start, stop in [(0, 0), (0, 1), (3, 1001), (7, buf.nbytes), (0, 1 << 20)]:
+        want = google_crc32c.value(buf[start:stop].tobytes())
+        assert disk_crc.crc32c_extend(0, buf[start:stop]) == want
+        span = disk_crc.ByteSpan(buf)
+        mid = (start + stop) // 2
+        assert span.extend(span.extend(0, start, mid), mid, stop) == want
+    wide = rng.integers(0, 1 << 16, 999, dtype=np.uint16)
+    assert disk_crc.crc32c_extend(0, wide) == google_crc32c.value(wide.tobytes())
+    with pytest.raises(ValueError, match="outside"):
+        disk_crc.ByteSpan(buf).extend(0, 10, buf.nbytes + 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        disk_crc.crc32c_extend(0, buf[::2])

@@ -5,16 +5,23 @@ unsigned integers of the page dtype's width) chunked by ``[pages_per_chunk,
 row_elems]``, with ``/``-separated chunk keys (``c/<i>/0``), fill value 0 and
 ``write_empty_chunks`` on. Codecs: bytes, then the optional compressor, then
 crc32c on every chunk.
+
+``raw_crc_chunks`` tells whether an array's chunks are encoded as plain bytes
+in native order followed by their crc32c (codec ``none`` on a little-endian
+host): then a chunk can be written and read directly, bypassing the codec
+pipeline, and still be exactly what the pipeline produces.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
 import zarr
 import zarr.api.asynchronous as zasync
 from zarr.codecs import BloscCodec, BloscShuffle, BytesCodec, Crc32cCodec, ZstdCodec
+from zarr.core.chunk_key_encodings import DefaultChunkKeyEncoding
 from zarr.storage import StorePath
 
 CODECS = ("none", "zstd", "blosc")
@@ -65,6 +72,27 @@ async def create_page_array(
         zarr_format=3,
         overwrite=True,
         config={"write_empty_chunks": True},
+    )
+
+
+def raw_crc_chunks(array: zarr.AsyncArray[Any]) -> bool:
+    """Whether every chunk of ``array`` is stored as its raw bytes (C order, as they
+    lie in memory here) followed by their crc32c, under a ``c/<i>/<j>`` key."""
+    metadata = array.metadata
+    codecs = getattr(metadata, "codecs", None)
+    if codecs is None or len(codecs) != 2:
+        return False
+    serializer, checksum = codecs
+    if not isinstance(serializer, BytesCodec) or not isinstance(checksum, Crc32cCodec):
+        return False
+    itemsize = np.dtype(array.dtype).itemsize
+    if itemsize > 1 and (serializer.endian is None or serializer.endian.value != sys.byteorder):
+        return False
+    encoding = getattr(metadata, "chunk_key_encoding", None)
+    return (
+        isinstance(encoding, DefaultChunkKeyEncoding)
+        and encoding.separator == "/"
+        and array.order == "C"
     )
 
 

@@ -9,6 +9,13 @@ owners or ledgers: ``reattach`` returns the manifest's entries, or raises
 ``StartRefused`` saying why they cannot be trusted, and the caller then clears.
 All store calls go through zarr's event loop and are bounded by the configured
 timeout.
+
+``direct`` is the slot-file store when chunk I/O may bypass zarr's codec
+pipeline: the store is our own ``SlotFileStore``, nothing wraps it (a wrapper,
+such as the fault-injection store, must see every chunk operation, so a
+wrapped store always goes through zarr), and the array's chunks are raw bytes
+plus crc32c (``raw_crc_chunks``). Otherwise it is None and every chunk goes
+through zarr.
 """
 
 from __future__ import annotations
@@ -28,7 +35,12 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, StorePath, WrapperStore
 
-from tiering.disk_array import create_page_array, max_encoded_bytes, page_array_mismatch
+from tiering.disk_array import (
+    create_page_array,
+    max_encoded_bytes,
+    page_array_mismatch,
+    raw_crc_chunks,
+)
 from tiering.disk_config import DiskConfig
 from tiering.disk_manifest import MANIFEST_KEY, ManifestEntry, ManifestError
 from tiering.disk_slotfile import SlotFileStore
@@ -92,6 +104,8 @@ class PageBackend:
 
     ``num_slots`` and ``chunk_bytes`` size the slot file when the config names a
     local directory. ``wrap_store`` wraps the base store (fault injection).
+    ``direct`` (set once the array exists) is the slot store when chunks may be
+    moved without zarr's pipeline, else None.
     """
 
     def __init__(
@@ -137,6 +151,8 @@ class PageBackend:
         self.store: Store = _RequireChunks(wrapped)
         self.store_path = StorePath(self.store, self.prefix)
         self.array: zarr.AsyncArray[Any] | None = None
+        self.direct: SlotFileStore | None = None
+        self._unwrapped_slots = self.slots is not None and wrapped is base
 
     @property
     def where(self) -> str:
@@ -164,7 +180,7 @@ class PageBackend:
                 self.call(self.store.clear())
             except FileNotFoundError:
                 pass
-        self.array = self.call(create_page_array(self.store_path, **asdict(geometry)))
+        self._set_array(self.call(create_page_array(self.store_path, **asdict(geometry))))
 
     def reattach(
         self, geometry: ArrayGeometry, decode: Callable[[bytes], dict[str, ManifestEntry]]
@@ -194,8 +210,13 @@ class PageBackend:
         if mismatch is not None:
             raise StartRefused(mismatch)
         self._drop_unlisted_chunks({c for e in entries.values() for c in e.chunks})
-        self.array = array
+        self._set_array(array)
         return entries
+
+    def _set_array(self, array: zarr.AsyncArray[Any]) -> None:
+        self.array = array
+        direct = self._unwrapped_slots and not self.prefix and raw_crc_chunks(array)
+        self.direct = self.slots if direct else None
 
     def write_manifest(self, body: bytes, *, flush_data: bool) -> None:
         """Replace the manifest (after flushing the slot file when ``flush_data``)."""

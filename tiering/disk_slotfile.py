@@ -28,6 +28,23 @@ concurrent requests on distinct slots need no lock. A header that was damaged
 on disk yields either "empty" (a missing chunk) or a wrong length, which the
 crc32c codec then reports as a checksum mismatch: a damaged slot is never read
 back as good data.
+
+Direct chunk I/O. Besides the zarr ``Store`` API, ``write_chunk`` and
+``read_chunk`` move one chunk of the uncompressed layout (zarr's bytes codec
+followed by its crc32c codec: the raw bytes, then their crc32c as 4
+little-endian bytes) straight between the caller's buffer and the slot, with
+no intermediate copy. The bytes on disk are exactly those zarr's pipeline
+writes and reads, so either side can read what the other wrote. The payload
+moves in pieces of ``PIECE_BYTES``; each piece is checksummed just before it
+is written, or just after it is read, while it is likely still in the CPU
+cache, so the checksum mostly reads cache rather than memory. The checksum
+still costs CPU time (about as much as the copy itself), which is what
+separates this path from a bare ``pwrite``/``pread``; it runs with the GIL
+released (``tiering.disk_crc``), so threads working on distinct slots
+checksum in parallel when there are cores for them. A read of an empty slot
+raises ``OSError(ENODATA)``; one whose length or checksum is wrong raises
+``ChunkChecksumError``; either way the caller's buffer may hold unverified
+bytes and must not be used.
 """
 
 from __future__ import annotations
@@ -40,7 +57,7 @@ import struct
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +70,8 @@ from zarr.abc.store import (
 )
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
+from tiering.disk_crc import ByteSpan, crc32c_bytes
+
 SLOT_FILE_NAME = "chunks.slots"
 _ALIGN = 4096
 _FILE_MAGIC = b"TIERSLT1"
@@ -60,6 +79,12 @@ _FILE_HEADER = struct.Struct("<8sQQQ")  # magic, num_slots, stride, slot_capacit
 _SLOT_MAGIC = b"TSLOTv1\x00"
 _SLOT_HEADER = struct.Struct("<8sQ")  # magic, encoded length
 _EMPTY_HEADER = bytes(_SLOT_HEADER.size)
+_CRC_BYTES = 4
+PIECE_BYTES = 1 << 20  # direct I/O granule: about one core's L2, so crc and copy share it
+
+
+class ChunkChecksumError(ValueError):
+    """A slot's stored chunk failed its length or crc32c check at a direct read."""
 
 
 def _align_up(n: int, align: int = _ALIGN) -> int:
@@ -148,6 +173,8 @@ class SlotFileStore(Store):
         self._fd: int | None = None
         self._open_lock = threading.Lock()
         self._pool = _BufferPool(self.slot_capacity, self.read_buffers)
+        self._zeros = np.zeros(PIECE_BYTES, dtype=np.uint8)  # the padding source of writes
+        self._zeros.flags.writeable = False
 
     # ------------------------------------------------------------------ life cycle
 
@@ -254,6 +281,12 @@ class SlotFileStore(Store):
     def _header_offset(self, index: int) -> int:
         return _ALIGN + index * self.stride + _ALIGN - _SLOT_HEADER.size
 
+    def payload_offset(self, index: int) -> int:
+        """Where slot ``index``'s encoded chunk starts in the slot file (page-aligned);
+        its 16-byte header (magic, encoded length) lies just before."""
+        self._check_slot(index)
+        return _ALIGN + index * self.stride + _ALIGN
+
     # ------------------------------------------------------------------ sync primitives
 
     def slot_length(self, index: int) -> int | None:
@@ -289,7 +322,7 @@ class SlotFileStore(Store):
         start, stop = _resolve_range(byte_range, length)
         buf = self._pool.take(stop - start)
         offset = self._header_offset(index) + _SLOT_HEADER.size + start
-        _pread_all(self._require_fd(), buf, offset)
+        _pread_all(self._require_fd(), [buf], offset)
         return prototype.buffer.from_array_like(buf)
 
     def set_sync(self, key: str, value: Buffer) -> None:
@@ -319,6 +352,100 @@ class SlotFileStore(Store):
                 pass
             return
         _pwrite_all(self._require_fd(), [_EMPTY_HEADER], self._header_offset(index))
+
+    # ------------------------------------------------------------------ direct chunk I/O
+
+    def write_chunk(self, index: int, data: np.ndarray, pad: int = 0) -> None:
+        """Store ``data``'s bytes then ``pad`` zero bytes as slot ``index``'s chunk.
+
+        The slot receives what zarr's bytes + crc32c codecs would encode from
+        that payload: the bytes followed by their crc32c. ``data`` (any
+        C-contiguous array) is written from where it lies and must not change
+        until this returns. Raises OSError(EFBIG) for a chunk larger than the
+        slot capacity, ValueError for a bad index or buffer, OSError on an I/O
+        failure (the slot's contents are then undefined).
+        """
+        self._check_writable()
+        self._check_slot(index)
+        payload = _byte_view(data, "data", writable=False)
+        if pad < 0:
+            raise ValueError(f"pad must be >= 0, got {pad}")
+        length = payload.nbytes + pad + _CRC_BYTES
+        if length > self.slot_capacity:
+            raise OSError(
+                errno.EFBIG,
+                f"encoded chunk of {length} bytes exceeds the slot capacity {self.slot_capacity}",
+                slot_chunk_key(index),
+            )
+        fd = self._require_fd()
+        offset = self._header_offset(index)
+        pending: list[bytes | memoryview] = [_SLOT_HEADER.pack(_SLOT_MAGIC, length)]
+        crc = 0
+        for span, start, stop in _pieces(ByteSpan(payload), pad, self._zeros):
+            crc = span.extend(crc, start, stop)
+            pending.append(span.view[start:stop])
+            offset = _pwrite_all(fd, pending, offset)
+            pending = []
+        pending.append(crc32c_bytes(crc))
+        _pwrite_all(fd, pending, offset)
+
+    def read_chunk(self, index: int, out: np.ndarray, pad: int = 0) -> None:
+        """Fill ``out`` with the payload of slot ``index``'s chunk and verify it.
+
+        The chunk must hold exactly ``out.nbytes + pad`` payload bytes; the last
+        ``pad`` of them are read into a scratch buffer (they count towards the
+        checksum and are then dropped). Raises OSError(ENODATA) for an empty
+        slot, ChunkChecksumError for a wrong length or checksum, OSError(EIO)
+        when the file is shorter than the slot. After any exception the
+        contents of ``out`` are unspecified and must not be used.
+        """
+        self._check_slot(index)
+        dest = _byte_view(out, "out", writable=True)
+        if pad < 0:
+            raise ValueError(f"pad must be >= 0, got {pad}")
+        expected = dest.nbytes + pad + _CRC_BYTES
+        if expected > self.slot_capacity:
+            raise ValueError(
+                f"a chunk of {expected} encoded bytes cannot be in a slot of {self.slot_capacity}"
+            )
+        scratch = self._pool.take(pad + _CRC_BYTES) if pad else np.empty(_CRC_BYTES, np.uint8)
+        trailer = scratch[pad:]
+        header = bytearray(_SLOT_HEADER.size)
+        fd = self._require_fd()
+        offset = self._header_offset(index)
+        pieces = list(_pieces(ByteSpan(dest), pad, scratch[:pad], advance=True))
+        crc = 0
+        for i, (span, start, stop) in enumerate(pieces):
+            batch: list[bytearray | memoryview | np.ndarray] = [header] if i == 0 else []
+            batch.append(span.view[start:stop])
+            if i == len(pieces) - 1:
+                batch.append(trailer)
+            offset = _pread_all(fd, batch, offset)
+            if i == 0:
+                self._check_header(index, header, expected)
+            crc = span.extend(crc, start, stop)
+        if not pieces:  # an empty payload: only the header and the crc
+            _pread_all(fd, [header, trailer], offset)
+            self._check_header(index, header, expected)
+        stored = int.from_bytes(trailer.tobytes(), "little")
+        if stored != crc:
+            raise ChunkChecksumError(
+                f"slot {index}: stored crc32c {stored:#010x} does not match the bytes "
+                f"read ({crc:#010x})"
+            )
+
+    def _check_header(self, index: int, header: bytearray, expected: int) -> None:
+        magic, length = _SLOT_HEADER.unpack(bytes(header))
+        if magic != _SLOT_MAGIC:
+            raise OSError(errno.ENODATA, "chunk is missing from the store", slot_chunk_key(index))
+        if length != expected:
+            raise ChunkChecksumError(
+                f"slot {index} holds a chunk of {length} encoded bytes; expected {expected}"
+            )
+
+    def _check_slot(self, index: int) -> None:
+        if not isinstance(index, (int, np.integer)) or not 0 <= index < self.num_slots:
+            raise ValueError(f"slot index must be in [0, {self.num_slots}), got {index!r}")
 
     def occupied_slots(self) -> list[int]:
         """Indices of the slots that hold a chunk."""
@@ -444,9 +571,41 @@ def _resolve_range(byte_range: ByteRequest | None, size: int) -> tuple[int, int]
     raise TypeError(f"unexpected byte_range {byte_range!r}")
 
 
-def _pwrite_all(fd: int, parts: list[bytes | memoryview], offset: int) -> None:
-    """pwritev until every byte is down; a zero-byte write is an I/O error."""
+def _byte_view(buf: np.ndarray, name: str, *, writable: bool) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array (no copy); ValueError naming ``name``."""
+    if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+        raise ValueError(f"{name} must be a C-contiguous numpy array")
+    if writable and not buf.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    return buf.reshape(-1).view(np.uint8)
+
+
+def _pieces(
+    payload: ByteSpan, pad: int, pad_source: np.ndarray, *, advance: bool = False
+) -> Iterator[tuple[ByteSpan, int, int]]:
+    """(span, start, stop) ranges of at most PIECE_BYTES: all of ``payload``, then
+    ``pad`` bytes of ``pad_source``, taken as consecutive ranges when ``advance``
+    (a scratch buffer of ``pad`` bytes) or as its leading range again and again
+    (a block of zeros)."""
+    for start in range(0, payload.nbytes, PIECE_BYTES):
+        yield payload, start, min(payload.nbytes, start + PIECE_BYTES)
+    if not pad:
+        return
+    source = ByteSpan(pad_source)
+    step = PIECE_BYTES if advance else min(PIECE_BYTES, source.nbytes)
+    done = 0
+    while done < pad:
+        size = min(step, pad - done)
+        yield (source, done, done + size) if advance else (source, 0, size)
+        done += size
+
+
+def _pwrite_all(fd: int, parts: list, offset: int) -> int:
+    """pwritev until every byte is down; returns the offset after the last byte.
+
+    A zero-byte write is an I/O error."""
     views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if len(v)]
     while views:
         written = os.pwritev(fd, views, offset)
         if written <= 0:
@@ -457,17 +616,27 @@ def _pwrite_all(fd: int, parts: list[bytes | memoryview], offset: int) -> None:
             views.pop(0)
         if views and written:
             views[0] = views[0][written:]
+    return offset
 
 
-def _pread_all(fd: int, buf: np.ndarray, offset: int) -> None:
-    """preadv until ``buf`` is full; a short file is an I/O error."""
-    view = memoryview(buf).cast("B")
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
+def _pread_all(fd: int, parts: list, offset: int) -> int:
+    """preadv until every buffer in ``parts`` is full; returns the offset after them.
+
+    A short file is an I/O error."""
+    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if len(v)]
+    while views:
+        got = os.preadv(fd, views, offset)
         if got <= 0:
-            raise OSError(errno.EIO, f"slot file ended {len(view) - done} bytes early")
-        done += got
+            missing = sum(len(v) for v in views)
+            raise OSError(errno.EIO, f"slot file ended {missing} bytes early")
+        offset += got
+        while views and got >= len(views[0]):
+            got -= len(views[0])
+            views.pop(0)
+        if views and got:
+            views[0] = views[0][got:]
+    return offset
 
 
 def _atomic_replace(path: Path, data: memoryview) -> None:

@@ -19,11 +19,14 @@ A reservation that would exceed it returns None and is counted as a refusal.
 
 I/O. ``write`` and ``read`` are synchronous and safe to call from several
 threads on distinct extents. Each is one round trip to zarr's event loop that
-issues one zarr call per chunk (at most ``io_threads`` in flight) and waits for
-all of them, so when a call returns, successfully or not, no I/O for that extent
-is still running. (One zarr call spanning several chunks would return at the
+issues one call per chunk (a zarr call, or a direct slot call, see below; at
+most ``io_threads`` in flight) and waits for all of them, so when a call
+returns, successfully or not, no I/O for that extent is still running. (One
+zarr call spanning several chunks would return at the
 first failing chunk while its siblings were still being written, and those
-could land after the chunks had been handed to another owner.) A short tail chunk is padded to a whole chunk in a side buffer.
+could land after the chunks had been handed to another owner.) A short tail
+chunk is stored padded with zero rows to a whole chunk.
+
 A failure surfaces as ``DiskIOError`` (with the errno when known), a checksum
 mismatch or undecodable chunk as ``DiskCorruptionError``, a chunk that vanished
 from the store as ``DiskIOError(ENODATA)``. A failed write leaves the extent
@@ -32,6 +35,19 @@ caller decides whether to release it. An operation that outlives
 ``io_timeout_s`` raises ``DiskIOError(ETIMEDOUT)``; its chunks stay out of
 circulation (still counted) until the stray I/O has finished, even if the
 extent is released meanwhile.
+
+Direct path. For the default local store with codec ``none`` and no
+``wrap_store``, a chunk does not go through zarr's codec pipeline: the slot
+store writes the caller's page bytes where they lie and reads straight into
+``out`` (``SlotFileStore.write_chunk``/``read_chunk``), computing or checking
+the crc32c over the same memory, piece by piece, with the GIL released. The
+bytes on disk are exactly what the pipeline (bytes codec, then crc32c) would
+store, so plain zarr reads the array and this path reads chunks zarr wrote.
+Everything else (compressed codecs, other stores, and any wrapped store, so
+that fault injection sees every chunk operation) goes through zarr.
+``direct_io`` tells which path is in use. On the direct path ``pages`` must
+not change while ``write`` runs: a page changed meanwhile may be stored as a
+mix of old and new bytes, or as a chunk whose checksum fails at read.
 
 Stores. ``DiskConfig.path`` names a local directory (also as ``file://``), kept
 as one preallocated slot file by ``SlotFileStore``; any other URL opens a zarr
@@ -42,8 +58,9 @@ see ``tiering.disk_faults``).
 Modules. This one holds the public API and the I/O; ``disk_config`` the config;
 ``disk_ledger`` the allocation state (one owner); ``disk_pages`` the byte view
 of a page; ``disk_array`` the zarr array and codecs; ``disk_backend`` the store
-and start-up; ``disk_slotfile`` the slot-file store; ``disk_manifest`` the
-manifest format; ``disk_faults`` fault injection.
+and start-up; ``disk_slotfile`` the slot-file store and its direct chunk I/O;
+``disk_crc`` the GIL-free crc32c; ``disk_manifest`` the manifest format;
+``disk_faults`` fault injection.
 
 Start-up. With ``on_start="clear"`` (the default) everything an earlier process
 left in the store is removed first: stale bytes are never served, and commits
@@ -91,6 +108,7 @@ from tiering.disk_ledger import (
 )
 from tiering.disk_manifest import ManifestEntry, decode_manifest, encode_manifest
 from tiering.disk_pages import PageFormat
+from tiering.disk_slotfile import SlotFileStore
 
 __all__ = [
     "CODECS",
@@ -228,11 +246,17 @@ class DiskPageStore:
     def write(self, extent: DiskExtent, pages: torch.Tensor | np.ndarray) -> None:
         """Store ``pages`` ([n, *page_shape], n == extent.num_pages) in the extent's chunks.
 
-        Synchronous. Raises ValueError for bad input (nothing changes) and
-        DiskIOError on an I/O fault (the extent stays reserved and unwritten).
+        Synchronous. ``pages`` must not be modified until it returns (on the
+        direct path it is written from where it lies). Raises ValueError for
+        bad input (nothing changes) and DiskIOError on an I/O fault (the extent
+        stays reserved and unwritten).
         """
         check_extent(extent)
         rows = self.format.rows(pages, extent.num_pages, "pages", writable=False)
+        direct = self._backend.direct
+        if direct is not None:
+            self._write_direct(direct, extent, rows)
+            return
         ppc = self.pages_per_chunk
         parts: list[tuple[int, np.ndarray]] = []
         for i, chunk in enumerate(extent.chunks):
@@ -259,10 +283,15 @@ class DiskPageStore:
 
         Raises ValueError for bad input or an extent that is not completely
         written; DiskIOError / DiskCorruptionError on a fault, in which case the
-        contents of ``out`` are unspecified and must not be used.
+        contents of ``out`` are unspecified and must not be used (on the direct
+        path the bytes land in ``out`` before their checksum is checked).
         """
         check_extent(extent)
         rows = self.format.rows(out, extent.num_pages, "out", writable=True)
+        direct = self._backend.direct
+        if direct is not None:
+            self._read_direct(direct, extent, rows)
+            return
         ppc = self.pages_per_chunk
         prototype = default_buffer_prototype()
         array = self._require_array()
@@ -276,6 +305,44 @@ class DiskPageStore:
         jobs = [
             (one, (chunk, rows[i * ppc : (i + 1) * ppc])) for i, chunk in enumerate(extent.chunks)
         ]
+        state = self._ledger.begin(extent, "read")
+        self._run_io(extent, state, jobs, "read")
+        with self._stats_lock:
+            self._counters.reads += 1
+            self._counters.bytes_read += extent.num_pages * self.page_bytes
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether chunk I/O bypasses zarr's codec pipeline (see the module docstring)."""
+        return self._backend.direct is not None
+
+    def _direct_parts(
+        self, extent: DiskExtent, rows: np.ndarray
+    ) -> list[tuple[int, np.ndarray, int]]:
+        """(slot, rows of that chunk, zero bytes that pad it to a whole chunk) per chunk."""
+        ppc = self.pages_per_chunk
+        parts = []
+        for i, chunk in enumerate(extent.chunks):
+            part = rows[i * ppc : (i + 1) * ppc]
+            parts.append((chunk, part, (ppc - part.shape[0]) * self.page_bytes))
+        return parts
+
+    def _write_direct(self, direct: SlotFileStore, extent: DiskExtent, rows: np.ndarray) -> None:
+        async def one(chunk: int, part: np.ndarray, pad: int) -> None:
+            await asyncio.to_thread(direct.write_chunk, chunk, part, pad)
+
+        jobs = [(one, args) for args in self._direct_parts(extent, rows)]
+        state = self._ledger.begin(extent, "write")
+        self._run_io(extent, state, jobs, "write")
+        with self._stats_lock:
+            self._counters.writes += 1
+            self._counters.bytes_written += extent.num_pages * self.page_bytes
+
+    def _read_direct(self, direct: SlotFileStore, extent: DiskExtent, rows: np.ndarray) -> None:
+        async def one(chunk: int, dest: np.ndarray, pad: int) -> None:
+            await asyncio.to_thread(direct.read_chunk, chunk, dest, pad)
+
+        jobs = [(one, args) for args in self._direct_parts(extent, rows)]
         state = self._ledger.begin(extent, "read")
         self._run_io(extent, state, jobs, "read")
         with self._stats_lock:
