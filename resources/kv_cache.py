@@ -25,7 +25,6 @@ import concurrent.futures as cf
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,14 @@ from resources.base import (
     StepContext,
 )
 from resources.kv_geometry import KVGeometry
+from resources.kv_records import (
+    KVStats,
+    RequestLost,
+    RequestRecord,
+    Tombstone,
+    TransferJob,
+    UnknownRequest,
+)
 from tiering.checksum import ChecksumMismatch, crc_of, crc_of_pages
 from tiering.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.pools import PagePool, PoolIntegrityError
@@ -54,78 +61,6 @@ log = logging.getLogger("tiering.kv_cache")
 DEFAULT_RETENTION = 35.0
 
 S = RequestState
-
-
-class UnknownRequest(KeyError):
-    """A request id this cache has not ingested."""
-
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
-        return str(self.args[0])
-
-
-class RequestLost(RuntimeError):
-    """The request's KV could not be kept; ``reason`` says why."""
-
-    def __init__(self, rid: str, reason: str) -> None:
-        super().__init__(f"request {rid!r} is lost: {reason}")
-        self.rid = rid
-        self.reason = reason
-
-
-@dataclass
-class _Job:
-    """A transfer in flight for one request."""
-
-    kind: str  # offload_host | offload_disk | demote | reload_host | reload_disk
-    future: cf.Future
-    started: float
-
-
-@dataclass
-class _Request:
-    rid: str
-    overrides: ResourceReqConfig | None
-    ingested_at: float
-    num_tokens: int = 0
-    state: RequestState = S.RESIDENT
-    device: list[int] = field(default_factory=list)
-    host: list[int] = field(default_factory=list)
-    disk: Any = None  # DiskExtent while the request holds disk chunks
-    job: _Job | None = None
-    checksum: int | None = None
-    ready_event: Any = None
-    lost_reason: str | None = None
-
-
-@dataclass
-class _Tombstone:
-    """What a request removed mid-copy still holds until its copy finishes."""
-
-    key: tuple
-    future: cf.Future
-    device: list[int]
-    host: list[int]
-    disk: Any
-
-
-class KVStats:
-    """Counters of moves and faults. Plain integers; ``as_dict`` for reports."""
-
-    FIELDS = (
-        "offloads_to_host", "offloads_to_disk", "demotions", "reloads_from_host",
-        "reloads_from_disk", "bytes_device_to_host", "bytes_device_to_disk",
-        "bytes_host_to_disk", "bytes_host_to_device", "bytes_disk_to_device",
-        "offload_refusals", "reload_refusals", "demote_refusals_disk_full",
-        "offload_failures", "demote_failures", "reload_failures", "lost", "dropped",
-        "reload_stall_s_total",
-    )
-
-    def __init__(self) -> None:
-        for f in self.FIELDS:
-            setattr(self, f, 0)
-
-    def as_dict(self) -> dict[str, float]:
-        return {f: getattr(self, f) for f in self.FIELDS}
 
 
 class PagedKVCache(Resource):
@@ -182,9 +117,9 @@ class PagedKVCache(Resource):
         self._streams = StreamSet(self.device)
         self._copier = PriorityExecutor(copy_workers, "tiering-copy")
         self._io = PriorityExecutor(io_workers, "tiering-io")
-        self._reqs: dict[str, _Request] = {}
+        self._reqs: dict[str, RequestRecord] = {}
         self._inflight: set[str] = set()
-        self._tombstones: dict[tuple, _Tombstone] = {}
+        self._tombstones: dict[tuple, Tombstone] = {}
         self._tomb_seq = 0
         self._newly_lost: list[tuple[str, str]] = []
         self.stats = KVStats()
@@ -224,7 +159,7 @@ class PagedKVCache(Resource):
     def _adopt_reattached(self) -> None:
         """Requests an earlier process left intact on disk come back as ON_DISK."""
         for rid, (extent, meta) in self.disk.reattached().items():
-            r = _Request(rid, None, self._clock(), num_tokens=int(meta["num_tokens"]))
+            r = RequestRecord(rid, None, self._clock(), num_tokens=int(meta["num_tokens"]))
             r.state = S.ON_DISK
             r.disk = extent
             r.checksum = meta.get("checksum")
@@ -238,13 +173,13 @@ class PagedKVCache(Resource):
 
     # -- small lookups ----------------------------------------------------------------
 
-    def _req(self, rid: str) -> _Request:
+    def _req(self, rid: str) -> RequestRecord:
         try:
             return self._reqs[rid]
         except KeyError:
             raise UnknownRequest(f"unknown request {rid!r}") from None
 
-    def _pages_for(self, r: _Request) -> int:
+    def _pages_for(self, r: RequestRecord) -> int:
         return self.geometry.pages_for(r.num_tokens)
 
     @property
@@ -315,7 +250,7 @@ class PagedKVCache(Resource):
                     f" got different overrides {overrides!r}"
                 )
             return
-        self._reqs[rid] = _Request(rid, overrides, self._clock())
+        self._reqs[rid] = RequestRecord(rid, overrides, self._clock())
 
     def allocate(self, rid: str, num_tokens: int) -> bool:
         """Make room for ``num_tokens`` tokens in total (growing, never
@@ -336,7 +271,7 @@ class PagedKVCache(Resource):
         r.num_tokens = num_tokens
         return True
 
-    def _token_pages(self, r: _Request, start: int, n: int):
+    def _token_pages(self, r: RequestRecord, start: int, n: int):
         """(slot, offset in page, token index in the input, count) pieces of a token range."""
         T = self.geometry.page_tokens
         pos, end = start, start + n
@@ -378,7 +313,7 @@ class PagedKVCache(Resource):
         v = pages[:, 1].reshape(-1, g.num_kv_heads, g.head_dim)[: r.num_tokens]
         return k, v
 
-    def _readable(self, rid: str, what: str) -> _Request:
+    def _readable(self, rid: str, what: str) -> RequestRecord:
         r = self._req(rid)
         if r.state is S.LOST:
             raise RequestLost(rid, r.lost_reason or "unknown")
@@ -402,13 +337,13 @@ class PagedKVCache(Resource):
             key = ("removed", rid, self._tomb_seq)
             for pool, slots in ((self.device_pool, r.device), (self.host_pool, r.host)):
                 pool.transfer_ownership(rid, key, slots)
-            self._tombstones[key] = _Tombstone(key, fut, r.device, r.host, r.disk)
+            self._tombstones[key] = Tombstone(key, fut, r.device, r.host, r.disk)
         else:
             self._release_all(r)
         self._inflight.discard(rid)
         del self._reqs[rid]
 
-    def _release_all(self, r: _Request) -> None:
+    def _release_all(self, r: RequestRecord) -> None:
         self.device_pool.release(r.rid, r.device)
         self.host_pool.release(r.rid, r.host)
         if r.disk is not None:
@@ -613,13 +548,13 @@ class PagedKVCache(Resource):
 
     # -- completion (caller's thread) -------------------------------------------------
 
-    def _start(self, r: _Request, kind: str, fut: cf.Future, state: RequestState) -> None:
+    def _start(self, r: RequestRecord, kind: str, fut: cf.Future, state: RequestState) -> None:
         check_transition(r.rid, r.state, state)
         r.state = state
-        r.job = _Job(kind, fut, self._clock())
+        r.job = TransferJob(kind, fut, self._clock())
         self._inflight.add(r.rid)
 
-    def _set_state(self, r: _Request, state: RequestState) -> None:
+    def _set_state(self, r: RequestRecord, state: RequestState) -> None:
         check_transition(r.rid, r.state, state)
         r.state = state
 
@@ -633,13 +568,13 @@ class PagedKVCache(Resource):
             self._bury(self._tombstones.pop(key))
         return done
 
-    def _bury(self, t: _Tombstone) -> None:
+    def _bury(self, t: Tombstone) -> None:
         self.device_pool.release(t.key, t.device)
         self.host_pool.release(t.key, t.host)
         if t.disk is not None:
             self.disk.release(t.disk)
 
-    def _finish(self, r: _Request) -> None:
+    def _finish(self, r: RequestRecord) -> None:
         """Apply the outcome of ``r``'s finished job (no-op if still running)."""
         job = r.job
         if job is None or not job.future.done():
@@ -718,7 +653,7 @@ class PagedKVCache(Resource):
         self.stats.bytes_disk_to_device += nbytes
         self.stats.reload_stall_s_total += max(0.0, self._clock() - job.started)
 
-    def _commit_disk(self, r: _Request) -> None:
+    def _commit_disk(self, r: RequestRecord) -> None:
         self.disk.commit(r.rid, r.disk, {"num_tokens": r.num_tokens, "checksum": r.checksum})
 
     def _survived(self, r, back_to, counter, exc, *, host=False, disk=False, device=False):
@@ -736,7 +671,7 @@ class PagedKVCache(Resource):
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         self._set_state(r, back_to)
 
-    def _mark_lost(self, r: _Request, reason: str) -> None:
+    def _mark_lost(self, r: RequestRecord, reason: str) -> None:
         log.error("request %r lost: %s", r.rid, reason)
         self._release_all(r)
         r.lost_reason = reason

@@ -1,0 +1,88 @@
+"""Per-request records of the KV cache and its counters.
+
+Only ``PagedKVCache`` creates and changes these, always on the caller's
+thread; worker threads never see them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from dataclasses import dataclass, field
+from typing import Any
+
+from resources.base import ResourceReqConfig
+from tiering.types import RequestState
+
+S = RequestState
+
+
+class UnknownRequest(KeyError):
+    """A request id this cache has not ingested."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0])
+
+
+class RequestLost(RuntimeError):
+    """The request's KV could not be kept; ``reason`` says why."""
+
+    def __init__(self, rid: str, reason: str) -> None:
+        super().__init__(f"request {rid!r} is lost: {reason}")
+        self.rid = rid
+        self.reason = reason
+
+
+@dataclass
+class TransferJob:
+    """A transfer in flight for one request."""
+
+    kind: str  # offload_host | offload_disk | demote | reload_host | reload_disk
+    future: cf.Future
+    started: float
+
+
+@dataclass
+class RequestRecord:
+    rid: str
+    overrides: ResourceReqConfig | None
+    ingested_at: float
+    num_tokens: int = 0
+    state: RequestState = S.RESIDENT
+    device: list[int] = field(default_factory=list)
+    host: list[int] = field(default_factory=list)
+    disk: Any = None  # DiskExtent while the request holds disk chunks
+    job: TransferJob | None = None
+    checksum: int | None = None
+    ready_event: Any = None
+    lost_reason: str | None = None
+
+
+@dataclass
+class Tombstone:
+    """What a request removed mid-copy still holds until its copy finishes."""
+
+    key: tuple
+    future: cf.Future
+    device: list[int]
+    host: list[int]
+    disk: Any
+
+
+class KVStats:
+    """Counters of moves and faults. Plain integers; ``as_dict`` for reports."""
+
+    FIELDS = (
+        "offloads_to_host", "offloads_to_disk", "demotions", "reloads_from_host",
+        "reloads_from_disk", "bytes_device_to_host", "bytes_device_to_disk",
+        "bytes_host_to_disk", "bytes_host_to_device", "bytes_disk_to_device",
+        "offload_refusals", "reload_refusals", "demote_refusals_disk_full",
+        "offload_failures", "demote_failures", "reload_failures", "lost", "dropped",
+        "reload_stall_s_total",
+    )
+
+    def __init__(self) -> None:
+        for f in self.FIELDS:
+            setattr(self, f, 0)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f: getattr(self, f) for f in self.FIELDS}
