@@ -1,0 +1,98 @@
+"""Trace replay benchmark: how fast one configuration replays a whole trace.
+
+Measures, in one run:
+
+- ``raw``: loading the trace file and iterating its requests once (summing
+  their tokens): the floor any replay pays;
+- ``replay``: ``simulate`` of one policy over the whole trace (default: the
+  Mooncake conversation trace, lru, llama-3.1-8b on h100-80g), with the
+  recompute and no-tiering baselines for scale.
+
+For each it reports the wall time, requests simulated per wall second, the
+ratio to ``raw``, and the simulated time covered. Wall time is the best of
+``--repeat`` runs. The target for the tiering run is <= 30 s on a 2-core
+machine.
+
+Usage: ``python benchmarks/replay.py --out replay.json [--limit N] [--repeat K]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._report import table, write_json  # noqa: E402
+from tiering.replay.presets import StepCost, get_hardware, get_model  # noqa: E402
+from tiering.replay.simulator import RunSpec, SimConfig, simulate  # noqa: E402
+from tiering.replay.traces import load_trace  # noqa: E402
+
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake" / "conversation_trace.jsonl"
+
+
+def _raw(path: Path, limit: int | None) -> tuple[float, int]:
+    start = time.perf_counter()
+    trace = load_trace(path, limit=limit)
+    tokens = 0
+    for req in trace:
+        tokens += req.input_tokens + req.output_tokens + len(req.hash_ids)
+    return time.perf_counter() - start, tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--policy", default="lru")
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--hardware", default="h100-80g")
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    parser.add_argument("--repeat", type=int, default=1, help="best of K runs (default 1)")
+    args = parser.parse_args(argv)
+
+    raw_s = min(_raw(args.trace, args.limit)[0] for _ in range(max(1, args.repeat)))
+    trace = load_trace(args.trace, limit=args.limit)
+    cost = StepCost(get_model(args.model), get_hardware(args.hardware))
+    sim = SimConfig()
+    rows = [("raw load+iterate", len(trace), raw_s, len(trace) / raw_s, 1.0, 0.0, 0)]
+    results = {"raw": {"wall_s": raw_s, "requests": len(trace)}}
+    for spec in (RunSpec("tiering", args.policy), RunSpec("recompute"), RunSpec("no-tiering")):
+        best = None
+        for _ in range(max(1, args.repeat)):
+            start = time.perf_counter()
+            res = simulate(trace, cost, spec, sim, time_scale=args.time_scale)
+            wall = time.perf_counter() - start
+            best = wall if best is None else min(best, wall)
+        label = f"replay {spec.label}"
+        rows.append((label, len(trace), best, len(trace) / best, best / raw_s, res.makespan_s,
+                     res.counters.steps))
+        results[spec.label] = {
+            "wall_s": best,
+            "requests_per_s": len(trace) / best,
+            "ratio_to_raw": best / raw_s,
+            "simulated_s": res.makespan_s,
+            "steps": res.counters.steps,
+            "steps_per_s": res.counters.steps / best,
+        }
+    headers = ("case", "requests", "wall s", "req/s", "x raw", "simulated s", "steps")
+    print(table(rows, headers))
+    write_json(args.out, {
+        "benchmark": "replay",
+        "trace": str(args.trace),
+        "model": args.model,
+        "hardware": args.hardware,
+        "policy": args.policy,
+        "time_scale": args.time_scale,
+        "target_wall_s": 30.0,
+        "results": results,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""What a replay run is configured with: the simulated engine and the run's mode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tiering.controller import ControllerConfig
+
+MODES = ("tiering", "recompute", "no-tiering")
+
+
+def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated engine.
+
+    ``max_batch``: requests in the batch (prefilling or decoding) at most.
+    ``max_step_tokens``: tokens one step processes at most (one per decoding
+    request, the rest prefill chunks). ``page_tokens``: tokens per KV page.
+    ``prefix_reuse``: retain finished prompts and reuse shared prefixes
+    (needs a trace with block ids). ``block_tokens``: tokens per block id.
+    ``preempted_retention`` / ``retained_retention``: the retention priority
+    (0..100) a preempted live request and a retained prefix carry; the KV
+    cache turns it into the offload priority a ``priority`` policy reads.
+    """
+
+    max_batch: int = 64
+    max_step_tokens: int = 8192
+    page_tokens: int = 16
+    prefix_reuse: bool = True
+    block_tokens: int = 512
+    preempted_retention: float = 80.0
+    retained_retention: float = 20.0
+
+    def __post_init__(self) -> None:
+        _check_int("SimConfig", "max_batch", self.max_batch, 1)
+        _check_int("SimConfig", "max_step_tokens", self.max_step_tokens, 1)
+        _check_int("SimConfig", "page_tokens", self.page_tokens, 1)
+        _check_int("SimConfig", "block_tokens", self.block_tokens, 1)
+        if self.max_step_tokens < self.max_batch:
+            raise ValueError(
+                f"SimConfig.max_step_tokens ({self.max_step_tokens}) must be >= max_batch "
+                f"({self.max_batch}): every decoding request needs a token per step"
+            )
+        for name in ("preempted_retention", "retained_retention"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 100:
+                raise ValueError(f"SimConfig.{name} must be a number in [0, 100], got {v!r}")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What to run: a ``mode`` (see ``MODES``) and, for ``tiering``, the policy
+    name and the controller's configuration."""
+
+    mode: str = "tiering"
+    policy: str = "lru"
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"RunSpec.mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ValueError(f"RunSpec.policy must name a policy, got {self.policy!r}")
+        if not isinstance(self.controller, ControllerConfig):
+            raise TypeError("RunSpec.controller must be a ControllerConfig")
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.mode == "tiering" else self.mode

@@ -1,0 +1,172 @@
+"""Model and hardware presets, and the step-time model built from them.
+
+A model preset gives the KV geometry (so the bytes of one token of KV) and the
+parameter count; a hardware preset gives the capacity of each tier, the
+bandwidth of each link, and the compute and memory throughput of the
+accelerator. ``StepCost`` combines the two into a roofline step time:
+
+    compute  = (prefill tokens + decoding requests) * prefill_s_per_token
+    memory   = (weight bytes + KV bytes of the decoding requests) / hbm_bps
+    step     = step_overhead_s + max(compute, memory)
+
+so ``prefill_s_per_token`` is ``2 * params / flops`` and the cost of a decode
+step with an empty context (``decode_s_per_step``) is the weight read plus the
+fixed overhead. The figures are effective rates (what a serving engine reaches,
+not the datasheet peak), chosen to be plausible, not measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+GiB = 1 << 30
+TiB = 1 << 40
+
+
+def _positive(owner: str, name: str, value: object, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """KV geometry and size of a model. ``params_b``: parameters, in billions."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    params_b: float
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ModelPreset.{f} must be an int >= 1, got {v!r}")
+        _positive("ModelPreset", "params_b", self.params_b)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params_b * 1e9 * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class HardwarePreset:
+    """One serving worker: tier sizes (bytes), link and compute rates.
+
+    ``device_kv_bytes``: device memory left for the KV cache. ``host_bytes`` and
+    ``disk_bytes``: the host and disk tiers (0 means no such tier). Link rates
+    in bytes per second: ``d2h_bps``, ``h2d_bps``, ``disk_write_bps``,
+    ``disk_read_bps``. ``flops``: effective dense FLOP/s in prefill;
+    ``hbm_bps``: effective device-memory bandwidth; ``step_overhead_s``: fixed
+    cost of one engine step.
+    """
+
+    name: str
+    device_kv_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    d2h_bps: float
+    h2d_bps: float
+    disk_write_bps: float
+    disk_read_bps: float
+    flops: float
+    hbm_bps: float
+    step_overhead_s: float
+
+    def __post_init__(self) -> None:
+        for f in ("device_kv_bytes", "host_bytes", "disk_bytes"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"HardwarePreset.{f} must be an int, got {v!r}")
+            _positive("HardwarePreset", f, v, allow_zero=f != "device_kv_bytes")
+        for f in ("d2h_bps", "h2d_bps", "disk_write_bps", "disk_read_bps", "flops", "hbm_bps"):
+            _positive("HardwarePreset", f, getattr(self, f))
+        _positive("HardwarePreset", "step_overhead_s", self.step_overhead_s, allow_zero=True)
+
+    def with_host_bytes(self, host_bytes: int) -> HardwarePreset:
+        """The same worker with a host tier of ``host_bytes``."""
+        return dataclasses.replace(self, host_bytes=int(host_bytes))
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Step time of ``model`` on ``hardware`` (see the module docstring)."""
+
+    model: ModelPreset
+    hardware: HardwarePreset
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        return 2.0 * self.model.params_b * 1e9 / self.hardware.flops
+
+    @property
+    def kv_read_s_per_token(self) -> float:
+        """Seconds to read one token of KV in a decode step."""
+        return self.model.kv_bytes_per_token / self.hardware.hbm_bps
+
+    @property
+    def decode_s_per_step(self) -> float:
+        """A decode step with no context: overhead plus one read of the weights."""
+        return self.hardware.step_overhead_s + self.model.weight_bytes / self.hardware.hbm_bps
+
+    def step_s(self, prefill_tokens: int, decoding: int, context_tokens: int) -> float:
+        """One step: ``prefill_tokens`` prefilled, ``decoding`` requests each producing a
+        token while reading ``context_tokens`` tokens of KV in all."""
+        hw = self.hardware
+        compute = (prefill_tokens + decoding) * self.prefill_s_per_token
+        memory = (self.model.weight_bytes + context_tokens * self.model.kv_bytes_per_token)
+        return hw.step_overhead_s + max(compute, memory / hw.hbm_bps)
+
+
+MODELS: dict[str, ModelPreset] = {
+    m.name: m
+    for m in (
+        ModelPreset("llama-3.1-8b", 32, 8, 128, 2, 8.0),
+        ModelPreset("llama-3.1-70b", 80, 8, 128, 2, 70.6),
+    )
+}
+
+HARDWARE: dict[str, HardwarePreset] = {
+    h.name: h
+    for h in (
+        # one H100 SXM serving an 8B model: 80 GB minus weights and activations
+        HardwarePreset("h100-80g", 56 * GiB, 256 * GiB, 2 * TiB, 25e9, 25e9, 3e9, 6e9,
+                       400e12, 2.6e12, 2e-3),
+        # eight H100s in tensor parallel, sized for a 70B model
+        HardwarePreset("8xh100-80g", 400 * GiB, 1536 * GiB, 8 * TiB, 200e9, 200e9, 12e9,
+                       24e9, 3.2e15, 20.8e12, 4e-3),
+        # one A10 (PCIe 4) serving an 8B model: little room left for KV
+        HardwarePreset("a10-24g", 5 * GiB, 64 * GiB, 512 * GiB, 12e9, 12e9, 1.5e9, 3e9,
+                       60e12, 0.5e12, 3e-3),
+        # a deliberately tight worker for quick experiments and tests
+        HardwarePreset("small", 2 * GiB, 4 * GiB, 16 * GiB, 10e9, 10e9, 2e9, 2e9,
+                       100e12, 1e12, 1e-3),
+    )
+}
+
+
+def get_model(name: str) -> ModelPreset:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(MODELS)}") from None
+
+
+def get_hardware(name: str) -> HardwarePreset:
+    try:
+        return HARDWARE[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown hardware preset {name!r}; known: {', '.join(HARDWARE)}"
+        ) from None

@@ -1,0 +1,174 @@
+"""Running several configurations of one trace, and writing what they give.
+
+``Grid`` names the configurations: every policy at every watermark pair and
+every host size, plus the two baselines (``recompute`` and ``no-tiering``),
+which do not depend on either and run once. ``run_grid`` runs them and returns
+one row per run (the metrics of ``metrics.summarize`` plus the configuration).
+``write_csv`` and ``plot`` turn rows into ``sweep.csv`` and PNG figures.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiering.controller import ControllerConfig
+from tiering.replay.metrics import summarize
+from tiering.replay.presets import GiB, HardwarePreset, ModelPreset, StepCost
+from tiering.replay.simulator import RunSpec, SimConfig, modeled_kv_factory, simulate
+from tiering.replay.traces import TraceRequest
+
+BASELINES = ("recompute", "no-tiering")
+CONFIG_COLUMNS = ("label", "mode", "policy", "high", "low", "host_gib")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Policies x watermark pairs (high, low) x host sizes (bytes), plus the baselines."""
+
+    policies: tuple[str, ...]
+    watermarks: tuple[tuple[float, float], ...]
+    host_bytes: tuple[int, ...]
+    baselines: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.policies or not self.watermarks or not self.host_bytes:
+            raise ValueError("Grid needs at least one policy, watermark pair and host size")
+        for high, low in self.watermarks:
+            ControllerConfig(high=high, low=low)  # raises naming the bad field
+        for size in self.host_bytes:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError(f"Grid.host_bytes must hold ints >= 0, got {size!r}")
+
+    def points(self) -> list[tuple[str, float, float, int]]:
+        return [
+            (policy, high, low, host)
+            for high, low in self.watermarks
+            for host in self.host_bytes
+            for policy in self.policies
+        ]
+
+    def runs(self) -> int:
+        return len(self.points()) + (len(BASELINES) if self.baselines else 0)
+
+
+def run_grid(
+    trace: Sequence[TraceRequest],
+    model: ModelPreset,
+    hardware: HardwarePreset,
+    grid: Grid,
+    sim: SimConfig = SimConfig(),  # noqa: B008 - frozen
+    *,
+    time_scale: float = 1.0,
+    on_finish: Callable[[int], None] | None = None,
+    on_run: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """Run every configuration of ``grid``; one row per run, baselines first.
+
+    ``on_finish`` is passed to ``simulate`` (requests done); ``on_run(row)`` is
+    told after each run.
+    """
+    rows: list[dict] = []
+
+    def one(spec: RunSpec, hw: HardwarePreset, host: int | None) -> None:
+        cost = StepCost(model, hw)
+        result = simulate(trace, cost, spec, sim, time_scale=time_scale,
+                          kv_factory=modeled_kv_factory(model, hw, sim), on_finish=on_finish)
+        row = {
+            "label": spec.label,
+            "mode": spec.mode,
+            "policy": spec.policy if spec.mode == "tiering" else "",
+            "high": spec.controller.high if spec.mode == "tiering" else "",
+            "low": spec.controller.low if spec.mode == "tiering" else "",
+            "host_gib": host / GiB if host is not None else "",
+        }
+        row.update(summarize(result))
+        rows.append(row)
+        if on_run is not None:
+            on_run(row)
+
+    if grid.baselines:
+        for mode in BASELINES:
+            one(RunSpec(mode=mode), hardware, None)
+    for policy, high, low, host in grid.points():
+        spec = RunSpec("tiering", policy, ControllerConfig(high=high, low=low))
+        one(spec, hardware.with_host_bytes(host), host)
+    return rows
+
+
+def write_csv(rows: Sequence[dict], path: str | Path) -> None:
+    """One line per run: the configuration columns first, then every metric."""
+    if not rows:
+        raise ValueError("write_csv: no rows")
+    names = list(CONFIG_COLUMNS)
+    for row in rows:
+        names.extend(k for k in row if k not in names)
+    with Path(path).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=names)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _cell(row.get(k, "")) for k in names})
+
+
+def _cell(value: object) -> object:
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+_MARKERS = ("o", "s", "D", "^", "v", "P")
+
+PLOTS = (
+    ("throughput_tok_s", "throughput (tokens/s)", "throughput_vs_host.png"),
+    ("ttft_p99_s", "p99 time to first token (s)", "ttft_p99_vs_host.png"),
+)
+
+
+def plot(rows: Sequence[dict], out_dir: str | Path, title: str = "") -> list[Path]:
+    """Metric against host size, one line per policy and one panel per watermark pair;
+    baselines as grey horizontal lines. Markers shrink from one policy to the next, so
+    that policies with equal results stay visible. The y axis starts at 0. Returns the PNG
+    paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tiered = [r for r in rows if r["mode"] == "tiering"]
+    if not tiered:
+        raise ValueError("plot: no tiering runs to plot")
+    base = [r for r in rows if r["mode"] != "tiering"]
+    pairs = sorted({(r["high"], r["low"]) for r in tiered}, reverse=True)
+    policies = sorted({r["policy"] for r in tiered})
+    written = []
+    for metric, ylabel, filename in PLOTS:
+        fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 4.2), sharey=True,
+                                 squeeze=False)
+        for ax, (high, low) in zip(axes[0], pairs, strict=True):
+            for i, policy in enumerate(policies):
+                pts = sorted(
+                    (r["host_gib"], r[metric]) for r in tiered
+                    if r["policy"] == policy and (r["high"], r["low"]) == (high, low)
+                )
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=policy,
+                        marker=_MARKERS[i % len(_MARKERS)], markersize=max(3.0, 9.0 - 1.6 * i),
+                        linewidth=max(0.8, 2.4 - 0.4 * i))
+            for r, style in zip(base, ("--", ":"), strict=False):
+                ax.axhline(r[metric], linestyle=style, color="grey", label=r["label"])
+            ax.set_title(f"watermarks high={high:g} low={low:g}", fontsize=10)
+            ax.set_xlabel("host tier size (GiB)")
+            shown = [v for line in ax.get_lines() for v in line.get_ydata()
+                     if isinstance(v, (int, float)) and math.isfinite(v)]
+            ax.set_ylim(0, max(shown, default=1.0) * 1.08 or 1.0)
+            ax.grid(True, alpha=0.3)
+        axes[0][0].set_ylabel(ylabel)
+        axes[0][-1].legend(fontsize=8, loc="best")
+        if title:
+            fig.suptitle(title, fontsize=11)
+        fig.tight_layout()
+        path = Path(out_dir) / filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
