@@ -59,6 +59,25 @@ class ResourceReqConfig:
             raise ValueError(f"retention_expiry_s must be > 0 seconds, got {e!r}")
 
 
+#: Retention priority assumed when a request names none (0..100 scale).
+DEFAULT_RETENTION = 35.0
+
+
+def retention_offload_priority(
+    retention: float | None, expiry_s: float | None, age_s: float
+) -> float:
+    """The offload priority a retention priority turns into: ``(100 - p) / 100``.
+
+    A request the serving layer wants kept (high retention) is a poor victim.
+    ``p`` is ``retention`` while it applies (no expiry, or ``age_s`` below
+    it), else ``DEFAULT_RETENTION``.
+    """
+    p = DEFAULT_RETENTION
+    if retention is not None and (expiry_s is None or age_s < expiry_s):
+        p = float(retention)
+    return (100.0 - p) / 100.0
+
+
 @dataclass(frozen=True)
 class ResourceStep:
     """One request's share of a step, as the runner hands it to a resource."""

@@ -40,6 +40,7 @@ from resources.base import (
     ResourceStep,
     StepContext,
 )
+from resources.engine_types import retention_offload_priority
 from resources.kv_geometry import KVGeometry
 from resources.kv_records import (
     KVStats,
@@ -57,8 +58,7 @@ from tiering.types import IllegalTransition, RequestState, Tier, check_transitio
 
 log = logging.getLogger("tiering.kv_cache")
 
-#: Retention priority assumed when a request names none (0..100 scale).
-DEFAULT_RETENTION = 35.0
+NO_OVERRIDES = ResourceReqConfig()
 
 S = RequestState
 
@@ -402,20 +402,14 @@ class PagedKVCache(Resource):
         return r.state.tier
 
     def get_offload_priority(self, rid: str) -> float:
-        """(100 - retention) / 100: a request the serving layer wants kept
-        (high retention) is a poor victim. An expired retention falls back to
-        the default."""
+        """``retention_offload_priority`` of the request's retention: a request
+        the serving layer wants kept is a poor victim; an expired retention
+        falls back to the default."""
         r = self._req(rid)
-        p = DEFAULT_RETENTION
-        o = r.overrides
-        if o is not None and o.retention_priority is not None:
-            expired = (
-                o.retention_expiry_s is not None
-                and self._clock() - r.ingested_at >= o.retention_expiry_s
-            )
-            if not expired:
-                p = float(o.retention_priority)
-        return (100.0 - p) / 100.0
+        o = r.overrides or NO_OVERRIDES
+        return retention_offload_priority(
+            o.retention_priority, o.retention_expiry_s, self._clock() - r.ingested_at
+        )
 
     def is_offloaded(self, rid: str) -> bool:
         return self._req(rid).state in (S.ON_HOST, S.DEMOTING, S.ON_DISK)

@@ -39,22 +39,10 @@ from typing import NamedTuple
 import torch
 
 from resources.base import ResourceStep, StepContext
+from tiering.clocks import StepClock
 from tiering.demo.model import TinyDecoder
 from tiering.demo.workload import DemoRequest
 from tiering.types import RequestState
-
-
-class StepClock:
-    """Time counted in worker steps; the worker advances it once per step."""
-
-    def __init__(self) -> None:
-        self._now = 0.0
-
-    def __call__(self) -> float:
-        return self._now
-
-    def advance(self) -> None:
-        self._now += 1.0
 
 
 class WorkerStalled(RuntimeError):

@@ -25,13 +25,10 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from resources.engine_types import ResourceReqConfig
+from resources.engine_types import ResourceReqConfig, retention_offload_priority
 from tiering.types import IllegalTransition, RequestState, Tier, check_transition
 
 S = RequestState
-
-#: Retention priority assumed when a request names none (the real cache's default).
-DEFAULT_RETENTION = 35.0
 
 LINKS = ("d2h", "h2d", "disk_write", "disk_read")
 
@@ -413,14 +410,9 @@ class ModeledKVCache:
                            count=len(rids))
 
     def get_offload_priority(self, rid: str) -> float:
-        """(100 - retention) / 100, the real cache's rule: high retention, poor victim."""
+        """The real cache's rule (``retention_offload_priority``)."""
         r = self._req(rid)
-        p = DEFAULT_RETENTION
-        if r.retention is not None and not (
-            r.expiry_s is not None and self._clock() - r.ingested_at >= r.expiry_s
-        ):
-            p = float(r.retention)
-        return (100.0 - p) / 100.0
+        return retention_offload_priority(r.retention, r.expiry_s, self._clock() - r.ingested_at)
 
     def is_offloaded(self, rid: str) -> bool:
         return self._req(rid).state in (S.ON_HOST, S.DEMOTING, S.ON_DISK)

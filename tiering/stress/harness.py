@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 from policies import make_policy
 from resources.engine_types import ResourceStep, StepContext
 from resources.kv_cache import PagedKVCache
+from tiering.clocks import StepClock
 from tiering.controller import ControllerConfig, EvictionController
 from tiering.disk_config import DiskConfig
 from tiering.pools import PoolIntegrityError
@@ -58,19 +59,6 @@ S = RequestState
 _T = TypeVar("_T")
 #: How many examples of each kind of failure a report keeps.
 EXAMPLES = 20
-
-
-class StepClock:
-    """Time counted in harness steps: what the controller and the cache see as seconds."""
-
-    def __init__(self) -> None:
-        self._now = 0.0
-
-    def __call__(self) -> float:
-        return self._now
-
-    def advance(self) -> None:
-        self._now += 1.0
 
 
 @dataclass
