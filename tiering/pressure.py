@@ -70,6 +70,14 @@ class _OptionalSource(PressureSource):
     def available(self) -> bool:
         return self._usable
 
+    def read(self) -> float:
+        got = self.read_bytes()
+        return 0.0 if got is None else _used_fraction(got[0], got[1], self.name)
+
+    def read_bytes(self) -> tuple[int, int] | None:
+        """(used, total) bytes; None when unavailable."""
+        raise NotImplementedError
+
     def _give_up(self, what: str, err: BaseException) -> None:
         self._usable = False
         if not self._warned:
@@ -112,10 +120,6 @@ class NvmlPressure(_OptionalSource):
             self._release()
             return
         self._usable = True
-
-    def read(self) -> float:
-        got = self.read_bytes()
-        return 0.0 if got is None else _used_fraction(got[0], got[1], self.name)
 
     def read_bytes(self) -> tuple[int, int] | None:
         """(used, total) bytes of the whole device; None when unavailable."""
@@ -176,10 +180,6 @@ class TorchCudaPressure(_OptionalSource):
     def _measure(self) -> float:
         free, total = self._torch.cuda.mem_get_info(self.device)
         return _used_fraction(int(total) - int(free), int(total), self.name)
-
-    def read(self) -> float:
-        got = self.read_bytes()
-        return 0.0 if got is None else _used_fraction(got[0], got[1], self.name)
 
     def read_bytes(self) -> tuple[int, int] | None:
         """(used, total) bytes of the device; None when unavailable."""
