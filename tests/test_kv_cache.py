@@ -360,3 +360,18 @@ def test_synchronize_times_out_naming_what_is_in_flight(geom):
     finally:
         gate.open.set()
         kv.close()
+
+
+def test_layer_view_through_the_page_table_matches_read(kv):
+    gen = torch.Generator().manual_seed(21)
+    data = fill(kv, "p", gen, 11)
+    fill(kv, "q", gen, 5)  # another request's pages in between
+    table = torch.tensor(kv.page_table("p"))
+    for layer, (k, v) in enumerate(data):
+        k_pages, v_pages = kv.layer_view(layer)
+        assert k_pages.data_ptr() != 0 and k_pages.shape[0] == kv.device_pool.num_pages
+        shape = (-1, kv.geometry.num_kv_heads, kv.geometry.head_dim)
+        assert torch.equal(k_pages[table].reshape(shape)[:11], k)
+        assert torch.equal(v_pages[table].reshape(shape)[:11], v)
+    with pytest.raises(ValueError, match="layer 5 out of range"):
+        kv.layer_view(5)
