@@ -369,7 +369,7 @@ def test_layer_view_through_the_page_table_matches_read(kv):
     table = torch.tensor(kv.page_table("p"))
     for layer, (k, v) in enumerate(data):
         k_pages, v_pages = kv.layer_view(layer)
-        assert k_pages.data_ptr() != 0 and k_pages.shape[0] == kv.device_pool.num_pages
+        assert k_pages.shape[0] == kv.device_pool.num_pages  # a view over the whole pool
         shape = (-1, kv.geometry.num_kv_heads, kv.geometry.head_dim)
         assert torch.equal(k_pages[table].reshape(shape)[:11], k)
         assert torch.equal(v_pages[table].reshape(shape)[:11], v)
