@@ -353,10 +353,15 @@ class PagedKVCache(Resource):
     # -- step lifecycle (the engine's admit) -------------------------------------
 
     def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
-        """OK only when the request's KV is resident and its reload has landed."""
+        """OK only when the request's KV is resident and its reload has landed.
+
+        A request whose offload is still queued (its copy not started) is
+        wanted again: the offload is cancelled and the step admitted."""
         r = self._req(step.rid)
         if r.state is S.RELOADING:
             self._finish(r)
+        if r.state is S.OFFLOADING:
+            self._cancel_offload(r)
         if r.state is S.RESIDENT:
             self._streams.wait_on_compute(r.ready_event)
             r.ready_event = None
@@ -364,6 +369,19 @@ class PagedKVCache(Resource):
         if r.state is S.LOST:
             return AdmitOutcome(False, f"lost: {r.lost_reason}")
         return AdmitOutcome(False, r.state.value)
+
+    def _cancel_offload(self, r: RequestRecord) -> None:
+        """The request is wanted again before its offload copy started: take
+        the copy back (a copy already running is left to finish)."""
+        if not r.job.future.cancel():
+            return
+        self.host_pool.release(r.rid, r.host)
+        if r.disk is not None:
+            self.disk.release(r.disk)
+        r.host, r.disk, r.job = [], None, None
+        self._inflight.discard(r.rid)
+        self._set_state(r, S.RESIDENT)
+        self.stats.offloads_cancelled += 1
 
     # -- eviction hooks -------------------------------------------------------------
 

@@ -77,6 +77,7 @@ class KVStats:
         "bytes_host_to_disk", "bytes_host_to_device", "bytes_disk_to_device",
         "offload_refusals", "reload_refusals", "demote_refusals_disk_full",
         "offload_failures", "demote_failures", "reload_failures", "lost", "dropped",
+        "offloads_cancelled",
         "reload_stall_s_total",
     )
 

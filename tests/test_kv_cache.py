@@ -375,3 +375,31 @@ def test_layer_view_through_the_page_table_matches_read(kv):
         assert torch.equal(v_pages[table].reshape(shape)[:11], v)
     with pytest.raises(ValueError, match="layer 5 out of range"):
         kv.layer_view(5)
+
+
+def test_admit_cancels_an_offload_that_has_not_started(geom):
+    gate = Gate()
+    kv = PagedKVCache(geom, device_pages=8, host_pages=8, copy_workers=1, copy_fault_hook=gate)
+    try:
+        gen = torch.Generator().manual_seed(22)
+        fill(kv, "a", gen, 4)
+        b = fill(kv, "b", gen, 6)
+        kv.offload("a")
+        assert gate.entered.acquire(timeout=10)  # a's copy holds the only worker
+        kv.offload("b")  # queued behind it
+        assert kv.host_pool.used_pages == 1 + 2
+        assert kv.admit(ResourceStep("b"), StepContext())
+        assert kv.state_of("b") is RequestState.RESIDENT
+        assert kv.stats.offloads_cancelled == 1
+        assert kv.host_pool.used_pages == 1
+        kv.check_integrity()
+        out = kv.admit(ResourceStep("a"), StepContext())  # running copy: not cancelled
+        assert not out and out.reason == "offloading"
+        gate.open.set()
+        kv.synchronize(10)
+        assert kv.state_of("a") is RequestState.ON_HOST
+        assert_same(kv, "b", b)
+        kv.check_integrity()
+    finally:
+        gate.open.set()
+        kv.close()
