@@ -54,7 +54,14 @@ from tiering.checksum import ChecksumMismatch, crc_of, crc_of_pages
 from tiering.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.pools import PagePool, PoolIntegrityError
 from tiering.transfer import StreamSet, coalesce, copy_runs, no_fault
-from tiering.types import IllegalTransition, RequestState, Tier, check_transition
+from tiering.types import (
+    OFFLOADED_STATES,
+    RELOADABLE_STATES,
+    IllegalTransition,
+    RequestState,
+    Tier,
+    check_transition,
+)
 
 log = logging.getLogger("tiering.kv_cache")
 
@@ -430,10 +437,10 @@ class PagedKVCache(Resource):
         )
 
     def is_offloaded(self, rid: str) -> bool:
-        return self._req(rid).state in (S.ON_HOST, S.DEMOTING, S.ON_DISK)
+        return self._req(rid).state in OFFLOADED_STATES
 
     def can_reload(self, rid: str) -> bool:
-        return self._req(rid).state in (S.ON_HOST, S.ON_DISK)
+        return self._req(rid).state in RELOADABLE_STATES
 
     def reload_bytes(self, rid: str) -> int:
         r = self._req(rid)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from resources.kv_geometry import KVGeometry
+from tiering.types import Tier
 
 
 def _cuda_ok() -> bool:
@@ -56,3 +57,16 @@ def assert_same(kv, rid: str, data) -> None:
         k2, v2 = kv.read(rid, layer)
         assert torch.equal(k2, k), f"{rid} layer {layer}: K differs"
         assert torch.equal(v2, v), f"{rid} layer {layer}: V differs"
+
+
+def reload_all_and_check(kv, data) -> None:
+    """Reload every request of ``data`` (all offloaded), checking integrity
+    throughout, and compare their KV bit for bit."""
+    for rid in data:
+        assert kv.reload(rid)
+        kv.check_integrity()
+    kv.synchronize(10)
+    kv.check_integrity()
+    for rid, d in data.items():
+        assert kv.tier_of(rid) is Tier.DEVICE
+        assert_same(kv, rid, d)

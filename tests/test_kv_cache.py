@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import assert_same, fill, random_kv
+from conftest import assert_same, fill, random_kv, reload_all_and_check
 
 from resources.base import ResourceReqConfig, ResourceStep, StepContext
 from resources.kv_cache import PagedKVCache, RequestLost, UnknownRequest
@@ -46,14 +46,7 @@ def test_round_trip_many_requests(kv):
     kv.check_integrity()
     assert all(kv.tier_of(r) is Tier.HOST for r in data)
     assert kv.device_used_bytes() == 0
-    for rid in data:
-        assert kv.reload(rid)
-        kv.check_integrity()
-    kv.synchronize(10)
-    kv.check_integrity()
-    for rid, d in data.items():
-        assert kv.tier_of(rid) is Tier.DEVICE
-        assert_same(kv, rid, d)
+    reload_all_and_check(kv, data)
 
 
 def test_interleaved_while_copies_in_flight(geom):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import assert_same, fill
+from conftest import assert_same, fill, reload_all_and_check
 
 from resources.kv_cache import PagedKVCache, RequestLost
 from tiering.disk_faults import FaultPlan, FaultyStore
@@ -44,13 +44,7 @@ def test_round_trip_device_host_disk_device(geom, tmp_path):
             kv.check_integrity()
         assert kv.host_used_bytes() == 0 and kv.device_used_bytes() == 0
         assert all(kv.tier_of(r) is Tier.DISK for r in data)
-        for rid in data:
-            assert kv.reload(rid)
-            kv.check_integrity()
-        kv.synchronize(10)
-        kv.check_integrity()
-        for rid, d in data.items():
-            assert_same(kv, rid, d)
+        reload_all_and_check(kv, data)
         assert kv.stats.reloads_from_disk == 4 and kv.stats.demotions == 4
         assert kv.disk.used_bytes() == 0
     finally:

@@ -57,6 +57,12 @@ _STATE_TIER = {
     RequestState.LOST: None,
 }
 
+#: States in which a request's KV is off the device (on host or disk, or on
+#: its way from host to disk).
+OFFLOADED_STATES = frozenset({RequestState.ON_HOST, RequestState.DEMOTING, RequestState.ON_DISK})
+#: States from which a reload may start now.
+RELOADABLE_STATES = frozenset({RequestState.ON_HOST, RequestState.ON_DISK})
+
 # The only moves a request's state may make. Anything else is a bug in the
 # caller and is refused with an error naming the request and its state.
 LEGAL_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {

@@ -26,7 +26,14 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from resources.engine_types import ResourceReqConfig, retention_offload_priority
-from tiering.types import IllegalTransition, RequestState, Tier, check_transition
+from tiering.types import (
+    OFFLOADED_STATES,
+    RELOADABLE_STATES,
+    IllegalTransition,
+    RequestState,
+    Tier,
+    check_transition,
+)
 
 S = RequestState
 
@@ -415,10 +422,10 @@ class ModeledKVCache:
         return retention_offload_priority(r.retention, r.expiry_s, self._clock() - r.ingested_at)
 
     def is_offloaded(self, rid: str) -> bool:
-        return self._req(rid).state in (S.ON_HOST, S.DEMOTING, S.ON_DISK)
+        return self._req(rid).state in OFFLOADED_STATES
 
     def can_reload(self, rid: str) -> bool:
-        return self._req(rid).state in (S.ON_HOST, S.ON_DISK)
+        return self._req(rid).state in RELOADABLE_STATES
 
     def reload_bytes(self, rid: str) -> int:
         r = self._req(rid)
