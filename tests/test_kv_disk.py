@@ -240,3 +240,28 @@ def test_controller_splits_offload_bytes_by_destination(geom, tmp_path):
         assert st["bytes_device_to_disk"] == 2 * geom.page_bytes
     finally:
         kv.close()
+
+
+def test_reclaimable_many_matches_one_by_one(geom, tmp_path):
+    kv = make(geom, tmp_path, host_pages=3, device_pages=24, cap_pages=4)
+    try:
+        gen = torch.Generator().manual_seed(19)
+        rng = random.Random(19)
+        rids = []
+        for i in range(10):
+            rid = f"m{i}"
+            fill(kv, rid, gen, rng.randint(1, 9))
+            rids.append(rid)
+        for rid in rids[:4]:
+            kv.offload(rid)
+        kv.synchronize(10)
+        kv.ingest_request("empty")  # resident with no pages
+        rids.append("empty")
+        many = kv.reclaimable_many(rids)
+        one = [kv.reclaimable(r) for r in rids]
+        assert many.tolist() == one
+        assert any(one) and not all(one)  # some fit below, some do not
+        with pytest.raises(KeyError, match="ghost"):
+            kv.reclaimable_many(["m5", "ghost"])
+    finally:
+        kv.close()
