@@ -44,8 +44,8 @@ from zarr.storage import MemoryStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._report import table, write_json  # noqa: E402
-from tiering.disk_crc import RELEASES_GIL  # noqa: E402
-from tiering.disk_store import CODECS, DiskConfig, DiskPageStore  # noqa: E402
+from tiering.disk.crc import RELEASES_GIL  # noqa: E402
+from tiering.disk.store import CODECS, DiskConfig, DiskPageStore  # noqa: E402
 
 PAGE_SHAPE = (32, 2, 16, 8, 128)  # layers, K/V, tokens per page, KV heads, head dim
 DTYPE = torch.bfloat16

@@ -132,7 +132,7 @@ class PagedKVCache(Resource):
         self.stats = KVStats()
         self.disk = disk_store
         if self.disk is None and disk is not None:
-            from tiering.disk_store import DiskPageStore
+            from tiering.disk.store import DiskPageStore
 
             self.disk = DiskPageStore(
                 disk, shape, geometry.dtype, fingerprint=geometry.fingerprint(),

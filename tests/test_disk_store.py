@@ -19,18 +19,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from zarr.storage import LocalStore, MemoryStore, StorePath
 
-from tiering import disk_crc, disk_slotfile
-from tiering.disk_array import page_codecs
-from tiering.disk_faults import FaultPlan, FaultyStore
-from tiering.disk_ledger import pick_chunks
-from tiering.disk_manifest import MANIFEST_KEY
-from tiering.disk_slotfile import (
+from tiering.disk import crc as disk_crc
+from tiering.disk import slotfile as disk_slotfile
+from tiering.disk.array import page_codecs
+from tiering.disk.faults import FaultPlan, FaultyStore
+from tiering.disk.ledger import pick_chunks
+from tiering.disk.manifest import MANIFEST_KEY
+from tiering.disk.slotfile import (
     SLOT_FILE_NAME,
     ChunkChecksumError,
     SlotFileStore,
     slot_chunk_key,
 )
-from tiering.disk_store import (
+from tiering.disk.store import (
     DiskConfig,
     DiskCorruptionError,
     DiskExtent,
@@ -630,7 +631,7 @@ def _committed_store(tmp_path, gen, **kw):
 
 def test_mismatched_fingerprint_clears(tmp_path, gen, caplog):
     _committed_store(tmp_path, gen)
-    with caplog.at_level(logging.WARNING, logger="tiering.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="tiering.disk.store"):
         s = make(tmp_path, on_start="reattach", fingerprint="another-model")
     assert s.reattached() == {} and s.used_bytes() == 0
     assert "fingerprint" in caplog.text
@@ -639,7 +640,7 @@ def test_mismatched_fingerprint_clears(tmp_path, gen, caplog):
 
 def test_other_geometry_clears(tmp_path, gen, caplog):
     _committed_store(tmp_path, gen)
-    with caplog.at_level(logging.WARNING, logger="tiering.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="tiering.disk.store"):
         s = make(tmp_path, on_start="reattach", capacity_chunks=9)
     assert s.reattached() == {} and "geometry" in caplog.text
     s.close()
@@ -658,7 +659,7 @@ def test_damaged_manifest_clears(tmp_path, gen, caplog, damage):
         doc = json.loads(text)
         doc["body"]["entries"]["a"]["num_pages"] = 99
         path.write_text(json.dumps(doc))
-    with caplog.at_level(logging.WARNING, logger="tiering.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="tiering.disk.store"):
         s = make(tmp_path, on_start="reattach")
     assert s.reattached() == {} and s.used_bytes() == 0
     assert "not reattaching" in caplog.text

@@ -9,8 +9,7 @@ import torch
 from conftest import assert_same, fill, reload_all_and_check
 
 from resources.kv_cache import PagedKVCache, RequestLost
-from tiering.disk_faults import FaultPlan, FaultyStore
-from tiering.disk_store import DiskConfig
+from tiering.disk import DiskConfig, FaultPlan, FaultyStore
 from tiering.types import RequestState, Tier
 
 S = RequestState

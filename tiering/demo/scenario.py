@@ -152,7 +152,7 @@ def serve(
     if plan.disk_bytes:
         if disk_path is None:
             raise ValueError("the plan has a disk tier but no disk_path was given")
-        from tiering.disk_store import DiskConfig
+        from tiering.disk import DiskConfig
 
         disk = DiskConfig(
             path=str(disk_path), capacity_bytes=plan.disk_bytes, chunk_bytes=cfg.disk_chunk_bytes

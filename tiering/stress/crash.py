@@ -40,7 +40,7 @@ import torch
 
 from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
-from tiering.disk_config import DiskConfig
+from tiering.disk.config import DiskConfig
 from tiering.stress.kvdata import derived_seed, mismatched_layers, request_kv
 from tiering.types import RequestState
 

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from tiering.disk_faults import FaultPlan, FaultyStore
+from tiering.disk.faults import FaultPlan, FaultyStore
 from tiering.stress.crash import MAX_PAGES, MIN_PAGES, crash_cache, expected_kv
 from tiering.stress.kvdata import derived_seed, write_tokens
 from tiering.types import RequestState

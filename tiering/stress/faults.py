@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tiering.disk_faults import FAULT_KINDS as DISK_KINDS
-from tiering.disk_faults import FaultPlan, FaultyStore
+from tiering.disk.faults import FAULT_KINDS as DISK_KINDS
+from tiering.disk.faults import FaultPlan, FaultyStore
 from tiering.transfer import CopyFault, no_fault
 
 COPY = "copy"

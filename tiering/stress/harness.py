@@ -46,7 +46,7 @@ from resources.engine_types import ResourceStep, StepContext
 from resources.kv_cache import PagedKVCache
 from tiering.clocks import StepClock
 from tiering.controller import ControllerConfig, EvictionController
-from tiering.disk_config import DiskConfig
+from tiering.disk.config import DiskConfig
 from tiering.pools import PoolIntegrityError
 from tiering.pressure import PoolPressure
 from tiering.stress.config import RELOAD_HEADROOM, StressConfig

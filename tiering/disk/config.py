@@ -10,7 +10,7 @@ import numpy as np
 from zarr.abc.store import Store
 from zarr.storage import StorePath
 
-from tiering.disk_array import CODECS
+from tiering.disk.array import CODECS
 
 ON_START = ("clear", "reattach")
 

@@ -35,15 +35,15 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, StorePath, WrapperStore
 
-from tiering.disk_array import (
+from tiering.disk.array import (
     create_page_array,
     max_encoded_bytes,
     page_array_mismatch,
     raw_crc_chunks,
 )
-from tiering.disk_config import DiskConfig
-from tiering.disk_manifest import MANIFEST_KEY, ManifestEntry, ManifestError
-from tiering.disk_slotfile import SlotFileStore
+from tiering.disk.config import DiskConfig
+from tiering.disk.manifest import MANIFEST_KEY, ManifestEntry, ManifestError
+from tiering.disk.slotfile import SlotFileStore
 
 _T = TypeVar("_T")
 

@@ -53,19 +53,19 @@ Stores. ``DiskConfig.path`` names a local directory (also as ``file://``), kept
 as one preallocated slot file by ``SlotFileStore``; any other URL opens a zarr
 ``FsspecStore``; ``DiskConfig.store`` takes any zarr store (or ``StorePath``)
 instead. ``wrap_store`` wraps the store before use (the fault-injection seam,
-see ``tiering.disk_faults``).
+see ``tiering.disk.faults``).
 
-Modules. This one holds the public API and the I/O; ``disk_config`` the config;
-``disk_ledger`` the allocation state (one owner); ``disk_pages`` the byte view
-of a page; ``disk_array`` the zarr array and codecs; ``disk_backend`` the store
-and start-up; ``disk_slotfile`` the slot-file store and its direct chunk I/O;
-``disk_crc`` the GIL-free crc32c; ``disk_manifest`` the manifest format;
-``disk_faults`` fault injection.
+Modules. This one holds the public API and the I/O; ``config`` the config;
+``ledger`` the allocation state (one owner); ``pages`` the byte view
+of a page; ``array`` the zarr array and codecs; ``backend`` the store
+and start-up; ``slotfile`` the slot-file store and its direct chunk I/O;
+``crc`` the GIL-free crc32c; ``manifest`` the manifest format;
+``faults`` fault injection.
 
 Start-up. With ``on_start="clear"`` (the default) everything an earlier process
 left in the store is removed first: stale bytes are never served, and commits
 are kept in memory only. With ``on_start="reattach"`` every ``commit`` and
-``forget`` rewrites a manifest (``tiering.disk_manifest``; atomically replaced,
+``forget`` rewrites a manifest (``tiering.disk.manifest``; atomically replaced,
 and for the slot file after an fsync of the data). At start, if the manifest
 parses, its checksum matches, its fingerprint and layout equal ours, the array
 metadata matches and every listed chunk is present, its entries are adopted
@@ -95,10 +95,10 @@ from zarr.abc.store import Store
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from tiering.disk_array import CODECS
-from tiering.disk_backend import ArrayGeometry, PageBackend, StartRefused
-from tiering.disk_config import DiskConfig
-from tiering.disk_ledger import (
+from tiering.disk.array import CODECS
+from tiering.disk.backend import ArrayGeometry, PageBackend, StartRefused
+from tiering.disk.config import DiskConfig
+from tiering.disk.ledger import (
     ChunkLedger,
     DiskExtent,
     DiskIntegrityError,
@@ -106,9 +106,9 @@ from tiering.disk_ledger import (
     check_extent,
     check_owner,
 )
-from tiering.disk_manifest import ManifestEntry, decode_manifest, encode_manifest
-from tiering.disk_pages import PageFormat
-from tiering.disk_slotfile import SlotFileStore
+from tiering.disk.manifest import ManifestEntry, decode_manifest, encode_manifest
+from tiering.disk.pages import PageFormat
+from tiering.disk.slotfile import SlotFileStore
 
 __all__ = [
     "CODECS",

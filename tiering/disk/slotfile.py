@@ -40,7 +40,7 @@ is written, or just after it is read, while it is likely still in the CPU
 cache, so the checksum mostly reads cache rather than memory. The checksum
 still costs CPU time (about as much as the copy itself), which is what
 separates this path from a bare ``pwrite``/``pread``; it runs with the GIL
-released (``tiering.disk_crc``), so threads working on distinct slots
+released (``tiering.disk.crc``), so threads working on distinct slots
 checksum in parallel when there are cores for them. A read of an empty slot
 raises ``OSError(ENODATA)``; one whose length or checksum is wrong raises
 ``ChunkChecksumError``; either way the caller's buffer may hold unverified
@@ -70,7 +70,7 @@ from zarr.abc.store import (
 )
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
-from tiering.disk_crc import ByteSpan, crc32c_bytes
+from tiering.disk.crc import ByteSpan, crc32c_bytes
 
 SLOT_FILE_NAME = "chunks.slots"
 _ALIGN = 4096
