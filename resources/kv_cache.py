@@ -120,6 +120,7 @@ class PagedKVCache(Resource):
         self.host_pool = PagePool("host", host_pages, pb)
         shape = geometry.page_shape
         self._dev = torch.empty((device_pages, *shape), dtype=geometry.dtype, device=self.device)
+        self._registered: torch.Tensor | None = None  # a host slab pinned by cudaHostRegister
         self._host = self._alloc_host((host_pages, *shape), geometry.dtype)
         self._streams = StreamSet(self.device)
         self._copier = PriorityExecutor(copy_workers, "tiering-copy")
@@ -799,9 +800,8 @@ class PagedKVCache(Resource):
             self._io.shutdown(timeout=10.0)
             if self.disk is not None:
                 self.disk.close()
-            reg = getattr(self, "_registered", None)
-            if reg is not None:
-                torch.cuda.cudart().cudaHostUnregister(reg.data_ptr())
+            if self._registered is not None:
+                torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr())
                 self._registered = None
 
     close = cleanup
