@@ -1,10 +1,18 @@
-"""Eviction controller benchmark: the idle step and the victim pick, per policy.
+"""Eviction controller benchmark: the idle and busy steps and the victim pick, per policy.
 
 For each built-in policy (made by name with ``policies.make_policy``):
 
 - ``idle_step_us``: median cost of one ``evict_if_needed`` with 10,000 live
   requests, pressure below the high watermark and nothing waiting (target
   <= 20 us). The resource has a host tier, so the cascade check runs too.
+- ``busy_step_us``: median cost of one ``evict_if_needed`` with 10,000 live
+  requests, pressure above the high watermark and every request running, so
+  that there is nothing it may offload; the same frozenset is passed each
+  call, as a worker that rebuilds it only when its batch changes would.
+- ``busy_step_set_us``: the same, with the running requests passed as a
+  (mutable) set, which the controller must compare with the ones it saw.
+- ``busy_batch_step_us``: the same pressure with 256 of the 10,000 running
+  (passed as a set) and the rest offloaded to host, so none is reclaimable.
 - ``pick_100k_ms``: median time of ``plan_offload`` for 1 % of the device
   among 100,000 idle requests, on a fresh controller (target <= 20 ms): the
   candidate columns, the resource's answers (``reclaimable_many`` where the
@@ -44,7 +52,7 @@ from benchmarks._report import table, write_json  # noqa: E402
 from policies import Candidate, make_policy  # noqa: E402
 from tiering.controller import ControllerConfig, EvictionController  # noqa: E402
 from tiering.testing import ExactPressure, FakeClock, FakeTieredResource  # noqa: E402
-from tiering.types import RequestState  # noqa: E402
+from tiering.types import RequestState, Tier  # noqa: E402
 
 POLICIES = {"lru": {}, "priority": {"resource": "kv"}, "largest": {}, "cost": {}}
 
@@ -97,23 +105,71 @@ def _controller(res: LeanResource, rids, policy_name: str, clock: FakeClock):
     return ctl
 
 
-def idle_step_us(policy_name: str, requests: int, calls: int) -> float:
-    clock = FakeClock()
-    res, rids = _populate(requests, seed=1, fill=0.5)
-    ctl = _controller(res, rids, policy_name, clock)
-    running = frozenset(rid for rid, _ in rids[:64])
-    evict = ctl.evict_if_needed
-    batch = 100
+def _per_call_us(evict, running, calls: int, batch: int = 100) -> float:
+    """Median cost of ``evict(running)`` in microseconds, over batches of ``batch`` calls."""
     per_call = []
     for _ in range(max(1, calls // batch)):
         t0 = time.perf_counter_ns()
         for _ in range(batch):
             evict(running)
         per_call.append((time.perf_counter_ns() - t0) / batch / 1e3)
-    report = evict(running)
+    return statistics.median(per_call)
+
+
+def idle_step_us(policy_name: str, requests: int, calls: int) -> float:
+    clock = FakeClock()
+    res, rids = _populate(requests, seed=1, fill=0.5)
+    ctl = _controller(res, rids, policy_name, clock)
+    running = frozenset(rid for rid, _ in rids[:64])
+    per_call = _per_call_us(ctl.evict_if_needed, running, calls)
+    report = ctl.evict_if_needed(running)
     if report.offloaded or report.demoted:
         raise AssertionError("the idle benchmark moved something; pressure was meant to be low")
-    return statistics.median(per_call)
+    return per_call
+
+
+def _check_busy(ctl: EvictionController, running) -> None:
+    report = ctl.evict_if_needed(running)
+    if report.pressure_before <= ctl.config.high or report.offloaded or report.demoted:
+        raise AssertionError("the busy benchmark was meant to be over high with nothing to move")
+
+
+def busy_step_us(policy_name: str, requests: int, calls: int) -> dict[str, float]:
+    """``busy_step_us`` and ``busy_step_set_us``: every request running, over high."""
+    clock = FakeClock()
+    res, rids = _populate(requests, seed=3, fill=0.95)
+    ctl = _controller(res, rids, policy_name, clock)
+    out = {}
+    for key, running in (
+        ("busy_step_us", frozenset(rid for rid, _ in rids)),
+        ("busy_step_set_us", {rid for rid, _ in rids}),
+    ):
+        _check_busy(ctl, running)  # the first call over high scans
+        out[key] = _per_call_us(ctl.evict_if_needed, running, calls)
+        _check_busy(ctl, running)
+    return out
+
+
+def busy_batch_step_us(policy_name: str, requests: int, calls: int, batch: int = 256) -> float:
+    """Over high with a batch of ``batch`` running and every other request on host."""
+    clock = FakeClock()
+    rng = random.Random(4)
+    sizes = [rng.randint(4096, 65536) for _ in range(requests)]
+    capacity = int(sum(sizes[:batch]) / 0.95) + 1
+    # host room to spare: the cascade has nothing to do
+    res = LeanResource(capacity, host_capacity=2 * sum(sizes), disk_capacity=capacity)
+    rids = []
+    for i, size in enumerate(sizes):
+        rid = f"req-{i:06d}"
+        res.add(rid, size, Tier.DEVICE if i < batch else Tier.HOST)
+        res.priorities[rid] = rng.random()
+        rids.append((rid, size))
+    ctl = _controller(res, rids, policy_name, clock)
+    running = {rid for rid, _ in rids[:batch]}
+    _check_busy(ctl, running)
+    per_call = _per_call_us(ctl.evict_if_needed, running, calls)
+    _check_busy(ctl, running)
+    return per_call
 
 
 def pick_100k(policy_name: str, requests: int, repeats: int) -> dict[str, float]:
@@ -185,14 +241,18 @@ def main(argv: list[str] | None = None) -> int:
 
     idle_requests, pick_requests = 10_000, 100_000
     calls = 2_000 if args.quick else 20_000
+    busy_calls = 500 if args.quick else 5_000
     repeats = 1 if args.quick else max(1, args.repeats)
     results: dict[str, dict[str, float]] = {}
     for name in POLICIES:
         entry = {"idle_step_us": idle_step_us(name, idle_requests, calls)}
+        entry.update(busy_step_us(name, idle_requests, busy_calls))
+        entry["busy_batch_step_us"] = busy_batch_step_us(name, idle_requests, busy_calls)
         entry.update(pick_100k(name, pick_requests, repeats))
         results[name] = entry
 
-    headers = ("policy", "idle_step_us", "pick_100k_ms", "pick_100k_warm_ms",
+    headers = ("policy", "idle_step_us", "busy_step_us", "busy_step_set_us",
+               "busy_batch_step_us", "pick_100k_ms", "pick_100k_warm_ms",
                "pick_100k_one_by_one_ms", "scan_100k_ms", "order_100k_ms", "rank_100k_ms")
     rows = [(name, *(r[h] for h in headers[1:])) for name, r in results.items()]
     print(table(rows, headers))
@@ -202,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {"idle_step_us": 20.0, "pick_100k_ms": 20.0},
         "setup": {
             "idle_requests": idle_requests,
+            "busy_requests": idle_requests,
+            "busy_calls": busy_calls,
+            "busy_batch_running": 256,
             "pick_requests": pick_requests,
             "idle_calls": calls,
             "pick_repeats": repeats,

@@ -33,6 +33,7 @@ from tiering.testing import (
     FakeClock,
     FakeTieredResource,
     LaggingPressure,
+    ScriptedFraction,
 )
 from tiering.types import RequestState, Tier
 
@@ -1286,6 +1287,424 @@ def test_prometheus_exporter_says_what_is_missing(monkeypatch):
         PrometheusExporter(object())
 
 
+# -- a scan that found nothing to offload is not repeated ------------------------------------
+
+
+class AlwaysRescan(EvictionController):
+    """The controller without its memory of a scan that found nothing: every call over
+    ``high`` scans again. The reference the shortcut is compared with."""
+
+    def _recall_nothing(self, running, now):
+        return None
+
+
+class RoomAware(FakeTieredResource):
+    """The fake, answering ``reclaimable`` 0 for a request that neither host nor disk has
+    room for, as ``PagedKVCache`` does."""
+
+    def _fits_below(self, rid: str) -> bool:
+        n = self.size[rid]
+        return (self.host_used + n <= self.host_capacity_bytes
+                or self.disk_used + n <= self.disk_capacity)
+
+    def reclaimable(self, rid: str) -> int:
+        n = super().reclaimable(rid)
+        return n if n and self._fits_below(rid) else 0
+
+    def reclaimable_many(self, rids):
+        told = super().reclaimable_many(rids).tolist()
+        return np.array([n if n and self._fits_below(r) else 0
+                         for r, n in zip(rids, told, strict=True)], dtype=np.int64)
+
+
+class Unmetered(FakeTieredResource):
+    """The fake without host and disk gauges, so a test sees what other cues catch."""
+
+    host_used_bytes = None
+    disk_used_bytes = None
+
+
+class RoomAwareUnmetered(RoomAware):
+    host_used_bytes = None
+    disk_used_bytes = None
+
+
+class Growing(Unmetered):
+    """Requests in ``empty`` hold no device pages yet (``reclaimable`` 0 while resident);
+    the test makes one grow with nothing the controller is told, as a worker's step does."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.empty: set[str] = set()
+
+    def reclaimable(self, rid: str) -> int:
+        return 0 if rid in self.empty else super().reclaimable(rid)
+
+    def reclaimable_many(self, rids):
+        told = super().reclaimable_many(rids)
+        told[[i for i, r in enumerate(rids) if r in self.empty]] = 0
+        return told
+
+
+class NoPoll(FakeTieredResource):
+    poll = None
+
+
+class PollSaysNothing(FakeTieredResource):
+    """Completes transfers in ``poll`` but does not say how many."""
+
+    def poll(self):
+        super().poll()
+        return None
+
+
+BUSY = ControllerConfig(high=0.8, low=0.6, min_residency_s=1.0)
+DEVICE = 100_000
+
+
+class World:
+    """One resource and one controller; twins are built from the same seed."""
+
+    def __init__(self, cls, seed, *, resource_cls=FakeTieredResource, policy_name="lru",
+                 host=1 << 30, disk=1 << 30, fill=0.9, config=BUSY, scripted=False,
+                 **fake_kwargs):
+        self.rng = random.Random(seed)
+        self.clock = FakeClock()
+        self.res = resource_cls(DEVICE, host, disk, **fake_kwargs)
+        self.pressure = ScriptedFraction(0.9) if scripted else ExactPressure(self.res)
+        self.ctl = cls({"kv": self.res}, _policies()[policy_name], self.pressure, config,
+                       clock=self.clock)
+        self.rids: list[str] = []
+        self.grow_to(fill, "r")
+        for rid in self.rng.sample(self.rids, len(self.rids)):  # recency unrelated to size
+            self.clock.advance(self.rng.uniform(0.01, 0.1))
+            self.ctl.touch(rid)
+
+    def add(self, rid: str, size: int, tier: Tier = Tier.DEVICE) -> str:
+        self.res.add(rid, size, tier)
+        self.ctl.add_request(rid)
+        self.clock.advance(self.rng.uniform(0.01, 0.1))
+        return rid
+
+    def grow_to(self, fill: float, tag: str) -> None:
+        """Add resident requests (the worker's own growth) until the device is over ``fill``."""
+        while self.res.device_used < fill * DEVICE:
+            size = min(self.rng.randint(1_000, 6_000), DEVICE - self.res.device_used)
+            self.rids.append(self.add(f"{tag}{len(self.rids):03d}", size))
+
+    def skipped(self) -> int:
+        return self.ctl.stats()["scans_skipped"]
+
+
+def _twins(scenario, **world_kwargs):
+    """Run ``scenario(world)`` over identical worlds, one with the shortcut, one that
+    always rescans; check that every call decided and counted the same; return the
+    shortcut's world and the reports."""
+    fast = World(EvictionController, **world_kwargs)
+    slow = World(AlwaysRescan, **world_kwargs)
+    reports = scenario(fast)
+    assert scenario(slow) == reports
+    assert fast.res.state == slow.res.state
+    mine, reference = fast.ctl.stats(), slow.ctl.stats()
+    assert reference.pop("scans_skipped") == 0
+    mine.pop("scans_skipped")
+    assert mine == reference
+    fast.res.check_integrity()
+    return fast, reports
+
+
+def _call(world, running, times: int) -> list[EvictionReport]:
+    return [world.ctl.evict_if_needed(running) for _ in range(times)]
+
+
+RUNNING_KINDS = ("frozenset", "set", "list", "tuple", "dict")
+
+
+def _as(kind: str, rids):
+    return {"frozenset": frozenset, "set": set, "list": list, "tuple": tuple,
+            "dict": dict.fromkeys}[kind](rids)
+
+
+@pytest.mark.parametrize("policy_name", POLICY_NAMES)
+@pytest.mark.parametrize("resource_cls", [FakeTieredResource, NoBulkAnswers])
+@pytest.mark.parametrize("kind", RUNNING_KINDS)
+def test_a_busy_step_asks_no_resource_about_any_request(policy_name, resource_cls, kind):
+    def scenario(w):
+        for i in range(w.rng.randint(20, 40)):  # idle, offloaded: nothing to reclaim
+            w.add(f"h{i:03d}", w.rng.randint(1_000, 6_000), Tier.HOST)
+        running = _as(kind, w.rids)
+        first = w.ctl.evict_if_needed(running)
+        assert first.pressure_before > BUSY.high and first.offloaded == ()
+        w.res.calls.clear()
+        return [first, *_call(w, running, 5)]
+
+    fast, reports = _twins(scenario, seed=3, policy_name=policy_name,
+                           resource_cls=resource_cls)
+    asked = ("reclaimable", "reclaimable_many", "get_offload_priority",
+             "get_offload_priority_many", "tier_of", "offload")
+    assert {name: fast.res.calls[name] for name in asked} == dict.fromkeys(asked, 0)
+    assert fast.skipped() == 5
+    assert all(r.skipped_running == len(fast.rids) for r in reports)
+
+
+@pytest.mark.parametrize("policy_name", ["lru", "largest"])
+def test_the_rescanning_twin_does_ask_every_call(policy_name):
+    # the reference really scans: the counts above are not zero by construction
+    w = World(AlwaysRescan, 3, policy_name=policy_name)
+    for i in range(10):
+        w.add(f"h{i}", 2_000, Tier.HOST)
+    running = frozenset(w.rids)
+    _call(w, running, 1)
+    w.res.calls.clear()
+    _call(w, running, 5)
+    assert w.res.calls["reclaimable_many"] == 5
+
+
+@pytest.mark.parametrize("policy_name", POLICY_NAMES)
+@pytest.mark.parametrize("kind", RUNNING_KINDS)
+def test_a_request_that_stops_running_is_offloaded_at_once(policy_name, kind):
+    def scenario(w):
+        running = _as(kind, w.rids)
+        out = _call(w, running, 3)
+        leaving = w.rng.choice(w.rids)
+        if kind in ("set", "dict"):
+            running.pop(leaving) if kind == "dict" else running.discard(leaving)
+        else:
+            running = _as(kind, [r for r in w.rids if r != leaving])
+        out += _call(w, running, 3)
+        assert out[3].offloaded == (leaving,)
+        return out
+
+    fast, reports = _twins(scenario, seed=5, policy_name=policy_name)
+    # two before the change; after the offload one scan, then one more skipped
+    assert fast.skipped() == 2 + 1
+
+
+def test_more_requests_running_keeps_the_finding_and_counts_them():
+    def scenario(w):
+        w.res.add("untracked", 500)  # a running request the controller was never told of
+        some = w.rids[: len(w.rids) // 2]
+        idle_on_host = [w.add(f"h{i}", 2_000, Tier.HOST) for i in range(4)]
+        out = _call(w, set(w.rids), 2)
+        out += _call(w, set(w.rids) | {"untracked", "stranger"}, 2)
+        out += _call(w, set(w.rids) | set(idle_on_host[:2]), 2)  # known, idle: now running
+        out += _call(w, set(w.rids) | set(idle_on_host[:2]), 1)
+        assert [r.skipped_running for r in out] == [len(w.rids)] * 4 + [len(w.rids) + 2] * 3
+        out += _call(w, set(some), 1)  # half stopped: a scan again, and offloads
+        assert out[-1].offloaded
+        return out
+
+    fast, _ = _twins(scenario, seed=6)
+    assert fast.skipped() == 6
+
+
+def test_a_minimum_residency_running_out_is_noticed():
+    def scenario(w):
+        back = w.add("back", 4_000, Tier.HOST)
+        assert w.ctl.request_reload(back)  # the device is half full: it fits
+        reloaded_at = w.clock()
+        w.grow_to(0.9, "g")
+        running = frozenset(w.rids)  # everyone but the reloaded one
+        out = _call(w, running, 3)
+        w.clock.now = max(w.clock.now, reloaded_at + 0.9)
+        out += _call(w, running, 2)
+        assert all(r.offloaded == () for r in out)
+        w.clock.advance(0.2)  # 1.1 s since the reload
+        out += _call(w, running, 1)
+        assert out[-1].offloaded == (back,)
+        return out
+
+    fast, _ = _twins(scenario, seed=7, fill=0.5)
+    assert fast.skipped() == 4
+
+
+@pytest.mark.parametrize("policy_name", ["lru", "largest", "priority"])
+def test_a_reload_completed_in_poll_is_noticed(policy_name):
+    # no room gauges: only poll()'s count says that something changed
+    def scenario(w):
+        back = w.add("back", 4_000, Tier.HOST)
+        assert w.ctl.request_reload(back)
+        w.grow_to(0.9, "g")
+        running = frozenset(w.rids)
+        out = _call(w, running, 3)  # the reload is in flight: not reclaimable
+        assert w.res.state[back] is RequestState.RELOADING
+        w.res.complete_transfers()  # reported by the next poll()
+        out += _call(w, running, 1)
+        assert out[-1].offloaded == (back,)  # no minimum residency here
+        return out
+
+    fast, _ = _twins(scenario, seed=8, fill=0.5, resource_cls=Unmetered,
+                     policy_name=policy_name, async_transfers=True, complete_on_poll=False,
+                     config=ControllerConfig(high=0.8, low=0.6, min_residency_s=0.0))
+    assert fast.skipped() == 2
+
+
+def test_a_failed_offload_is_offloaded_again():
+    def scenario(w):
+        leaving = w.rids[0]
+        running = frozenset(w.rids[1:])
+        out = _call(w, running, 4)  # the first offloads; its copy stays in flight
+        assert out[0].offloaded == (leaving,) and out[1].pressure_before > BUSY.high
+        w.res.fail_transfer(leaving)
+        out += _call(w, running, 1)
+        assert out[-1].offloaded == (leaving,)
+        return out
+
+    fast, _ = _twins(scenario, seed=9, resource_cls=Unmetered, fill=0.95,
+                     async_transfers=True, complete_on_poll=False)
+    assert fast.skipped() == 2
+
+
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.DISK])
+def test_room_freed_below_the_device_without_a_word_is_noticed(tier):
+    # the worker frees KV the controller never knew of; only the gauges show it
+    def scenario(w):
+        w.res.add("other", 50_000, tier)  # fills the tier: nothing else fits below
+        idle = w.rids[0]
+        running = frozenset(w.rids[1:])
+        out = _call(w, running, 3)
+        assert all(r.offloaded == () for r in out)
+        w.res.remove("other")
+        out += _call(w, running, 1)
+        assert out[-1].offloaded == (idle,)
+        return out
+
+    room = {"host": 50_000 if tier is Tier.HOST else 0,
+            "disk": 50_000 if tier is Tier.DISK else 0}
+    fast, _ = _twins(scenario, seed=10, resource_cls=RoomAware, **room)
+    assert fast.skipped() == 2
+
+
+def test_a_removed_request_that_held_the_room_is_noticed():
+    def scenario(w):
+        holder = w.add("holder", 50_000, Tier.HOST)
+        idle = w.rids[0]
+        running = frozenset(w.rids[1:])
+        out = _call(w, running, 3)
+        w.res.remove(holder)
+        w.ctl.remove_request(holder)
+        out += _call(w, running, 1)
+        assert out[-1].offloaded == (idle,)
+        return out
+
+    fast, _ = _twins(scenario, seed=11, resource_cls=RoomAwareUnmetered, host=50_000, disk=0)
+    assert fast.skipped() == 2
+
+
+def test_a_new_request_is_a_candidate_at_once():
+    def scenario(w):
+        running = frozenset(w.rids)
+        out = _call(w, running, 3)
+        new = w.add("new", 3_000)
+        out += _call(w, running, 1)
+        assert out[-1].offloaded == (new,)
+        return out
+
+    fast, _ = _twins(scenario, seed=12, resource_cls=Unmetered)
+    assert fast.skipped() == 2
+
+
+def test_a_request_that_ran_while_idle_is_looked_at_again():
+    # it held nothing at the scan, then ran (touch) and grew: it may be a candidate now
+    def scenario(w):
+        quiet = w.add("quiet", 3_000)
+        w.res.empty.add(quiet)
+        running = frozenset(w.rids)
+        out = _call(w, running, 3)
+        w.ctl.touch(w.rids[0])  # a running one ran: changes nothing
+        out += _call(w, running, 1)
+        w.res.empty.discard(quiet)
+        w.ctl.touch(quiet)
+        out += _call(w, running, 1)
+        assert out[-1].offloaded == (quiet,)
+        return out
+
+    fast, _ = _twins(scenario, seed=13, resource_cls=Growing)
+    assert fast.skipped() == 3
+
+
+def test_a_request_that_joined_the_running_ones_is_looked_at_when_it_leaves():
+    def scenario(w):
+        quiet = w.add("quiet", 3_000)
+        w.res.empty.add(quiet)
+        running = frozenset(w.rids)
+        out = _call(w, running, 2)
+        out += _call(w, running | {quiet}, 2)  # it joins the batch and grows there
+        w.res.empty.discard(quiet)
+        out += _call(w, running, 1)  # and leaves it
+        assert out[-1].offloaded == (quiet,)
+        return out
+
+    fast, _ = _twins(scenario, seed=14, resource_cls=Growing)
+    assert fast.skipped() == 3
+
+
+def test_a_reload_that_frees_room_below_is_noticed():
+    # no gauges, no completions to report: only the reload itself says it
+    def scenario(w):
+        holder = w.add("holder", 30_000, Tier.HOST)
+        idle = w.rids[0]
+        running = frozenset(w.rids[1:])
+        out = _call(w, running, 3)
+        w.pressure.set(0.4)
+        assert w.ctl.request_reload(holder)  # back on the device; the host is empty
+        w.pressure.set(0.9)
+        out += _call(w, running, 1)
+        assert out[-1].offloaded == (idle,)  # not the one just reloaded
+        return out
+
+    fast, _ = _twins(scenario, seed=15, resource_cls=RoomAwareUnmetered, host=30_000,
+                     disk=0, fill=0.5, scripted=True)
+    assert fast.skipped() == 2
+
+
+@pytest.mark.parametrize("resource_cls", [NoPoll, PollSaysNothing])
+def test_without_a_count_from_poll_every_busy_call_scans(resource_cls):
+    def scenario(w):
+        for i in range(8):
+            w.add(f"h{i}", 2_000, Tier.HOST)
+        running = frozenset(w.rids)
+        out = _call(w, running, 1)
+        w.res.calls.clear()
+        out += _call(w, running, 4)
+        assert w.res.calls["reclaimable_many"] == 4
+        return out
+
+    fast, _ = _twins(scenario, seed=16, resource_cls=resource_cls)
+    assert fast.skipped() == 0
+
+
+def test_an_evicting_resource_without_poll_turns_the_shortcut_off_for_all():
+    clock = FakeClock()
+    kv, other = FakeTieredResource(DEVICE, 1 << 30, 0), NoPoll(DEVICE, 1 << 30, 0)
+    ctl = EvictionController({"kv": kv, "other": other}, OldestFirst(),
+                             ScriptedFraction(0.95), BUSY, clock=clock)
+    for i, res in enumerate((kv, other)):
+        res.add(f"x{i}", 1_000)
+        ctl.add_request(f"x{i}", "kv" if res is kv else "other")
+    for _ in range(3):
+        assert ctl.evict_if_needed({"x0", "x1"}).offloaded == ()
+    assert ctl.stats()["scans_skipped"] == 0
+
+
+def test_a_resource_that_does_not_evict_is_polled_but_its_count_is_not_watched():
+    class Busy(FakeTieredResource):
+        def poll(self):
+            super().poll()
+            return 3  # completes something every time; it is never asked to offload
+
+    clock = FakeClock()
+    kv, other = FakeTieredResource(DEVICE, 1 << 30, 0), Busy(DEVICE, supports_eviction=False)
+    ctl = EvictionController({"kv": kv, "other": other}, OldestFirst(),
+                             ScriptedFraction(0.95), BUSY, clock=clock)
+    kv.add("x", 1_000)
+    ctl.add_request("x")
+    for _ in range(4):
+        assert ctl.evict_if_needed({"x"}).offloaded == ()
+    assert other.calls["poll"] == 4
+    assert ctl.stats()["scans_skipped"] == 3
+
+
 # -- a state machine over the whole surface ---------------------------------------------
 
 
@@ -1295,7 +1714,9 @@ class ControllerMachine(RuleBasedStateMachine):
     The fake accepts reloads past the device capacity, so the controller alone
     keeps it under the admission limit; the machine checks that, that running
     requests are never offloaded, that just-reloaded requests stay put, and
-    that the counters agree with what the reports said.
+    that the counters agree with what the reports said. A twin world, driven
+    by the same steps, has a controller that scans at every call
+    (``AlwaysRescan``): every decision and counter must be the same in both.
     """
 
     @initialize(
@@ -1304,27 +1725,35 @@ class ControllerMachine(RuleBasedStateMachine):
         async_transfers=st.booleans(),
         on_disk_full=st.sampled_from(["keep", "drop"]),
         policy_name=st.sampled_from(POLICY_NAMES),
+        # room-aware answers; no host/disk gauges (so no cascade either), leaving the
+        # other cues to notice changes; or the plain fake
+        resource_cls=st.sampled_from([FakeTieredResource, RoomAware, RoomAwareUnmetered]),
     )
-    def setup(self, seed, lagging, async_transfers, on_disk_full, policy_name):
+    def setup(self, seed, lagging, async_transfers, on_disk_full, policy_name, resource_cls):
         self.rng = random.Random(seed)
         self.clock = FakeClock()
-        self.res = FakeTieredResource(
-            40_000, 24_000, 12_000, async_transfers=async_transfers,
-            enforce_device_capacity=False,
-        )
-        exact = ExactPressure(self.res)
-        self.lagging = LaggingPressure(exact, self.clock) if lagging else None
         self.cfg = ControllerConfig(
             high=0.8, low=0.6, host_high=0.8, host_low=0.6, min_residency_s=1.0,
             reload_headroom=0.05, aging_s=2.0, on_disk_full=on_disk_full,
         )
-        self.ctl = EvictionController(
-            {"kv": self.res}, _policies()[policy_name], self.lagging or exact, self.cfg,
-            clock=self.clock,
+        worlds = []
+        for cls in (EvictionController, AlwaysRescan):
+            res = resource_cls(
+                40_000, 24_000, 12_000, async_transfers=async_transfers,
+                enforce_device_capacity=False,
+            )
+            exact = ExactPressure(res)
+            lag = LaggingPressure(exact, self.clock) if lagging else None
+            ctl = cls({"kv": res}, _policies()[policy_name], lag or exact, self.cfg,
+                      clock=self.clock)
+            worlds.append((res, lag, ctl))
+        (self.res, self.lagging, self.ctl), (self.twin_res, self.twin_lagging, self.twin_ctl) = (
+            worlds
         )
         self.limit = (self.cfg.high - self.cfg.reload_headroom) * 40_000
         self.next_id = 0
         self.live: list[str] = []
+        self.running: set[str] | None = None  # what the last evict passed
         self.reloaded_at: dict[str, float] = {}
         self.seen = {"offloads": 0, "bytes_offloaded": 0, "reloads_started": 0,
                      "demotions": 0, "drops": 0, "evict_calls": 0}
@@ -1335,6 +1764,7 @@ class ControllerMachine(RuleBasedStateMachine):
     def _sample(self):
         if self.lagging is not None:
             self.lagging.sample()
+            self.twin_lagging.sample()
 
     @rule(size=st.integers(500, 8_000))
     def add(self, size):
@@ -1343,15 +1773,18 @@ class ControllerMachine(RuleBasedStateMachine):
             return
         rid = f"q{self.next_id}"
         self.next_id += 1
-        self.res.add(rid, size)
-        self.ctl.add_request(rid)
+        for res, ctl in ((self.res, self.ctl), (self.twin_res, self.twin_ctl)):
+            res.add(rid, size)
+            ctl.add_request(rid)
         self.live.append(rid)
         self._sample()  # the worker's own growth shows in the next sample
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def touch(self, data):
-        self.ctl.touch(data.draw(st.sampled_from(self.live)))
+        rid = data.draw(st.sampled_from(self.live))
+        self.ctl.touch(rid)
+        self.twin_ctl.touch(rid)
 
     @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 2.5]))
     def tick(self, dt):
@@ -1364,8 +1797,23 @@ class ControllerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def evict(self, data):
-        running = set(data.draw(st.lists(st.sampled_from(self.live), max_size=6)))
+        drawn = set(data.draw(st.lists(st.sampled_from(self.live), max_size=6)))
+        # a few running, or all but a few (busy: often nothing left to offload), or the
+        # same as last time, plus some
+        kind = data.draw(st.sampled_from(["few", "most", "again"]))
+        if kind == "few":
+            running = drawn
+        elif kind == "most" or self.running is None:
+            running = set(self.live) - drawn
+        else:
+            running = self.running | drawn
+        self.running = running
+        for _ in range(data.draw(st.integers(1, 3))):  # a worker's steps in a row
+            self._evict(running)
+
+    def _evict(self, running: set[str]) -> None:
         report = self.ctl.evict_if_needed(running)
+        assert self.twin_ctl.evict_if_needed(running) == report, "the shortcut decided otherwise"
         now = self.clock()
         assert not running & set(report.offloaded), "a running request was offloaded"
         for rid in report.offloaded:
@@ -1388,7 +1836,9 @@ class ControllerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def reload(self, data):
         rid = data.draw(st.sampled_from(self._offloaded()))
-        if self.ctl.request_reload(rid):
+        started = self.ctl.request_reload(rid)
+        assert self.twin_ctl.request_reload(rid) == started
+        if started:
             self.reloaded_at[rid] = self.clock()
             self.seen["reloads_started"] += 1
 
@@ -1397,18 +1847,21 @@ class ControllerMachine(RuleBasedStateMachine):
     def remove(self, data):
         rid = data.draw(st.sampled_from(self.live))
         self.live.remove(rid)
-        self.res.remove(rid)
-        self.ctl.remove_request(rid)
+        for res, ctl in ((self.res, self.ctl), (self.twin_res, self.twin_ctl)):
+            res.remove(rid)
+            ctl.remove_request(rid)
         self.reloaded_at.pop(rid, None)
 
     @rule()
     def complete(self):
-        self.res.complete_transfers()
+        assert self.res.complete_transfers() == self.twin_res.complete_transfers()
 
     @precondition(lambda self: self.res.in_flight())
     @rule(data=st.data())
     def fail(self, data):
-        self.res.fail_transfer(data.draw(st.sampled_from(self.res.in_flight())))
+        rid = data.draw(st.sampled_from(self.res.in_flight()))
+        self.res.fail_transfer(rid)
+        self.twin_res.fail_transfer(rid)
 
     @invariant()
     def reloads_never_oversubscribe(self):
@@ -1418,6 +1871,14 @@ class ControllerMachine(RuleBasedStateMachine):
     @invariant()
     def ledgers_agree(self):
         self.res.check_integrity()
+
+    @invariant()
+    def the_twin_is_in_the_same_state(self):
+        assert self.twin_res.state == self.res.state
+        mine, reference = self.ctl.stats(), self.twin_ctl.stats()
+        assert reference.pop("scans_skipped") == 0
+        mine.pop("scans_skipped")
+        assert mine == reference
 
     @invariant()
     def counters_agree_with_reports(self):

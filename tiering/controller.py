@@ -28,7 +28,13 @@ One call to ``evict_if_needed`` does, in order:
    on host or dropped for recompute as ``on_disk_full`` says, and counted.
 
 With no pressure and nothing waiting, a call does a fixed amount of work per
-resource and none per request.
+resource and none per request. Over ``high`` with nothing it may offload (every
+request running, just reloaded, in flight or not reclaimable), the first call
+scans every request and the calls after it reuse that finding until something
+that could change it has happened (``evict_if_needed`` lists what): such a
+call compares ``running`` with the running requests of the scan (no work per
+request when the very same frozenset or tuple is passed again) and asks no
+resource about any request.
 
 Finding victims among many requests: the controller keeps each request's slot,
 last use and resource membership in numpy columns, so the idle candidates are
@@ -91,6 +97,48 @@ _NO_RIDS: tuple[str, ...] = ()
 
 # outcomes of one reload attempt
 _ADMITTED, _GONE, _INELIGIBLE, _NO_ROOM = range(4)
+
+# collections whose contents cannot change: passing the same one again is the same set
+_IMMUTABLE = (frozenset, tuple)
+
+
+def _uncounted(poll: Callable[[], Any]) -> Callable[[], int]:
+    """``poll`` with its answer dropped (0): for a resource that is never asked to offload."""
+
+    def run() -> int:
+        poll()
+        return 0
+
+    return run
+
+
+class _NothingToOffload:
+    """What the last scan over ``high`` that found nothing it may offload saw.
+
+    ``running``: the requests it was told are running (a frozen copy), plus
+    known ones that joined them since; ``skipped``: how many of those are
+    known; ``seen``: the collection last passed, kept only when immutable;
+    ``exempt_since``: when the earliest minimum-residency exemption then in
+    force began (None if none); ``room``: what the evicting resources' host
+    and disk gauges read then. Owned by one controller; see
+    ``EvictionController.evict_if_needed`` for when it is dropped.
+    """
+
+    __slots__ = ("running", "skipped", "seen", "exempt_since", "room")
+
+    def __init__(
+        self,
+        running: frozenset[str],
+        seen: Collection[str] | None,
+        skipped: int,
+        exempt_since: float | None,
+        room: tuple[int, ...],
+    ) -> None:
+        self.running = running
+        self.seen = seen
+        self.skipped = skipped
+        self.exempt_since = exempt_since
+        self.room = room
 
 
 class EvictionController:
@@ -179,7 +227,18 @@ class EvictionController:
         self._reload_priority = reload_priority
         self._handles = handles
         self._evicting = tuple(h for h in handles.values() if h.evicts)
-        self._polls = tuple(h.poll for h in handles.values() if h.poll is not None)
+        # what an evicting resource's poll completes may change its ``reclaimable``
+        # answers, so its count is watched (see ``_NothingToOffload``); another's is not
+        self._polls = tuple(
+            h.poll if h.evicts else _uncounted(h.poll)
+            for h in handles.values() if h.poll is not None
+        )
+        # the host and disk gauges of the evicting resources; None when a finding of
+        # nothing to offload may not be kept: an evicting resource has no poll() to say
+        # when its transfers complete
+        self._gauges: tuple[Callable[[], int], ...] | None = None
+        if all(h.poll is not None for h in self._evicting):
+            self._gauges = tuple(g for h in self._evicting for g in h.room_gauges)
         self._cascade = cascade
         self._prio_handle = prio_handle
         self._capacity = int(device_capacity_bytes)
@@ -201,6 +260,10 @@ class EvictionController:
         self._reads = 0
         self._stamp = 0
         self._stats = ControllerStats()
+        # the last scan over ``high`` that found nothing to offload, while it still holds
+        self._nothing: _NothingToOffload | None = None
+        # (keep the attributes few: past about 29, CPython 3.11 stops specializing
+        # attribute reads on this object and the idle step gets measurably slower)
 
     # -- what the worker tells us -------------------------------------------------
 
@@ -233,6 +296,7 @@ class EvictionController:
                 )
             added = known | {resource}
         self._names[rid] = added
+        self._nothing = None
         if len(added) == len(self._handles):
             members = self._evicting  # shared tuple, the common case
         else:
@@ -251,6 +315,7 @@ class EvictionController:
         if members is None:
             raise UnknownRequestError(f"unknown request {rid!r}")
         del self._names[rid]
+        self._nothing = None
         self._table.remove(rid)
         self._reloaded_at.pop(rid, None)
         self._queue.remove(rid)
@@ -265,6 +330,10 @@ class EvictionController:
         if slot is None:
             raise UnknownRequestError(f"unknown request {rid!r}")
         table.last_used[slot] = self._clock()
+        nothing = self._nothing
+        if nothing is not None and rid not in nothing.running:
+            # it ran though the last scan found it idle: what it holds may have changed
+            self._nothing = None
 
     def last_used(self, rid: str) -> float:
         """When the request last ran (``touch``), or was registered if it never has."""
@@ -321,7 +390,9 @@ class EvictionController:
                 done.append(key)
             elif h.reclaimable(rid) > 0:
                 ledger.forget_offload(key)  # the copy failed; it stayed resident
+                self._nothing = None
         if done:
+            self._nothing = None
             stamp = self._fresh_stamp()
             for key in done:
                 ledger.settle_offload(key, stamp)
@@ -337,11 +408,50 @@ class EvictionController:
     # -- eviction -----------------------------------------------------------------
 
     def evict_if_needed(self, running: Collection[str]) -> EvictionReport:
-        """Run one safe-point pass: offload under pressure, serve reloads, cascade."""
+        """Run one safe-point pass: offload under pressure, serve reloads, cascade.
+
+        ``running``: the requests of this step, which are never offloaded
+        (any collection of rids; unknown ones are ignored).
+
+        A scan for victims that found nothing it may offload (no idle request
+        past its minimum residency, not in flight, with ``reclaimable > 0``)
+        is not repeated while that finding must still hold: the calls in
+        between report and count exactly what a scan would have, and each scan
+        not made adds one to ``scans_skipped``. The finding is dropped, and the
+        next call over ``high`` scans again, as soon as any of these happens:
+
+        - a request is added or removed;
+        - a request that was not running at the scan is touched (it ran, so
+          what it holds on the device may have changed), or a request that
+          was running is missing from ``running`` (it may be idle now; more
+          requests running changes nothing, but those that joined must keep
+          running from then on);
+        - the earliest minimum-residency exemption then in force runs out;
+        - this controller starts a move (offload, reload, demotion, drop), or
+          sees an offload or demotion it started complete or fail;
+        - an evicting resource's ``poll()`` returns anything but 0 (it
+          completed or failed transfers; a completed reload is exempt for a
+          while, but a failed offload is a candidate at once, and either may
+          free room below the device);
+        - the bytes in use on an evicting resource's host or disk
+          (``host_used_bytes``, ``disk_used_bytes``, where offered) differ from
+          what they were at the scan: ``reclaimable`` may say 0 for lack of
+          room there, and room can come back through a path the controller
+          does not see, such as the worker freeing a request's KV.
+
+        Pressure and targets are not on the list: a finding of no candidate
+        holds for any occupancy and any target. A finding is never kept when
+        an evicting resource has no ``poll()``, since then nothing says when
+        its transfers complete. The rule assumes what the hooks already
+        promise: a resource's ``reclaimable`` answers change only through its
+        own hooks, the requests it holds, completions that its ``poll()``
+        reports, and the room below its device.
+        """
         stats = self._stats
         stats.evict_calls += 1
         for poll in self._polls:
-            poll()
+            if poll() != 0:  # something completed (or the resource does not say)
+                self._nothing = None
         if self._ledger.moving:
             # before the read: a copy seen complete now is complete in the reading too
             self._settle_offloads()
@@ -637,10 +747,21 @@ class EvictionController:
     ) -> tuple[int, int]:
         """Offload victims in policy order until the projection is under ``target`` (or at it).
 
-        Returns (bytes freed, requests skipped because running).
+        Returns (bytes freed, requests skipped because running). A scan that
+        finds nothing it may offload is remembered, and the next calls reuse
+        that finding while it holds (``_NothingToOffload``).
         """
+        skipped = self._recall_nothing(running, now)
+        if skipped is not None:
+            self._stats.scans_skipped += 1
+            return 0, skipped
+        self._nothing = None
+        given = running
+        if not isinstance(running, (set, frozenset, dict)):
+            running = set(running)
         batch, skipped = self._candidate_batch(running, now)
         if not len(batch):
+            self._remember_nothing(given, running, skipped)
             return 0, skipped
         stats = self._stats
         handles = self._handles
@@ -651,12 +772,16 @@ class EvictionController:
         target_bytes = target * self._capacity
         victims = self._victim_rows(batch, now, projected_bytes - target_bytes + 1)
         freed = 0
+        first = True
         while projected_bytes > target_bytes or (
             not inclusive and projected_bytes == target_bytes
         ):
             victim = next(victims, None)
             if victim is None:
+                if first:  # the whole order walked: not one row with bytes to reclaim
+                    self._remember_nothing(given, running, skipped)
                 break
+            first = False
             rid = rids[victim[0]]
             h = handles[resources[victim[0]]]
             nbytes = h.offload(rid)
@@ -683,6 +808,61 @@ class EvictionController:
                 self._ledger.add_released(nbytes, self._fresh_stamp())
         victims.close()
         return freed, skipped
+
+    def _remember_nothing(
+        self, given: Collection[str], running: set[str] | frozenset[str] | dict, skipped: int
+    ) -> None:
+        """Keep the finding of a scan that found nothing it may offload (see the class)."""
+        gauges = self._gauges
+        if gauges is None:
+            return
+        recent = self._reloaded_at  # the scan has just dropped the exemptions that ran out
+        self._nothing = _NothingToOffload(
+            running=running if type(running) is frozenset else frozenset(running),
+            seen=given if type(given) in _IMMUTABLE else None,
+            skipped=skipped,
+            exempt_since=min(recent.values()) if recent else None,
+            room=tuple(gauge() for gauge in gauges),
+        )
+
+    def _recall_nothing(self, running: Collection[str], now: float) -> int | None:
+        """If the last scan's finding of nothing to offload still holds: the
+        known requests in ``running`` (what a scan would count as skipped); else None.
+
+        Reads no request's bytes: only the clock against the earliest minimum
+        residency then in force, the room gauges, and ``running`` against the
+        running requests of that scan (a set comparison; none at all when the
+        very same frozenset or tuple is passed again).
+        """
+        found = self._nothing
+        if found is None:
+            return None
+        if found.exempt_since is not None and (
+            not now - found.exempt_since < self._config.min_residency_s
+        ):
+            self._nothing = None  # an exemption ran out: that request may be a candidate now
+            return None
+        if found.room and tuple(gauge() for gauge in self._gauges) != found.room:
+            self._nothing = None  # room below the device came or went
+            return None
+        if running is found.seen:
+            return found.skipped
+        given = running
+        if not isinstance(running, (set, frozenset)):
+            running = set(running)
+        if not found.running <= running:
+            self._nothing = None  # a request stopped running: it may be a candidate now
+            return None
+        if len(running) != len(found.running):
+            # more are running: a known one joining can never leave unnoticed, so it
+            # joins the requests that must keep running
+            slot_of = self._table.slot
+            joined = [rid for rid in running - found.running if rid in slot_of]
+            if joined:
+                found.running = found.running.union(joined)
+                found.skipped += len(joined)
+        found.seen = given if type(given) in _IMMUTABLE else None
+        return found.skipped
 
     # -- reloads ------------------------------------------------------------------
 
@@ -772,6 +952,7 @@ class EvictionController:
             if not h.reload(rid):
                 stats.reload_resource_refusals += 1
                 return _NO_ROOM
+            self._nothing = None
             entry.started.add(h.name)
             ledger.add_reload(need, before, self._fresh_stamp())
             stats.bytes_reloaded += need
@@ -786,6 +967,7 @@ class EvictionController:
         stats.reloads_started += 1
         stats.max_wait_s = max(stats.max_wait_s, now - entry.enqueued_at)
         self._reloaded_at[entry.rid] = now
+        self._nothing = None
         return _ADMITTED
 
     def _serve(self, fraction: float, now: float, started: list[str]) -> WaitingReload | None:
@@ -830,6 +1012,8 @@ class EvictionController:
         ]
         for rid in done:
             del h.demoting[rid]
+        if done:
+            self._nothing = None
 
     def _demote_coldest(
         self, h: ResourceHandle, used: int, demoted: list[str], dropped: list[str]
@@ -856,6 +1040,7 @@ class EvictionController:
                 break
             nbytes = h.reload_bytes(rid)
             if h.demote(rid):
+                self._nothing = None
                 demoted.append(rid)
                 used -= nbytes
                 stats.demotions += 1
@@ -866,6 +1051,7 @@ class EvictionController:
                 continue
             if config.on_disk_full == "drop":
                 h.drop(rid)
+                self._nothing = None
                 dropped.append(rid)
                 used -= nbytes
                 stats.drops += 1

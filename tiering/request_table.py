@@ -15,8 +15,8 @@ class ResourceHandle:
     __slots__ = (
         "name", "resource", "evicts", "reclaimable", "offload", "priority", "is_offloaded",
         "can_reload", "reload", "reload_bytes", "tier_of", "poll", "device_capacity",
-        "host_capacity", "host_used", "demote", "drop", "demoting", "reclaimable_many",
-        "priority_many", "destination_of",
+        "host_capacity", "host_used", "disk_used", "demote", "drop", "demoting",
+        "reclaimable_many", "priority_many", "destination_of",
     )
 
     def __init__(self, name: str, resource: Any) -> None:
@@ -42,9 +42,19 @@ class ResourceHandle:
         host_cap = getattr(resource, "host_capacity_bytes", None)
         self.host_capacity = int(host_cap) if host_cap is not None else None
         self.host_used = getattr(resource, "host_used_bytes", None)
+        self.disk_used = getattr(resource, "disk_used_bytes", None)
         self.demote = getattr(resource, "demote", None)
         self.drop = getattr(resource, "drop", None)
         self.demoting: dict[str, int] = {}  # demotions in flight: rid -> host bytes
+
+    @property
+    def room_gauges(self) -> tuple:
+        """The hooks that report the bytes in use below the device (host, disk), if offered.
+
+        What ``reclaimable`` answers may depend on room in those tiers (an
+        offload needs somewhere to go), so a change in them can change the answers.
+        """
+        return tuple(g for g in (self.host_used, self.disk_used) if g is not None)
 
     @property
     def cascades(self) -> bool:

@@ -30,6 +30,7 @@ class ControllerStats:
     reload_resource_refusals: int = 0  # admitted, but the resource's reload() said no
     max_wait_s: float = 0.0  # longest wait of a reload that has started
     skipped_running: int = 0
+    scans_skipped: int = 0  # victim scans not repeated: a finding of no candidate still held
     bytes_device_to_host: int = 0
     bytes_device_to_disk: int = 0
     bytes_host_to_disk: int = 0

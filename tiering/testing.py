@@ -51,7 +51,11 @@ class FakeTieredResource:
     capacity (recorded in ``max_device_used`` and ``max_device_used_by_reload``)
     instead of refusing.
     ``calls`` counts every hook call by name (a ``*_many`` hook once per
-    call, however many requests it answers for).
+    call, however many requests it answers for). ``poll`` returns how many
+    transfers completed or failed since the previous ``poll``, whether it
+    completed them itself or the test did (``complete_transfers``,
+    ``fail_transfer``), as a resource whose completions are applied only in
+    its ``poll`` would.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class FakeTieredResource:
         self.max_device_used = 0
         self.max_device_used_by_reload = 0  # device bytes in use right after any reload
         self.calls: Counter[str] = Counter()
+        self._unreported = 0  # transfers the test completed or failed since the last poll
         self.offloaded_rids: list[str] = []
         # what reclaimable() answers, per request, kept with every state change
         # so that reclaimable_many is one dict lookup a request
@@ -169,6 +174,11 @@ class FakeTieredResource:
 
     def complete_transfers(self, rids: Iterable[str] | None = None) -> int:
         """Complete in-flight transfers (all, or those named); returns how many."""
+        done = self._complete(rids)
+        self._unreported += done
+        return done
+
+    def _complete(self, rids: Iterable[str] | None) -> int:
         chosen = list(self._dest) if rids is None else [r for r in rids if r in self._dest]
         for rid in chosen:
             source, dest = self._dest.pop(rid)
@@ -181,6 +191,7 @@ class FakeTieredResource:
         source, dest = self._dest.pop(rid)
         self._free(rid, dest)
         self._set_state(rid, source)
+        self._unreported += 1
 
     def in_flight(self) -> tuple[str, ...]:
         return tuple(self._dest)
@@ -202,6 +213,10 @@ class FakeTieredResource:
     def host_used_bytes(self) -> int:
         self.calls["host_used_bytes"] += 1
         return self.host_used
+
+    def disk_used_bytes(self) -> int:
+        self.calls["disk_used_bytes"] += 1
+        return self.disk_used
 
     def reclaimable(self, rid: str) -> int:
         self.calls["reclaimable"] += 1
@@ -285,10 +300,15 @@ class FakeTieredResource:
         self._set_state(rid, RequestState.LOST)
 
     def poll(self) -> int:
+        """Complete every transfer in flight (when ``complete_on_poll``); returns how many
+        completed or failed since the previous ``poll``."""
         self.calls["poll"] += 1
-        if self.async_transfers and self.complete_on_poll and self._dest:
-            return self.complete_transfers()
-        return 0
+        done = self._unreported
+        if done:
+            self._unreported = 0
+        if self._dest and self.async_transfers and self.complete_on_poll:
+            done += self._complete(None)
+        return done
 
     # -- checking -----------------------------------------------------------------
 
