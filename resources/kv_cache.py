@@ -204,6 +204,10 @@ class PagedKVCache(Resource):
     def host_used_bytes(self) -> int:
         return self.host_pool.used_bytes
 
+    def disk_used_bytes(self) -> int:
+        """Bytes the disk tier's ledger holds (0 without a disk tier)."""
+        return 0 if self.disk is None else self.disk.used_bytes()
+
     def requests(self) -> list[str]:
         return list(self._reqs)
 
@@ -597,13 +601,15 @@ class PagedKVCache(Resource):
         r.state = state
 
     def poll(self) -> int:
-        """Apply every finished transfer; returns how many finished."""
+        """Apply every finished transfer; returns how many finished (including
+        copies of removed requests whose slots came back)."""
         done = 0
         for rid in [rid for rid in self._inflight if self._reqs[rid].job.future.done()]:
             self._finish(self._reqs[rid])
             done += 1
         for key in [k for k, t in self._tombstones.items() if t.future.done()]:
             self._bury(self._tombstones.pop(key))
+            done += 1
         return done
 
     def _bury(self, t: Tombstone) -> None:

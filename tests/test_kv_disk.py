@@ -264,3 +264,37 @@ def test_reclaimable_many_matches_one_by_one(geom, tmp_path):
             kv.reclaimable_many(["m5", "ghost"])
     finally:
         kv.close()
+
+
+def test_poll_counts_buried_copies_and_disk_gauge(geom, tmp_path):
+    import threading
+
+    release = threading.Event()
+    entered = threading.Event()
+
+    def hold(kind):
+        entered.set()
+        assert release.wait(10)
+
+    kv = make(geom, tmp_path, copy_fault_hook=hold)
+    try:
+        gen = torch.Generator().manual_seed(20)
+        fill(kv, "a", gen, 8)
+        assert kv.offload("a") and entered.wait(10)
+        kv.remove_request("a")  # its copy is running: the slots wait for it
+        (tomb,) = kv._tombstones.values()
+        release.set()
+        tomb.future.result(10)
+        assert kv.host_used_bytes() > 0
+        assert kv.poll() == 1  # the burial counts as a finished transfer
+        assert kv.host_used_bytes() == 0 and kv.device_used_bytes() == 0
+        fill(kv, "b", gen, 8)
+        kv.offload("b")
+        kv.synchronize(10)
+        assert kv.demote("b")
+        kv.synchronize(10)
+        assert kv.disk_used_bytes() == kv.disk.used_bytes() > 0
+        kv.check_integrity()
+    finally:
+        release.set()
+        kv.close()
