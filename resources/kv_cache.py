@@ -632,38 +632,26 @@ class PagedKVCache(Resource):
         if exc is not None:
             self._survived(r, S.RESIDENT, "offload_failures", exc, host=True)
             return
-        nbytes = len(r.device) * self.geometry.page_bytes
-        self.device_pool.release(r.rid, r.device)
-        r.device = []
         r.checksum = job.future.result()
-        self._set_state(r, S.ON_HOST)
-        self.stats.offloads_to_host += 1
-        self.stats.bytes_device_to_host += nbytes
+        nbytes = self._free_source(r, "device")
+        self._land(r, S.ON_HOST, "offloads_to_host", "bytes_device_to_host", nbytes)
 
     def _done_offload_disk(self, r, job, exc):
         if exc is not None:
             self._survived(r, S.RESIDENT, "offload_failures", exc, disk=True)
             return
-        nbytes = len(r.device) * self.geometry.page_bytes
-        self.device_pool.release(r.rid, r.device)
-        r.device = []
         r.checksum = job.future.result()
+        nbytes = self._free_source(r, "device")
         self._commit_disk(r)
-        self._set_state(r, S.ON_DISK)
-        self.stats.offloads_to_disk += 1
-        self.stats.bytes_device_to_disk += nbytes
+        self._land(r, S.ON_DISK, "offloads_to_disk", "bytes_device_to_disk", nbytes)
 
     def _done_demote(self, r, job, exc):
         if exc is not None:
             self._survived(r, S.ON_HOST, "demote_failures", exc, disk=True)
             return
-        nbytes = len(r.host) * self.geometry.page_bytes
-        self.host_pool.release(r.rid, r.host)
-        r.host = []
+        nbytes = self._free_source(r, "host")
         self._commit_disk(r)
-        self._set_state(r, S.ON_DISK)
-        self.stats.demotions += 1
-        self.stats.bytes_host_to_disk += nbytes
+        self._land(r, S.ON_DISK, "demotions", "bytes_host_to_disk", nbytes)
 
     def _done_reload_host(self, r, job, exc):
         if isinstance(exc, ChecksumMismatch):
@@ -672,13 +660,9 @@ class PagedKVCache(Resource):
         if exc is not None:
             self._survived(r, S.ON_HOST, "reload_failures", exc, device=True)
             return
-        nbytes = len(r.host) * self.geometry.page_bytes
-        self.host_pool.release(r.rid, r.host)
-        r.host = []
         r.ready_event = job.future.result()
-        self._set_state(r, S.RESIDENT)
-        self.stats.reloads_from_host += 1
-        self.stats.bytes_host_to_device += nbytes
+        nbytes = self._free_source(r, "host")
+        self._land(r, S.RESIDENT, "reloads_from_host", "bytes_host_to_device", nbytes)
         self.stats.reload_stall_s_total += max(0.0, self._clock() - job.started)
 
     def _done_reload_disk(self, r, job, exc):
@@ -688,14 +672,30 @@ class PagedKVCache(Resource):
         if exc is not None:
             self._mark_lost(r, f"reload from disk failed: {type(exc).__name__}: {exc}")
             return
-        nbytes = len(r.device) * self.geometry.page_bytes
-        self.disk.release(r.disk)
-        r.disk = None
         r.ready_event = job.future.result()
-        self._set_state(r, S.RESIDENT)
-        self.stats.reloads_from_disk += 1
-        self.stats.bytes_disk_to_device += nbytes
+        nbytes = self._free_source(r, "disk")
+        self._land(r, S.RESIDENT, "reloads_from_disk", "bytes_disk_to_device", nbytes)
         self.stats.reload_stall_s_total += max(0.0, self._clock() - job.started)
+
+    def _free_source(self, r: RequestRecord, tier: str) -> int:
+        """Give back the tier a completed copy read from; returns the bytes moved."""
+        nbytes = self._pages_for(r) * self.geometry.page_bytes
+        if tier == "device":
+            self.device_pool.release(r.rid, r.device)
+            r.device = []
+        elif tier == "host":
+            self.host_pool.release(r.rid, r.host)
+            r.host = []
+        else:
+            self.disk.release(r.disk)
+            r.disk = None
+        return nbytes
+
+    def _land(self, r: RequestRecord, state: RequestState, count: str, link: str, nbytes: int):
+        """A completed move: the new state and its counters."""
+        self._set_state(r, state)
+        setattr(self.stats, count, getattr(self.stats, count) + 1)
+        setattr(self.stats, link, getattr(self.stats, link) + nbytes)
 
     def _commit_disk(self, r: RequestRecord) -> None:
         self.disk.commit(r.rid, r.disk, {"num_tokens": r.num_tokens, "checksum": r.checksum})
