@@ -53,7 +53,7 @@ from resources.kv_records import (
 from tiering.checksum import ChecksumMismatch, crc_of, crc_of_pages
 from tiering.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.pools import PagePool, PoolIntegrityError
-from tiering.transfer import StreamSet, coalesce, copy_runs, no_fault
+from tiering.transfer import StreamSet, coalesce, copy_runs, gather_pages, no_fault
 from tiering.types import (
     OFFLOADED_STATES,
     RELOADABLE_STATES,
@@ -467,7 +467,7 @@ class PagedKVCache(Resource):
 
     def reload_bytes(self, rid: str) -> int:
         r = self._req(rid)
-        if r.state not in (S.ON_HOST, S.ON_DISK, S.DEMOTING):
+        if r.state not in OFFLOADED_STATES:
             return 0
         return self._pages_for(r) * self.geometry.page_bytes
 
@@ -568,10 +568,8 @@ class PagedKVCache(Resource):
         return crc
 
     def _job_demote(self, host_slots, extent):
-        staging = torch.empty((len(host_slots), *self.geometry.page_shape), dtype=self.geometry.dtype)
-        for run in coalesce(host_slots, range(len(host_slots))):
-            staging[run.dst : run.dst + run.length].copy_(self._host[run.src : run.src + run.length])
-        self.disk.write(extent, staging)
+        # the request's host slots stay its own until the write completes
+        self.disk.write(extent, gather_pages(self._host, host_slots))
 
     def _job_reload_host(self, host_slots, dev_slots, checksum):
         if checksum is not None and crc_of_pages(self._host, host_slots) != checksum:

@@ -55,9 +55,6 @@ class PagePool:
     def used_bytes(self) -> int:
         return self._used_bytes
 
-    def owner_of(self, slot: int) -> Hashable | None:
-        return self._owner[slot]
-
     # -- changing ---------------------------------------------------------------
 
     def can_allocate(self, n: int) -> bool:

@@ -429,7 +429,7 @@ class ModeledKVCache:
 
     def reload_bytes(self, rid: str) -> int:
         r = self._req(rid)
-        if r.state not in (S.ON_HOST, S.ON_DISK, S.DEMOTING):
+        if r.state not in OFFLOADED_STATES:
             return 0
         return self.pages_for(r.tokens) * self.page_bytes
 
