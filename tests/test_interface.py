@@ -58,9 +58,10 @@ ENGINE_CLASSES = {"Resource": base.Resource, "AttentionResource": base.Attention
                   "PublishedInfo": base.PublishedInfo}
 
 
-def test_seed_was_found_when_present():
-    if SEED_DIR.exists():
-        assert len(SEED) > 40, f"parsed only {len(SEED)} methods from {SEED_DIR}"
+def test_seed_was_parsed():
+    if not SEED_DIR.exists():
+        pytest.skip(f"no seed beside the repository at {SEED_DIR}")
+    assert len(SEED) > 40, f"parsed only {len(SEED)} methods from {SEED_DIR}"
 
 
 @pytest.mark.parametrize("key", sorted(SEED, key=str) or [("Resource", "offload")], ids=str)

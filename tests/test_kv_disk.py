@@ -298,3 +298,30 @@ def test_poll_counts_buried_copies_and_disk_gauge(geom, tmp_path):
     finally:
         release.set()
         kv.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_drop_gives_up_an_offloaded_request(geom, tmp_path, tier):
+    kv = make(geom, tmp_path)
+    try:
+        gen = torch.Generator().manual_seed(23)
+        fill(kv, "a", gen, 8)
+        b = fill(kv, "b", gen, 8)
+        if tier == "host":
+            kv.offload("a")
+            kv.synchronize(10)
+        else:
+            to_disk(kv, "a")
+        kv.drop("a")
+        kv.check_integrity()
+        assert kv.state_of("a") is S.LOST and kv.lost_reason("a") == "dropped"
+        assert kv.stats.dropped == 1 and kv.stats.lost == 0
+        assert kv.host_used_bytes() == 0 and kv.disk_used_bytes() == 0
+        assert kv.take_lost() == [("a", "dropped")]
+        with pytest.raises(RequestLost, match="dropped"):
+            kv.read("a", 0)
+        assert_same(kv, "b", b)
+        kv.remove_request("a")
+        kv.check_integrity()
+    finally:
+        kv.close()
