@@ -7,6 +7,7 @@ in one module with no dependencies of its own.
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 
 class Tier(enum.Enum):
@@ -94,3 +95,46 @@ def check_transition(rid: str, current: RequestState, new: RequestState) -> None
         raise IllegalTransition(
             f"request {rid!r} is {current.value}; it cannot become {new.value}"
         )
+
+
+class Move(enum.Enum):
+    """One kind of transfer between tiers (the typed key moves are dispatched by)."""
+
+    OFFLOAD_TO_HOST = "offload_host"
+    OFFLOAD_TO_DISK = "offload_disk"
+    DEMOTE = "demote"
+    RELOAD_FROM_HOST = "reload_host"
+    RELOAD_FROM_DISK = "reload_disk"
+
+    @property
+    def source(self) -> Tier:
+        return _MOVE_TIERS[self][0]
+
+    @property
+    def destination(self) -> Tier:
+        return _MOVE_TIERS[self][1]
+
+
+_MOVE_TIERS = {
+    Move.OFFLOAD_TO_HOST: (Tier.DEVICE, Tier.HOST),
+    Move.OFFLOAD_TO_DISK: (Tier.DEVICE, Tier.DISK),
+    Move.DEMOTE: (Tier.HOST, Tier.DISK),
+    Move.RELOAD_FROM_HOST: (Tier.HOST, Tier.DEVICE),
+    Move.RELOAD_FROM_DISK: (Tier.DISK, Tier.DEVICE),
+}
+
+
+class TransferResult(NamedTuple):
+    """What one finished transfer did, as ``poll()`` reports it.
+
+    ``ok``: the bytes reached the destination. ``state``: the request's state
+    after the completion was applied (None when the request was removed while
+    its copy ran; its slots came back). ``reason``: why it failed, else None.
+    """
+
+    rid: str
+    move: Move
+    ok: bool
+    nbytes: int
+    state: RequestState | None
+    reason: str | None = None
