@@ -1,12 +1,74 @@
 """tiering: a GPU memory-tiering offload manager for long-context LLM serving workers.
 
-The mechanism lives here (pools, transfers, the disk store, pressure sources,
-the eviction controller); the KV cache that uses it is ``resources.kv_cache``.
-Heavier pieces are imported from their own modules, e.g.
-``from tiering.controller import EvictionController``.
+The front door: ``from tiering import ...`` gives the whole public API.
+
+- ``TieredKV`` / ``TieredKVConfig``: the one object a worker embeds (cache,
+  controller, pressure source and policy together).
+- The parts, for an engine that drives them itself: ``PagedKVCache``,
+  ``KVGeometry``, ``DiskConfig``, ``EvictionController``, ``ControllerConfig``,
+  the pressure sources, ``make_policy`` / ``register_policy``.
+- The vocabulary: ``Tier``, ``RequestState``, ``Move``, ``TransferResult``.
+- The errors a caller may catch.
+
+Names are loaded on first use, so ``import tiering`` stays cheap and the
+packages below (``policies``, ``resources``) may import ``tiering.types``.
 """
 
-from tiering.types import RequestState, Tier
+from __future__ import annotations
 
-__all__ = ["RequestState", "Tier"]
+from importlib import import_module
+from typing import Any
+
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # the front door
+    "TieredKV": "tiering.tiered",
+    "TieredKVConfig": "tiering.tiered",
+    # the parts
+    "PagedKVCache": "resources.kv_cache",
+    "KVGeometry": "resources.kv_geometry",
+    "ResourceReqConfig": "resources.base",
+    "DiskConfig": "tiering.disk.config",
+    "EvictionController": "tiering.controller",
+    "ControllerConfig": "tiering.controller_config",
+    "EvictionReport": "tiering.controller_config",
+    "PoolPressure": "tiering.pressure",
+    "NvmlPressure": "tiering.pressure",
+    "TorchCudaPressure": "tiering.pressure",
+    "PoolAdjustedPressure": "tiering.pressure",
+    "CompositePressure": "tiering.pressure",
+    "PressurePoller": "tiering.pressure",
+    "Policy": "policies.base",
+    "make_policy": "policies",
+    "register_policy": "policies",
+    # vocabulary
+    "Tier": "tiering.types",
+    "RequestState": "tiering.types",
+    "Move": "tiering.types",
+    "TransferResult": "tiering.types",
+    # errors
+    "IllegalTransition": "tiering.types",
+    "UnknownRequest": "resources.kv_records",
+    "RequestLost": "resources.kv_records",
+    "UnknownRequestError": "tiering.controller_config",
+    "PoolIntegrityError": "tiering.pools",
+    "DiskIOError": "tiering.disk.store",
+    "DiskCorruptionError": "tiering.disk.store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tiering' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,136 @@
+"""The front door: one object that owns cache, controller, pressure and policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resources.base import ResourceReqConfig
+from tiering.controller import ControllerConfig
+from tiering.testing import FakeClock
+from tiering.tiered import TieredKV, TieredKVConfig
+from tiering.types import RequestState
+
+
+def _config(geom, **kw) -> TieredKVConfig:
+    base = dict(geometry=geom, device_pages=8, host_pages=32,
+                controller=ControllerConfig(high=0.7, low=0.4, min_residency_s=0.0))
+    base.update(kw)
+    return TieredKVConfig(**base)
+
+
+def _fill(tkv: TieredKV, rid: str, tokens: int, gen: torch.Generator) -> list[torch.Tensor]:
+    g = tkv.kv.geometry
+    tkv.add(rid)
+    assert tkv.kv.allocate(rid, tokens)
+    layers = []
+    for layer in range(g.num_layers):
+        k = torch.randn(tokens, g.num_kv_heads, g.head_dim, generator=gen).to(g.dtype)
+        v = torch.randn(tokens, g.num_kv_heads, g.head_dim, generator=gen).to(g.dtype)
+        tkv.kv.write(rid, layer, 0, k, v)
+        layers.append((k, v))
+    return layers
+
+
+def test_worker_loop_moves_idle_requests_out_and_brings_them_back_exact(geom):
+    clock = FakeClock()
+    gen = torch.Generator().manual_seed(7)
+    with TieredKV(_config(geom), clock=clock) as tkv:
+        data = {rid: _fill(tkv, rid, 8, gen) for rid in ("a", "b", "c")}  # 2 pages each
+        tkv.check_integrity()
+        # a and b idle; c runs: 6 of 8 pages used > high 0.7, so idle ones leave
+        assert tkv.prepare(["c"]) == ["c"]
+        report = tkv.after_step(["c"])
+        assert report.offloaded, "pressure above high must offload an idle request"
+        assert "c" not in report.offloaded
+        tkv.kv.synchronize(timeout=10)
+        tkv.check_integrity()
+        gone = [rid for rid in ("a", "b") if tkv.kv.is_offloaded(rid)]
+        assert gone
+        # asked back: not ready this step, ready once its reload has landed
+        rid = gone[0]
+        assert tkv.prepare([rid]) == []
+        for _ in range(5):
+            clock.advance(1.0)
+            tkv.after_step([])
+            tkv.kv.synchronize(timeout=10)
+            if tkv.prepare([rid]) == [rid]:
+                break
+        else:
+            pytest.fail(f"{rid} never came back: {tkv.kv.state_of(rid)}")
+        tkv.check_integrity()
+        for layer, (k, v) in enumerate(data[rid]):
+            got_k, got_v = tkv.kv.read(rid, layer)
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)
+        assert tkv.stats()["kv.offloads_to_host"] >= 1
+        assert tkv.stats()["kv.reloads_from_host"] >= 1
+
+
+def test_add_is_idempotent_and_refuses_different_settings(geom):
+    with TieredKV(_config(geom)) as tkv:
+        tkv.add("a")
+        tkv.add("a")
+        assert tkv.requests() == ["a"]
+        with pytest.raises(ValueError, match="'a'"):
+            tkv.add("a", ResourceReqConfig(retention_priority=90))
+        assert tkv.requests() == ["a"]
+        tkv.check_integrity()
+
+
+def test_unknown_requests_are_refused_without_change(geom):
+    with TieredKV(_config(geom)) as tkv:
+        tkv.add("a")
+        with pytest.raises(KeyError, match="'nope'"):
+            tkv.prepare(["a", "nope"])
+        with pytest.raises(KeyError, match="'nope'"):
+            tkv.after_step(["nope"])
+        with pytest.raises(KeyError, match="'nope'"):
+            tkv.remove("nope")
+        assert tkv.requests() == ["a"]
+        assert tkv.kv.state_of("a") is RequestState.RESIDENT
+
+
+def test_remove_forgets_everywhere_and_close_is_final(geom):
+    gen = torch.Generator().manual_seed(3)
+    tkv = TieredKV(_config(geom))
+    _fill(tkv, "a", 5, gen)
+    tkv.remove("a")
+    assert tkv.requests() == [] and tkv.kv.requests() == []
+    assert tkv.stats()["device_used_bytes"] == 0
+    tkv.check_integrity()
+    tkv.close()
+    tkv.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        tkv.add("b")
+    with pytest.raises(RuntimeError, match="closed"):
+        tkv.prepare([])
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("device_pages", 0, "device_pages"),
+        ("host_pages", True, "host_pages"),
+        ("policy", 3, "policy"),
+        ("controller", {}, "controller"),
+        ("cache_options", {"device": "cpu"}, "cache_options"),
+    ],
+)
+def test_config_names_the_bad_field(geom, field, value, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        _config(geom, **{field: value})
+
+
+def test_unknown_policy_name_is_refused_and_leaves_nothing_running(geom):
+    with pytest.raises(ValueError, match="mru"):
+        TieredKV(_config(geom, policy="mru"))
+
+
+def test_front_door_exports_every_public_name():
+    import tiering
+
+    for name in tiering.__all__:
+        assert getattr(tiering, name) is not None, name
+    assert tiering.TieredKV is TieredKV
+    with pytest.raises(AttributeError, match="no_such_name"):
+        tiering.no_such_name  # noqa: B018

@@ -1,0 +1,228 @@
+"""``TieredKV``: the one object a serving worker embeds.
+
+It owns a ``PagedKVCache``, an ``EvictionController``, the pressure source and
+the policy, and drives them in the order a step needs::
+
+    tkv = TieredKV(TieredKVConfig(geometry=geom, device_pages=64, host_pages=256))
+    tkv.add("req-1")
+    ready = tkv.prepare(batch)       # asks offloaded requests back, admits the rest
+    model.step(ready)                # reads and writes tkv.kv
+    tkv.after_step(ready)            # touches what ran, evicts at the safe point
+    tkv.remove("req-1")
+    tkv.close()
+
+The parts stay usable alone (the engine's ``Resource`` contract) for an engine
+that drives them itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies import make_policy
+from policies.base import Policy
+from resources.base import ResourceReqConfig, ResourceStep, StepContext
+from resources.kv_cache import PagedKVCache
+from resources.kv_geometry import KVGeometry
+from tiering.controller import ControllerConfig, EvictionController, EvictionReport
+from tiering.disk.config import DiskConfig
+from tiering.pressure import PoolPressure, PressureSource
+
+
+def _check_pages(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"TieredKVConfig.{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TieredKVConfig:
+    """What a ``TieredKV`` is built from.
+
+    ``policy``: a registered policy name or a ``Policy`` instance.
+    ``pressure``: builds the pressure source from the cache (default: the
+    cache's own pool occupancy, exact). ``cache_options``: further keyword
+    arguments of ``PagedKVCache`` (``copy_workers``, ``disk_wrap_store``, ...).
+    """
+
+    geometry: KVGeometry
+    device: str = "cpu"
+    device_pages: int = 64
+    host_pages: int = 64
+    disk: DiskConfig | None = None
+    verify: bool = False
+    offload_to_disk_when_host_full: bool = True
+    policy: str | Policy = "lru"
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    pressure: Callable[[PagedKVCache], PressureSource] = PoolPressure
+    cache_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.geometry, KVGeometry):
+            raise TypeError(
+                f"TieredKVConfig.geometry must be a KVGeometry, got {type(self.geometry).__name__}"
+            )
+        _check_pages("device_pages", self.device_pages)
+        _check_pages("host_pages", self.host_pages)
+        if self.disk is not None and not isinstance(self.disk, DiskConfig):
+            raise TypeError(
+                f"TieredKVConfig.disk must be a DiskConfig or None, got {type(self.disk).__name__}"
+            )
+        if not isinstance(self.policy, (str, Policy)):
+            raise TypeError(
+                f"TieredKVConfig.policy must be a policy name or a Policy, got {self.policy!r}"
+            )
+        if not isinstance(self.controller, ControllerConfig):
+            raise TypeError("TieredKVConfig.controller must be a ControllerConfig")
+        if not callable(self.pressure):
+            raise TypeError("TieredKVConfig.pressure must be callable (cache -> PressureSource)")
+        reserved = {"geometry", "device", "device_pages", "host_pages", "disk", "verify",
+                    "offload_to_disk_when_host_full", "clock"}
+        clash = reserved & set(self.cache_options)
+        if clash:
+            raise ValueError(
+                f"TieredKVConfig.cache_options must not repeat fields of the config: {sorted(clash)}"
+            )
+
+
+class TieredKV:
+    """A tiered KV cache with its controller, driven once per step (see the module doc).
+
+    ``clock`` is shared by the cache and the controller (residency, ageing,
+    retention expiry). Registering is one call: ``add`` is idempotent for the
+    same settings and refuses different ones, like the cache's
+    ``ingest_request``.
+    """
+
+    def __init__(
+        self,
+        config: TieredKVConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        policy_registry: Any = None,
+    ) -> None:
+        if not isinstance(config, TieredKVConfig):
+            raise TypeError(f"TieredKV needs a TieredKVConfig, got {type(config).__name__}")
+        self.config = config
+        policy = config.policy
+        if isinstance(policy, str):
+            policy = make_policy(policy, registry=policy_registry)
+        self.policy = policy
+        self.kv = PagedKVCache(
+            config.geometry, device=config.device, device_pages=config.device_pages,
+            host_pages=config.host_pages, disk=config.disk, verify=config.verify,
+            offload_to_disk_when_host_full=config.offload_to_disk_when_host_full,
+            clock=clock, **config.cache_options,
+        )
+        try:
+            self.pressure = config.pressure(self.kv)
+            self.controller = EvictionController(
+                {"kv": self.kv}, policy, self.pressure, config.controller, clock=clock
+            )
+            for rid in self.kv.requests():  # reattached from disk by an earlier process
+                self.controller.add_request(rid)
+        except BaseException:
+            self.kv.close()
+            raise
+        self._known: set[str] = set(self.kv.requests())
+        self._running: frozenset[str] = frozenset()
+        self._closed = False
+
+    # -- registration -----------------------------------------------------------
+
+    def add(self, rid: str, config: ResourceReqConfig | None = None) -> None:
+        """Register a request with the cache and the controller (idempotent)."""
+        self._check_open()
+        self.kv.ingest_request(rid, config)  # validates; refuses different settings
+        if rid not in self._known:
+            self.controller.add_request(rid)
+            self._known.add(rid)
+
+    def remove(self, rid: str) -> None:
+        """Forget a request everywhere and give back its slots."""
+        self._check_open()
+        if rid not in self._known:
+            raise KeyError(f"TieredKV.remove: unknown request {rid!r}")
+        self.kv.remove_request(rid)
+        self.controller.remove_request(rid)
+        self._known.discard(rid)
+
+    def requests(self) -> list[str]:
+        return sorted(self._known)
+
+    # -- the step ---------------------------------------------------------------
+
+    def prepare(self, batch: Sequence[str], step: int = 0) -> list[str]:
+        """The requests of ``batch`` whose KV is on the device and ready, in order.
+
+        Finished copies are applied first; an offloaded request is asked back
+        (admitted only when it fits) and is not ready this step; a lost one is
+        not ready (``take_lost`` says why)."""
+        self._check_open()
+        self._check_batch(batch, "prepare")
+        kv = self.kv
+        kv.poll()
+        ready = []
+        for rid in batch:
+            if kv.is_offloaded(rid):
+                self.controller.request_reload(rid)
+                continue
+            if kv.admit(ResourceStep(rid), StepContext(step)):
+                ready.append(rid)
+        return ready
+
+    def after_step(self, ran: Iterable[str], keep: Collection[str] = ()) -> EvictionReport:
+        """Mark ``ran`` as used now and let the controller move KV at this safe
+        point; ``ran`` and ``keep`` (requests about to run) are not offloaded."""
+        self._check_open()
+        ran = list(ran)
+        self._check_batch(ran, "after_step")
+        for rid in ran:
+            self.controller.touch(rid)
+        running = frozenset(ran).union(keep)
+        if running != self._running:  # the same frozenset lets the controller reuse a scan
+            self._running = running
+        return self.controller.evict_if_needed(self._running)
+
+    def take_lost(self) -> list[tuple[str, str]]:
+        """(rid, reason) of requests whose KV was lost since the last call."""
+        return self.kv.take_lost()
+
+    # -- reports and lifecycle ---------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """The cache's move counters, the controller's, and the bytes per tier."""
+        out: dict[str, float] = {f"kv.{k}": v for k, v in self.kv.stats.as_dict().items()}
+        out.update({f"controller.{k}": v for k, v in self.controller.stats().items()})
+        out["device_used_bytes"] = self.kv.device_used_bytes()
+        out["host_used_bytes"] = self.kv.host_used_bytes()
+        out["disk_used_bytes"] = self.kv.disk_used_bytes()
+        out["requests"] = len(self._known)
+        return out
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
+    def close(self) -> None:
+        """Finish or abandon transfers and stop every thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.kv.close()
+
+    def __enter__(self) -> TieredKV:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TieredKV is closed")
+
+    def _check_batch(self, batch: Sequence[str], what: str) -> None:
+        unknown = [rid for rid in batch if rid not in self._known]
+        if unknown:
+            raise KeyError(f"TieredKV.{what}: unknown request(s) {unknown[:5]}")
