@@ -22,6 +22,7 @@ Contract of every move (see ``tiering.types`` for the states):
 from __future__ import annotations
 
 import concurrent.futures as cf
+import inspect
 import itertools
 import logging
 import time
@@ -56,7 +57,8 @@ from tiering.checksum import ChecksumMismatch, crc_of, crc_of_pages
 from tiering.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.pinning import HostRuntime, PinnedSlab, PinOutcome, pin_host_slab
 from tiering.pools import PagePool, PoolIntegrityError
-from tiering.transfer import StreamSet, coalesce, copy_runs, gather_pages, no_fault
+from tiering.staging import StagingConfig, StagingRing, StagingTimeout
+from tiering.transfer import StreamSet, coalesce, copy_runs, gather_pages, issue_runs, no_fault
 from tiering.types import (
     OFFLOADED_STATES,
     RELOADABLE_STATES,
@@ -121,9 +123,13 @@ class PagedKVCache(Resource):
         disk_wrap_store: Callable[[Any], Any] | None = None,
         compute_stream=None,
         host_runtime: HostRuntime | None = None,
+        staging: StagingConfig | None = None,
+        stage_disk_io: bool | None = None,
     ) -> None:
         if not isinstance(geometry, KVGeometry):
             raise TypeError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
+        if staging is not None and not isinstance(staging, StagingConfig):
+            raise ValueError(f"staging must be a StagingConfig or None, got {type(staging).__name__}")
         for name, v in (("device_pages", device_pages), ("host_pages", host_pages),
                         ("copy_workers", copy_workers), ("io_workers", io_workers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -178,6 +184,13 @@ class PagedKVCache(Resource):
                     disk, shape, geometry.dtype, fingerprint=geometry.fingerprint(),
                     wrap_store=disk_wrap_store,
                 )
+            self._range_io = self.disk is not None and _has_range_io(self.disk)
+            # a GPU's pages reach the disk through the ring; a CPU's go straight
+            self._stage = (self.device.type == "cuda") if stage_disk_io is None else bool(stage_disk_io)
+            self._ring = None
+            if self.disk is not None and self._stage and self._range_io:
+                pin = (lambda t: t.pin_memory()) if self.device.type == "cuda" else None
+                self._ring = StagingRing(staging or StagingConfig(), shape, geometry.dtype, pin=pin)
             if self.disk is not None:
                 self._adopt_reattached()
         except BaseException:
@@ -695,8 +708,19 @@ class PagedKVCache(Resource):
         return crc_of_pages(self._host, host_slots) if self.verify else None
 
     def _job_offload_disk(self, dev_slots, extent, marker):
-        staging = torch.empty((len(dev_slots), *self.geometry.page_shape), dtype=self.geometry.dtype)
-        copy_runs(self._streams, self._dev, staging, coalesce(dev_slots, range(len(dev_slots))),
+        n = len(dev_slots)
+        if self._stage and self._range_io:
+            return self._staged_write(dev_slots, extent, marker)
+        if self._range_io:  # a CPU device: each run of pages goes to disk from where it lies
+            crc = 0
+            for r in coalesce(dev_slots, range(n)):
+                self._fault("d2h")
+                pages = self._dev[r.src : r.src + r.length]
+                crc = crc_of(pages, crc) if self.verify else 0
+                self.disk.write(extent, pages, first_page=r.dst)
+            return crc if self.verify else None
+        staging = torch.empty((n, *self.geometry.page_shape), dtype=self.geometry.dtype)
+        copy_runs(self._streams, self._dev, staging, coalesce(dev_slots, range(n)),
                   "d2h", after=marker, fault_hook=self._fault)
         crc = crc_of(staging) if self.verify else None
         self.disk.write(extent, staging)
@@ -704,6 +728,10 @@ class PagedKVCache(Resource):
 
     def _job_demote(self, host_slots, extent):
         # the request's host slots stay its own until the write completes
+        if self._range_io:  # each run of host pages is written from where it lies
+            for r in coalesce(host_slots, range(len(host_slots))):
+                self.disk.write(extent, self._host[r.src : r.src + r.length], first_page=r.dst)
+            return
         self.disk.write(extent, gather_pages(self._host, host_slots))
 
     def _job_reload_host(self, host_slots, dev_slots, checksum, marker):
@@ -715,21 +743,112 @@ class PagedKVCache(Resource):
     def _job_reload_disk(self, extent, dev_slots, checksum, marker):
         n = len(dev_slots)
         runs = coalesce(range(n), dev_slots)
-        if self.device.type == "cpu" and len(runs) == 1:
-            # straight into the destination: the slots are this reload's own
-            # and are not readable until the completion has checked the bytes
-            dst = self._dev[runs[0].dst : runs[0].dst + n]
-            self._fault("h2d")
-            self.disk.read(extent, dst)
-            if checksum is not None and crc_of(dst) != checksum:
+        if self._stage and self._range_io:
+            crc = self._staged_read(extent, dev_slots, marker)
+        elif not self._stage and (self._range_io or len(runs) == 1):
+            # a CPU device: straight into the destination; the slots are this
+            # reload's own and are not readable until the completion lands
+            crc = 0
+            for r in runs:
+                self._fault("h2d")
+                dst = self._dev[r.dst : r.dst + r.length]
+                if self._range_io:
+                    self.disk.read(extent, dst, first_page=r.src)
+                else:
+                    self.disk.read(extent, dst)
+                crc = crc_of(dst, crc) if checksum is not None else 0
+        else:
+            staging = torch.empty((n, *self.geometry.page_shape), dtype=self.geometry.dtype)
+            self.disk.read(extent, staging)
+            crc = crc_of(staging) if checksum is not None else 0
+            if checksum is not None and crc != checksum:
                 raise ChecksumMismatch("disk copy does not match the checksum taken at offload")
-            return None
-        staging = torch.empty((n, *self.geometry.page_shape), dtype=self.geometry.dtype)
-        self.disk.read(extent, staging)
-        if checksum is not None and crc_of(staging) != checksum:
+            return copy_runs(self._streams, staging, self._dev, runs, "h2d", after=marker,
+                             fault_hook=self._fault)
+        if checksum is not None and crc != checksum:
             raise ChecksumMismatch("disk copy does not match the checksum taken at offload")
-        return copy_runs(self._streams, staging, self._dev, runs, "h2d", after=marker,
-                         fault_hook=self._fault)
+        return None
+
+    def _acquire_staging(self) -> torch.Tensor:
+        buf = self._ring.acquire()
+        if buf is None:
+            raise StagingTimeout(
+                f"no staging buffer came free within {self._ring.config.timeout_s}s"
+            )
+        return buf
+
+    def _staged_write(self, dev_slots, extent, marker):
+        """Device pages to disk through the ring, a piece at a time: the copy
+        of piece i+1 is queued before piece i is written."""
+        P, n = self._ring.pages, len(dev_slots)
+        crc = 0
+        pending: list[tuple[torch.Tensor, int, int, Any]] = []  # (buf, first page, count, event)
+        held: list[torch.Tensor] = []
+
+        def drain_one() -> None:
+            nonlocal crc
+            buf, p, k, ev = pending.pop(0)
+            if ev is not None:
+                ev.synchronize()
+            if self.verify:
+                crc = crc_of(buf[:k], crc)
+            self.disk.write(extent, buf[:k], first_page=p)
+            held.remove(buf)
+            self._ring.release(buf)
+
+        try:
+            for p in range(0, n, P):
+                k = min(P, n - p)
+                if pending and self._ring.free_count() == 0:
+                    drain_one()  # never wait for a buffer this job itself holds
+                buf = self._acquire_staging()
+                held.append(buf)
+                ev = issue_runs(self._streams, self._dev, buf,
+                                coalesce(dev_slots[p : p + k], range(k)), "d2h",
+                                after=marker if p == 0 else None, fault_hook=self._fault)
+                pending.append((buf, p, k, ev))
+                if len(pending) > 1:
+                    drain_one()
+            while pending:
+                drain_one()
+        finally:
+            for _, _, _, ev in pending:  # fence copies still queued before the buffers go back
+                if ev is not None:
+                    ev.synchronize()
+            for buf in held:
+                self._ring.release(buf)
+        return crc if self.verify else None
+
+    def _staged_read(self, extent, dev_slots, marker) -> int:
+        """Disk pages to the device through the ring, a piece at a time: piece
+        i+1 is read while piece i is being copied. Returns the crc of all pages."""
+        P, n = self._ring.pages, len(dev_slots)
+        crc = 0
+        pending: list[tuple[torch.Tensor, Any]] = []
+        try:
+            for p in range(0, n, P):
+                k = min(P, n - p)
+                if len(pending) > 1 or (pending and self._ring.free_count() == 0):
+                    # at most two pieces in flight per job, and never wait for
+                    # a buffer this job itself holds
+                    buf, ev = pending.pop(0)
+                    if ev is not None:
+                        ev.synchronize()
+                    self._ring.release(buf)
+                buf = self._acquire_staging()
+                pending.append((buf, None))
+                self.disk.read(extent, buf[:k], first_page=p)
+                crc = crc_of(buf[:k], crc)
+                ev = issue_runs(self._streams, buf, self._dev,
+                                coalesce(range(k), dev_slots[p : p + k]), "h2d",
+                                after=marker if p == 0 else None, fault_hook=self._fault)
+                pending[-1] = (buf, ev)
+        finally:
+            for buf, ev in pending:  # every copy has finished before a slot or buffer is freed
+                if ev is not None:
+                    ev.synchronize()
+                self._ring.release(buf)
+        return crc
 
     # -- completion (caller's thread) -------------------------------------------------
 
@@ -840,7 +959,9 @@ class PagedKVCache(Resource):
         return self._land(r, job, S.RESIDENT, "reloads_from_host", "bytes_host_to_device", nbytes)
 
     def _done_reload_disk(self, r, job, exc):
-        if exc is not None and not isinstance(exc, (OSError, ChecksumMismatch)):
+        if isinstance(exc, StagingTimeout) or (
+            exc is not None and not isinstance(exc, (OSError, ChecksumMismatch))
+        ):
             return self._survived(r, job, S.ON_DISK, "reload_failures", exc)
         if exc is not None:
             return self._lost(r, job, f"reload from disk failed: {_why(exc)}")
@@ -977,6 +1098,11 @@ class PagedKVCache(Resource):
                 problems.append(f"{rid}: disk extent of {r.disk.num_pages} pages, needs {need}")
         for key, t in self._tombstones.items():
             dev[key], host[key] = t.device, t.host
+        if self._ring is not None and not self._inflight and not self._tombstones:
+            try:
+                self._ring.check_integrity()
+            except AssertionError as exc:
+                problems.append(str(exc))
         try:
             self.device_pool.check_integrity(dev)
             self.host_pool.check_integrity(host)
@@ -1031,6 +1157,16 @@ class PagedKVCache(Resource):
 
     def __exit__(self, *exc) -> None:
         self.cleanup()
+
+
+def _has_range_io(disk) -> bool:
+    """Whether the disk store reads and writes page ranges (``first_page=``)."""
+    try:
+        return all(
+            "first_page" in inspect.signature(getattr(disk, m)).parameters for m in ("read", "write")
+        )
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def _why(exc: BaseException) -> str:

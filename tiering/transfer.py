@@ -103,7 +103,7 @@ class StreamSet:
             self.compute.wait_event(ready_event)
 
 
-def copy_runs(
+def issue_runs(
     streams: StreamSet,
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -112,13 +112,13 @@ def copy_runs(
     after=None,
     fault_hook: Callable[[str], None] = no_fault,
 ):
-    """Copy ``runs`` of pages from ``src`` to ``dst`` and wait until done.
+    """Queue the copies of ``runs`` from ``src`` to ``dst``; returns the event
+    recorded after them on CUDA (not waited for), None on a CPU (already done).
 
     Runs on a worker thread. ``direction`` is "d2h" or "h2d" and picks the
     CUDA stream; ``after`` is a compute-stream marker to wait on first (for
     an offload, kernels may still be writing the KV; for a reload, kernels
-    queued for the slots' previous owner may still use them). Returns the
-    CUDA event recorded after the copies (None on CPU).
+    queued for the slots' previous owner may still use them).
 
     If anything raises after copies were queued, the copies already queued
     are fenced (waited for) before the exception leaves, so no caller frees
@@ -138,14 +138,33 @@ def copy_runs(
                     dst[r.dst : r.dst + r.length].copy_(
                         src[r.src : r.src + r.length], non_blocking=True
                     )
-            finally:
+            except BaseException:
                 done.record(stream)
-                done.synchronize()  # blocking-sync event: the worker sleeps
+                done.synchronize()  # fence what was queued before the fault
+                raise
+            done.record(stream)
         return done
     for r in runs:
         fault_hook(direction)
         dst[r.dst : r.dst + r.length].copy_(src[r.src : r.src + r.length])
     return None
+
+
+def copy_runs(
+    streams: StreamSet,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    runs: Sequence[PageRun],
+    direction: str,
+    after=None,
+    fault_hook: Callable[[str], None] = no_fault,
+):
+    """``issue_runs`` and wait until the copies are done (a blocking-sync
+    event: the worker sleeps). Returns the event (None on a CPU)."""
+    done = issue_runs(streams, src, dst, runs, direction, after, fault_hook)
+    if done is not None:
+        done.synchronize()
+    return done
 
 
 def gather_pages(src: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
