@@ -1073,9 +1073,9 @@ class PagedKVCache(Resource):
             st = r.state
             has = (bool(r.device), bool(r.host), r.disk is not None)
             allowed = {
-                S.RESIDENT: {(True, False, False), (False, False, False)},
+                S.RESIDENT: {(True, False, False)},
                 S.OFFLOADING: {(True, True, False), (True, False, True)},
-                S.ON_HOST: {(False, True, False), (False, False, False)},
+                S.ON_HOST: {(False, True, False)},
                 S.DEMOTING: {(False, True, True)},
                 S.ON_DISK: {(False, False, True)},
                 S.RELOADING: {(True, True, False), (True, False, True)},
