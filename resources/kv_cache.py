@@ -915,7 +915,10 @@ class PagedKVCache(Resource):
             log.exception("request %r: completing %s failed", r.rid, job.move.value)
             reason = f"completing {job.move.value} failed: {_why(err)}"
             if r.state is not S.LOST:
-                self._mark_lost(r, reason)
+                try:
+                    self._mark_lost(r, reason)
+                except Exception:  # records already broken: leave it to check_integrity
+                    log.exception("request %r: could not mark it lost", r.rid)
             return TransferResult(r.rid, job.move, False, 0, r.state, reason)
 
     def _nbytes(self, r: RequestRecord) -> int:
