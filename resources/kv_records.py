@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resources.base import ResourceReqConfig
-from tiering.types import RequestState
+from tiering.types import Move, RequestState
 
 S = RequestState
 
@@ -32,11 +32,15 @@ class RequestLost(RuntimeError):
         self.reason = reason
 
 
+class CacheClosed(RuntimeError):
+    """The cache was closed; every call after ``close()`` raises this and changes nothing."""
+
+
 @dataclass
 class TransferJob:
     """A transfer in flight for one request."""
 
-    kind: str  # offload_host | offload_disk | demote | reload_host | reload_disk
+    move: Move
     future: cf.Future
     started: float
 
@@ -55,13 +59,19 @@ class RequestRecord:
     checksum: int | None = None
     ready_event: Any = None
     lost_reason: str | None = None
+    index: Any = None  # device page table (a long tensor on the device), built on demand
 
 
 @dataclass
 class Tombstone:
-    """What a request removed mid-copy still holds until its copy finishes."""
+    """What a request removed mid-copy still holds until its copy finishes.
+
+    ``key`` is fresh for every tombstone (never the request id, which may be
+    ingested again at once); the pools hold the slots under it."""
 
     key: tuple
+    rid: str
+    move: Move
     future: cf.Future
     device: list[int]
     host: list[int]
@@ -77,7 +87,8 @@ class KVStats:
         "bytes_host_to_disk", "bytes_host_to_device", "bytes_disk_to_device",
         "offload_refusals", "reload_refusals", "demote_refusals_disk_full",
         "offload_failures", "demote_failures", "reload_failures", "lost", "dropped",
-        "offloads_cancelled",
+        "offloads_cancelled", "commit_failures", "completion_errors",
+        "disk_release_faults", "page_tables_built",
         "reload_stall_s_total",
     )
 

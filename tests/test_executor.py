@@ -46,3 +46,16 @@ def test_submit_after_shutdown_is_refused():
         ex.submit(RELOAD, print)
     with pytest.raises(ValueError, match="workers"):
         PriorityExecutor(0, "t")
+
+
+def test_shutdown_says_whether_every_worker_joined():
+    ex = PriorityExecutor(1, "t")
+    gate = threading.Event()
+    try:
+        ex.submit(RELOAD, gate.wait, 10)
+        assert ex.shutdown(0.05) is False  # the worker is still in its job
+        gate.set()
+        assert ex.shutdown(5) is True  # a second call waits again, and reports
+    finally:
+        gate.set()
+        ex.shutdown(5)

@@ -10,7 +10,7 @@ from conftest import assert_same, fill, reload_all_and_check
 
 from resources.kv_cache import PagedKVCache, RequestLost
 from tiering.disk import DiskConfig, FaultPlan, FaultyStore
-from tiering.types import RequestState, Tier
+from tiering.types import Move, RequestState, Tier, TransferResult
 
 S = RequestState
 
@@ -286,7 +286,8 @@ def test_poll_counts_buried_copies_and_disk_gauge(geom, tmp_path):
         release.set()
         tomb.future.result(10)
         assert kv.host_used_bytes() > 0
-        assert kv.poll() == 1  # the burial counts as a finished transfer
+        (done,) = kv.poll()  # the burial is reported, with no state: the request is gone
+        assert done == TransferResult("a", Move.OFFLOAD_TO_HOST, True, 2 * kv.geometry.page_bytes, None)
         assert kv.host_used_bytes() == 0 and kv.device_used_bytes() == 0
         fill(kv, "b", gen, 8)
         kv.offload("b")

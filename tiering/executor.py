@@ -63,14 +63,16 @@ class PriorityExecutor:
             else:
                 fut.set_result(result)
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Finish queued jobs, then stop the workers (waiting at most ``timeout`` each)."""
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Finish queued jobs, then stop the workers (waiting at most ``timeout`` each).
+
+        Returns True when every worker has joined (also on a second call)."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for _ in self._threads:
-                # sorts after every real job (priority is larger than any used)
-                self._q.put((1 << 30, next(self._seq), _STOP, None, ()))
+            if not self._closed:
+                self._closed = True
+                for _ in self._threads:
+                    # sorts after every real job (priority is larger than any used)
+                    self._q.put((1 << 30, next(self._seq), _STOP, None, ()))
         for t in self._threads:
             t.join(timeout)
+        return not any(t.is_alive() for t in self._threads)

@@ -59,28 +59,95 @@ def no_fault(kind: str) -> None:
 class StreamSet:
     """Where copies are issued: CUDA streams on a GPU, nothing on a CPU.
 
-    ``compute_marker()`` is called on the step thread when a copy is asked
-    for; the returned marker (a CUDA event, or None) is what the copy waits on.
+    ``compute_stream`` is the stream the engine's kernels run on (None: the
+    stream current on the calling thread when the cache was built). Every
+    marker a copy waits on is recorded on it, and the compute stream is what
+    waits for a reload's copy. ``compute_marker()`` is called on the step
+    thread when a copy is asked for; the returned marker (a CUDA event, or
+    None on a CPU) is what the copy waits on before it touches a slot.
+
+    Events are created with ``blocking=True`` so a worker waiting for a copy
+    sleeps in the driver instead of spinning a core.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, compute_stream=None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self.compute = None
         if self.cuda:
-            self.d2h = torch.cuda.Stream(device=device)
-            self.h2d = torch.cuda.Stream(device=device)
+            with torch.cuda.device(device):
+                self.d2h = torch.cuda.Stream(device=device)
+                self.h2d = torch.cuda.Stream(device=device)
+                self.compute = (
+                    compute_stream
+                    if compute_stream is not None
+                    else torch.cuda.current_stream(device)
+                )
+        elif compute_stream is not None:
+            raise ValueError(f"compute_stream given for a {device.type} device; it needs CUDA")
+
+    def new_event(self):
+        """A CUDA event whose ``synchronize()`` blocks (no spinning)."""
+        return torch.cuda.Event(blocking=True)
 
     def compute_marker(self):
         if not self.cuda:
             return None
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
+        ev = self.new_event()
+        ev.record(self.compute)
         return ev
 
     def wait_on_compute(self, ready_event) -> None:
         """Make the compute stream wait for a reload's copy (no-op on CPU)."""
         if self.cuda and ready_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready_event)
+            self.compute.wait_event(ready_event)
+
+
+def issue_runs(
+    streams: StreamSet,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    runs: Sequence[PageRun],
+    direction: str,
+    after=None,
+    fault_hook: Callable[[str], None] = no_fault,
+):
+    """Queue the copies of ``runs`` from ``src`` to ``dst``; returns the event
+    recorded after them on CUDA (not waited for), None on a CPU (already done).
+
+    Runs on a worker thread. ``direction`` is "d2h" or "h2d" and picks the
+    CUDA stream; ``after`` is a compute-stream marker to wait on first (for
+    an offload, kernels may still be writing the KV; for a reload, kernels
+    queued for the slots' previous owner may still use them).
+
+    If anything raises after copies were queued, the copies already queued
+    are fenced (waited for) before the exception leaves, so no caller frees
+    a slot a queued copy still reads or writes.
+    """
+    if direction not in ("d2h", "h2d"):
+        raise ValueError(f"copy_runs: direction must be 'd2h' or 'h2d', got {direction!r}")
+    if streams.cuda and (src.is_cuda or dst.is_cuda):
+        stream = streams.d2h if direction == "d2h" else streams.h2d
+        with torch.cuda.device(streams.device), torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            done = streams.new_event()
+            try:
+                for r in runs:
+                    fault_hook(direction)
+                    dst[r.dst : r.dst + r.length].copy_(
+                        src[r.src : r.src + r.length], non_blocking=True
+                    )
+            except BaseException:
+                done.record(stream)
+                done.synchronize()  # fence what was queued before the fault
+                raise
+            done.record(stream)
+        return done
+    for r in runs:
+        fault_hook(direction)
+        dst[r.dst : r.dst + r.length].copy_(src[r.src : r.src + r.length])
+    return None
 
 
 def copy_runs(
@@ -92,27 +159,12 @@ def copy_runs(
     after=None,
     fault_hook: Callable[[str], None] = no_fault,
 ):
-    """Copy ``runs`` of pages from ``src`` to ``dst`` and wait until done.
-
-    Runs on a worker thread. ``direction`` is "d2h" or "h2d" and picks the
-    CUDA stream; ``after`` is a compute-stream marker to wait on first.
-    Returns the CUDA event recorded after the copies (None on CPU).
-    """
-    fault_hook(direction)
-    if streams.cuda and (src.is_cuda or dst.is_cuda):
-        stream = streams.d2h if direction == "d2h" else streams.h2d
-        with torch.cuda.stream(stream):
-            if after is not None:
-                stream.wait_event(after)
-            for r in runs:
-                dst[r.dst : r.dst + r.length].copy_(src[r.src : r.src + r.length], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
+    """``issue_runs`` and wait until the copies are done (a blocking-sync
+    event: the worker sleeps). Returns the event (None on a CPU)."""
+    done = issue_runs(streams, src, dst, runs, direction, after, fault_hook)
+    if done is not None:
         done.synchronize()
-        return done
-    for r in runs:
-        dst[r.dst : r.dst + r.length].copy_(src[r.src : r.src + r.length])
-    return None
+    return done
 
 
 def gather_pages(src: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:

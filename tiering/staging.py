@@ -1,0 +1,90 @@
+"""A small ring of staging buffers between the device and the disk tier.
+
+Disk jobs that cannot move bytes straight between a tier and the disk (a GPU
+device: the disk store reads and writes host memory) stage them through one of
+a few host buffers allocated once (pinned when CUDA is present), a piece of a
+request at a time, so a large request needs no request-sized allocation and
+the copy of one piece overlaps the I/O of the next.
+
+Buffers are handed out by a blocking queue: ``acquire(timeout)`` waits at most
+``timeout`` seconds (no polling) and returns None when none came free.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StagingConfig:
+    """``buffers`` buffers of ``pages`` pages each; ``timeout_s`` bounds one acquire."""
+
+    buffers: int = 4
+    pages: int = 16
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("buffers", "pages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"StagingConfig.{name} must be an int >= 1, got {v!r}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"StagingConfig.timeout_s must be a number > 0, got {t!r}")
+
+
+class StagingTimeout(TimeoutError):
+    """No staging buffer came free in time (the job fails; its request stays at its source)."""
+
+
+class StagingRing:
+    """``config.buffers`` page buffers of ``config.pages`` pages, allocated once."""
+
+    def __init__(
+        self,
+        config: StagingConfig,
+        page_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        *,
+        pin: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        if not isinstance(config, StagingConfig):
+            raise ValueError(f"config must be a StagingConfig, got {type(config).__name__}")
+        self.config = config
+        self.pages = config.pages
+        self._all: list[torch.Tensor] = []
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(config.buffers):
+            t = torch.empty((config.pages, *page_shape), dtype=dtype)
+            if pin is not None:
+                t = pin(t)
+            self._all.append(t)
+            self._free.put(t)
+        self.allocations = len(self._all)  # never grows: proves the ring is reused
+
+    def acquire(self, timeout: float | None = None) -> torch.Tensor | None:
+        """A free buffer, or None after ``timeout`` (default: the config's) seconds."""
+        try:
+            return self._free.get(timeout=self.config.timeout_s if timeout is None else timeout)
+        except queue.Empty:
+            return None
+
+    def release(self, buf: torch.Tensor) -> None:
+        if not any(buf is b for b in self._all):
+            raise ValueError("release: not a buffer of this ring")
+        self._free.put(buf)
+
+    def free_count(self) -> int:
+        return self._free.qsize()
+
+    def check_integrity(self) -> None:
+        """Every buffer is free (call when no job runs)."""
+        if self._free.qsize() != len(self._all):
+            raise AssertionError(
+                f"staging ring: {len(self._all) - self._free.qsize()} of {len(self._all)} buffers"
+                " still held with no job running"
+            )
