@@ -105,6 +105,8 @@ class EngineResourceInfo:
     needs_remote_transfer: bool = True
     dependencies: Mapping[str, NodeResourceSpec] = field(default_factory=dict)
     max_rows_in_combined: Mapping[str, int | None] = field(default_factory=dict)
+    #: the engine's CUDA compute stream; every copy marker is recorded on it
+    compute_stream: Any = None
 
     def dependency(self, key: str) -> NodeResourceSpec:
         spec = self.dependencies.get(key)

@@ -222,7 +222,7 @@ class PagedKVCache(Resource):
     def build(cls, spec: NodeResourceSpec, info: EngineResourceInfo) -> PagedKVCache:
         cfg = dict(spec.config)
         geometry = cfg.pop("geometry")
-        stream = getattr(info, "compute_stream", None)
+        stream = info.compute_stream
         if stream is not None:
             cfg.setdefault("compute_stream", stream)
         return cls(geometry, device=info.device, **cfg)
