@@ -493,13 +493,11 @@ def test_compute_stream_needs_cuda(geom):
 
 
 def test_build_takes_the_compute_stream_from_the_engine_info(geom):
-    from types import SimpleNamespace
-
-    from resources.base import NodeResourceSpec
+    from resources.base import EngineResourceInfo, NodeResourceSpec
 
     spec = NodeResourceSpec("kv", PagedKVCache, {"geometry": geom, "device_pages": 4, "host_pages": 4})
-    kv = PagedKVCache.build(spec, SimpleNamespace(device=torch.device("cpu")))
+    kv = PagedKVCache.build(spec, EngineResourceInfo(device=torch.device("cpu")))
     kv.close()
-    info = SimpleNamespace(device=torch.device("cpu"), compute_stream=object())
+    info = EngineResourceInfo(device=torch.device("cpu"), compute_stream=object())
     with pytest.raises(ValueError, match="compute_stream given for a cpu device"):
         PagedKVCache.build(spec, info)  # forwarded: a CPU cache refuses a stream
