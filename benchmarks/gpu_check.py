@@ -51,7 +51,6 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("numcodecs", "numcodecs"),
     ("donfig", "donfig"),
     ("google_crc32c", "google-crc32c"),
-    ("crc32c", "crc32c"),
     ("pynvml", "nvidia-ml-py"),
     ("psutil", "psutil"),
     ("tqdm", "tqdm"),
@@ -185,6 +184,12 @@ print(json.dumps(out))
 """
 
 
+_SITE_DIRS = r"""
+import sys
+print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))
+"""
+
+
 def inspect(py: str, modules: list[str], dists: list[str], env: dict) -> dict:
     got = subprocess.run([py, "-c", _INSPECT, json.dumps(modules), json.dumps(dists)],
                          capture_output=True, text=True, timeout=60, env=env, check=True)
@@ -264,6 +269,15 @@ def install(py: str, missing_dists: list[str], wheels_dir: Path, wheels: list[Wh
                           capture_output=True, text=True, timeout=120)
     if made.returncode == 0 and (venv / "bin" / "python").exists():
         vpy = str(venv / "bin" / "python")
+        # --system-site-packages sees the base interpreter's packages only; when
+        # the machine's python is itself a virtual environment its torch would be
+        # hidden, so its site folders are added behind the venv's own (.pth).
+        paths = subprocess.run([py, "-c", _SITE_DIRS], capture_output=True, text=True,
+                               timeout=60, env=env, check=True).stdout.split("\n")
+        purelib = subprocess.run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+        Path(purelib, "_gpu_check_parent.pth").write_text(
+            "".join(f"{p}\n" for p in paths if p.strip()))
         got = subprocess.run([vpy, "-m", "pip", "install", "--no-index", "--find-links",
                               str(wheels_dir), "-q", *missing_dists],
                              capture_output=True, text=True, timeout=240, env=env)
@@ -296,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="check and write the layout; run nothing")
     ap.add_argument("--python", default=sys.executable, help="the interpreter the steps use")
     ap.add_argument("--budget-s", type=float, default=460.0, help="all steps together (s)")
+    ap.add_argument("--setup-only", action="store_true",
+                    help="install what is missing, write setup.json, run no step")
     a = ap.parse_args(argv)
     t_start = time.monotonic()
     if not (0 < a.budget_s <= 480):
@@ -357,14 +373,18 @@ def main(argv: list[str] | None = None) -> int:
                     setup[key] = r.stdout.strip().splitlines()
                 except (OSError, subprocess.TimeoutExpired) as err:
                     setup[key] = f"failed: {err}"
-    for name in ("still_missing", "missing"):
-        if setup[name]:
-            print(f"gpu_check: {name.replace('_', ' ')}: {', '.join(setup[name])}", file=sys.stderr)
+    if setup["missing"]:
+        print(f"gpu_check: missing: {', '.join(setup['missing'])}", file=sys.stderr)
+    if setup["still_missing"]:
+        print(f"gpu_check: still missing: {', '.join(setup['still_missing'])}", file=sys.stderr)
+    if not a.dry_run and not setup.get("cuda_available"):
+        print(f"gpu_check: no CUDA torch in {py}: {setup.get('torch_error', 'no CUDA device')}",
+              file=sys.stderr)
     (out / "setup.json").write_text(json.dumps(setup, indent=2, sort_keys=True) + "\n")
 
     records = []
     deadline = t_start + a.budget_s
-    for step in steps(py, out):
+    for step in [] if a.setup_only else steps(py, out):
         if a.dry_run:
             records.append({"name": step.name, "cmd": list(step.argv), "status": "dry-run",
                             "rc": None, "seconds": 0.0, "limit_s": step.budget_s,
@@ -386,8 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "schema": SCHEMA, "dry_run": a.dry_run, "outdir": str(out),
         "budget_s": a.budget_s, "elapsed_s": round(time.monotonic() - t_start, 2),
-        "setup": "setup.json", "still_missing": setup["still_missing"], "steps": records,
+        "setup": "setup.json", "setup_only": a.setup_only, "python_used": py,
+        "still_missing": setup["still_missing"], "steps": records,
+        "cuda_available": bool(setup.get("cuda_available")),
         "ok": (not a.dry_run and not setup["still_missing"]
+               and (a.setup_only or bool(setup.get("cuda_available")))
                and all(r["status"] == "ok" for r in records)),
     }
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
