@@ -330,3 +330,33 @@ def test_gpu_wheels_downloads_every_dependency_beyond_torch_and_numpy_for_both_p
         assert "--only-binary=:all:" in line and "x86_64" in line
     needed = {gpu_check.normalize(d) for _, d in gpu_check.REQUIRED}
     assert needed <= {_name(tok.replace("\\", "")) for tok in lines[0].split()}
+
+
+def test_a_real_run_records_each_step_and_is_not_ok_without_cuda(tmp_path):
+    out = tmp_path / "out"
+    got = _run_check(str(out), "--only", "race,probe", env={"GPU_CHECK_REQUIRE": "json=json"},
+                     timeout=300)
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert [s["name"] for s in summary["steps"]] == ["race", "probe"]
+    for s in summary["steps"]:
+        assert s["rc"] is not None and s["seconds"] > 0 and (out / s["log"]).is_file()
+        assert (out / s["json"]).is_file()
+    if torch.cuda.is_available():
+        assert summary["cuda_available"] is True
+    else:  # each probe says skipped; the run as a whole is not a GPU check: not ok
+        assert {s["status"] for s in summary["steps"]} == {"ok"}
+        assert json.loads((out / "race.json").read_text())["status"] == "skipped"
+        assert summary["ok"] is False and summary["cuda_available"] is False
+        assert got.returncode == 1 and "no CUDA torch" in got.stderr
+
+
+def test_a_spent_budget_skips_the_steps_it_cannot_start(tmp_path):
+    out = tmp_path / "out"
+    _run_check(str(out), "--only", "race", "--budget-s", "0.5", env={"GPU_CHECK_REQUIRE": "json=json"})
+    (step,) = json.loads((out / "gpu_check.json").read_text())["steps"]
+    assert step["status"] == "skipped" and step["reason"] == "time budget spent"
+
+
+def test_only_names_an_unknown_step():
+    got = _run_check("--dry-run", "/tmp/x", "--only", "race,bogus")
+    assert got.returncode == 2 and "unknown step(s) ['bogus']" in got.stderr

@@ -694,3 +694,27 @@ def test_pool_adjusted_counts_the_pools_free_pages_as_free():
 def test_pool_adjusted_needs_a_byte_source():
     with pytest.raises(TypeError, match="read_bytes"):
         PoolAdjustedPressure(ScriptedPressure([0.5]), FakePool(0, 1))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device")
+def test_real_sources_read_the_device_they_name_not_the_current_one():
+    import torch
+
+    last = torch.cuda.device_count() - 1
+    torch.cuda.set_device(0)
+    nv, tc = NvmlPressure(f"cuda:{last}"), TorchCudaPressure(torch.device("cuda", last))
+    try:
+        props = torch.cuda.get_device_properties(last)
+        assert nv.uuid is not None and nv.uuid.endswith(str(props.uuid))
+        before_nv, before_tc = nv.read_bytes(), tc.read_bytes()
+        free, _ = torch.cuda.mem_get_info(last)
+        block = torch.empty(int(free * 0.25), dtype=torch.uint8, device=f"cuda:{last}")
+        torch.cuda.synchronize(last)
+        after_nv, after_tc = nv.read_bytes(), tc.read_bytes()
+        assert after_tc[0] - before_tc[0] >= block.numel()
+        assert after_nv[0] - before_nv[0] >= 0.9 * block.numel()
+        assert torch.cuda.current_device() == 0
+        del block
+    finally:
+        nv.close()
