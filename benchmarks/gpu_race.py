@@ -149,9 +149,9 @@ def probe_reload_into_freed_slots(torch, geom, device, compute, cycles, gen, tel
         assert kv.reload("new"), "reload refused although every page is free"
         pending = not compute.query()
         kv.synchronize(60)
-        overlap = len(old_pages & set(kv.page_table("new")))
         torch.cuda.synchronize(device)  # let every queued write land before looking
-        got = _read_all(torch, kv, "new", compute)
+        got = _read_all(torch, kv, "new", compute)  # admitted: resident, has a page table
+        overlap = len(old_pages & set(kv.page_table("new")))
         bad = _diff(torch, got, want)
         kv.check_integrity()
         return Trial(bad == 0, bad, pending, overlap), told
