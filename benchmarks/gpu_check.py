@@ -362,8 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         if wheels_dir is None:
             print(f"gpu_check: missing {setup['missing']} and no WHEELS_DIR given", file=sys.stderr)
         elif setup["missing_with_wheel"]:
-            py, env, report = install(a.python, setup["missing_with_wheel"], wheels_dir, wheels,
-                                      out, env, {normalize(k): v for k, v in seen["dists"].items()})
+            try:
+                py, env, report = install(a.python, setup["missing_with_wheel"], wheels_dir,
+                                          wheels, out, env,
+                                          {normalize(k): v for k, v in seen["dists"].items()})
+            except (OSError, subprocess.SubprocessError) as err:  # reported, never a crash
+                report = {"method": None, "ok": False, "error": f"{type(err).__name__}: {err}"}
             setup["install"] = report
             again = inspect(py, mods, dists, env)
             setup["still_missing"] = [d for m, d in need if not again["modules"][m]]
