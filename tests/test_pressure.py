@@ -718,3 +718,112 @@ def test_real_sources_read_the_device_they_name_not_the_current_one():
         del block
     finally:
         nv.close()
+
+
+# -- a state machine over a device source's life: up, outage, retry, recovery -----------
+
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+
+class _Counting(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.warnings = 0
+        self.recoveries = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno == logging.WARNING:
+            self.warnings += 1
+        elif record.levelno == logging.INFO and "recovered" in record.getMessage():
+            self.recoveries += 1
+
+
+class DeviceSourceMachine(RuleBasedStateMachine):
+    """Random reads, clock steps and NVML faults against a model of the source:
+    while up every read asks NVML once; in an outage nothing is asked before
+    the retry time; a retry that fails grows the delay up to max_s; one
+    warning per outage and one INFO line per recovery."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _, self.gpus, perm, self.nvml, torch = _machine(20)
+        self.gpu = self.gpus[perm[1]]
+        self.clock = Clock()
+        self.retry = RetryPolicy(first_s=0.5, max_s=4.0, factor=2.0)
+        self.log = _Counting()
+        logger = logging.getLogger(LOGGER)
+        self.saved_level = logger.level
+        logger.setLevel(logging.INFO)  # the recovery line is INFO
+        logger.addHandler(self.log)
+        self.source = NvmlPressure(1, nvml=self.nvml, torch_module=torch, clock=self.clock,
+                                   retry=self.retry)
+        self.outages = 0 if self.source.available else 1
+        self.recoveries = 0
+        self.delay = self.retry.first_s
+
+    def teardown(self) -> None:
+        logger = logging.getLogger(LOGGER)
+        logger.removeHandler(self.log)
+        logger.setLevel(self.saved_level)
+
+    @rule(dt=st.floats(min_value=0.0, max_value=6.0))
+    def advance(self, dt):
+        self.clock.t += dt
+
+    @rule(fail=st.booleans())
+    def set_read_fault(self, fail):
+        self.nvml.fail_read = fail
+
+    @rule(fail=st.booleans())
+    def set_init_fault(self, fail):
+        self.nvml.fail_init = fail
+
+    @rule(used=st.integers(min_value=0, max_value=2**30))
+    def set_used(self, used):
+        self.gpu.used = min(used, self.gpu.total)
+
+    @rule(via=st.sampled_from(["read", "read_bytes"]))
+    def read(self, via):
+        before = self.source.health()
+        calls = (self.nvml.init_calls, self.nvml.memory_calls)
+        if via == "read":
+            value = self.source.read()
+        else:
+            got = self.source.read_bytes()
+            assert got is None or got == (self.gpu.used, self.gpu.total)
+            value = 0.0 if got is None else got[0] / got[1]
+        after = self.source.health()
+        if not before.up and self.clock.t < before.next_retry_at:
+            assert (self.nvml.init_calls, self.nvml.memory_calls) == calls  # no early retry
+            assert value == 0.0 and after == before
+            return
+        attempted = self.nvml.init_calls > calls[0] or self.nvml.memory_calls > calls[1]
+        assert attempted
+        if after.up:
+            assert value == pytest.approx(self.gpu.used / self.gpu.total)
+            if not before.up:
+                self.recoveries += 1
+            self.delay = self.retry.first_s
+            return
+        assert value == 0.0
+        if before.up:
+            self.outages += 1
+            self.delay = self.retry.first_s
+        else:
+            self.delay = min(self.retry.max_s, self.delay * self.retry.factor)
+        assert after.next_retry_at == pytest.approx(self.clock.t + self.delay)
+
+    @invariant()
+    def logs_and_counts_follow_the_outages(self):
+        h = self.source.health()
+        assert h.outages == self.outages == self.log.warnings
+        assert self.log.recoveries == self.recoveries
+        assert h.absent_reason is None and h.up == self.source.available
+        assert (h.next_retry_at is None) == h.up
+
+
+DeviceSourceMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+                                                 deadline=None)
+test_device_source_state_machine = DeviceSourceMachine.TestCase
