@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "PoolAdjustedPressure": "tiering.pressure",
     "CompositePressure": "tiering.pressure",
     "PressurePoller": "tiering.pressure",
+    "cache_pressure": "tiering.pressure",
     "Policy": "policies.base",
     "make_policy": "policies",
     "register_policy": "policies",

@@ -29,7 +29,7 @@ from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
 from tiering.controller import ControllerConfig, EvictionController, EvictionReport
 from tiering.disk.config import DiskConfig
-from tiering.pressure import PoolPressure, PressureSource
+from tiering.pressure import PressureSource, cache_pressure
 
 
 def _check_pages(name: str, value: object) -> None:
@@ -42,8 +42,9 @@ class TieredKVConfig:
     """What a ``TieredKV`` is built from.
 
     ``policy``: a registered policy name or a ``Policy`` instance.
-    ``pressure``: builds the pressure source from the cache (default: the
-    cache's own pool occupancy, exact). ``cache_options``: further keyword
+    ``pressure``: builds the pressure source from the cache (default
+    ``cache_pressure``: the pool's own occupancy on a CPU; on a GPU the worse of
+    that and the whole device as NVML sees it). ``cache_options``: further keyword
     arguments of ``PagedKVCache`` (``copy_workers``, ``disk_wrap_store``, ...).
     """
 
@@ -56,7 +57,7 @@ class TieredKVConfig:
     offload_to_disk_when_host_full: bool = True
     policy: str | Policy = "lru"
     controller: ControllerConfig = field(default_factory=ControllerConfig)
-    pressure: Callable[[PagedKVCache], PressureSource] = PoolPressure
+    pressure: Callable[[PagedKVCache], PressureSource] = cache_pressure
     cache_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
