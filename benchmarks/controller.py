@@ -192,7 +192,7 @@ def pick_100k(policy_name: str, requests: int, repeats: int) -> dict[str, float]
         if again != victims:
             raise AssertionError("the same pick twice gave different victims")
         t0 = time.perf_counter()
-        batch, _ = ctl._candidate_batch(running, clock())
+        batch, _ = ctl._eviction.candidate_batch(running, clock())
         scan.append(time.perf_counter() - t0)
         policy = make_policy(policy_name, **POLICIES[policy_name])
         t0 = time.perf_counter()

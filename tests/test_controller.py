@@ -218,8 +218,13 @@ def test_constructor_errors_name_what_is_wrong():
 def test_request_bookkeeping_errors_change_nothing():
     rng = random.Random(11)
     res, ctl, clock, rids = _setup(rng, n=5, fill=0.5)
-    with pytest.raises(ValueError, match="already registered"):
-        ctl.add_request(rids[0])
+    # adding a known request again is a no-op, as the cache's ingest_request is
+    used = ctl.last_used(rids[0])
+    clock.advance(3.0)
+    ctl.add_request(rids[0])
+    ctl.add_request(rids[0], resource="kv")
+    assert ctl.last_used(rids[0]) == used
+    ctl.check_integrity()
     with pytest.raises(ValueError, match="unknown resource 'gpu'"):
         ctl.add_request("new", resource="gpu")
     with pytest.raises(UnknownRequestError, match="'ghost'"):
@@ -1294,8 +1299,9 @@ class AlwaysRescan(EvictionController):
     """The controller without its memory of a scan that found nothing: every call over
     ``high`` scans again. The reference the shortcut is compared with."""
 
-    def _recall_nothing(self, running, now):
-        return None
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._eviction.reuse_scans = False
 
 
 class RoomAware(FakeTieredResource):
