@@ -374,35 +374,39 @@ class ReloadAdmission:
     def _try(self, entry: WaitingReload, current_bytes: float, now: float) -> int:
         """Admit and start one waiting reload if it fits; say what happened. A request
         that vanished from a resource, or changed state under it, is GONE (logged)."""
-        try:
-            return self._try_unguarded(entry, current_bytes, now)
-        except Exception as err:
-            self._skip(entry.rid, "reload", err)
-            return GONE
-
-    def _try_unguarded(self, entry: WaitingReload, current_bytes: float, now: float) -> int:
         rid = entry.rid
         ledger = self._ledger
         members = self._members(rid)
         if members is None:
             return GONE
-        parts = [h for h in members if h.name not in entry.started and h.is_offloaded(rid)]
+        try:
+            parts = [h for h in members if h.name not in entry.started and h.is_offloaded(rid)]
+            eligible = all(self._eligible(h, rid) for h in parts)
+            if parts and eligible:
+                needs = [h.reload_bytes(rid) if h.reload_bytes is not None else 0
+                         for h in parts]
+                sources = [h.tier_of(rid) if h.tier_of is not None else Tier.HOST
+                           for h in parts]
+        except Exception as err:  # the resource no longer knows it
+            self._skip(rid, "a reload hook", err)
+            return GONE
         if not parts:
             if not entry.started:
                 return GONE  # back already, or dropped: nothing to reload
             return self._admitted(entry, now)
-        for h in parts:
-            if (h.name, rid) in ledger.moving or (h.name, rid) in ledger.demoting \
-                    or not h.can_reload(rid):
-                return INELIGIBLE
-        needs = [h.reload_bytes(rid) if h.reload_bytes is not None else 0 for h in parts]
+        if not eligible:
+            return INELIGIBLE
         if current_bytes + ledger.reserved_bytes + sum(needs) > self.limit_bytes:
             return NO_ROOM
         stats = self._stats
-        for h, need in zip(parts, needs, strict=True):
-            source = h.tier_of(rid) if h.tier_of is not None else Tier.HOST
+        for h, need, source in zip(parts, needs, sources, strict=True):
             before = self._stamp()
-            if not h.reload(rid):
+            try:
+                started = h.reload(rid)
+            except Exception as err:  # changed state under the controller
+                self._skip(rid, "reload", err)
+                return GONE
+            if not started:
                 stats.reload_resource_refusals += 1
                 return NO_ROOM
             entry.started.add(h.name)
@@ -413,6 +417,11 @@ class ReloadAdmission:
             else:
                 stats.bytes_host_to_device += need
         return self._admitted(entry, now)
+
+    def _eligible(self, h: Any, rid: str) -> bool:
+        key = (h.name, rid)
+        ledger = self._ledger
+        return key not in ledger.moving and key not in ledger.demoting and h.can_reload(rid)
 
     def _admitted(self, entry: WaitingReload, now: float) -> int:
         stats = self._stats
