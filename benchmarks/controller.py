@@ -11,6 +11,9 @@ For each built-in policy (made by name with ``policies.make_policy``):
   call, as a worker that rebuilds it only when its batch changes would.
 - ``busy_step_set_us``: the same, with the running requests passed as a
   (mutable) set, which the controller must compare with the ones it saw.
+- ``busy_step_rescan_us``: ``busy_step_us`` with the finding of nothing to
+  offload switched off (every call over ``high`` scans again): what the scan
+  reuse saves.
 - ``busy_batch_step_us``: the same pressure with 256 of the 10,000 running
   (passed as a set) and the rest offloaded to host, so none is reclaimable.
 - ``pick_100k_ms``: median time of ``plan_offload`` for 1 % of the device
@@ -147,6 +150,14 @@ def busy_step_us(policy_name: str, requests: int, calls: int) -> dict[str, float
         _check_busy(ctl, running)  # the first call over high scans
         out[key] = _per_call_us(ctl.evict_if_needed, running, calls)
         _check_busy(ctl, running)
+    eviction = getattr(ctl, "_eviction", None)
+    if eviction is not None:  # the split controller: the same step without the reuse
+        eviction.reuse_scans = False
+        eviction.forget_finding()
+        running = frozenset(rid for rid, _ in rids)
+        _check_busy(ctl, running)
+        out["busy_step_rescan_us"] = _per_call_us(
+            ctl.evict_if_needed, running, max(100, calls // 10))
     return out
 
 
@@ -252,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = entry
 
     headers = ("policy", "idle_step_us", "busy_step_us", "busy_step_set_us",
-               "busy_batch_step_us", "pick_100k_ms", "pick_100k_warm_ms",
+               "busy_step_rescan_us", "busy_batch_step_us", "pick_100k_ms", "pick_100k_warm_ms",
                "pick_100k_one_by_one_ms", "scan_100k_ms", "order_100k_ms", "rank_100k_ms")
-    rows = [(name, *(r[h] for h in headers[1:])) for name, r in results.items()]
+    rows = [(name, *(r.get(h, float("nan")) for h in headers[1:]))
+            for name, r in results.items()]
     print(table(rows, headers))
     write_json(args.out, {
         "benchmark": "controller",

@@ -83,6 +83,8 @@ class InFlightLedger:
 
     def demoting_bytes(self, name: str) -> int:
         """Host bytes of resource ``name`` that demotions in flight will free."""
+        if not self._demoting:
+            return 0
         return sum(n for (owner, _), n in self._demoting.items() if owner == name)
 
     def __bool__(self) -> bool:

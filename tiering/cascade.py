@@ -11,7 +11,7 @@ and logged, never an exception.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -45,12 +45,12 @@ class HostCascade:
         self._stats = stats
         self._prio_handle = prio_handle
 
-    def run(self, waiting: Collection[str], now: float, demoted: list[str],
+    def run(self, waiting: Collection[str], clock: Callable[[], float], demoted: list[str],
             dropped: list[str]) -> None:
         """For each resource over ``host_high``: demote (or drop) until under ``host_low``.
 
         ``waiting``: requests waiting for a reload, left on host (they are about
-        to come back).
+        to come back). ``clock`` is read only when something must be demoted.
         """
         high = self._config.host_high
         for h in self.handles:
@@ -60,7 +60,7 @@ class HostCascade:
                 skip(self._stats, "host_used_bytes", h.name, "*", err)
                 continue
             if used > high * h.host_capacity:
-                self._demote(h, used, waiting, now, demoted, dropped)
+                self._demote(h, used, waiting, clock(), demoted, dropped)
 
     def candidates(self, h: ResourceHandle, waiting: Collection[str], now: float
                    ) -> tuple[CandidateBatch, list[int]]:

@@ -337,8 +337,7 @@ class EvictionController:
                     skipped = max(skipped, more.skipped)
                     stats.make_room_offloads += len(offloaded) - n_before
         if self._cascade.handles:
-            now = self._clock() if now is None else now
-            self._cascade.run(queue, now, demoted, dropped)
+            self._cascade.run(queue, self._clock, demoted, dropped)
         stats.skipped_running += skipped
         return EvictionReport(
             before, self._effective(fraction), tuple(offloaded), freed, tuple(demoted),

@@ -112,7 +112,7 @@ class DeviceEviction:
         s = self._stats
         return (self._table.version, s.offloads, s.offload_refusals, s.reloads_started,
                 s.bytes_reloaded, s.demotions, s.drops, s.transfers_reported,
-                s.vanished_skips, tuple(g() for g in self._gauges or ()))
+                s.vanished_skips, *[g() for g in self._gauges or ()])
 
     def forget_finding(self) -> None:
         """Drop the finding (a failed pass, or a touch of a request it found idle)."""
@@ -354,7 +354,14 @@ class DeviceEviction:
             return np.empty(0, dtype=np.int64)
         if h.reclaimable_many is not None:
             return self._ask_many(h, rids)
-        return np.array([self._ask_one(h, rid) for rid in rids], dtype=np.int64)
+        try:
+            answers = list(map(h.reclaimable, rids))
+        except Exception:  # one vanished: ask again one by one, skipping it
+            return np.array([self._ask_one(h, rid) for rid in rids], dtype=np.int64)
+        if not set(map(type, answers)) <= {int}:  # check each, naming the first bad one
+            answers = [bytes_answer(h.name, rid, value)
+                       for rid, value in zip(rids, answers, strict=True)]
+        return bytes_answers(h.name, rids, answers)
 
     def _ask_priorities(self, slots: np.ndarray, rids: np.ndarray, *, single: bool
                         ) -> tuple[np.ndarray, np.ndarray | None]:
