@@ -53,12 +53,11 @@ class HostCascade:
         to come back). ``clock`` is read only when something must be demoted.
         """
         high = self._config.host_high
+        demoting = self._ledger.demoting
         for h in self.handles:
-            try:
-                used = h.host_used() - self._ledger.demoting_bytes(h.name)
-            except Exception as err:
-                skip(self._stats, "host_used_bytes", h.name, "*", err)
-                continue
+            used = h.host_used()
+            if demoting:
+                used -= self._ledger.demoting_bytes(h.name)
             if used > high * h.host_capacity:
                 self._demote(h, used, waiting, clock(), demoted, dropped)
 
@@ -93,9 +92,11 @@ class HostCascade:
             priority = np.zeros(len(rids), dtype=np.float64)
             for i, rid in enumerate(rids):
                 try:
-                    priority[i] = h.priority(rid)
-                except Exception as err:
+                    value = h.priority(rid)
+                except Exception as err:  # vanished
                     skip(self._stats, "get_offload_priority", h.name, rid, err)
+                    continue
+                priority[i] = value
             if not np.isfinite(priority).all():
                 raise ValueError(f"resource {h.name!r}: get_offload_priority returned a "
                                  "non-finite number for a host request")

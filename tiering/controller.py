@@ -101,7 +101,9 @@ class EvictionController:
         self._handles = handles
         self._evicting = tuple(h for h in handles.values() if h.evicts)
         # polled, or (an evicting one without poll) still checked for completions
-        self._polled = tuple(h for h in handles.values() if h.poll is not None or h.evicts)
+        self._polled = tuple(
+            (h, h.poll, h.evicts) for h in handles.values() if h.poll is not None or h.evicts
+        )
         self._capacity = int(device_capacity_bytes)
         self._reads = 0
         self._stamp = 0
@@ -222,16 +224,17 @@ class EvictionController:
         Called before the pressure read, so a completion is in that reading
         for a synchronous source.
         """
-        for h in self._polled:
-            answer = h.poll() if h.poll is not None else None
-            if not h.evicts:
+        for h, poll, evicts in self._polled:
+            answer = poll() if poll is not None else None
+            if not evicts:
                 continue
             if type(answer) is list or type(answer) is tuple or isinstance(answer, Sequence):
-                records = answer
+                if answer:
+                    self._settle(h, answer)
             else:  # a count, or nothing: a resource that does not report records yet
                 records = self._inferred(h, answer)
-            if records:
-                self._settle(h, records)
+                if records:
+                    self._settle(h, records)
 
     def _settle(self, h: ResourceHandle, records: Sequence[TransferResult]) -> None:
         ledger = self._ledger

@@ -64,6 +64,9 @@ class Offloaded(NamedTuple):
     skipped: int
 
 
+_new_tuple = tuple.__new__  # builds an ``Offloaded`` without the Python-level __new__ (hot path)
+
+
 class DeviceEviction:
     """Offloads idle requests of the evicting resources in policy order.
 
@@ -110,9 +113,12 @@ class DeviceEviction:
         """What a finding depends on besides ``running``, touches and the clock: the
         membership, every move started or reported, and the room below the device."""
         s = self._stats
-        return (self._table.version, s.offloads, s.offload_refusals, s.reloads_started,
-                s.bytes_reloaded, s.demotions, s.drops, s.transfers_reported,
-                s.vanished_skips, *[g() for g in self._gauges or ()])
+        key = (self._table.version, s.offloads, s.offload_refusals, s.reloads_started,
+               s.bytes_reloaded, s.demotions, s.drops, s.transfers_reported, s.vanished_skips)
+        gauges = self._gauges
+        if gauges:
+            return key + tuple([g() for g in gauges])
+        return key
 
     def forget_finding(self) -> None:
         """Drop the finding (a failed pass, or a touch of a request it found idle)."""
@@ -173,7 +179,7 @@ class DeviceEviction:
         skipped = self._recall(running, now)
         if skipped is not None:
             self._stats.scans_skipped += 1
-            return Offloaded(0, skipped)
+            return _new_tuple(Offloaded, (0, skipped))
         given = running
         if not isinstance(running, (set, frozenset, dict)):
             running = set(running)
@@ -329,35 +335,16 @@ class DeviceEviction:
         )
         return batch, skipped
 
-    def _ask_one(self, h: ResourceHandle, rid: str) -> int:
-        """``h.reclaimable(rid)`` checked; 0 (logged) if the request vanished."""
-        try:
-            value = h.reclaimable(rid)
-        except Exception as err:
-            skip(self._stats, "reclaimable", h.name, rid, err)
-            return 0
-        return bytes_answer(h.name, rid, value)
-
-    def _ask_many(self, h: ResourceHandle, rids: list[str]) -> np.ndarray:
-        """``h.reclaimable_many(rids)`` checked; one by one if it raised (a request vanished)."""
-        try:
-            answers = h.reclaimable_many(rids)
-        except Exception as err:
-            log.warning("resource %r: reclaimable_many failed (%s: %s); asking one by one",
-                        h.name, type(err).__name__, err)
-            return np.array([self._ask_one(h, rid) for rid in rids], dtype=np.int64)
-        return bytes_answers(h.name, rids, answers)
-
     def _ask_reclaimable(self, h: ResourceHandle, rids: list[str]) -> np.ndarray:
         """``h``'s reclaimable bytes for each of ``rids`` (int64), in one call when it can."""
         if not rids:
             return np.empty(0, dtype=np.int64)
         if h.reclaimable_many is not None:
-            return self._ask_many(h, rids)
+            return ask_many(self._stats, h, rids)
         try:
             answers = list(map(h.reclaimable, rids))
         except Exception:  # one vanished: ask again one by one, skipping it
-            return np.array([self._ask_one(h, rid) for rid in rids], dtype=np.int64)
+            return np.array([ask_one(self._stats, h, rid) for rid in rids], dtype=np.int64)
         if not set(map(type, answers)) <= {int}:  # check each, naming the first bad one
             answers = [bytes_answer(h.name, rid, value)
                        for rid, value in zip(rids, answers, strict=True)]
@@ -375,7 +362,7 @@ class DeviceEviction:
             asked = np.unique(slots)
             asked = asked[table.member[h.name][asked]]
             names = table.rid_at[asked].tolist()
-        values, gone = self._priorities_of(h, names)
+        values, gone = priorities_of(self._stats, h, names)
         finite = np.isfinite(values)
         if not finite.all():
             bad = int(np.flatnonzero(~finite)[0])
@@ -393,34 +380,6 @@ class DeviceEviction:
             lost[asked[gone]] = True
             keep = ~lost[slots]
         return by_slot[slots], keep
-
-    def _priorities_of(self, h: ResourceHandle, rids: list[str]
-                       ) -> tuple[np.ndarray, np.ndarray]:
-        """Priorities of ``rids`` (float64) and which of them vanished (their value 0.0)."""
-        gone = np.zeros(len(rids), dtype=bool)
-        if h.priority_many is not None:
-            try:
-                values = np.asarray(h.priority_many(rids))
-            except Exception as err:
-                log.warning("resource %r: get_offload_priority_many failed (%s: %s); asking "
-                            "one by one", h.name, type(err).__name__, err)
-            else:
-                if values.shape != (len(rids),) or (
-                        len(rids) and values.dtype.kind not in "iuf"):
-                    raise ValueError(
-                        f"resource {h.name!r}: get_offload_priority_many gave {values.dtype} "
-                        f"answers of shape {values.shape} for {len(rids)} requests; expected "
-                        "one number each"
-                    )
-                return values.astype(np.float64, copy=False), gone
-        values = np.zeros(len(rids), dtype=np.float64)
-        for i, rid in enumerate(rids):
-            try:
-                values[i] = h.priority(rid)
-            except Exception as err:
-                skip(self._stats, "get_offload_priority", h.name, rid, err)
-                gone[i] = True
-        return values, gone
 
     def _victim_rows(self, batch: CandidateBatch, now: float, need_bytes: float
                      ) -> Iterator[tuple[int, int]]:
@@ -452,7 +411,7 @@ class DeviceEviction:
                     chunk.tolist(), rids, names.tolist(), told, strict=True
                 ):
                     if nbytes is None:
-                        nbytes = self._ask_one(handles[name], rid)
+                        nbytes = ask_one(self._stats, handles[name], rid)
                     if nbytes > 0:
                         seen += nbytes
                         yield row, nbytes
@@ -465,14 +424,66 @@ class DeviceEviction:
             h = evicting[0]
             if h.reclaimable_many is None:
                 return [None] * len(rids)
-            return self._ask_many(h, rids).tolist()
+            return ask_many(self._stats, h, rids).tolist()
         told: list[int | None] = [None] * len(rids)
         for h in evicting:
             if h.reclaimable_many is None:
                 continue
             positions = np.flatnonzero(names == h.name).tolist()
             if positions:
-                answers = self._ask_many(h, [rids[p] for p in positions]).tolist()
+                answers = ask_many(self._stats, h, [rids[p] for p in positions]).tolist()
                 for p, nbytes in zip(positions, answers, strict=True):
                     told[p] = nbytes
         return told
+
+
+def ask_one(stats: ControllerStats, h: ResourceHandle, rid: str) -> int:
+    """``h.reclaimable(rid)`` checked; 0 (logged) if the request vanished."""
+    try:
+        value = h.reclaimable(rid)
+    except Exception as err:
+        skip(stats, "reclaimable", h.name, rid, err)
+        return 0
+    return bytes_answer(h.name, rid, value)
+
+
+def ask_many(stats: ControllerStats, h: ResourceHandle, rids: list[str]) -> np.ndarray:
+    """``h.reclaimable_many(rids)`` checked; one by one if it raised (a request vanished)."""
+    try:
+        answers = h.reclaimable_many(rids)
+    except Exception as err:
+        log.warning("resource %r: reclaimable_many failed (%s: %s); asking one by one",
+                    h.name, type(err).__name__, err)
+        return np.array([ask_one(stats, h, rid) for rid in rids], dtype=np.int64)
+    return bytes_answers(h.name, rids, answers)
+
+
+def priorities_of(stats: ControllerStats, h: ResourceHandle, rids: list[str]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Priorities of ``rids`` (float64) and which of them vanished (their value 0.0)."""
+    gone = np.zeros(len(rids), dtype=bool)
+    if h.priority_many is not None:
+        try:
+            values = np.asarray(h.priority_many(rids))
+        except Exception as err:
+            log.warning("resource %r: get_offload_priority_many failed (%s: %s); asking "
+                        "one by one", h.name, type(err).__name__, err)
+        else:
+            if values.shape != (len(rids),) or (
+                    len(rids) and values.dtype.kind not in "iuf"):
+                raise ValueError(
+                    f"resource {h.name!r}: get_offload_priority_many gave {values.dtype} "
+                    f"answers of shape {values.shape} for {len(rids)} requests; expected "
+                    "one number each"
+                )
+            return values.astype(np.float64, copy=False), gone
+    values = np.zeros(len(rids), dtype=np.float64)
+    for i, rid in enumerate(rids):
+        try:
+            value = h.priority(rid)
+        except Exception as err:  # vanished
+            skip(stats, "get_offload_priority", h.name, rid, err)
+            gone[i] = True
+            continue
+        values[i] = value  # a non-number still raises (a broken contract)
+    return values, gone
