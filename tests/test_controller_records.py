@@ -166,3 +166,41 @@ def test_a_resource_reporting_something_else_is_refused_by_name():
                              ControllerConfig())
     with pytest.raises(TypeError, match="'kv'.*TransferResult"):
         ctl.evict_if_needed(())
+
+
+def test_check_integrity_catches_each_kind_of_corruption():
+    res, ctl, clock, rids = _world(True)
+    ctl.evict_if_needed(())
+    res.add("filler", 100_000 - res.device_used)
+    ctl.add_request("filler")
+    offloaded = [r for r in rids if res.state[r] is not S.RESIDENT]
+    res.complete_transfers()
+    ctl.evict_if_needed(())
+    assert ctl.request_reload(offloaded[0]) is False
+    ctl.check_integrity()  # control: the healthy controller passes
+
+    table = ctl._table
+    slot = table.slot[rids[-1]]
+    table.member["kv"][slot] = False
+    with pytest.raises(AssertionError, match="membership"):
+        ctl.check_integrity()
+    table.member["kv"][slot] = True
+
+    ledger = ctl._ledger
+    ledger._releasing += 1
+    with pytest.raises(AssertionError, match="releasing"):
+        ctl.check_integrity()
+    ledger._releasing -= 1
+
+    heap = ctl._admission.queue._heap
+    stranded = heap.pop()
+    with pytest.raises(AssertionError, match="missing from the heap"):
+        ctl.check_integrity()
+    heap.append(stranded)
+
+    table.mark_reload(rids[-1], clock())
+    table.exempt -= 1
+    with pytest.raises(AssertionError, match="exemptions"):
+        ctl.check_integrity()
+    table.exempt += 1
+    ctl.check_integrity()

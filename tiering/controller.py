@@ -232,7 +232,10 @@ class EvictionController:
                 if answer:
                     self._settle(h, answer)
             else:  # a count, or nothing: a resource that does not report records yet
-                records = self._inferred(h, answer)
+                if answer is None or answer != 0:
+                    # it completed something (or does not say): a reload may have landed
+                    self._eviction.forget_finding()
+                records = self._inferred(h)
                 if records:
                     self._settle(h, records)
 
@@ -258,13 +261,10 @@ class EvictionController:
                 self._table.clear_reload(self._table.slot[rec.rid])
         self._stats.transfers_reported += len(records)
 
-    def _inferred(self, h: ResourceHandle, answer: object) -> list[TransferResult]:
+    def _inferred(self, h: ResourceHandle) -> list[TransferResult]:
         """Records for this controller's moves on ``h`` that ended, inferred from its hooks
         (transitional, for a ``poll()`` that returns a count or nothing)."""
         out: list[TransferResult] = []
-        if answer is None or answer != 0:
-            # it completed something (or does not say): a reload may have landed
-            out.append(TransferResult("", Move.RELOAD_FROM_HOST, True, 0, None))
         ledger = self._ledger
         for _, rid in [k for k in ledger.moving if k[0] == h.name]:
             try:
