@@ -373,3 +373,41 @@ def test_real_cache_the_cascade_skips_what_the_worker_demotes(geom, tmp_path):
     finally:
         gate.set()
         kv.close()
+
+
+def test_real_cache_a_waiting_reload_of_a_removed_request_strands_no_other(geom, tmp_path):
+    kv = _real(geom, tmp_path)
+    gen = torch.Generator().manual_seed(13)
+    clock = FakeClock()
+    ctl = EvictionController({"kv": kv}, make_policy("lru"), PoolPressure(kv),
+                             ControllerConfig(), clock=clock)
+    pages = 4 * geom.page_tokens
+    data = {}
+    try:
+        for rid in ("q0", "q1", "q2", "q3"):
+            data[rid] = fill(kv, rid, gen, pages)
+            ctl.add_request(rid)
+            clock.advance(0.5)
+        for rid in ("q0", "q1"):
+            assert kv.offload(rid) > 0
+        kv.synchronize(10)
+        for rid in ("q4", "q5"):  # the worker fills the device again
+            data[rid] = fill(kv, rid, gen, pages)
+            ctl.add_request(rid)
+        assert ctl.request_reload("q0") is False
+        assert ctl.request_reload("q1") is False
+        kv.remove_request("q0")  # freed by the worker; the controller has not heard yet
+        for rid in ("q4", "q5"):
+            kv.remove_request(rid)
+            ctl.remove_request(rid)
+        report = ctl.evict_if_needed(())  # must not raise
+        assert report.reloads_started == ("q1",)
+        assert ctl.pending_reloads() == ()
+        kv.synchronize(10)
+        assert kv.state_of("q1") is S.RESIDENT
+        assert_same(kv, "q1", data["q1"])
+        ctl.remove_request("q0")
+        kv.check_integrity()
+        ctl.check_integrity()
+    finally:
+        kv.close()
