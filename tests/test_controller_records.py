@@ -204,3 +204,21 @@ def test_check_integrity_catches_each_kind_of_corruption():
         ctl.check_integrity()
     table.exempt += 1
     ctl.check_integrity()
+
+
+def test_a_worker_polls_through_the_controller_and_nothing_is_lost():
+    res, ctl, clock, rids = _world(True)
+    report = ctl.evict_if_needed(())
+    res.complete_transfers()
+    ctl.poll()  # the worker applies completions early in its step
+    assert ctl.stats()["offloads_in_flight"] == 0
+    assert ctl.stats()["transfers_reported"] == len(report.offloaded)
+    ctl.evict_if_needed(())
+    ctl.check_integrity()
+    # the hazard it avoids: records taken by a direct poll() never reach the ledger
+    other, octl, _, _ = _world(True)
+    report = octl.evict_if_needed(())
+    other.complete_transfers()
+    assert len(other.poll()) == len(report.offloaded)
+    octl.evict_if_needed(())
+    assert octl.stats()["offloads_in_flight"] == len(report.offloaded)

@@ -218,12 +218,22 @@ class EvictionController:
         unseen = ledger.unseen_reload_bytes(self._stamp)
         return fraction + (unseen - ledger.releasing_bytes) / self._capacity
 
-    def _poll(self) -> None:
+    def poll(self) -> None:
         """Poll every resource and settle the ledger from what each reports.
 
-        Called before the pressure read, so a completion is in that reading
-        for a synchronous source.
+        ``evict_if_needed`` does this first; a worker that wants completions
+        applied at another point of its step calls this, never the resources'
+        own ``poll()`` (the records it returns would not reach the ledger).
         """
+        try:
+            self._poll()
+        except BaseException:
+            self._eviction.forget_finding()
+            raise
+
+    def _poll(self) -> None:
+        """Poll every resource and settle (before the pressure read, so a completion is
+        in that reading for a synchronous source)."""
         for h, poll, evicts in self._polled:
             answer = poll() if poll is not None else None
             if not evicts:
