@@ -33,7 +33,10 @@ For each built-in policy (made by name with ``policies.make_policy``):
 - ``rank_100k_ms``: ``Policy.rank`` on 100,000 ``Candidate`` records (the
   object API: columns gathered from the records, then ``order``), for scale.
 
-Usage: ``python benchmarks/controller.py --out controller.json [--quick] [--repeats N]``
+Usage: ``python benchmarks/controller.py --out controller.json [--quick] [--repeats N]
+[--baseline BEFORE.json]``. With ``--baseline`` (the JSON of a run of another
+commit made just before, on the same machine) it also prints and records each
+figure as a ratio to that run's (``after / before``; below 1 is faster).
 
 Figures are medians. On a shared machine they move with its load: compare
 runs made at the same time, not across days.
@@ -42,6 +45,7 @@ runs made at the same time, not across days.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -248,7 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
     parser.add_argument("--repeats", type=int, default=5, help="fresh controllers per pick figure")
+    parser.add_argument("--baseline", help="JSON of a run to report ratios against")
     args = parser.parse_args(argv)
+    baseline = None
+    if args.baseline:
+        baseline = json.loads(Path(args.baseline).read_text())
+        if baseline.get("benchmark") != "controller":
+            raise SystemExit(f"{args.baseline}: not a controller benchmark result")
 
     idle_requests, pick_requests = 10_000, 100_000
     calls = 2_000 if args.quick else 20_000
@@ -268,7 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(name, *(r.get(h, float("nan")) for h in headers[1:]))
             for name, r in results.items()]
     print(table(rows, headers))
+    ratios = _ratios(results, baseline["policies"]) if baseline is not None else None
+    if ratios:
+        keys = sorted({k for r in ratios.values() for k in r})
+        print("\nratio to the baseline run (after / before; < 1 is faster)")
+        print(table([(name, *(r.get(k, float("nan")) for k in keys))
+                     for name, r in ratios.items()], ("policy", *keys)))
     write_json(args.out, {
+        "ratios_to_baseline": ratios,
+        "baseline": args.baseline,
         "benchmark": "controller",
         "policies": results,
         "targets": {"idle_step_us": 20.0, "pick_100k_ms": 20.0},
@@ -284,6 +302,15 @@ def main(argv: list[str] | None = None) -> int:
         },
     })
     return 0
+
+
+def _ratios(results: dict, before: dict) -> dict[str, dict[str, float]]:
+    """Each figure over the same figure of ``before`` (policies and keys both have)."""
+    return {
+        name: {key: value / before[name][key] for key, value in figures.items()
+               if before.get(name, {}).get(key)}
+        for name, figures in results.items() if name in before
+    }
 
 
 if __name__ == "__main__":
