@@ -11,6 +11,9 @@ For each built-in policy (made by name with ``policies.make_policy``):
   call, as a worker that rebuilds it only when its batch changes would.
 - ``busy_step_set_us``: the same, with the running requests passed as a
   (mutable) set, which the controller must compare with the ones it saw.
+- ``busy_step_rescan_us``: ``busy_step_us`` with the finding of nothing to
+  offload switched off (every call over ``high`` scans again): what the scan
+  reuse saves.
 - ``busy_batch_step_us``: the same pressure with 256 of the 10,000 running
   (passed as a set) and the rest offloaded to host, so none is reclaimable.
 - ``pick_100k_ms``: median time of ``plan_offload`` for 1 % of the device
@@ -30,7 +33,10 @@ For each built-in policy (made by name with ``policies.make_policy``):
 - ``rank_100k_ms``: ``Policy.rank`` on 100,000 ``Candidate`` records (the
   object API: columns gathered from the records, then ``order``), for scale.
 
-Usage: ``python benchmarks/controller.py --out controller.json [--quick] [--repeats N]``
+Usage: ``python benchmarks/controller.py --out controller.json [--quick] [--repeats N]
+[--baseline BEFORE.json]``. With ``--baseline`` (the JSON of a run of another
+commit made just before, on the same machine) it also prints and records each
+figure as a ratio to that run's (``after / before``; below 1 is faster).
 
 Figures are medians. On a shared machine they move with its load: compare
 runs made at the same time, not across days.
@@ -39,6 +45,7 @@ runs made at the same time, not across days.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -147,6 +154,14 @@ def busy_step_us(policy_name: str, requests: int, calls: int) -> dict[str, float
         _check_busy(ctl, running)  # the first call over high scans
         out[key] = _per_call_us(ctl.evict_if_needed, running, calls)
         _check_busy(ctl, running)
+    eviction = getattr(ctl, "_eviction", None)
+    if eviction is not None:  # the split controller: the same step without the reuse
+        eviction.reuse_scans = False
+        eviction.forget_finding()
+        running = frozenset(rid for rid, _ in rids)
+        _check_busy(ctl, running)
+        out["busy_step_rescan_us"] = _per_call_us(
+            ctl.evict_if_needed, running, max(100, calls // 10))
     return out
 
 
@@ -192,7 +207,7 @@ def pick_100k(policy_name: str, requests: int, repeats: int) -> dict[str, float]
         if again != victims:
             raise AssertionError("the same pick twice gave different victims")
         t0 = time.perf_counter()
-        batch, _ = ctl._candidate_batch(running, clock())
+        batch, _ = ctl._eviction.candidate_batch(running, clock())
         scan.append(time.perf_counter() - t0)
         policy = make_policy(policy_name, **POLICIES[policy_name])
         t0 = time.perf_counter()
@@ -237,7 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
     parser.add_argument("--repeats", type=int, default=5, help="fresh controllers per pick figure")
+    parser.add_argument("--baseline", help="JSON of a run to report ratios against")
     args = parser.parse_args(argv)
+    baseline = None
+    if args.baseline:
+        baseline = json.loads(Path(args.baseline).read_text())
+        if baseline.get("benchmark") != "controller":
+            raise SystemExit(f"{args.baseline}: not a controller benchmark result")
 
     idle_requests, pick_requests = 10_000, 100_000
     calls = 2_000 if args.quick else 20_000
@@ -252,11 +273,20 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = entry
 
     headers = ("policy", "idle_step_us", "busy_step_us", "busy_step_set_us",
-               "busy_batch_step_us", "pick_100k_ms", "pick_100k_warm_ms",
+               "busy_step_rescan_us", "busy_batch_step_us", "pick_100k_ms", "pick_100k_warm_ms",
                "pick_100k_one_by_one_ms", "scan_100k_ms", "order_100k_ms", "rank_100k_ms")
-    rows = [(name, *(r[h] for h in headers[1:])) for name, r in results.items()]
+    rows = [(name, *(r.get(h, float("nan")) for h in headers[1:]))
+            for name, r in results.items()]
     print(table(rows, headers))
+    ratios = _ratios(results, baseline["policies"]) if baseline is not None else None
+    if ratios:
+        keys = sorted({k for r in ratios.values() for k in r})
+        print("\nratio to the baseline run (after / before; < 1 is faster)")
+        print(table([(name, *(r.get(k, float("nan")) for k in keys))
+                     for name, r in ratios.items()], ("policy", *keys)))
     write_json(args.out, {
+        "ratios_to_baseline": ratios,
+        "baseline": args.baseline,
         "benchmark": "controller",
         "policies": results,
         "targets": {"idle_step_us": 20.0, "pick_100k_ms": 20.0},
@@ -272,6 +302,15 @@ def main(argv: list[str] | None = None) -> int:
         },
     })
     return 0
+
+
+def _ratios(results: dict, before: dict) -> dict[str, dict[str, float]]:
+    """Each figure over the same figure of ``before`` (policies and keys both have)."""
+    return {
+        name: {key: value / before[name][key] for key, value in figures.items()
+               if before.get(name, {}).get(key)}
+        for name, figures in results.items() if name in before
+    }
 
 
 if __name__ == "__main__":

@@ -218,8 +218,13 @@ def test_constructor_errors_name_what_is_wrong():
 def test_request_bookkeeping_errors_change_nothing():
     rng = random.Random(11)
     res, ctl, clock, rids = _setup(rng, n=5, fill=0.5)
-    with pytest.raises(ValueError, match="already registered"):
-        ctl.add_request(rids[0])
+    # adding a known request again is a no-op, as the cache's ingest_request is
+    used = ctl.last_used(rids[0])
+    clock.advance(3.0)
+    ctl.add_request(rids[0])
+    ctl.add_request(rids[0], resource="kv")
+    assert ctl.last_used(rids[0]) == used
+    ctl.check_integrity()
     with pytest.raises(ValueError, match="unknown resource 'gpu'"):
         ctl.add_request("new", resource="gpu")
     with pytest.raises(UnknownRequestError, match="'ghost'"):
@@ -1294,8 +1299,9 @@ class AlwaysRescan(EvictionController):
     """The controller without its memory of a scan that found nothing: every call over
     ``high`` scans again. The reference the shortcut is compared with."""
 
-    def _recall_nothing(self, running, now):
-        return None
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._eviction.reuse_scans = False
 
 
 class RoomAware(FakeTieredResource):
@@ -1728,8 +1734,11 @@ class ControllerMachine(RuleBasedStateMachine):
         # room-aware answers; no host/disk gauges (so no cascade either), leaving the
         # other cues to notice changes; or the plain fake
         resource_cls=st.sampled_from([FakeTieredResource, RoomAware, RoomAwareUnmetered]),
+        # completion records from poll(), or only their count (inferred settlement)
+        records=st.booleans(),
     )
-    def setup(self, seed, lagging, async_transfers, on_disk_full, policy_name, resource_cls):
+    def setup(self, seed, lagging, async_transfers, on_disk_full, policy_name, resource_cls,
+              records):
         self.rng = random.Random(seed)
         self.clock = FakeClock()
         self.cfg = ControllerConfig(
@@ -1740,7 +1749,7 @@ class ControllerMachine(RuleBasedStateMachine):
         for cls in (EvictionController, AlwaysRescan):
             res = resource_cls(
                 40_000, 24_000, 12_000, async_transfers=async_transfers,
-                enforce_device_capacity=False,
+                enforce_device_capacity=False, report_records=records,
             )
             exact = ExactPressure(res)
             lag = LaggingPressure(exact, self.clock) if lagging else None
@@ -1753,6 +1762,7 @@ class ControllerMachine(RuleBasedStateMachine):
         self.limit = (self.cfg.high - self.cfg.reload_headroom) * 40_000
         self.next_id = 0
         self.live: list[str] = []
+        self.gone: list[str] = []  # removed from the resource, not yet from the controller
         self.running: set[str] | None = None  # what the last evict passed
         self.reloaded_at: dict[str, float] = {}
         self.seen = {"offloads": 0, "bytes_offloaded": 0, "reloads_started": 0,
@@ -1852,6 +1862,32 @@ class ControllerMachine(RuleBasedStateMachine):
             ctl.remove_request(rid)
         self.reloaded_at.pop(rid, None)
 
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def vanish(self, data):
+        """The worker frees a request; the controller hears of it only later."""
+        rid = data.draw(st.sampled_from(self.live))
+        self.live.remove(rid)
+        self.gone.append(rid)
+        self.res.remove(rid)
+        self.twin_res.remove(rid)
+
+    @precondition(lambda self: self.gone)
+    @rule()
+    def late_remove(self):
+        rid = self.gone.pop(0)
+        self.ctl.remove_request(rid)
+        self.twin_ctl.remove_request(rid)
+        self.reloaded_at.pop(rid, None)
+
+    @precondition(lambda self: any(self.res.state[r] is RequestState.ON_HOST for r in self.live))
+    @rule(data=st.data())
+    def worker_demotes(self, data):
+        """The worker demotes an on-host request itself, behind the controller's back."""
+        on_host = [r for r in self.live if self.res.state[r] is RequestState.ON_HOST]
+        rid = data.draw(st.sampled_from(on_host))
+        assert self.res.demote(rid) == self.twin_res.demote(rid)
+
     @rule()
     def complete(self):
         assert self.res.complete_transfers() == self.twin_res.complete_transfers()
@@ -1871,6 +1907,8 @@ class ControllerMachine(RuleBasedStateMachine):
     @invariant()
     def ledgers_agree(self):
         self.res.check_integrity()
+        self.ctl.check_integrity()
+        self.twin_ctl.check_integrity()
 
     @invariant()
     def the_twin_is_in_the_same_state(self):
@@ -1878,6 +1916,8 @@ class ControllerMachine(RuleBasedStateMachine):
         mine, reference = self.ctl.stats(), self.twin_ctl.stats()
         assert reference.pop("scans_skipped") == 0
         mine.pop("scans_skipped")
+        # a rescan asks about a vanished request again, and logs it again
+        assert mine.pop("vanished_skips") <= reference.pop("vanished_skips")
         assert mine == reference
 
     @invariant()
@@ -1890,7 +1930,7 @@ class ControllerMachine(RuleBasedStateMachine):
             stats["bytes_offloaded"]
         assert stats["bytes_host_to_device"] + stats["bytes_disk_to_device"] == \
             stats["bytes_reloaded"]
-        assert stats["live_requests"] == len(self.live)
+        assert stats["live_requests"] == len(self.live) + len(self.gone)
         assert stats["reserved_reload_bytes"] >= 0 and stats["releasing_bytes"] >= 0
 
 

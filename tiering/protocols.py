@@ -10,9 +10,10 @@ what that hook is for.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from tiering.types import Tier
+from tiering.types import Tier, TransferResult
 
 
 @runtime_checkable
@@ -60,7 +61,12 @@ class TieredResource(EvictableResource, Protocol):
       the disk cannot take it (full, or no disk tier); nothing changed then.
     - ``drop(rid)``: give up a request's offloaded KV (it will be recomputed);
       its state becomes LOST with reason "dropped".
-    - ``poll()``: complete finished transfers; returns how many completed.
+    - ``poll()``: complete finished transfers; returns one ``TransferResult``
+      for each transfer it completed or failed since the previous ``poll``
+      (``state`` None for a request removed while its copy ran). The
+      controller settles its in-flight ledger from these records alone. (A
+      resource that still returns a count is served by inferring the same
+      from ``tier_of`` / ``reclaimable`` / ``can_reload``, for now.)
     - ``reclaimable_many(rids: Sequence[str]) -> numpy.ndarray``: optional, and
       not part of the structural check below. The answers ``reclaimable``
       would give for each of ``rids`` right now, in one call: a 1-D integer
@@ -104,4 +110,4 @@ class TieredResource(EvictableResource, Protocol):
 
     def drop(self, rid: str) -> None: ...
 
-    def poll(self) -> int: ...
+    def poll(self) -> Sequence[TransferResult]: ...

@@ -31,6 +31,8 @@ class ControllerStats:
     max_wait_s: float = 0.0  # longest wait of a reload that has started
     skipped_running: int = 0
     scans_skipped: int = 0  # victim scans not repeated: a finding of no candidate still held
+    vanished_skips: int = 0  # hook calls that failed for a request gone or changed; logged
+    transfers_reported: int = 0  # completion records taken from poll()
     bytes_device_to_host: int = 0
     bytes_device_to_disk: int = 0
     bytes_host_to_disk: int = 0

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tiering.types import RequestState, Tier
+from tiering.types import Move, RequestState, Tier, TransferResult
 
 
 class FakeClock:
@@ -40,6 +40,18 @@ _ON_HOST = RequestState.ON_HOST
 _ON_DISK = RequestState.ON_DISK
 _RESIDENT = RequestState.RESIDENT
 
+_MOVES = {
+    (_RESIDENT, _ON_HOST): Move.OFFLOAD_TO_HOST,
+    (_RESIDENT, _ON_DISK): Move.OFFLOAD_TO_DISK,
+    (_ON_HOST, _ON_DISK): Move.DEMOTE,
+    (_ON_HOST, _RESIDENT): Move.RELOAD_FROM_HOST,
+    (_ON_DISK, _RESIDENT): Move.RELOAD_FROM_DISK,
+}
+
+
+def _move(source: RequestState, dest: RequestState) -> Move:
+    return _MOVES[(source, dest)]
+
 
 class FakeTieredResource:
     """A resource that keeps only byte counts per request and tier.
@@ -51,11 +63,13 @@ class FakeTieredResource:
     capacity (recorded in ``max_device_used`` and ``max_device_used_by_reload``)
     instead of refusing.
     ``calls`` counts every hook call by name (a ``*_many`` hook once per
-    call, however many requests it answers for). ``poll`` returns how many
-    transfers completed or failed since the previous ``poll``, whether it
-    completed them itself or the test did (``complete_transfers``,
-    ``fail_transfer``), as a resource whose completions are applied only in
-    its ``poll`` would.
+    call, however many requests it answers for). ``poll`` returns a
+    ``TransferResult`` for each transfer that completed or failed since the
+    previous ``poll``, whether it completed them itself or the test did
+    (``complete_transfers``, ``fail_transfer``), or the request was removed
+    while it ran (``state`` None), as a resource whose completions are
+    applied only in its ``poll`` would. ``report_records=False`` makes it
+    answer with their count instead, as a resource not yet reporting records.
     """
 
     def __init__(
@@ -68,6 +82,7 @@ class FakeTieredResource:
         async_transfers: bool = False,
         complete_on_poll: bool = True,
         enforce_device_capacity: bool = True,
+        report_records: bool = True,
     ) -> None:
         if device_capacity <= 0:
             raise ValueError(f"device_capacity must be > 0, got {device_capacity!r}")
@@ -78,6 +93,7 @@ class FakeTieredResource:
         self.async_transfers = async_transfers
         self.complete_on_poll = complete_on_poll
         self.enforce_device_capacity = enforce_device_capacity
+        self.report_records = report_records
         self.state: dict[str, RequestState] = {}
         self.size: dict[str, int] = {}
         # rid -> what get_offload_priority answers: 0.0 from add() until a test sets it
@@ -90,7 +106,8 @@ class FakeTieredResource:
         self.max_device_used = 0
         self.max_device_used_by_reload = 0  # device bytes in use right after any reload
         self.calls: Counter[str] = Counter()
-        self._unreported = 0  # transfers the test completed or failed since the last poll
+        # transfers the test completed or failed (or whose request went) since the last poll
+        self._unreported: list[TransferResult] = []
         self.offloaded_rids: list[str] = []
         # what reclaimable() answers, per request, kept with every state change
         # so that reclaimable_many is one dict lookup a request
@@ -130,6 +147,8 @@ class FakeTieredResource:
             source, dest = self._dest.pop(rid)
             self._free(rid, source)
             self._free(rid, dest)
+            self._unreported.append(
+                TransferResult(rid, _move(source, dest), False, self.size[rid], None, "removed"))
         else:
             self._free(rid, self.state[rid])
         del self.state[rid]
@@ -176,22 +195,25 @@ class FakeTieredResource:
         """Complete in-flight transfers (all, or those named); returns how many."""
         done = self._complete(rids)
         self._unreported += done
-        return done
+        return len(done)
 
-    def _complete(self, rids: Iterable[str] | None) -> int:
+    def _complete(self, rids: Iterable[str] | None) -> list[TransferResult]:
         chosen = list(self._dest) if rids is None else [r for r in rids if r in self._dest]
+        out = []
         for rid in chosen:
             source, dest = self._dest.pop(rid)
             self._free(rid, source)
             self._set_state(rid, dest)
-        return len(chosen)
+            out.append(TransferResult(rid, _move(source, dest), True, self.size[rid], dest))
+        return out
 
-    def fail_transfer(self, rid: str) -> None:
+    def fail_transfer(self, rid: str, reason: str = "injected failure") -> None:
         """An in-flight transfer fails: the request goes back to where it came from."""
         source, dest = self._dest.pop(rid)
         self._free(rid, dest)
         self._set_state(rid, source)
-        self._unreported += 1
+        self._unreported.append(
+            TransferResult(rid, _move(source, dest), False, self.size[rid], source, reason))
 
     def in_flight(self) -> tuple[str, ...]:
         return tuple(self._dest)
@@ -299,16 +321,17 @@ class FakeTieredResource:
         self._free(rid, state)
         self._set_state(rid, RequestState.LOST)
 
-    def poll(self) -> int:
-        """Complete every transfer in flight (when ``complete_on_poll``); returns how many
-        completed or failed since the previous ``poll``."""
+    def poll(self) -> list[TransferResult] | int:
+        """Complete every transfer in flight (when ``complete_on_poll``); returns a record
+        of each that completed or failed since the previous ``poll`` (their count when
+        not ``report_records``)."""
         self.calls["poll"] += 1
         done = self._unreported
         if done:
-            self._unreported = 0
+            self._unreported = []
         if self._dest and self.async_transfers and self.complete_on_poll:
             done += self._complete(None)
-        return done
+        return done if self.report_records else len(done)
 
     # -- checking -----------------------------------------------------------------
 
