@@ -215,6 +215,12 @@ class _IdleController:
     def request_reload(self, rid):
         return False
 
+    def poll(self):
+        pass
+
+    def synchronize(self, timeout):
+        pass
+
     def evict_if_needed(self, running):
         self.evict_calls += 1
 

@@ -43,7 +43,7 @@ def test_worker_loop_moves_idle_requests_out_and_brings_them_back_exact(geom):
         report = tkv.after_step(["c"])
         assert report.offloaded, "pressure above high must offload an idle request"
         assert "c" not in report.offloaded
-        tkv.kv.synchronize(timeout=10)
+        tkv.synchronize(timeout=10)
         tkv.check_integrity()
         gone = [rid for rid in ("a", "b") if tkv.kv.is_offloaded(rid)]
         assert gone
@@ -53,7 +53,7 @@ def test_worker_loop_moves_idle_requests_out_and_brings_them_back_exact(geom):
         for _ in range(5):
             clock.advance(1.0)
             tkv.after_step([])
-            tkv.kv.synchronize(timeout=10)
+            tkv.synchronize(timeout=10)
             if tkv.prepare([rid]) == [rid]:
                 break
         else:
@@ -134,3 +134,18 @@ def test_front_door_exports_every_public_name():
     assert tiering.TieredKV is TieredKV
     with pytest.raises(AttributeError, match="no_such_name"):
         tiering.no_such_name  # noqa: B018
+
+
+def test_synchronize_through_the_front_door_settles_the_controllers_ledger(geom):
+    """Copies waited for through the front door reach the controller: after
+    every offload has landed nothing is still counted as leaving the device."""
+    gen = torch.Generator().manual_seed(11)
+    with TieredKV(_config(geom)) as tkv:
+        for rid in ("a", "b", "c"):
+            _fill(tkv, rid, 8, gen)
+        tkv.prepare(["c"])
+        assert tkv.after_step(["c"]).offloaded
+        tkv.synchronize(timeout=10)
+        assert tkv.stats()["controller.transfers_reported"] >= 1
+        tkv.controller.check_integrity()
+        assert tkv.stats()["controller.offloads_in_flight"] == 0, "a landed offload still counted"

@@ -231,11 +231,34 @@ class EvictionController:
             self._eviction.forget_finding()
             raise
 
-    def _poll(self) -> None:
+    def synchronize(self, timeout: float = 60.0) -> None:
+        """Wait for every resource's transfers (``synchronize(timeout)`` where it
+        has one, else ``poll()``) and settle the ledger from what each reports.
+
+        A worker that must wait for copies calls this, not a resource's own
+        ``synchronize``, for the same reason as ``poll``. A resource's
+        TimeoutError is raised after what did finish has been settled."""
+        try:
+            self._poll(wait=timeout)
+        except BaseException:
+            self._eviction.forget_finding()
+            raise
+
+    def _poll(self, wait: float | None = None) -> None:
         """Poll every resource and settle (before the pressure read, so a completion is
-        in that reading for a synchronous source)."""
+        in that reading for a synchronous source). With ``wait``, a resource that
+        offers ``synchronize`` is waited on for at most that long instead."""
+        timed_out: TimeoutError | None = None
         for h, poll, evicts in self._polled:
-            answer = poll() if poll is not None else None
+            sync = getattr(h.resource, "synchronize", None) if wait is not None else None
+            if sync is not None:
+                try:
+                    answer = sync(wait)
+                except TimeoutError as exc:  # what finished was applied: settle it
+                    timed_out = exc
+                    answer = poll() if poll is not None else None
+            else:
+                answer = poll() if poll is not None else None
             if not evicts:
                 continue
             if type(answer) is list or type(answer) is tuple or isinstance(answer, Sequence):
@@ -248,6 +271,8 @@ class EvictionController:
                 records = self._inferred(h)
                 if records:
                     self._settle(h, records)
+        if timed_out is not None:
+            raise timed_out
 
     def _settle(self, h: ResourceHandle, records: Sequence[TransferResult]) -> None:
         ledger = self._ledger

@@ -164,7 +164,7 @@ class TieredKV:
         self._check_open()
         self._check_batch(batch, "prepare")
         kv = self.kv
-        kv.poll()
+        self.controller.poll()  # the controller settles its ledgers from what completed
         ready = []
         for rid in batch:
             if kv.is_offloaded(rid):
@@ -186,6 +186,12 @@ class TieredKV:
         if running != self._running:  # the same frozenset lets the controller reuse a scan
             self._running = running
         return self.controller.evict_if_needed(self._running)
+
+    def synchronize(self, timeout: float = 60.0) -> None:
+        """Wait for every copy in flight (at most ``timeout`` seconds; then
+        TimeoutError naming what is still moving) and apply them all."""
+        self._check_open()
+        self.controller.synchronize(timeout)
 
     def take_lost(self) -> list[tuple[str, str]]:
         """(rid, reason) of requests whose KV was lost since the last call."""

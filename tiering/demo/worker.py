@@ -215,7 +215,7 @@ class DemoWorker:
         self._t0 = time.perf_counter()
         while not self.done:
             self.step()
-        self.kv.synchronize(self.config.sync_timeout_s)
+        self.controller.synchronize(self.config.sync_timeout_s)
         return WorkerResult(
             dict(self._outputs),
             list(self._samples),
@@ -229,7 +229,7 @@ class DemoWorker:
         """Admit arrivals, run a batch, then let the controller move KV."""
         step = self.counters.steps
         self._admit_arrivals(step)
-        self.kv.poll()
+        self.controller.poll()
         batch = self._pick(step)
         for rid in batch:
             self._run(rid)
@@ -349,7 +349,7 @@ class DemoWorker:
                 f" {self.kv.device_capacity_bytes} bytes used"
             )
         t = time.perf_counter()
-        self.kv.synchronize(self.config.sync_timeout_s)
+        self.controller.synchronize(self.config.sync_timeout_s)
         self.counters.stall_wait_s += time.perf_counter() - t
         head = self._queue[0]
         return {head} if self._resident(head) else set()
