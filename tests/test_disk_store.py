@@ -24,6 +24,7 @@ from tiering.disk import slotfile as disk_slotfile
 from tiering.disk.array import page_codecs
 from tiering.disk.faults import FaultPlan, FaultyStore
 from tiering.disk.ledger import pick_chunks
+from tiering.disk.lock import LOCK_FILE_NAME
 from tiering.disk.manifest import MANIFEST_KEY
 from tiering.disk.slotfile import (
     SLOT_FILE_NAME,
@@ -39,6 +40,25 @@ from tiering.disk.store import (
     DiskIOError,
     DiskPageStore,
 )
+
+
+def _lock_held(root: Path) -> bool:
+    """Whether some open file description holds the tier's lock on ``root`` now."""
+    import fcntl
+    import os
+
+    path = root / LOCK_FILE_NAME
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
 
 PAGE_SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, tokens, heads, head dim: 256 elements
 CHUNK = 4096  # 4 float32 pages or 8 bf16 pages per chunk
@@ -550,18 +570,49 @@ def test_clear_removes_leftovers(tmp_path, gen):
     first.write(extent, data)
     first.commit("old", extent, {"tokens": 20})
     first.close()
-    (tmp_path / "disk" / "junk.bin").write_bytes(b"stale")
-    (tmp_path / "disk" / "c").mkdir()
     slot_file = tmp_path / "disk" / SLOT_FILE_NAME
+    assert (tmp_path / "disk" / MANIFEST_KEY).exists()
     assert _file_contains(slot_file, data[0].numpy().tobytes()[:64])
     second = make(tmp_path)  # on_start="clear"
     assert second.reattached() == {} and second.used_bytes() == 0
     assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == sorted(
-        [SLOT_FILE_NAME, "zarr.json"]
+        [SLOT_FILE_NAME, "zarr.json", LOCK_FILE_NAME]
     )
     assert not _file_contains(slot_file, data[0].numpy().tobytes()[:64])
     second.check_integrity()
     second.close()
+
+
+@pytest.mark.parametrize("foreign", ["junk.bin", "c"])
+def test_clear_refuses_a_directory_holding_foreign_files(tmp_path, gen, foreign):
+    first = make(tmp_path, on_start="reattach")
+    data = pages(gen, 5)
+    extent = first.reserve("old", 5)
+    first.write(extent, data)
+    first.commit("old", extent, {"tokens": 20})
+    first.close()
+    target = tmp_path / "disk" / foreign
+    if foreign == "c":
+        target.mkdir()
+    else:
+        target.write_bytes(b"not the tier's")
+    slot_file = tmp_path / "disk" / SLOT_FILE_NAME
+    before = slot_file.read_bytes()
+    with pytest.raises(DiskIOError, match=rf"did not write: \['{foreign}'\]"):
+        make(tmp_path)  # on_start="clear"
+    assert target.exists() and slot_file.read_bytes() == before
+    assert (tmp_path / "disk" / MANIFEST_KEY).exists()
+    assert not _lock_held(tmp_path / "disk")
+
+
+def test_clear_refuses_a_foreign_file_named_like_the_slot_file(tmp_path):
+    root = tmp_path / "disk"
+    root.mkdir()
+    (root / SLOT_FILE_NAME).write_bytes(b"someone else's file" * 100)
+    with pytest.raises(DiskIOError, match="did not write"):
+        make(tmp_path)
+    assert (root / SLOT_FILE_NAME).read_bytes() == b"someone else's file" * 100
+    assert sorted(p.name for p in root.iterdir()) == [SLOT_FILE_NAME]
 
 
 def test_reattach_adopts_committed_and_clears_the_rest(tmp_path, gen):

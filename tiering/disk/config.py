@@ -32,7 +32,9 @@ class DiskConfig:
     ``clear`` or ``reattach``. ``io_threads``: chunk operations one read or write
     keeps in flight (the local slot store also keeps ``2 * io_threads`` reusable
     chunk-sized read buffers). ``io_timeout_s``: the longest one read or write may
-    take.
+    take. ``lease``: for a store that is not a local directory, an object with
+    ``acquire()`` / ``release()`` (``tiering.disk.lock.PathLease``) that holds the
+    location exclusively; a local directory is always held by an OS lock.
     """
 
     path: str | os.PathLike[str] | None = None
@@ -43,8 +45,16 @@ class DiskConfig:
     on_start: str = "clear"
     io_threads: int = 2
     io_timeout_s: float = 120.0
+    lease: Any = None
 
     def __post_init__(self) -> None:
+        if self.lease is not None and not all(
+            callable(getattr(self.lease, name, None)) for name in ("acquire", "release")
+        ):
+            raise ValueError(
+                "DiskConfig.lease must have acquire() and release() methods "
+                f"(tiering.disk.lock.PathLease), got {type(self.lease).__name__}"
+            )
         if self.store is None and self.path is None:
             raise ValueError("DiskConfig.path or DiskConfig.store must be given")
         if self.store is not None and not isinstance(self.store, (Store, StorePath)):

@@ -80,6 +80,8 @@ _SLOT_MAGIC = b"TSLOTv1\x00"
 _SLOT_HEADER = struct.Struct("<8sQ")  # magic, encoded length
 _EMPTY_HEADER = bytes(_SLOT_HEADER.size)
 _CRC_BYTES = 4
+_LOCK_NAME = ".tiering.lock"  # tiering.disk.lock.LOCK_FILE_NAME (the holder's lock file)
+_OWN_NAMES = (SLOT_FILE_NAME, "zarr.json", "tiering-manifest.json", _LOCK_NAME)
 PIECE_BYTES = 1 << 20  # direct I/O granule: about one core's L2, so crc and copy share it
 
 
@@ -196,6 +198,12 @@ class SlotFileStore(Store):
         try:
             self.found_existing = os.fstat(fd).st_size > 0
             self.matched_existing = self._header_matches(fd)
+            if self.found_existing and os.pread(fd, len(_FILE_MAGIC), 0) != _FILE_MAGIC:
+                raise OSError(
+                    errno.EEXIST,
+                    "refusing to overwrite a file the disk tier did not write",
+                    str(self.slot_path),
+                )
             if not self.matched_existing:
                 if self.read_only:
                     raise FileNotFoundError(f"{self.slot_path} is not a matching slot file")
@@ -451,12 +459,25 @@ class SlotFileStore(Store):
         """Indices of the slots that hold a chunk."""
         return [i for i in range(self.num_slots) if self.slot_length(i) is not None]
 
+    def foreign_entries(self) -> list[str]:
+        """Names under ``root`` that this store does not write (a clear would destroy them)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            entry.name
+            for entry in self.root.iterdir()
+            if entry.name not in _OWN_NAMES
+            and not (entry.name.startswith(".") and entry.name.endswith(".tmp"))
+        )
+
     def clear_sync(self) -> None:
-        """Remove every key: other files under ``root`` go, every slot becomes empty."""
+        """Remove every key: other files under ``root`` go, every slot becomes empty.
+
+        The lock file (``.tiering.lock``) stays: it is held while the store is open."""
         self._check_writable()
         fd = self._require_fd()
         for entry in self.root.iterdir():
-            if entry.name == SLOT_FILE_NAME:
+            if entry.name in (SLOT_FILE_NAME, _LOCK_NAME):
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)

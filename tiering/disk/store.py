@@ -106,6 +106,7 @@ from tiering.disk.ledger import (
     check_extent,
     check_owner,
 )
+from tiering.disk.lock import DiskPathInUseError
 from tiering.disk.manifest import ManifestEntry, decode_manifest, encode_manifest
 from tiering.disk.pages import PageFormat
 from tiering.disk.slotfile import SlotFileStore
@@ -199,16 +200,24 @@ class DiskPageStore:
             dtype=self.format.storage_dtype,
             codec=config.codec,
         )
-        self._backend = PageBackend(
-            config,
-            num_slots=self.capacity_chunks,
-            chunk_bytes=self.chunk_alloc_bytes,
-            wrap_store=wrap_store,
-        )
+        try:
+            self._backend = PageBackend(
+                config,
+                num_slots=self.capacity_chunks,
+                chunk_bytes=self.chunk_alloc_bytes,
+                wrap_store=wrap_store,
+            )
+        except DiskPathInUseError:
+            raise
+        except OSError as exc:
+            where = repr(config.path) if config.store is None else repr(config.store)
+            raise DiskIOError(
+                exc.errno or errno.EIO, f"disk store {where}: cannot start: {exc}"
+            ) from exc
         try:
             self._start()
         except BaseException:
-            self._backend.close()
+            self._backend.discard()
             raise
 
     # ------------------------------------------------------------------ sizing and ledger
