@@ -841,7 +841,7 @@ class ManifestFaults(FaultyStore):
         await super().set(key, value)
 
 
-def test_manifest_write_failures_never_leave_a_stale_manifest(tmp_path, gen):
+def test_manifest_write_failures_never_leave_a_stale_manifest(tmp_path, gen, caplog):
     wrapper: dict[str, ManifestFaults] = {}
 
     def wrap(inner):
@@ -857,8 +857,9 @@ def test_manifest_write_failures_never_leave_a_stale_manifest(tmp_path, gen):
     with pytest.raises(DiskIOError, match="manifest"):
         s.commit("b", b, {})
     assert s.stats()["committed"] == 1  # the failed commit left nothing behind
-    with pytest.raises(DiskIOError, match="manifest"):
-        s.release(a)
+    with caplog.at_level(logging.WARNING, logger="tiering.disk.store"):
+        s.release(a)  # a manifest failure on release is logged, never raised
+    assert "will retry" in caplog.text and s.stats()["manifest_dirty"]
     # The manifest on disk still lists a's chunk, so it must not be handed out again yet.
     assert s.used_bytes() == 2 * s.chunk_alloc_bytes and s.stats()["quarantined_chunks"] == 1
     s.check_integrity()

@@ -200,7 +200,14 @@ class ChunkLedger:
 
     # ------------------------------------------------------------------ committed entries
 
-    def commit(self, owner: str, extent: DiskExtent, meta: dict[str, Any]) -> None:
+    def commit(
+        self, owner: str, extent: DiskExtent, meta: dict[str, Any]
+    ) -> tuple[DiskExtent, dict[str, Any]] | None:
+        """Record ``owner``'s committed extent; returns the entry it replaced, if any.
+
+        An owner has at most one committed entry: committing another extent for
+        the same owner (a reused request id) supersedes the old entry, whose
+        extent stays reserved, so no leftover entry can wedge a reused id."""
         with self._lock:
             self._check_open()
             state = self._state(extent)
@@ -213,18 +220,37 @@ class ChunkLedger:
                     f"commit of {owner!r}: extent {extent.chunks} is busy or not completely written"
                 )
             previous = self._committed.get(owner)
-            if previous is not None and previous[0] != extent:
-                raise ValueError(
-                    f"commit of {owner!r}: already committed with extent {previous[0].chunks}; "
-                    f"forget it first"
-                )
             self._committed[owner] = (extent, meta)
+            return previous
 
-    def uncommit(self, owner: str, extent: DiskExtent, meta: dict[str, Any]) -> None:
-        """Undo ``commit(owner, extent, meta)`` if that entry is still the current one."""
+    def undo_commit(
+        self,
+        owner: str,
+        extent: DiskExtent,
+        meta: dict[str, Any],
+        previous: tuple[DiskExtent, dict[str, Any]] | None,
+    ) -> None:
+        """Undo ``commit(owner, extent, meta)`` if that entry is still the current one,
+        putting back the entry it replaced while that one's extent is still live."""
         with self._lock:
-            if self._committed.get(owner) == (extent, meta):
-                del self._committed[owner]
+            if self._committed.get(owner) != (extent, meta):
+                return
+            del self._committed[owner]
+            if previous is not None:
+                state = self._extents.get(previous[0].chunks)
+                if state is not None and state.owner == owner and state.written:
+                    self._committed[owner] = previous
+
+    def uncommit(self, extent: DiskExtent) -> bool:
+        """Forget the committed entry naming ``extent`` (it stays reserved); False if none."""
+        with self._lock:
+            self._check_open()
+            self._state(extent)
+            owner = self._committed_owner_of(extent)
+            if owner is None:
+                return False
+            del self._committed[owner]
+            return True
 
     def forget(self, owner: str) -> bool:
         check_owner(owner)
@@ -242,6 +268,12 @@ class ChunkLedger:
             self._on_disk = {c for extent, _ in entries.values() for c in extent.chunks}
             waiting = [c for c in self._quarantine if c not in self._on_disk]
             self._unquarantine(waiting, "manifest")
+
+    def manifest_failed(self, entries: dict[str, tuple[DiskExtent, dict[str, Any]]]) -> None:
+        """A manifest write listing ``entries`` failed: the file on disk may now be the
+        old or the new one, so chunks of either count as listed until a write succeeds."""
+        with self._lock:
+            self._on_disk.update(c for extent, _ in entries.values() for c in extent.chunks)
 
     def adopt(self, owner: str, extent: DiskExtent, meta: dict[str, Any]) -> None:
         """Take over an extent a manifest listed at start-up: written, committed, on disk."""

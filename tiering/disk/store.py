@@ -192,6 +192,7 @@ class DiskPageStore:
         self._stats_lock = threading.Lock()
         self._manifest_lock = threading.Lock()
         self._reattached: dict[str, tuple[DiskExtent, dict[str, Any]]] = {}
+        self._manifest_dirty = False  # a manifest write failed; the next one retries it
 
         self._geometry = ArrayGeometry(
             rows=self.capacity_pages,
@@ -242,13 +243,39 @@ class DiskPageStore:
         """Return an extent's chunks to the free pool, forgetting its committed entry.
 
         Raises ValueError for an extent that is not live or has an operation in
-        flight. Chunks stay reserved (quarantined) while a timed-out operation's
-        I/O is still running, and while the manifest on disk still lists them;
-        the manifest is rewritten here, and if that fails DiskIOError is raised
-        and the chunks wait for the next successful manifest write.
+        flight (nothing changes). Chunks stay reserved (quarantined, still
+        counted) while a timed-out operation's I/O is still running, and while
+        the manifest on disk may still list them. The manifest is rewritten
+        here; if that write fails (ENOSPC, EROFS, EIO, ...) this does NOT raise:
+        the failure is logged and counted (``manifest_faults``), the chunks stay
+        quarantined, and the rewrite is retried by the next manifest write
+        (any ``commit``, ``release``, ``uncommit``, ``forget`` or
+        ``retry_manifest``). The ledger is consistent either way.
         """
-        if self._ledger.release(extent, persistent=self._persistent):
-            self._persist_manifest(f"releasing extent {extent.chunks}")
+        if self._ledger.release(extent, persistent=self._persistent) or self._manifest_dirty:
+            self._persist_quietly(f"releasing extent {extent.chunks}")
+
+    def uncommit(self, extent: DiskExtent) -> None:
+        """Forget the committed entry of ``extent``, keeping its reservation; idempotent.
+
+        After this the extent's owner id can be committed again with another
+        extent at once (a request id reused while its old copy is still being
+        read). ValueError for an extent that is not reserved here. In
+        ``reattach`` mode the manifest is rewritten; a failure of that write is
+        logged and retried later, never raised (the extent's chunks then count
+        as listed on disk, so they are quarantined when released).
+        """
+        if self._ledger.uncommit(extent) or self._manifest_dirty:
+            self._persist_quietly(f"uncommitting extent {extent.chunks}")
+
+    def retry_manifest(self) -> bool:
+        """Rewrite the manifest if an earlier write failed; True when it is now current.
+
+        A successful write frees chunks that were quarantined only because the
+        old manifest still listed them."""
+        if not self._persistent or not self._manifest_dirty:
+            return True
+        return self._persist_quietly("retrying an earlier failed write")
 
     # ------------------------------------------------------------------ I/O
 
@@ -373,20 +400,22 @@ class DiskPageStore:
             meta_dict = json.loads(json.dumps(dict(meta or {}), allow_nan=False))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"commit of {owner!r}: meta is not JSON-serialisable: {exc}") from exc
-        self._ledger.commit(owner, extent, meta_dict)
+        previous = self._ledger.commit(owner, extent, meta_dict)
         if self._persistent:
             try:
                 self._persist_manifest(f"committing {owner!r}", flush_data=True)
             except DiskIOError:
-                self._ledger.uncommit(owner, extent, meta_dict)
+                self._ledger.undo_commit(owner, extent, meta_dict, previous)
                 raise
 
     def forget(self, owner: str) -> bool:
-        """Drop ``owner``'s committed entry (its chunks stay reserved); False if it had none."""
+        """Drop ``owner``'s committed entry (its chunks stay reserved); False if it had none.
+
+        A failed manifest write is logged and retried later (as for ``release``)."""
         if not self._ledger.forget(owner):
             return False
         if self._persistent:
-            self._persist_manifest(f"forgetting {owner!r}")
+            self._persist_quietly(f"forgetting {owner!r}")
         return True
 
     def reattached(self) -> dict[str, tuple[DiskExtent, dict[str, Any]]]:
@@ -421,6 +450,7 @@ class DiskPageStore:
                 "corruptions": c.corruptions,
                 "timeouts": c.timeouts,
                 "manifest_faults": c.manifest_faults,
+                "manifest_dirty": self._manifest_dirty,
                 "faults": c.write_faults + c.read_faults + c.manifest_faults,
                 "fault_errnos": dict(c.errnos),
                 "extents": counts["extents"],
@@ -599,9 +629,22 @@ class DiskPageStore:
                 exc.errno or errno.EIO, f"disk store {where}: cannot start: {exc}"
             ) from exc
 
+    def _persist_quietly(self, why: str) -> bool:
+        """``_persist_manifest`` for paths that must not raise: log and retry later."""
+        if not self._persistent:
+            return True
+        try:
+            self._persist_manifest(why)
+        except DiskIOError as exc:
+            log.warning("disk store %s: %s; will retry", self._backend.where, exc)
+            return False
+        return True
+
     def _persist_manifest(self, why: str, *, flush_data: bool = False) -> None:
         """Write the manifest from the committed entries; the ledger then frees released
-        chunks that were waiting for the old manifest to stop listing them."""
+        chunks that were waiting for the old manifest to stop listing them. On failure
+        the manifest is marked dirty (every later manifest write retries it) and the
+        entries it tried to list count as possibly on disk."""
         with self._manifest_lock:
             committed = self._ledger.committed()
             entries = {
@@ -612,9 +655,14 @@ class DiskPageStore:
             try:
                 self._backend.write_manifest(body, flush_data=flush_data)
             except OSError as exc:
+                self._manifest_dirty = True
+                self._ledger.manifest_failed(committed)
                 with self._stats_lock:
                     self._counters.manifest_faults += 1
-                raise DiskIOError(
-                    exc.errno or errno.EIO, f"manifest write ({why}) failed: {exc}"
-                ) from exc
+                code = exc.errno or errno.EIO
+                name = errno.errorcode.get(code, str(code))
+                with self._stats_lock:
+                    self._counters.errnos[name] = self._counters.errnos.get(name, 0) + 1
+                raise DiskIOError(code, f"manifest write ({why}) failed: {exc}") from exc
+            self._manifest_dirty = False
             self._ledger.manifest_written(committed)
