@@ -292,7 +292,15 @@ def test_bad_input_raises_and_changes_nothing(store, gen):
     extent = store.reserve("a", 5)
     before = store.stats()
     with pytest.raises(ValueError, match="shape"):
-        store.write(extent, pages(gen, 4))
+        store.write(extent, torch.randn((5, 3, 2), generator=gen))
+    with pytest.raises(ValueError, match="chunk boundary"):
+        store.write(extent, pages(gen, 3))  # a range that ends inside a chunk
+    with pytest.raises(ValueError, match="not inside the extent"):
+        store.write(extent, pages(gen, 4), first_page=4)
+    with pytest.raises(ValueError, match="first_page"):
+        store.write(extent, pages(gen, 1), first_page=-1)
+    with pytest.raises(ValueError, match="stale"):
+        store.write(extent._replace(generation=extent.generation + 1), pages(gen, 5))
     with pytest.raises(ValueError, match="dtype"):
         store.write(extent, pages(gen, 5, torch.bfloat16))
     with pytest.raises(ValueError, match="not been written"):

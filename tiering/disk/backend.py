@@ -43,10 +43,12 @@ from tiering.disk.array import (
 )
 from tiering.disk.config import DiskConfig
 from tiering.disk.lock import LOCK_FILE_NAME, LocalDirLock
-from tiering.disk.manifest import MANIFEST_KEY, ManifestEntry, ManifestError
+from tiering.disk.manifest import MANIFEST_KEY, Manifest, ManifestError
 from tiering.disk.slotfile import SLOT_FILE_NAME, SlotFileStore
 
 _T = TypeVar("_T")
+STORE_ID_ATTR = "tiering_store_id"  # the page array's attribute naming the store identity
+BINDING_DIR = "tiering-bind"  # the zarr path's per-chunk binding records
 
 
 class StartRefused(Exception):
@@ -228,8 +230,9 @@ class PageBackend:
 
     # ------------------------------------------------------------------ start-up
 
-    def clear_and_create(self, geometry: ArrayGeometry) -> None:
-        """Remove everything an earlier process left, then create an empty page array.
+    def clear_and_create(self, geometry: ArrayGeometry, store_id: str) -> None:
+        """Remove everything an earlier process left, then create an empty page array
+        carrying the new store identity ``store_id`` in its attributes.
 
         Refuses (``OSError(EEXIST)``) a location that holds anything the tier did not
         write, and a bucket root named by URL: a clear there would destroy other data."""
@@ -243,7 +246,9 @@ class PageBackend:
                 self.call(self.store.clear())
             except FileNotFoundError:
                 pass
-        self._set_array(self.call(create_page_array(self.store_path, **asdict(geometry))))
+        array = self.call(create_page_array(self.store_path, **asdict(geometry)))
+        self.call(array.update_attributes({STORE_ID_ATTR: store_id}))
+        self._set_array(array)
 
     def _refuse_foreign(self) -> None:
         where = self.where
@@ -272,11 +277,12 @@ class PageBackend:
             )
 
     def reattach(
-        self, geometry: ArrayGeometry, decode: Callable[[bytes], dict[str, ManifestEntry]]
-    ) -> dict[str, ManifestEntry]:
-        """Open the existing array and return the manifest's entries (decoded and
-        verified by ``decode``), after deleting every chunk the manifest does not
-        list. Raises StartRefused if anything is missing, unreadable or different."""
+        self, geometry: ArrayGeometry, decode: Callable[[bytes, str], Manifest]
+    ) -> tuple[str, Manifest]:
+        """Open the existing array and return its store identity and the manifest
+        (decoded and verified by ``decode`` against that identity), after deleting
+        every chunk the manifest does not list. Raises StartRefused if anything is
+        missing, unreadable or different (a manifest of another store included)."""
         if self.slots is not None and not self.slots.found_existing:
             raise StartRefused("no slot file (first start)", nothing_there=True)
         if self.slots is not None and not self.slots.matched_existing:
@@ -288,19 +294,35 @@ class PageBackend:
         if raw is None:
             raise StartRefused("no manifest", nothing_there=True)
         try:
-            entries = decode(raw.to_bytes())
-        except ManifestError as exc:
-            raise StartRefused(str(exc)) from exc
-        try:
             array = self.call(zasync.open_array(store=self.store_path, zarr_format=3))
         except Exception as exc:  # noqa: BLE001 - any failure to open means "do not trust it"
             raise StartRefused(f"array metadata unreadable: {exc!r}") from exc
         mismatch = page_array_mismatch(array, **asdict(geometry))
         if mismatch is not None:
             raise StartRefused(mismatch)
-        self._drop_unlisted_chunks({c for e in entries.values() for c in e.chunks})
+        store_id = array.attrs.get(STORE_ID_ATTR)
+        if not isinstance(store_id, str) or not store_id:
+            raise StartRefused("the array carries no store identity")
+        try:
+            manifest = decode(raw.to_bytes(), store_id)
+        except ManifestError as exc:
+            raise StartRefused(str(exc)) from exc
+        self._drop_unlisted_chunks({c for e in manifest.entries.values() for c in e.chunks})
         self._set_array(array)
-        return entries
+        return store_id, manifest
+
+    async def write_binding(self, chunk: int, record: bytes) -> None:
+        """Store chunk ``chunk``'s binding record (the zarr path; see the store docstring)."""
+        buf = default_buffer_prototype().buffer.from_bytes(record)
+        await self.store.set(self._binding_key(chunk), buf)
+
+    async def read_binding(self, chunk: int) -> bytes | None:
+        value = await self.store.get(self._binding_key(chunk), default_buffer_prototype())
+        return None if value is None else value.to_bytes()
+
+    def _binding_key(self, chunk: int) -> str:
+        key = f"{BINDING_DIR}/{chunk}"
+        return f"{self.prefix}/{key}" if self.prefix else key
 
     def _set_array(self, array: zarr.AsyncArray[Any]) -> None:
         self.array = array
@@ -344,7 +366,7 @@ class PageBackend:
 
 def _tier_key(key: str) -> bool:
     """Whether a key (relative to the tier's prefix) is one the disk tier writes."""
-    return key in ("zarr.json", MANIFEST_KEY) or key.startswith("c/")
+    return key in ("zarr.json", MANIFEST_KEY) or key.startswith(("c/", f"{BINDING_DIR}/"))
 
 
 def _innermost(store: Store) -> Store:

@@ -60,6 +60,7 @@ import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 from zarr.abc.store import (
     ByteRequest,
@@ -79,9 +80,11 @@ _FILE_HEADER = struct.Struct("<8sQQQ")  # magic, num_slots, stride, slot_capacit
 _SLOT_MAGIC = b"TSLOTv1\x00"
 _SLOT_HEADER = struct.Struct("<8sQ")  # magic, encoded length
 _EMPTY_HEADER = bytes(_SLOT_HEADER.size)
+BINDING_BYTES = 36  # what a direct write binds its chunk to (see ``write_chunk``)
+_BINDING_BLOCK = BINDING_BYTES + 4  # ... followed by crc32c(binding + the chunk's crc32c)
 _CRC_BYTES = 4
 _LOCK_NAME = ".tiering.lock"  # tiering.disk.lock.LOCK_FILE_NAME (the holder's lock file)
-_OWN_NAMES = (SLOT_FILE_NAME, "zarr.json", "tiering-manifest.json", _LOCK_NAME)
+_OWN_NAMES = (SLOT_FILE_NAME, "zarr.json", "tiering-manifest.json", "tiering-bind", _LOCK_NAME)
 PIECE_BYTES = 1 << 20  # direct I/O granule: about one core's L2, so crc and copy share it
 
 
@@ -363,8 +366,15 @@ class SlotFileStore(Store):
 
     # ------------------------------------------------------------------ direct chunk I/O
 
-    def write_chunk(self, index: int, data: np.ndarray, pad: int = 0) -> None:
+    def write_chunk(
+        self, index: int, data: np.ndarray, pad: int = 0, binding: bytes | None = None
+    ) -> None:
         """Store ``data``'s bytes then ``pad`` zero bytes as slot ``index``'s chunk.
+
+        ``binding`` (``BINDING_BYTES`` bytes: who the chunk belongs to) is written,
+        after the chunk itself, into a block just before the slot header together
+        with crc32c(binding + the chunk's crc32c), so the block vouches for exactly
+        these bytes. zarr does not see the block; ``read_chunk`` checks it.
 
         The slot receives what zarr's bytes + crc32c codecs would encode from
         that payload: the bytes followed by their crc32c. ``data`` (any
@@ -378,6 +388,8 @@ class SlotFileStore(Store):
         payload = _byte_view(data, "data", writable=False)
         if pad < 0:
             raise ValueError(f"pad must be >= 0, got {pad}")
+        if binding is not None and len(binding) != BINDING_BYTES:
+            raise ValueError(f"binding must be {BINDING_BYTES} bytes, got {len(binding)}")
         length = payload.nbytes + pad + _CRC_BYTES
         if length > self.slot_capacity:
             raise OSError(
@@ -396,9 +408,17 @@ class SlotFileStore(Store):
             pending = []
         pending.append(crc32c_bytes(crc))
         _pwrite_all(fd, pending, offset)
+        if binding is not None:
+            self._write_block(index, binding, crc32c_bytes(crc))
 
-    def read_chunk(self, index: int, out: np.ndarray, pad: int = 0) -> None:
+    def read_chunk(
+        self, index: int, out: np.ndarray, pad: int = 0, binding: bytes | None = None
+    ) -> None:
         """Fill ``out`` with the payload of slot ``index``'s chunk and verify it.
+
+        With ``binding``, the slot's binding block must hold exactly that binding
+        and vouch for the chunk's crc32c, else ``ChunkChecksumError`` (a chunk of
+        another store, slot, owner or generation is never accepted).
 
         The chunk must hold exactly ``out.nbytes + pad`` payload bytes; the last
         ``pad`` of them are read into a scratch buffer (they count towards the
@@ -418,13 +438,16 @@ class SlotFileStore(Store):
             )
         scratch = self._pool.take(pad + _CRC_BYTES) if pad else np.empty(_CRC_BYTES, np.uint8)
         trailer = scratch[pad:]
+        if binding is not None and len(binding) != BINDING_BYTES:
+            raise ValueError(f"binding must be {BINDING_BYTES} bytes, got {len(binding)}")
         header = bytearray(_SLOT_HEADER.size)
+        block = bytearray(_BINDING_BLOCK)
         fd = self._require_fd()
-        offset = self._header_offset(index)
+        offset = self._header_offset(index) - _BINDING_BLOCK
         pieces = list(_pieces(ByteSpan(dest), pad, scratch[:pad], advance=True))
         crc = 0
         for i, (span, start, stop) in enumerate(pieces):
-            batch: list[bytearray | memoryview | np.ndarray] = [header] if i == 0 else []
+            batch: list[bytearray | memoryview | np.ndarray] = [block, header] if i == 0 else []
             batch.append(span.view[start:stop])
             if i == len(pieces) - 1:
                 batch.append(trailer)
@@ -433,7 +456,7 @@ class SlotFileStore(Store):
                 self._check_header(index, header, expected)
             crc = span.extend(crc, start, stop)
         if not pieces:  # an empty payload: only the header and the crc
-            _pread_all(fd, [header, trailer], offset)
+            _pread_all(fd, [block, header, trailer], offset)
             self._check_header(index, header, expected)
         stored = int.from_bytes(trailer.tobytes(), "little")
         if stored != crc:
@@ -441,6 +464,40 @@ class SlotFileStore(Store):
                 f"slot {index}: stored crc32c {stored:#010x} does not match the bytes "
                 f"read ({crc:#010x})"
             )
+        if binding is not None:
+            _verify_block(index, bytes(block), trailer.tobytes(), binding)
+
+    def _write_block(self, index: int, binding: bytes, chunk_crc: bytes) -> None:
+        block = binding + crc32c_bytes(google_crc32c.value(binding + chunk_crc))
+        _pwrite_all(self._require_fd(), [block], self._header_offset(index) - _BINDING_BLOCK)
+
+    def _stored_crc(self, index: int) -> tuple[bytes, bytes]:
+        """(binding block, the stored chunk's trailing crc32c) of slot ``index``."""
+        length = self.slot_length(index)
+        if length is None or length < _CRC_BYTES:
+            raise OSError(errno.ENODATA, "chunk is missing from the store", slot_chunk_key(index))
+        fd = self._require_fd()
+        block = os.pread(fd, _BINDING_BLOCK, self._header_offset(index) - _BINDING_BLOCK)
+        crc = os.pread(fd, _CRC_BYTES, self.payload_offset(index) + length - _CRC_BYTES)
+        if len(block) != _BINDING_BLOCK or len(crc) != _CRC_BYTES:
+            raise OSError(errno.EIO, f"slot file ended early at slot {index}")
+        return block, crc
+
+    def bind_slot(self, index: int, binding: bytes) -> None:
+        """Bind the chunk zarr just stored in slot ``index`` (the block ``write_chunk``
+        writes, vouching for the chunk's stored crc32c, whatever the codec)."""
+        self._check_writable()
+        self._check_slot(index)
+        if len(binding) != BINDING_BYTES:
+            raise ValueError(f"binding must be {BINDING_BYTES} bytes, got {len(binding)}")
+        _, crc = self._stored_crc(index)
+        self._write_block(index, binding, crc)
+
+    def check_slot_binding(self, index: int, binding: bytes) -> None:
+        """ChunkChecksumError unless slot ``index``'s chunk is bound to ``binding``."""
+        self._check_slot(index)
+        block, crc = self._stored_crc(index)
+        _verify_block(index, block, crc, binding)
 
     def _check_header(self, index: int, header: bytearray, expected: int) -> None:
         magic, length = _SLOT_HEADER.unpack(bytes(header))
@@ -578,6 +635,29 @@ class SlotFileStore(Store):
                 if head not in seen:
                     seen.add(head)
                     yield head
+
+
+def _verify_block(index: int, block: bytes, chunk_crc: bytes, binding: bytes) -> None:
+    vouch = crc32c_bytes(google_crc32c.value(block[:BINDING_BYTES] + chunk_crc))
+    if block[:BINDING_BYTES] != binding or block[BINDING_BYTES:] != vouch:
+        found = describe_binding(block[:BINDING_BYTES])
+        raise ChunkChecksumError(
+            f"slot {index}: the chunk is bound to {found}, not to "
+            f"{describe_binding(binding)} (misplaced, stale or foreign)"
+        )
+
+
+def make_binding(store_id: bytes, slot: int, generation: int, owner: str) -> bytes:
+    """The ``BINDING_BYTES`` a chunk is bound to: store identity, slot, generation, owner."""
+    if len(store_id) != 16:
+        raise ValueError(f"store_id must be 16 bytes, got {len(store_id)}")
+    owner_hash = google_crc32c.value(owner.encode("utf-8", "surrogatepass"))
+    return struct.pack("<16sQQI", store_id, slot, generation, owner_hash)
+
+
+def describe_binding(binding: bytes) -> str:
+    store_id, slot, generation, owner_hash = struct.unpack("<16sQQI", binding)
+    return f"store {store_id.hex()} slot {slot} generation {generation} owner#{owner_hash:08x}"
 
 
 def _resolve_range(byte_range: ByteRequest | None, size: int) -> tuple[int, int]:

@@ -83,11 +83,13 @@ import asyncio
 import errno
 import json
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import torch
 import zarr
@@ -98,6 +100,7 @@ from zarr.core.sync import sync
 from tiering.disk.array import CODECS
 from tiering.disk.backend import ArrayGeometry, PageBackend, StartRefused
 from tiering.disk.config import DiskConfig
+from tiering.disk.crc import crc32c_bytes, crc32c_extend
 from tiering.disk.ledger import (
     ChunkLedger,
     DiskExtent,
@@ -107,9 +110,9 @@ from tiering.disk.ledger import (
     check_owner,
 )
 from tiering.disk.lock import DiskPathInUseError
-from tiering.disk.manifest import ManifestEntry, decode_manifest, encode_manifest
+from tiering.disk.manifest import Manifest, ManifestEntry, decode_manifest, encode_manifest
 from tiering.disk.pages import PageFormat
-from tiering.disk.slotfile import SlotFileStore
+from tiering.disk.slotfile import ChunkChecksumError, describe_binding, make_binding
 
 __all__ = [
     "CODECS",
@@ -122,6 +125,47 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def _random_store_id() -> bytes:
+    return os.urandom(16)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _leading(pages: object, name: str) -> int:
+    """The page count of a batch (its leading dimension); ValueError naming ``name``."""
+    shape = getattr(pages, "shape", None)
+    if not isinstance(pages, (torch.Tensor, np.ndarray)) or shape is None or len(shape) < 1:
+        raise ValueError(
+            f"{name} must be a torch.Tensor or numpy.ndarray of pages, got {type(pages).__name__}"
+        )
+    return int(shape[0])
+
+
+def _binding_record(binding: bytes, data_crc: int) -> bytes:
+    """The zarr path's binding record: the binding, the crc32c of the chunk's page bytes,
+    and a crc32c of both."""
+    body = binding + crc32c_bytes(data_crc)
+    return body + crc32c_bytes(google_crc32c.value(body))
+
+
+def _check_binding_record(chunk: int, record: bytes, expected: bytes, dest: np.ndarray) -> None:
+    n = len(expected)
+    body, vouch = record[: n + 4], record[n + 4 :]
+    if len(record) != n + 8 or crc32c_bytes(google_crc32c.value(body)) != vouch:
+        raise ChunkChecksumError(f"chunk {chunk}: its binding record is damaged")
+    if body[:n] != expected:
+        raise ChunkChecksumError(
+            f"chunk {chunk}: the chunk is bound to {describe_binding(body[:n])}, "
+            f"not to {describe_binding(expected)} (misplaced, stale or foreign)"
+        )
+    if body[n:] != crc32c_bytes(crc32c_extend(0, dest)):
+        raise ChunkChecksumError(
+            f"chunk {chunk}: its pages are not the ones its binding record vouches for"
+        )
 
 
 class DiskIOError(OSError):
@@ -164,6 +208,7 @@ class DiskPageStore:
         *,
         fingerprint: str = "",
         wrap_store: Callable[[Store], Store] | None = None,
+        new_store_id: Callable[[], bytes] | None = None,
     ) -> None:
         if not isinstance(config, DiskConfig):
             raise ValueError(f"config must be a DiskConfig, got {type(config).__name__}")
@@ -171,6 +216,8 @@ class DiskPageStore:
             raise ValueError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
         self.config = config
         self.fingerprint = fingerprint
+        self._new_store_id = new_store_id if new_store_id is not None else _random_store_id
+        self._store_id = b""
         self.format = PageFormat.of(page_shape, dtype)
         self.page_shape = self.format.page_shape
         self.dtype = dtype
@@ -279,111 +326,179 @@ class DiskPageStore:
 
     # ------------------------------------------------------------------ I/O
 
-    def write(self, extent: DiskExtent, pages: torch.Tensor | np.ndarray) -> None:
-        """Store ``pages`` ([n, *page_shape], n == extent.num_pages) in the extent's chunks.
+    def write(
+        self, extent: DiskExtent, pages: torch.Tensor | np.ndarray, *, first_page: int = 0
+    ) -> None:
+        """Store ``pages`` ([k, *page_shape]) as pages ``[first_page, first_page + k)`` of
+        the extent.
 
-        Synchronous. ``pages`` must not be modified until it returns (on the
-        direct path it is written from where it lies). Raises ValueError for
-        bad input (nothing changes) and DiskIOError on an I/O fault (the extent
-        stays reserved and unwritten).
+        A range starts on a chunk boundary (``first_page`` a multiple of
+        ``pages_per_chunk``) and ends on one or at the extent's end, so every
+        chunk is written whole, by one call (a staging ring of buffers of
+        ``m * pages_per_chunk`` pages fits). The extent may be read or committed
+        only once every one of its pages has been written. Synchronous.
+        ``pages`` must not be modified until it returns (on the direct path it
+        is written from where it lies). Raises ValueError for bad input
+        (nothing changes) and DiskIOError on an I/O fault (the chunks of the
+        range are then unwritten; the extent stays reserved).
         """
         check_extent(extent)
-        rows = self.format.rows(pages, extent.num_pages, "pages", writable=False)
-        direct = self._backend.direct
-        if direct is not None:
-            self._write_direct(direct, extent, rows)
-            return
-        ppc = self.pages_per_chunk
-        parts: list[tuple[int, np.ndarray]] = []
-        for i, chunk in enumerate(extent.chunks):
-            part = rows[i * ppc : (i + 1) * ppc]
-            if part.shape[0] < ppc:
-                # Pad the tail to a whole chunk so zarr never reads-modifies-writes.
-                padded = np.zeros((ppc, self.format.row_elems), dtype=self.format.storage_dtype)
-                padded[: part.shape[0]] = part
-                part = padded
-            parts.append((chunk, part))
-        array = self._require_array()
-
-        async def one(chunk: int, part: np.ndarray) -> None:
-            await array.setitem((slice(chunk * ppc, (chunk + 1) * ppc), slice(None)), part)
-
-        state = self._ledger.begin(extent, "write")
-        self._run_io(extent, state, [(one, part) for part in parts], "write")
+        count = _leading(pages, "pages")
+        positions = self._positions(extent, first_page, count)
+        rows = self.format.rows(pages, count, "pages", writable=False)
+        state = self._ledger.begin(extent, "write", positions)
+        try:
+            jobs = self._write_jobs(extent, state, positions, rows)
+        except BaseException:
+            self._ledger.finish(extent, state)
+            raise
+        self._run_io(extent, state, jobs, "write")
         with self._stats_lock:
             self._counters.writes += 1
-            self._counters.bytes_written += extent.num_pages * self.page_bytes
+            self._counters.bytes_written += count * self.page_bytes
 
-    def read(self, extent: DiskExtent, out: torch.Tensor | np.ndarray) -> None:
-        """Fill ``out`` ([n, *page_shape], CPU, contiguous) with the extent's pages.
+    def read(
+        self, extent: DiskExtent, out: torch.Tensor | np.ndarray, *, first_page: int = 0
+    ) -> None:
+        """Fill ``out`` ([k, *page_shape], CPU, contiguous) with pages
+        ``[first_page, first_page + k)`` of the extent (the same range rule as ``write``).
 
-        Raises ValueError for bad input or an extent that is not completely
-        written; DiskIOError / DiskCorruptionError on a fault, in which case the
-        contents of ``out`` are unspecified and must not be used (on the direct
-        path the bytes land in ``out`` before their checksum is checked).
+        Every chunk read must be a completely written chunk of this reservation:
+        its checksum and its binding (store, slot, owner, generation) are
+        checked, so a damaged, misplaced, stale or foreign chunk raises
+        DiskCorruptionError and is never handed back as good. Raises ValueError
+        for bad input or a range not completely written; DiskIOError /
+        DiskCorruptionError on a fault, in which case the contents of ``out``
+        are unspecified and must not be used (on the direct path the bytes land
+        in ``out`` before their checks).
         """
         check_extent(extent)
-        rows = self.format.rows(out, extent.num_pages, "out", writable=True)
-        direct = self._backend.direct
-        if direct is not None:
-            self._read_direct(direct, extent, rows)
-            return
-        ppc = self.pages_per_chunk
-        prototype = default_buffer_prototype()
-        array = self._require_array()
-
-        async def one(chunk: int, dest: np.ndarray) -> None:
-            start = chunk * ppc
-            selection = (slice(start, start + dest.shape[0]), slice(None))
-            out_buf = prototype.nd_buffer.from_numpy_array(dest)
-            await array.get_orthogonal_selection(selection, out=out_buf, prototype=prototype)
-
-        jobs = [
-            (one, (chunk, rows[i * ppc : (i + 1) * ppc])) for i, chunk in enumerate(extent.chunks)
-        ]
-        state = self._ledger.begin(extent, "read")
+        count = _leading(out, "out")
+        positions = self._positions(extent, first_page, count)
+        rows = self.format.rows(out, count, "out", writable=True)
+        state = self._ledger.begin(extent, "read", positions)
+        try:
+            jobs = self._read_jobs(extent, state, positions, rows)
+        except BaseException:
+            self._ledger.finish(extent, state)
+            raise
         self._run_io(extent, state, jobs, "read")
         with self._stats_lock:
             self._counters.reads += 1
-            self._counters.bytes_read += extent.num_pages * self.page_bytes
+            self._counters.bytes_read += count * self.page_bytes
 
     @property
     def direct_io(self) -> bool:
         """Whether chunk I/O bypasses zarr's codec pipeline (see the module docstring)."""
         return self._backend.direct is not None
 
-    def _direct_parts(
-        self, extent: DiskExtent, rows: np.ndarray
+    @property
+    def store_id(self) -> str:
+        """This store's identity (hex): made at a clear, kept by a reattach."""
+        return self._store_id.hex()
+
+    def _positions(self, extent: DiskExtent, first_page: object, count: int) -> range:
+        """The chunk positions pages ``[first_page, first_page + count)`` cover; ValueError
+        naming what is wrong unless the range is inside the extent and chunk-aligned."""
+        ppc = self.pages_per_chunk
+        if not _is_int(first_page) or first_page < 0:
+            raise ValueError(f"first_page must be an int >= 0, got {first_page!r}")
+        first = int(first_page)
+        end = first + count
+        if count < 1 or end > extent.num_pages:
+            raise ValueError(
+                f"pages [{first}, {end}) are not inside the extent of {extent.num_pages} pages"
+            )
+        if first % ppc or (end % ppc and end != extent.num_pages):
+            raise ValueError(
+                f"pages [{first}, {end}) do not start on a chunk boundary and end on one or at "
+                f"the extent's end ({ppc} pages per chunk)"
+            )
+        return range(first // ppc, -(-end // ppc))
+
+    def _binding(self, state: ExtentState, chunk: int) -> bytes:
+        return make_binding(self._store_id, chunk, state.generation, state.owner)
+
+    def _parts(
+        self, extent: DiskExtent, positions: range, rows: np.ndarray
     ) -> list[tuple[int, np.ndarray, int]]:
         """(slot, rows of that chunk, zero bytes that pad it to a whole chunk) per chunk."""
         ppc = self.pages_per_chunk
         parts = []
-        for i, chunk in enumerate(extent.chunks):
+        for i, pos in enumerate(positions):
             part = rows[i * ppc : (i + 1) * ppc]
-            parts.append((chunk, part, (ppc - part.shape[0]) * self.page_bytes))
+            parts.append((extent.chunks[pos], part, (ppc - part.shape[0]) * self.page_bytes))
         return parts
 
-    def _write_direct(self, direct: SlotFileStore, extent: DiskExtent, rows: np.ndarray) -> None:
+    def _write_jobs(
+        self, extent: DiskExtent, state: ExtentState, positions: range, rows: np.ndarray
+    ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
+        direct = self._backend.direct
+        parts = self._parts(extent, positions, rows)
+        if direct is not None:
+
+            async def one_direct(chunk: int, part: np.ndarray, pad: int) -> None:
+                binding = self._binding(state, chunk)
+                await asyncio.to_thread(direct.write_chunk, chunk, part, pad, binding)
+
+            return [(one_direct, args) for args in parts]
+        ppc = self.pages_per_chunk
+        array = self._require_array()
+        backend = self._backend
+
+        slots = backend.slots
+
         async def one(chunk: int, part: np.ndarray, pad: int) -> None:
-            await asyncio.to_thread(direct.write_chunk, chunk, part, pad)
+            binding = self._binding(state, chunk)
+            record = None if slots is not None else _binding_record(binding, crc32c_extend(0, part))
+            if pad:
+                # Pad the tail to a whole chunk so zarr never reads-modifies-writes.
+                whole = np.zeros((ppc, self.format.row_elems), dtype=self.format.storage_dtype)
+                whole[: part.shape[0]] = part
+                part = whole
+            await array.setitem((slice(chunk * ppc, (chunk + 1) * ppc), slice(None)), part)
+            if slots is not None:
+                await asyncio.to_thread(slots.bind_slot, chunk, binding)
+            else:
+                assert record is not None
+                await backend.write_binding(chunk, record)
 
-        jobs = [(one, args) for args in self._direct_parts(extent, rows)]
-        state = self._ledger.begin(extent, "write")
-        self._run_io(extent, state, jobs, "write")
-        with self._stats_lock:
-            self._counters.writes += 1
-            self._counters.bytes_written += extent.num_pages * self.page_bytes
+        return [(one, args) for args in parts]
 
-    def _read_direct(self, direct: SlotFileStore, extent: DiskExtent, rows: np.ndarray) -> None:
+    def _read_jobs(
+        self, extent: DiskExtent, state: ExtentState, positions: range, rows: np.ndarray
+    ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
+        direct = self._backend.direct
+        parts = self._parts(extent, positions, rows)
+        if direct is not None:
+
+            async def one_direct(chunk: int, dest: np.ndarray, pad: int) -> None:
+                binding = self._binding(state, chunk)
+                await asyncio.to_thread(direct.read_chunk, chunk, dest, pad, binding)
+
+            return [(one_direct, args) for args in parts]
+        ppc = self.pages_per_chunk
+        prototype = default_buffer_prototype()
+        array = self._require_array()
+        backend = self._backend
+
+        slots = backend.slots
+
         async def one(chunk: int, dest: np.ndarray, pad: int) -> None:
-            await asyncio.to_thread(direct.read_chunk, chunk, dest, pad)
+            start = chunk * ppc
+            selection = (slice(start, start + dest.shape[0]), slice(None))
+            out_buf = prototype.nd_buffer.from_numpy_array(dest)
+            await array.get_orthogonal_selection(selection, out=out_buf, prototype=prototype)
+            if slots is not None:
+                binding = self._binding(state, chunk)
+                await asyncio.to_thread(slots.check_slot_binding, chunk, binding)
+                return
+            record = await backend.read_binding(chunk)
+            if record is None:
+                raise OSError(errno.ENODATA, f"chunk {chunk} has no binding record")
+            _check_binding_record(chunk, record, self._binding(state, chunk), dest)
 
-        jobs = [(one, args) for args in self._direct_parts(extent, rows)]
-        state = self._ledger.begin(extent, "read")
-        self._run_io(extent, state, jobs, "read")
-        with self._stats_lock:
-            self._counters.reads += 1
-            self._counters.bytes_read += extent.num_pages * self.page_bytes
+        return [(one, args) for args in parts]
 
     # ------------------------------------------------------------------ manifest
 
@@ -596,34 +711,49 @@ class DiskPageStore:
             "pages_per_chunk": self.pages_per_chunk,
             "capacity_chunks": self.capacity_chunks,
             "codec": self.config.codec,
+            # where chunk bindings live: a block in the slot (direct path) or a record
+            "binding": "slot-block" if self._backend.slots is not None else "record",
         }
 
-    def _decode(self, raw: bytes) -> dict[str, ManifestEntry]:
+    def _decode(self, raw: bytes, store_id: str) -> Manifest:
         return decode_manifest(
             raw,
             fingerprint=self.fingerprint,
             layout=self._layout(),
             capacity_chunks=self.capacity_chunks,
             pages_per_chunk=self.pages_per_chunk,
+            store_id=store_id,
         )
 
     def _start(self) -> None:
         where = self._backend.where
         if self.config.on_start == "reattach":
             try:
-                entries = self._backend.reattach(self._geometry, self._decode)
-            except StartRefused as exc:
-                level = logging.INFO if exc.nothing_there else logging.WARNING
+                store_id, manifest = self._backend.reattach(self._geometry, self._decode)
+                self._store_id = bytes.fromhex(store_id)
+                if len(self._store_id) != 16:
+                    raise StartRefused(f"store identity {store_id!r} is not 16 bytes")
+            except (StartRefused, ValueError) as exc:
+                level = (
+                    logging.INFO
+                    if isinstance(exc, StartRefused) and exc.nothing_there
+                    else logging.WARNING
+                )
                 log.log(level, "disk store %s: not reattaching, clearing it: %s", where, exc)
             else:
-                for owner, entry in entries.items():
-                    extent = DiskExtent(tuple(entry.chunks), entry.num_pages)
+                self._ledger.start_generations_at(manifest.next_generation)
+                for owner, entry in manifest.entries.items():
+                    extent = DiskExtent(tuple(entry.chunks), entry.num_pages, entry.generation)
                     self._ledger.adopt(owner, extent, dict(entry.meta))
                     self._reattached[owner] = (extent, dict(entry.meta))
-                log.info("disk store %s: reattached %d entries", where, len(entries))
+                log.info("disk store %s: reattached %d entries", where, len(manifest.entries))
                 return
+        new_id = self._new_store_id()
+        if not isinstance(new_id, bytes) or len(new_id) != 16:
+            raise ValueError(f"new_store_id must return 16 bytes, got {new_id!r}")
+        self._store_id = new_id
         try:
-            self._backend.clear_and_create(self._geometry)
+            self._backend.clear_and_create(self._geometry, new_id.hex())
         except OSError as exc:
             raise DiskIOError(
                 exc.errno or errno.EIO, f"disk store {where}: cannot start: {exc}"
@@ -648,10 +778,16 @@ class DiskPageStore:
         with self._manifest_lock:
             committed = self._ledger.committed()
             entries = {
-                owner: ManifestEntry(ext.chunks, ext.num_pages, meta)
+                owner: ManifestEntry(ext.chunks, ext.num_pages, meta, ext.generation)
                 for owner, (ext, meta) in committed.items()
             }
-            body = encode_manifest(self.fingerprint, self._layout(), entries)
+            body = encode_manifest(
+                self.fingerprint,
+                self._layout(),
+                entries,
+                store_id=self.store_id,
+                next_generation=self._ledger.next_generation,
+            )
             try:
                 self._backend.write_manifest(body, flush_data=flush_data)
             except OSError as exc:
