@@ -125,6 +125,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+GENERATION_EPOCH_BITS = 32  # each reattached run hands out generations from a new epoch
 
 
 def _random_store_id() -> bytes:
@@ -741,11 +742,17 @@ class DiskPageStore:
                 )
                 log.log(level, "disk store %s: not reattaching, clearing it: %s", where, exc)
             else:
-                self._ledger.start_generations_at(manifest.next_generation)
+                # A new epoch of generations: the last run may have handed out ones its
+                # manifest never recorded, and none of them may come back.
+                self._ledger.start_generations_at(
+                    ((manifest.next_generation >> GENERATION_EPOCH_BITS) + 1)
+                    << GENERATION_EPOCH_BITS
+                )
                 for owner, entry in manifest.entries.items():
                     extent = DiskExtent(tuple(entry.chunks), entry.num_pages, entry.generation)
                     self._ledger.adopt(owner, extent, dict(entry.meta))
                     self._reattached[owner] = (extent, dict(entry.meta))
+                self._persist_manifest("recording the new generation epoch at start-up")
                 log.info("disk store %s: reattached %d entries", where, len(manifest.entries))
                 return
         new_id = self._new_store_id()
