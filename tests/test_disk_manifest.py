@@ -90,8 +90,8 @@ def test_failed_commit_of_a_superseding_extent_keeps_the_old_entry(tmp_path, rng
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_release_and_uncommit_never_raise_for_a_manifest_fault(tmp_path, rng, kind, caplog):
     plan = FaultPlan(seed=3)
-    s = make(tmp_path / "d", plan, capacity_chunks=4)
-    a, b = s.reserve("a", 4), s.reserve("b", 4)  # two chunks each: the whole tier
+    s = make(tmp_path / "d", plan, capacity_chunks=4)  # 8 pages
+    a, b = s.reserve("a", 4), s.reserve("b", 4)  # four pages each: the whole tier
     s.write(a, pages(rng, 4))
     s.write(b, pages(rng, 4))
     s.commit("a", a)
@@ -102,7 +102,7 @@ def test_release_and_uncommit_never_raise_for_a_manifest_fault(tmp_path, rng, ki
         s.uncommit(b)
     assert caplog.text.count("will retry") == 2
     # a's chunks are still listed by the manifest on disk: counted, not reusable
-    assert s.stats()["quarantined_chunks"] == 2 and s.reserve("c", 1) is None
+    assert s.stats()["quarantined_chunks"] == 4 and s.reserve("c", 1) is None
     s.check_integrity()
     assert s.stats()["manifest_dirty"] and s.stats()["committed"] == 0
     assert s.retry_manifest()  # the fault is spent: the retry lands and frees a's chunks

@@ -35,9 +35,10 @@ def test_pipelined_range_writes_and_reads_round_trip(tmp_path, mode):
     n = 4 * PPC + 2  # a short tail chunk
     data = pages(rng, n)
     ext = store.reserve("r", n)
-    ring = [torch.empty((PPC, *PAGE_SHAPE)) for _ in range(2)]
-    for i, first in enumerate(range(0, n, PPC)):
-        k = min(PPC, n - first)
+    step = PPC - 1  # ranges need not follow the I/O batch
+    ring = [torch.empty((step, *PAGE_SHAPE)) for _ in range(2)]
+    for i, first in enumerate(range(0, n, step)):
+        k = min(step, n - first)
         buf = ring[i % 2][:k]
         buf.copy_(data[first : first + k])
         if first + k < n:
@@ -50,8 +51,8 @@ def test_pipelined_range_writes_and_reads_round_trip(tmp_path, mode):
     store.read(ext, whole)
     assert torch.equal(whole, data)
     part = torch.empty((2 * PPC, *PAGE_SHAPE))
-    store.read(ext, part, first_page=PPC)
-    assert torch.equal(part, data[PPC : 3 * PPC])
+    store.read(ext, part, first_page=PPC + 1)
+    assert torch.equal(part, data[PPC + 1 : 3 * PPC + 1])
     tail = torch.empty((2, *PAGE_SHAPE))
     store.read(ext, tail, first_page=4 * PPC)
     assert torch.equal(tail, data[4 * PPC :])
@@ -74,10 +75,10 @@ def test_unwritten_ranges_cannot_be_read_and_bad_ranges_change_nothing(tmp_path,
         store.read(ext, torch.empty((2 * PPC, *PAGE_SHAPE)))
     before = store.stats()
     for bad_first, k, what in [
-        (1, PPC, "chunk boundary"),
-        (0, 2, "chunk boundary"),
-        (PPC, PPC + 1, "not inside"),
+        (PPC + 1, PPC, "not inside"),
+        (2 * PPC, 1, "not inside"),
         (0, 0, "not inside"),
+        (-1, 1, "first_page"),
     ]:
         with pytest.raises(ValueError, match=what):
             store.write(ext, pages(rng, k), first_page=bad_first)

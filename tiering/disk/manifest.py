@@ -65,7 +65,7 @@ def encode_manifest(
         "layout": dict(layout),
         "entries": {
             owner: {
-                "chunks": list(e.chunks),
+                "runs": to_runs(e.chunks),
                 "num_pages": e.num_pages,
                 "generation": e.generation,
                 "meta": e.meta,
@@ -136,15 +136,37 @@ def decode_manifest(
     return Manifest(entries, next_generation)
 
 
+def to_runs(slots: tuple[int, ...]) -> list[list[int]]:
+    """Slot indices as [start, length] runs of consecutive slots (compact for big extents)."""
+    runs: list[list[int]] = []
+    for slot in slots:
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(slot), 1])
+    return runs
+
+
+def from_runs(runs: Any) -> tuple[int, ...]:
+    """The inverse of ``to_runs``; ValueError for anything but [int, int >= 1] pairs."""
+    slots: list[int] = []
+    for run in runs:
+        start, length = run
+        if type(start) is not int or type(length) is not int or length < 1:
+            raise ValueError(f"bad run {run!r}")
+        slots.extend(range(start, start + length))
+    return tuple(slots)
+
+
 def _entry(
     owner: str, item: Any, capacity_chunks: int, pages_per_chunk: int, claimed: set[int]
 ) -> ManifestEntry:
     try:
-        chunks = tuple(item["chunks"])
+        chunks = from_runs(item["runs"])
         num_pages = item["num_pages"]
         meta = item["meta"]
         generation = item["generation"]
-    except (TypeError, KeyError) as exc:
+    except (TypeError, KeyError, ValueError) as exc:
         raise ManifestError(f"manifest entry {owner!r} is malformed: {exc!r}") from exc
     if not all(type(c) is int and 0 <= c < capacity_chunks for c in chunks):
         raise ManifestError(f"manifest entry {owner!r} names chunks out of range: {chunks}")

@@ -223,19 +223,21 @@ class DiskPageStore:
         self.page_shape = self.format.page_shape
         self.dtype = dtype
         self.page_bytes = self.format.page_bytes
+        # Allocation is per page: every page has its own slot (a zarr chunk of one
+        # row), so requests of any size pack the tier and never share a chunk.
+        # ``pages_per_chunk`` is the I/O batch: adjacent slots one job moves in order.
         self.pages_per_chunk = max(1, config.chunk_bytes // self.page_bytes)
-        self.chunk_alloc_bytes = self.pages_per_chunk * self.page_bytes
-        self.capacity_chunks = config.capacity_bytes // self.chunk_alloc_bytes
-        if self.capacity_chunks < 1:
+        self.chunk_alloc_bytes = self.page_bytes  # the allocation unit: one page
+        self.capacity_pages = config.capacity_bytes // self.page_bytes
+        self.capacity_chunks = self.capacity_pages  # one slot per page
+        if self.capacity_pages < 1:
             raise ValueError(
-                f"DiskConfig.capacity_bytes {config.capacity_bytes} is smaller than one chunk "
-                f"({self.chunk_alloc_bytes} bytes = {self.pages_per_chunk} pages of "
-                f"{self.page_bytes}); raise it or lower chunk_bytes"
+                f"DiskConfig.capacity_bytes {config.capacity_bytes} is smaller than one page "
+                f"({self.page_bytes} bytes)"
             )
-        self.capacity_pages = self.capacity_chunks * self.pages_per_chunk
         self.capacity_bytes = config.capacity_bytes
 
-        self._ledger = ChunkLedger(self.capacity_chunks, self.pages_per_chunk)
+        self._ledger = ChunkLedger(self.capacity_pages, 1)
         self._counters = _Counters()
         self._stats_lock = threading.Lock()
         self._manifest_lock = threading.Lock()
@@ -245,15 +247,15 @@ class DiskPageStore:
         self._geometry = ArrayGeometry(
             rows=self.capacity_pages,
             row_elems=self.format.row_elems,
-            pages_per_chunk=self.pages_per_chunk,
+            pages_per_chunk=1,
             dtype=self.format.storage_dtype,
             codec=config.codec,
         )
         try:
             self._backend = PageBackend(
                 config,
-                num_slots=self.capacity_chunks,
-                chunk_bytes=self.chunk_alloc_bytes,
+                num_slots=self.capacity_pages,
+                chunk_bytes=self.page_bytes,
                 wrap_store=wrap_store,
             )
         except DiskPathInUseError:
@@ -399,9 +401,8 @@ class DiskPageStore:
         return self._store_id.hex()
 
     def _positions(self, extent: DiskExtent, first_page: object, count: int) -> range:
-        """The chunk positions pages ``[first_page, first_page + count)`` cover; ValueError
-        naming what is wrong unless the range is inside the extent and chunk-aligned."""
-        ppc = self.pages_per_chunk
+        """The page positions ``[first_page, first_page + count)``; ValueError naming
+        what is wrong unless the range is non-empty and inside the extent."""
         if not _is_int(first_page) or first_page < 0:
             raise ValueError(f"first_page must be an int >= 0, got {first_page!r}")
         first = int(first_page)
@@ -410,96 +411,89 @@ class DiskPageStore:
             raise ValueError(
                 f"pages [{first}, {end}) are not inside the extent of {extent.num_pages} pages"
             )
-        if first % ppc or (end % ppc and end != extent.num_pages):
-            raise ValueError(
-                f"pages [{first}, {end}) do not start on a chunk boundary and end on one or at "
-                f"the extent's end ({ppc} pages per chunk)"
-            )
-        return range(first // ppc, -(-end // ppc))
+        return range(first, end)
 
     def _binding(self, state: ExtentState, chunk: int) -> bytes:
         return make_binding(self._store_id, chunk, state.generation, state.owner)
 
-    def _parts(
+    def _batches(
         self, extent: DiskExtent, positions: range, rows: np.ndarray
-    ) -> list[tuple[int, np.ndarray, int]]:
-        """(slot, rows of that chunk, zero bytes that pad it to a whole chunk) per chunk."""
-        ppc = self.pages_per_chunk
-        parts = []
+    ) -> list[list[tuple[int, np.ndarray]]]:
+        """(slot, that page's row) pairs, grouped into runs of adjacent slots of at most
+        ``pages_per_chunk`` pages: one job moves a run, in slot order."""
+        batches: list[list[tuple[int, np.ndarray]]] = []
+        previous = -2
         for i, pos in enumerate(positions):
-            part = rows[i * ppc : (i + 1) * ppc]
-            parts.append((extent.chunks[pos], part, (ppc - part.shape[0]) * self.page_bytes))
-        return parts
+            slot = extent.chunks[pos]
+            if slot != previous + 1 or len(batches[-1]) >= self.pages_per_chunk:
+                batches.append([])
+            batches[-1].append((slot, rows[i : i + 1]))
+            previous = slot
+        return batches
 
     def _write_jobs(
         self, extent: DiskExtent, state: ExtentState, positions: range, rows: np.ndarray
     ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
         direct = self._backend.direct
-        parts = self._parts(extent, positions, rows)
+        batches = self._batches(extent, positions, rows)
         if direct is not None:
 
-            async def one_direct(chunk: int, part: np.ndarray, pad: int) -> None:
-                binding = self._binding(state, chunk)
-                await asyncio.to_thread(direct.write_chunk, chunk, part, pad, binding)
+            def run(batch: list[tuple[int, np.ndarray]]) -> None:
+                for slot, row in batch:
+                    direct.write_chunk(slot, row, 0, self._binding(state, slot))
 
-            return [(one_direct, args) for args in parts]
-        ppc = self.pages_per_chunk
+            async def one_direct(batch: list[tuple[int, np.ndarray]]) -> None:
+                await asyncio.to_thread(run, batch)
+
+            return [(one_direct, (batch,)) for batch in batches]
         array = self._require_array()
         backend = self._backend
-
         slots = backend.slots
 
-        async def one(chunk: int, part: np.ndarray, pad: int) -> None:
-            binding = self._binding(state, chunk)
-            record = None if slots is not None else _binding_record(binding, crc32c_extend(0, part))
-            if pad:
-                # Pad the tail to a whole chunk so zarr never reads-modifies-writes.
-                whole = np.zeros((ppc, self.format.row_elems), dtype=self.format.storage_dtype)
-                whole[: part.shape[0]] = part
-                part = whole
-            await array.setitem((slice(chunk * ppc, (chunk + 1) * ppc), slice(None)), part)
+        async def one(slot: int, row: np.ndarray) -> None:
+            binding = self._binding(state, slot)
+            await array.setitem((slice(slot, slot + 1), slice(None)), row)
             if slots is not None:
-                await asyncio.to_thread(slots.bind_slot, chunk, binding)
+                await asyncio.to_thread(slots.bind_slot, slot, binding)
             else:
-                assert record is not None
-                await backend.write_binding(chunk, record)
+                await backend.write_binding(slot, _binding_record(binding, crc32c_extend(0, row)))
 
-        return [(one, args) for args in parts]
+        return [(one, pair) for batch in batches for pair in batch]
 
     def _read_jobs(
         self, extent: DiskExtent, state: ExtentState, positions: range, rows: np.ndarray
     ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
         direct = self._backend.direct
-        parts = self._parts(extent, positions, rows)
+        batches = self._batches(extent, positions, rows)
         if direct is not None:
 
-            async def one_direct(chunk: int, dest: np.ndarray, pad: int) -> None:
-                binding = self._binding(state, chunk)
-                await asyncio.to_thread(direct.read_chunk, chunk, dest, pad, binding)
+            def run(batch: list[tuple[int, np.ndarray]]) -> None:
+                for slot, row in batch:
+                    direct.read_chunk(slot, row, 0, self._binding(state, slot))
 
-            return [(one_direct, args) for args in parts]
-        ppc = self.pages_per_chunk
+            async def one_direct(batch: list[tuple[int, np.ndarray]]) -> None:
+                await asyncio.to_thread(run, batch)
+
+            return [(one_direct, (batch,)) for batch in batches]
         prototype = default_buffer_prototype()
         array = self._require_array()
         backend = self._backend
-
         slots = backend.slots
 
-        async def one(chunk: int, dest: np.ndarray, pad: int) -> None:
-            start = chunk * ppc
-            selection = (slice(start, start + dest.shape[0]), slice(None))
+        async def one(slot: int, dest: np.ndarray) -> None:
             out_buf = prototype.nd_buffer.from_numpy_array(dest)
+            selection = (slice(slot, slot + 1), slice(None))
             await array.get_orthogonal_selection(selection, out=out_buf, prototype=prototype)
+            binding = self._binding(state, slot)
             if slots is not None:
-                binding = self._binding(state, chunk)
-                await asyncio.to_thread(slots.check_slot_binding, chunk, binding)
+                await asyncio.to_thread(slots.check_slot_binding, slot, binding)
                 return
-            record = await backend.read_binding(chunk)
+            record = await backend.read_binding(slot)
             if record is None:
-                raise OSError(errno.ENODATA, f"chunk {chunk} has no binding record")
-            _check_binding_record(chunk, record, self._binding(state, chunk), dest)
+                raise OSError(errno.ENODATA, f"chunk {slot} has no binding record")
+            _check_binding_record(slot, record, binding, dest)
 
-        return [(one, args) for args in parts]
+        return [(one, pair) for batch in batches for pair in batch]
 
     # ------------------------------------------------------------------ manifest
 
@@ -709,8 +703,8 @@ class DiskPageStore:
             "dtype": self.format.dtype_name,
             "page_bytes": self.page_bytes,
             "storage_dtype": str(self.format.storage_dtype),
-            "pages_per_chunk": self.pages_per_chunk,
-            "capacity_chunks": self.capacity_chunks,
+            "pages_per_slot": 1,
+            "capacity_pages": self.capacity_pages,
             "codec": self.config.codec,
             # where chunk bindings live: a block in the slot (direct path) or a record
             "binding": "slot-block" if self._backend.slots is not None else "record",
@@ -721,8 +715,8 @@ class DiskPageStore:
             raw,
             fingerprint=self.fingerprint,
             layout=self._layout(),
-            capacity_chunks=self.capacity_chunks,
-            pages_per_chunk=self.pages_per_chunk,
+            capacity_chunks=self.capacity_pages,
+            pages_per_chunk=1,
             store_id=store_id,
         )
 
