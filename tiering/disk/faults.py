@@ -46,7 +46,8 @@ from tiering.disk.manifest import MANIFEST_KEY
 WRITE_KINDS = ("enospc_write", "eio_write")
 READ_KINDS = ("eio_read", "corrupt")
 MANIFEST_KINDS = ("enospc_manifest", "erofs_manifest", "eio_manifest")
-FAULT_KINDS = (*WRITE_KINDS, *READ_KINDS, *MANIFEST_KINDS, "slow")
+FAULT_KINDS = (*WRITE_KINDS, *READ_KINDS, "slow")  # the data path's kinds
+ALL_KINDS = (*FAULT_KINDS, *MANIFEST_KINDS)  # what ``arm`` accepts and ``injected`` counts
 _ERRNO = {
     "enospc_write": errno.ENOSPC,
     "eio_write": errno.EIO,
@@ -94,13 +95,13 @@ class FaultPlan:
         self.slow_seconds = slow_seconds
         self._rules: dict[str, FaultRule] = {}
         self._remaining: dict[str, int] = {}
-        self._injected = dict.fromkeys(FAULT_KINDS, 0)
+        self._injected = dict.fromkeys(ALL_KINDS, 0)
         self._lock = threading.Lock()
 
     def arm(self, kind: str, *, probability: float = 0.0, next_n: int = 0) -> None:
         """Arm ``kind`` with a probability or for the next ``next_n`` operations it applies to."""
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"unknown fault kind {kind!r}; expected one of {FAULT_KINDS}")
+        if kind not in ALL_KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}; expected one of {ALL_KINDS}")
         rule = FaultRule(probability=probability, next_n=next_n)
         with self._lock:
             self._rules[kind] = rule

@@ -630,12 +630,20 @@ class DiskPageStore:
             ok = False
             try:
                 sem = asyncio.Semaphore(limit)
+                failed = False
 
                 async def guarded(
                     fn: Callable[..., Awaitable[None]], args: tuple[Any, ...]
                 ) -> None:
+                    nonlocal failed
                     async with sem:
-                        await fn(*args)
+                        if failed:  # fail fast: a job that has not started is skipped
+                            return
+                        try:
+                            await fn(*args)
+                        except BaseException:
+                            failed = True
+                            raise
 
                 results = await asyncio.gather(
                     *(guarded(fn, args) for fn, args in jobs), return_exceptions=True
