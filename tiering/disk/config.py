@@ -25,10 +25,11 @@ class DiskConfig:
 
     ``path``: local directory or URL (``file://`` is local; other schemes go to
     fsspec). ``store``: a zarr store or StorePath used instead of ``path``; the
-    disk tier owns it (a clear empties the whole store, or a StorePath's prefix).
+    disk tier owns it (a clear empties the whole store, or a StorePath's prefix, and refuses one holding keys the tier did not write).
     ``capacity_bytes``: the hard cap of the ledger. ``codec``: ``none`` (default),
     ``zstd`` or ``blosc`` (bitshuffle); crc32c is always applied.
-    ``chunk_bytes``: target chunk size, the allocation unit. ``on_start``:
+    ``chunk_bytes``: the I/O batch: one job moves up to this many bytes of
+    adjacent pages (allocation is per page whatever it is). ``on_start``:
     ``clear`` or ``reattach``. ``io_threads``: chunk operations one read or write
     keeps in flight (the local slot store also keeps ``2 * io_threads`` reusable
     chunk-sized read buffers). ``io_timeout_s``: the longest one read or write may

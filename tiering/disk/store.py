@@ -1,80 +1,122 @@
 """The disk tier's page store: KV pages in one zarr array, under a hard byte cap.
 
 Layout. Pages live as rows of a single zarr v3 array of shape
-``[capacity_chunks * pages_per_chunk, page_elems]``, chunked by whole rows
-``[pages_per_chunk, page_elems]``. A page's bytes are stored reinterpreted as an
-unsigned integer of the dtype's width (``uint16`` for bf16/fp16, ``uint8`` for
-odd widths), so dtypes numpy lacks round-trip bit for bit. Every chunk carries
-zarr's crc32c codec (after the optional zstd or bitshuffled blosc compressor),
-so a damaged chunk is refused at read, never served. Chunks are written with
-``write_empty_chunks`` on: a page of zeros is stored like any other.
+``[capacity_pages, page_elems]``, chunked by single rows ``[1, page_elems]``:
+every page has its own chunk, its slot. A page's bytes are stored
+reinterpreted as an unsigned integer of the dtype's width (``uint16`` for
+bf16/fp16, ``uint8`` for odd widths), so dtypes numpy lacks round-trip bit for
+bit. Every chunk carries zarr's crc32c codec (after the optional zstd or
+bitshuffled blosc compressor), so a damaged chunk is refused at read. Chunks
+are written with ``write_empty_chunks`` on: a page of zeros is stored like any
+other. The array's attributes carry the store identity (``tiering_store_id``).
 
-Allocation. The unit is one chunk (``pages_per_chunk`` pages, about
-``chunk_bytes``). ``reserve`` hands an owner whole chunks, preferring one
-adjacent run (best fit), so no two requests ever share a chunk and no write
-has to read-modify-write. ``capacity_pages = capacity_chunks * pages_per_chunk``
-with ``capacity_chunks = capacity_bytes // chunk_alloc_bytes``; the ledger counts
-reserved chunks times ``chunk_alloc_bytes`` and never exceeds ``capacity_bytes``.
-A reservation that would exceed it returns None and is counted as a refusal.
+Allocation (packing). The unit is one page. ``reserve`` hands an owner
+``num_pages`` slots, preferring one adjacent run (best fit), else the longest
+free runs, so requests of any size from one page up fill the tier completely
+(no per-request rounding) and two owners never share a chunk: a write of one
+owner never reads, rewrites or tears another owner's bytes.
+``capacity_pages = capacity_bytes // page_bytes``; the ledger counts reserved
+pages times ``page_bytes`` (``chunk_alloc_bytes`` is that unit) and never
+exceeds ``capacity_bytes``. A reservation that would exceed it returns None and
+is counted as a refusal. Large requests keep large sequential I/O: their
+slots are adjacent, and one job moves a run of up to ``pages_per_chunk``
+adjacent slots (``chunk_bytes`` of pages) in slot order on the direct path.
+
+Chunk binding. A crc32c over a chunk's own bytes cannot tell an intact chunk in
+the wrong place from the right one. So every chunk is also bound to the store
+identity (16 random bytes made at a clear, kept by a reattach), its slot, its
+reservation's generation (unique within the store: a counter, persisted in
+the manifest, and a new epoch of 2**32 at every reattach so a generation the
+last run handed out unrecorded is never reused) and its owner (a crc32c of the
+owner id). Where the binding lives: on the slot file (``DiskConfig.path``, any
+codec, direct path or zarr) a 40-byte block just before the slot header holds
+the binding and crc32c(binding + the chunk's stored crc32c), so the block
+vouches for exactly those chunk bytes; on any other store a small record per
+chunk (``tiering-bind/<slot>``) holds the binding, the crc32c of the chunk's
+page bytes, and a crc32c of both. ``read`` checks the binding of every chunk
+against the live reservation; a chunk of another slot, an older generation, or
+another store (swapped slots, a misdirected or lost write, a slot file copied
+from elsewhere) raises ``DiskCorruptionError``. A ``DiskExtent`` carries its
+generation, so a stale handle kept after a release is refused (ValueError).
+
+Locking. A local directory is held exclusively by ``fcntl.flock`` on
+``<dir>/.tiering.lock`` (see ``tiering.disk.lock``), taken before anything
+in the directory is touched: a second store on the same directory, in this
+process or another, fails with ``DiskPathInUseError`` naming the path and the
+holder's pid and host; the kernel drops the lock when the holder dies. Other
+stores take a ``DiskConfig.lease`` (``PathLease``: ``acquire``/``release``), the
+seam for an object-store lease. The lock or lease is released at ``close()``
+(unless I/O is still in flight: the file then stays open and held) and when
+the constructor fails; a failed constructor also removes what it created.
+A clear refuses a location that holds anything the tier did not write, and a
+bucket root named by URL.
 
 I/O. ``write`` and ``read`` are synchronous and safe to call from several
-threads on distinct extents. Each is one round trip to zarr's event loop that
-issues one call per chunk (a zarr call, or a direct slot call, see below; at
-most ``io_threads`` in flight) and waits for all of them, so when a call
-returns, successfully or not, no I/O for that extent is still running. (One
-zarr call spanning several chunks would return at the
-first failing chunk while its siblings were still being written, and those
-could land after the chunks had been handed to another owner.) A short tail
-chunk is stored padded with zero rows to a whole chunk.
+threads on distinct extents; ``first_page`` selects any page range of the
+extent, so a caller can pipeline through a ring of staging buffers. Each call
+is one round trip to zarr's event loop that issues its jobs (at most
+``io_threads`` in flight) and waits for all of them, so when a call returns,
+successfully or not, no I/O for that extent is still running. After the first
+failing job the jobs not yet started are skipped. An extent may be read only
+over pages that hold a completed write, and committed only once every page
+has been written.
 
 A failure surfaces as ``DiskIOError`` (with the errno when known), a checksum
-mismatch or undecodable chunk as ``DiskCorruptionError``, a chunk that vanished
-from the store as ``DiskIOError(ENODATA)``. A failed write leaves the extent
-reserved but unwritten (it cannot be read or committed until rewritten); the
-caller decides whether to release it. An operation that outlives
-``io_timeout_s`` raises ``DiskIOError(ETIMEDOUT)``; its chunks stay out of
-circulation (still counted) until the stray I/O has finished, even if the
-extent is released meanwhile.
+or binding mismatch or undecodable chunk as ``DiskCorruptionError``, a chunk
+that vanished from the store as ``DiskIOError(ENODATA)``. A failed write
+leaves the pages of its range reserved but unwritten (they cannot be read,
+nor the extent committed, until rewritten); the caller decides whether to
+release it. An operation that outlives ``io_timeout_s`` raises
+``DiskIOError(ETIMEDOUT)``; its slots stay out of circulation (still counted)
+until the stray I/O has finished, even if the extent is released meanwhile.
 
 Direct path. For the default local store with codec ``none`` and no
 ``wrap_store``, a chunk does not go through zarr's codec pipeline: the slot
 store writes the caller's page bytes where they lie and reads straight into
 ``out`` (``SlotFileStore.write_chunk``/``read_chunk``), computing or checking
-the crc32c over the same memory, piece by piece, with the GIL released. The
-bytes on disk are exactly what the pipeline (bytes codec, then crc32c) would
-store, so plain zarr reads the array and this path reads chunks zarr wrote.
+the crc32c over the same memory with the GIL released. The chunk bytes on disk
+are exactly what the pipeline (bytes codec, then crc32c) would store, so plain
+zarr reads the array through ``SlotFileStore`` (it does not see the binding
+blocks, so it cannot check them), and this path reads chunks zarr wrote.
 Everything else (compressed codecs, other stores, and any wrapped store, so
-that fault injection sees every chunk operation) goes through zarr.
-``direct_io`` tells which path is in use. On the direct path ``pages`` must
-not change while ``write`` runs: a page changed meanwhile may be stored as a
-mix of old and new bytes, or as a chunk whose checksum fails at read.
+that fault injection sees every chunk operation) goes through zarr, one zarr
+call per page. ``direct_io`` tells which path is in use. On the direct path
+``pages`` must not change while ``write`` runs.
 
 Stores. ``DiskConfig.path`` names a local directory (also as ``file://``), kept
 as one preallocated slot file by ``SlotFileStore``; any other URL opens a zarr
 ``FsspecStore``; ``DiskConfig.store`` takes any zarr store (or ``StorePath``)
 instead. ``wrap_store`` wraps the store before use (the fault-injection seam,
-see ``tiering.disk.faults``).
+see ``tiering.disk.faults``, which also fails manifest writes on demand).
 
 Modules. This one holds the public API and the I/O; ``config`` the config;
-``ledger`` the allocation state (one owner); ``pages`` the byte view
-of a page; ``array`` the zarr array and codecs; ``backend`` the store
-and start-up; ``slotfile`` the slot-file store and its direct chunk I/O;
-``crc`` the GIL-free crc32c; ``manifest`` the manifest format;
-``faults`` fault injection.
+``ledger`` the allocation state (one owner); ``lock`` the exclusive hold;
+``pages`` the byte view of a page; ``array`` the zarr array and codecs;
+``backend`` the store and start-up; ``slotfile`` the slot-file store and its
+direct chunk I/O; ``crc`` the GIL-free crc32c; ``manifest`` the manifest
+format; ``faults`` fault injection.
 
 Start-up. With ``on_start="clear"`` (the default) everything an earlier process
-left in the store is removed first: stale bytes are never served, and commits
-are kept in memory only. With ``on_start="reattach"`` every ``commit`` and
-``forget`` rewrites a manifest (``tiering.disk.manifest``; atomically replaced,
-and for the slot file after an fsync of the data). At start, if the manifest
-parses, its checksum matches, its fingerprint and layout equal ours, the array
-metadata matches and every listed chunk is present, its entries are adopted
-(reserved in the ledger, returned by ``reattached()``) and every other chunk is
-deleted. If anything is off the whole store is cleared and the reason logged.
-Since ``commit`` is only accepted for a completely written extent, a crash in
-the middle of a write leaves nothing committed, and the next start clears it.
-Releasing a committed extent forgets its entry first, so a manifest never lists
-chunks that another owner may be rewriting.
+left in the store is removed first and a new store identity is made: stale
+bytes are never served, and commits are kept in memory only. With
+``on_start="reattach"`` every ``commit``, ``uncommit``, ``release`` of a
+committed extent and ``forget`` rewrites a manifest (``tiering.disk.manifest``;
+atomically replaced, and for the slot file after an fsync of the data). At
+start, if the manifest parses, its checksum matches, it was written by the
+store identity the array carries, its fingerprint and layout equal ours, the
+array metadata matches and every listed chunk is present, its entries are
+adopted (reserved in the ledger, returned by ``reattached()``), every other
+chunk is deleted and the manifest is rewritten with the new generation epoch.
+If anything is off the whole store is cleared and the reason logged. Since
+``commit`` is only accepted for a completely written extent, a crash in the
+middle of a write leaves nothing committed, and the next start clears it.
+
+Manifest faults. A manifest write that fails (ENOSPC, EROFS, EIO, ...) is an
+I/O fault like any other. ``commit`` raises ``DiskIOError`` and records
+nothing. ``release``, ``uncommit`` and ``forget`` never raise for it: they
+log it, count it (``manifest_faults``, ``manifest_dirty`` in ``stats()``), keep
+every slot the manifest on disk may still list quarantined (counted, not
+reusable), and the next manifest write (or ``retry_manifest()``) retries.
 """
 
 from __future__ import annotations
