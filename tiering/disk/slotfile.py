@@ -11,10 +11,12 @@ bytes go:
   where the filesystem allows, so a full disk shows up at start-up rather than
   mid-write) and holds ``num_slots`` slots of ``stride`` bytes each.
 - The chunk key ``c/<i>/0`` (the only chunk-key shape of a one-chunk-wide 2-D
-  array) maps to slot ``i``. A slot starts with a 4 KiB prefix whose last
-  16 bytes are a header (magic, encoded length); the encoded chunk follows,
-  page-aligned, and is written together with its header in one ``pwritev``.
-  A slot whose header lacks the magic is empty: ``get`` returns None.
+  array) maps to slot ``i``. A slot starts with a 64-byte prefix: 8 spare
+  bytes, a 40-byte binding block (see ``write_chunk``) and a 16-byte header
+  (magic, encoded length); the encoded chunk follows and is written together
+  with its header in one ``pwritev``; slots are 64-byte aligned (a small
+  prefix, since the disk tier keeps one slot per KV page). A slot whose header
+  lacks the magic is empty: ``get`` returns None.
 - Every other key (``zarr.json``, a manifest) is a small file under ``root``,
   replaced atomically (temporary file, fsync, ``os.replace``).
 
@@ -75,6 +77,8 @@ from tiering.disk.crc import ByteSpan, crc32c_bytes
 
 SLOT_FILE_NAME = "chunks.slots"
 _ALIGN = 4096
+_SLOT_PREFIX = 64  # binding block (40 bytes) and header (16) before each payload
+_SLOT_ALIGN = 64
 _FILE_MAGIC = b"TIERSLT1"
 _FILE_HEADER = struct.Struct("<8sQQQ")  # magic, num_slots, stride, slot_capacity
 _SLOT_MAGIC = b"TSLOTv1\x00"
@@ -170,7 +174,7 @@ class SlotFileStore(Store):
         self.root = Path(root)
         self.num_slots = int(num_slots)
         self.slot_capacity = int(slot_capacity)
-        self.stride = _align_up(_ALIGN + self.slot_capacity)
+        self.stride = _align_up(_SLOT_PREFIX + self.slot_capacity, _SLOT_ALIGN)
         self.file_bytes = _ALIGN + self.num_slots * self.stride
         self.read_buffers = int(read_buffers)
         self.found_existing = False
@@ -290,13 +294,13 @@ class SlotFileStore(Store):
         return self.root / key
 
     def _header_offset(self, index: int) -> int:
-        return _ALIGN + index * self.stride + _ALIGN - _SLOT_HEADER.size
+        return _ALIGN + index * self.stride + _SLOT_PREFIX - _SLOT_HEADER.size
 
     def payload_offset(self, index: int) -> int:
-        """Where slot ``index``'s encoded chunk starts in the slot file (page-aligned);
+        """Where slot ``index``'s encoded chunk starts in the slot file (64-byte aligned);
         its 16-byte header (magic, encoded length) lies just before."""
         self._check_slot(index)
-        return _ALIGN + index * self.stride + _ALIGN
+        return _ALIGN + index * self.stride + _SLOT_PREFIX
 
     # ------------------------------------------------------------------ sync primitives
 
