@@ -198,3 +198,27 @@ def test_reattach_keeps_the_identity_and_generations_and_clear_makes_a_new_one(t
     cleared = make(tmp_path / "d", "direct", seed_id=bytes([9] * 16))
     assert cleared.store_id == bytes([9] * 16).hex()
     cleared.close()
+
+
+def test_large_pages_keep_page_aligned_slots_and_their_binding(tmp_path):
+    rng = np.random.default_rng(17)
+    shape = (65536,)  # 256 KiB float32 pages: slots get a 4 KiB prefix
+    cfg = DiskConfig(path=tmp_path / "big", capacity_bytes=4 * 65536 * 4)
+    s = DiskPageStore(cfg, shape, torch.float32)
+    slots = s._backend.slots
+    assert slots.prefix == 4096 and slots.payload_offset(1) % 4096 == 0
+    a, b = s.reserve("a", 2), s.reserve("b", 2)
+    da = torch.from_numpy(rng.standard_normal((2, *shape)).astype(np.float32))
+    db = torch.from_numpy(rng.standard_normal((2, *shape)).astype(np.float32))
+    s.write(a, da)
+    s.write(b, db)
+    out = torch.empty_like(da)
+    s.read(a, out)
+    assert torch.equal(out, da)
+    raw = Slots(s, None)
+    ra, rb = raw.get(a.chunks[1]), raw.get(b.chunks[0])
+    raw.put(a.chunks[1], rb)
+    raw.put(b.chunks[0], ra)
+    read_fails(s, a, 2)
+    read_fails(s, b, 2)
+    s.close()

@@ -11,12 +11,13 @@ bytes go:
   where the filesystem allows, so a full disk shows up at start-up rather than
   mid-write) and holds ``num_slots`` slots of ``stride`` bytes each.
 - The chunk key ``c/<i>/0`` (the only chunk-key shape of a one-chunk-wide 2-D
-  array) maps to slot ``i``. A slot starts with a 64-byte prefix: 8 spare
-  bytes, a 40-byte binding block (see ``write_chunk``) and a 16-byte header
+  array) maps to slot ``i``. A slot starts with a prefix whose last 56 bytes
+  are a 40-byte binding block (see ``write_chunk``) and a 16-byte header
   (magic, encoded length); the encoded chunk follows and is written together
-  with its header in one ``pwritev``; slots are 64-byte aligned (a small
-  prefix, since the disk tier keeps one slot per KV page). A slot whose header
-  lacks the magic is empty: ``get`` returns None.
+  with its header in one ``pwritev``. The prefix is 4 KiB (page-aligned
+  payloads) for slots of 256 KiB or more, else 64 bytes (the disk tier keeps
+  one slot per KV page, so small pages must not pay 4 KiB each). A slot whose
+  header lacks the magic is empty: ``get`` returns None.
 - Every other key (``zarr.json``, a manifest) is a small file under ``root``,
   replaced atomically (temporary file, fsync, ``os.replace``).
 
@@ -78,7 +79,7 @@ from tiering.disk.crc import ByteSpan, crc32c_bytes
 SLOT_FILE_NAME = "chunks.slots"
 _ALIGN = 4096
 _SLOT_PREFIX = 64  # binding block (40 bytes) and header (16) before each payload
-_SLOT_ALIGN = 64
+_BIG_SLOT = 256 << 10  # slots at least this large get a 4 KiB prefix instead
 _FILE_MAGIC = b"TIERSLT1"
 _FILE_HEADER = struct.Struct("<8sQQQ")  # magic, num_slots, stride, slot_capacity
 _SLOT_MAGIC = b"TSLOTv1\x00"
@@ -174,7 +175,10 @@ class SlotFileStore(Store):
         self.root = Path(root)
         self.num_slots = int(num_slots)
         self.slot_capacity = int(slot_capacity)
-        self.stride = _align_up(_SLOT_PREFIX + self.slot_capacity, _SLOT_ALIGN)
+        # Large slots keep page-aligned payloads (a 4 KiB prefix costs them < 2%);
+        # small ones a 64-byte prefix, so one slot per small KV page stays cheap.
+        self.prefix = _ALIGN if self.slot_capacity >= _BIG_SLOT else _SLOT_PREFIX
+        self.stride = _align_up(self.prefix + self.slot_capacity, self.prefix)
         self.file_bytes = _ALIGN + self.num_slots * self.stride
         self.read_buffers = int(read_buffers)
         self.found_existing = False
@@ -294,13 +298,13 @@ class SlotFileStore(Store):
         return self.root / key
 
     def _header_offset(self, index: int) -> int:
-        return _ALIGN + index * self.stride + _SLOT_PREFIX - _SLOT_HEADER.size
+        return _ALIGN + index * self.stride + self.prefix - _SLOT_HEADER.size
 
     def payload_offset(self, index: int) -> int:
-        """Where slot ``index``'s encoded chunk starts in the slot file (64-byte aligned);
+        """Where slot ``index``'s encoded chunk starts in the slot file (aligned to the prefix size);
         its 16-byte header (magic, encoded length) lies just before."""
         self._check_slot(index)
-        return _ALIGN + index * self.stride + _SLOT_PREFIX
+        return _ALIGN + index * self.stride + self.prefix
 
     # ------------------------------------------------------------------ sync primitives
 
