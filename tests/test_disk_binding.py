@@ -75,7 +75,7 @@ def setup(tmp_path: Path, mode: str):
 
 def read_fails(store: DiskPageStore, extent, n: int) -> str:
     before = store.stats()["corruptions"]
-    out = torch.full((n, *PAGE_SHAPE), 7.0)
+    out = torch.full((n, *store.page_shape), 7.0)
     with pytest.raises(DiskCorruptionError) as info:
         store.read(extent, out)
     assert store.stats()["corruptions"] == before + 1
