@@ -102,3 +102,25 @@ def test_interleaved_owners_never_corrupt_each_other(tmp_path, mode):
     assert torch.equal(out, data)
     s.check_integrity()
     s.close()
+
+
+@pytest.mark.parametrize("damage", ["written_map", "generation", "busy", "double_holder"])
+def test_check_integrity_catches_a_broken_allocation_state(damage):
+    from tiering.disk import DiskIntegrityError
+
+    cfg = DiskConfig(store=MemoryStore(), capacity_bytes=20 * PAGE_BYTES, chunk_bytes=4096)
+    s = DiskPageStore(cfg, PAGE_SHAPE, torch.float32)
+    a, b = s.reserve("a", 3), s.reserve("b", 4)
+    s.check_integrity()  # the control: a sound state passes
+    ledger = s._ledger
+    state = ledger._extents[a.chunks]
+    if damage == "written_map":
+        state.done.add(7)  # a page position the extent does not have
+    elif damage == "generation":
+        state.generation = ledger.next_generation + 5
+    elif damage == "busy":
+        state.busy = True  # busy with no range in flight
+    else:
+        ledger._extents[b.chunks + (a.chunks[0],)] = ledger._extents.pop(b.chunks)
+    with pytest.raises(DiskIntegrityError):
+        s.check_integrity()
