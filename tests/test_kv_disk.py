@@ -326,3 +326,23 @@ def test_drop_gives_up_an_offloaded_request(geom, tmp_path, tier):
         kv.check_integrity()
     finally:
         kv.close()
+
+
+@pytest.mark.parametrize("on_start", ["clear", "reattach"])
+def test_a_second_cache_on_a_live_cache_disk_path_is_refused(geom, tmp_path, on_start):
+    from tiering.disk import DiskPathInUseError
+
+    first = make(geom, tmp_path, on_start="reattach")
+    try:
+        gen = torch.Generator().manual_seed(41)
+        data = {"a": fill(first, "a", gen, 9)}
+        to_disk(first, "a")
+        with pytest.raises(DiskPathInUseError, match=str(tmp_path / "disk")):
+            make(geom, tmp_path, on_start=on_start)
+        first.check_integrity()
+        reload_all_and_check(first, data)  # the first cache's KV is still its own
+    finally:
+        first.close()
+    second = make(geom, tmp_path, on_start=on_start)  # released when the first closed
+    second.check_integrity()
+    second.close()

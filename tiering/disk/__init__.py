@@ -8,6 +8,7 @@
 from tiering.disk.config import DiskConfig
 from tiering.disk.faults import FaultPlan, FaultyStore
 from tiering.disk.ledger import DiskExtent, DiskIntegrityError
+from tiering.disk.lock import DiskPathInUseError, PathLease
 from tiering.disk.store import DiskCorruptionError, DiskIOError, DiskPageStore
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "DiskIOError",
     "DiskIntegrityError",
     "DiskPageStore",
+    "DiskPathInUseError",
     "FaultPlan",
     "FaultyStore",
+    "PathLease",
 ]

@@ -42,10 +42,13 @@ from tiering.disk.array import (
     raw_crc_chunks,
 )
 from tiering.disk.config import DiskConfig
-from tiering.disk.manifest import MANIFEST_KEY, ManifestEntry, ManifestError
-from tiering.disk.slotfile import SlotFileStore
+from tiering.disk.lock import LOCK_FILE_NAME, LocalDirLock
+from tiering.disk.manifest import MANIFEST_KEY, Manifest, ManifestError
+from tiering.disk.slotfile import SLOT_FILE_NAME, SlotFileStore
 
 _T = TypeVar("_T")
+STORE_ID_ATTR = "tiering_store_id"  # the page array's attribute naming the store identity
+BINDING_DIR = "tiering-bind"  # the zarr path's per-chunk binding records
 
 
 class StartRefused(Exception):
@@ -120,6 +123,10 @@ class PageBackend:
         self.slots: SlotFileStore | None = None
         self.prefix = ""
         self._owns_store = config.store is None
+        self.lock: LocalDirLock | None = None
+        self.lease = config.lease
+        self._leased = False
+        self._created: list[str] = []  # files (relative to a local root) this start created
         if isinstance(config.store, StorePath):
             base: Store = config.store.store
             self.prefix = config.store.path
@@ -131,14 +138,33 @@ class PageBackend:
             if local is None:
                 base = FsspecStore.from_url(os.fspath(config.path))
             else:
-                self.slots = SlotFileStore(
-                    local,
-                    num_slots=num_slots,
-                    slot_capacity=max_encoded_bytes(config.codec, chunk_bytes),
-                    read_buffers=2 * config.io_threads,
-                )
-                self.slots.open_sync()
+                # Lock first: nothing may touch a directory another live tier uses.
+                self.lock = LocalDirLock(local)
+                self.lock.acquire()
+                try:
+                    self.slots = SlotFileStore(
+                        local,
+                        num_slots=num_slots,
+                        slot_capacity=max_encoded_bytes(config.codec, chunk_bytes),
+                        read_buffers=2 * config.io_threads,
+                    )
+                    self._created = [
+                        name
+                        for name in (SLOT_FILE_NAME, "zarr.json", MANIFEST_KEY)
+                        if not (self.slots.root / name).exists()
+                    ]
+                    self.slots.open_sync()
+                except BaseException:
+                    self.discard()
+                    raise
                 base = self.slots
+        if self.lease is not None:
+            try:
+                self.lease.acquire()
+            except BaseException:
+                self.discard()
+                raise
+            self._leased = True
         try:
             wrapped = wrap_store(base) if wrap_store is not None else base
             if not isinstance(wrapped, Store):
@@ -146,7 +172,7 @@ class PageBackend:
                     f"wrap_store must return a zarr Store, got {type(wrapped).__name__}"
                 )
         except BaseException:
-            self.close()
+            self.discard()
             raise
         self.store: Store = _RequireChunks(wrapped)
         self.store_path = StorePath(self.store, self.prefix)
@@ -163,14 +189,54 @@ class PageBackend:
         return sync(_as_coroutine(aw), timeout=self.config.io_timeout_s)
 
     def close(self) -> None:
-        """Close the slot file if this backend opened one (no I/O may be running)."""
+        """Close the slot file if this backend opened one (no I/O may be running), then
+        give up the location: the directory lock, or the lease (idempotent)."""
         if self._owns_store and self.slots is not None:
             self.slots.close()
+        self._release_hold()
+
+    def discard(self) -> None:
+        """After a failed start: close, remove what this start created (the whole
+        directory if it made it, else the files it added), then give up the location."""
+        if self._owns_store and self.slots is not None:
+            self.slots.close()
+        lock = self.lock
+        if lock is not None and lock.held:
+            if lock.created_root:
+                for entry in sorted(lock.root.rglob("*"), reverse=True):
+                    if entry.name == LOCK_FILE_NAME and entry.parent == lock.root:
+                        continue
+                    if entry.is_dir() and not entry.is_symlink():
+                        entry.rmdir()
+                    else:
+                        entry.unlink(missing_ok=True)
+            else:
+                for name in self._created:
+                    (lock.root / name).unlink(missing_ok=True)
+            lock.discard()
+            if lock.created_root:
+                try:
+                    lock.root.rmdir()
+                except OSError:
+                    pass
+        self._release_hold()
+
+    def _release_hold(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+        if self._leased and self.lease is not None:
+            self._leased = False
+            self.lease.release()
 
     # ------------------------------------------------------------------ start-up
 
-    def clear_and_create(self, geometry: ArrayGeometry) -> None:
-        """Remove everything an earlier process left, then create an empty page array."""
+    def clear_and_create(self, geometry: ArrayGeometry, store_id: str) -> None:
+        """Remove everything an earlier process left, then create an empty page array
+        carrying the new store identity ``store_id`` in its attributes.
+
+        Refuses (``OSError(EEXIST)``) a location that holds anything the tier did not
+        write, and a bucket root named by URL: a clear there would destroy other data."""
+        self._refuse_foreign()
         if self.slots is not None:
             self.slots.clear_sync()
         elif self.prefix:
@@ -180,14 +246,43 @@ class PageBackend:
                 self.call(self.store.clear())
             except FileNotFoundError:
                 pass
-        self._set_array(self.call(create_page_array(self.store_path, **asdict(geometry))))
+        array = self.call(create_page_array(self.store_path, **asdict(geometry)))
+        self.call(array.update_attributes({STORE_ID_ATTR: store_id}))
+        self._set_array(array)
+
+    def _refuse_foreign(self) -> None:
+        where = self.where
+        if self.slots is not None:
+            foreign = self.slots.foreign_entries()
+        else:
+            if self._owns_store and isinstance(self.store_path.store, _RequireChunks):
+                fs_path = getattr(_innermost(self.store_path.store), "path", None)
+                if isinstance(fs_path, str) and "/" not in fs_path.strip("/"):
+                    raise OSError(
+                        errno.EEXIST,
+                        f"disk store {where}: refusing to clear a bucket root; "
+                        f"give the disk tier a prefix of its own",
+                    )
+            prefix = f"{self.prefix}/" if self.prefix else ""
+            try:
+                keys = self.call(_collect(self.store.list_prefix(prefix)))
+            except (FileNotFoundError, NotImplementedError):
+                keys = []
+            foreign = [k for k in keys if not _tier_key(k[len(prefix) :])]
+        if foreign:
+            raise OSError(
+                errno.EEXIST,
+                f"disk store {where}: refusing to clear a location holding files the disk tier "
+                f"did not write: {sorted(foreign)[:10]}",
+            )
 
     def reattach(
-        self, geometry: ArrayGeometry, decode: Callable[[bytes], dict[str, ManifestEntry]]
-    ) -> dict[str, ManifestEntry]:
-        """Open the existing array and return the manifest's entries (decoded and
-        verified by ``decode``), after deleting every chunk the manifest does not
-        list. Raises StartRefused if anything is missing, unreadable or different."""
+        self, geometry: ArrayGeometry, decode: Callable[[bytes, str], Manifest]
+    ) -> tuple[str, Manifest]:
+        """Open the existing array and return its store identity and the manifest
+        (decoded and verified by ``decode`` against that identity), after deleting
+        every chunk the manifest does not list. Raises StartRefused if anything is
+        missing, unreadable or different (a manifest of another store included)."""
         if self.slots is not None and not self.slots.found_existing:
             raise StartRefused("no slot file (first start)", nothing_there=True)
         if self.slots is not None and not self.slots.matched_existing:
@@ -199,19 +294,35 @@ class PageBackend:
         if raw is None:
             raise StartRefused("no manifest", nothing_there=True)
         try:
-            entries = decode(raw.to_bytes())
-        except ManifestError as exc:
-            raise StartRefused(str(exc)) from exc
-        try:
             array = self.call(zasync.open_array(store=self.store_path, zarr_format=3))
         except Exception as exc:  # noqa: BLE001 - any failure to open means "do not trust it"
             raise StartRefused(f"array metadata unreadable: {exc!r}") from exc
         mismatch = page_array_mismatch(array, **asdict(geometry))
         if mismatch is not None:
             raise StartRefused(mismatch)
-        self._drop_unlisted_chunks({c for e in entries.values() for c in e.chunks})
+        store_id = array.attrs.get(STORE_ID_ATTR)
+        if not isinstance(store_id, str) or not store_id:
+            raise StartRefused("the array carries no store identity")
+        try:
+            manifest = decode(raw.to_bytes(), store_id)
+        except ManifestError as exc:
+            raise StartRefused(str(exc)) from exc
+        self._drop_unlisted_chunks({c for e in manifest.entries.values() for c in e.chunks})
         self._set_array(array)
-        return entries
+        return store_id, manifest
+
+    async def write_binding(self, chunk: int, record: bytes) -> None:
+        """Store chunk ``chunk``'s binding record (the zarr path; see the store docstring)."""
+        buf = default_buffer_prototype().buffer.from_bytes(record)
+        await self.store.set(self._binding_key(chunk), buf)
+
+    async def read_binding(self, chunk: int) -> bytes | None:
+        value = await self.store.get(self._binding_key(chunk), default_buffer_prototype())
+        return None if value is None else value.to_bytes()
+
+    def _binding_key(self, chunk: int) -> str:
+        key = f"{BINDING_DIR}/{chunk}"
+        return f"{self.prefix}/{key}" if self.prefix else key
 
     def _set_array(self, array: zarr.AsyncArray[Any]) -> None:
         self.array = array
@@ -251,6 +362,17 @@ class PageBackend:
                 self.call(self.store.delete(key))
         except OSError as exc:
             raise StartRefused(f"store listing failed: {exc}") from exc
+
+
+def _tier_key(key: str) -> bool:
+    """Whether a key (relative to the tier's prefix) is one the disk tier writes."""
+    return key in ("zarr.json", MANIFEST_KEY) or key.startswith(("c/", f"{BINDING_DIR}/"))
+
+
+def _innermost(store: Store) -> Store:
+    while isinstance(store, WrapperStore):
+        store = store._store
+    return store
 
 
 async def _as_coroutine(aw: Awaitable[_T]) -> _T:

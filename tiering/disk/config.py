@@ -25,14 +25,17 @@ class DiskConfig:
 
     ``path``: local directory or URL (``file://`` is local; other schemes go to
     fsspec). ``store``: a zarr store or StorePath used instead of ``path``; the
-    disk tier owns it (a clear empties the whole store, or a StorePath's prefix).
+    disk tier owns it (a clear empties the whole store, or a StorePath's prefix, and refuses one holding keys the tier did not write).
     ``capacity_bytes``: the hard cap of the ledger. ``codec``: ``none`` (default),
     ``zstd`` or ``blosc`` (bitshuffle); crc32c is always applied.
-    ``chunk_bytes``: target chunk size, the allocation unit. ``on_start``:
+    ``chunk_bytes``: the I/O batch: one job moves up to this many bytes of
+    adjacent pages (allocation is per page whatever it is). ``on_start``:
     ``clear`` or ``reattach``. ``io_threads``: chunk operations one read or write
     keeps in flight (the local slot store also keeps ``2 * io_threads`` reusable
     chunk-sized read buffers). ``io_timeout_s``: the longest one read or write may
-    take.
+    take. ``lease``: for a store that is not a local directory, an object with
+    ``acquire()`` / ``release()`` (``tiering.disk.lock.PathLease``) that holds the
+    location exclusively; a local directory is always held by an OS lock.
     """
 
     path: str | os.PathLike[str] | None = None
@@ -43,8 +46,16 @@ class DiskConfig:
     on_start: str = "clear"
     io_threads: int = 2
     io_timeout_s: float = 120.0
+    lease: Any = None
 
     def __post_init__(self) -> None:
+        if self.lease is not None and not all(
+            callable(getattr(self.lease, name, None)) for name in ("acquire", "release")
+        ):
+            raise ValueError(
+                "DiskConfig.lease must have acquire() and release() methods "
+                f"(tiering.disk.lock.PathLease), got {type(self.lease).__name__}"
+            )
         if self.store is None and self.path is None:
             raise ValueError("DiskConfig.path or DiskConfig.store must be given")
         if self.store is not None and not isinstance(self.store, (Store, StorePath)):

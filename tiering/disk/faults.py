@@ -1,9 +1,8 @@
 """Fault injection for the disk tier: a seeded plan and a zarr store wrapper that obeys it.
 
 ``FaultPlan`` decides, operation by operation, which faults strike; ``FaultyStore``
-wraps any zarr store and applies the plan to chunk reads and writes. Metadata
-keys (``zarr.json``, the manifest) pass through untouched, so a plan exercises
-the data path only.
+wraps any zarr store and applies the plan to chunk reads and writes and to
+manifest writes. Other metadata keys (``zarr.json``) pass through untouched.
 
 Kinds and the operation they strike:
 
@@ -12,7 +11,10 @@ Kinds and the operation they strike:
 - ``eio_read``: a chunk ``get`` raises ``OSError(EIO)``.
 - ``corrupt``: a chunk ``get`` returns the stored bytes with one byte flipped,
   as a medium that rotted would; the crc32c codec must catch it.
-- ``slow``: a ``set`` or ``get`` first waits ``slow_seconds`` through the injected
+- ``enospc_manifest`` / ``erofs_manifest`` / ``eio_manifest``: a ``set`` of the
+  manifest (``tiering-manifest.json``) raises ``OSError`` with ``ENOSPC`` /
+  ``EROFS`` / ``EIO`` before anything is stored (the old manifest stays).
+- ``slow``: a chunk ``set`` or ``get`` first waits ``slow_seconds`` through the injected
   ``sleep`` function, then proceeds normally.
 
 Each kind is armed either with a probability (drawn from the plan's own seeded
@@ -39,9 +41,20 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
+from tiering.disk.manifest import MANIFEST_KEY
+
 WRITE_KINDS = ("enospc_write", "eio_write")
 READ_KINDS = ("eio_read", "corrupt")
-FAULT_KINDS = (*WRITE_KINDS, *READ_KINDS, "slow")
+MANIFEST_KINDS = ("enospc_manifest", "erofs_manifest", "eio_manifest")
+FAULT_KINDS = (*WRITE_KINDS, *READ_KINDS, "slow")  # the data path's kinds
+ALL_KINDS = (*FAULT_KINDS, *MANIFEST_KINDS)  # what ``arm`` accepts and ``injected`` counts
+_ERRNO = {
+    "enospc_write": errno.ENOSPC,
+    "eio_write": errno.EIO,
+    "enospc_manifest": errno.ENOSPC,
+    "erofs_manifest": errno.EROFS,
+    "eio_manifest": errno.EIO,
+}
 
 
 @dataclass(frozen=True)
@@ -82,13 +95,13 @@ class FaultPlan:
         self.slow_seconds = slow_seconds
         self._rules: dict[str, FaultRule] = {}
         self._remaining: dict[str, int] = {}
-        self._injected = dict.fromkeys(FAULT_KINDS, 0)
+        self._injected = dict.fromkeys(ALL_KINDS, 0)
         self._lock = threading.Lock()
 
     def arm(self, kind: str, *, probability: float = 0.0, next_n: int = 0) -> None:
         """Arm ``kind`` with a probability or for the next ``next_n`` operations it applies to."""
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"unknown fault kind {kind!r}; expected one of {FAULT_KINDS}")
+        if kind not in ALL_KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}; expected one of {ALL_KINDS}")
         rule = FaultRule(probability=probability, next_n=next_n)
         with self._lock:
             self._rules[kind] = rule
@@ -110,15 +123,18 @@ class FaultPlan:
     def draw(self, op: str) -> tuple[str | None, bool]:
         """Decide one operation's fate: (failing kind or None, whether it is slow).
 
-        ``op`` is ``"set"`` or ``"get"``. The caller reports what it actually
+        ``op`` is ``"set"``, ``"get"`` or ``"manifest"`` (a manifest write; never slow). The caller reports what it actually
         applied through ``record``; only that is counted.
         """
         if op == "set":
             kinds: Iterable[str] = WRITE_KINDS
         elif op == "get":
             kinds = READ_KINDS
+        elif op == "manifest":
+            with self._lock:
+                return next((k for k in MANIFEST_KINDS if self._fires(k)), None), False
         else:
-            raise ValueError(f"op must be 'set' or 'get', got {op!r}")
+            raise ValueError(f"op must be 'set', 'get' or 'manifest', got {op!r}")
         with self._lock:
             failing = next((k for k in kinds if self._fires(k)), None)
             slow = self._fires("slow")
@@ -169,14 +185,17 @@ class FaultyStore(WrapperStore[Store]):
             await asyncio.to_thread(self.plan.sleep, self.plan.slow_seconds)
 
     async def set(self, key: str, value: Buffer) -> None:
-        if not _is_chunk_key(key):
+        if key.split("/")[-1] == MANIFEST_KEY:
+            failing, _ = self.plan.draw("manifest")
+        elif not _is_chunk_key(key):
             await self._store.set(key, value)
             return
-        failing, slow = self.plan.draw("set")
-        await self._maybe_slow(slow)
+        else:
+            failing, slow = self.plan.draw("set")
+            await self._maybe_slow(slow)
         if failing is not None:
             self.plan.record(failing)
-            code = errno.ENOSPC if failing == "enospc_write" else errno.EIO
+            code = _ERRNO[failing]
             raise OSError(code, f"injected fault {failing}: {os.strerror(code)}", key)
         await self._store.set(key, value)
 

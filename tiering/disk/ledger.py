@@ -15,17 +15,20 @@ A released chunk is quarantined while either reason holds:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
 
 class DiskExtent(NamedTuple):
-    """What one reservation holds: whole chunks, and how many pages they carry."""
+    """What one reservation holds: whole chunks, how many pages they carry, and the
+    reservation's generation (unique within the store; a handle whose generation is
+    not the live reservation's is stale and refused)."""
 
     chunks: tuple[int, ...]
     num_pages: int
+    generation: int = 0
 
 
 class DiskIntegrityError(AssertionError):
@@ -34,13 +37,23 @@ class DiskIntegrityError(AssertionError):
 
 @dataclass
 class ExtentState:
-    """One live extent's book-keeping (guarded by the ledger's lock)."""
+    """One live extent's book-keeping (guarded by the ledger's lock): which of its
+    chunks (positions in the extent) hold a completed write, and the positions the
+    operation in flight covers."""
 
     owner: str
     num_pages: int
-    written: bool = False
+    generation: int = 0
+    num_chunks: int = 0
+    done: set[int] = field(default_factory=set)
     busy: bool = False
     timed_out: bool = False
+    active: tuple[int, ...] = ()
+
+    @property
+    def written(self) -> bool:
+        """Every chunk of the extent holds a completed write."""
+        return len(self.done) == self.num_chunks
 
 
 def _is_int(value: object) -> bool:
@@ -74,6 +87,7 @@ class ChunkLedger:
         self._in_flight = 0
         self._refusals = 0
         self._closed = False
+        self._next_generation = 1
 
     # ------------------------------------------------------------------ sizing
 
@@ -105,8 +119,22 @@ class ChunkLedger:
             chunks = pick_chunks(self._free, need)
             self._free[list(chunks)] = False
             self._used += need
-            self._extents[chunks] = ExtentState(owner=owner, num_pages=int(num_pages))
-            return DiskExtent(chunks, int(num_pages))
+            generation = self._next_generation
+            self._next_generation += 1
+            self._extents[chunks] = ExtentState(
+                owner=owner, num_pages=int(num_pages), generation=generation, num_chunks=need
+            )
+            return DiskExtent(chunks, int(num_pages), generation)
+
+    @property
+    def next_generation(self) -> int:
+        """The generation the next reservation gets (persisted, so a restart never reuses one)."""
+        with self._lock:
+            return self._next_generation
+
+    def start_generations_at(self, generation: int) -> None:
+        with self._lock:
+            self._next_generation = max(self._next_generation, int(generation))
 
     def release(self, extent: DiskExtent, *, persistent: bool) -> bool:
         """Drop a live extent and its committed entry; free or quarantine its chunks.
@@ -143,30 +171,34 @@ class ChunkLedger:
 
     # ------------------------------------------------------------------ operations
 
-    def begin(self, extent: DiskExtent, what: str) -> ExtentState:
-        """Mark the extent busy for one ``"read"`` or ``"write"``; refuse what may not start."""
+    def begin(self, extent: DiskExtent, what: str, positions: range | None = None) -> ExtentState:
+        """Mark the extent busy for one ``"read"`` or ``"write"`` of the chunks at
+        ``positions`` (all of them when None); refuse what may not start."""
         with self._lock:
             self._check_open()
             state = self._state(extent)
+            covered = tuple(range(state.num_chunks) if positions is None else positions)
             if state.busy:
                 raise ValueError(
                     f"{what} of extent {extent.chunks} of {state.owner!r}: "
                     f"another operation is in flight"
                 )
-            if what == "read" and not state.written:
+            if what == "read" and not state.done.issuperset(covered):
                 raise ValueError(
-                    f"extent {extent.chunks} of {state.owner!r} has not been written successfully"
+                    f"extent {extent.chunks} of {state.owner!r} has not been written "
+                    f"successfully (in the range read)"
                 )
             if what == "write":
                 owner = self._committed_owner_of(extent)
                 if owner is not None:
                     raise ValueError(
                         f"extent {extent.chunks} is committed by {owner!r}; "
-                        f"forget it before rewriting"
+                        f"uncommit it before rewriting"
                     )
-                state.written = False
+                state.done.difference_update(covered)
             state.busy = True
             state.timed_out = False
+            state.active = covered
             self._in_flight += 1
             return state
 
@@ -175,7 +207,9 @@ class ChunkLedger:
         landed. A write the caller already gave up on (timed out) stays unwritten."""
         with self._lock:
             state.busy = False
-            state.written = state.written or (wrote and not state.timed_out)
+            if wrote and not state.timed_out:
+                state.done.update(state.active)
+            state.active = ()
             self._in_flight -= 1
             if self._extents.get(extent.chunks) is not state:
                 self._unquarantine(extent.chunks, "io")  # released while its I/O ran
@@ -200,7 +234,14 @@ class ChunkLedger:
 
     # ------------------------------------------------------------------ committed entries
 
-    def commit(self, owner: str, extent: DiskExtent, meta: dict[str, Any]) -> None:
+    def commit(
+        self, owner: str, extent: DiskExtent, meta: dict[str, Any]
+    ) -> tuple[DiskExtent, dict[str, Any]] | None:
+        """Record ``owner``'s committed extent; returns the entry it replaced, if any.
+
+        An owner has at most one committed entry: committing another extent for
+        the same owner (a reused request id) supersedes the old entry, whose
+        extent stays reserved, so no leftover entry can wedge a reused id."""
         with self._lock:
             self._check_open()
             state = self._state(extent)
@@ -213,18 +254,37 @@ class ChunkLedger:
                     f"commit of {owner!r}: extent {extent.chunks} is busy or not completely written"
                 )
             previous = self._committed.get(owner)
-            if previous is not None and previous[0] != extent:
-                raise ValueError(
-                    f"commit of {owner!r}: already committed with extent {previous[0].chunks}; "
-                    f"forget it first"
-                )
             self._committed[owner] = (extent, meta)
+            return previous
 
-    def uncommit(self, owner: str, extent: DiskExtent, meta: dict[str, Any]) -> None:
-        """Undo ``commit(owner, extent, meta)`` if that entry is still the current one."""
+    def undo_commit(
+        self,
+        owner: str,
+        extent: DiskExtent,
+        meta: dict[str, Any],
+        previous: tuple[DiskExtent, dict[str, Any]] | None,
+    ) -> None:
+        """Undo ``commit(owner, extent, meta)`` if that entry is still the current one,
+        putting back the entry it replaced while that one's extent is still live."""
         with self._lock:
-            if self._committed.get(owner) == (extent, meta):
-                del self._committed[owner]
+            if self._committed.get(owner) != (extent, meta):
+                return
+            del self._committed[owner]
+            if previous is not None:
+                state = self._extents.get(previous[0].chunks)
+                if state is not None and state.owner == owner and state.written:
+                    self._committed[owner] = previous
+
+    def uncommit(self, extent: DiskExtent) -> bool:
+        """Forget the committed entry naming ``extent`` (it stays reserved); False if none."""
+        with self._lock:
+            self._check_open()
+            self._state(extent)
+            owner = self._committed_owner_of(extent)
+            if owner is None:
+                return False
+            del self._committed[owner]
+            return True
 
     def forget(self, owner: str) -> bool:
         check_owner(owner)
@@ -243,6 +303,12 @@ class ChunkLedger:
             waiting = [c for c in self._quarantine if c not in self._on_disk]
             self._unquarantine(waiting, "manifest")
 
+    def manifest_failed(self, entries: dict[str, tuple[DiskExtent, dict[str, Any]]]) -> None:
+        """A manifest write listing ``entries`` failed: the file on disk may now be the
+        old or the new one, so chunks of either count as listed until a write succeeds."""
+        with self._lock:
+            self._on_disk.update(c for extent, _ in entries.values() for c in extent.chunks)
+
     def adopt(self, owner: str, extent: DiskExtent, meta: dict[str, Any]) -> None:
         """Take over an extent a manifest listed at start-up: written, committed, on disk."""
         with self._lock:
@@ -250,9 +316,15 @@ class ChunkLedger:
                 raise ValueError(f"adopting {owner!r}: chunks {extent.chunks} are not free")
             self._free[list(extent.chunks)] = False
             self._used += len(extent.chunks)
+            n = len(extent.chunks)
             self._extents[extent.chunks] = ExtentState(
-                owner=owner, num_pages=extent.num_pages, written=True
+                owner=owner,
+                num_pages=extent.num_pages,
+                generation=extent.generation,
+                num_chunks=n,
+                done=set(range(n)),
             )
+            self._next_generation = max(self._next_generation, extent.generation + 1)
             self._committed[owner] = (extent, meta)
             self._on_disk.update(extent.chunks)
 
@@ -285,6 +357,15 @@ class ChunkLedger:
         for chunks, state in self._extents.items():
             if len(set(chunks)) != len(chunks):
                 problems.append(f"extent {chunks} of {state.owner!r} repeats a chunk")
+            if state.generation >= self._next_generation:
+                problems.append(
+                    f"extent {chunks} of {state.owner!r} has generation {state.generation}, "
+                    f"not below the next one {self._next_generation}"
+                )
+            if state.num_chunks != len(chunks) or not state.done <= set(range(len(chunks))):
+                problems.append(f"extent {chunks} of {state.owner!r} has a bad written map")
+            if state.busy != bool(state.active):
+                problems.append(f"extent {chunks} of {state.owner!r} is busy without a range")
             if len(chunks) != -(-state.num_pages // self.pages_per_chunk):
                 problems.append(
                     f"extent {chunks} of {state.owner!r} does not fit {state.num_pages} pages"
@@ -328,6 +409,11 @@ class ChunkLedger:
             raise ValueError(
                 f"extent {extent.chunks} was reserved for {state.num_pages} pages, "
                 f"not {extent.num_pages}"
+            )
+        if extent.generation != state.generation:
+            raise ValueError(
+                f"extent {extent.chunks} handle of generation {extent.generation} is stale: "
+                f"the live reservation ({state.owner!r}) is generation {state.generation}"
             )
         return state
 

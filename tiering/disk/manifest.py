@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import google_crc32c
 
 MANIFEST_KEY = "tiering-manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 
 
 class ManifestError(ValueError):
@@ -25,11 +25,19 @@ class ManifestError(ValueError):
 
 
 class ManifestEntry(NamedTuple):
-    """One committed owner: its chunk indices, page count and caller metadata."""
+    """One committed owner: its chunk indices, page count, caller metadata, generation."""
 
     chunks: tuple[int, ...]
     num_pages: int
     meta: dict[str, Any]
+    generation: int = 0
+
+
+class Manifest(NamedTuple):
+    """A decoded manifest: its entries and the next generation the writer would hand out."""
+
+    entries: dict[str, ManifestEntry]
+    next_generation: int
 
 
 def _canonical(body: Mapping[str, Any]) -> bytes:
@@ -41,15 +49,27 @@ def _checksum(body: Mapping[str, Any]) -> str:
 
 
 def encode_manifest(
-    fingerprint: str, layout: Mapping[str, Any], entries: Mapping[str, ManifestEntry]
+    fingerprint: str,
+    layout: Mapping[str, Any],
+    entries: Mapping[str, ManifestEntry],
+    *,
+    store_id: str,
+    next_generation: int,
 ) -> bytes:
     """Serialise the committed entries; raises ValueError if a meta is not JSON-safe."""
     body = {
         "version": MANIFEST_VERSION,
         "fingerprint": fingerprint,
+        "store_id": store_id,
+        "next_generation": int(next_generation),
         "layout": dict(layout),
         "entries": {
-            owner: {"chunks": list(e.chunks), "num_pages": e.num_pages, "meta": e.meta}
+            owner: {
+                "runs": to_runs(e.chunks),
+                "num_pages": e.num_pages,
+                "generation": e.generation,
+                "meta": e.meta,
+            }
             for owner, e in entries.items()
         },
     }
@@ -67,12 +87,15 @@ def decode_manifest(
     layout: Mapping[str, Any],
     capacity_chunks: int,
     pages_per_chunk: int,
-) -> dict[str, ManifestEntry]:
-    """Parse and verify a manifest written for this fingerprint and layout.
+    store_id: str,
+) -> Manifest:
+    """Parse and verify a manifest written by this store identity for this fingerprint
+    and layout.
 
     Checks, in order: it parses; its checksum matches its body; version,
-    fingerprint and layout equal ours; every entry names in-range chunks, just
-    enough of them for its page count, and no chunk is claimed twice.
+    store identity, fingerprint and layout equal ours; every entry names in-range
+    chunks, just enough of them for its page count, and no chunk is claimed
+    twice; every generation is below the manifest's next generation.
     """
     try:
         doc = json.loads(raw)
@@ -83,6 +106,14 @@ def decode_manifest(
         raise ManifestError("manifest checksum does not match its contents")
     if body.get("version") != MANIFEST_VERSION:
         raise ManifestError(f"manifest version {body.get('version')!r} is not {MANIFEST_VERSION}")
+    if body.get("store_id") != store_id:
+        raise ManifestError(
+            f"manifest was written by store {body.get('store_id')!r}, not by this store "
+            f"{store_id!r} (copied from another store?)"
+        )
+    next_generation = body.get("next_generation")
+    if type(next_generation) is not int or next_generation < 1:
+        raise ManifestError(f"manifest has a bad next generation {next_generation!r}")
     if body.get("fingerprint") != fingerprint:
         raise ManifestError(
             f"manifest fingerprint {body.get('fingerprint')!r} differs from ours {fingerprint!r}"
@@ -95,18 +126,47 @@ def decode_manifest(
     entries: dict[str, ManifestEntry] = {}
     claimed: set[int] = set()
     for owner, item in entries_doc.items():
-        entries[owner] = _entry(owner, item, capacity_chunks, pages_per_chunk, claimed)
-    return entries
+        entry = _entry(owner, item, capacity_chunks, pages_per_chunk, claimed)
+        if not 1 <= entry.generation < next_generation:
+            raise ManifestError(
+                f"manifest entry {owner!r} has generation {entry.generation}, outside "
+                f"[1, {next_generation})"
+            )
+        entries[owner] = entry
+    return Manifest(entries, next_generation)
+
+
+def to_runs(slots: tuple[int, ...]) -> list[list[int]]:
+    """Slot indices as [start, length] runs of consecutive slots (compact for big extents)."""
+    runs: list[list[int]] = []
+    for slot in slots:
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(slot), 1])
+    return runs
+
+
+def from_runs(runs: Any) -> tuple[int, ...]:
+    """The inverse of ``to_runs``; ValueError for anything but [int, int >= 1] pairs."""
+    slots: list[int] = []
+    for run in runs:
+        start, length = run
+        if type(start) is not int or type(length) is not int or length < 1:
+            raise ValueError(f"bad run {run!r}")
+        slots.extend(range(start, start + length))
+    return tuple(slots)
 
 
 def _entry(
     owner: str, item: Any, capacity_chunks: int, pages_per_chunk: int, claimed: set[int]
 ) -> ManifestEntry:
     try:
-        chunks = tuple(item["chunks"])
+        chunks = from_runs(item["runs"])
         num_pages = item["num_pages"]
         meta = item["meta"]
-    except (TypeError, KeyError) as exc:
+        generation = item["generation"]
+    except (TypeError, KeyError, ValueError) as exc:
         raise ManifestError(f"manifest entry {owner!r} is malformed: {exc!r}") from exc
     if not all(type(c) is int and 0 <= c < capacity_chunks for c in chunks):
         raise ManifestError(f"manifest entry {owner!r} names chunks out of range: {chunks}")
@@ -117,10 +177,12 @@ def _entry(
             f"manifest entry {owner!r}: {len(chunks)} chunks cannot hold exactly "
             f"{num_pages} pages of {pages_per_chunk} per chunk"
         )
+    if type(generation) is not int:
+        raise ManifestError(f"manifest entry {owner!r} has a bad generation {generation!r}")
     if not isinstance(meta, dict):
         raise ManifestError(f"manifest entry {owner!r} meta is not a dict")
     overlap = claimed.intersection(chunks)
     if overlap or len(set(chunks)) != len(chunks):
         raise ManifestError(f"manifest entry {owner!r} claims chunks twice: {sorted(overlap)}")
     claimed.update(chunks)
-    return ManifestEntry(chunks, num_pages, meta)
+    return ManifestEntry(chunks, num_pages, meta, generation)

@@ -11,10 +11,13 @@ bytes go:
   where the filesystem allows, so a full disk shows up at start-up rather than
   mid-write) and holds ``num_slots`` slots of ``stride`` bytes each.
 - The chunk key ``c/<i>/0`` (the only chunk-key shape of a one-chunk-wide 2-D
-  array) maps to slot ``i``. A slot starts with a 4 KiB prefix whose last
-  16 bytes are a header (magic, encoded length); the encoded chunk follows,
-  page-aligned, and is written together with its header in one ``pwritev``.
-  A slot whose header lacks the magic is empty: ``get`` returns None.
+  array) maps to slot ``i``. A slot starts with a prefix whose last 56 bytes
+  are a 40-byte binding block (see ``write_chunk``) and a 16-byte header
+  (magic, encoded length); the encoded chunk follows and is written together
+  with its header in one ``pwritev``. The prefix is 4 KiB (page-aligned
+  payloads) for slots of 256 KiB or more, else 64 bytes (the disk tier keeps
+  one slot per KV page, so small pages must not pay 4 KiB each). A slot whose
+  header lacks the magic is empty: ``get`` returns None.
 - Every other key (``zarr.json``, a manifest) is a small file under ``root``,
   replaced atomically (temporary file, fsync, ``os.replace``).
 
@@ -60,6 +63,7 @@ import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 from zarr.abc.store import (
     ByteRequest,
@@ -74,12 +78,18 @@ from tiering.disk.crc import ByteSpan, crc32c_bytes
 
 SLOT_FILE_NAME = "chunks.slots"
 _ALIGN = 4096
+_SLOT_PREFIX = 64  # binding block (40 bytes) and header (16) before each payload
+_BIG_SLOT = 256 << 10  # slots at least this large get a 4 KiB prefix instead
 _FILE_MAGIC = b"TIERSLT1"
 _FILE_HEADER = struct.Struct("<8sQQQ")  # magic, num_slots, stride, slot_capacity
 _SLOT_MAGIC = b"TSLOTv1\x00"
 _SLOT_HEADER = struct.Struct("<8sQ")  # magic, encoded length
 _EMPTY_HEADER = bytes(_SLOT_HEADER.size)
+BINDING_BYTES = 36  # what a direct write binds its chunk to (see ``write_chunk``)
+_BINDING_BLOCK = BINDING_BYTES + 4  # ... followed by crc32c(binding + the chunk's crc32c)
 _CRC_BYTES = 4
+_LOCK_NAME = ".tiering.lock"  # tiering.disk.lock.LOCK_FILE_NAME (the holder's lock file)
+_OWN_NAMES = (SLOT_FILE_NAME, "zarr.json", "tiering-manifest.json", "tiering-bind", _LOCK_NAME)
 PIECE_BYTES = 1 << 20  # direct I/O granule: about one core's L2, so crc and copy share it
 
 
@@ -165,7 +175,10 @@ class SlotFileStore(Store):
         self.root = Path(root)
         self.num_slots = int(num_slots)
         self.slot_capacity = int(slot_capacity)
-        self.stride = _align_up(_ALIGN + self.slot_capacity)
+        # Large slots keep page-aligned payloads (a 4 KiB prefix costs them < 2%);
+        # small ones a 64-byte prefix, so one slot per small KV page stays cheap.
+        self.prefix = _ALIGN if self.slot_capacity >= _BIG_SLOT else _SLOT_PREFIX
+        self.stride = _align_up(self.prefix + self.slot_capacity, self.prefix)
         self.file_bytes = _ALIGN + self.num_slots * self.stride
         self.read_buffers = int(read_buffers)
         self.found_existing = False
@@ -196,6 +209,12 @@ class SlotFileStore(Store):
         try:
             self.found_existing = os.fstat(fd).st_size > 0
             self.matched_existing = self._header_matches(fd)
+            if self.found_existing and os.pread(fd, len(_FILE_MAGIC), 0) != _FILE_MAGIC:
+                raise OSError(
+                    errno.EEXIST,
+                    "refusing to overwrite a file the disk tier did not write",
+                    str(self.slot_path),
+                )
             if not self.matched_existing:
                 if self.read_only:
                     raise FileNotFoundError(f"{self.slot_path} is not a matching slot file")
@@ -279,13 +298,13 @@ class SlotFileStore(Store):
         return self.root / key
 
     def _header_offset(self, index: int) -> int:
-        return _ALIGN + index * self.stride + _ALIGN - _SLOT_HEADER.size
+        return _ALIGN + index * self.stride + self.prefix - _SLOT_HEADER.size
 
     def payload_offset(self, index: int) -> int:
-        """Where slot ``index``'s encoded chunk starts in the slot file (page-aligned);
+        """Where slot ``index``'s encoded chunk starts in the slot file (aligned to the prefix size);
         its 16-byte header (magic, encoded length) lies just before."""
         self._check_slot(index)
-        return _ALIGN + index * self.stride + _ALIGN
+        return _ALIGN + index * self.stride + self.prefix
 
     # ------------------------------------------------------------------ sync primitives
 
@@ -355,8 +374,15 @@ class SlotFileStore(Store):
 
     # ------------------------------------------------------------------ direct chunk I/O
 
-    def write_chunk(self, index: int, data: np.ndarray, pad: int = 0) -> None:
+    def write_chunk(
+        self, index: int, data: np.ndarray, pad: int = 0, binding: bytes | None = None
+    ) -> None:
         """Store ``data``'s bytes then ``pad`` zero bytes as slot ``index``'s chunk.
+
+        ``binding`` (``BINDING_BYTES`` bytes: who the chunk belongs to) is written,
+        after the chunk itself, into a block just before the slot header together
+        with crc32c(binding + the chunk's crc32c), so the block vouches for exactly
+        these bytes. zarr does not see the block; ``read_chunk`` checks it.
 
         The slot receives what zarr's bytes + crc32c codecs would encode from
         that payload: the bytes followed by their crc32c. ``data`` (any
@@ -370,6 +396,8 @@ class SlotFileStore(Store):
         payload = _byte_view(data, "data", writable=False)
         if pad < 0:
             raise ValueError(f"pad must be >= 0, got {pad}")
+        if binding is not None and len(binding) != BINDING_BYTES:
+            raise ValueError(f"binding must be {BINDING_BYTES} bytes, got {len(binding)}")
         length = payload.nbytes + pad + _CRC_BYTES
         if length > self.slot_capacity:
             raise OSError(
@@ -388,9 +416,17 @@ class SlotFileStore(Store):
             pending = []
         pending.append(crc32c_bytes(crc))
         _pwrite_all(fd, pending, offset)
+        if binding is not None:
+            self._write_block(index, binding, crc32c_bytes(crc))
 
-    def read_chunk(self, index: int, out: np.ndarray, pad: int = 0) -> None:
+    def read_chunk(
+        self, index: int, out: np.ndarray, pad: int = 0, binding: bytes | None = None
+    ) -> None:
         """Fill ``out`` with the payload of slot ``index``'s chunk and verify it.
+
+        With ``binding``, the slot's binding block must hold exactly that binding
+        and vouch for the chunk's crc32c, else ``ChunkChecksumError`` (a chunk of
+        another store, slot, owner or generation is never accepted).
 
         The chunk must hold exactly ``out.nbytes + pad`` payload bytes; the last
         ``pad`` of them are read into a scratch buffer (they count towards the
@@ -410,13 +446,16 @@ class SlotFileStore(Store):
             )
         scratch = self._pool.take(pad + _CRC_BYTES) if pad else np.empty(_CRC_BYTES, np.uint8)
         trailer = scratch[pad:]
+        if binding is not None and len(binding) != BINDING_BYTES:
+            raise ValueError(f"binding must be {BINDING_BYTES} bytes, got {len(binding)}")
         header = bytearray(_SLOT_HEADER.size)
+        block = bytearray(_BINDING_BLOCK)
         fd = self._require_fd()
-        offset = self._header_offset(index)
+        offset = self._header_offset(index) - _BINDING_BLOCK
         pieces = list(_pieces(ByteSpan(dest), pad, scratch[:pad], advance=True))
         crc = 0
         for i, (span, start, stop) in enumerate(pieces):
-            batch: list[bytearray | memoryview | np.ndarray] = [header] if i == 0 else []
+            batch: list[bytearray | memoryview | np.ndarray] = [block, header] if i == 0 else []
             batch.append(span.view[start:stop])
             if i == len(pieces) - 1:
                 batch.append(trailer)
@@ -425,7 +464,7 @@ class SlotFileStore(Store):
                 self._check_header(index, header, expected)
             crc = span.extend(crc, start, stop)
         if not pieces:  # an empty payload: only the header and the crc
-            _pread_all(fd, [header, trailer], offset)
+            _pread_all(fd, [block, header, trailer], offset)
             self._check_header(index, header, expected)
         stored = int.from_bytes(trailer.tobytes(), "little")
         if stored != crc:
@@ -433,6 +472,40 @@ class SlotFileStore(Store):
                 f"slot {index}: stored crc32c {stored:#010x} does not match the bytes "
                 f"read ({crc:#010x})"
             )
+        if binding is not None:
+            _verify_block(index, bytes(block), trailer.tobytes(), binding)
+
+    def _write_block(self, index: int, binding: bytes, chunk_crc: bytes) -> None:
+        block = binding + crc32c_bytes(google_crc32c.value(binding + chunk_crc))
+        _pwrite_all(self._require_fd(), [block], self._header_offset(index) - _BINDING_BLOCK)
+
+    def _stored_crc(self, index: int) -> tuple[bytes, bytes]:
+        """(binding block, the stored chunk's trailing crc32c) of slot ``index``."""
+        length = self.slot_length(index)
+        if length is None or length < _CRC_BYTES:
+            raise OSError(errno.ENODATA, "chunk is missing from the store", slot_chunk_key(index))
+        fd = self._require_fd()
+        block = os.pread(fd, _BINDING_BLOCK, self._header_offset(index) - _BINDING_BLOCK)
+        crc = os.pread(fd, _CRC_BYTES, self.payload_offset(index) + length - _CRC_BYTES)
+        if len(block) != _BINDING_BLOCK or len(crc) != _CRC_BYTES:
+            raise OSError(errno.EIO, f"slot file ended early at slot {index}")
+        return block, crc
+
+    def bind_slot(self, index: int, binding: bytes) -> None:
+        """Bind the chunk zarr just stored in slot ``index`` (the block ``write_chunk``
+        writes, vouching for the chunk's stored crc32c, whatever the codec)."""
+        self._check_writable()
+        self._check_slot(index)
+        if len(binding) != BINDING_BYTES:
+            raise ValueError(f"binding must be {BINDING_BYTES} bytes, got {len(binding)}")
+        _, crc = self._stored_crc(index)
+        self._write_block(index, binding, crc)
+
+    def check_slot_binding(self, index: int, binding: bytes) -> None:
+        """ChunkChecksumError unless slot ``index``'s chunk is bound to ``binding``."""
+        self._check_slot(index)
+        block, crc = self._stored_crc(index)
+        _verify_block(index, block, crc, binding)
 
     def _check_header(self, index: int, header: bytearray, expected: int) -> None:
         magic, length = _SLOT_HEADER.unpack(bytes(header))
@@ -451,12 +524,25 @@ class SlotFileStore(Store):
         """Indices of the slots that hold a chunk."""
         return [i for i in range(self.num_slots) if self.slot_length(i) is not None]
 
+    def foreign_entries(self) -> list[str]:
+        """Names under ``root`` that this store does not write (a clear would destroy them)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            entry.name
+            for entry in self.root.iterdir()
+            if entry.name not in _OWN_NAMES
+            and not (entry.name.startswith(".") and entry.name.endswith(".tmp"))
+        )
+
     def clear_sync(self) -> None:
-        """Remove every key: other files under ``root`` go, every slot becomes empty."""
+        """Remove every key: other files under ``root`` go, every slot becomes empty.
+
+        The lock file (``.tiering.lock``) stays: it is held while the store is open."""
         self._check_writable()
         fd = self._require_fd()
         for entry in self.root.iterdir():
-            if entry.name == SLOT_FILE_NAME:
+            if entry.name in (SLOT_FILE_NAME, _LOCK_NAME):
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
@@ -557,6 +643,29 @@ class SlotFileStore(Store):
                 if head not in seen:
                     seen.add(head)
                     yield head
+
+
+def _verify_block(index: int, block: bytes, chunk_crc: bytes, binding: bytes) -> None:
+    vouch = crc32c_bytes(google_crc32c.value(block[:BINDING_BYTES] + chunk_crc))
+    if block[:BINDING_BYTES] != binding or block[BINDING_BYTES:] != vouch:
+        found = describe_binding(block[:BINDING_BYTES])
+        raise ChunkChecksumError(
+            f"slot {index}: the chunk is bound to {found}, not to "
+            f"{describe_binding(binding)} (misplaced, stale or foreign)"
+        )
+
+
+def make_binding(store_id: bytes, slot: int, generation: int, owner: str) -> bytes:
+    """The ``BINDING_BYTES`` a chunk is bound to: store identity, slot, generation, owner."""
+    if len(store_id) != 16:
+        raise ValueError(f"store_id must be 16 bytes, got {len(store_id)}")
+    owner_hash = google_crc32c.value(owner.encode("utf-8", "surrogatepass"))
+    return struct.pack("<16sQQI", store_id, slot, generation, owner_hash)
+
+
+def describe_binding(binding: bytes) -> str:
+    store_id, slot, generation, owner_hash = struct.unpack("<16sQQI", binding)
+    return f"store {store_id.hex()} slot {slot} generation {generation} owner#{owner_hash:08x}"
 
 
 def _resolve_range(byte_range: ByteRequest | None, size: int) -> tuple[int, int]:

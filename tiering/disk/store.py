@@ -1,80 +1,122 @@
 """The disk tier's page store: KV pages in one zarr array, under a hard byte cap.
 
 Layout. Pages live as rows of a single zarr v3 array of shape
-``[capacity_chunks * pages_per_chunk, page_elems]``, chunked by whole rows
-``[pages_per_chunk, page_elems]``. A page's bytes are stored reinterpreted as an
-unsigned integer of the dtype's width (``uint16`` for bf16/fp16, ``uint8`` for
-odd widths), so dtypes numpy lacks round-trip bit for bit. Every chunk carries
-zarr's crc32c codec (after the optional zstd or bitshuffled blosc compressor),
-so a damaged chunk is refused at read, never served. Chunks are written with
-``write_empty_chunks`` on: a page of zeros is stored like any other.
+``[capacity_pages, page_elems]``, chunked by single rows ``[1, page_elems]``:
+every page has its own chunk, its slot. A page's bytes are stored
+reinterpreted as an unsigned integer of the dtype's width (``uint16`` for
+bf16/fp16, ``uint8`` for odd widths), so dtypes numpy lacks round-trip bit for
+bit. Every chunk carries zarr's crc32c codec (after the optional zstd or
+bitshuffled blosc compressor), so a damaged chunk is refused at read. Chunks
+are written with ``write_empty_chunks`` on: a page of zeros is stored like any
+other. The array's attributes carry the store identity (``tiering_store_id``).
 
-Allocation. The unit is one chunk (``pages_per_chunk`` pages, about
-``chunk_bytes``). ``reserve`` hands an owner whole chunks, preferring one
-adjacent run (best fit), so no two requests ever share a chunk and no write
-has to read-modify-write. ``capacity_pages = capacity_chunks * pages_per_chunk``
-with ``capacity_chunks = capacity_bytes // chunk_alloc_bytes``; the ledger counts
-reserved chunks times ``chunk_alloc_bytes`` and never exceeds ``capacity_bytes``.
-A reservation that would exceed it returns None and is counted as a refusal.
+Allocation (packing). The unit is one page. ``reserve`` hands an owner
+``num_pages`` slots, preferring one adjacent run (best fit), else the longest
+free runs, so requests of any size from one page up fill the tier completely
+(no per-request rounding) and two owners never share a chunk: a write of one
+owner never reads, rewrites or tears another owner's bytes.
+``capacity_pages = capacity_bytes // page_bytes``; the ledger counts reserved
+pages times ``page_bytes`` (``chunk_alloc_bytes`` is that unit) and never
+exceeds ``capacity_bytes``. A reservation that would exceed it returns None and
+is counted as a refusal. Large requests keep large sequential I/O: their
+slots are adjacent, and one job moves a run of up to ``pages_per_chunk``
+adjacent slots (``chunk_bytes`` of pages) in slot order on the direct path.
+
+Chunk binding. A crc32c over a chunk's own bytes cannot tell an intact chunk in
+the wrong place from the right one. So every chunk is also bound to the store
+identity (16 random bytes made at a clear, kept by a reattach), its slot, its
+reservation's generation (unique within the store: a counter, persisted in
+the manifest, and a new epoch of 2**32 at every reattach so a generation the
+last run handed out unrecorded is never reused) and its owner (a crc32c of the
+owner id). Where the binding lives: on the slot file (``DiskConfig.path``, any
+codec, direct path or zarr) a 40-byte block just before the slot header holds
+the binding and crc32c(binding + the chunk's stored crc32c), so the block
+vouches for exactly those chunk bytes; on any other store a small record per
+chunk (``tiering-bind/<slot>``) holds the binding, the crc32c of the chunk's
+page bytes, and a crc32c of both. ``read`` checks the binding of every chunk
+against the live reservation; a chunk of another slot, an older generation, or
+another store (swapped slots, a misdirected or lost write, a slot file copied
+from elsewhere) raises ``DiskCorruptionError``. A ``DiskExtent`` carries its
+generation, so a stale handle kept after a release is refused (ValueError).
+
+Locking. A local directory is held exclusively by ``fcntl.flock`` on
+``<dir>/.tiering.lock`` (see ``tiering.disk.lock``), taken before anything
+in the directory is touched: a second store on the same directory, in this
+process or another, fails with ``DiskPathInUseError`` naming the path and the
+holder's pid and host; the kernel drops the lock when the holder dies. Other
+stores take a ``DiskConfig.lease`` (``PathLease``: ``acquire``/``release``), the
+seam for an object-store lease. The lock or lease is released at ``close()``
+(unless I/O is still in flight: the file then stays open and held) and when
+the constructor fails; a failed constructor also removes what it created.
+A clear refuses a location that holds anything the tier did not write, and a
+bucket root named by URL.
 
 I/O. ``write`` and ``read`` are synchronous and safe to call from several
-threads on distinct extents. Each is one round trip to zarr's event loop that
-issues one call per chunk (a zarr call, or a direct slot call, see below; at
-most ``io_threads`` in flight) and waits for all of them, so when a call
-returns, successfully or not, no I/O for that extent is still running. (One
-zarr call spanning several chunks would return at the
-first failing chunk while its siblings were still being written, and those
-could land after the chunks had been handed to another owner.) A short tail
-chunk is stored padded with zero rows to a whole chunk.
+threads on distinct extents; ``first_page`` selects any page range of the
+extent, so a caller can pipeline through a ring of staging buffers. Each call
+is one round trip to zarr's event loop that issues its jobs (at most
+``io_threads`` in flight) and waits for all of them, so when a call returns,
+successfully or not, no I/O for that extent is still running. After the first
+failing job the jobs not yet started are skipped. An extent may be read only
+over pages that hold a completed write, and committed only once every page
+has been written.
 
 A failure surfaces as ``DiskIOError`` (with the errno when known), a checksum
-mismatch or undecodable chunk as ``DiskCorruptionError``, a chunk that vanished
-from the store as ``DiskIOError(ENODATA)``. A failed write leaves the extent
-reserved but unwritten (it cannot be read or committed until rewritten); the
-caller decides whether to release it. An operation that outlives
-``io_timeout_s`` raises ``DiskIOError(ETIMEDOUT)``; its chunks stay out of
-circulation (still counted) until the stray I/O has finished, even if the
-extent is released meanwhile.
+or binding mismatch or undecodable chunk as ``DiskCorruptionError``, a chunk
+that vanished from the store as ``DiskIOError(ENODATA)``. A failed write
+leaves the pages of its range reserved but unwritten (they cannot be read,
+nor the extent committed, until rewritten); the caller decides whether to
+release it. An operation that outlives ``io_timeout_s`` raises
+``DiskIOError(ETIMEDOUT)``; its slots stay out of circulation (still counted)
+until the stray I/O has finished, even if the extent is released meanwhile.
 
 Direct path. For the default local store with codec ``none`` and no
 ``wrap_store``, a chunk does not go through zarr's codec pipeline: the slot
 store writes the caller's page bytes where they lie and reads straight into
 ``out`` (``SlotFileStore.write_chunk``/``read_chunk``), computing or checking
-the crc32c over the same memory, piece by piece, with the GIL released. The
-bytes on disk are exactly what the pipeline (bytes codec, then crc32c) would
-store, so plain zarr reads the array and this path reads chunks zarr wrote.
+the crc32c over the same memory with the GIL released. The chunk bytes on disk
+are exactly what the pipeline (bytes codec, then crc32c) would store, so plain
+zarr reads the array through ``SlotFileStore`` (it does not see the binding
+blocks, so it cannot check them), and this path reads chunks zarr wrote.
 Everything else (compressed codecs, other stores, and any wrapped store, so
-that fault injection sees every chunk operation) goes through zarr.
-``direct_io`` tells which path is in use. On the direct path ``pages`` must
-not change while ``write`` runs: a page changed meanwhile may be stored as a
-mix of old and new bytes, or as a chunk whose checksum fails at read.
+that fault injection sees every chunk operation) goes through zarr, one zarr
+call per page. ``direct_io`` tells which path is in use. On the direct path
+``pages`` must not change while ``write`` runs.
 
 Stores. ``DiskConfig.path`` names a local directory (also as ``file://``), kept
 as one preallocated slot file by ``SlotFileStore``; any other URL opens a zarr
 ``FsspecStore``; ``DiskConfig.store`` takes any zarr store (or ``StorePath``)
 instead. ``wrap_store`` wraps the store before use (the fault-injection seam,
-see ``tiering.disk.faults``).
+see ``tiering.disk.faults``, which also fails manifest writes on demand).
 
 Modules. This one holds the public API and the I/O; ``config`` the config;
-``ledger`` the allocation state (one owner); ``pages`` the byte view
-of a page; ``array`` the zarr array and codecs; ``backend`` the store
-and start-up; ``slotfile`` the slot-file store and its direct chunk I/O;
-``crc`` the GIL-free crc32c; ``manifest`` the manifest format;
-``faults`` fault injection.
+``ledger`` the allocation state (one owner); ``lock`` the exclusive hold;
+``pages`` the byte view of a page; ``array`` the zarr array and codecs;
+``backend`` the store and start-up; ``slotfile`` the slot-file store and its
+direct chunk I/O; ``crc`` the GIL-free crc32c; ``manifest`` the manifest
+format; ``faults`` fault injection.
 
 Start-up. With ``on_start="clear"`` (the default) everything an earlier process
-left in the store is removed first: stale bytes are never served, and commits
-are kept in memory only. With ``on_start="reattach"`` every ``commit`` and
-``forget`` rewrites a manifest (``tiering.disk.manifest``; atomically replaced,
-and for the slot file after an fsync of the data). At start, if the manifest
-parses, its checksum matches, its fingerprint and layout equal ours, the array
-metadata matches and every listed chunk is present, its entries are adopted
-(reserved in the ledger, returned by ``reattached()``) and every other chunk is
-deleted. If anything is off the whole store is cleared and the reason logged.
-Since ``commit`` is only accepted for a completely written extent, a crash in
-the middle of a write leaves nothing committed, and the next start clears it.
-Releasing a committed extent forgets its entry first, so a manifest never lists
-chunks that another owner may be rewriting.
+left in the store is removed first and a new store identity is made: stale
+bytes are never served, and commits are kept in memory only. With
+``on_start="reattach"`` every ``commit``, ``uncommit``, ``release`` of a
+committed extent and ``forget`` rewrites a manifest (``tiering.disk.manifest``;
+atomically replaced, and for the slot file after an fsync of the data). At
+start, if the manifest parses, its checksum matches, it was written by the
+store identity the array carries, its fingerprint and layout equal ours, the
+array metadata matches and every listed chunk is present, its entries are
+adopted (reserved in the ledger, returned by ``reattached()``), every other
+chunk is deleted and the manifest is rewritten with the new generation epoch.
+If anything is off the whole store is cleared and the reason logged. Since
+``commit`` is only accepted for a completely written extent, a crash in the
+middle of a write leaves nothing committed, and the next start clears it.
+
+Manifest faults. A manifest write that fails (ENOSPC, EROFS, EIO, ...) is an
+I/O fault like any other. ``commit`` raises ``DiskIOError`` and records
+nothing. ``release``, ``uncommit`` and ``forget`` never raise for it: they
+log it, count it (``manifest_faults``, ``manifest_dirty`` in ``stats()``), keep
+every slot the manifest on disk may still list quarantined (counted, not
+reusable), and the next manifest write (or ``retry_manifest()``) retries.
 """
 
 from __future__ import annotations
@@ -83,11 +125,13 @@ import asyncio
 import errno
 import json
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import torch
 import zarr
@@ -98,6 +142,7 @@ from zarr.core.sync import sync
 from tiering.disk.array import CODECS
 from tiering.disk.backend import ArrayGeometry, PageBackend, StartRefused
 from tiering.disk.config import DiskConfig
+from tiering.disk.crc import crc32c_bytes, crc32c_extend
 from tiering.disk.ledger import (
     ChunkLedger,
     DiskExtent,
@@ -106,9 +151,10 @@ from tiering.disk.ledger import (
     check_extent,
     check_owner,
 )
-from tiering.disk.manifest import ManifestEntry, decode_manifest, encode_manifest
+from tiering.disk.lock import DiskPathInUseError
+from tiering.disk.manifest import Manifest, ManifestEntry, decode_manifest, encode_manifest
 from tiering.disk.pages import PageFormat
-from tiering.disk.slotfile import SlotFileStore
+from tiering.disk.slotfile import ChunkChecksumError, describe_binding, make_binding
 
 __all__ = [
     "CODECS",
@@ -121,6 +167,48 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+GENERATION_EPOCH_BITS = 32  # each reattached run hands out generations from a new epoch
+
+
+def _random_store_id() -> bytes:
+    return os.urandom(16)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _leading(pages: object, name: str) -> int:
+    """The page count of a batch (its leading dimension); ValueError naming ``name``."""
+    shape = getattr(pages, "shape", None)
+    if not isinstance(pages, (torch.Tensor, np.ndarray)) or shape is None or len(shape) < 1:
+        raise ValueError(
+            f"{name} must be a torch.Tensor or numpy.ndarray of pages, got {type(pages).__name__}"
+        )
+    return int(shape[0])
+
+
+def _binding_record(binding: bytes, data_crc: int) -> bytes:
+    """The zarr path's binding record: the binding, the crc32c of the chunk's page bytes,
+    and a crc32c of both."""
+    body = binding + crc32c_bytes(data_crc)
+    return body + crc32c_bytes(google_crc32c.value(body))
+
+
+def _check_binding_record(chunk: int, record: bytes, expected: bytes, dest: np.ndarray) -> None:
+    n = len(expected)
+    body, vouch = record[: n + 4], record[n + 4 :]
+    if len(record) != n + 8 or crc32c_bytes(google_crc32c.value(body)) != vouch:
+        raise ChunkChecksumError(f"chunk {chunk}: its binding record is damaged")
+    if body[:n] != expected:
+        raise ChunkChecksumError(
+            f"chunk {chunk}: the chunk is bound to {describe_binding(body[:n])}, "
+            f"not to {describe_binding(expected)} (misplaced, stale or foreign)"
+        )
+    if body[n:] != crc32c_bytes(crc32c_extend(0, dest)):
+        raise ChunkChecksumError(
+            f"chunk {chunk}: its pages are not the ones its binding record vouches for"
+        )
 
 
 class DiskIOError(OSError):
@@ -163,6 +251,7 @@ class DiskPageStore:
         *,
         fingerprint: str = "",
         wrap_store: Callable[[Store], Store] | None = None,
+        new_store_id: Callable[[], bytes] | None = None,
     ) -> None:
         if not isinstance(config, DiskConfig):
             raise ValueError(f"config must be a DiskConfig, got {type(config).__name__}")
@@ -170,45 +259,58 @@ class DiskPageStore:
             raise ValueError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
         self.config = config
         self.fingerprint = fingerprint
+        self._new_store_id = new_store_id if new_store_id is not None else _random_store_id
+        self._store_id = b""
         self.format = PageFormat.of(page_shape, dtype)
         self.page_shape = self.format.page_shape
         self.dtype = dtype
         self.page_bytes = self.format.page_bytes
+        # Allocation is per page: every page has its own slot (a zarr chunk of one
+        # row), so requests of any size pack the tier and never share a chunk.
+        # ``pages_per_chunk`` is the I/O batch: adjacent slots one job moves in order.
         self.pages_per_chunk = max(1, config.chunk_bytes // self.page_bytes)
-        self.chunk_alloc_bytes = self.pages_per_chunk * self.page_bytes
-        self.capacity_chunks = config.capacity_bytes // self.chunk_alloc_bytes
-        if self.capacity_chunks < 1:
+        self.chunk_alloc_bytes = self.page_bytes  # the allocation unit: one page
+        self.capacity_pages = config.capacity_bytes // self.page_bytes
+        self.capacity_chunks = self.capacity_pages  # one slot per page
+        if self.capacity_pages < 1:
             raise ValueError(
-                f"DiskConfig.capacity_bytes {config.capacity_bytes} is smaller than one chunk "
-                f"({self.chunk_alloc_bytes} bytes = {self.pages_per_chunk} pages of "
-                f"{self.page_bytes}); raise it or lower chunk_bytes"
+                f"DiskConfig.capacity_bytes {config.capacity_bytes} is smaller than one page "
+                f"({self.page_bytes} bytes)"
             )
-        self.capacity_pages = self.capacity_chunks * self.pages_per_chunk
         self.capacity_bytes = config.capacity_bytes
 
-        self._ledger = ChunkLedger(self.capacity_chunks, self.pages_per_chunk)
+        self._ledger = ChunkLedger(self.capacity_pages, 1)
         self._counters = _Counters()
         self._stats_lock = threading.Lock()
         self._manifest_lock = threading.Lock()
         self._reattached: dict[str, tuple[DiskExtent, dict[str, Any]]] = {}
+        self._manifest_dirty = False  # a manifest write failed; the next one retries it
 
         self._geometry = ArrayGeometry(
             rows=self.capacity_pages,
             row_elems=self.format.row_elems,
-            pages_per_chunk=self.pages_per_chunk,
+            pages_per_chunk=1,
             dtype=self.format.storage_dtype,
             codec=config.codec,
         )
-        self._backend = PageBackend(
-            config,
-            num_slots=self.capacity_chunks,
-            chunk_bytes=self.chunk_alloc_bytes,
-            wrap_store=wrap_store,
-        )
+        try:
+            self._backend = PageBackend(
+                config,
+                num_slots=self.capacity_pages,
+                chunk_bytes=self.page_bytes,
+                wrap_store=wrap_store,
+            )
+        except DiskPathInUseError:
+            raise
+        except OSError as exc:
+            where = repr(config.path) if config.store is None else repr(config.store)
+            raise DiskIOError(
+                exc.errno or errno.EIO, f"disk store {where}: cannot start: {exc}"
+            ) from exc
         try:
             self._start()
         except BaseException:
-            self._backend.close()
+            self._backend.discard()
             raise
 
     # ------------------------------------------------------------------ sizing and ledger
@@ -233,121 +335,207 @@ class DiskPageStore:
         """Return an extent's chunks to the free pool, forgetting its committed entry.
 
         Raises ValueError for an extent that is not live or has an operation in
-        flight. Chunks stay reserved (quarantined) while a timed-out operation's
-        I/O is still running, and while the manifest on disk still lists them;
-        the manifest is rewritten here, and if that fails DiskIOError is raised
-        and the chunks wait for the next successful manifest write.
+        flight (nothing changes). Chunks stay reserved (quarantined, still
+        counted) while a timed-out operation's I/O is still running, and while
+        the manifest on disk may still list them. The manifest is rewritten
+        here; if that write fails (ENOSPC, EROFS, EIO, ...) this does NOT raise:
+        the failure is logged and counted (``manifest_faults``), the chunks stay
+        quarantined, and the rewrite is retried by the next manifest write
+        (any ``commit``, ``release``, ``uncommit``, ``forget`` or
+        ``retry_manifest``). The ledger is consistent either way.
         """
-        if self._ledger.release(extent, persistent=self._persistent):
-            self._persist_manifest(f"releasing extent {extent.chunks}")
+        if self._ledger.release(extent, persistent=self._persistent) or self._manifest_dirty:
+            self._persist_quietly(f"releasing extent {extent.chunks}")
+
+    def uncommit(self, extent: DiskExtent) -> None:
+        """Forget the committed entry of ``extent``, keeping its reservation; idempotent.
+
+        After this the extent's owner id can be committed again with another
+        extent at once (a request id reused while its old copy is still being
+        read). ValueError for an extent that is not reserved here. In
+        ``reattach`` mode the manifest is rewritten; a failure of that write is
+        logged and retried later, never raised (the extent's chunks then count
+        as listed on disk, so they are quarantined when released).
+        """
+        if self._ledger.uncommit(extent) or self._manifest_dirty:
+            self._persist_quietly(f"uncommitting extent {extent.chunks}")
+
+    def retry_manifest(self) -> bool:
+        """Rewrite the manifest if an earlier write failed; True when it is now current.
+
+        A successful write frees chunks that were quarantined only because the
+        old manifest still listed them."""
+        if not self._persistent or not self._manifest_dirty:
+            return True
+        return self._persist_quietly("retrying an earlier failed write")
 
     # ------------------------------------------------------------------ I/O
 
-    def write(self, extent: DiskExtent, pages: torch.Tensor | np.ndarray) -> None:
-        """Store ``pages`` ([n, *page_shape], n == extent.num_pages) in the extent's chunks.
+    def write(
+        self, extent: DiskExtent, pages: torch.Tensor | np.ndarray, *, first_page: int = 0
+    ) -> None:
+        """Store ``pages`` ([k, *page_shape]) as pages ``[first_page, first_page + k)`` of
+        the extent.
 
-        Synchronous. ``pages`` must not be modified until it returns (on the
-        direct path it is written from where it lies). Raises ValueError for
-        bad input (nothing changes) and DiskIOError on an I/O fault (the extent
-        stays reserved and unwritten).
+        A range starts on a chunk boundary (``first_page`` a multiple of
+        ``pages_per_chunk``) and ends on one or at the extent's end, so every
+        chunk is written whole, by one call (a staging ring of buffers of
+        ``m * pages_per_chunk`` pages fits). The extent may be read or committed
+        only once every one of its pages has been written. Synchronous.
+        ``pages`` must not be modified until it returns (on the direct path it
+        is written from where it lies). Raises ValueError for bad input
+        (nothing changes) and DiskIOError on an I/O fault (the chunks of the
+        range are then unwritten; the extent stays reserved).
         """
         check_extent(extent)
-        rows = self.format.rows(pages, extent.num_pages, "pages", writable=False)
-        direct = self._backend.direct
-        if direct is not None:
-            self._write_direct(direct, extent, rows)
-            return
-        ppc = self.pages_per_chunk
-        parts: list[tuple[int, np.ndarray]] = []
-        for i, chunk in enumerate(extent.chunks):
-            part = rows[i * ppc : (i + 1) * ppc]
-            if part.shape[0] < ppc:
-                # Pad the tail to a whole chunk so zarr never reads-modifies-writes.
-                padded = np.zeros((ppc, self.format.row_elems), dtype=self.format.storage_dtype)
-                padded[: part.shape[0]] = part
-                part = padded
-            parts.append((chunk, part))
-        array = self._require_array()
-
-        async def one(chunk: int, part: np.ndarray) -> None:
-            await array.setitem((slice(chunk * ppc, (chunk + 1) * ppc), slice(None)), part)
-
-        state = self._ledger.begin(extent, "write")
-        self._run_io(extent, state, [(one, part) for part in parts], "write")
+        count = _leading(pages, "pages")
+        positions = self._positions(extent, first_page, count)
+        rows = self.format.rows(pages, count, "pages", writable=False)
+        state = self._ledger.begin(extent, "write", positions)
+        try:
+            jobs = self._write_jobs(extent, state, positions, rows)
+        except BaseException:
+            self._ledger.finish(extent, state)
+            raise
+        self._run_io(extent, state, jobs, "write")
         with self._stats_lock:
             self._counters.writes += 1
-            self._counters.bytes_written += extent.num_pages * self.page_bytes
+            self._counters.bytes_written += count * self.page_bytes
 
-    def read(self, extent: DiskExtent, out: torch.Tensor | np.ndarray) -> None:
-        """Fill ``out`` ([n, *page_shape], CPU, contiguous) with the extent's pages.
+    def read(
+        self, extent: DiskExtent, out: torch.Tensor | np.ndarray, *, first_page: int = 0
+    ) -> None:
+        """Fill ``out`` ([k, *page_shape], CPU, contiguous) with pages
+        ``[first_page, first_page + k)`` of the extent (the same range rule as ``write``).
 
-        Raises ValueError for bad input or an extent that is not completely
-        written; DiskIOError / DiskCorruptionError on a fault, in which case the
-        contents of ``out`` are unspecified and must not be used (on the direct
-        path the bytes land in ``out`` before their checksum is checked).
+        Every chunk read must be a completely written chunk of this reservation:
+        its checksum and its binding (store, slot, owner, generation) are
+        checked, so a damaged, misplaced, stale or foreign chunk raises
+        DiskCorruptionError and is never handed back as good. Raises ValueError
+        for bad input or a range not completely written; DiskIOError /
+        DiskCorruptionError on a fault, in which case the contents of ``out``
+        are unspecified and must not be used (on the direct path the bytes land
+        in ``out`` before their checks).
         """
         check_extent(extent)
-        rows = self.format.rows(out, extent.num_pages, "out", writable=True)
-        direct = self._backend.direct
-        if direct is not None:
-            self._read_direct(direct, extent, rows)
-            return
-        ppc = self.pages_per_chunk
-        prototype = default_buffer_prototype()
-        array = self._require_array()
-
-        async def one(chunk: int, dest: np.ndarray) -> None:
-            start = chunk * ppc
-            selection = (slice(start, start + dest.shape[0]), slice(None))
-            out_buf = prototype.nd_buffer.from_numpy_array(dest)
-            await array.get_orthogonal_selection(selection, out=out_buf, prototype=prototype)
-
-        jobs = [
-            (one, (chunk, rows[i * ppc : (i + 1) * ppc])) for i, chunk in enumerate(extent.chunks)
-        ]
-        state = self._ledger.begin(extent, "read")
+        count = _leading(out, "out")
+        positions = self._positions(extent, first_page, count)
+        rows = self.format.rows(out, count, "out", writable=True)
+        state = self._ledger.begin(extent, "read", positions)
+        try:
+            jobs = self._read_jobs(extent, state, positions, rows)
+        except BaseException:
+            self._ledger.finish(extent, state)
+            raise
         self._run_io(extent, state, jobs, "read")
         with self._stats_lock:
             self._counters.reads += 1
-            self._counters.bytes_read += extent.num_pages * self.page_bytes
+            self._counters.bytes_read += count * self.page_bytes
 
     @property
     def direct_io(self) -> bool:
         """Whether chunk I/O bypasses zarr's codec pipeline (see the module docstring)."""
         return self._backend.direct is not None
 
-    def _direct_parts(
-        self, extent: DiskExtent, rows: np.ndarray
-    ) -> list[tuple[int, np.ndarray, int]]:
-        """(slot, rows of that chunk, zero bytes that pad it to a whole chunk) per chunk."""
-        ppc = self.pages_per_chunk
-        parts = []
-        for i, chunk in enumerate(extent.chunks):
-            part = rows[i * ppc : (i + 1) * ppc]
-            parts.append((chunk, part, (ppc - part.shape[0]) * self.page_bytes))
-        return parts
+    @property
+    def store_id(self) -> str:
+        """This store's identity (hex): made at a clear, kept by a reattach."""
+        return self._store_id.hex()
 
-    def _write_direct(self, direct: SlotFileStore, extent: DiskExtent, rows: np.ndarray) -> None:
-        async def one(chunk: int, part: np.ndarray, pad: int) -> None:
-            await asyncio.to_thread(direct.write_chunk, chunk, part, pad)
+    def _positions(self, extent: DiskExtent, first_page: object, count: int) -> range:
+        """The page positions ``[first_page, first_page + count)``; ValueError naming
+        what is wrong unless the range is non-empty and inside the extent."""
+        if not _is_int(first_page) or first_page < 0:
+            raise ValueError(f"first_page must be an int >= 0, got {first_page!r}")
+        first = int(first_page)
+        end = first + count
+        if count < 1 or end > extent.num_pages:
+            raise ValueError(
+                f"pages [{first}, {end}) are not inside the extent of {extent.num_pages} pages"
+            )
+        return range(first, end)
 
-        jobs = [(one, args) for args in self._direct_parts(extent, rows)]
-        state = self._ledger.begin(extent, "write")
-        self._run_io(extent, state, jobs, "write")
-        with self._stats_lock:
-            self._counters.writes += 1
-            self._counters.bytes_written += extent.num_pages * self.page_bytes
+    def _binding(self, state: ExtentState, chunk: int) -> bytes:
+        return make_binding(self._store_id, chunk, state.generation, state.owner)
 
-    def _read_direct(self, direct: SlotFileStore, extent: DiskExtent, rows: np.ndarray) -> None:
-        async def one(chunk: int, dest: np.ndarray, pad: int) -> None:
-            await asyncio.to_thread(direct.read_chunk, chunk, dest, pad)
+    def _batches(
+        self, extent: DiskExtent, positions: range, rows: np.ndarray
+    ) -> list[list[tuple[int, np.ndarray]]]:
+        """(slot, that page's row) pairs, grouped into runs of adjacent slots of at most
+        ``pages_per_chunk`` pages: one job moves a run, in slot order."""
+        batches: list[list[tuple[int, np.ndarray]]] = []
+        previous = -2
+        for i, pos in enumerate(positions):
+            slot = extent.chunks[pos]
+            if slot != previous + 1 or len(batches[-1]) >= self.pages_per_chunk:
+                batches.append([])
+            batches[-1].append((slot, rows[i : i + 1]))
+            previous = slot
+        return batches
 
-        jobs = [(one, args) for args in self._direct_parts(extent, rows)]
-        state = self._ledger.begin(extent, "read")
-        self._run_io(extent, state, jobs, "read")
-        with self._stats_lock:
-            self._counters.reads += 1
-            self._counters.bytes_read += extent.num_pages * self.page_bytes
+    def _write_jobs(
+        self, extent: DiskExtent, state: ExtentState, positions: range, rows: np.ndarray
+    ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
+        direct = self._backend.direct
+        batches = self._batches(extent, positions, rows)
+        if direct is not None:
+
+            def run(batch: list[tuple[int, np.ndarray]]) -> None:
+                for slot, row in batch:
+                    direct.write_chunk(slot, row, 0, self._binding(state, slot))
+
+            async def one_direct(batch: list[tuple[int, np.ndarray]]) -> None:
+                await asyncio.to_thread(run, batch)
+
+            return [(one_direct, (batch,)) for batch in batches]
+        array = self._require_array()
+        backend = self._backend
+        slots = backend.slots
+
+        async def one(slot: int, row: np.ndarray) -> None:
+            binding = self._binding(state, slot)
+            await array.setitem((slice(slot, slot + 1), slice(None)), row)
+            if slots is not None:
+                await asyncio.to_thread(slots.bind_slot, slot, binding)
+            else:
+                await backend.write_binding(slot, _binding_record(binding, crc32c_extend(0, row)))
+
+        return [(one, pair) for batch in batches for pair in batch]
+
+    def _read_jobs(
+        self, extent: DiskExtent, state: ExtentState, positions: range, rows: np.ndarray
+    ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
+        direct = self._backend.direct
+        batches = self._batches(extent, positions, rows)
+        if direct is not None:
+
+            def run(batch: list[tuple[int, np.ndarray]]) -> None:
+                for slot, row in batch:
+                    direct.read_chunk(slot, row, 0, self._binding(state, slot))
+
+            async def one_direct(batch: list[tuple[int, np.ndarray]]) -> None:
+                await asyncio.to_thread(run, batch)
+
+            return [(one_direct, (batch,)) for batch in batches]
+        prototype = default_buffer_prototype()
+        array = self._require_array()
+        backend = self._backend
+        slots = backend.slots
+
+        async def one(slot: int, dest: np.ndarray) -> None:
+            out_buf = prototype.nd_buffer.from_numpy_array(dest)
+            selection = (slice(slot, slot + 1), slice(None))
+            await array.get_orthogonal_selection(selection, out=out_buf, prototype=prototype)
+            binding = self._binding(state, slot)
+            if slots is not None:
+                await asyncio.to_thread(slots.check_slot_binding, slot, binding)
+                return
+            record = await backend.read_binding(slot)
+            if record is None:
+                raise OSError(errno.ENODATA, f"chunk {slot} has no binding record")
+            _check_binding_record(slot, record, binding, dest)
+
+        return [(one, pair) for batch in batches for pair in batch]
 
     # ------------------------------------------------------------------ manifest
 
@@ -364,12 +552,12 @@ class DiskPageStore:
             meta_dict = json.loads(json.dumps(dict(meta or {}), allow_nan=False))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"commit of {owner!r}: meta is not JSON-serialisable: {exc}") from exc
-        self._ledger.commit(owner, extent, meta_dict)
+        previous = self._ledger.commit(owner, extent, meta_dict)
         if self._persistent:
             try:
                 self._persist_manifest(f"committing {owner!r}", flush_data=True)
             except DiskIOError:
-                self._ledger.uncommit(owner, extent, meta_dict)
+                self._ledger.undo_commit(owner, extent, meta_dict, previous)
                 raise
 
     def uncommit(self, extent: DiskExtent) -> bool:
@@ -390,11 +578,13 @@ class DiskPageStore:
         return True
 
     def forget(self, owner: str) -> bool:
-        """Drop ``owner``'s committed entry (its chunks stay reserved); False if it had none."""
+        """Drop ``owner``'s committed entry (its chunks stay reserved); False if it had none.
+
+        A failed manifest write is logged and retried later (as for ``release``)."""
         if not self._ledger.forget(owner):
             return False
         if self._persistent:
-            self._persist_manifest(f"forgetting {owner!r}")
+            self._persist_quietly(f"forgetting {owner!r}")
         return True
 
     def reattached(self) -> dict[str, tuple[DiskExtent, dict[str, Any]]]:
@@ -429,6 +619,7 @@ class DiskPageStore:
                 "corruptions": c.corruptions,
                 "timeouts": c.timeouts,
                 "manifest_faults": c.manifest_faults,
+                "manifest_dirty": self._manifest_dirty,
                 "faults": c.write_faults + c.read_faults + c.manifest_faults,
                 "fault_errnos": dict(c.errnos),
                 "extents": counts["extents"],
@@ -498,12 +689,20 @@ class DiskPageStore:
             ok = False
             try:
                 sem = asyncio.Semaphore(limit)
+                failed = False
 
                 async def guarded(
                     fn: Callable[..., Awaitable[None]], args: tuple[Any, ...]
                 ) -> None:
+                    nonlocal failed
                     async with sem:
-                        await fn(*args)
+                        if failed:  # fail fast: a job that has not started is skipped
+                            return
+                        try:
+                            await fn(*args)
+                        except BaseException:
+                            failed = True
+                            raise
 
                 results = await asyncio.gather(
                     *(guarded(fn, args) for fn, args in jobs), return_exceptions=True
@@ -571,58 +770,103 @@ class DiskPageStore:
             "dtype": self.format.dtype_name,
             "page_bytes": self.page_bytes,
             "storage_dtype": str(self.format.storage_dtype),
-            "pages_per_chunk": self.pages_per_chunk,
-            "capacity_chunks": self.capacity_chunks,
+            "pages_per_slot": 1,
+            "capacity_pages": self.capacity_pages,
             "codec": self.config.codec,
+            # where chunk bindings live: a block in the slot (direct path) or a record
+            "binding": "slot-block" if self._backend.slots is not None else "record",
         }
 
-    def _decode(self, raw: bytes) -> dict[str, ManifestEntry]:
+    def _decode(self, raw: bytes, store_id: str) -> Manifest:
         return decode_manifest(
             raw,
             fingerprint=self.fingerprint,
             layout=self._layout(),
-            capacity_chunks=self.capacity_chunks,
-            pages_per_chunk=self.pages_per_chunk,
+            capacity_chunks=self.capacity_pages,
+            pages_per_chunk=1,
+            store_id=store_id,
         )
 
     def _start(self) -> None:
         where = self._backend.where
         if self.config.on_start == "reattach":
             try:
-                entries = self._backend.reattach(self._geometry, self._decode)
-            except StartRefused as exc:
-                level = logging.INFO if exc.nothing_there else logging.WARNING
+                store_id, manifest = self._backend.reattach(self._geometry, self._decode)
+                self._store_id = bytes.fromhex(store_id)
+                if len(self._store_id) != 16:
+                    raise StartRefused(f"store identity {store_id!r} is not 16 bytes")
+            except (StartRefused, ValueError) as exc:
+                level = (
+                    logging.INFO
+                    if isinstance(exc, StartRefused) and exc.nothing_there
+                    else logging.WARNING
+                )
                 log.log(level, "disk store %s: not reattaching, clearing it: %s", where, exc)
             else:
-                for owner, entry in entries.items():
-                    extent = DiskExtent(tuple(entry.chunks), entry.num_pages)
+                # A new epoch of generations: the last run may have handed out ones its
+                # manifest never recorded, and none of them may come back.
+                self._ledger.start_generations_at(
+                    ((manifest.next_generation >> GENERATION_EPOCH_BITS) + 1)
+                    << GENERATION_EPOCH_BITS
+                )
+                for owner, entry in manifest.entries.items():
+                    extent = DiskExtent(tuple(entry.chunks), entry.num_pages, entry.generation)
                     self._ledger.adopt(owner, extent, dict(entry.meta))
                     self._reattached[owner] = (extent, dict(entry.meta))
-                log.info("disk store %s: reattached %d entries", where, len(entries))
+                self._persist_manifest("recording the new generation epoch at start-up")
+                log.info("disk store %s: reattached %d entries", where, len(manifest.entries))
                 return
+        new_id = self._new_store_id()
+        if not isinstance(new_id, bytes) or len(new_id) != 16:
+            raise ValueError(f"new_store_id must return 16 bytes, got {new_id!r}")
+        self._store_id = new_id
         try:
-            self._backend.clear_and_create(self._geometry)
+            self._backend.clear_and_create(self._geometry, new_id.hex())
         except OSError as exc:
             raise DiskIOError(
                 exc.errno or errno.EIO, f"disk store {where}: cannot start: {exc}"
             ) from exc
 
+    def _persist_quietly(self, why: str) -> bool:
+        """``_persist_manifest`` for paths that must not raise: log and retry later."""
+        if not self._persistent:
+            return True
+        try:
+            self._persist_manifest(why)
+        except DiskIOError as exc:
+            log.warning("disk store %s: %s; will retry", self._backend.where, exc)
+            return False
+        return True
+
     def _persist_manifest(self, why: str, *, flush_data: bool = False) -> None:
         """Write the manifest from the committed entries; the ledger then frees released
-        chunks that were waiting for the old manifest to stop listing them."""
+        chunks that were waiting for the old manifest to stop listing them. On failure
+        the manifest is marked dirty (every later manifest write retries it) and the
+        entries it tried to list count as possibly on disk."""
         with self._manifest_lock:
             committed = self._ledger.committed()
             entries = {
-                owner: ManifestEntry(ext.chunks, ext.num_pages, meta)
+                owner: ManifestEntry(ext.chunks, ext.num_pages, meta, ext.generation)
                 for owner, (ext, meta) in committed.items()
             }
-            body = encode_manifest(self.fingerprint, self._layout(), entries)
+            body = encode_manifest(
+                self.fingerprint,
+                self._layout(),
+                entries,
+                store_id=self.store_id,
+                next_generation=self._ledger.next_generation,
+            )
             try:
                 self._backend.write_manifest(body, flush_data=flush_data)
             except OSError as exc:
+                self._manifest_dirty = True
+                self._ledger.manifest_failed(committed)
                 with self._stats_lock:
                     self._counters.manifest_faults += 1
-                raise DiskIOError(
-                    exc.errno or errno.EIO, f"manifest write ({why}) failed: {exc}"
-                ) from exc
+                code = exc.errno or errno.EIO
+                name = errno.errorcode.get(code, str(code))
+                with self._stats_lock:
+                    self._counters.errnos[name] = self._counters.errnos.get(name, 0) + 1
+                raise DiskIOError(code, f"manifest write ({why}) failed: {exc}") from exc
+            self._manifest_dirty = False
             self._ledger.manifest_written(committed)

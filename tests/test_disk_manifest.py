@@ -1,0 +1,248 @@
+"""Manifest write faults (reattach mode) and the committed table: uncommit, reused ids."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tiering.disk import DiskConfig, DiskIOError, DiskPageStore, FaultPlan, FaultyStore
+
+PAGE_SHAPE = (2, 4, 8)
+PAGE_BYTES = int(np.prod(PAGE_SHAPE)) * 4
+CHUNK = 2 * PAGE_BYTES
+KINDS = {"enospc_manifest": errno.ENOSPC, "erofs_manifest": errno.EROFS, "eio_manifest": errno.EIO}
+
+
+def make(path: Path, plan: FaultPlan | None = None, *, capacity_chunks: int = 12) -> DiskPageStore:
+    cfg = DiskConfig(
+        path=path, capacity_bytes=capacity_chunks * CHUNK, chunk_bytes=CHUNK, on_start="reattach"
+    )
+    wrap = (lambda s: FaultyStore(s, plan)) if plan is not None else None
+    return DiskPageStore(cfg, PAGE_SHAPE, torch.float32, fingerprint="m", wrap_store=wrap)
+
+
+def pages(rng: np.random.Generator, n: int) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal((n, *PAGE_SHAPE)).astype(np.float32))
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_failed_commit_raises_and_records_nothing(tmp_path, rng, kind):
+    plan = FaultPlan(seed=1)
+    s = make(tmp_path / "d", plan)
+    keep, new = s.reserve("keep", 3), s.reserve("new", 3)
+    data_keep, data_new = pages(rng, 3), pages(rng, 3)
+    s.write(keep, data_keep)
+    s.write(new, data_new)
+    s.commit("keep", keep, {"v": 1})
+    plan.arm(kind, next_n=1)
+    with pytest.raises(DiskIOError) as info:
+        s.commit("new", new, {"v": 2})
+    assert info.value.errno == KINDS[kind] and "manifest" in str(info.value)
+    assert plan.injected[kind] == 1
+    st_ = s.stats()
+    assert st_["committed"] == 1 and st_["manifest_faults"] == 1 and st_["extents"] == 2
+    s.check_integrity()
+    out = torch.empty_like(data_new)
+    s.read(new, out)  # still reserved and written: the caller decides what to do with it
+    assert torch.equal(out, data_new)
+    s.close()
+    again = make(tmp_path / "d")
+    assert set(again.reattached()) == {"keep"}
+    got = torch.empty_like(data_keep)
+    again.read(again.reattached()["keep"][0], got)
+    assert torch.equal(got, data_keep)
+    again.check_integrity()
+    again.close()
+
+
+def test_failed_commit_of_a_superseding_extent_keeps_the_old_entry(tmp_path, rng):
+    plan = FaultPlan(seed=2)
+    s = make(tmp_path / "d", plan)
+    old, new = s.reserve("r", 2), s.reserve("r", 2)
+    s.write(old, pages(rng, 2))
+    s.write(new, pages(rng, 2))
+    s.commit("r", old, {"gen": "old"})
+    plan.arm("eio_manifest", next_n=1)
+    with pytest.raises(DiskIOError):
+        s.commit("r", new, {"gen": "new"})
+    s.check_integrity()
+    s.close()
+    again = make(tmp_path / "d")
+    assert again.reattached()["r"][1] == {"gen": "old"}
+    again.close()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_release_and_uncommit_never_raise_for_a_manifest_fault(tmp_path, rng, kind, caplog):
+    plan = FaultPlan(seed=3)
+    s = make(tmp_path / "d", plan, capacity_chunks=4)  # 8 pages
+    a, b = s.reserve("a", 4), s.reserve("b", 4)  # four pages each: the whole tier
+    s.write(a, pages(rng, 4))
+    s.write(b, pages(rng, 4))
+    s.commit("a", a)
+    s.commit("b", b)
+    plan.arm(kind, next_n=2)
+    with caplog.at_level(logging.WARNING, logger="tiering.disk.store"):
+        s.release(a)
+        s.uncommit(b)
+    assert caplog.text.count("will retry") == 2
+    # a's chunks are still listed by the manifest on disk: counted, not reusable
+    assert s.stats()["quarantined_chunks"] == 4 and s.reserve("c", 1) is None
+    s.check_integrity()
+    assert s.stats()["manifest_dirty"] and s.stats()["committed"] == 0
+    assert s.retry_manifest()  # the fault is spent: the retry lands and frees a's chunks
+    assert s.stats()["quarantined_chunks"] == 0 and not s.stats()["manifest_dirty"]
+    c = s.reserve("c", 4)
+    assert c is not None
+    s.check_integrity()
+    s.close()
+    again = make(tmp_path / "d")
+    assert again.reattached() == {}
+    again.close()
+
+
+def test_uncommit_lets_a_reused_id_commit_at_once_and_is_idempotent(tmp_path, rng):
+    s = make(tmp_path / "d")
+    first = s.reserve("rid", 3)
+    s.write(first, pages(rng, 3))
+    s.commit("rid", first, {"turn": 1})
+    s.uncommit(first)
+    s.uncommit(first)  # idempotent
+    assert s.stats()["committed"] == 0 and s.stats()["extents"] == 1  # still reserved
+    second = s.reserve("rid", 2)
+    data = pages(rng, 2)
+    s.write(second, data)
+    s.commit("rid", second, {"turn": 2})  # a reused id behaves like a fresh one
+    s.check_integrity()
+    s.release(first)  # the old copy's read finished: release it; the new entry stays
+    assert s.stats()["committed"] == 1
+    s.check_integrity()
+    s.close()
+    again = make(tmp_path / "d")
+    ext, meta = again.reattached()["rid"]
+    assert meta == {"turn": 2}
+    out = torch.empty_like(data)
+    again.read(ext, out)
+    assert torch.equal(out, data)
+    with pytest.raises(ValueError, match="not reserved"):
+        again.uncommit(first)
+    again.close()
+
+
+def test_a_reused_id_is_never_wedged_by_a_leftover_entry(tmp_path, rng):
+    s = make(tmp_path / "d")
+    old = s.reserve("rid", 2)
+    s.write(old, pages(rng, 2))
+    s.commit("rid", old, {"turn": 1})
+    new = s.reserve("rid", 2)  # no uncommit: the old copy is still held
+    s.write(new, pages(rng, 2))
+    s.commit("rid", new, {"turn": 2})  # supersedes; used to raise "already committed"
+    assert s.stats()["committed"] == 1 and s.stats()["extents"] == 2
+    s.write(old, pages(rng, 2))  # the old extent is no longer committed, so it may be rewritten
+    s.check_integrity()
+    s.release(old)
+    s.release(new)
+    assert s.stats()["committed"] == 0 and s.used_bytes() == 0
+    s.check_integrity()
+    s.close()
+
+
+class ManifestMachine(RuleBasedStateMachine):
+    """Random commits, uncommits and releases with manifest faults; a model of what
+    should be committed and of what the last manifest that landed lists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="disk-manifest-sm-"))
+        self.plan = FaultPlan(seed=7)
+        self.store = make(self.dir / "d", self.plan, capacity_chunks=8)
+        self.rng = np.random.default_rng(5)
+        self.live: dict[
+            tuple[int, ...], tuple[str, object, bool]
+        ] = {}  # chunks -> owner, ext, written
+        self.committed: dict[str, tuple[int, ...]] = {}
+        self.on_disk: dict[str, tuple[int, ...]] = {}
+        self.dirty = False
+
+    @rule(owner=st.sampled_from(["a", "b", "c"]), n=st.integers(1, 4))
+    def reserve_and_write(self, owner, n):
+        ext = self.store.reserve(owner, n)
+        if ext is None:
+            return
+        self.store.write(ext, pages(self.rng, n))
+        self.live[ext.chunks] = (owner, ext, True)
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 100), fault=st.booleans())
+    def commit(self, pick, fault):
+        owner, ext, _ = self.live[sorted(self.live)[pick % len(self.live)]]
+        if fault:
+            self.plan.arm("enospc_manifest", next_n=1)
+            with pytest.raises(DiskIOError):
+                self.store.commit(owner, ext)
+            self.plan.disarm("enospc_manifest")
+            self.dirty = True
+            return
+        self.store.commit(owner, ext)
+        self.committed[owner] = ext.chunks
+        self.on_disk, self.dirty = dict(self.committed), False
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 100), fault=st.booleans(), release=st.booleans())
+    def drop(self, pick, fault, release):
+        key = sorted(self.live)[pick % len(self.live)]
+        owner, ext, _ = self.live[key]
+        if fault:
+            self.plan.arm("eio_manifest", next_n=1)
+        was_committed = self.committed.get(owner) == key
+        if release:
+            self.store.release(ext)
+            del self.live[key]
+        else:
+            self.store.uncommit(ext)
+        if was_committed:
+            del self.committed[owner]
+        wrote = was_committed or self.dirty
+        if wrote and not fault:
+            self.on_disk, self.dirty = dict(self.committed), False
+        elif wrote:
+            self.dirty = True
+        self.plan.disarm("eio_manifest")
+
+    @invariant()
+    def consistent(self):
+        self.store.check_integrity()
+        assert self.store.stats()["committed"] == len(self.committed)
+        assert self.store.stats()["manifest_dirty"] == self.dirty
+        assert self.store.stats()["extents"] == len(self.live)
+
+    def teardown(self):
+        self.store.close()
+        again = make(self.dir / "d", capacity_chunks=8)
+        if not self.dirty:
+            got = {o: e.chunks for o, (e, _) in again.reattached().items()}
+            assert got == self.on_disk
+        again.check_integrity()
+        again.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+TestManifestMachine = ManifestMachine.TestCase
+TestManifestMachine.settings = settings(
+    max_examples=25, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
+)
