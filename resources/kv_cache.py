@@ -22,7 +22,6 @@ Contract of every move (see ``tiering.types`` for the states):
 from __future__ import annotations
 
 import concurrent.futures as cf
-import inspect
 import itertools
 import logging
 import time
@@ -57,8 +56,9 @@ from tiering.checksum import ChecksumMismatch, crc_of, crc_of_pages
 from tiering.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.pinning import HostRuntime, PinnedSlab, PinOutcome, pin_host_slab
 from tiering.pools import PagePool, PoolIntegrityError
+from tiering.protocols import CompletionFeed
 from tiering.staging import StagingConfig, StagingRing, StagingTimeout
-from tiering.transfer import StreamSet, coalesce, copy_runs, gather_pages, issue_runs, no_fault
+from tiering.transfer import StreamSet, coalesce, copy_runs, issue_runs, no_fault
 from tiering.types import (
     OFFLOADED_STATES,
     RELOADABLE_STATES,
@@ -158,6 +158,7 @@ class PagedKVCache(Resource):
         self._tomb_seq = itertools.count(1)
         self._newly_lost: list[tuple[str, str]] = []
         self._unreported: list[TransferResult] = []  # applied outside poll, reported by it
+        self._feeds: list[CompletionFeed] = []
         self.stats = KVStats()
         self._completions: dict[Move, Callable[[RequestRecord, TransferJob, BaseException | None], TransferResult]] = {
             Move.OFFLOAD_TO_HOST: self._done_offload_host,
@@ -184,11 +185,10 @@ class PagedKVCache(Resource):
                     disk, shape, geometry.dtype, fingerprint=geometry.fingerprint(),
                     wrap_store=disk_wrap_store,
                 )
-            self._range_io = self.disk is not None and _has_range_io(self.disk)
             # a GPU's pages reach the disk through the ring; a CPU's go straight
             self._stage = (self.device.type == "cuda") if stage_disk_io is None else bool(stage_disk_io)
             self._ring = None
-            if self.disk is not None and self._stage and self._range_io:
+            if self.disk is not None and self._stage:
                 pin = (lambda t: t.pin_memory()) if self.device.type == "cuda" else None
                 self._ring = StagingRing(staging or StagingConfig(), shape, geometry.dtype, pin=pin)
             if self.disk is not None:
@@ -708,31 +708,21 @@ class PagedKVCache(Resource):
         return crc_of_pages(self._host, host_slots) if self.verify else None
 
     def _job_offload_disk(self, dev_slots, extent, marker):
-        n = len(dev_slots)
-        if self._stage and self._range_io:
+        if self._stage:
             return self._staged_write(dev_slots, extent, marker)
-        if self._range_io:  # a CPU device: each run of pages goes to disk from where it lies
-            crc = 0
-            for r in coalesce(dev_slots, range(n)):
-                self._fault("d2h")
-                pages = self._dev[r.src : r.src + r.length]
-                crc = crc_of(pages, crc) if self.verify else 0
-                self.disk.write(extent, pages, first_page=r.dst)
-            return crc if self.verify else None
-        staging = torch.empty((n, *self.geometry.page_shape), dtype=self.geometry.dtype)
-        copy_runs(self._streams, self._dev, staging, coalesce(dev_slots, range(n)),
-                  "d2h", after=marker, fault_hook=self._fault)
-        crc = crc_of(staging) if self.verify else None
-        self.disk.write(extent, staging)
-        return crc
+        crc = 0  # a CPU device: each run of pages goes to disk from where it lies
+        for r in coalesce(dev_slots, range(len(dev_slots))):
+            self._fault("d2h")
+            pages = self._dev[r.src : r.src + r.length]
+            crc = crc_of(pages, crc) if self.verify else 0
+            self.disk.write(extent, pages, first_page=r.dst)
+        return crc if self.verify else None
 
     def _job_demote(self, host_slots, extent):
-        # the request's host slots stay its own until the write completes
-        if self._range_io:  # each run of host pages is written from where it lies
-            for r in coalesce(host_slots, range(len(host_slots))):
-                self.disk.write(extent, self._host[r.src : r.src + r.length], first_page=r.dst)
-            return
-        self.disk.write(extent, gather_pages(self._host, host_slots))
+        # the request's host slots stay its own until the write completes; each
+        # run of host pages is written from where it lies
+        for r in coalesce(host_slots, range(len(host_slots))):
+            self.disk.write(extent, self._host[r.src : r.src + r.length], first_page=r.dst)
 
     def _job_reload_host(self, host_slots, dev_slots, checksum, marker):
         if checksum is not None and crc_of_pages(self._host, host_slots) != checksum:
@@ -741,30 +731,17 @@ class PagedKVCache(Resource):
                          "h2d", after=marker, fault_hook=self._fault)
 
     def _job_reload_disk(self, extent, dev_slots, checksum, marker):
-        n = len(dev_slots)
-        runs = coalesce(range(n), dev_slots)
-        if self._stage and self._range_io:
+        if self._stage:
             crc = self._staged_read(extent, dev_slots, marker)
-        elif not self._stage and (self._range_io or len(runs) == 1):
+        else:
             # a CPU device: straight into the destination; the slots are this
             # reload's own and are not readable until the completion lands
             crc = 0
-            for r in runs:
+            for r in coalesce(range(len(dev_slots)), dev_slots):
                 self._fault("h2d")
                 dst = self._dev[r.dst : r.dst + r.length]
-                if self._range_io:
-                    self.disk.read(extent, dst, first_page=r.src)
-                else:
-                    self.disk.read(extent, dst)
+                self.disk.read(extent, dst, first_page=r.src)
                 crc = crc_of(dst, crc) if checksum is not None else 0
-        else:
-            staging = torch.empty((n, *self.geometry.page_shape), dtype=self.geometry.dtype)
-            self.disk.read(extent, staging)
-            crc = crc_of(staging) if checksum is not None else 0
-            if checksum is not None and crc != checksum:
-                raise ChecksumMismatch("disk copy does not match the checksum taken at offload")
-            return copy_runs(self._streams, staging, self._dev, runs, "h2d", after=marker,
-                             fault_hook=self._fault)
         if checksum is not None and crc != checksum:
             raise ChecksumMismatch("disk copy does not match the checksum taken at offload")
         return None
@@ -874,7 +851,19 @@ class PagedKVCache(Resource):
                 done.append(res)
         for key in [k for k, t in self._tombstones.items() if t.future.done()]:
             done.append(self._bury(self._tombstones.pop(key)))
+        if done and self._feeds:
+            self._feeds = [f for f in self._feeds if not f.closed]
+            for f in self._feeds:
+                f.put(done)
         return done
+
+    def completion_feed(self) -> CompletionFeed:
+        """A feed that receives every record ``poll`` (or ``synchronize``) reports
+        from now on, whoever calls them; the controller settles from one."""
+        self._open("completion_feed")
+        feed = CompletionFeed()
+        self._feeds.append(feed)
+        return feed
 
     def _bury(self, t: Tombstone) -> TransferResult:
         exc = t.future.exception() if not t.future.cancelled() else None
@@ -1160,16 +1149,6 @@ class PagedKVCache(Resource):
 
     def __exit__(self, *exc) -> None:
         self.cleanup()
-
-
-def _has_range_io(disk) -> bool:
-    """Whether the disk store reads and writes page ranges (``first_page=``)."""
-    try:
-        return all(
-            "first_page" in inspect.signature(getattr(disk, m)).parameters for m in ("read", "write")
-        )
-    except (AttributeError, TypeError, ValueError):
-        return False
 
 
 def _why(exc: BaseException) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import assert_same, fill
 
-from resources.kv_cache import PagedKVCache, _has_range_io
+from resources.kv_cache import PagedKVCache
 from tiering.disk import DiskConfig
 from tiering.disk.store import DiskPageStore
 from tiering.staging import StagingConfig, StagingRing
@@ -195,10 +195,6 @@ def test_ring_acquire_times_out_and_refuses_foreign_buffers(geom):
             StagingConfig(**bad)
 
 
-@pytest.mark.xfail(
-    not _has_range_io(DiskPageStore), strict=True,
-    reason="needs the disk branch's range I/O (read/write with first_page=)",
-)
 def test_the_real_store_moves_a_large_request_in_pieces(geom, tmp_path):
     page = geom.page_bytes
     cfg = DiskConfig(path=tmp_path / "disk", capacity_bytes=32 * page, chunk_bytes=2 * page)

@@ -104,6 +104,11 @@ class EvictionController:
         self._polled = tuple(
             (h, h.poll, h.evicts) for h in handles.values() if h.poll is not None or h.evicts
         )
+        # a resource that hands out a completion feed reports to it whoever polls it
+        self._feeds = {
+            h.name: h.resource.completion_feed()
+            for h in self._evicting if callable(getattr(h.resource, "completion_feed", None))
+        }
         self._capacity = int(device_capacity_bytes)
         self._reads = 0
         self._stamp = 0
@@ -261,6 +266,9 @@ class EvictionController:
                 answer = poll() if poll is not None else None
             if not evicts:
                 continue
+            feed = self._feeds.get(h.name)
+            if feed is not None:  # everything reported, also to whoever else polled
+                answer = feed.take()
             if type(answer) is list or type(answer) is tuple or isinstance(answer, Sequence):
                 if answer:
                     self._settle(h, answer)

@@ -111,3 +111,33 @@ class TieredResource(EvictableResource, Protocol):
     def drop(self, rid: str) -> None: ...
 
     def poll(self) -> Sequence[TransferResult]: ...
+
+
+class CompletionFeed:
+    """A consumer's own copy of every ``TransferResult`` a resource reports.
+
+    A resource that offers ``completion_feed()`` appends each record its
+    ``poll()`` returns (``synchronize`` polls too) to every feed it handed
+    out, so a controller settles from its feed whoever else polled or waited.
+    ``take()`` returns what arrived since the last call. Single-threaded: the
+    resource and the consumer both run on the worker's step thread.
+    """
+
+    __slots__ = ("_items", "closed")
+
+    def __init__(self) -> None:
+        self._items: list[TransferResult] = []
+        self.closed = False
+
+    def put(self, records: Sequence[TransferResult]) -> None:
+        if not self.closed:
+            self._items.extend(records)
+
+    def take(self) -> list[TransferResult]:
+        out, self._items = self._items, []
+        return out
+
+    def close(self) -> None:
+        """Stop receiving (the resource drops a closed feed at its next report)."""
+        self.closed = True
+        self._items = []

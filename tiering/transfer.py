@@ -165,18 +165,3 @@ def copy_runs(
     if done is not None:
         done.synchronize()
     return done
-
-
-def gather_pages(src: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
-    """Pages ``slots`` of a CPU page pool as one contiguous tensor.
-
-    Adjacent slots in order are returned as a view (no copy: the caller must
-    own them while it reads); otherwise they are packed with one copy per run.
-    """
-    runs = coalesce(slots, range(len(slots)))
-    if len(runs) == 1:
-        return src[runs[0].src : runs[0].src + runs[0].length]
-    out = torch.empty((len(slots), *src.shape[1:]), dtype=src.dtype, device=src.device)
-    for r in runs:
-        out[r.dst : r.dst + r.length].copy_(src[r.src : r.src + r.length])
-    return out

@@ -560,23 +560,6 @@ class DiskPageStore:
                 self._ledger.undo_commit(owner, extent, meta_dict, previous)
                 raise
 
-    def uncommit(self, extent: DiskExtent) -> bool:
-        """Forget the committed entry naming ``extent`` (its chunks stay reserved).
-
-        False when no entry names it. In ``reattach`` mode the manifest is
-        rewritten; DiskIOError if that fails (the entry is forgotten anyway).
-        """
-        check_extent(extent)
-        owner = next(
-            (o for o, (e, _) in self._ledger.committed().items() if e.chunks == extent.chunks),
-            None,
-        )
-        if owner is None or not self._ledger.forget(owner):
-            return False
-        if self._persistent:
-            self._persist_manifest(f"uncommitting extent {extent.chunks}")
-        return True
-
     def forget(self, owner: str) -> bool:
         """Drop ``owner``'s committed entry (its chunks stay reserved); False if it had none.
 
