@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tiering.controller import ControllerConfig
+from tiering.replay.policy_spec import PolicySpec
 
 MODES = ("tiering", "recompute", "no-tiering")
 
@@ -55,11 +57,15 @@ class SimConfig:
 @dataclass(frozen=True)
 class RunSpec:
     """What to run: a ``mode`` (see ``MODES``) and, for ``tiering``, the policy
-    name and the controller's configuration."""
+    (a registry name or a ``module:Class`` path), its keyword options and the
+    controller's configuration. The policy makes every retention decision of
+    the run (see ``tiering.replay.retention``); the controller's host
+    watermarks say when the host demotes, to disk, what the policy picks."""
 
     mode: str = "tiering"
     policy: str = "lru"
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    policy_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,7 +74,13 @@ class RunSpec:
             raise ValueError(f"RunSpec.policy must name a policy, got {self.policy!r}")
         if not isinstance(self.controller, ControllerConfig):
             raise TypeError("RunSpec.controller must be a ControllerConfig")
+        # normalised (sorted pairs) and checked by PolicySpec
+        object.__setattr__(self, "policy_options", self.policy_spec.options)
+
+    @property
+    def policy_spec(self) -> PolicySpec:
+        return PolicySpec(self.policy, self.policy_options)
 
     @property
     def label(self) -> str:
-        return self.policy if self.mode == "tiering" else self.mode
+        return self.policy_spec.label if self.mode == "tiering" else self.mode

@@ -48,13 +48,14 @@ request waits for instead of prefilling those tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from policies import make_policy
+from policies import PolicyRegistry
 from resources.engine_types import ResourceReqConfig
 from tiering.controller import EvictionController
 from tiering.pressure import PoolPressure
@@ -63,6 +64,7 @@ from tiering.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.replay.presets import HardwarePreset, ModelPreset, StepCost
 from tiering.replay.results import Decision, RequestRecord, RunResult, SimCounters
 from tiering.replay.retained import RetainedPrefixes
+from tiering.replay.retention import CostFilled, ReloadCosts, Retention
 from tiering.replay.traces import TraceRequest
 from tiering.types import RequestState, Tier
 
@@ -94,7 +96,8 @@ def modeled_kv_factory(model: ModelPreset, hardware: HardwarePreset, sim: SimCon
     """Build ``ModeledKVCache`` instances sized by the presets."""
     page_bytes = model.kv_bytes_per_token * sim.page_tokens
     rates = LinkRates(hardware.d2h_bps, hardware.h2d_bps, hardware.disk_write_bps,
-                      hardware.disk_read_bps)
+                      hardware.disk_read_bps, hardware.d2h_latency_s, hardware.h2d_latency_s,
+                      hardware.disk_write_latency_s, hardware.disk_read_latency_s)
 
     def factory(clock: SimClock) -> ModeledKVCache:
         device_pages = hardware.device_kv_bytes // page_bytes
@@ -146,10 +149,13 @@ def simulate(
     time_scale: float = 1.0,
     kv_factory: KVFactory | None = None,
     on_finish: Callable[[int], None] | None = None,
+    registry: PolicyRegistry | None = None,
 ) -> RunResult:
     """Replay ``trace`` through one simulated worker and return what happened.
 
-    ``time_scale`` multiplies arrival times (2.0 halves the request rate).
+    ``registry``: where ``spec.policy`` is looked up (default: the built-ins;
+    a ``module:Class`` path is imported). ``time_scale`` multiplies arrival
+    times (2.0 halves the request rate).
     ``kv_factory(clock)`` builds the KV backend (default: a ``ModeledKVCache``
     sized by the presets of ``cost``). ``on_finish(n)`` is told each time ``n``
     more requests have finished or been rejected.
@@ -160,16 +166,19 @@ def simulate(
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
     if not trace:
         raise ValueError("the trace holds no requests")
+    policy = spec.policy_spec.build(registry) if spec.mode == "tiering" else None
     clock = SimClock()
     factory = kv_factory or modeled_kv_factory(cost.model, cost.hardware, sim)
-    worker = _Worker(trace, cost, spec, sim, time_scale, factory(clock), clock, on_finish)
+    worker = _Worker(trace, cost, spec, sim, time_scale, factory(clock), clock, on_finish,
+                     policy)
     return worker.run()
 
 
 class _Worker:
     """One run. Owns every piece of simulated state; see the module docstring."""
 
-    def __init__(self, trace, cost, spec, sim, time_scale, kv, clock, on_finish) -> None:
+    def __init__(self, trace, cost, spec, sim, time_scale, kv, clock, on_finish,
+                 policy=None) -> None:
         self.cost = cost
         self.spec = spec
         self.sim = sim
@@ -186,19 +195,28 @@ class _Worker:
         # request whose final KV is larger could never come back: reject it up front
         self.limit_pages = int((cfg.high - cfg.reload_headroom) * self.device_pages)
         self.ctl: EvictionController | None = None
+        self.retention: Retention | None = None
+        self._demoting: dict[str, int] = {}  # rid -> host bytes of a demotion in flight
+        rank = None
         if self.tiering:
-            kwargs = {"resource": "kv"} if spec.policy == "priority" else {}
+            costs = ReloadCosts(cost.hardware, cost, self.page_bytes // self.P)
+            self.retention = Retention(policy, costs, kv.get_offload_priority)
+            self.ctl_policy = CostFilled(
+                policy, costs, lambda: kv.host_capacity_bytes - kv.host_used_bytes())
+            # the host cascade is the worker's (below), through the policy: the
+            # controller's own, least recently used, never triggers at host_high = 1
+            ctl_cfg = dataclasses.replace(cfg, host_high=1.0, host_low=min(cfg.host_low, 0.99))
             self.ctl = EvictionController(
-                {"kv": kv}, make_policy(spec.policy, **kwargs), PoolPressure(kv), cfg,
-                clock=clock,
+                {"kv": kv}, self.ctl_policy, PoolPressure(kv), ctl_cfg, clock=clock,
             )
+            rank = self._rank_retained
         self.reuse = sim.prefix_reuse
         if self.reuse and not hasattr(kv, "copy_in"):
             raise ValueError("prefix_reuse needs a KV backend with copy_in(); turn it off")
         self.live = ResourceReqConfig(retention_priority=sim.preempted_retention)
         self.prefixes = RetainedPrefixes(
             kv, self.ctl, ResourceReqConfig(retention_priority=sim.retained_retention),
-            sim.block_tokens, self._pages,
+            sim.block_tokens, self._pages, clock, rank,
         )
         # (rid, free pages, resident prefix pages) of the last admission refused for room:
         # it is not retried until one of the two figures changes
@@ -305,6 +323,10 @@ class _Worker:
             self.counters.quiet_safe_points += 1
             return
         rep = self.ctl.evict_if_needed(self.active)
+        demoted, dropped = self._demote()
+        if demoted or dropped:
+            rep = rep._replace(demoted=tuple(rep.demoted) + demoted,
+                               dropped=tuple(rep.dropped) + dropped)
         fruitful = bool(rep.offloaded or rep.reloads_started or rep.demoted or rep.dropped)
         if fruitful:
             log = self.decisions
@@ -325,6 +347,69 @@ class _Worker:
         self._quiet = None
         if not fruitful and rep.pressure_before > self.spec.controller.high:
             self._quiet = (self._gen, self.prefixes.changes)
+
+    def _demote(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The host cascade: when the host is over ``host_high`` (less demotions in flight),
+        demote on-host requests to disk in the policy's order until under ``host_low``;
+        a request that does not fit on disk is kept, or dropped under
+        ``on_disk_full="drop"``. Requests waiting for a reload stay. Returns
+        (demoted, dropped)."""
+        kv = self.kv
+        cap = kv.host_capacity_bytes
+        if not cap:
+            return (), ()
+        demoting = self._demoting
+        if demoting:
+            for rid in [r for r in demoting
+                        if r not in kv or kv.state_of(r) is not RequestState.DEMOTING]:
+                del demoting[rid]
+        cfg = self.spec.controller
+        used = kv.host_used_bytes() - sum(demoting.values())
+        if used <= cfg.host_high * cap:
+            return (), ()
+        waiting = set(self.ctl.pending_reloads())
+        on_host = RequestState.ON_HOST
+        state_of = kv.state_of
+        rids = [r.rid for r in self.preempted if state_of(r.rid) is on_host]
+        rids += [rid for rid in self.prefixes.entries() if state_of(rid) is on_host]
+        rids = [rid for rid in rids if rid not in waiting]
+        if not rids:
+            return (), ()
+        sizes = [kv.reload_bytes(rid) for rid in rids]
+        last = [self.ctl.last_used(rid) for rid in rids]
+        order = self.retention.order(rids, sizes, last, Tier.HOST, "disk", self.clock.now)
+        size_of = dict(zip(rids, sizes, strict=True))
+        demoted: list[str] = []
+        dropped: list[str] = []
+        target = cfg.host_low * cap
+        for rid in order:
+            if used < target:
+                break
+            nbytes = size_of[rid]
+            if kv.demote(rid):
+                demoted.append(rid)
+                used -= nbytes
+                if state_of(rid) is RequestState.DEMOTING:
+                    demoting[rid] = nbytes
+                continue
+            if cfg.on_disk_full == "drop":
+                kv.drop(rid)
+                dropped.append(rid)
+                used -= nbytes
+                continue
+            break  # the disk is full: keep them on host, try again next safe point
+        if demoted or dropped:
+            self._gen += 1
+        return tuple(demoted), tuple(dropped)
+
+    def _rank_retained(self, rids: list[str], tier: Tier) -> list[str]:
+        """Retained entries of ``tier`` in the policy's order; dropping or expiring one
+        leaves only recomputation."""
+        kv = self.kv
+        page_bytes = self.page_bytes
+        sizes = [self._pages(kv.num_tokens(rid)) * page_bytes for rid in rids]
+        last = [self.prefixes.last_used(rid) for rid in rids]
+        return self.retention.order(rids, sizes, last, tier, "recompute", self.clock.now)
 
     def _still_quiet(self) -> bool:
         """Whether the controller would find nothing to do again, so the safe point may be
