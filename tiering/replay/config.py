@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,8 @@ class SimConfig:
     ``preempted_retention`` / ``retained_retention``: the retention priority
     (0..100) a preempted live request and a retained prefix carry; the KV
     cache turns it into the offload priority a ``priority`` policy reads.
+    ``sample_every_s``: simulated seconds between two samples of the timeline
+    (occupancy per tier and hits so far).
     """
 
     max_batch: int = 64
@@ -37,8 +40,14 @@ class SimConfig:
     block_tokens: int = 512
     preempted_retention: float = 80.0
     retained_retention: float = 20.0
+    sample_every_s: float = 1.0
 
     def __post_init__(self) -> None:
+        v = self.sample_every_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+            math.isfinite(v) and v > 0
+        ):
+            raise ValueError(f"SimConfig.sample_every_s must be a finite number > 0, got {v!r}")
         _check_int("SimConfig", "max_batch", self.max_batch, 1)
         _check_int("SimConfig", "max_step_tokens", self.max_step_tokens, 1)
         _check_int("SimConfig", "page_tokens", self.page_tokens, 1)

@@ -20,7 +20,10 @@
   longest a reload waited in the controller's queue for room);
 - prefix reuse: ``prefix_lookups``, ``hit_rate_device``, ``hit_rate_host``,
   ``hit_rate_disk``, ``miss_rate`` (fractions of lookups), ``reused_tokens``,
-  ``token_hit_rate`` (reused over prompt tokens of the requests looked up);
+  ``token_hit_rate`` (reused over prompt tokens of the requests looked up),
+  ``block_hit_rate`` (reused over full prompt blocks looked up), and per tier
+  ``token_hit_rate_<tier>`` and ``block_hit_rate_<tier>`` (they add up to the
+  totals);
 - peaks and sizes: ``max_device_bytes``, ``max_host_bytes``, ``max_disk_bytes``
   (modeled backend only) and ``device_bytes``, ``host_bytes``, ``disk_bytes``.
 
@@ -105,11 +108,19 @@ def summarize(result: RunResult) -> dict[str, float | int | str]:
         "miss_rate": _rate(lookups - c.hits_device - c.hits_host - c.hits_disk, lookups),
         "reused_tokens": c.reused_tokens,
         "token_hit_rate": _rate(c.reused_tokens, c.lookup_tokens),
+        "lookup_blocks": c.lookup_blocks,
+        "block_hit_rate": _rate(c.reused_blocks_device + c.reused_blocks_host
+                                + c.reused_blocks_disk, c.lookup_blocks),
         "retained_discarded": c.retained_discarded,
         "max_device_bytes": kv.get("max_device_pages", 0) * page_bytes,
         "max_host_bytes": kv.get("max_host_pages", 0) * page_bytes,
         "max_disk_bytes": kv.get("max_disk_pages", 0) * page_bytes,
     }
+    for tier in ("device", "host", "disk"):
+        out[f"token_hit_rate_{tier}"] = _rate(getattr(c, f"reused_tokens_{tier}"),
+                                              c.lookup_tokens)
+        out[f"block_hit_rate_{tier}"] = _rate(getattr(c, f"reused_blocks_{tier}"),
+                                              c.lookup_blocks)
     for tier in ("device", "host", "disk"):
         out[f"{tier}_bytes"] = result.capacities[f"{tier}_bytes"]
     for link in LINKS:

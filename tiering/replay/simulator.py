@@ -62,7 +62,7 @@ from tiering.pressure import PoolPressure
 from tiering.replay.config import MODES, RunSpec, SimConfig
 from tiering.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.replay.presets import HardwarePreset, ModelPreset, StepCost
-from tiering.replay.results import Decision, RequestRecord, RunResult, SimCounters
+from tiering.replay.results import Decision, RequestRecord, RunResult, Sample, SimCounters
 from tiering.replay.retained import RetainedPrefixes
 from tiering.replay.retention import CostFilled, ReloadCosts, Retention
 from tiering.replay.traces import TraceRequest
@@ -226,6 +226,7 @@ class _Worker:
         self.by_rid = {r.rid: r for r in self.reqs}
         self.counters = SimCounters()
         self.decisions: list[Decision] = []
+        self.timeline: list[Sample] = []
         self.k = 0  # steps run so far
         self.waiting: deque[_Req] = deque()
         self.active: set[str] = set()  # in the batch: loading, prefilling, decoding or stalled
@@ -255,8 +256,13 @@ class _Worker:
         nxt = 0
         clock = self.clock
         idle_rounds = 0
+        every = self.sim.sample_every_s
+        next_sample = 0.0
         while self.unfinished:
             now = clock.now
+            if now >= next_sample:
+                self._sample(now)
+                next_sample = (math.floor(now / every) + 1) * every
             while nxt < n and reqs[nxt].arrival <= now:
                 self._arrive(reqs[nxt])
                 nxt += 1
@@ -288,7 +294,16 @@ class _Worker:
                 continue
             if not self._unstick():
                 raise RuntimeError(self._stuck_message("nothing can move"))
+        self._sample(clock.now)
         return self._result()
+
+    def _sample(self, now: float) -> None:
+        kv = self.kv
+        c = self.counters
+        self.timeline.append(Sample(
+            now, kv.device_used_bytes(), kv.host_used_bytes(), kv.disk_used_bytes(),
+            c.lookup_tokens, c.reused_tokens_device, c.reused_tokens_host, c.reused_tokens_disk,
+        ))
 
     def _stuck_message(self, why: str) -> str:
         return (
@@ -717,19 +732,29 @@ class _Worker:
 
     def _count_lookup(self, r: _Req, reused: int, tier: Tier | None) -> None:
         c = self.counters
+        bt = self.sim.block_tokens
+        full = min(len(r.hash_ids), r.n_in // bt)
         c.prefix_lookups += 1
         c.lookup_tokens += r.n_in
+        c.lookup_blocks += full
         if tier is None:
             return
+        blocks = min(-(-reused // bt), full)
         c.reused_tokens += reused
         r.reused = reused
         r.prefix_tier = tier.value
         if tier is Tier.DEVICE:
             c.hits_device += 1
+            c.reused_tokens_device += reused
+            c.reused_blocks_device += blocks
         elif tier is Tier.HOST:
             c.hits_host += 1
+            c.reused_tokens_host += reused
+            c.reused_blocks_host += blocks
         else:
             c.hits_disk += 1
+            c.reused_tokens_disk += reused
+            c.reused_blocks_disk += blocks
 
     def _finish_loads(self, now: float) -> None:
         loading = self.loading
@@ -840,4 +865,4 @@ class _Worker:
             "disk_bytes": int(getattr(kv, "disk_capacity_bytes", 0)),
         }
         return RunResult(self.spec, records, self.counters, kv_stats, ctl_stats,
-                         self.decisions, self.clock.now, capacities)
+                         self.decisions, self.clock.now, capacities, self.timeline)
