@@ -586,7 +586,7 @@ def test_cli_writes_summary_table_sweep_csv_and_plots(tmp_path, capsys):
         rows = list(csv.DictReader(f))
     assert len(rows) == 6
     assert {r["host_gib"] for r in rows if r["mode"] == "tiering"} == {"0", "2"}
-    for name in ("throughput_vs_host.png", "ttft_p99_vs_host.png"):
+    for name in ("hit_rate_vs_host.png", "ttft_p99_vs_host.png", "compare.png", "timeline.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
@@ -606,6 +606,7 @@ def test_cli_single_run_has_one_entry_per_policy_and_baseline(tmp_path):
 def test_cli_reports_bad_arguments(tmp_path, capsys):
     rc = replay_main([str(MOONCAKE), "--out", str(tmp_path), "--policy", "fifo"])
     assert rc == 2 and "unknown policy 'fifo'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
     rc = replay_main([str(MOONCAKE), "--out", str(tmp_path), "--watermarks", "0.9"])
     assert rc == 2 and "HIGH:LOW" in capsys.readouterr().err
     rc = replay_main([str(MOONCAKE), "--out", str(tmp_path), "--host-gib", "1,2"])

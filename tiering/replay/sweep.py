@@ -4,13 +4,13 @@
 every host size, plus the two baselines (``recompute`` and ``no-tiering``),
 which do not depend on either and run once. ``run_grid`` runs them and returns
 one row per run (the metrics of ``metrics.summarize`` plus the configuration).
-``write_csv`` and ``plot`` turn rows into ``sweep.csv`` and PNG figures.
+``write_csv`` and ``plot`` turn rows into ``sweep.csv`` and PNG figures
+(``plots.plot_sweep``).
 """
 
 from __future__ import annotations
 
 import csv
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,58 +154,8 @@ def _cell(value: object) -> object:
     return f"{value:.6g}" if isinstance(value, float) else value
 
 
-_MARKERS = ("o", "s", "D", "^", "v", "P")
-
-PLOTS = (
-    ("throughput_tok_s", "throughput (tokens/s)", "throughput_vs_host.png"),
-    ("ttft_p99_s", "p99 time to first token (s)", "ttft_p99_vs_host.png"),
-)
-
-
 def plot(rows: Sequence[dict], out_dir: str | Path, title: str = "") -> list[Path]:
-    """Metric against host size, one line per policy and one panel per watermark pair;
-    baselines as grey horizontal lines. Markers shrink from one policy to the next, so
-    that policies with equal results stay visible. The y axis starts at 0. Returns the PNG
-    paths written."""
-    import matplotlib
+    """Token hit rate and p99 TTFT against host size (see ``plots.plot_sweep``)."""
+    from tiering.replay.plots import plot_sweep
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tiered = [r for r in rows if r["mode"] == "tiering"]
-    if not tiered:
-        raise ValueError("plot: no tiering runs to plot")
-    base = [r for r in rows if r["mode"] != "tiering"]
-    pairs = sorted({(r["high"], r["low"]) for r in tiered}, reverse=True)
-    policies = sorted({r["policy"] for r in tiered})
-    written = []
-    for metric, ylabel, filename in PLOTS:
-        fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 4.2), sharey=True,
-                                 squeeze=False)
-        for ax, (high, low) in zip(axes[0], pairs, strict=True):
-            for i, policy in enumerate(policies):
-                pts = sorted(
-                    (r["host_gib"], r[metric]) for r in tiered
-                    if r["policy"] == policy and (r["high"], r["low"]) == (high, low)
-                )
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=policy,
-                        marker=_MARKERS[i % len(_MARKERS)], markersize=max(3.0, 9.0 - 1.6 * i),
-                        linewidth=max(0.8, 2.4 - 0.4 * i))
-            for r, style in zip(base, ("--", ":"), strict=False):
-                ax.axhline(r[metric], linestyle=style, color="grey", label=r["label"])
-            ax.set_title(f"watermarks high={high:g} low={low:g}", fontsize=10)
-            ax.set_xlabel("host tier size (GiB)")
-            shown = [v for line in ax.get_lines() for v in line.get_ydata()
-                     if isinstance(v, (int, float)) and math.isfinite(v)]
-            ax.set_ylim(0, max(shown, default=1.0) * 1.08 or 1.0)
-            ax.grid(True, alpha=0.3)
-        axes[0][0].set_ylabel(ylabel)
-        axes[0][-1].legend(fontsize=8, loc="best")
-        if title:
-            fig.suptitle(title, fontsize=11)
-        fig.tight_layout()
-        path = Path(out_dir) / filename
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    return written
+    return plot_sweep(rows, out_dir, title)
