@@ -493,3 +493,38 @@ def test_progress_plain_lines_name_the_run():
     assert "replay [1/2 lru] done in 1.0 s: 19 finished, 1 rejected" in lines
     assert lines[-2] == "replay [2/2 cost] started, 20 requests"
     assert lines[-1] == "replay [2/2 cost] 5/20 requests"
+
+
+# -- 6. speed shortcuts change nothing ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [1.0, 6.0])
+def test_fast_forward_changes_nothing(monkeypatch, scale):
+    """Decode-only stretches run in a tight loop; with the loop turned off the run is the
+    same request for request and decision for decision (and the loop really ran)."""
+    from tiering.replay import simulator
+
+    trace = _trace(31, 150)
+    for name in ("lru", "cost"):
+        spec = RunSpec("tiering", name, ControllerConfig(high=0.85, low=0.7))
+        made: list = []
+        fast = simulate(trace, COST, spec, SIM, time_scale=scale,
+                        kv_factory=_factory(300, 100, 800, made))
+        with monkeypatch.context() as m:
+            m.setattr(simulator._Worker, "_fast_forward", lambda self, a, b: None)
+            slow = simulate(trace, COST, spec, SIM, time_scale=scale,
+                            kv_factory=_factory(300, 100, 800, made))
+        assert fast.counters.fast_steps > 100 and slow.counters.fast_steps == 0
+        assert fast.requests == slow.requests
+        assert fast.decisions == slow.decisions and len(fast.decisions) > 10
+        assert fast.counters.steps == slow.counters.steps
+        assert fast.makespan_s == slow.makespan_s
+    for mode in ("recompute", "no-tiering"):
+        made = []
+        fast = simulate(trace, COST, RunSpec(mode), SIM, time_scale=scale,
+                        kv_factory=_factory(300, 0, 0, made))
+        with monkeypatch.context() as m:
+            m.setattr(simulator._Worker, "_fast_forward", lambda self, a, b: None)
+            slow = simulate(trace, COST, RunSpec(mode), SIM, time_scale=scale,
+                            kv_factory=_factory(300, 0, 0, made))
+        assert fast.requests == slow.requests and fast.counters.steps == slow.counters.steps

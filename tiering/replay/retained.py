@@ -9,9 +9,9 @@ controller may offload it to host and demote it to disk. This class keeps:
 - the entries known resident on the device, with their pages, coldest first:
   the scheduler may drop these at once when it needs room (they are a cache);
 - the entries on their way down a tier (from the controller's reports), and
-  those that reached disk, which are taken off the controller's books: it has
-  nothing left to do with them and scans every request it knows under
-  pressure.
+  those that left the device, which are taken off the controller's books: it
+  has nothing left to do with them (the worker demotes and expires them
+  through the run's policy) and scans every request it knows under pressure.
 
 It never decides when to make room; the simulator asks it to.
 """
@@ -199,18 +199,21 @@ class RetainedPrefixes:
         self._sinking.update(rid for rid in demoted if rid in index)
 
     def settle(self) -> None:
-        """Entries that reached disk leave the controller's books."""
+        """Entries that left the device leave the controller's books: it has nothing more
+        to do with them (the worker demotes and expires them), and each request it knows
+        costs it work in every scan under pressure."""
         if not self._sinking:
             return
         state_of = self._kv.state_of
+        untracked = self._untracked
         for rid in list(self._sinking):
             state = state_of(rid)
-            if state is RequestState.ON_DISK:
-                self._ctl.remove_request(rid)
-                self._untracked.add(rid)
-                self.changes += 1
-            elif state is not RequestState.ON_HOST:
+            if state is not RequestState.ON_DISK and state is not RequestState.ON_HOST:
                 continue  # still in flight
+            if rid not in untracked:
+                self._ctl.remove_request(rid)
+                untracked.add(rid)
+                self.changes += 1
             self._sinking.discard(rid)
 
     def expire(self, host_high: float, host_low: float) -> None:

@@ -246,6 +246,10 @@ class _Worker:
         # a call that found nothing to do (see _still_quiet); _gen counts such changes
         self._gen = 0
         self._quiet: tuple[int, int] | None = None
+        self._fast = True  # decode-only stretches in a tight loop (see _fast_forward)
+        # the running set handed to the controller, rebuilt only when _gen moved (every
+        # change of ``active`` bumps it)
+        self._running: tuple[int, frozenset[str]] = (-1, frozenset())
         self._evictable_at = 0.0
 
     # -- the loop -------------------------------------------------------------------
@@ -277,6 +281,9 @@ class _Worker:
                 idle_rounds = 0
                 self._waited = False
                 self._run_step(prefill_tokens)
+                if not prefill_tokens and self._fast:
+                    self._fast_forward(reqs[nxt].arrival if nxt < n else math.inf,
+                                       next_sample)
                 continue
             upcoming = [reqs[nxt].arrival] if nxt < n else []
             done_at = self.kv.next_completion()
@@ -296,6 +303,55 @@ class _Worker:
                 raise RuntimeError(self._stuck_message("nothing can move"))
         self._sample(clock.now)
         return self._result()
+
+    def _fast_forward(self, next_arrival: float, next_sample: float) -> None:
+        """Run decode-only steps in a tight loop while every round of the full loop would
+        do nothing but run one: no arrival, sample, transfer completion, page allocation or
+        finish is due; nothing prefills, loads, stalls or is preempted; no waiting request
+        can be admitted; and the safe point has nothing to do (it would be skipped as
+        quiet, or the device is under ``high`` with no reload waiting). Stops at the first
+        round where any of that may change; that round runs in full. A test checks that
+        runs are identical with and without it."""
+        if not self.n_dec or self.prefilling or self.stalled or self.preempted or (
+            self.loading or self.reload_asked
+        ):
+            return
+        kv = self.kv
+        ctl = self.ctl
+        if ctl is not None:
+            over = kv.device_used_bytes() > self.spec.controller.high * kv.device_capacity_bytes
+            if over:
+                if self._quiet is None or not self._still_quiet():
+                    return
+            elif ctl.pending_reloads() or self._demoting:
+                return
+        if self.waiting and len(self.active) < self.sim.max_batch and (
+            self.sim.max_step_tokens - self.n_dec > 0
+        ):
+            seen = (self.waiting[0].rid, self._free_pages(), self.prefixes.resident_pages)
+            if seen != self._refused:
+                return
+        due = kv.next_completion()
+        until_t = min(next_arrival, next_sample, math.inf if due is None else due)
+        until_k = min(self.allocs[0][0] if self.allocs else math.inf,
+                      self.finishes[0][0] if self.finishes else math.inf)
+        clock = self.clock
+        k = self.k
+        now = clock.now
+        if k >= until_k or now >= until_t:
+            return
+        n_dec = self.n_dec
+        base = self.ctx_base
+        step_s = self.cost.step_s
+        start_k = k
+        while k < until_k and now < until_t:
+            now += step_s(0, n_dec, base + n_dec * k)
+            k += 1
+        clock.now = now
+        self.k = k
+        ran = k - start_k
+        self.counters.steps += ran
+        self.counters.fast_steps += ran
 
     def _sample(self, now: float) -> None:
         kv = self.kv
@@ -337,7 +393,9 @@ class _Worker:
         if self._quiet is not None and self._still_quiet():
             self.counters.quiet_safe_points += 1
             return
-        rep = self.ctl.evict_if_needed(self.active)
+        if self._running[0] != self._gen:  # the same frozenset while the batch is unchanged
+            self._running = (self._gen, frozenset(self.active))
+        rep = self.ctl.evict_if_needed(self._running[1])
         demoted, dropped = self._demote()
         if demoted or dropped:
             rep = rep._replace(demoted=tuple(rep.demoted) + demoted,
@@ -391,7 +449,9 @@ class _Worker:
         if not rids:
             return (), ()
         sizes = [kv.reload_bytes(rid) for rid in rids]
-        last = [self.ctl.last_used(rid) for rid in rids]
+        prefixes = self.prefixes
+        last = [prefixes.last_used(rid) if rid in prefixes else self.ctl.last_used(rid)
+                for rid in rids]
         order = self.retention.order(rids, sizes, last, Tier.HOST, "disk", self.clock.now)
         size_of = dict(zip(rids, sizes, strict=True))
         demoted: list[str] = []
