@@ -5,9 +5,9 @@
   right, p99 time to first token, on a log axis when the runs span more
   than a factor of 20 (a slow baseline would otherwise squash the rest).
   Error bars are the 95% intervals when several seeds ran.
-- ``plot_timeline``: per-tier occupancy (fraction of each tier's capacity)
-  and the token hit rate over time (per window of simulated time), one line
-  per run.
+- ``plot_timeline``: per-tier occupancy (mean fraction of each tier's
+  capacity) and the token hit rate over time, per window of simulated time,
+  one line (one colour in every panel) per run.
 - ``plot_sweep``: token hit rate and p99 TTFT against host size, one line per
   policy and one panel per watermark pair, baselines as grey lines (log
   axis for TTFT when the range needs it).
@@ -102,17 +102,24 @@ def plot_timeline(timelines: Mapping[str, Sequence[Sample]], capacities: Mapping
         if not samples:
             continue
         t = np.array([s.t for s in samples])
-        style = {"label": label, "linewidth": max(0.8, 1.8 - 0.2 * i)}
+        # one colour per run in every panel, whichever tiers it has
+        style = {"label": label, "color": f"C{i % 10}", "linewidth": max(0.8, 1.8 - 0.15 * i)}
+        edges = np.arange(0.0, t[-1] + window, window)
+        slot = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, max(len(edges) - 2, 0))
+        counts = np.bincount(slot, minlength=max(len(edges) - 1, 1)).astype(np.float64)
+        mids = (edges[:-1] + edges[1:]) / 2 if len(edges) > 1 else edges
         for ax, tier in zip(axes[:3], TIERS, strict=True):
             cap = capacities[label].get(f"{tier}_bytes", 0)
             if not cap:
                 continue
             used = np.array([getattr(s, f"{tier}_bytes") for s in samples]) / cap
-            ax.plot(t, used, **style)
+            sums = np.bincount(slot, weights=used, minlength=len(counts))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                mean = np.where(counts > 0, sums / counts, np.nan)
+            ax.plot(mids[: len(mean)], mean, **style)  # mean occupancy per window
         looked = np.array([s.lookup_tokens for s in samples], dtype=np.float64)
         reused = np.array([s.reused_device + s.reused_host + s.reused_disk for s in samples],
                           dtype=np.float64)
-        edges = np.arange(0.0, t[-1] + window, window)
         idx = np.searchsorted(t, edges, side="right") - 1
         idx = np.clip(idx, 0, len(t) - 1)
         d_look = np.diff(looked[idx])
@@ -121,7 +128,7 @@ def plot_timeline(timelines: Mapping[str, Sequence[Sample]], capacities: Mapping
             rate = np.where(d_look > 0, d_reuse / d_look, np.nan)
         axes[3].plot(edges[1:], rate, **style)
     for ax, tier in zip(axes[:3], TIERS, strict=True):
-        ax.set_ylabel(f"{tier} used\n(of capacity)")
+        ax.set_ylabel(f"{tier} used\n(of capacity,\nmean per {window:.0f} s)")
         ax.set_ylim(0, 1.05)
         ax.grid(True, alpha=0.3)
     axes[3].set_ylabel(f"token hit rate\n(per {window:.0f} s)")
