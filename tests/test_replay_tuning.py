@@ -528,3 +528,32 @@ def test_fast_forward_changes_nothing(monkeypatch, scale):
             slow = simulate(trace, COST, RunSpec(mode), SIM, time_scale=scale,
                             kv_factory=_factory(300, 0, 0, made))
         assert fast.requests == slow.requests and fast.counters.steps == slow.counters.steps
+
+
+def test_retained_prefixes_are_offloaded_not_dropped_while_a_tier_below_has_room(monkeypatch):
+    """Room needed at once on the device: retained prefixes go down a tier (in the policy's
+    order) rather than being dropped; only without room below are they dropped."""
+    from tiering.replay import simulator
+
+    trace = _trace(7, 160)
+    res, policy, kv = _run(Recording, trace)
+    done = {r.rid for r in res.requests}
+    worker = [d for d in res.decisions if d.kind == "offload"]
+    assert res.counters.retained_offloads > 0
+    # worker offloads are of retained entries: finished requests' rids, after they finished
+    finish = {r.rid: r.finish_s for r in res.requests}
+    retained = [d for d in worker if d.rid in done and finish[d.rid] is not None
+                and d.at >= finish[d.rid]]
+    assert len(retained) >= res.counters.retained_offloads
+    # the policy saw device batches whose costs are the reload from host or disk
+    assert any(t is Tier.DEVICE for t, *_ in policy.seen)
+    # no tier below: nothing can be offloaded, entries are dropped instead
+    none_below, _, _ = _run(Recording, trace, pages=(300, 0, 0))
+    assert none_below.counters.retained_offloads == 0
+    assert none_below.counters.retained_discarded > 0
+    # negative control: with the path turned off the worker offloads nothing itself
+    with monkeypatch.context() as m:
+        m.setattr(simulator._Worker, "_offload_retained", lambda self, short, keep: False)
+        off, _, _ = _run(Recording, trace)
+    assert off.counters.retained_offloads == 0
+    assert off.decisions != res.decisions

@@ -11,7 +11,9 @@
   ``tpot_p50_s``, ``tpot_p99_s`` (per request: (finish - first token) /
   (output tokens - 1), for requests with at least two output tokens);
 - scheduling: ``preemptions``, ``stalls``, ``recomputed_tokens``,
-  ``forced_recomputes``;
+  ``forced_recomputes``; ``retained_offloads`` (retained prefixes the worker
+  offloaded, instead of dropping them, to make room at once) and
+  ``retained_discarded``;
 - moves: ``offloads_to_host``, ``offloads_to_disk``, ``demotions``,
   ``reloads_from_host``, ``reloads_from_disk``, ``bytes_<link>`` for each link;
   ``reload_stall_s`` (preempted requests: asking for a reload to rejoining the
@@ -112,6 +114,7 @@ def summarize(result: RunResult) -> dict[str, float | int | str]:
         "block_hit_rate": _rate(c.reused_blocks_device + c.reused_blocks_host
                                 + c.reused_blocks_disk, c.lookup_blocks),
         "retained_discarded": c.retained_discarded,
+        "retained_offloads": c.retained_offloads,
         "max_device_bytes": kv.get("max_device_pages", 0) * page_bytes,
         "max_host_bytes": kv.get("max_host_pages", 0) * page_bytes,
         "max_disk_bytes": kv.get("max_disk_pages", 0) * page_bytes,

@@ -67,6 +67,7 @@ class SimCounters:
     retained_discarded: int = 0
     reload_wait_s: float = 0.0
     prefix_load_wait_s: float = 0.0
+    retained_offloads: int = 0  # retained prefixes offloaded to make room at once
     fast_steps: int = 0  # decode-only steps run in the tight loop (``_fast_forward``)
     quiet_safe_points: int = 0  # safe points skipped: nothing had changed since a fruitless one
 

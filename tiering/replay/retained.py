@@ -72,6 +72,10 @@ class RetainedPrefixes:
     def __contains__(self, rid: object) -> bool:
         return rid in self._index
 
+    def resident(self) -> list[str]:
+        """The entries resident on the device that the scheduler may drop, coldest first."""
+        return list(self._resident)
+
     def entries(self) -> list[str]:
         """Every entry's rid, least recently used first."""
         return list(self._index.coldest_first())

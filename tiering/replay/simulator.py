@@ -197,6 +197,7 @@ class _Worker:
         self.ctl: EvictionController | None = None
         self.retention: Retention | None = None
         self._demoting: dict[str, int] = {}  # rid -> host bytes of a demotion in flight
+        self._offloading: dict[str, int] = {}  # rid -> device pages a worker offload frees
         rank = None
         if self.tiering:
             costs = ReloadCosts(cost.hardware, cost, self.page_bytes // self.P)
@@ -490,13 +491,16 @@ class _Worker:
         """Whether the controller would find nothing to do again, so the safe point may be
         skipped. The last call looked for victims (the device was over ``high``) and moved
         nothing; since then no request joined or left the batch or the controller's books,
-        none was touched, no reload was asked for, no transfer has come due (the one poll
+        none was touched, no reload was asked for, no offload the worker started to make
+        room is still in flight, no transfer has come due (the one poll
         would apply), no reloaded request has become evictable again, and the device is
         still over ``high``. Victims, the cascade and admission then have exactly what they
         had: nothing."""
         kv = self.kv
         now = self.clock.now
-        if self._quiet != (self._gen, self.prefixes.changes) or self.reload_asked:
+        if self._quiet != (self._gen, self.prefixes.changes) or self.reload_asked or (
+            self._offloading and self._offloads_pending()  # the worker's own offloads
+        ):
             return False
         due = kv.next_completion()
         return (
@@ -710,7 +714,7 @@ class _Worker:
         """Device memory will come free without preempting anyone: an offload is in
         flight, or the device is over the high watermark and an idle request on it can be
         offloaded."""
-        if self.ctl.stats()["releasing_bytes"] > 0:
+        if self.ctl.stats()["releasing_bytes"] > 0 or self._offloads_pending():
             return True
         kv = self.kv
         if kv.device_used_bytes() <= self.spec.controller.high * kv.device_capacity_bytes:
@@ -719,9 +723,60 @@ class _Worker:
         return any(reclaimable(r.rid) > 0 for r in self.preempted)
 
     def _make_room(self, need_pages: int, keep: str | None = None) -> bool:
-        """True if ``need_pages`` device pages are free, after dropping retained prefixes
-        resident on the device (never ``keep``) if that is enough; nothing dropped if not."""
+        """True if ``need_pages`` device pages are free now. Otherwise, with tiering,
+        retained prefixes resident on the device (never ``keep``) are offloaded, in the
+        policy's order, while a tier below has room: False then, the room is on its way
+        (a prefix is a cache worth keeping, and the freshest ones are the ones still on
+        the device). Only what cannot be offloaded is dropped, and only if dropping is
+        enough; nothing dropped if not."""
+        free = self._free_pages()
+        if free >= need_pages:
+            return True
+        if self.tiering and self._offload_retained(need_pages - free, keep):
+            return False
         return self.prefixes.drop_resident(need_pages, self._free_pages, keep)
+
+    def _offloads_pending(self) -> int:
+        """Device pages that offloads of retained prefixes started by the worker will free."""
+        pending = self._offloading
+        kv = self.kv
+        for rid in [r for r in pending
+                    if r not in kv or kv.state_of(r) is not RequestState.OFFLOADING]:
+            del pending[rid]
+        return sum(pending.values())
+
+    def _offload_retained(self, short_pages: int, keep: str | None) -> bool:
+        """Start offloading resident retained prefixes until, with those already on their
+        way, ``short_pages`` device pages are coming; True if they are."""
+        coming = self._offloads_pending()
+        if coming >= short_pages:
+            return True
+        kv = self.kv
+        rids = [rid for rid in self.prefixes.resident() if rid != keep and kv.reclaimable(rid)]
+        if not rids:
+            return False
+        pages = [self.prefixes.pages_of(rid) for rid in rids]
+        size_of = dict(zip(rids, pages, strict=True))
+        last = [self.prefixes.last_used(rid) for rid in rids]
+        now = self.clock.now
+        order = self.retention.order(rids, [p * self.page_bytes for p in pages], last,
+                                     Tier.DEVICE, "host", now)
+        started = []
+        for rid in order:
+            if coming >= short_pages:
+                break
+            if not kv.reclaimable(rid) or not kv.offload(rid):
+                continue  # no room below for this one any more
+            started.append(rid)
+            coming += size_of[rid]
+            if kv.state_of(rid) is RequestState.OFFLOADING:
+                self._offloading[rid] = size_of[rid]
+        if started:
+            self._gen += 1
+            self.decisions.extend(Decision(self.k, now, "offload", rid) for rid in started)
+            self.prefixes.moved(tuple(started), ())
+            self.counters.retained_offloads += len(started)
+        return coming >= short_pages
 
     # -- admission and prefix reuse ------------------------------------------------------------
 
