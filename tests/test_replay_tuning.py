@@ -4,6 +4,7 @@ costs, bounds, seeds, tier sizes, plots, progress and argument checking."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -101,7 +102,7 @@ class Recording(Policy):
         return (-batch.last_used,) if self.reverse else (batch.last_used,)
 
 
-def _run(policy_factory, trace, pages=(300, 100, 800), registry_name="rec", **kw):
+def _run(policy_factory, trace, pages=(300, 100, 800), registry_name="rec", sim=SIM, **kw):
     made: list = []
     holder: list = []
 
@@ -112,7 +113,7 @@ def _run(policy_factory, trace, pages=(300, 100, 800), registry_name="rec", **kw
 
     registry = register_policy(registry_name, factory)
     spec = RunSpec("tiering", registry_name, ControllerConfig(high=0.85, low=0.7), **kw)
-    res = simulate(trace, COST, spec, SIM, kv_factory=_factory(*pages, made), registry=registry)
+    res = simulate(trace, COST, spec, sim, kv_factory=_factory(*pages, made), registry=registry)
     made[0].check_integrity()
     assert made[0].checks > 10
     return res, holder[0], made[0]
@@ -498,12 +499,31 @@ def test_progress_plain_lines_name_the_run():
 # -- 6. speed shortcuts change nothing ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("make_room", ["drop", "offload"])
+def test_quiet_safe_points_change_nothing_when_the_worker_offloads(monkeypatch, make_room):
+    from tiering.replay import simulator
+
+    sim = dataclasses.replace(SIM, make_room=make_room)
+    trace = _trace(25, 150)
+    for name in ("lru", "cost"):
+        spec = RunSpec("tiering", name, ControllerConfig(high=0.85, low=0.7))
+        skipping = simulate(trace, COST, spec, sim, kv_factory=_factory(300, 100, 800, []))
+        with monkeypatch.context() as m:
+            m.setattr(simulator._Worker, "_still_quiet", lambda self: False)
+            every = simulate(trace, COST, spec, sim, kv_factory=_factory(300, 100, 800, []))
+        assert skipping.counters.quiet_safe_points > 50
+        assert every.counters.quiet_safe_points == 0
+        assert skipping.decisions == every.decisions and skipping.requests == every.requests
+
+
 @pytest.mark.parametrize("scale", [1.0, 6.0])
-def test_fast_forward_changes_nothing(monkeypatch, scale):
+@pytest.mark.parametrize("make_room", ["drop", "offload"])
+def test_fast_forward_changes_nothing(monkeypatch, scale, make_room):
     """Decode-only stretches run in a tight loop; with the loop turned off the run is the
     same request for request and decision for decision (and the loop really ran)."""
     from tiering.replay import simulator
 
+    SIM = dataclasses.replace(globals()["SIM"], make_room=make_room)  # noqa: N806
     trace = _trace(31, 150)
     for name in ("lru", "cost"):
         spec = RunSpec("tiering", name, ControllerConfig(high=0.85, low=0.7))
@@ -536,7 +556,8 @@ def test_retained_prefixes_are_offloaded_not_dropped_while_a_tier_below_has_room
     from tiering.replay import simulator
 
     trace = _trace(7, 160)
-    res, policy, kv = _run(Recording, trace)
+    offload = dataclasses.replace(SIM, make_room="offload")
+    res, policy, kv = _run(Recording, trace, sim=offload)
     done = {r.rid for r in res.requests}
     worker = [d for d in res.decisions if d.kind == "offload"]
     assert res.counters.retained_offloads > 0
@@ -548,12 +569,18 @@ def test_retained_prefixes_are_offloaded_not_dropped_while_a_tier_below_has_room
     # the policy saw device batches whose costs are the reload from host or disk
     assert any(t is Tier.DEVICE for t, *_ in policy.seen)
     # no tier below: nothing can be offloaded, entries are dropped instead
-    none_below, _, _ = _run(Recording, trace, pages=(300, 0, 0))
+    none_below, _, _ = _run(Recording, trace, pages=(300, 0, 0), sim=offload)
     assert none_below.counters.retained_offloads == 0
     assert none_below.counters.retained_discarded > 0
-    # negative control: with the path turned off the worker offloads nothing itself
+    # negative controls: with the path turned off, or make_room="drop", the worker
+    # offloads nothing itself and the runs differ
     with monkeypatch.context() as m:
         m.setattr(simulator._Worker, "_offload_retained", lambda self, short, keep: False)
-        off, _, _ = _run(Recording, trace)
+        off, _, _ = _run(Recording, trace, sim=offload)
     assert off.counters.retained_offloads == 0
     assert off.decisions != res.decisions
+    dropping, _, _ = _run(Recording, trace)
+    assert dropping.counters.retained_offloads == 0
+    assert dropping.requests == off.requests and dropping.decisions == off.decisions
+    with pytest.raises(ValueError, match="make_room must be one of"):
+        SimConfig(make_room="keep")

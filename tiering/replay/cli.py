@@ -4,7 +4,7 @@
                    [--model M] [--hardware H] [--device-gib G] [--host-gib G[,G...]]
                    [--disk-gib G] [--limit N] [--time-scale X] [--seeds N]
                    [--watermarks HIGH:LOW[,...]] [--sweep] [--format F] [--no-prefix-reuse]
-                   [--requests-csv] [--decisions] [--no-plots]
+                   [--make-room drop|offload] [--requests-csv] [--decisions] [--no-plots]
 
 ``P`` is a built-in name (``lru``, ``priority``, ``largest``, ``cost``) or a
 ``module:Class`` path to a ``policies.Policy`` subclass (or a factory
@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write DIR/requests.csv: one line per request and run")
     p.add_argument("--decisions", action="store_true",
                    help="also write DIR/decisions.csv: every offload, demotion, drop and reload")
+    p.add_argument("--make-room", choices=("drop", "offload"), default="drop",
+                   help="retained prefixes in the way of a request on the device: drop them "
+                        "(default) or offload them while a tier below has room")
     p.add_argument("--no-plots", action="store_true", help="write no PNG")
     return p
 
@@ -245,7 +248,7 @@ def _check(args: argparse.Namespace):
     limit = _count("--limit", args.limit) if args.limit is not None else None
     grid = Grid(policies, watermarks, hosts, policy_options=options,
                 device_bytes=hardware.device_kv_bytes, disk_bytes=hardware.disk_bytes)
-    sim = SimConfig(prefix_reuse=not args.no_prefix_reuse)
+    sim = SimConfig(prefix_reuse=not args.no_prefix_reuse, make_room=args.make_room)
     page_bytes = model.kv_bytes_per_token * sim.page_tokens
     if hardware.device_kv_bytes < page_bytes:
         raise ValueError(f"--device-gib: {hardware.device_kv_bytes} bytes hold no KV page "

@@ -10,6 +10,7 @@ from tiering.controller import ControllerConfig
 from tiering.replay.policy_spec import PolicySpec
 
 MODES = ("tiering", "recompute", "no-tiering")
+MAKE_ROOM = ("drop", "offload")
 
 
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
@@ -30,7 +31,11 @@ class SimConfig:
     (0..100) a preempted live request and a retained prefix carry; the KV
     cache turns it into the offload priority a ``priority`` policy reads.
     ``sample_every_s``: simulated seconds between two samples of the timeline
-    (occupancy per tier and hits so far).
+    (occupancy per tier and hits so far). ``make_room``: what the scheduler
+    does with retained prefixes on the device when it needs room at once:
+    ``drop`` them (the room is there now; the default) or, with tiering,
+    ``offload`` them in the policy's order while a tier below has room (the
+    request waits for the copies; more reuse, longer waits).
     """
 
     max_batch: int = 64
@@ -41,8 +46,12 @@ class SimConfig:
     preempted_retention: float = 80.0
     retained_retention: float = 20.0
     sample_every_s: float = 1.0
+    make_room: str = "drop"
 
     def __post_init__(self) -> None:
+        if self.make_room not in MAKE_ROOM:
+            raise ValueError(f"SimConfig.make_room must be one of {MAKE_ROOM}, "
+                             f"got {self.make_room!r}")
         v = self.sample_every_s
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
             math.isfinite(v) and v > 0

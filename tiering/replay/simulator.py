@@ -198,6 +198,7 @@ class _Worker:
         self.retention: Retention | None = None
         self._demoting: dict[str, int] = {}  # rid -> host bytes of a demotion in flight
         self._offloading: dict[str, int] = {}  # rid -> device pages a worker offload frees
+        self.offload_room = self.tiering and sim.make_room == "offload"
         rank = None
         if self.tiering:
             costs = ReloadCosts(cost.hardware, cost, self.page_bytes // self.P)
@@ -723,16 +724,16 @@ class _Worker:
         return any(reclaimable(r.rid) > 0 for r in self.preempted)
 
     def _make_room(self, need_pages: int, keep: str | None = None) -> bool:
-        """True if ``need_pages`` device pages are free now. Otherwise, with tiering,
-        retained prefixes resident on the device (never ``keep``) are offloaded, in the
-        policy's order, while a tier below has room: False then, the room is on its way
-        (a prefix is a cache worth keeping, and the freshest ones are the ones still on
-        the device). Only what cannot be offloaded is dropped, and only if dropping is
-        enough; nothing dropped if not."""
+        """True if ``need_pages`` device pages are free now. Otherwise, with tiering and
+        ``SimConfig.make_room="offload"``, retained prefixes resident on the device (never
+        ``keep``) are offloaded, in the policy's order, while a tier below has room: False
+        then, the room is on its way (a prefix is a cache worth keeping, and the freshest
+        ones are the ones still on the device). What is not offloaded is dropped, in the
+        policy's order, and only if dropping is enough; nothing dropped if not."""
         free = self._free_pages()
         if free >= need_pages:
             return True
-        if self.tiering and self._offload_retained(need_pages - free, keep):
+        if self.offload_room and self._offload_retained(need_pages - free, keep):
             return False
         return self.prefixes.drop_resident(need_pages, self._free_pages, keep)
 
