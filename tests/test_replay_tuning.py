@@ -453,6 +453,7 @@ def test_cli_reports_rejections(tmp_path, capsys):
     (("--device-gib", "200", "--hardware", "h100-80g"), "do not fit"),
     (("--watermarks", "0.9"), "HIGH:LOW"),
     (("--model", "gpt"), "invalid choice"),
+    (("--make-room", "keep"), "invalid choice"),
 ])
 def test_cli_bad_arguments_exit_2_and_create_nothing(tmp_path, capsys, args, message):
     out = tmp_path / "never"

@@ -433,15 +433,18 @@ class _Worker:
         cap = kv.host_capacity_bytes
         if not cap:
             return (), ()
+        cfg = self.spec.controller
+        used = kv.host_used_bytes()
+        if used <= cfg.host_high * cap:  # demotions in flight only lower the figure
+            return (), ()
         demoting = self._demoting
         if demoting:
             for rid in [r for r in demoting
                         if r not in kv or kv.state_of(r) is not RequestState.DEMOTING]:
                 del demoting[rid]
-        cfg = self.spec.controller
-        used = kv.host_used_bytes() - sum(demoting.values())
-        if used <= cfg.host_high * cap:
-            return (), ()
+            used -= sum(demoting.values())
+            if used <= cfg.host_high * cap:
+                return (), ()
         waiting = set(self.ctl.pending_reloads())
         on_host = RequestState.ON_HOST
         state_of = kv.state_of
