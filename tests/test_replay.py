@@ -286,14 +286,17 @@ def test_prefix_index_longest_match_and_redundancy():
 
 
 class CheckedKV(ModeledKVCache):
-    """A modeled cache that checks its own ledger at every poll (every safe point)."""
+    """A modeled cache that checks its own ledger at every poll (every safe point); counts
+    its checks per instance."""
 
-    checks = 0
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks = 0
 
     def poll(self) -> list:
         done = super().poll()
         self.check_integrity()
-        CheckedKV.checks += 1
+        self.checks += 1
         return done
 
 
@@ -336,7 +339,6 @@ SMALL_SIM = SimConfig(max_batch=16, max_step_tokens=1024, page_tokens=16, block_
 @pytest.mark.parametrize("policy", POLICIES)
 def test_tiering_conserves_bytes_and_finishes_everything(policy):
     trace = _random_trace(21, 120)
-    CheckedKV.checks = 0
     caches = []
 
     def factory(clock):
@@ -346,7 +348,7 @@ def test_tiering_conserves_bytes_and_finishes_everything(policy):
 
     res = simulate(trace, COST, RunSpec("tiering", policy), SMALL_SIM, kv_factory=factory)
     kv = caches[0]
-    assert CheckedKV.checks > 100
+    assert kv.checks > 100
     assert all(r.status == "finished" and r.finish_s >= r.first_token_s >= r.arrival_s
                for r in res.requests)
     st = kv.stats
