@@ -9,9 +9,10 @@ Measures, in one run:
   recompute and no-tiering baselines for scale.
 
 For each it reports the wall time, requests simulated per wall second, the
-ratio to ``raw``, and the simulated time covered. Wall time is the best of
-``--repeat`` runs. The target for the tiering run is <= 30 s on a 2-core
-machine.
+ratio to ``raw``, the simulated time covered and the steps (with how many ran
+in the decode-only tight loop). Wall time is the best of ``--repeat`` runs.
+The target for the tiering run is at most 10 times ``raw``. ``--policy``
+takes a built-in name or a ``module:Class`` path.
 
 Usage: ``python benchmarks/replay.py --out replay.json [--limit N] [--repeat K]``
 """
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = load_trace(args.trace, limit=args.limit)
     cost = StepCost(get_model(args.model), get_hardware(args.hardware))
     sim = SimConfig()
-    rows = [("raw load+iterate", len(trace), raw_s, len(trace) / raw_s, 1.0, 0.0, 0)]
+    rows = [("raw load+iterate", len(trace), raw_s, len(trace) / raw_s, 1.0, 0.0, 0, 0)]
     results = {"raw": {"wall_s": raw_s, "requests": len(trace)}}
     for spec in (RunSpec("tiering", args.policy), RunSpec("recompute"), RunSpec("no-tiering")):
         best = None
@@ -70,16 +71,18 @@ def main(argv: list[str] | None = None) -> int:
             best = wall if best is None else min(best, wall)
         label = f"replay {spec.label}"
         rows.append((label, len(trace), best, len(trace) / best, best / raw_s, res.makespan_s,
-                     res.counters.steps))
+                     res.counters.steps, res.counters.fast_steps))
         results[spec.label] = {
             "wall_s": best,
             "requests_per_s": len(trace) / best,
             "ratio_to_raw": best / raw_s,
             "simulated_s": res.makespan_s,
             "steps": res.counters.steps,
+            "fast_steps": res.counters.fast_steps,
             "steps_per_s": res.counters.steps / best,
         }
-    headers = ("case", "requests", "wall s", "req/s", "x raw", "simulated s", "steps")
+    headers = ("case", "requests", "wall s", "req/s", "x raw", "simulated s", "steps",
+               "fast steps")
     print(table(rows, headers))
     write_json(args.out, {
         "benchmark": "replay",
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": args.hardware,
         "policy": args.policy,
         "time_scale": args.time_scale,
-        "target_wall_s": 30.0,
+        "target_ratio_to_raw": 10.0,
         "results": results,
     })
     return 0

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from tiering.controller import ControllerConfig
+from tiering.replay.policy_spec import PolicySpec
 
 MODES = ("tiering", "recompute", "no-tiering")
+MAKE_ROOM = ("drop", "offload")
 
 
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
@@ -26,6 +30,12 @@ class SimConfig:
     ``preempted_retention`` / ``retained_retention``: the retention priority
     (0..100) a preempted live request and a retained prefix carry; the KV
     cache turns it into the offload priority a ``priority`` policy reads.
+    ``sample_every_s``: simulated seconds between two samples of the timeline
+    (occupancy per tier and hits so far). ``make_room``: what the scheduler
+    does with retained prefixes on the device when it needs room at once:
+    ``drop`` them (the room is there now; the default) or, with tiering,
+    ``offload`` them in the policy's order while a tier below has room (the
+    request waits for the copies; more reuse, longer waits).
     """
 
     max_batch: int = 64
@@ -35,8 +45,18 @@ class SimConfig:
     block_tokens: int = 512
     preempted_retention: float = 80.0
     retained_retention: float = 20.0
+    sample_every_s: float = 1.0
+    make_room: str = "drop"
 
     def __post_init__(self) -> None:
+        if self.make_room not in MAKE_ROOM:
+            raise ValueError(f"SimConfig.make_room must be one of {MAKE_ROOM}, "
+                             f"got {self.make_room!r}")
+        v = self.sample_every_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+            math.isfinite(v) and v > 0
+        ):
+            raise ValueError(f"SimConfig.sample_every_s must be a finite number > 0, got {v!r}")
         _check_int("SimConfig", "max_batch", self.max_batch, 1)
         _check_int("SimConfig", "max_step_tokens", self.max_step_tokens, 1)
         _check_int("SimConfig", "page_tokens", self.page_tokens, 1)
@@ -55,11 +75,15 @@ class SimConfig:
 @dataclass(frozen=True)
 class RunSpec:
     """What to run: a ``mode`` (see ``MODES``) and, for ``tiering``, the policy
-    name and the controller's configuration."""
+    (a registry name or a ``module:Class`` path), its keyword options and the
+    controller's configuration. The policy makes every retention decision of
+    the run (see ``tiering.replay.retention``); the controller's host
+    watermarks say when the host demotes, to disk, what the policy picks."""
 
     mode: str = "tiering"
     policy: str = "lru"
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    policy_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,7 +92,13 @@ class RunSpec:
             raise ValueError(f"RunSpec.policy must name a policy, got {self.policy!r}")
         if not isinstance(self.controller, ControllerConfig):
             raise TypeError("RunSpec.controller must be a ControllerConfig")
+        # normalised (sorted pairs) and checked by PolicySpec
+        object.__setattr__(self, "policy_options", self.policy_spec.options)
+
+    @property
+    def policy_spec(self) -> PolicySpec:
+        return PolicySpec(self.policy, self.policy_options)
 
     @property
     def label(self) -> str:
-        return self.policy if self.mode == "tiering" else self.mode
+        return self.policy_spec.label if self.mode == "tiering" else self.mode

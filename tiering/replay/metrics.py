@@ -11,7 +11,9 @@
   ``tpot_p50_s``, ``tpot_p99_s`` (per request: (finish - first token) /
   (output tokens - 1), for requests with at least two output tokens);
 - scheduling: ``preemptions``, ``stalls``, ``recomputed_tokens``,
-  ``forced_recomputes``;
+  ``forced_recomputes``; ``retained_offloads`` (retained prefixes the worker
+  offloaded, instead of dropping them, to make room at once) and
+  ``retained_discarded``;
 - moves: ``offloads_to_host``, ``offloads_to_disk``, ``demotions``,
   ``reloads_from_host``, ``reloads_from_disk``, ``bytes_<link>`` for each link;
   ``reload_stall_s`` (preempted requests: asking for a reload to rejoining the
@@ -20,7 +22,10 @@
   longest a reload waited in the controller's queue for room);
 - prefix reuse: ``prefix_lookups``, ``hit_rate_device``, ``hit_rate_host``,
   ``hit_rate_disk``, ``miss_rate`` (fractions of lookups), ``reused_tokens``,
-  ``token_hit_rate`` (reused over prompt tokens of the requests looked up);
+  ``token_hit_rate`` (reused over prompt tokens of the requests looked up),
+  ``block_hit_rate`` (reused over full prompt blocks looked up), and per tier
+  ``token_hit_rate_<tier>`` and ``block_hit_rate_<tier>`` (they add up to the
+  totals);
 - peaks and sizes: ``max_device_bytes``, ``max_host_bytes``, ``max_disk_bytes``
   (modeled backend only) and ``device_bytes``, ``host_bytes``, ``disk_bytes``.
 
@@ -105,11 +110,20 @@ def summarize(result: RunResult) -> dict[str, float | int | str]:
         "miss_rate": _rate(lookups - c.hits_device - c.hits_host - c.hits_disk, lookups),
         "reused_tokens": c.reused_tokens,
         "token_hit_rate": _rate(c.reused_tokens, c.lookup_tokens),
+        "lookup_blocks": c.lookup_blocks,
+        "block_hit_rate": _rate(c.reused_blocks_device + c.reused_blocks_host
+                                + c.reused_blocks_disk, c.lookup_blocks),
         "retained_discarded": c.retained_discarded,
+        "retained_offloads": c.retained_offloads,
         "max_device_bytes": kv.get("max_device_pages", 0) * page_bytes,
         "max_host_bytes": kv.get("max_host_pages", 0) * page_bytes,
         "max_disk_bytes": kv.get("max_disk_pages", 0) * page_bytes,
     }
+    for tier in ("device", "host", "disk"):
+        out[f"token_hit_rate_{tier}"] = _rate(getattr(c, f"reused_tokens_{tier}"),
+                                              c.lookup_tokens)
+        out[f"block_hit_rate_{tier}"] = _rate(getattr(c, f"reused_blocks_{tier}"),
+                                              c.lookup_blocks)
     for tier in ("device", "host", "disk"):
         out[f"{tier}_bytes"] = result.capacities[f"{tier}_bytes"]
     for link in LINKS:

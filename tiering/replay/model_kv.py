@@ -30,8 +30,10 @@ from tiering.types import (
     OFFLOADED_STATES,
     RELOADABLE_STATES,
     IllegalTransition,
+    Move,
     RequestState,
     Tier,
+    TransferResult,
     check_transition,
 )
 
@@ -44,6 +46,10 @@ _DEV, _HOST, _DISK = 0, 1, 2
 _TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
 
+def _removed(rid: str, move: Move, nbytes: int) -> TransferResult:
+    return TransferResult(rid, move, False, nbytes, None, "request removed during the copy")
+
+
 class UnknownRequest(KeyError):
     """A request id this cache has not ingested."""
 
@@ -53,18 +59,29 @@ class UnknownRequest(KeyError):
 
 @dataclass(frozen=True)
 class LinkRates:
-    """Bandwidth of each link in bytes per second (``math.inf``: instantaneous)."""
+    """Bandwidth of each link in bytes per second (``math.inf``: instantaneous), and the
+    fixed latency of one copy on it in seconds (``<link>_latency_s``, default 0)."""
 
     d2h: float
     h2d: float
     disk_write: float
     disk_read: float
+    d2h_latency_s: float = 0.0
+    h2d_latency_s: float = 0.0
+    disk_write_latency_s: float = 0.0
+    disk_read_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in LINKS:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"LinkRates.{f} must be a number > 0 (or inf), got {v!r}")
+            lat = getattr(self, f"{f}_latency_s")
+            if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not (
+                math.isfinite(lat) and lat >= 0
+            ):
+                raise ValueError(
+                    f"LinkRates.{f}_latency_s must be a finite number >= 0, got {lat!r}")
 
     @classmethod
     def instant(cls) -> LinkRates:
@@ -155,7 +172,10 @@ class ModeledKVCache:
         self._cap = [device_pages, host_pages, disk_pages]
         self._free_at = dict.fromkeys(LINKS, 0.0)
         self._reqs: dict[str, _Rec] = {}
-        self._jobs: list[tuple[float, int, str]] = []  # (done_at, seq, rid), a heap
+        # (done_at, seq, rid, move, nbytes), a heap; a job whose request was removed is
+        # reported by the next poll as not ok, with state None
+        self._jobs: list[tuple[float, int, str, Move, int]] = []
+        self._abandoned: list[TransferResult] = []
         self._seq = 0
         self.stats = ModelStats()
 
@@ -276,9 +296,11 @@ class ModeledKVCache:
     def _occupy(self, links: tuple[str, ...], nbytes: int) -> float:
         """Reserve ``links`` for a copy of ``nbytes``; return its completion time."""
         now = self._clock()
-        rate = min(getattr(self.rates, name) for name in links)
+        rates = self.rates
+        rate = min(getattr(rates, name) for name in links)
+        latency = sum(getattr(rates, f"{name}_latency_s") for name in links)
         start = max([now] + [self._free_at[name] for name in links])
-        done = start + nbytes / rate
+        done = start + latency + nbytes / rate
         for name in links:
             self._free_at[name] = done
             setattr(self.stats, f"bytes_{name}", getattr(self.stats, f"bytes_{name}") + nbytes)
@@ -293,7 +315,7 @@ class ModeledKVCache:
         r.job = self._seq
         r.job_kind = kind
         r.job_started = self._clock()
-        heapq.heappush(self._jobs, (done, self._seq, r.rid))
+        heapq.heappush(self._jobs, (done, self._seq, r.rid, Move(kind), nbytes))
 
     @staticmethod
     def _set(r: _Rec, state: RequestState) -> None:
@@ -315,32 +337,38 @@ class ModeledKVCache:
         """Clock time at which the earliest transfer in flight completes (None: none)."""
         jobs = self._jobs
         while jobs:
-            _, seq, rid = jobs[0]
+            _, seq, rid, move, nbytes = jobs[0]
             r = self._reqs.get(rid)
             if r is not None and r.job == seq:
                 return jobs[0][0]
-            heapq.heappop(jobs)  # its request was removed
+            heapq.heappop(jobs)  # its request was removed: the next poll reports it
+            self._abandoned.append(_removed(rid, move, nbytes))
         return None
 
     def in_flight(self) -> int:
         return sum(1 for r in self._reqs.values() if r.job)
 
-    def poll(self) -> int:
-        """Apply every transfer whose completion time has come; returns how many."""
+    def poll(self) -> list[TransferResult]:
+        """Apply every transfer whose completion time has come; one ``TransferResult`` per
+        transfer, in completion order. A transfer whose request was removed while it ran
+        is reported once, not ok, with ``state`` None (its pages came back at the removal).
+        Modeled links never fail, so every other result is ok."""
         jobs = self._jobs
-        if not jobs:
-            return 0
+        out = self._abandoned
+        if not jobs and not out:
+            return []
+        self._abandoned = []
         now = self._clock()
-        done = 0
         while jobs and jobs[0][0] <= now:
-            finished_at, seq, rid = heapq.heappop(jobs)
+            finished_at, seq, rid, move, nbytes = heapq.heappop(jobs)
             r = self._reqs.get(rid)
             if r is None or r.job != seq:
+                out.append(_removed(rid, move, nbytes))
                 continue
             r.job = 0
             getattr(self, f"_done_{r.job_kind}")(r, finished_at)
-            done += 1
-        return done
+            out.append(TransferResult(rid, move, True, nbytes, r.state))
+        return out
 
     def _done_offload_host(self, r: _Rec, at: float) -> None:
         self._give(_DEV, r.device)

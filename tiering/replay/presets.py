@@ -69,7 +69,10 @@ class HardwarePreset:
     in bytes per second: ``d2h_bps``, ``h2d_bps``, ``disk_write_bps``,
     ``disk_read_bps``. ``flops``: effective dense FLOP/s in prefill;
     ``hbm_bps``: effective device-memory bandwidth; ``step_overhead_s``: fixed
-    cost of one engine step.
+    cost of one engine step. Latencies (seconds, the fixed part of one copy on
+    a link): ``d2h_latency_s``, ``h2d_latency_s``, ``disk_write_latency_s``,
+    ``disk_read_latency_s``. ``device_mem_bytes``: the accelerator memory the
+    model's weights and the KV cache share (0: not checked).
     """
 
     name: str
@@ -83,6 +86,11 @@ class HardwarePreset:
     flops: float
     hbm_bps: float
     step_overhead_s: float
+    d2h_latency_s: float = 10e-6
+    h2d_latency_s: float = 10e-6
+    disk_write_latency_s: float = 100e-6
+    disk_read_latency_s: float = 100e-6
+    device_mem_bytes: int = 0
 
     def __post_init__(self) -> None:
         for f in ("device_kv_bytes", "host_bytes", "disk_bytes"):
@@ -92,11 +100,54 @@ class HardwarePreset:
             _positive("HardwarePreset", f, v, allow_zero=f != "device_kv_bytes")
         for f in ("d2h_bps", "h2d_bps", "disk_write_bps", "disk_read_bps", "flops", "hbm_bps"):
             _positive("HardwarePreset", f, getattr(self, f))
-        _positive("HardwarePreset", "step_overhead_s", self.step_overhead_s, allow_zero=True)
+        for f in ("step_overhead_s", "d2h_latency_s", "h2d_latency_s", "disk_write_latency_s",
+                  "disk_read_latency_s"):
+            _positive("HardwarePreset", f, getattr(self, f), allow_zero=True)
+        if isinstance(self.device_mem_bytes, bool) or not isinstance(self.device_mem_bytes, int):
+            raise ValueError(
+                f"HardwarePreset.device_mem_bytes must be an int, got {self.device_mem_bytes!r}")
+        _positive("HardwarePreset", "device_mem_bytes", self.device_mem_bytes, allow_zero=True)
 
     def with_host_bytes(self, host_bytes: int) -> HardwarePreset:
         """The same worker with a host tier of ``host_bytes``."""
         return dataclasses.replace(self, host_bytes=int(host_bytes))
+
+    def with_sizes(self, device_kv_bytes: int | None = None, host_bytes: int | None = None,
+                   disk_bytes: int | None = None) -> HardwarePreset:
+        """The same worker with the given tier sizes (None: the preset's)."""
+        return dataclasses.replace(
+            self,
+            device_kv_bytes=self.device_kv_bytes if device_kv_bytes is None else int(device_kv_bytes),
+            host_bytes=self.host_bytes if host_bytes is None else int(host_bytes),
+            disk_bytes=self.disk_bytes if disk_bytes is None else int(disk_bytes),
+        )
+
+
+def check_fits(model: ModelPreset, hardware: HardwarePreset) -> None:
+    """ValueError naming both presets unless the model's weights and the device KV budget
+    fit in the accelerator's memory (when the preset states it)."""
+    mem = hardware.device_mem_bytes
+    if not mem:
+        return
+    need = model.weight_bytes + hardware.device_kv_bytes
+    if need > mem:
+        raise ValueError(
+            f"{model.name} weights ({model.weight_bytes / GiB:.1f} GiB) plus "
+            f"{hardware.device_kv_bytes / GiB:.1f} GiB of device KV do not fit in the "
+            f"{mem / GiB:.1f} GiB of {hardware.name!r}; choose a larger --hardware or a "
+            f"smaller --device-gib"
+        )
+
+
+def reload_seconds(hardware: HardwarePreset, nbytes: float, tier: str) -> float:
+    """Seconds to copy ``nbytes`` of KV from ``tier`` ("host" or "disk") to the device on an
+    idle link: latency plus bytes over the narrowest link on the way."""
+    if tier == "host":
+        return hardware.h2d_latency_s + nbytes / hardware.h2d_bps
+    if tier == "disk":
+        rate = min(hardware.disk_read_bps, hardware.h2d_bps)
+        return hardware.disk_read_latency_s + hardware.h2d_latency_s + nbytes / rate
+    raise ValueError(f"reload_seconds: tier must be 'host' or 'disk', got {tier!r}")
 
 
 @dataclass(frozen=True)
@@ -142,16 +193,16 @@ HARDWARE: dict[str, HardwarePreset] = {
     for h in (
         # one H100 SXM serving an 8B model: 80 GB minus weights and activations
         HardwarePreset("h100-80g", 56 * GiB, 256 * GiB, 2 * TiB, 25e9, 25e9, 3e9, 6e9,
-                       400e12, 2.6e12, 2e-3),
+                       400e12, 2.6e12, 2e-3, device_mem_bytes=80 * 10**9),
         # eight H100s in tensor parallel, sized for a 70B model
         HardwarePreset("8xh100-80g", 400 * GiB, 1536 * GiB, 8 * TiB, 200e9, 200e9, 12e9,
-                       24e9, 3.2e15, 20.8e12, 4e-3),
+                       24e9, 3.2e15, 20.8e12, 4e-3, device_mem_bytes=640 * 10**9),
         # one A10 (PCIe 4) serving an 8B model: little room left for KV
         HardwarePreset("a10-24g", 5 * GiB, 64 * GiB, 512 * GiB, 12e9, 12e9, 1.5e9, 3e9,
-                       60e12, 0.5e12, 3e-3),
+                       60e12, 0.5e12, 3e-3, device_mem_bytes=24 * 10**9),
         # a deliberately tight worker for quick experiments and tests
         HardwarePreset("small", 2 * GiB, 4 * GiB, 16 * GiB, 10e9, 10e9, 2e9, 2e9,
-                       100e12, 1e12, 1e-3),
+                       100e12, 1e12, 1e-3, device_mem_bytes=24 * GiB),
     )
 }
 

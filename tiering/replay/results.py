@@ -57,10 +57,33 @@ class SimCounters:
     hits_host: int = 0
     hits_disk: int = 0
     reused_tokens: int = 0
+    lookup_blocks: int = 0  # full prompt blocks of the requests looked up
+    reused_tokens_device: int = 0
+    reused_tokens_host: int = 0
+    reused_tokens_disk: int = 0
+    reused_blocks_device: int = 0
+    reused_blocks_host: int = 0
+    reused_blocks_disk: int = 0
     retained_discarded: int = 0
     reload_wait_s: float = 0.0
     prefix_load_wait_s: float = 0.0
+    retained_offloads: int = 0  # retained prefixes offloaded to make room at once
+    fast_steps: int = 0  # decode-only steps run in the tight loop (``_fast_forward``)
     quiet_safe_points: int = 0  # safe points skipped: nothing had changed since a fruitless one
+
+
+class Sample(NamedTuple):
+    """The state of a run at simulated time ``t``: bytes in use per tier, and the prompt
+    tokens looked up and reused (per tier) so far."""
+
+    t: float
+    device_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    lookup_tokens: int
+    reused_device: int
+    reused_host: int
+    reused_disk: int
 
 
 class RunResult(NamedTuple):
@@ -74,3 +97,4 @@ class RunResult(NamedTuple):
     decisions: list[Decision]
     makespan_s: float
     capacities: dict[str, int]  # page_bytes and device/host/disk bytes of the KV backend
+    timeline: list[Sample] = []  # noqa: RUF012 - a NamedTuple default, never mutated

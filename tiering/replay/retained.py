@@ -9,9 +9,9 @@ controller may offload it to host and demote it to disk. This class keeps:
 - the entries known resident on the device, with their pages, coldest first:
   the scheduler may drop these at once when it needs room (they are a cache);
 - the entries on their way down a tier (from the controller's reports), and
-  those that reached disk, which are taken off the controller's books: it has
-  nothing left to do with them and scans every request it knows under
-  pressure.
+  those that left the device, which are taken off the controller's books: it
+  has nothing left to do with them (the worker demotes and expires them
+  through the run's policy) and scans every request it knows under pressure.
 
 It never decides when to make room; the simulator asks it to.
 """
@@ -34,7 +34,10 @@ class RetainedPrefixes:
     ``kv``: the backend; ``ctl``: the eviction controller, or None when there
     is none (the baselines); ``overrides``: the per-request settings an entry
     is ingested with; ``block_tokens``: prompt tokens per block id;
-    ``pages``: tokens -> device pages.
+    ``pages``: tokens -> device pages. ``clock``: the run's time (when each
+    entry was last retained or used). ``rank(rids, tier)``: the entries of one
+    tier most evictable first, the order in which drops and expiries take
+    them (default: least recently used first).
     """
 
     def __init__(
@@ -44,7 +47,12 @@ class RetainedPrefixes:
         overrides: Any,
         block_tokens: int,
         pages: Callable[[int], int],
+        clock: Callable[[], float],
+        rank: Callable[[list[str], Tier], list[str]] | None = None,
     ) -> None:
+        self._clock = clock
+        self._rank = rank
+        self._last_used: dict[str, float] = {}
         self._kv = kv
         self._ctl = ctl
         self._overrides = overrides
@@ -63,6 +71,14 @@ class RetainedPrefixes:
 
     def __contains__(self, rid: object) -> bool:
         return rid in self._index
+
+    def resident(self) -> list[str]:
+        """The entries resident on the device that the scheduler may drop, coldest first."""
+        return list(self._resident)
+
+    def entries(self) -> list[str]:
+        """Every entry's rid, least recently used first."""
+        return list(self._index.coldest_first())
 
     @property
     def resident_pages(self) -> int:
@@ -108,6 +124,7 @@ class RetainedPrefixes:
         """Entry ``rid`` was reused now: it becomes the warmest."""
         self.changes += 1
         self._index.touch(rid)
+        self._last_used[rid] = self._clock()
         if rid in self._resident:
             self._resident.move_to_end(rid)
         if self._ctl is not None and rid not in self._untracked:
@@ -130,6 +147,7 @@ class RetainedPrefixes:
         if self._ctl is not None:
             self._ctl.add_request(rid)
         pages = self._pages(tokens)
+        self._last_used[rid] = self._clock()
         self._resident[rid] = pages
         self._resident_pages += pages
         for old in self._index.add(rid, hash_ids[:blocks]):
@@ -139,6 +157,7 @@ class RetainedPrefixes:
         """Forget entry ``rid`` and free its KV wherever it is."""
         self.changes += 1
         self._index.remove(rid)
+        self._last_used.pop(rid, None)
         self._kv.remove_request(rid)
         self._resident_pages -= self._resident.pop(rid, 0)
         self._sinking.discard(rid)
@@ -159,7 +178,7 @@ class RetainedPrefixes:
             return True
         if free + self._resident_pages - self._resident.get(keep, 0) < need_pages:
             return False
-        for rid in [r for r in self._resident if r != keep]:
+        for rid in self._ranked([r for r in self._resident if r != keep], Tier.DEVICE):
             self.discard(rid)
             if free_pages() >= need_pages:
                 return True
@@ -184,18 +203,21 @@ class RetainedPrefixes:
         self._sinking.update(rid for rid in demoted if rid in index)
 
     def settle(self) -> None:
-        """Entries that reached disk leave the controller's books."""
+        """Entries that left the device leave the controller's books: it has nothing more
+        to do with them (the worker demotes and expires them), and each request it knows
+        costs it work in every scan under pressure."""
         if not self._sinking:
             return
         state_of = self._kv.state_of
+        untracked = self._untracked
         for rid in list(self._sinking):
             state = state_of(rid)
-            if state is RequestState.ON_DISK:
-                self._ctl.remove_request(rid)
-                self._untracked.add(rid)
-                self.changes += 1
-            elif state is not RequestState.ON_HOST:
+            if state is not RequestState.ON_DISK and state is not RequestState.ON_HOST:
                 continue  # still in flight
+            if rid not in untracked:
+                self._ctl.remove_request(rid)
+                untracked.add(rid)
+                self.changes += 1
             self._sinking.discard(rid)
 
     def expire(self, host_high: float, host_low: float) -> None:
@@ -219,8 +241,18 @@ class RetainedPrefixes:
     def _expire_from(self, settled: RequestState, used: Callable[[], int],
                      target: float) -> None:
         state_of = self._kv.state_of
-        for rid in self._index.coldest_first():
+        rids = [rid for rid in self._index.coldest_first() if state_of(rid) is settled]
+        for rid in self._ranked(rids, settled.tier):
             if used() <= target:
                 return
-            if state_of(rid) is settled:
-                self.discard(rid)
+            self.discard(rid)
+
+    def last_used(self, rid: str) -> float:
+        """When entry ``rid`` was retained or last reused (the run's clock)."""
+        return self._last_used[rid]
+
+    def _ranked(self, rids: list[str], tier: Tier) -> list[str]:
+        """``rids`` (coldest first) in the order the run's policy evicts them."""
+        if self._rank is None or len(rids) < 2:
+            return rids
+        return self._rank(rids, tier)

@@ -48,21 +48,23 @@ request waits for instead of prefilling those tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from policies import make_policy
+from policies import PolicyRegistry
 from resources.engine_types import ResourceReqConfig
 from tiering.controller import EvictionController
 from tiering.pressure import PoolPressure
 from tiering.replay.config import MODES, RunSpec, SimConfig
 from tiering.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.replay.presets import HardwarePreset, ModelPreset, StepCost
-from tiering.replay.results import Decision, RequestRecord, RunResult, SimCounters
+from tiering.replay.results import Decision, RequestRecord, RunResult, Sample, SimCounters
 from tiering.replay.retained import RetainedPrefixes
+from tiering.replay.retention import CostFilled, ReloadCosts, Retention
 from tiering.replay.traces import TraceRequest
 from tiering.types import RequestState, Tier
 
@@ -94,7 +96,8 @@ def modeled_kv_factory(model: ModelPreset, hardware: HardwarePreset, sim: SimCon
     """Build ``ModeledKVCache`` instances sized by the presets."""
     page_bytes = model.kv_bytes_per_token * sim.page_tokens
     rates = LinkRates(hardware.d2h_bps, hardware.h2d_bps, hardware.disk_write_bps,
-                      hardware.disk_read_bps)
+                      hardware.disk_read_bps, hardware.d2h_latency_s, hardware.h2d_latency_s,
+                      hardware.disk_write_latency_s, hardware.disk_read_latency_s)
 
     def factory(clock: SimClock) -> ModeledKVCache:
         device_pages = hardware.device_kv_bytes // page_bytes
@@ -146,10 +149,13 @@ def simulate(
     time_scale: float = 1.0,
     kv_factory: KVFactory | None = None,
     on_finish: Callable[[int], None] | None = None,
+    registry: PolicyRegistry | None = None,
 ) -> RunResult:
     """Replay ``trace`` through one simulated worker and return what happened.
 
-    ``time_scale`` multiplies arrival times (2.0 halves the request rate).
+    ``registry``: where ``spec.policy`` is looked up (default: the built-ins;
+    a ``module:Class`` path is imported). ``time_scale`` multiplies arrival
+    times (2.0 halves the request rate).
     ``kv_factory(clock)`` builds the KV backend (default: a ``ModeledKVCache``
     sized by the presets of ``cost``). ``on_finish(n)`` is told each time ``n``
     more requests have finished or been rejected.
@@ -160,16 +166,19 @@ def simulate(
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
     if not trace:
         raise ValueError("the trace holds no requests")
+    policy = spec.policy_spec.build(registry) if spec.mode == "tiering" else None
     clock = SimClock()
     factory = kv_factory or modeled_kv_factory(cost.model, cost.hardware, sim)
-    worker = _Worker(trace, cost, spec, sim, time_scale, factory(clock), clock, on_finish)
+    worker = _Worker(trace, cost, spec, sim, time_scale, factory(clock), clock, on_finish,
+                     policy)
     return worker.run()
 
 
 class _Worker:
     """One run. Owns every piece of simulated state; see the module docstring."""
 
-    def __init__(self, trace, cost, spec, sim, time_scale, kv, clock, on_finish) -> None:
+    def __init__(self, trace, cost, spec, sim, time_scale, kv, clock, on_finish,
+                 policy=None) -> None:
         self.cost = cost
         self.spec = spec
         self.sim = sim
@@ -186,19 +195,30 @@ class _Worker:
         # request whose final KV is larger could never come back: reject it up front
         self.limit_pages = int((cfg.high - cfg.reload_headroom) * self.device_pages)
         self.ctl: EvictionController | None = None
+        self.retention: Retention | None = None
+        self._demoting: dict[str, int] = {}  # rid -> host bytes of a demotion in flight
+        self._offloading: dict[str, int] = {}  # rid -> device pages a worker offload frees
+        self.offload_room = self.tiering and sim.make_room == "offload"
+        rank = None
         if self.tiering:
-            kwargs = {"resource": "kv"} if spec.policy == "priority" else {}
+            costs = ReloadCosts(cost.hardware, cost, self.page_bytes // self.P)
+            self.retention = Retention(policy, costs, kv.get_offload_priority)
+            self.ctl_policy = CostFilled(
+                policy, costs, lambda: kv.host_capacity_bytes - kv.host_used_bytes())
+            # the host cascade is the worker's (below), through the policy: the
+            # controller's own, least recently used, never triggers at host_high = 1
+            ctl_cfg = dataclasses.replace(cfg, host_high=1.0, host_low=min(cfg.host_low, 0.99))
             self.ctl = EvictionController(
-                {"kv": kv}, make_policy(spec.policy, **kwargs), PoolPressure(kv), cfg,
-                clock=clock,
+                {"kv": kv}, self.ctl_policy, PoolPressure(kv), ctl_cfg, clock=clock,
             )
+            rank = self._rank_retained
         self.reuse = sim.prefix_reuse
         if self.reuse and not hasattr(kv, "copy_in"):
             raise ValueError("prefix_reuse needs a KV backend with copy_in(); turn it off")
         self.live = ResourceReqConfig(retention_priority=sim.preempted_retention)
         self.prefixes = RetainedPrefixes(
             kv, self.ctl, ResourceReqConfig(retention_priority=sim.retained_retention),
-            sim.block_tokens, self._pages,
+            sim.block_tokens, self._pages, clock, rank,
         )
         # (rid, free pages, resident prefix pages) of the last admission refused for room:
         # it is not retried until one of the two figures changes
@@ -208,6 +228,7 @@ class _Worker:
         self.by_rid = {r.rid: r for r in self.reqs}
         self.counters = SimCounters()
         self.decisions: list[Decision] = []
+        self.timeline: list[Sample] = []
         self.k = 0  # steps run so far
         self.waiting: deque[_Req] = deque()
         self.active: set[str] = set()  # in the batch: loading, prefilling, decoding or stalled
@@ -227,6 +248,10 @@ class _Worker:
         # a call that found nothing to do (see _still_quiet); _gen counts such changes
         self._gen = 0
         self._quiet: tuple[int, int] | None = None
+        self._fast = True  # decode-only stretches in a tight loop (see _fast_forward)
+        # the running set handed to the controller, rebuilt only when _gen moved (every
+        # change of ``active`` bumps it)
+        self._running: tuple[int, frozenset[str]] = (-1, frozenset())
         self._evictable_at = 0.0
 
     # -- the loop -------------------------------------------------------------------
@@ -237,8 +262,13 @@ class _Worker:
         nxt = 0
         clock = self.clock
         idle_rounds = 0
+        every = self.sim.sample_every_s
+        next_sample = 0.0
         while self.unfinished:
             now = clock.now
+            if now >= next_sample:
+                self._sample(now)
+                next_sample = (math.floor(now / every) + 1) * every
             while nxt < n and reqs[nxt].arrival <= now:
                 self._arrive(reqs[nxt])
                 nxt += 1
@@ -253,6 +283,9 @@ class _Worker:
                 idle_rounds = 0
                 self._waited = False
                 self._run_step(prefill_tokens)
+                if not prefill_tokens and self._fast:
+                    self._fast_forward(reqs[nxt].arrival if nxt < n else math.inf,
+                                       next_sample)
                 continue
             upcoming = [reqs[nxt].arrival] if nxt < n else []
             done_at = self.kv.next_completion()
@@ -270,7 +303,65 @@ class _Worker:
                 continue
             if not self._unstick():
                 raise RuntimeError(self._stuck_message("nothing can move"))
+        self._sample(clock.now)
         return self._result()
+
+    def _fast_forward(self, next_arrival: float, next_sample: float) -> None:
+        """Run decode-only steps in a tight loop while every round of the full loop would
+        do nothing but run one: no arrival, sample, transfer completion, page allocation or
+        finish is due; nothing prefills, loads, stalls or is preempted; no waiting request
+        can be admitted; and the safe point has nothing to do (it would be skipped as
+        quiet, or the device is under ``high`` with no reload waiting). Stops at the first
+        round where any of that may change; that round runs in full. A test checks that
+        runs are identical with and without it."""
+        if not self.n_dec or self.prefilling or self.stalled or self.preempted or (
+            self.loading or self.reload_asked
+        ):
+            return
+        kv = self.kv
+        ctl = self.ctl
+        if ctl is not None:
+            over = kv.device_used_bytes() > self.spec.controller.high * kv.device_capacity_bytes
+            if over:
+                if self._quiet is None or not self._still_quiet():
+                    return
+            elif ctl.pending_reloads() or self._demoting:
+                return
+        if self.waiting and len(self.active) < self.sim.max_batch and (
+            self.sim.max_step_tokens - self.n_dec > 0
+        ):
+            seen = (self.waiting[0].rid, self._free_pages(), self.prefixes.resident_pages)
+            if seen != self._refused:
+                return
+        due = kv.next_completion()
+        until_t = min(next_arrival, next_sample, math.inf if due is None else due)
+        until_k = min(self.allocs[0][0] if self.allocs else math.inf,
+                      self.finishes[0][0] if self.finishes else math.inf)
+        clock = self.clock
+        k = self.k
+        now = clock.now
+        if k >= until_k or now >= until_t:
+            return
+        n_dec = self.n_dec
+        base = self.ctx_base
+        step_s = self.cost.step_s
+        start_k = k
+        while k < until_k and now < until_t:
+            now += step_s(0, n_dec, base + n_dec * k)
+            k += 1
+        clock.now = now
+        self.k = k
+        ran = k - start_k
+        self.counters.steps += ran
+        self.counters.fast_steps += ran
+
+    def _sample(self, now: float) -> None:
+        kv = self.kv
+        c = self.counters
+        self.timeline.append(Sample(
+            now, kv.device_used_bytes(), kv.host_used_bytes(), kv.disk_used_bytes(),
+            c.lookup_tokens, c.reused_tokens_device, c.reused_tokens_host, c.reused_tokens_disk,
+        ))
 
     def _stuck_message(self, why: str) -> str:
         return (
@@ -304,7 +395,13 @@ class _Worker:
         if self._quiet is not None and self._still_quiet():
             self.counters.quiet_safe_points += 1
             return
-        rep = self.ctl.evict_if_needed(self.active)
+        if self._running[0] != self._gen:  # the same frozenset while the batch is unchanged
+            self._running = (self._gen, frozenset(self.active))
+        rep = self.ctl.evict_if_needed(self._running[1])
+        demoted, dropped = self._demote()
+        if demoted or dropped:
+            rep = rep._replace(demoted=tuple(rep.demoted) + demoted,
+                               dropped=tuple(rep.dropped) + dropped)
         fruitful = bool(rep.offloaded or rep.reloads_started or rep.demoted or rep.dropped)
         if fruitful:
             log = self.decisions
@@ -326,17 +423,88 @@ class _Worker:
         if not fruitful and rep.pressure_before > self.spec.controller.high:
             self._quiet = (self._gen, self.prefixes.changes)
 
+    def _demote(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The host cascade: when the host is over ``host_high`` (less demotions in flight),
+        demote on-host requests to disk in the policy's order until under ``host_low``;
+        a request that does not fit on disk is kept, or dropped under
+        ``on_disk_full="drop"``. Requests waiting for a reload stay. Returns
+        (demoted, dropped)."""
+        kv = self.kv
+        cap = kv.host_capacity_bytes
+        if not cap:
+            return (), ()
+        cfg = self.spec.controller
+        used = kv.host_used_bytes()
+        if used <= cfg.host_high * cap:  # demotions in flight only lower the figure
+            return (), ()
+        demoting = self._demoting
+        if demoting:
+            for rid in [r for r in demoting
+                        if r not in kv or kv.state_of(r) is not RequestState.DEMOTING]:
+                del demoting[rid]
+            used -= sum(demoting.values())
+            if used <= cfg.host_high * cap:
+                return (), ()
+        waiting = set(self.ctl.pending_reloads())
+        on_host = RequestState.ON_HOST
+        state_of = kv.state_of
+        rids = [r.rid for r in self.preempted if state_of(r.rid) is on_host]
+        rids += [rid for rid in self.prefixes.entries() if state_of(rid) is on_host]
+        rids = [rid for rid in rids if rid not in waiting]
+        if not rids:
+            return (), ()
+        sizes = [kv.reload_bytes(rid) for rid in rids]
+        prefixes = self.prefixes
+        last = [prefixes.last_used(rid) if rid in prefixes else self.ctl.last_used(rid)
+                for rid in rids]
+        order = self.retention.order(rids, sizes, last, Tier.HOST, "disk", self.clock.now)
+        size_of = dict(zip(rids, sizes, strict=True))
+        demoted: list[str] = []
+        dropped: list[str] = []
+        target = cfg.host_low * cap
+        for rid in order:
+            if used < target:
+                break
+            nbytes = size_of[rid]
+            if kv.demote(rid):
+                demoted.append(rid)
+                used -= nbytes
+                if state_of(rid) is RequestState.DEMOTING:
+                    demoting[rid] = nbytes
+                continue
+            if cfg.on_disk_full == "drop":
+                kv.drop(rid)
+                dropped.append(rid)
+                used -= nbytes
+                continue
+            break  # the disk is full: keep them on host, try again next safe point
+        if demoted or dropped:
+            self._gen += 1
+        return tuple(demoted), tuple(dropped)
+
+    def _rank_retained(self, rids: list[str], tier: Tier) -> list[str]:
+        """Retained entries of ``tier`` in the policy's order; dropping or expiring one
+        leaves only recomputation."""
+        kv = self.kv
+        page_bytes = self.page_bytes
+        sizes = [self._pages(kv.num_tokens(rid)) * page_bytes for rid in rids]
+        last = [self.prefixes.last_used(rid) for rid in rids]
+        return self.retention.order(rids, sizes, last, tier, "recompute", self.clock.now)
+
     def _still_quiet(self) -> bool:
         """Whether the controller would find nothing to do again, so the safe point may be
         skipped. The last call looked for victims (the device was over ``high``) and moved
         nothing; since then no request joined or left the batch or the controller's books,
-        none was touched, no reload was asked for, no transfer has come due (the one poll
+        none was touched, no reload was asked for, no offload the worker started to make
+        room is still in flight, no transfer has come due (the one poll
         would apply), no reloaded request has become evictable again, and the device is
         still over ``high``. Victims, the cascade and admission then have exactly what they
         had: nothing."""
         kv = self.kv
         now = self.clock.now
-        if self._quiet != (self._gen, self.prefixes.changes) or self.reload_asked:
+        if self._quiet != (self._gen, self.prefixes.changes) or self.reload_asked or (
+            self._offloading and self._offloads_pending()  # the worker's own offloads
+        ):
             return False
         due = kv.next_completion()
         return (
@@ -550,7 +718,7 @@ class _Worker:
         """Device memory will come free without preempting anyone: an offload is in
         flight, or the device is over the high watermark and an idle request on it can be
         offloaded."""
-        if self.ctl.stats()["releasing_bytes"] > 0:
+        if self.ctl.stats()["releasing_bytes"] > 0 or self._offloads_pending():
             return True
         kv = self.kv
         if kv.device_used_bytes() <= self.spec.controller.high * kv.device_capacity_bytes:
@@ -559,9 +727,60 @@ class _Worker:
         return any(reclaimable(r.rid) > 0 for r in self.preempted)
 
     def _make_room(self, need_pages: int, keep: str | None = None) -> bool:
-        """True if ``need_pages`` device pages are free, after dropping retained prefixes
-        resident on the device (never ``keep``) if that is enough; nothing dropped if not."""
+        """True if ``need_pages`` device pages are free now. Otherwise, with tiering and
+        ``SimConfig.make_room="offload"``, retained prefixes resident on the device (never
+        ``keep``) are offloaded, in the policy's order, while a tier below has room: False
+        then, the room is on its way (a prefix is a cache worth keeping, and the freshest
+        ones are the ones still on the device). What is not offloaded is dropped, in the
+        policy's order, and only if dropping is enough; nothing dropped if not."""
+        free = self._free_pages()
+        if free >= need_pages:
+            return True
+        if self.offload_room and self._offload_retained(need_pages - free, keep):
+            return False
         return self.prefixes.drop_resident(need_pages, self._free_pages, keep)
+
+    def _offloads_pending(self) -> int:
+        """Device pages that offloads of retained prefixes started by the worker will free."""
+        pending = self._offloading
+        kv = self.kv
+        for rid in [r for r in pending
+                    if r not in kv or kv.state_of(r) is not RequestState.OFFLOADING]:
+            del pending[rid]
+        return sum(pending.values())
+
+    def _offload_retained(self, short_pages: int, keep: str | None) -> bool:
+        """Start offloading resident retained prefixes until, with those already on their
+        way, ``short_pages`` device pages are coming; True if they are."""
+        coming = self._offloads_pending()
+        if coming >= short_pages:
+            return True
+        kv = self.kv
+        rids = [rid for rid in self.prefixes.resident() if rid != keep and kv.reclaimable(rid)]
+        if not rids:
+            return False
+        pages = [self.prefixes.pages_of(rid) for rid in rids]
+        size_of = dict(zip(rids, pages, strict=True))
+        last = [self.prefixes.last_used(rid) for rid in rids]
+        now = self.clock.now
+        order = self.retention.order(rids, [p * self.page_bytes for p in pages], last,
+                                     Tier.DEVICE, "host", now)
+        started = []
+        for rid in order:
+            if coming >= short_pages:
+                break
+            if not kv.reclaimable(rid) or not kv.offload(rid):
+                continue  # no room below for this one any more
+            started.append(rid)
+            coming += size_of[rid]
+            if kv.state_of(rid) is RequestState.OFFLOADING:
+                self._offloading[rid] = size_of[rid]
+        if started:
+            self._gen += 1
+            self.decisions.extend(Decision(self.k, now, "offload", rid) for rid in started)
+            self.prefixes.moved(tuple(started), ())
+            self.counters.retained_offloads += len(started)
+        return coming >= short_pages
 
     # -- admission and prefix reuse ------------------------------------------------------------
 
@@ -632,19 +851,29 @@ class _Worker:
 
     def _count_lookup(self, r: _Req, reused: int, tier: Tier | None) -> None:
         c = self.counters
+        bt = self.sim.block_tokens
+        full = min(len(r.hash_ids), r.n_in // bt)
         c.prefix_lookups += 1
         c.lookup_tokens += r.n_in
+        c.lookup_blocks += full
         if tier is None:
             return
+        blocks = min(-(-reused // bt), full)
         c.reused_tokens += reused
         r.reused = reused
         r.prefix_tier = tier.value
         if tier is Tier.DEVICE:
             c.hits_device += 1
+            c.reused_tokens_device += reused
+            c.reused_blocks_device += blocks
         elif tier is Tier.HOST:
             c.hits_host += 1
+            c.reused_tokens_host += reused
+            c.reused_blocks_host += blocks
         else:
             c.hits_disk += 1
+            c.reused_tokens_disk += reused
+            c.reused_blocks_disk += blocks
 
     def _finish_loads(self, now: float) -> None:
         loading = self.loading
@@ -755,4 +984,4 @@ class _Worker:
             "disk_bytes": int(getattr(kv, "disk_capacity_bytes", 0)),
         }
         return RunResult(self.spec, records, self.counters, kv_stats, ctl_stats,
-                         self.decisions, self.clock.now, capacities)
+                         self.decisions, self.clock.now, capacities, self.timeline)

@@ -4,20 +4,23 @@
 every host size, plus the two baselines (``recompute`` and ``no-tiering``),
 which do not depend on either and run once. ``run_grid`` runs them and returns
 one row per run (the metrics of ``metrics.summarize`` plus the configuration).
-``write_csv`` and ``plot`` turn rows into ``sweep.csv`` and PNG figures.
+``write_csv`` and ``plot`` turn rows into ``sweep.csv`` and PNG figures
+(``plots.plot_sweep``).
 """
 
 from __future__ import annotations
 
 import csv
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from policies import PolicyRegistry
 from tiering.controller import ControllerConfig
 from tiering.replay.metrics import summarize
-from tiering.replay.presets import GiB, HardwarePreset, ModelPreset, StepCost
+from tiering.replay.policy_spec import PolicySpec
+from tiering.replay.presets import GiB, HardwarePreset, ModelPreset, StepCost, check_fits
+from tiering.replay.results import RunResult
 from tiering.replay.simulator import RunSpec, SimConfig, modeled_kv_factory, simulate
 from tiering.replay.traces import TraceRequest
 
@@ -27,12 +30,21 @@ CONFIG_COLUMNS = ("label", "mode", "policy", "high", "low", "host_gib")
 
 @dataclass(frozen=True)
 class Grid:
-    """Policies x watermark pairs (high, low) x host sizes (bytes), plus the baselines."""
+    """Policies x watermark pairs (high, low) x host sizes (bytes), plus the baselines.
+
+    ``policies``: registry names or ``module:Class`` paths; ``policy_options``:
+    keyword options given to every one of them. ``device_bytes`` and
+    ``disk_bytes``: the device KV and disk tier sizes of every run (None: the
+    hardware preset's).
+    """
 
     policies: tuple[str, ...]
     watermarks: tuple[tuple[float, float], ...]
     host_bytes: tuple[int, ...]
     baselines: bool = True
+    policy_options: tuple[tuple[str, object], ...] = ()
+    device_bytes: int | None = None
+    disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.policies or not self.watermarks or not self.host_bytes:
@@ -42,6 +54,12 @@ class Grid:
         for size in self.host_bytes:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise ValueError(f"Grid.host_bytes must hold ints >= 0, got {size!r}")
+        for name in ("device_bytes", "disk_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"Grid.{name} must be None or an int >= 0, got {v!r}")
+        for policy in self.policies:
+            PolicySpec(policy, self.policy_options)  # raises naming a malformed option
 
     def points(self) -> list[tuple[str, float, float, int]]:
         return [
@@ -54,6 +72,11 @@ class Grid:
     def runs(self) -> int:
         return len(self.points()) + (len(BASELINES) if self.baselines else 0)
 
+    def labels(self) -> list[str]:
+        """The label of every run, in the order ``run_grid`` runs them."""
+        base = list(BASELINES) if self.baselines else []
+        return base + [PolicySpec(p, self.policy_options).label for p, *_ in self.points()]
+
 
 def run_grid(
     trace: Sequence[TraceRequest],
@@ -65,22 +88,33 @@ def run_grid(
     time_scale: float = 1.0,
     on_finish: Callable[[int], None] | None = None,
     on_run: Callable[[dict], None] | None = None,
+    on_start: Callable[[int, str], None] | None = None,
+    on_result: Callable[[dict, RunResult], None] | None = None,
+    registry: PolicyRegistry | None = None,
 ) -> list[dict]:
     """Run every configuration of ``grid``; one row per run, baselines first.
 
-    ``on_finish`` is passed to ``simulate`` (requests done); ``on_run(row)`` is
-    told after each run.
+    ``registry``: where policy names are looked up (default: the built-ins).
+    ``on_start(i, label)`` is told before run ``i`` starts; ``on_finish`` is
+    passed to ``simulate`` (requests done); ``on_run(row)`` and
+    ``on_result(row, result)`` are told after each run. The baselines get no
+    host or disk tier (they never move KV off the device), so their rows say so.
     """
     rows: list[dict] = []
+    hw = hardware.with_sizes(grid.device_bytes, None, grid.disk_bytes)
+    check_fits(model, hw)
 
     def one(spec: RunSpec, hw: HardwarePreset, host: int | None) -> None:
+        if on_start is not None:
+            on_start(len(rows), spec.label)
         cost = StepCost(model, hw)
         result = simulate(trace, cost, spec, sim, time_scale=time_scale,
-                          kv_factory=modeled_kv_factory(model, hw, sim), on_finish=on_finish)
+                          kv_factory=modeled_kv_factory(model, hw, sim), on_finish=on_finish,
+                          registry=registry)
         row = {
             "label": spec.label,
             "mode": spec.mode,
-            "policy": spec.policy if spec.mode == "tiering" else "",
+            "policy": spec.label if spec.mode == "tiering" else "",
             "high": spec.controller.high if spec.mode == "tiering" else "",
             "low": spec.controller.low if spec.mode == "tiering" else "",
             "host_gib": host / GiB if host is not None else "",
@@ -89,13 +123,16 @@ def run_grid(
         rows.append(row)
         if on_run is not None:
             on_run(row)
+        if on_result is not None:
+            on_result(row, result)
 
     if grid.baselines:
         for mode in BASELINES:
-            one(RunSpec(mode=mode), hardware, None)
+            one(RunSpec(mode=mode), hw.with_sizes(None, 0, 0), None)
     for policy, high, low, host in grid.points():
-        spec = RunSpec("tiering", policy, ControllerConfig(high=high, low=low))
-        one(spec, hardware.with_host_bytes(host), host)
+        spec = RunSpec("tiering", policy, ControllerConfig(high=high, low=low),
+                       grid.policy_options)
+        one(spec, hw.with_host_bytes(host), host)
     return rows
 
 
@@ -117,58 +154,8 @@ def _cell(value: object) -> object:
     return f"{value:.6g}" if isinstance(value, float) else value
 
 
-_MARKERS = ("o", "s", "D", "^", "v", "P")
-
-PLOTS = (
-    ("throughput_tok_s", "throughput (tokens/s)", "throughput_vs_host.png"),
-    ("ttft_p99_s", "p99 time to first token (s)", "ttft_p99_vs_host.png"),
-)
-
-
 def plot(rows: Sequence[dict], out_dir: str | Path, title: str = "") -> list[Path]:
-    """Metric against host size, one line per policy and one panel per watermark pair;
-    baselines as grey horizontal lines. Markers shrink from one policy to the next, so
-    that policies with equal results stay visible. The y axis starts at 0. Returns the PNG
-    paths written."""
-    import matplotlib
+    """Token hit rate and p99 TTFT against host size (see ``plots.plot_sweep``)."""
+    from tiering.replay.plots import plot_sweep
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tiered = [r for r in rows if r["mode"] == "tiering"]
-    if not tiered:
-        raise ValueError("plot: no tiering runs to plot")
-    base = [r for r in rows if r["mode"] != "tiering"]
-    pairs = sorted({(r["high"], r["low"]) for r in tiered}, reverse=True)
-    policies = sorted({r["policy"] for r in tiered})
-    written = []
-    for metric, ylabel, filename in PLOTS:
-        fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 4.2), sharey=True,
-                                 squeeze=False)
-        for ax, (high, low) in zip(axes[0], pairs, strict=True):
-            for i, policy in enumerate(policies):
-                pts = sorted(
-                    (r["host_gib"], r[metric]) for r in tiered
-                    if r["policy"] == policy and (r["high"], r["low"]) == (high, low)
-                )
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=policy,
-                        marker=_MARKERS[i % len(_MARKERS)], markersize=max(3.0, 9.0 - 1.6 * i),
-                        linewidth=max(0.8, 2.4 - 0.4 * i))
-            for r, style in zip(base, ("--", ":"), strict=False):
-                ax.axhline(r[metric], linestyle=style, color="grey", label=r["label"])
-            ax.set_title(f"watermarks high={high:g} low={low:g}", fontsize=10)
-            ax.set_xlabel("host tier size (GiB)")
-            shown = [v for line in ax.get_lines() for v in line.get_ydata()
-                     if isinstance(v, (int, float)) and math.isfinite(v)]
-            ax.set_ylim(0, max(shown, default=1.0) * 1.08 or 1.0)
-            ax.grid(True, alpha=0.3)
-        axes[0][0].set_ylabel(ylabel)
-        axes[0][-1].legend(fontsize=8, loc="best")
-        if title:
-            fig.suptitle(title, fontsize=11)
-        fig.tight_layout()
-        path = Path(out_dir) / filename
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    return written
+    return plot_sweep(rows, out_dir, title)
