@@ -28,11 +28,10 @@ class SynchronizedKV:
     def cache(self) -> Any:
         return self._cache
 
-    def poll(self) -> int:
-        """Wait (up to the timeout) for every copy in flight, then apply them."""
-        pending = self._cache.in_flight()
-        self._cache.synchronize(self._timeout_s)
-        return pending
+    def poll(self) -> list:
+        """Wait (up to the timeout) for every copy in flight, then apply them;
+        returns the cache's ``TransferResult`` records."""
+        return self._cache.synchronize(self._timeout_s)
 
     def next_completion(self) -> float | None:
         """Copies in flight complete at the next poll: now, on the shared clock."""
