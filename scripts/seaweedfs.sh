@@ -4,8 +4,9 @@
 #
 #   scripts/seaweedfs.sh start DIR [TIMEOUT_S]   start it with its data under DIR; waits until
 #                                                the S3 gateway answers (default 60 s), then
-#                                                prints `endpoint=... pid=... access_key=...
-#                                                secret_key=... dir=...` and exits 0
+#                                                creates the bucket(s) WEED_BUCKETS (default
+#                                                "tiering"), prints `endpoint=... pid=...
+#                                                access_key=... secret_key=... dir=...`, exits 0
 #   scripts/seaweedfs.sh stop DIR [TIMEOUT_S]    stop the server started on DIR (SIGTERM, then
 #                                                SIGKILL after TIMEOUT_S, default 15 s)
 #
@@ -112,6 +113,22 @@ EOF
     kill -KILL "$pid" 2>/dev/null || true
     exit 1
   fi
+  # Create the bucket(s) (WEED_BUCKETS, default "tiering") through `weed shell`, bounded too.
+  for bucket in ${WEED_BUCKETS:-tiering}; do
+    ok=0
+    for _ in $(seq 1 $((timeout_s * 2))); do
+      listed=$(echo "s3.bucket.list" | timeout 20 "$weed" shell -master="127.0.0.1:$mport" 2>/dev/null || true)
+      if printf '%s\n' "$listed" | grep -Eq "^[[:space:]]*$bucket[[:space:]]"; then ok=1; break; fi
+      echo "s3.bucket.create -name $bucket" | timeout 20 "$weed" shell -master="127.0.0.1:$mport" >/dev/null 2>&1 || true
+      sleep 0.5
+    done
+    if [ "$ok" -ne 1 ]; then
+      echo "could not create bucket $bucket; last log lines:" >&2
+      tail -n 20 "$dir/weed.log" >&2 || true
+      kill -KILL "$pid" 2>/dev/null || true
+      exit 1
+    fi
+  done
   echo "endpoint=$endpoint pid=$pid access_key=$access secret_key=$secret dir=$dir"
   ;;
 stop)
