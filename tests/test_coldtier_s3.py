@@ -251,3 +251,25 @@ def test_wrong_credentials_raise_unavailable_at_start(seaweed):  # noqa: F811
 
     with pytest.raises(ColdTierUnavailable, match="PermissionDenied|Unauthenticated|403"):
         open_s3_store(seaweed.url(), seaweed.options(secret="wrong"), timeout_s=5.0)
+
+
+def test_held_zarr_prefix_is_exclusive(seaweed):  # noqa: F811
+    import zarr
+
+    from tiering.coldtier import hold_zarr_prefix
+
+    url = seaweed.url()
+    cfg = LeaseConfig(ttl_s=30, renew_every_s=10, safety_s=2)
+    a = hold_zarr_prefix(url, seaweed.options(), owner="disk-a", lease_config=cfg, timeout_s=5.0)
+    try:
+        with pytest.raises(LeaseHeld, match="disk-a"):
+            hold_zarr_prefix(url, seaweed.options(), owner="disk-b", lease_config=cfg, timeout_s=5.0)
+        data = np.random.default_rng(16).standard_normal((8, 8)).astype(np.float32)
+        arr = zarr.create_array(a.zarr_store, name="kv", shape=data.shape, chunks=(4, 8), dtype=data.dtype)
+        arr[:] = data
+    finally:
+        a.close()
+    b = hold_zarr_prefix(url, seaweed.options(), owner="disk-b", lease_config=cfg, timeout_s=5.0,
+                         renew=False)
+    assert np.array_equal(zarr.open_array(b.zarr_store, path="kv")[:], data)
+    b.close()

@@ -22,7 +22,7 @@ from .breaker import BreakerConfig, BreakerState, CircuitBreaker
 from .errors import ColdTierError, ColdTierUnavailable, LeaseHeld, LeaseLost
 from .frame import FrameRefused, frame, unframe
 from .lease import Lease, LeaseConfig, LeaseInfo, LeaseKeeper
-from .private import PrivatePrefix
+from .private import HeldPrefix, PrivatePrefix, hold_zarr_prefix
 from .s3 import S3Location, open_s3_store, open_zarr_store, parse_s3_url, probe
 from .sweeper import HitLog, Sweeper, SweeperConfig, SweepResult
 
@@ -30,6 +30,6 @@ __all__ = [
     "BlockQueue", "BlockResult", "BlockStatus", "BreakerConfig", "BreakerState", "CircuitBreaker",
     "ColdTierConfig", "ColdTierError", "ColdTierUnavailable", "FrameRefused", "HitLog",
     "KnownBlocks", "Lease", "LeaseConfig", "LeaseHeld", "LeaseInfo", "LeaseKeeper", "LeaseLost",
-    "PrivatePrefix", "S3Location", "SharedBlockStore", "SweepResult", "Sweeper", "SweeperConfig",
+    "HeldPrefix", "PrivatePrefix", "hold_zarr_prefix", "S3Location", "SharedBlockStore", "SweepResult", "Sweeper", "SweeperConfig",
     "block_path", "frame", "open_s3_store", "open_zarr_store", "parse_s3_url", "probe", "unframe",
 ]
