@@ -115,6 +115,11 @@ def test_queue_publishes_and_fetches_off_the_step_path(seaweed):  # noqa: F811
     q.check_integrity()
     assert sorted(r.status for r in res) == [BlockStatus.WRITTEN] * 5
     assert not q.submit_publish(next(iter(blocks)), b"y")  # known to exist already
+    s.known = type(s.known)(100)  # forget: learn them back from a queued listing
+    assert not q.submit_fetch(next(iter(blocks)))
+    assert q.submit_refresh()
+    (listed,) = q.drain(30)
+    assert listed.status is BlockStatus.LISTED and listed.nbytes == 5 and len(s.known) == 5
     assert all(q.submit_fetch(k) for k in blocks)
     got = {r.key: r.payload for r in q.drain(30)}
     assert got == blocks
@@ -212,10 +217,12 @@ def test_sweeper_caps_shared_bytes_lru_and_only_the_leader_sweeps(seaweed):  # n
                      lease_config=cfg, clock=clock)
     other = Sweeper(s.store, "w1", SweeperConfig(cap_bytes=cap, low_fraction=0.5),
                     lease_config=cfg, clock=clock)
-    # hits on the first three written make them the most recently used
+    # hits on the first three written (read by another worker) make them the most recently used
     log = HitLog("w2")
-    for k in keys[:3]:
-        log.record(root, k, clock())
+    reader = SharedBlockStore(s.store, root, b"g", on_hit=log.hook(root, clock))
+    reader.refresh_index()
+    for k, v in zip(keys[:3], vals[:3], strict=True):
+        assert reader.fetch(k).payload == v
     assert log.flush(s.store)
     assert leader.leader() and not other.leader()
     assert other.sweep_once() is None

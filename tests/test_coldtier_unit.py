@@ -229,3 +229,71 @@ def test_breaker_opens_once_and_refuses_without_io():
     assert b.allow() and not b.allow()  # one trial only
     b.record_success()
     assert b.allow() and b.state is BreakerState.CLOSED
+
+
+# -- leases (state machine on obstore's in-memory store, which honours the same preconditions) --
+class LeaseMachine(RuleBasedStateMachine):
+    """Three workers acquire, renew, release and wait on one lease; at no time do two of them
+    believe they hold it, and a live lease is never taken over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from obstore.store import MemoryStore
+
+        from tiering.coldtier import Lease
+
+        self.clock = FakeClock(0.0)
+        self.store = MemoryStore()
+        cfg = LeaseConfig(ttl_s=30, renew_every_s=10, safety_s=2)
+        self.leases = [Lease(self.store, "p/LEASE", f"w{i}", config=cfg, clock=self.clock,
+                             token_factory=lambda i=i: f"t{i}") for i in range(3)]
+        self.expires = 0.0  # when the lease on the store expires (model)
+        self.holder: int | None = None  # who wrote it last (model)
+
+    @rule(dt=st.floats(0, 20))
+    def tick(self, dt):
+        self.clock.t += dt
+
+    @rule(i=st.integers(0, 2))
+    def acquire(self, i):
+        from tiering.coldtier import LeaseHeld
+
+        live = self.holder is not None and self.clock.t < self.expires
+        try:
+            self.leases[i].acquire()
+        except LeaseHeld as exc:
+            assert live, "refused a free or expired lease"
+            assert f"'w{self.holder}'" in str(exc)  # the message names the holder
+            return
+        assert not live, "took over a live lease"
+        for j, other in enumerate(self.leases):
+            if j != i and other.info is not None:
+                assert not other.renew(), "an old holder renewed after a takeover"
+        self.holder, self.expires = i, self.clock.t + 30
+
+    @rule(i=st.integers(0, 2))
+    def renew(self, i):
+        mine = self.holder == i and self.leases[i].info is not None
+        ok = self.leases[i].renew()
+        assert ok == mine  # only the last writer's ETag still matches
+        if ok:
+            self.expires = self.clock.t + 30
+
+    @rule(i=st.integers(0, 2))
+    def release(self, i):
+        if self.leases[i].release():
+            assert self.holder == i
+            self.holder, self.expires = None, 0.0
+
+    @invariant()
+    def one_holder_at_most(self):
+        held = [i for i, lease in enumerate(self.leases) if lease.held]
+        assert len(held) <= 1, held
+        if held:
+            assert held == [self.holder] and self.clock.t < self.expires
+        for lease in self.leases:
+            lease.check_integrity()
+
+
+TestLeaseMachine = LeaseMachine.TestCase
+TestLeaseMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -58,8 +58,7 @@ def _share_worker(url, opts, index, n, barrier, out):
     own = [key_of(f"own-{index}-{j}") for j in range(6)]
     order = common[:] if index % 2 == 0 else common[::-1]  # collide from both ends
     for k in order + own:
-        while not q.submit_publish(k, payload_of(k)):
-            q.drain(10)  # queue full: wait for room (a test worker, not the step path)
+        assert q.submit_publish(k, payload_of(k))  # 18 requests: under max_queued
     written = {r.key.hex(): r.status.value for r in q.drain(60)}
     barrier.wait(60)
     blocks.known = type(blocks.known)(10_000)  # forget own writes: learn everything by listing
@@ -148,9 +147,8 @@ def test_worker_killed_mid_write(seaweed):  # noqa: F811
     for k in blocks.known.keys():  # whatever is there is whole and right, or it is refused
         r = blocks.fetch(k)
         assert r.status is BlockStatus.HIT, r.reason
-        i = next(i for i in range(listed + 1) if key_of(f"victim-{i}") == k)
         assert r.payload == payload_of(k, 1 << 20, 3 << 20)
-        assert i <= len(done)
+    assert {key_of(f"victim-{i}") for i in range(3)} <= set(blocks.known.keys())
     # its lease is still live: a second worker is refused with a clear error ...
     cfg = LeaseConfig(ttl_s=60, renew_every_s=5, safety_s=2)
     with pytest.raises(LeaseHeld, match="victim-proc"):

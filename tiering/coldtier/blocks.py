@@ -44,6 +44,7 @@ class BlockStatus(str, Enum):
     UNAVAILABLE = "unavailable"  # transient fault: the block is left where it is, retry later
     SKIPPED = "skipped"  # the breaker is open: no request was made
     DELETED = "deleted"
+    LISTED = "listed"  # a refresh of the known cache finished
 
 
 class BlockResult(NamedTuple):
@@ -287,6 +288,17 @@ class BlockQueue:
             return False
         return self._submit(("fetch", key), lambda: self.blocks.fetch(key))
 
+    def submit_refresh(self) -> bool:
+        """Queue a listing of the root's prefix into the known cache (run it on a timer); its
+        result has op "refresh", status LISTED (nbytes = objects seen) or UNAVAILABLE."""
+        def run() -> BlockResult:
+            n = self.blocks.refresh_index()
+            if n is None:
+                return BlockResult("refresh", b"", BlockStatus.UNAVAILABLE, reason="list failed")
+            return BlockResult("refresh", b"", BlockStatus.LISTED, nbytes=n)
+
+        return self._submit(("refresh", b""), run)
+
     def submit_delete(self, key: bytes) -> bool:
         key = self.blocks._key(key)
         return self._submit(("delete", key), lambda: self.blocks.delete(key))
@@ -297,18 +309,12 @@ class BlockQueue:
                 raise RuntimeError("BlockQueue is closed")
             if tag in self._pending or len(self._pending) >= self.blocks.config.max_queued:
                 return False
-            if self.blocks.breaker.state.value == "open" and not self._breaker_peek():
+            if not self.blocks.breaker.would_allow():
                 return False
             fut = self._pool.submit(fn)
             self._pending[tag] = fut
         fut.add_done_callback(lambda f, tag=tag: self._finish(tag, f))
         return True
-
-    def _breaker_peek(self) -> bool:
-        # an open breaker refuses at submit, unless its cooldown is over (then the worker's
-        # allow() makes the trial); peeking does not consume the trial
-        b = self.blocks.breaker
-        return b._clock() - b._opened_at >= b.config.cooldown_s
 
     def _finish(self, tag: tuple[str, bytes], fut: Future) -> None:
         try:

@@ -68,6 +68,15 @@ class CircuitBreaker:
             self._refused += 1
             return False
 
+    def would_allow(self) -> bool:
+        """What allow() would answer now, without using up a half-open trial or counting."""
+        with self._lock:
+            if self._state is BreakerState.CLOSED:
+                return True
+            if self._state is BreakerState.OPEN:
+                return self._clock() - self._opened_at >= self.config.cooldown_s
+            return not self._trial_out
+
     def record_success(self) -> None:
         with self._lock:
             self._state = BreakerState.CLOSED

@@ -71,6 +71,10 @@ class HitLog:
         with self._lock:
             self._hits[f"{root.hex()}/{key.hex()}"] = at
 
+    def hook(self, root: bytes, clock: Callable[[], float] = time.time) -> Callable[[bytes], None]:
+        """An ``on_hit`` callback for a SharedBlockStore of ``root``."""
+        return lambda key: self.record(root, key, clock())
+
     def flush(self, store) -> bool:
         """Write the hits seen since the last flush; False (hits kept) if the store failed."""
         import obstore
