@@ -297,3 +297,51 @@ class LeaseMachine(RuleBasedStateMachine):
 
 TestLeaseMachine = LeaseMachine.TestCase
 TestLeaseMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_keeper_renews_until_stopped_and_stops_when_lost():
+    import threading
+
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import Lease, LeaseKeeper
+
+    store = MemoryStore()
+    clock = FakeClock(0.0)
+    cfg = LeaseConfig(ttl_s=1.0, renew_every_s=0.05, safety_s=0.1)
+    lease = Lease(store, "L", "w0", config=cfg, clock=clock)
+    lease.acquire()
+    events: list[bool] = []
+    two = threading.Event()
+
+    def seen(ok: bool) -> None:
+        events.append(ok)
+        if len(events) >= 2:
+            two.set()
+
+    keeper = LeaseKeeper(lease, on_renew=seen).start()
+    assert two.wait(10), "the keeper did not renew"
+    keeper.stop()
+    assert events[:2] == [True, True] and keeper.renewals >= 2
+    # the lease is taken over behind its back: the next renewal fails and the keeper ends
+    clock.t += 2.0
+    Lease(store, "L", "w1", config=cfg, clock=clock).acquire()
+    lost = threading.Event()
+    keeper = LeaseKeeper(lease, on_renew=lambda ok: ok or lost.set()).start()
+    assert lost.wait(10)
+    keeper._thread.join(10)
+    assert not keeper._thread.is_alive() and lease.info is None and not lease.held
+
+
+def test_fsspec_urls_keep_working():
+    import numpy as np
+    import zarr
+
+    from tiering.coldtier import open_zarr_store
+
+    zs = open_zarr_store("memory://coldtier-test/x")
+    data = np.random.default_rng(4).standard_normal(16).astype(np.float32)
+    arr = zarr.create_array(zs, name="y", shape=data.shape, dtype=data.dtype)
+    arr[:] = data
+    assert type(zs).__name__ == "FsspecStore"
+    assert np.array_equal(zarr.open_array(zs, path="y")[:], data)

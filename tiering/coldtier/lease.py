@@ -193,8 +193,9 @@ class Lease:
 class LeaseKeeper:
     """Renews a lease every ``renew_every_s`` on a thread (waits on an Event, never spins)."""
 
-    def __init__(self, lease: Lease) -> None:
+    def __init__(self, lease: Lease, *, on_renew: Callable[[bool], None] | None = None) -> None:
         self.lease = lease
+        self._on_renew = on_renew
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="coldtier-lease", daemon=True)
         self.renewals = 0
@@ -205,9 +206,11 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         while not self._stop.wait(self.lease.config.renew_every_s):
-            if self.lease.renew():
-                self.renewals += 1
-            elif self.lease.info is None:
+            ok = self.lease.renew()
+            self.renewals += ok
+            if self._on_renew is not None:
+                self._on_renew(ok)
+            if not ok and self.lease.info is None:
                 return  # lost: nothing left to renew
 
     def stop(self, timeout_s: float = 5.0) -> None:
