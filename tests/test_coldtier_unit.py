@@ -345,3 +345,29 @@ def test_fsspec_urls_keep_working():
     arr[:] = data
     assert type(zs).__name__ == "FsspecStore"
     assert np.array_equal(zarr.open_array(zs, path="y")[:], data)
+
+
+def test_bad_block_input_raises_and_writes_nothing():
+    import obstore
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import BlockQueue, BlockStatus, SharedBlockStore
+
+    rng = random.Random(5)
+    store = MemoryStore()
+    s = SharedBlockStore(store, rng.randbytes(16), b"g", config=ColdTierConfig(max_block_bytes=1000))
+    with pytest.raises(ValueError, match="max_block_bytes"):
+        s.publish(rng.randbytes(32), rng.randbytes(1001))
+    with pytest.raises(ValueError, match="block key"):
+        s.publish("not-bytes", rng.randbytes(10))
+    q = BlockQueue(s)
+    with pytest.raises(ValueError, match="block key"):
+        q.submit_fetch(b"")
+    assert [m for c in obstore.list(store) for m in c] == [] and len(s.known) == 0
+    # and the in-memory store behaves like the server for a real round trip
+    k, v = rng.randbytes(32), rng.randbytes(999)
+    assert s.publish(k, v).status is BlockStatus.WRITTEN
+    assert s.publish(k, v).status is BlockStatus.DUPLICATE
+    assert s.fetch(k).payload == v
+    s.check_integrity()
+    q.close(5)

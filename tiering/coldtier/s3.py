@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -24,7 +25,7 @@ from .errors import ColdTierUnavailable
 __all__ = ["S3Location", "open_s3_store", "open_zarr_store", "parse_s3_url", "probe"]
 
 # storage_options name -> obstore S3Config name
-_ALIASES = {
+_ALIASES = MappingProxyType({
     "endpoint": "endpoint",
     "endpoint_url": "endpoint",
     "region": "region",
@@ -41,9 +42,9 @@ _ALIASES = {
     "virtual_hosted_style_request": "virtual_hosted_style_request",
     "skip_signature": "skip_signature",
     "anon": "skip_signature",
-}
-_CLIENT_KWARGS = {"endpoint_url": "endpoint", "region_name": "region"}
-_OURS = {"timeout_s", "connect_timeout_s", "allow_http", "max_retries"}
+})
+_CLIENT_KWARGS = MappingProxyType({"endpoint_url": "endpoint", "region_name": "region"})
+_OURS = frozenset({"timeout_s", "connect_timeout_s", "allow_http", "max_retries"})
 
 
 class S3Location(NamedTuple):
