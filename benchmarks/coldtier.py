@@ -1,0 +1,297 @@
+"""Shared cold tier benchmark against a real SeaweedFS server on loopback.
+
+Part 1, throughput (same obstore client object, same object sizes, same number of requests in
+flight, measured in the same run):
+
+- ``demote / raw PUT``: publishing blocks through ``BlockQueue`` (frame + crc32c +
+  create-if-absent PUT on the I/O threads) against raw ``obstore.put`` of the same bytes from a
+  thread pool of the same size;
+- ``reload / raw GET``: fetching them back through ``BlockQueue`` (GET + frame check) against
+  raw ``obstore.get(...).bytes()``.
+
+Part 2, cross-worker hit rate on the bundled conversation trace
+(``benchmarks/traces/mooncake/conversation_trace.jsonl``; each request's ``hash_ids`` are its
+prefix blocks, keyed here by chaining them). Requests are split round-robin over four workers.
+A request's hits are its leading blocks found in the tier (a prefix match stops at the first
+miss); then all its blocks are published.
+
+- ``real``: the first ``--trace-requests`` requests on the real server: four workers, each with
+  its own ``SharedBlockStore`` and local cache (it learns the others' blocks by listing every
+  ``--refresh-every`` of its requests), every hit read back and compared bitwise; against four
+  workers that each keep a private tier (their own root: they never see each other's blocks).
+- ``model``: the whole trace, with the tier's total capacity as a fraction of the distinct
+  blocks; one shared LRU against four private LRUs of a quarter of that capacity each.
+
+Usage: ``python benchmarks/coldtier.py --out coldtier.json [--quick]``
+       (``--endpoint URL --key K --secret S`` uses a running store instead of starting one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import obstore  # noqa: E402
+
+from tiering.coldtier import (  # noqa: E402
+    BlockQueue,
+    BlockStatus,
+    ColdTierConfig,
+    SharedBlockStore,
+    open_s3_store,
+)
+
+TRACE = REPO / "benchmarks" / "traces" / "mooncake" / "conversation_trace.jsonl"
+
+
+# -- the server -------------------------------------------------------------------------------
+class Server:
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="tiering-weed-bench-"))
+        env = dict(os.environ, PYTHON=sys.executable)
+        weed = Path(sys.executable).parent / "weed"
+        if weed.exists():
+            env["WEED"] = str(weed)
+        self.env = env
+        out = subprocess.run(["bash", str(REPO / "scripts" / "seaweedfs.sh"), "start", str(self.dir), "60"],
+                             capture_output=True, text=True, env=env, timeout=120, check=True)
+        fields = dict(kv.split("=", 1) for kv in out.stdout.strip().splitlines()[-1].split())
+        self.endpoint, self.key, self.secret = fields["endpoint"], fields["access_key"], fields["secret_key"]
+
+    def stop(self) -> None:
+        subprocess.run(["bash", str(REPO / "scripts" / "seaweedfs.sh"), "stop", str(self.dir)],
+                       capture_output=True, env=self.env, timeout=60, check=False)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def options(endpoint: str, key: str, secret: str) -> dict:
+    return {"endpoint": endpoint, "key": key, "secret": secret, "region": "us-east-1"}
+
+
+# -- part 1: throughput -----------------------------------------------------------------------
+def throughput(url: str, opts: dict, *, blocks: int, block_bytes: int, threads: int, repeats: int):
+    store = open_s3_store(url, opts, timeout_s=60.0)
+    rng_data = [os.urandom(block_bytes) for _ in range(blocks)]  # random, never zeros
+    # warm-up (unmeasured): a fresh server grows its volumes on the first writes
+    with ThreadPoolExecutor(threads) as pool:
+        warm = [f"warm/{i}" for i in range(threads * 2)]
+        list(pool.map(lambda p: obstore.put(store, p, rng_data[0]), warm))
+        list(pool.map(lambda p: obstore.get(store, p).bytes(), warm))
+        obstore.delete(store, warm)
+    passes = []
+    for rep in range(repeats):
+        root = hashlib.sha256(f"bench-{rep}-{time.time_ns()}".encode()).digest()[:16]
+        keys = [hashlib.sha256(root + i.to_bytes(4, "little")).digest() for i in range(blocks)]
+        raw_paths = [f"raw/{root.hex()}/{i}" for i in range(blocks)]
+        total = blocks * block_bytes
+        with ThreadPoolExecutor(threads) as pool:
+            t = time.perf_counter()
+            list(pool.map(lambda a: obstore.put(store, a[0], a[1], mode="create"),
+                          zip(raw_paths, rng_data, strict=True)))
+            raw_put = total / (time.perf_counter() - t)
+            t = time.perf_counter()
+            got = list(pool.map(lambda p: obstore.get(store, p).bytes(), raw_paths))
+            raw_get = total / (time.perf_counter() - t)
+            assert all(len(g) == block_bytes for g in got)
+            del got
+        tier = SharedBlockStore(store, root, b"bench-geometry",
+                                config=ColdTierConfig(io_threads=threads, max_queued=blocks))
+        q = BlockQueue(tier)
+        t = time.perf_counter()
+        for k, d in zip(keys, rng_data, strict=True):
+            assert q.submit_publish(k, d)
+        res = q.drain(600)
+        demote = total / (time.perf_counter() - t)
+        assert all(r.status is BlockStatus.WRITTEN for r in res), {r.status for r in res}
+        t = time.perf_counter()
+        for k in keys:
+            assert q.submit_fetch(k)
+        res = q.drain(600)
+        reload = total / (time.perf_counter() - t)
+        back = {r.key: r.payload for r in res if r.status is BlockStatus.HIT}
+        assert len(back) == blocks and all(back[k] == d for k, d in zip(keys, rng_data, strict=True))
+        q.close(60)
+        obstore.delete(store, raw_paths)
+        obstore.delete(store, [f"blocks/{root.hex()}/{k.hex()}" for k in keys])
+        passes.append({"raw_put_MBps": raw_put / 1e6, "demote_MBps": demote / 1e6,
+                       "raw_get_MBps": raw_get / 1e6, "reload_MBps": reload / 1e6,
+                       "demote_over_put": demote / raw_put, "reload_over_get": reload / raw_get})
+    med = {k: statistics.median(p[k] for p in passes) for k in passes[0]}
+    return {"blocks": blocks, "block_bytes": block_bytes, "threads": threads, "passes": passes,
+            "median": med, "min_demote_over_put": min(p["demote_over_put"] for p in passes),
+            "max_demote_over_put": max(p["demote_over_put"] for p in passes),
+            "min_reload_over_get": min(p["reload_over_get"] for p in passes),
+            "max_reload_over_get": max(p["reload_over_get"] for p in passes)}
+
+
+# -- part 2: hit rate -------------------------------------------------------------------------
+def load_trace(limit: int | None = None) -> list[list[bytes]]:
+    """Each request's chained block keys (a key depends on every block before it)."""
+    out = []
+    with open(TRACE) as f:
+        for line in f:
+            ids = json.loads(line)["hash_ids"]
+            key, keys = b"trace-root", []
+            for h in ids:
+                key = hashlib.sha256(key + int(h).to_bytes(8, "little")).digest()
+                keys.append(key)
+            out.append(keys)
+            if limit is not None and len(out) >= limit:
+                break
+    return out
+
+
+def payload_of(key: bytes, size: int) -> bytes:
+    return hashlib.shake_256(key).digest(size)  # random-looking, fixed by the key
+
+
+def real_hit_rate(url: str, opts: dict, reqs: list[list[bytes]], *, shared: bool, workers: int,
+                  refresh_every: int, block_bytes: int) -> dict:
+    store = open_s3_store(url, opts, timeout_s=30.0)
+    tiers = []
+    for w in range(workers):
+        root = b"shared-root" if shared else f"private-root-{w}".encode()
+        tiers.append(SharedBlockStore(store, root, b"g"))
+    hits = total = mismatches = 0
+    done = [0] * workers
+    for i, keys in enumerate(reqs):
+        w = i % workers
+        t = tiers[w]
+        if done[w] % refresh_every == 0:
+            t.refresh_index()
+        done[w] += 1
+        n = 0
+        for k in keys:
+            if k not in t.known:
+                break
+            r = t.fetch(k)
+            if r.status is not BlockStatus.HIT:
+                break
+            mismatches += r.payload != payload_of(k, block_bytes)
+            n += 1
+        hits += n
+        total += len(keys)
+        for k in keys[n:]:
+            t.publish(k, payload_of(k, block_bytes))
+    return {"requests": len(reqs), "blocks": total, "hits": hits, "hit_rate": hits / total,
+            "mismatches": mismatches}
+
+
+def model_hit_rate(reqs: list[list[bytes]], capacity: int, workers: int, shared: bool) -> float:
+    tiers = [OrderedDict() for _ in range(1 if shared else workers)]
+    cap = capacity if shared else max(1, capacity // workers)
+    hits = total = 0
+    for i, keys in enumerate(reqs):
+        lru = tiers[0 if shared else i % workers]
+        n = 0
+        for k in keys:
+            if k not in lru:
+                break
+            lru.move_to_end(k)
+            n += 1
+        hits += n
+        total += len(keys)
+        for k in keys[n:]:
+            lru[k] = True
+            if len(lru) > cap:
+                lru.popitem(last=False)
+    return hits / total
+
+
+def table(rows: list[list[str]], headers: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
+    line = lambda r: "| " + " | ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=True)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    ap.add_argument("--blocks", type=int, default=16)
+    ap.add_argument("--block-mib", type=float, default=4.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--trace-requests", type=int, default=600)
+    ap.add_argument("--refresh-every", type=int, default=8)
+    ap.add_argument("--trace-block-bytes", type=int, default=2048)
+    ap.add_argument("--endpoint")
+    ap.add_argument("--key")
+    ap.add_argument("--secret")
+    ap.add_argument("--bucket", default="tiering")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.blocks, a.block_mib, a.repeats, a.trace_requests = 6, 1.0, 1, 120
+    server = None
+    if a.endpoint:
+        opts = options(a.endpoint, a.key or "", a.secret or "")
+    else:
+        server = Server()
+        opts = options(server.endpoint, server.key, server.secret)
+    try:
+        run = f"bench-{time.time_ns()}"
+        tp = throughput(f"s3://{a.bucket}/{run}/tp", opts, blocks=a.blocks,
+                        block_bytes=int(a.block_mib * (1 << 20)), threads=a.threads, repeats=a.repeats)
+        reqs = load_trace()
+        head = reqs[: a.trace_requests]
+        real = {
+            "shared": real_hit_rate(f"s3://{a.bucket}/{run}/shared", opts, head, shared=True, workers=4,
+                                    refresh_every=a.refresh_every, block_bytes=a.trace_block_bytes),
+            "private": real_hit_rate(f"s3://{a.bucket}/{run}/private", opts, head, shared=False,
+                                     workers=4, refresh_every=a.refresh_every,
+                                     block_bytes=a.trace_block_bytes),
+        }
+        # the same requests through the LRU model with no cap and no listing lag: the ceiling
+        head_distinct = len({k for r in head for k in r})
+        for name, shared in (("shared", True), ("private", False)):
+            real[name]["model_no_lag"] = model_hit_rate(head, head_distinct * 4, 4, shared)
+        distinct = len({k for r in reqs for k in r})
+        model = []
+        for frac in (0.02, 0.05, 0.1, 0.25, 1.0):
+            cap = max(4, int(distinct * frac))
+            model.append({"capacity_fraction": frac, "capacity_blocks": cap,
+                          "shared": model_hit_rate(reqs, cap, 4, True),
+                          "private": model_hit_rate(reqs, cap, 4, False)})
+    finally:
+        if server is not None:
+            server.stop()
+    m = tp["median"]
+    print(f"throughput: {tp['blocks']} blocks of {tp['block_bytes'] / (1 << 20):.1f} MiB, "
+          f"{tp['threads']} in flight, {a.repeats} passes (medians; ratio range in brackets)")
+    print(table([
+        ["demote / raw PUT", f"{m['demote_MBps']:.0f}", f"{m['raw_put_MBps']:.0f}",
+         f"{m['demote_over_put']:.2f} ({tp['min_demote_over_put']:.2f}-{tp['max_demote_over_put']:.2f})"],
+        ["reload / raw GET", f"{m['reload_MBps']:.0f}", f"{m['raw_get_MBps']:.0f}",
+         f"{m['reload_over_get']:.2f} ({tp['min_reload_over_get']:.2f}-{tp['max_reload_over_get']:.2f})"],
+    ], ["operation", "tier MB/s", "raw MB/s", "ratio"]))
+    print(f"\ncross-worker hit rate, real server, first {len(head)} requests, 4 workers round-robin:")
+    print(table([[k, str(v["blocks"]), str(v["hits"]), f"{v['hit_rate']:.3f}",
+                  f"{v['model_no_lag']:.3f}", str(v["mismatches"])] for k, v in real.items()],
+                ["tier", "blocks", "hits", "hit rate", "model, no listing lag", "mismatches"]))
+    print(f"\nhit rate, whole trace ({len(reqs)} requests, {distinct} distinct blocks), LRU model:")
+    print(table([[f"{r['capacity_fraction']:.2f}", str(r["capacity_blocks"]), f"{r['shared']:.3f}",
+                  f"{r['private']:.3f}", f"{r['shared'] / r['private']:.2f}" if r["private"] else "inf"]
+                 for r in model], ["capacity/distinct", "blocks", "shared", "4 private", "shared/private"]))
+    result = {"throughput": tp, "hit_rate_real": real, "hit_rate_model": model,
+              "trace": str(TRACE.relative_to(REPO)), "args": vars(a)}
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""The cold tier against a real SeaweedFS server: shared blocks, leases, private prefixes, the
+sweeper, the step-path queue, and zarr over the same store."""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import numpy as np
+import obstore
+import pytest
+from seaweed_fixture import seaweed  # noqa: F401  (fixture)
+
+from tiering.coldtier import (
+    BlockQueue,
+    BlockStatus,
+    ColdTierConfig,
+    ColdTierUnavailable,
+    HitLog,
+    LeaseConfig,
+    LeaseHeld,
+    PrivatePrefix,
+    SharedBlockStore,
+    Sweeper,
+    SweeperConfig,
+    block_path,
+    open_zarr_store,
+)
+from tiering.coldtier.lease import Lease
+
+
+class FakeClock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def rkey(rng: random.Random) -> bytes:
+    return rng.randbytes(32)
+
+
+def test_publish_fetch_across_stores_bitwise(seaweed):  # noqa: F811
+    rng = random.Random(10)
+    prefix = "t-" + uuid.uuid4().hex[:10]
+    root, geom = rng.randbytes(16), rng.randbytes(8)
+    a = SharedBlockStore(seaweed.store(prefix), root, geom)
+    b = SharedBlockStore(seaweed.store(prefix), root, geom)  # another worker's view
+    blocks = {rkey(rng): rng.randbytes(rng.randrange(1, 70_000)) for _ in range(12)}
+    for k, v in blocks.items():
+        r = a.publish(k, v)
+        assert r.status is BlockStatus.WRITTEN and r.nbytes == a.object_size(k, len(v))
+        a.check_integrity()
+    # b knows nothing yet: a local miss is a miss, no network asked
+    q = BlockQueue(b)
+    assert not any(q.submit_fetch(k) for k in blocks)
+    assert q.in_flight == 0
+    assert b.refresh_index() == len(blocks)
+    b.check_integrity()
+    for k, v in blocks.items():
+        r = b.fetch(k)
+        assert r.status is BlockStatus.HIT and r.payload == v
+    # a duplicate write is refused by the store and harmless
+    k0 = next(iter(blocks))
+    dup = b.publish(k0, rng.randbytes(10))
+    assert dup.status is BlockStatus.DUPLICATE
+    assert a.fetch(k0).payload == blocks[k0]
+    # objects are their own length: no padding of small blocks
+    for k, v in blocks.items():
+        meta = obstore.head(a.store, block_path(root, k))
+        assert meta["size"] == a.object_size(k, len(v))
+    # negative control: another root sees none of them and its fetch of the same key misses
+    other = SharedBlockStore(seaweed.store(prefix), rng.randbytes(16), geom)
+    assert other.refresh_index() == 0
+    assert other.fetch(k0).status is BlockStatus.LOST
+    q.close(5)
+
+
+def test_damaged_or_foreign_object_is_never_served(seaweed):  # noqa: F811
+    rng = random.Random(11)
+    prefix = "t-" + uuid.uuid4().hex[:10]
+    root, geom = rng.randbytes(16), rng.randbytes(8)
+    s = SharedBlockStore(seaweed.store(prefix), root, geom)
+    k1, k2, k3 = rkey(rng), rkey(rng), rkey(rng)
+    v1 = rng.randbytes(30_000)
+    assert s.publish(k1, v1).status is BlockStatus.WRITTEN
+    good = bytes(obstore.get(s.store, block_path(root, k1)).bytes())
+    # a truncated object (what a non-atomic writer dying mid-write would leave)
+    obstore.put(s.store, block_path(root, k2), good[: len(good) // 2])
+    # k1's exact object planted under k3's name: a foreign key
+    obstore.put(s.store, block_path(root, k3), good)
+    s.refresh_index()
+    for k, why in ((k2, "truncated"), (k3, "expected")):
+        r = s.fetch(k)
+        assert r.status is BlockStatus.LOST and r.payload is None and why in r.reason
+        assert k not in s.known
+        s.check_integrity()
+    # the refused objects were removed, so the block can be published correctly again
+    v2 = rng.randbytes(15_000)
+    assert s.publish(k2, v2).status is BlockStatus.WRITTEN
+    assert s.fetch(k2).payload == v2
+    assert s.fetch(k1).payload == v1  # untouched
+
+
+def test_queue_publishes_and_fetches_off_the_step_path(seaweed):  # noqa: F811
+    rng = random.Random(12)
+    s = SharedBlockStore(seaweed.store(), rng.randbytes(16), b"g",
+                         config=ColdTierConfig(io_threads=3, max_queued=5))
+    q = BlockQueue(s)
+    blocks = {rkey(rng): rng.randbytes(rng.randrange(100, 50_000)) for _ in range(5)}
+    assert all(q.submit_publish(k, v) for k, v in blocks.items())
+    assert not q.submit_publish(rkey(rng), b"x")  # queue full: refused, nothing queued
+    res = q.drain(30)
+    q.check_integrity()
+    assert sorted(r.status for r in res) == [BlockStatus.WRITTEN] * 5
+    assert not q.submit_publish(next(iter(blocks)), b"y")  # known to exist already
+    s.known = type(s.known)(100)  # forget: learn them back from a queued listing
+    assert not q.submit_fetch(next(iter(blocks)))
+    assert q.submit_refresh()
+    (listed,) = q.drain(30)
+    assert listed.status is BlockStatus.LISTED and listed.nbytes == 5 and len(s.known) == 5
+    assert all(q.submit_fetch(k) for k in blocks)
+    got = {r.key: r.payload for r in q.drain(30)}
+    assert got == blocks
+    q.close(5)
+    with pytest.raises(RuntimeError, match="closed"):
+        q.submit_delete(next(iter(blocks)))
+
+
+def test_lease_excludes_second_worker_and_is_taken_over_after_expiry(seaweed):  # noqa: F811
+    store = seaweed.store()
+    clock = FakeClock(5_000.0)
+    cfg = LeaseConfig(ttl_s=30, renew_every_s=10, safety_s=2)
+    a = Lease(store, "private/w/LEASE", "worker-a", config=cfg, clock=clock)
+    b = Lease(store, "private/w/LEASE", "worker-b", config=cfg, clock=clock)
+    a.acquire()
+    assert a.held
+    with pytest.raises(LeaseHeld, match="held by 'worker-a'"):
+        b.acquire()
+    clock.t += 20
+    assert a.renew() and a.held  # renewed: expires 30 s from now
+    clock.t += 25
+    with pytest.raises(LeaseHeld):
+        b.acquire()  # renewal counted: still held
+    clock.t += 6  # past expiry with no renewal
+    assert not a.held
+    b.acquire()
+    assert b.held
+    assert not a.renew() and a.info is None and "taken over" in a.lost_reason
+    a.check_integrity()
+    b.check_integrity()
+    assert b.release()
+    a.acquire()  # a released lease is free at once
+    assert a.held
+
+
+def test_lease_race_for_an_expired_lease_has_one_winner(seaweed):  # noqa: F811
+    store = seaweed.store()
+    clock = FakeClock(9_000.0)
+    cfg = LeaseConfig(ttl_s=30, renew_every_s=10, safety_s=2)
+    Lease(store, "L", "dead", config=cfg, clock=clock).acquire()
+    clock.t += 31
+    racers = [Lease(store, "L", f"r{i}", config=cfg, clock=clock) for i in range(2)]
+    # both read the expired lease; the first conditional put wins, the second gets 412
+    stale = racers[0]._read()
+    racers[0].acquire()
+    with pytest.raises(Exception) as err:
+        obstore.put(store, "L", b"{}", mode={"e_tag": stale.e_tag})
+    assert "Precondition" in type(err.value).__name__
+    with pytest.raises(LeaseHeld):
+        racers[1].acquire()
+
+
+def test_private_prefix_is_exclusive_and_deletes_released_objects(seaweed):  # noqa: F811
+    rng = random.Random(13)
+    store = seaweed.store()
+    clock = FakeClock(1_000.0)
+    cfg = LeaseConfig(ttl_s=30, renew_every_s=10, safety_s=2)
+    p = PrivatePrefix.open(store, "worker-0", "a", lease_config=cfg, clock=clock, renew=False)
+    with pytest.raises(LeaseHeld, match="worker-0"):
+        PrivatePrefix.open(store, "worker-0", "b", lease_config=cfg, clock=clock, renew=False)
+    data = {f"req-{i}": rng.randbytes(rng.randrange(1, 40_000)) for i in range(4)}
+    for n, v in data.items():
+        assert p.put(n, v).status is BlockStatus.WRITTEN
+    assert p.names() == sorted(data)
+    for n, v in data.items():
+        assert p.get(n).payload == v
+    assert p.delete("req-0").status is BlockStatus.DELETED
+    assert p.get("req-0").status is BlockStatus.LOST and p.names() == sorted(data)[1:]
+    with pytest.raises(ValueError, match="object name"):
+        p.put("../escape", b"x")
+    # lease expires without renewal and is taken over: the old holder can no longer write
+    clock.t += 31
+    q = PrivatePrefix.open(store, "worker-0", "b", lease_config=cfg, clock=clock, renew=False)
+    r = p.put("req-1", rng.randbytes(10))
+    assert r.status is BlockStatus.SKIPPED and "lease" in r.reason
+    assert q.get("req-1").payload == data["req-1"]  # the taker reads what the first one wrote
+    assert q.clear() == 3 and q.names() == []
+    q.close()
+
+
+def test_sweeper_caps_shared_bytes_lru_and_only_the_leader_sweeps(seaweed):  # noqa: F811
+    rng = random.Random(14)
+    prefix = "t-" + uuid.uuid4().hex[:10]
+    clock = FakeClock(2_000_000_000.0)  # in the future of every object's last-modified time
+    root = rng.randbytes(16)
+    s = SharedBlockStore(seaweed.store(prefix), root, b"g")
+    keys = [rkey(rng) for _ in range(10)]
+    vals = [rng.randbytes(10_000) for _ in keys]
+    for k, v in zip(keys, vals, strict=True):
+        assert s.publish(k, v).status is BlockStatus.WRITTEN
+    size = s.object_size(keys[0], 10_000)
+    cap = size * 6
+    cfg = LeaseConfig(ttl_s=30, renew_every_s=10, safety_s=2)
+    leader = Sweeper(s.store, "w0", SweeperConfig(cap_bytes=cap, low_fraction=0.5),
+                     lease_config=cfg, clock=clock)
+    other = Sweeper(s.store, "w1", SweeperConfig(cap_bytes=cap, low_fraction=0.5),
+                    lease_config=cfg, clock=clock)
+    # hits on the first three written (read by another worker) make them the most recently used
+    log = HitLog("w2")
+    reader = SharedBlockStore(s.store, root, b"g", on_hit=log.hook(root, clock))
+    reader.refresh_index()
+    for k, v in zip(keys[:3], vals[:3], strict=True):
+        assert reader.fetch(k).payload == v
+    assert log.flush(s.store)
+    assert leader.leader() and not other.leader()
+    assert other.sweep_once() is None
+    res = leader.sweep_once()
+    assert res.total_before == 10 * size and res.total_after <= cap * 0.5
+    assert res.deleted == 7 and res.hit_reports == 1
+    s.known = type(s.known)(100)
+    assert s.refresh_index() == 3
+    for k, v in zip(keys[:3], vals[:3], strict=True):
+        assert s.fetch(k).payload == v  # the hit blocks survived
+    for k in keys[3:]:
+        assert s.fetch(k).status is BlockStatus.LOST  # a miss, never wrong bytes
+    # under the cap, a pass deletes nothing
+    again = leader.sweep_once()
+    assert again.deleted == 0 and again.total_after == 3 * size
+    leader.close()
+
+
+def test_zarr_over_the_same_store(seaweed):  # noqa: F811
+    import zarr
+
+    zs = open_zarr_store(seaweed.url(), seaweed.options(), timeout_s=5.0)
+    rng = np.random.default_rng(15)
+    a = rng.standard_normal((64, 32)).astype(np.float32)
+    arr = zarr.create_array(zs, name="x", shape=a.shape, chunks=(16, 32), dtype=a.dtype)
+    arr[:] = a
+    back = zarr.open_array(zs, path="x")[:]
+    assert np.array_equal(back, a)
+
+
+def test_wrong_credentials_raise_unavailable_at_start(seaweed):  # noqa: F811
+    from tiering.coldtier import open_s3_store
+
+    with pytest.raises(ColdTierUnavailable, match="PermissionDenied|Unauthenticated|403"):
+        open_s3_store(seaweed.url(), seaweed.options(secret="wrong"), timeout_s=5.0)
+
+
+def test_held_zarr_prefix_is_exclusive(seaweed):  # noqa: F811
+    import zarr
+
+    from tiering.coldtier import hold_zarr_prefix
+
+    url = seaweed.url()
+    cfg = LeaseConfig(ttl_s=30, renew_every_s=10, safety_s=2)
+    a = hold_zarr_prefix(url, seaweed.options(), owner="disk-a", lease_config=cfg, timeout_s=5.0)
+    try:
+        with pytest.raises(LeaseHeld, match="disk-a"):
+            hold_zarr_prefix(url, seaweed.options(), owner="disk-b", lease_config=cfg, timeout_s=5.0)
+        data = np.random.default_rng(16).standard_normal((8, 8)).astype(np.float32)
+        arr = zarr.create_array(a.zarr_store, name="kv", shape=data.shape, chunks=(4, 8), dtype=data.dtype)
+        arr[:] = data
+    finally:
+        a.close()
+    b = hold_zarr_prefix(url, seaweed.options(), owner="disk-b", lease_config=cfg, timeout_s=5.0,
+                         renew=False)
+    assert np.array_equal(zarr.open_array(b.zarr_store, path="kv")[:], data)
+    b.close()

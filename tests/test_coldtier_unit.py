@@ -1,0 +1,373 @@
+"""Cold tier pieces that need no server: the frame, URL and options parsing, the breaker, the
+local cache of known blocks, config validation, and the start-up error for a dead endpoint."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from tiering.coldtier import (
+    BreakerConfig,
+    BreakerState,
+    CircuitBreaker,
+    ColdTierConfig,
+    ColdTierUnavailable,
+    FrameRefused,
+    KnownBlocks,
+    LeaseConfig,
+    SweeperConfig,
+    frame,
+    open_s3_store,
+    parse_s3_url,
+    unframe,
+)
+from tiering.coldtier.frame import KIND_BLOCK, KIND_PRIVATE, framed_size
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def rbytes(rng: random.Random, n: int) -> bytes:
+    return rng.randbytes(n)
+
+
+# -- frame ------------------------------------------------------------------------------------
+def test_frame_round_trip_is_bitwise_and_unpadded():
+    rng = random.Random(1)
+    for n in (1, 17, 4096, 100_003):
+        key, root, geom, payload = rbytes(rng, 32), rbytes(rng, 16), rbytes(rng, 8), rbytes(rng, n)
+        data = frame(KIND_BLOCK, key, root, geom, payload)
+        assert len(data) == framed_size(key, root, geom, n)
+        assert len(data) - n < 128  # header + ids + crc only: no padding of small blocks
+        assert bytes(unframe(KIND_BLOCK, data, key, root, geom)) == payload
+
+
+def test_frame_refuses_foreign_truncated_and_damaged_objects():
+    rng = random.Random(2)
+    key, root, geom, payload = rbytes(rng, 32), rbytes(rng, 16), rbytes(rng, 8), rbytes(rng, 5000)
+    data = frame(KIND_BLOCK, key, root, geom, payload)
+    cases = {
+        "another key": (data, rbytes(rng, 32), root, geom, KIND_BLOCK, "expected"),
+        "another root": (data, key, rbytes(rng, 16), geom, KIND_BLOCK, "another root"),
+        "another geometry": (data, key, root, rbytes(rng, 8), KIND_BLOCK, "another geometry"),
+        "another kind": (data, key, root, geom, KIND_PRIVATE, "kind"),
+        "truncated": (data[:-100], key, root, geom, KIND_BLOCK, "truncated"),
+        "extended": (data + b"\x01", key, root, geom, KIND_BLOCK, "truncated or extended"),
+        "tiny": (data[:10], key, root, geom, KIND_BLOCK, "shorter than a frame"),
+        "foreign": (b"PK\x03\x04" + data[4:], key, root, geom, KIND_BLOCK, "magic"),
+    }
+    for name, (d, k, r, g, kind, msg) in cases.items():
+        with pytest.raises(FrameRefused, match=msg):
+            unframe(kind, d, k, r, g)
+        assert name
+    # one flipped payload bit anywhere is caught by the crc
+    for pos in rng.sample(range(len(data) - 4), 20):
+        bad = bytearray(data)
+        bad[pos] ^= 1 << rng.randrange(8)
+        with pytest.raises(FrameRefused):
+            unframe(KIND_BLOCK, bytes(bad), key, root, geom)
+
+
+def test_frame_bad_input_names_the_field():
+    with pytest.raises(ValueError, match="key must not be empty"):
+        frame(KIND_BLOCK, b"", b"r", b"", b"x")
+    with pytest.raises(ValueError, match="root must be bytes"):
+        frame(KIND_BLOCK, b"k", "r", b"", b"x")
+
+
+# -- URL, options, start-up -------------------------------------------------------------------
+def test_parse_s3_url():
+    assert parse_s3_url("s3://bucket/a/b/") == ("bucket", "a/b")
+    assert parse_s3_url("s3://bucket") == ("bucket", "")
+    for bad, msg in [("file:///tmp/x", "scheme"), ("s3:///x", "no bucket"),
+                     ("s3://b/a//c", "empty or relative"), ("s3://b/../c", "empty or relative"),
+                     ("s3://b/a?x=1", "query")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_s3_url(bad)
+
+
+def test_unknown_storage_option_is_named():
+    with pytest.raises(ValueError, match="'endpiont'"):
+        open_s3_store("s3://b/p", {"endpiont": "http://127.0.0.1:1"})
+    with pytest.raises(ValueError, match="timeout_s"):
+        open_s3_store("s3://b/p", {"timeout_s": -1})
+    with pytest.raises(ValueError, match=r"client_kwargs.*'verify'"):
+        open_s3_store("s3://b/p", {"client_kwargs": {"verify": False}})
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again: nothing listens there
+
+
+def test_unreachable_store_raises_the_tiers_own_error_at_start():
+    port = _dead_port()
+    opts = {"endpoint_url": f"http://127.0.0.1:{port}", "region": "us-east-1", "key": "k",
+            "secret": "s"}
+    with pytest.raises(ColdTierUnavailable, match=f"127.0.0.1:{port}"):
+        open_s3_store("s3://bucket/prefix", opts, timeout_s=2.0, max_retries=0)
+    # fsspec-style client_kwargs are understood the same way
+    with pytest.raises(ColdTierUnavailable):
+        open_s3_store("s3://bucket/prefix", {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+                                              "key": "k", "secret": "s", "region": "us-east-1"},
+                      timeout_s=2.0, max_retries=0)
+    # without the check, opening does no I/O and succeeds (the lead may defer the probe)
+    assert open_s3_store("s3://bucket/prefix", opts, check=False) is not None
+
+
+def test_configs_validate():
+    with pytest.raises(ValueError, match="io_threads"):
+        ColdTierConfig(io_threads=0)
+    with pytest.raises(ValueError, match="known_capacity"):
+        ColdTierConfig(known_capacity=-3)
+    with pytest.raises(ValueError, match="failure_threshold"):
+        BreakerConfig(failure_threshold=0)
+    with pytest.raises(ValueError, match="cooldown_s"):
+        BreakerConfig(cooldown_s=0)
+    with pytest.raises(ValueError, match="ttl_s"):
+        LeaseConfig(ttl_s=5, renew_every_s=4, safety_s=2)
+    with pytest.raises(ValueError, match="cap_bytes"):
+        SweeperConfig(cap_bytes=0)
+    with pytest.raises(ValueError, match="low_fraction"):
+        SweeperConfig(cap_bytes=10, low_fraction=1.5)
+
+
+# -- known-blocks cache -----------------------------------------------------------------------
+def test_known_blocks_is_bounded_lru():
+    rng = random.Random(3)
+    kb = KnownBlocks(8)
+    keys = [rbytes(rng, 16) for _ in range(20)]
+    for k in keys[:8]:
+        kb.add(k, 100)
+        kb.check_integrity()
+    assert keys[0] in kb  # touch: keys[1] is now the oldest
+    kb.add(keys[8], 100)
+    kb.check_integrity()
+    assert keys[0] in kb and keys[1] not in kb and len(kb) == 8
+    for k in keys[9:]:
+        kb.add(k, 5)
+        kb.check_integrity()
+    assert len(kb) == 8 and set(kb.keys()) == set(keys[12:])
+    with pytest.raises(ValueError, match="capacity"):
+        KnownBlocks(0)
+
+
+# -- circuit breaker (state machine against a model) ------------------------------------------
+class BreakerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.cfg = BreakerConfig(failure_threshold=2, cooldown_s=5.0)
+        self.b = CircuitBreaker(self.cfg, clock=self.clock)
+        self.state = "closed"
+        self.fails = 0
+        self.opened_at = 0.0
+        self.trial = False
+        self.opens = 0
+
+    @rule(dt=st.floats(0, 8))
+    def tick(self, dt):
+        self.clock.t += dt
+
+    @rule()
+    def allow(self):
+        got = self.b.allow()
+        if self.state == "open" and self.clock.t - self.opened_at >= 5.0:
+            self.state, self.trial = "half", False
+        if self.state == "closed":
+            want = True
+        elif self.state == "half" and not self.trial:
+            self.trial, want = True, True
+        else:
+            want = False
+        assert got == want
+
+    @rule()
+    def success(self):
+        self.b.record_success()
+        self.state, self.fails, self.trial = "closed", 0, False
+
+    @rule()
+    def failure(self):
+        self.b.record_failure()
+        self.fails += 1
+        if self.state == "half" or (self.state == "closed" and self.fails >= 2):
+            self.state, self.opened_at, self.trial = "open", self.clock.t, False
+            self.opens += 1
+
+    @invariant()
+    def agrees(self):
+        self.b.check_integrity()
+        names = {"closed": BreakerState.CLOSED, "open": BreakerState.OPEN, "half": BreakerState.HALF_OPEN}
+        assert self.b.state is names[self.state]
+        assert self.b.stats().opened == self.opens
+
+
+TestBreakerMachine = BreakerMachine.TestCase
+TestBreakerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_breaker_opens_once_and_refuses_without_io():
+    clock = FakeClock()
+    b = CircuitBreaker(BreakerConfig(failure_threshold=1, cooldown_s=3), clock=clock)
+    assert b.allow()
+    b.record_failure()
+    assert [b.allow() for _ in range(5)] == [False] * 5
+    assert b.stats().refused == 5 and b.stats().opened == 1
+    clock.t += 3
+    assert b.allow() and not b.allow()  # one trial only
+    b.record_success()
+    assert b.allow() and b.state is BreakerState.CLOSED
+
+
+# -- leases (state machine on obstore's in-memory store, which honours the same preconditions) --
+class LeaseMachine(RuleBasedStateMachine):
+    """Three workers acquire, renew, release and wait on one lease; at no time do two of them
+    believe they hold it, and a live lease is never taken over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from obstore.store import MemoryStore
+
+        from tiering.coldtier import Lease
+
+        self.clock = FakeClock(0.0)
+        self.store = MemoryStore()
+        cfg = LeaseConfig(ttl_s=30, renew_every_s=10, safety_s=2)
+        self.leases = [Lease(self.store, "p/LEASE", f"w{i}", config=cfg, clock=self.clock,
+                             token_factory=lambda i=i: f"t{i}") for i in range(3)]
+        self.expires = 0.0  # when the lease on the store expires (model)
+        self.holder: int | None = None  # who wrote it last (model)
+
+    @rule(dt=st.floats(0, 20))
+    def tick(self, dt):
+        self.clock.t += dt
+
+    @rule(i=st.integers(0, 2))
+    def acquire(self, i):
+        from tiering.coldtier import LeaseHeld
+
+        live = self.holder is not None and self.clock.t < self.expires
+        try:
+            self.leases[i].acquire()
+        except LeaseHeld as exc:
+            assert live, "refused a free or expired lease"
+            assert f"'w{self.holder}'" in str(exc)  # the message names the holder
+            return
+        assert not live, "took over a live lease"
+        for j, other in enumerate(self.leases):
+            if j != i and other.info is not None:
+                assert not other.renew(), "an old holder renewed after a takeover"
+        self.holder, self.expires = i, self.clock.t + 30
+
+    @rule(i=st.integers(0, 2))
+    def renew(self, i):
+        mine = self.holder == i and self.leases[i].info is not None
+        ok = self.leases[i].renew()
+        assert ok == mine  # only the last writer's ETag still matches
+        if ok:
+            self.expires = self.clock.t + 30
+
+    @rule(i=st.integers(0, 2))
+    def release(self, i):
+        if self.leases[i].release():
+            assert self.holder == i
+            self.holder, self.expires = None, 0.0
+
+    @invariant()
+    def one_holder_at_most(self):
+        held = [i for i, lease in enumerate(self.leases) if lease.held]
+        assert len(held) <= 1, held
+        if held:
+            assert held == [self.holder] and self.clock.t < self.expires
+        for lease in self.leases:
+            lease.check_integrity()
+
+
+TestLeaseMachine = LeaseMachine.TestCase
+TestLeaseMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_keeper_renews_until_stopped_and_stops_when_lost():
+    import threading
+
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import Lease, LeaseKeeper
+
+    store = MemoryStore()
+    clock = FakeClock(0.0)
+    cfg = LeaseConfig(ttl_s=1.0, renew_every_s=0.05, safety_s=0.1)
+    lease = Lease(store, "L", "w0", config=cfg, clock=clock)
+    lease.acquire()
+    events: list[bool] = []
+    two = threading.Event()
+
+    def seen(ok: bool) -> None:
+        events.append(ok)
+        if len(events) >= 2:
+            two.set()
+
+    keeper = LeaseKeeper(lease, on_renew=seen).start()
+    assert two.wait(10), "the keeper did not renew"
+    keeper.stop()
+    assert events[:2] == [True, True] and keeper.renewals >= 2
+    # the lease is taken over behind its back: the next renewal fails and the keeper ends
+    clock.t += 2.0
+    Lease(store, "L", "w1", config=cfg, clock=clock).acquire()
+    lost = threading.Event()
+    keeper = LeaseKeeper(lease, on_renew=lambda ok: ok or lost.set()).start()
+    assert lost.wait(10)
+    keeper._thread.join(10)
+    assert not keeper._thread.is_alive() and lease.info is None and not lease.held
+
+
+def test_fsspec_urls_keep_working():
+    import numpy as np
+    import zarr
+
+    from tiering.coldtier import open_zarr_store
+
+    zs = open_zarr_store("memory://coldtier-test/x")
+    data = np.random.default_rng(4).standard_normal(16).astype(np.float32)
+    arr = zarr.create_array(zs, name="y", shape=data.shape, dtype=data.dtype)
+    arr[:] = data
+    assert type(zs).__name__ == "FsspecStore"
+    assert np.array_equal(zarr.open_array(zs, path="y")[:], data)
+
+
+def test_bad_block_input_raises_and_writes_nothing():
+    import obstore
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import BlockQueue, BlockStatus, SharedBlockStore
+
+    rng = random.Random(5)
+    store = MemoryStore()
+    s = SharedBlockStore(store, rng.randbytes(16), b"g", config=ColdTierConfig(max_block_bytes=1000))
+    with pytest.raises(ValueError, match="max_block_bytes"):
+        s.publish(rng.randbytes(32), rng.randbytes(1001))
+    with pytest.raises(ValueError, match="block key"):
+        s.publish("not-bytes", rng.randbytes(10))
+    q = BlockQueue(s)
+    with pytest.raises(ValueError, match="block key"):
+        q.submit_fetch(b"")
+    assert [m for c in obstore.list(store) for m in c] == [] and len(s.known) == 0
+    # and the in-memory store behaves like the server for a real round trip
+    k, v = rng.randbytes(32), rng.randbytes(999)
+    assert s.publish(k, v).status is BlockStatus.WRITTEN
+    assert s.publish(k, v).status is BlockStatus.DUPLICATE
+    assert s.fetch(k).payload == v
+    s.check_integrity()
+    q.close(5)

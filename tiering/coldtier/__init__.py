@@ -1,0 +1,35 @@
+"""A cold tier on an object store, shared by many workers.
+
+- :func:`open_s3_store` opens ``s3://bucket/prefix`` with ``storage_options`` (obstore client);
+  an unreachable store raises :class:`ColdTierUnavailable` at start-up.
+- :class:`SharedBlockStore` / :class:`BlockQueue`: published, content-addressed, write-once
+  blocks, checked on read; the step path enqueues and polls, worker threads do the I/O.
+- :class:`PrivatePrefix`: a worker's own offloads under a prefix it holds by a lease object.
+- :class:`Sweeper`: the cap on shared bytes, enforced by one elected worker (LRU).
+- :class:`CircuitBreaker`: a store that stops answering is skipped until it answers again.
+"""
+
+from .blocks import (
+    BlockQueue,
+    BlockResult,
+    BlockStatus,
+    ColdTierConfig,
+    KnownBlocks,
+    SharedBlockStore,
+    block_path,
+)
+from .breaker import BreakerConfig, BreakerState, CircuitBreaker
+from .errors import ColdTierError, ColdTierUnavailable, LeaseHeld, LeaseLost
+from .frame import FrameRefused, frame, unframe
+from .lease import Lease, LeaseConfig, LeaseInfo, LeaseKeeper
+from .private import HeldPrefix, PrivatePrefix, hold_zarr_prefix
+from .s3 import S3Location, open_s3_store, open_zarr_store, parse_s3_url, probe
+from .sweeper import HitLog, Sweeper, SweeperConfig, SweepResult
+
+__all__ = [
+    "BlockQueue", "BlockResult", "BlockStatus", "BreakerConfig", "BreakerState", "CircuitBreaker",
+    "ColdTierConfig", "ColdTierError", "ColdTierUnavailable", "FrameRefused", "HitLog",
+    "KnownBlocks", "Lease", "LeaseConfig", "LeaseHeld", "LeaseInfo", "LeaseKeeper", "LeaseLost",
+    "HeldPrefix", "PrivatePrefix", "hold_zarr_prefix", "S3Location", "SharedBlockStore", "SweepResult", "Sweeper", "SweeperConfig",
+    "block_path", "frame", "open_s3_store", "open_zarr_store", "parse_s3_url", "probe", "unframe",
+]

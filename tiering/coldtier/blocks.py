@@ -1,0 +1,358 @@
+"""Shared, content-addressed blocks on an object store.
+
+A published block is a write-once object named ``blocks/<root hex>/<key hex>`` (relative to the
+store's prefix), framed with its key, root and geometry and a crc32c (:mod:`.frame`), written by
+create-if-absent. Any worker with the same root reads what another wrote; a duplicate write is
+refused by the store and counted as harmless. There is no manifest: the objects under a root's
+prefix are the index, and a list of that prefix (``refresh_index``) is how a worker learns what
+others published. What a worker knows exists is kept in a bounded local LRU
+(:class:`KnownBlocks`); the step path only asks that cache, so a miss in it is a miss, never a
+network round trip.
+
+:class:`SharedBlockStore` does the I/O synchronously and never raises for a store fault: it
+returns a result whose status says what happened. :class:`BlockQueue` is what the step path
+uses: ``submit_*`` only enqueue (False when refused), worker threads run the I/O with the
+client's timeouts, ``poll`` hands back finished results without waiting. A
+:class:`CircuitBreaker` in front of every request means a store that stopped answering costs
+one timeout, after which queued requests are skipped at once until the cooldown's trial succeeds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+from ._io import Fault, classify, short
+from .breaker import BreakerConfig, CircuitBreaker
+from .frame import KIND_BLOCK, FrameRefused, frame, framed_size, unframe
+
+__all__ = ["BlockQueue", "BlockResult", "BlockStatus", "ColdTierConfig", "KnownBlocks",
+           "SharedBlockStore", "block_path"]
+
+
+class BlockStatus(str, Enum):
+    WRITTEN = "written"  # this worker created the object
+    DUPLICATE = "duplicate"  # it was already there (harmless)
+    HIT = "hit"  # read back and checked; payload holds the bytes
+    LOST = "lost"  # missing, or refused by the frame check; reason says which
+    UNAVAILABLE = "unavailable"  # transient fault: the block is left where it is, retry later
+    SKIPPED = "skipped"  # the breaker is open: no request was made
+    DELETED = "deleted"
+    LISTED = "listed"  # a refresh of the known cache finished
+
+
+class BlockResult(NamedTuple):
+    op: str  # "publish" | "fetch" | "delete"
+    key: bytes
+    status: BlockStatus
+    payload: bytes | None = None
+    nbytes: int = 0  # object bytes written or read
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ColdTierConfig:
+    """Knobs of a worker's view of the shared tier (validated here)."""
+
+    io_threads: int = 4
+    max_queued: int = 256  # submit_* refuse (False) beyond this many unfinished requests
+    known_capacity: int = 65536  # entries of the local cache of blocks known to exist
+    max_block_bytes: int = 256 << 20
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("io_threads", "max_queued", "known_capacity", "max_block_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ColdTierConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.breaker, BreakerConfig):
+            raise ValueError(f"ColdTierConfig.breaker must be a BreakerConfig, got {type(self.breaker).__name__}")
+
+
+def block_path(root: bytes, key: bytes) -> str:
+    return f"blocks/{bytes(root).hex()}/{bytes(key).hex()}"
+
+
+class KnownBlocks:
+    """A bounded LRU of block keys known to exist in the shared tier, with their object sizes."""
+
+    def __init__(self, capacity: int) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"KnownBlocks capacity must be an int >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._d: OrderedDict[bytes, int] = OrderedDict()
+
+    def add(self, key: bytes, size: int) -> None:
+        with self._lock:
+            self._d[key] = size
+            self._d.move_to_end(key)
+            while len(self._d) > self.capacity:
+                self._d.popitem(last=False)
+
+    def discard(self, key: bytes) -> None:
+        with self._lock:
+            self._d.pop(key, None)
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            if key in self._d:
+                self._d.move_to_end(key)
+                return True
+            return False
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._d)
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._d)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert len(self._d) <= self.capacity, f"{len(self._d)} entries over capacity {self.capacity}"
+            assert all(isinstance(k, bytes) and s > 0 for k, s in self._d.items())
+
+
+class SharedBlockStore:
+    """Synchronous block I/O for one root and geometry; store faults come back as statuses."""
+
+    def __init__(self, store, root: bytes, geometry: bytes, *, config: ColdTierConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic, breaker: CircuitBreaker | None = None,
+                 on_hit: Callable[[bytes], None] | None = None) -> None:
+        if not isinstance(root, bytes) or not isinstance(geometry, bytes):
+            raise ValueError("SharedBlockStore root and geometry must be bytes")
+        self.store = store
+        self.root = root
+        self.geometry = geometry
+        self.config = config or ColdTierConfig()
+        self.breaker = breaker or CircuitBreaker(self.config.breaker, clock=clock)
+        self.known = KnownBlocks(self.config.known_capacity)
+        self._on_hit = on_hit
+        self._prefix = f"blocks/{root.hex()}/"
+
+    # -- operations -------------------------------------------------------------------------
+    def publish(self, key: bytes, payload) -> BlockResult:
+        key = self._key(key)
+        nbytes = memoryview(payload).nbytes
+        if nbytes > self.config.max_block_bytes:
+            raise ValueError(f"block {key.hex()} is {nbytes} bytes; max_block_bytes is {self.config.max_block_bytes}")
+        data = frame(KIND_BLOCK, key, self.root, self.geometry, payload)
+        if not self.breaker.allow():
+            return BlockResult("publish", key, BlockStatus.SKIPPED, reason="store not answering")
+        import obstore
+
+        try:
+            obstore.put(self.store, block_path(self.root, key), data, mode="create")
+        except Exception as exc:
+            fault = classify(exc)
+            if fault is Fault.EXISTS or fault is Fault.PRECONDITION:
+                self.breaker.record_success()
+                self.known.add(key, len(data))
+                return BlockResult("publish", key, BlockStatus.DUPLICATE, nbytes=0)
+            self.breaker.record_failure()
+            return BlockResult("publish", key, BlockStatus.UNAVAILABLE, reason=short(exc))
+        self.breaker.record_success()
+        self.known.add(key, len(data))
+        return BlockResult("publish", key, BlockStatus.WRITTEN, nbytes=len(data))
+
+    def fetch(self, key: bytes) -> BlockResult:
+        key = self._key(key)
+        if not self.breaker.allow():
+            return BlockResult("fetch", key, BlockStatus.SKIPPED, reason="store not answering")
+        import obstore
+
+        path = block_path(self.root, key)
+        try:
+            raw = obstore.get(self.store, path).bytes()
+        except Exception as exc:
+            if classify(exc) is Fault.MISSING:
+                self.breaker.record_success()
+                self.known.discard(key)
+                return BlockResult("fetch", key, BlockStatus.LOST, reason="missing")
+            self.breaker.record_failure()
+            return BlockResult("fetch", key, BlockStatus.UNAVAILABLE, reason=short(exc))
+        self.breaker.record_success()
+        try:
+            payload = bytes(unframe(KIND_BLOCK, raw, key, self.root, self.geometry))
+        except FrameRefused as exc:
+            self.known.discard(key)
+            self._remove_bad(path)
+            return BlockResult("fetch", key, BlockStatus.LOST, nbytes=len(raw), reason=f"refused: {exc}")
+        self.known.add(key, len(raw))
+        if self._on_hit is not None:
+            self._on_hit(key)
+        return BlockResult("fetch", key, BlockStatus.HIT, payload=payload, nbytes=len(raw))
+
+    def delete(self, key: bytes) -> BlockResult:
+        key = self._key(key)
+        self.known.discard(key)
+        if not self.breaker.allow():
+            return BlockResult("delete", key, BlockStatus.SKIPPED, reason="store not answering")
+        import obstore
+
+        try:
+            obstore.delete(self.store, block_path(self.root, key))
+        except Exception as exc:
+            if classify(exc) is not Fault.MISSING:
+                self.breaker.record_failure()
+                return BlockResult("delete", key, BlockStatus.UNAVAILABLE, reason=short(exc))
+        self.breaker.record_success()
+        return BlockResult("delete", key, BlockStatus.DELETED)
+
+    def refresh_index(self, limit: int | None = None) -> int | None:
+        """List this root's prefix into the known cache (newest last); how many were seen, or None
+        when the store did not answer. Bounded by the cache's capacity unless ``limit`` is less."""
+        if not self.breaker.allow():
+            return None
+        import obstore
+
+        seen: list[tuple[float, bytes, int]] = []
+        try:
+            for chunk in obstore.list(self.store, prefix=self._prefix, chunk_size=1000):
+                for meta in chunk:
+                    name = meta["path"].rsplit("/", 1)[-1]
+                    try:
+                        key = bytes.fromhex(name)
+                    except ValueError:
+                        continue
+                    seen.append((meta["last_modified"].timestamp(), key, int(meta["size"])))
+        except Exception as exc:
+            if classify(exc) is not Fault.MISSING:
+                self.breaker.record_failure()
+                return None
+        self.breaker.record_success()
+        seen.sort()
+        cap = min(self.known.capacity, limit or self.known.capacity)
+        for _, key, size in seen[-cap:]:
+            self.known.add(key, size)
+        return len(seen)
+
+    def object_size(self, key: bytes, payload_len: int) -> int:
+        return framed_size(self._key(key), self.root, self.geometry, payload_len)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _key(self, key) -> bytes:
+        if not isinstance(key, bytes) or not key:
+            raise ValueError(f"block key must be non-empty bytes, got {key!r:.60}")
+        return key
+
+    def _remove_bad(self, path: str) -> None:
+        """A refused object can never become right (objects are write-once): delete it so the
+        block can be published again. Best effort."""
+        import obstore
+
+        try:
+            obstore.delete(self.store, path)
+        except Exception:
+            pass
+
+    def check_integrity(self) -> None:
+        self.known.check_integrity()
+        self.breaker.check_integrity()
+
+
+class BlockQueue:
+    """The step path's side: enqueue publishes and fetches, poll results; never waits on I/O."""
+
+    def __init__(self, blocks: SharedBlockStore) -> None:
+        self.blocks = blocks
+        self._pool = ThreadPoolExecutor(blocks.config.io_threads, thread_name_prefix="coldtier")
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._pending: dict[tuple[str, bytes], Future] = {}
+        self._done: list[BlockResult] = []
+        self._closed = False
+
+    def submit_publish(self, key: bytes, payload) -> bool:
+        """Queue a publish; False (nothing queued) if the block is known to exist, the same
+        request is queued, the queue is full, or the breaker is open."""
+        key = self.blocks._key(key)
+        if key in self.blocks.known:
+            return False
+        data = bytes(memoryview(payload).cast("B"))  # the caller may reuse its buffer
+        return self._submit(("publish", key), lambda: self.blocks.publish(key, data))
+
+    def submit_fetch(self, key: bytes) -> bool:
+        """Queue a reload of a block known to exist; False on a local miss (no network asked),
+        a full queue or an open breaker."""
+        key = self.blocks._key(key)
+        if key not in self.blocks.known:
+            return False
+        return self._submit(("fetch", key), lambda: self.blocks.fetch(key))
+
+    def submit_refresh(self) -> bool:
+        """Queue a listing of the root's prefix into the known cache (run it on a timer); its
+        result has op "refresh", status LISTED (nbytes = objects seen) or UNAVAILABLE."""
+        def run() -> BlockResult:
+            n = self.blocks.refresh_index()
+            if n is None:
+                return BlockResult("refresh", b"", BlockStatus.UNAVAILABLE, reason="list failed")
+            return BlockResult("refresh", b"", BlockStatus.LISTED, nbytes=n)
+
+        return self._submit(("refresh", b""), run)
+
+    def submit_delete(self, key: bytes) -> bool:
+        key = self.blocks._key(key)
+        return self._submit(("delete", key), lambda: self.blocks.delete(key))
+
+    def _submit(self, tag: tuple[str, bytes], fn) -> bool:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("BlockQueue is closed")
+            if tag in self._pending or len(self._pending) >= self.blocks.config.max_queued:
+                return False
+            if not self.blocks.breaker.would_allow():
+                return False
+            fut = self._pool.submit(fn)
+            self._pending[tag] = fut
+        fut.add_done_callback(lambda f, tag=tag: self._finish(tag, f))
+        return True
+
+    def _finish(self, tag: tuple[str, bytes], fut: Future) -> None:
+        try:
+            res = fut.result()
+        except Exception as exc:  # a bug, not a store fault: report it as a lost request
+            res = BlockResult(tag[0], tag[1], BlockStatus.UNAVAILABLE, reason=f"internal: {short(exc)}")
+        with self._lock:
+            self._pending.pop(tag, None)
+            self._done.append(res)
+            self._changed.notify_all()
+
+    def poll(self) -> list[BlockResult]:
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def drain(self, timeout_s: float) -> list[BlockResult]:
+        """Wait (bounded by ``timeout_s``) until nothing is queued, then poll. For tests,
+        shutdown and benchmarks; the step path uses poll."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._pending, timeout=timeout_s)
+        return self.poll()
+
+    def close(self, timeout_s: float = 30.0) -> list[BlockResult]:
+        res = self.drain(timeout_s)
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        return res
+
+    def check_integrity(self) -> None:
+        self.blocks.check_integrity()
+        with self._lock:
+            assert len(self._pending) <= self.blocks.config.max_queued
+
+

@@ -1,0 +1,219 @@
+"""A lease object that gives one worker a prefix exclusively, by conditional put.
+
+The lease is a small JSON object ``{"owner", "token", "expires_at"}`` at a fixed path. Acquire
+writes it by create-if-absent; if one is there and has expired on the (injected, wall) clock,
+it is taken over by a put conditioned on the ETag that was read, so of two workers racing for
+an expired lease exactly one wins. Renewal is the same ETag-conditioned put; a renewal refused
+with 412 means another worker took the lease over, and this worker must stop writing
+(:meth:`Lease.renew` returns False and :attr:`Lease.held` turns False). Release overwrites the
+lease, conditioned on its ETag, with an already expired one (never a blind delete, which could
+remove a successor's lease).
+
+Workers compare ``expires_at`` from different hosts, so their clocks must agree to well within
+``ttl_s - renew_every_s``; a worker treats its own lease as held only until
+``expires_at - safety_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ._io import Fault, classify, short
+from .errors import ColdTierUnavailable, LeaseHeld
+
+__all__ = ["Lease", "LeaseConfig", "LeaseInfo", "LeaseKeeper"]
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    ttl_s: float = 30.0
+    renew_every_s: float = 10.0
+    safety_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("ttl_s", "renew_every_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"LeaseConfig.{name} must be > 0, got {v!r}")
+        if not (isinstance(self.safety_s, (int, float)) and 0 <= self.safety_s):
+            raise ValueError(f"LeaseConfig.safety_s must be >= 0, got {self.safety_s!r}")
+        if self.renew_every_s + self.safety_s >= self.ttl_s:
+            raise ValueError(
+                f"LeaseConfig: renew_every_s ({self.renew_every_s}) + safety_s ({self.safety_s}) "
+                f"must be less than ttl_s ({self.ttl_s})")
+
+
+class LeaseInfo(NamedTuple):
+    owner: str
+    token: str
+    expires_at: float
+    e_tag: str | None
+
+
+class Lease:
+    def __init__(self, store, path: str, owner: str, *, config: LeaseConfig | None = None,
+                 clock: Callable[[], float] = time.time,
+                 token_factory: Callable[[], str] = lambda: secrets.token_hex(8)) -> None:
+        if not isinstance(owner, str) or not owner or len(owner) > 200:
+            raise ValueError(f"lease owner must be a non-empty str of at most 200 chars, got {owner!r}")
+        if not isinstance(path, str) or not path or path.startswith("/"):
+            raise ValueError(f"lease path must be a relative object path, got {path!r}")
+        self.store = store
+        self.path = path
+        self.owner = owner
+        self.config = config or LeaseConfig()
+        self._clock = clock
+        self._token_factory = token_factory
+        self._lock = threading.Lock()
+        self._info: LeaseInfo | None = None
+        self.lost_reason = ""
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def info(self) -> LeaseInfo | None:
+        with self._lock:
+            return self._info
+
+    @property
+    def held(self) -> bool:
+        """Held and not within ``safety_s`` of expiry on our clock."""
+        with self._lock:
+            return self._info is not None and self._clock() < self._info.expires_at - self.config.safety_s
+
+    # -- operations -------------------------------------------------------------------------
+    def acquire(self) -> LeaseInfo:
+        """Take the lease; LeaseHeld if another worker holds it, ColdTierUnavailable if the store
+        does not answer. Takes over a lease that expired."""
+        import obstore
+
+        token = self._token_factory()
+        for _attempt in range(3):
+            body = self._body(token)
+            try:
+                res = obstore.put(self.store, self.path, body, mode="create")
+                return self._set(token, res)
+            except Exception as exc:
+                fault = classify(exc)
+                if fault not in (Fault.EXISTS, Fault.PRECONDITION):
+                    raise ColdTierUnavailable(f"cannot write lease {self.path}: {short(exc)}") from exc
+            current = self._read()
+            if current is None:
+                continue  # released and removed between our two requests: create again
+            if current.expires_at > self._clock():
+                raise LeaseHeld(
+                    f"prefix lease {self.path} is held by {current.owner!r} until "
+                    f"{current.expires_at:.3f} ({current.expires_at - self._clock():.1f} s from now)")
+            try:
+                res = obstore.put(self.store, self.path, self._body(token), mode={"e_tag": current.e_tag})
+                return self._set(token, res)
+            except Exception as exc:
+                if classify(exc) in (Fault.PRECONDITION, Fault.EXISTS):
+                    raise LeaseHeld(f"prefix lease {self.path}: another worker took the expired lease "
+                                    f"of {current.owner!r} first") from exc
+                raise ColdTierUnavailable(f"cannot take over lease {self.path}: {short(exc)}") from exc
+        raise LeaseHeld(f"prefix lease {self.path} keeps changing; try again")
+
+    def renew(self) -> bool:
+        """Extend the lease. False if it was lost (taken over, or never held); a transient store
+        fault also returns False but keeps the lease until its expiry (check :attr:`held`)."""
+        import obstore
+
+        with self._lock:
+            info = self._info
+        if info is None:
+            return False
+        try:
+            res = obstore.put(self.store, self.path, self._body(info.token), mode={"e_tag": info.e_tag})
+        except Exception as exc:
+            if classify(exc) in (Fault.PRECONDITION, Fault.MISSING, Fault.EXISTS):
+                with self._lock:
+                    self._info = None
+                    self.lost_reason = f"lease {self.path} was taken over"
+            return False
+        self._set(info.token, res)
+        return True
+
+    def release(self) -> bool:
+        """Give the lease up (an expired lease conditioned on our ETag); True if it was ours."""
+        import obstore
+
+        with self._lock:
+            info, self._info = self._info, None
+        if info is None:
+            return False
+        body = json.dumps({"owner": info.owner, "token": info.token, "expires_at": 0.0}).encode()
+        try:
+            obstore.put(self.store, self.path, body, mode={"e_tag": info.e_tag})
+        except Exception:
+            return False  # taken over already, or store away: it expires on its own
+        return True
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _body(self, token: str) -> bytes:
+        return json.dumps({"owner": self.owner, "token": token,
+                           "expires_at": self._clock() + self.config.ttl_s}).encode()
+
+    def _set(self, token: str, res) -> LeaseInfo:
+        info = LeaseInfo(self.owner, token, self._clock() + self.config.ttl_s, res.get("e_tag"))
+        with self._lock:
+            self._info = info
+            self.lost_reason = ""
+        return info
+
+    def _read(self) -> LeaseInfo | None:
+        import obstore
+
+        try:
+            got = obstore.get(self.store, self.path)
+            raw = bytes(got.bytes())
+            meta = got.meta
+        except Exception as exc:
+            if classify(exc) is Fault.MISSING:
+                return None
+            raise ColdTierUnavailable(f"cannot read lease {self.path}: {short(exc)}") from exc
+        try:
+            d = json.loads(raw)
+            return LeaseInfo(str(d["owner"]), str(d["token"]), float(d["expires_at"]), meta.get("e_tag"))
+        except (ValueError, KeyError, TypeError):
+            # an unreadable lease is treated as expired so it can be replaced (conditionally)
+            return LeaseInfo("<unreadable>", "", 0.0, meta.get("e_tag"))
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            if self._info is not None:
+                assert self._info.owner == self.owner and self._info.token
+
+
+class LeaseKeeper:
+    """Renews a lease every ``renew_every_s`` on a thread (waits on an Event, never spins)."""
+
+    def __init__(self, lease: Lease, *, on_renew: Callable[[bool], None] | None = None) -> None:
+        self.lease = lease
+        self._on_renew = on_renew
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="coldtier-lease", daemon=True)
+        self.renewals = 0
+
+    def start(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.lease.config.renew_every_s):
+            ok = self.lease.renew()
+            self.renewals += ok
+            if self._on_renew is not None:
+                self._on_renew(ok)
+            if not ok and self.lease.info is None:
+                return  # lost: nothing left to renew
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)

@@ -1,0 +1,166 @@
+"""A worker's private objects (its own request offloads) under a prefix it holds by lease.
+
+``PrivatePrefix.open`` takes the lease at ``private/<name>/LEASE`` (raising :class:`LeaseHeld`
+if another live worker holds it) and starts renewing it. Objects live at
+``private/<name>/obj/<object name>``, framed like blocks (bound to their name and the prefix)
+and written whole (never multipart, so an interrupted write leaves nothing behind). Every write
+first checks that the lease is still held; a worker whose lease was taken over gets a SKIPPED
+result with reason "lease not held" and writes nothing. ``delete`` removes an object the worker
+released; ``clear`` removes all of them (only while held).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from ._io import Fault, classify, short
+from .blocks import BlockResult, BlockStatus
+from .breaker import CircuitBreaker
+from .frame import KIND_PRIVATE, FrameRefused, frame, unframe
+from .lease import Lease, LeaseConfig, LeaseKeeper
+
+__all__ = ["HeldPrefix", "PrivatePrefix", "hold_zarr_prefix"]
+
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+def _check_name(what: str, name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"{what} {name!r} must be 1-200 characters of [A-Za-z0-9._-]")
+    return name
+
+
+class PrivatePrefix:
+    def __init__(self, store, name: str, owner: str, *, lease_config: LeaseConfig | None = None,
+                 clock: Callable[[], float] = time.time, breaker: CircuitBreaker | None = None,
+                 geometry: bytes = b"") -> None:
+        self.store = store
+        self.name = _check_name("private prefix", name)
+        self.base = f"private/{name}/"
+        self.lease = Lease(store, self.base + "LEASE", owner, config=lease_config, clock=clock)
+        self.breaker = breaker or CircuitBreaker(clock=time.monotonic)
+        self.geometry = geometry
+        self._keeper: LeaseKeeper | None = None
+
+    @classmethod
+    def open(cls, store, name: str, owner: str, *, renew: bool = True, **kwargs) -> PrivatePrefix:
+        p = cls(store, name, owner, **kwargs)
+        p.lease.acquire()
+        if renew:
+            p._keeper = LeaseKeeper(p.lease).start()
+        return p
+
+    def _path(self, obj: str) -> str:
+        return self.base + "obj/" + _check_name("object name", obj)
+
+    def put(self, obj: str, payload) -> BlockResult:
+        key = obj.encode()
+        path = self._path(obj)
+        data = frame(KIND_PRIVATE, key, self.base.encode(), self.geometry, payload)
+        if not self.lease.held:
+            return BlockResult("put", key, BlockStatus.SKIPPED, reason="lease not held")
+        if not self.breaker.allow():
+            return BlockResult("put", key, BlockStatus.SKIPPED, reason="store not answering")
+        import obstore
+
+        try:
+            obstore.put(self.store, path, data, mode="overwrite", use_multipart=False)
+        except Exception as exc:
+            self.breaker.record_failure()
+            return BlockResult("put", key, BlockStatus.UNAVAILABLE, reason=short(exc))
+        self.breaker.record_success()
+        return BlockResult("put", key, BlockStatus.WRITTEN, nbytes=len(data))
+
+    def get(self, obj: str) -> BlockResult:
+        key = obj.encode()
+        path = self._path(obj)
+        if not self.breaker.allow():
+            return BlockResult("get", key, BlockStatus.SKIPPED, reason="store not answering")
+        import obstore
+
+        try:
+            raw = obstore.get(self.store, path).bytes()
+        except Exception as exc:
+            if classify(exc) is Fault.MISSING:
+                self.breaker.record_success()
+                return BlockResult("get", key, BlockStatus.LOST, reason="missing")
+            self.breaker.record_failure()
+            return BlockResult("get", key, BlockStatus.UNAVAILABLE, reason=short(exc))
+        self.breaker.record_success()
+        try:
+            payload = bytes(unframe(KIND_PRIVATE, raw, key, self.base.encode(), self.geometry))
+        except FrameRefused as exc:
+            return BlockResult("get", key, BlockStatus.LOST, nbytes=len(raw), reason=f"refused: {exc}")
+        return BlockResult("get", key, BlockStatus.HIT, payload=payload, nbytes=len(raw))
+
+    def delete(self, obj: str) -> BlockResult:
+        key = obj.encode()
+        path = self._path(obj)
+        if not self.lease.held:
+            return BlockResult("delete", key, BlockStatus.SKIPPED, reason="lease not held")
+        import obstore
+
+        try:
+            obstore.delete(self.store, path)
+        except Exception as exc:
+            if classify(exc) is not Fault.MISSING:
+                return BlockResult("delete", key, BlockStatus.UNAVAILABLE, reason=short(exc))
+        return BlockResult("delete", key, BlockStatus.DELETED)
+
+    def names(self) -> list[str]:
+        import obstore
+
+        out: list[str] = []
+        for chunk in obstore.list(self.store, prefix=self.base + "obj/", chunk_size=1000):
+            out.extend(m["path"].rsplit("/", 1)[-1] for m in chunk)
+        return sorted(out)
+
+    def clear(self) -> int:
+        """Delete every object under the prefix (only while the lease is held); how many."""
+        if not self.lease.held:
+            return 0
+        names = self.names()
+        for n in names:
+            self.delete(n)
+        return len(names)
+
+    def close(self, *, clear: bool = False) -> None:
+        if self._keeper is not None:
+            self._keeper.stop()
+            self._keeper = None
+        if clear:
+            self.clear()
+        self.lease.release()
+
+
+class HeldPrefix(NamedTuple):
+    """A zarr store on a prefix this worker holds by lease (what the disk tier opens on s3://)."""
+
+    zarr_store: object
+    lease: Lease
+    keeper: LeaseKeeper | None
+
+    def close(self) -> None:
+        if self.keeper is not None:
+            self.keeper.stop()
+        self.lease.release()
+
+
+def hold_zarr_prefix(url: str, storage_options=None, *, owner: str,
+                     lease_config: LeaseConfig | None = None, clock: Callable[[], float] = time.time,
+                     renew: bool = True, **open_kwargs) -> HeldPrefix:
+    """Open ``url`` (s3://bucket/prefix) as a zarr store that this worker holds exclusively:
+    the lease object ``<prefix>/LEASE`` is taken first (LeaseHeld if another live worker holds
+    it, ColdTierUnavailable if the store cannot be reached) and renewed on a thread."""
+    import zarr.storage
+
+    from .s3 import open_s3_store
+
+    store = open_s3_store(url, storage_options, **open_kwargs)
+    lease = Lease(store, "LEASE", owner, config=lease_config, clock=clock)
+    lease.acquire()
+    keeper = LeaseKeeper(lease).start() if renew else None
+    return HeldPrefix(zarr.storage.ObjectStore(store), lease, keeper)

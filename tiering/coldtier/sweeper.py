@@ -1,0 +1,180 @@
+"""Space reclaim for the shared tier: a cap on its bytes, enforced by one elected sweeper.
+
+The choice: eviction of the least recently used shared blocks by a sweeper that one worker runs
+at a time (elected by holding the lease ``sweeper/LEASE``; any worker may run
+:meth:`Sweeper.sweep_once` on a timer, and only the holder does anything). Per-worker quotas
+were rejected because a block is shared: whoever wrote it first would be charged for a block
+every worker reads, and a dead worker's blocks would never be reclaimed.
+
+Recency: the later of an object's last-modified time and the latest hit reported for it.
+Workers report hits by writing small write-once objects ``hits/<owner>/<seq>-<token>`` (a
+:class:`HitLog` flushed on a timer: no shared object is ever overwritten); the sweeper reads
+and deletes them. Each pass lists ``blocks/``, and if the total is over ``cap_bytes`` deletes
+the least recently used blocks until the total is at most ``low_fraction * cap_bytes``.
+
+What holds: after each pass the shared tier is under the cap; between passes it can exceed the
+cap by what the workers write in one interval (``interval x write rate``), so size the cap
+with that margin. A deleted block that a worker still believed present turns its next fetch
+into a miss (status LOST, reason "missing"), never into wrong bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ._io import Fault, classify
+from .errors import ColdTierUnavailable, LeaseHeld
+from .lease import Lease, LeaseConfig
+
+__all__ = ["HitLog", "SweepResult", "Sweeper", "SweeperConfig"]
+
+
+@dataclass(frozen=True)
+class SweeperConfig:
+    cap_bytes: int
+    low_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cap_bytes, int) or self.cap_bytes < 1:
+            raise ValueError(f"SweeperConfig.cap_bytes must be an int >= 1, got {self.cap_bytes!r}")
+        if not (isinstance(self.low_fraction, (int, float)) and 0 < self.low_fraction <= 1):
+            raise ValueError(f"SweeperConfig.low_fraction must be in (0, 1], got {self.low_fraction!r}")
+
+
+class SweepResult(NamedTuple):
+    total_before: int
+    total_after: int
+    deleted: int
+    bytes_deleted: int
+    hit_reports: int
+
+
+class HitLog:
+    """A worker's record of shared-block hits, flushed as one write-once object per flush."""
+
+    def __init__(self, owner: str, *, token_factory: Callable[[], str] = lambda: secrets.token_hex(4)):
+        if not isinstance(owner, str) or not owner or "/" in owner:
+            raise ValueError(f"HitLog owner must be a non-empty str without '/', got {owner!r}")
+        self.owner = owner
+        self._token = token_factory
+        self._lock = threading.Lock()
+        self._hits: dict[str, float] = {}
+        self._seq = 0
+
+    def record(self, root: bytes, key: bytes, at: float) -> None:
+        with self._lock:
+            self._hits[f"{root.hex()}/{key.hex()}"] = at
+
+    def hook(self, root: bytes, clock: Callable[[], float] = time.time) -> Callable[[bytes], None]:
+        """An ``on_hit`` callback for a SharedBlockStore of ``root``."""
+        return lambda key: self.record(root, key, clock())
+
+    def flush(self, store) -> bool:
+        """Write the hits seen since the last flush; False (hits kept) if the store failed."""
+        import obstore
+
+        with self._lock:
+            if not self._hits:
+                return True
+            hits, self._hits = self._hits, {}
+            self._seq += 1
+            name = f"hits/{self.owner}/{self._seq:012d}-{self._token()}"
+        try:
+            obstore.put(store, name, json.dumps(hits).encode(), mode="create")
+            return True
+        except Exception:
+            with self._lock:
+                for k, t in hits.items():
+                    self._hits[k] = max(t, self._hits.get(k, t))
+            return False
+
+
+class Sweeper:
+    def __init__(self, store, owner: str, config: SweeperConfig, *,
+                 lease_config: LeaseConfig | None = None, clock: Callable[[], float] = time.time):
+        self.store = store
+        self.config = config
+        self._clock = clock
+        self.lease = Lease(store, "sweeper/LEASE", owner, config=lease_config, clock=clock)
+        self._recency: dict[str, float] = {}
+
+    def leader(self) -> bool:
+        """Hold (or renew, or take over) the sweeper lease; False if another worker holds it."""
+        if self.lease.info is not None and self.lease.renew():
+            return True
+        try:
+            self.lease.acquire()
+            return True
+        except (LeaseHeld, ColdTierUnavailable):
+            return False
+
+    def sweep_once(self) -> SweepResult | None:
+        """One pass if this worker is the sweeper; None if it is not or the store failed."""
+        if not self.leader():
+            return None
+        import obstore
+
+        try:
+            reports = self._read_hits(obstore)
+            objects: list[tuple[float, str, int]] = []
+            for chunk in obstore.list(self.store, prefix="blocks/", chunk_size=1000):
+                for m in chunk:
+                    name = m["path"]
+                    rel = name[len("blocks/"):] if name.startswith("blocks/") else name
+                    at = max(m["last_modified"].timestamp(), self._recency.get(rel, 0.0))
+                    objects.append((at, name, int(m["size"])))
+        except Exception as exc:
+            if classify(exc) is Fault.TRANSIENT:
+                return None
+            raise
+        total = sum(size for _, _, size in objects)
+        before = total
+        deleted = freed = 0
+        if total > self.config.cap_bytes:
+            target = int(self.config.cap_bytes * self.config.low_fraction)
+            objects.sort()
+            victims = []
+            for _at, name, size in objects:
+                if total <= target:
+                    break
+                victims.append(name)
+                total -= size
+                freed += size
+            for i in range(0, len(victims), 500):
+                try:
+                    obstore.delete(self.store, victims[i : i + 500])
+                except Exception:
+                    return SweepResult(before, before - freed, deleted, freed, reports)
+            deleted = len(victims)
+            for name in victims:
+                self._recency.pop(name[len("blocks/"):], None)
+        return SweepResult(before, total, deleted, freed, reports)
+
+    def _read_hits(self, obstore) -> int:
+        names = [m["path"] for chunk in obstore.list(self.store, prefix="hits/", chunk_size=1000)
+                 for m in chunk]
+        for name in names:
+            try:
+                hits = json.loads(bytes(obstore.get(self.store, name).bytes()))
+            except Exception as exc:
+                if classify(exc) is Fault.MISSING:
+                    continue
+                if isinstance(exc, ValueError):
+                    hits = {}
+                else:
+                    raise
+            for k, t in hits.items():
+                if isinstance(t, (int, float)):
+                    self._recency[k] = max(float(t), self._recency.get(k, 0.0))
+        if names:
+            obstore.delete(self.store, names)
+        return len(names)
+
+    def close(self) -> None:
+        self.lease.release()
