@@ -31,56 +31,56 @@ What it tracks:
 
 from __future__ import annotations
 
-import heapq
-from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
+from itertools import islice
 
 from policies.blocks.base import BlockInfo, BlockPolicy
 
 __all__ = ["ChainOdds"]
 
-# gap buckets (in requests): bucket i holds gaps <= _EDGES[i]
-_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+_BUCKETS = 18  # gap and age buckets: bucket b holds values v with v.bit_length() == b
 
 
 class _Hist:
-    """Per-class reuse counts: gaps of reuses by bucket, and never-reused count."""
+    """Per-class reuse counts: reuses by gap bucket, and blocks never reused."""
 
-    __slots__ = ("cum", "gaps", "never", "reused")
+    __slots__ = ("gaps", "never", "reused")
 
     def __init__(self, prior_reused: float, prior_never: float) -> None:
-        self.gaps = [0.0] * (len(_EDGES) + 1)
+        self.gaps = [0.0] * _BUCKETS
         self.reused = prior_reused
         self.never = prior_never
-        self.cum: list[float] | None = None
-        # the prior's reuses sit in the bucket of gap ~512 requests
-        self.gaps[9] += prior_reused
+        self.gaps[10] += prior_reused  # the prior's reuses come after ~512-1023 requests
 
     def add_reuse(self, gap: int) -> None:
-        self.gaps[bisect_right(_EDGES, gap - 1) if gap > 0 else 0] += 1.0
+        self.gaps[min(gap.bit_length(), _BUCKETS - 1)] += 1.0
         self.reused += 1.0
-        self.cum = None
 
     def add_never(self) -> None:
         self.never += 1.0
-        self.cum = None
 
-    def odds(self, age: int) -> float:
-        cum = self.cum
-        if cum is None:
-            cum, s = [], 0.0
-            for g in self.gaps:
-                s += g
-                cum.append(s)
-            self.cum = cum
-        # reuses already behind a block of this age: those with gap <= age
-        i = bisect_right(_EDGES, age) - 1
-        done = cum[i] if i >= 0 else 0.0
-        left = self.reused - done
-        if left <= 0.0:
-            return 0.0
-        return left / (left + self.never)
+    def densities(self, stay: float) -> list[float]:
+        """Expected reads per request held, for a block of each age bucket not read yet.
+
+        Reuses still ahead of a block of age a, over the time it is expected
+        to stay: until its read for those reused, ``stay`` more (its expected
+        time to eviction) for those never reused.
+        """
+        gaps, never = self.gaps, self.never
+        mids = [0.0] + [0.75 * (1 << b) for b in range(1, _BUCKETS)]
+        out = []
+        for b in range(_BUCKETS):
+            a = 0.0 if b == 0 else float(1 << (b - 1))
+            left = 0.5 * gaps[b] + sum(gaps[b + 1 :])
+            if left <= 0.0:
+                out.append(0.0)
+                continue
+            wait = 0.5 * gaps[b] * max(mids[b] - a, 1.0)
+            wait += sum(gaps[x] * (mids[x] - a) for x in range(b + 1, _BUCKETS))
+            wait += never * max(stay - a, 1.0)
+            out.append(left / max(wait, 1e-9))
+        return out
 
 
 class ChainOdds(BlockPolicy):
@@ -113,13 +113,19 @@ class ChainOdds(BlockPolicy):
         self.admission = bool(admission)
         self._t = 0  # requests seen
         # class 0: shared branch points; 1..max_turn: a conversation's turn
-        self._hist = [_Hist(2.0, 1.0)] + [_Hist(1.0, 2.0) for _ in range(max_turn)]
+        self._hist = (
+            [_Hist(2.0, 1.0)] + [_Hist(1.0, 2.0) for _ in range(max_turn)] + [_Hist(0.5, 4.0)]
+        )
+        self._tail_cls = max_turn + 1  # a chain's last block, which nothing has extended yet
         # ghost history, oldest read first: key -> [class, last read, created turn, children seen]
         self._ghost: OrderedDict[Hashable, list] = OrderedDict()
         self._children: dict[Hashable, set | int] = {}  # key -> successors seen (capped)
-        # tracked (cached) blocks: key -> (class, last read, depth); heaps per class
-        self._meta: dict[Hashable, tuple[int, int, int]] = {}
-        self._heaps: list[list] = [[] for _ in range(max_turn + 1)]
+        # tracked (cached) blocks: key -> class; per class, keys oldest read first
+        self._meta: dict[Hashable, int] = {}
+        self._lists: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(max_turn + 2)]
+        self._stay = max(1.0, capacity / 24.0)  # requests a block stays before eviction (learned)
+        self._dens: list[list[float]] = []
+        self._dens_at = -1
         self._turn = 1  # the current request's turn
         self._cls = 1
 
@@ -183,19 +189,28 @@ class ChainOdds(BlockPolicy):
                 rec[1] = t
                 rec[0] = 0 if rec[3] >= shared else turn
             prev = k
+        if prev is not None:
+            last = ghost[prev]
+            if last[3] == 0:
+                last[0] = self._tail_cls
         self._cls = turn
 
     # -- ordering --------------------------------------------------------------
 
-    def _score(self, cls: int, last: int) -> float:
-        return self._hist[cls].odds(self._t - last)
+    def _density(self, cls: int, last: int) -> float:
+        if self._t - self._dens_at >= 16 or not self._dens:
+            self._dens = [h.densities(self._stay) for h in self._hist]
+            self._dens_at = self._t
+        return self._dens[cls][min((self._t - last).bit_length(), _BUCKETS - 1)]
 
     def _track(self, key: Hashable, depth: int) -> None:
         rec = self._ghost.get(key)
         cls = rec[0] if rec is not None else self._cls
-        t = self._t
-        self._meta[key] = (cls, t, depth)
-        heapq.heappush(self._heaps[cls], (t, -depth, id(key), key))
+        old = self._meta.get(key)
+        if old is not None:
+            del self._lists[old][key]
+        self._meta[key] = cls
+        self._lists[cls][key] = (self._t, depth)
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
         self._track(info.key, info.depth)
@@ -204,51 +219,54 @@ class ChainOdds(BlockPolicy):
         self._track(info.key, info.depth)
 
     def on_remove(self, key: Hashable) -> None:
-        del self._meta[key]
+        cls = self._meta.pop(key)
+        last, _ = self._lists[cls].pop(key)
+        age = self._t - last
+        self._stay += 0.01 * (age - self._stay)
 
-    def _top(self, cls: int):
-        heap, meta = self._heaps[cls], self._meta
-        while heap:
-            t, nd, _, k = heap[0]
-            m = meta.get(k)
-            if m is not None and m[0] == cls and m[1] == t:
-                return heap[0]
-            heapq.heappop(heap)
-        return None
-
-    def _best(self):
-        best = None
-        for cls in range(len(self._heaps)):
-            top = self._top(cls)
-            if top is None:
+    def _ends(self):
+        """(density, key) of the oldest (deepest of its request) and the youngest block of every class."""
+        out = []
+        for cls, lst in enumerate(self._lists):
+            if not lst:
                 continue
-            s = self._score(cls, top[0])
-            cand = (s, top[0], top[1], cls)
-            if best is None or cand < best:
-                best = cand
-        return best
+            it = iter(lst.items())
+            k, (t0, d0) = next(it)
+            for k2, (t2, d2) in islice(it, 256):  # the oldest request's blocks: deepest first
+                if t2 != t0:
+                    break
+                if d2 > d0:
+                    k, d0 = k2, d2
+            out.append((self._density(cls, t0), k))
+            k = next(reversed(lst))
+            out.append((self._density(cls, lst[k][0]), k))
+        return out
 
     def admit(self, key: Hashable, depth: int, now: float) -> bool:
         if not self.admission or len(self._meta) < self.capacity:
             return True
-        best = self._best()
-        if best is None:
+        ends = self._ends()
+        if not ends:
             return True
         rec = self._ghost.get(key)
         cls = rec[0] if rec is not None else self._cls
-        return self._hist[cls].odds(0) > best[0]
+        return self._density(cls, self._t) > min(ends)[0]
 
     def victims(self, now: float) -> Iterator[Hashable]:
-        skipped: list[tuple[int, tuple]] = []
-        try:
-            while True:
-                best = self._best()
-                if best is None:
-                    return
-                cls = best[3]
-                entry = heapq.heappop(self._heaps[cls])
-                skipped.append((cls, entry))
-                yield entry[3]
-        finally:
-            for cls, entry in skipped:
-                heapq.heappush(self._heaps[cls], entry)
+        seen = set()
+        for _, k in sorted(self._ends(), key=lambda e: e[0]):
+            if k not in seen:
+                seen.add(k)
+                yield k
+        # every end was refused (mapped by the request being served, which is the
+        # youngest): walk each class from its young end, lowest density first
+        ends = sorted(
+            (self._density(cls, lst[next(reversed(lst))][0]), cls)
+            for cls, lst in enumerate(self._lists)
+            if lst
+        )
+        for _, cls in ends:
+            for k in reversed(self._lists[cls]):
+                if k not in seen:
+                    seen.add(k)
+                    yield k
