@@ -168,6 +168,7 @@ class S3FIFOBlocks(BlockPolicy):
 
     def victims(self, now: float) -> Iterator[Hashable]:
         s, m = self._s, self._m
+        offered: set[Hashable] = set()
         while s or m:
             if s and (len(s) >= self._small_target or not m):
                 k, f = next(iter(s.items()))
@@ -175,13 +176,22 @@ class S3FIFOBlocks(BlockPolicy):
                     del s[k]
                     m[k] = 0
                     continue
+                offered.add(k)
                 yield k
-                s.move_to_end(k)  # refused (mapped or moving): look further
+                del s[k]  # refused (mapped or moving): it goes on to the main queue
+                m[k] = f
             else:
                 k, f = next(iter(m.items()))
+                if k in offered:
+                    break  # went round once: offer the rest without reordering
                 if f > 0:
                     m.move_to_end(k)
                     m[k] = f - 1
                     continue
+                offered.add(k)
                 yield k
                 m.move_to_end(k)
+        for k in [*s, *m]:
+            if k not in offered:
+                offered.add(k)
+                yield k
