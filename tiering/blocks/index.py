@@ -237,8 +237,16 @@ class BlockIndex:
         return e.info()
 
     def acquire(self, key: Hashable) -> int:
-        """A live request maps the block; returns its reference count."""
+        """A live request maps the block; returns its reference count.
+
+        Refused (ValueError) for a block in flight off the device: its device
+        page is freed when that copy lands. Fail or finish the move first.
+        """
         e = self._entry(key, "acquire")
+        if e.dst_tier is not None and e.tier is Tier.DEVICE:
+            raise ValueError(
+                f"acquire: block {key!r} is moving from device to {e.dst_tier.value}; it cannot be mapped now"
+            )
         e.refs += 1
         return e.refs
 
