@@ -78,7 +78,7 @@ class _Hist:
                 continue
             wait = 0.5 * gaps[b] * max(mids[b] - a, 1.0)
             wait += sum(gaps[x] * (mids[x] - a) for x in range(b + 1, _BUCKETS))
-            wait += never * max(stay - a, 1.0)
+            wait += never * stay
             out.append(left / max(wait, 1e-9))
         return out
 
@@ -93,13 +93,13 @@ class ChainOdds(BlockPolicy):
         capacity: int,
         horizon: int | None = None,
         max_turn: int = 6,
-        shared_children: int = 3,
+        shared_children: int = 4,
         admission: bool = True,
     ) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"chain: capacity must be an int >= 1 (blocks), got {capacity!r}")
         if horizon is None:
-            horizon = 8192
+            horizon = 4096
         if not isinstance(horizon, int) or horizon < 2:
             raise ValueError(f"chain: horizon must be an int >= 2 (requests), got {horizon!r}")
         if not isinstance(max_turn, int) or max_turn < 1:
