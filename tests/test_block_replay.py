@@ -78,13 +78,43 @@ def test_negative_control_a_shuffled_trace_has_almost_no_reuse():
 
 def test_cli_writes_summary(tmp_path):
     out = tmp_path / "run"
-    assert main([TRACE, "--capacity-blocks", "300", "--policy", "all", "--out", str(out), "--limit", "400"]) == 0
+    assert (
+        main(
+            [
+                TRACE,
+                "--capacity-blocks",
+                "300",
+                "--policy",
+                "all",
+                "--out",
+                str(out),
+                "--limit",
+                "400",
+            ]
+        )
+        == 0
+    )
     s = json.loads((out / "summary.json").read_text())
     assert set(s["policies"]) == {"lru", "arc", "s3fifo", "chain"}
     for p in s["policies"].values():
         assert 0 < p["block_hit_rate"] <= s["belady_hit_rate"]
         assert p["belady_hit_rate"] == s["belady_hit_rate"]
-    assert main([TRACE, "--capacity-blocks", "300", "--policy", "lru", "--out", str(out), "--limit", "400"]) == 0
+    assert (
+        main(
+            [
+                TRACE,
+                "--capacity-blocks",
+                "300",
+                "--policy",
+                "lru",
+                "--out",
+                str(out),
+                "--limit",
+                "400",
+            ]
+        )
+        == 0
+    )
     s = json.loads((out / "summary.json").read_text())
     assert s["policy"] == "lru" and s["block_hit_rate"] == s["policies"]["lru"]["block_hit_rate"]
 

@@ -39,7 +39,9 @@ def _check_rejects_bad_capacity(factory: PolicyFactory) -> None:
         try:
             factory(capacity=bad)
         except ValueError as err:
-            assert "capacity" in str(err), f"capacity={bad}: the error does not name capacity: {err}"
+            assert "capacity" in str(err), (
+                f"capacity={bad}: the error does not name capacity: {err}"
+            )
         else:
             raise AssertionError(f"capacity={bad} was accepted")
 
@@ -67,7 +69,9 @@ def _check_victims(factory: PolicyFactory, seed: int) -> None:
                 break
             parent = key
     tracked = set(index.keys())
-    assert len(policy) == len(tracked), f"policy tracks {len(policy)} blocks, the index holds {len(tracked)}"
+    assert len(policy) == len(tracked), (
+        f"policy tracks {len(policy)} blocks, the index holds {len(tracked)}"
+    )
     offered = []
     gen = policy.victims(float(len(chains)))
     for k in gen:
@@ -75,7 +79,9 @@ def _check_victims(factory: PolicyFactory, seed: int) -> None:
         if len(offered) >= len(tracked):
             break
     gen.close()
-    assert all(k in tracked for k in offered), f"victims offered untracked blocks {set(offered) - tracked}"
+    assert all(k in tracked for k in offered), (
+        f"victims offered untracked blocks {set(offered) - tracked}"
+    )
     assert set(offered) == tracked, (
         f"victims did not offer every tracked block within len(policy) offers: missing {len(tracked - set(offered))}"
     )
@@ -106,7 +112,9 @@ def check_block_policy(factory: PolicyFactory, seed: int = 0, requests: int = 60
     for capacity in (1, 7, 120):
         a = replay_blocks(chains, capacity, factory(capacity=capacity), check_every=1)
         b = replay_blocks(chains, capacity, factory(capacity=capacity))
-        assert a[:-1] == b[:-1], f"capacity {capacity}: two runs of the same workload differ: {a} vs {b}"
+        assert a[:-1] == b[:-1], (
+            f"capacity {capacity}: two runs of the same workload differ: {a} vs {b}"
+        )
         opt = belady_hit_rate(chains, capacity)
         assert a.hits <= opt.hits, f"capacity {capacity}: {a.hits} hits beat Belady's {opt.hits}"
         assert a.hits > 0, f"capacity {capacity}: no hits at all on a workload with reuse"

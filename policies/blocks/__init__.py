@@ -70,7 +70,9 @@ class BlockPolicyRegistry:
         except TypeError as err:
             raise TypeError(f"block policy {name!r}: {err}") from err
         if not isinstance(policy, BlockPolicy):
-            raise TypeError(f"block policy {name!r}: factory returned {type(policy).__name__}, not a BlockPolicy")
+            raise TypeError(
+                f"block policy {name!r}: factory returned {type(policy).__name__}, not a BlockPolicy"
+            )
         return policy
 
     def __repr__(self) -> str:
@@ -94,7 +96,9 @@ def default_block_registry() -> BlockPolicyRegistry:
 def register_block_policy(
     name: str, factory: BlockPolicyFactory, registry: BlockPolicyRegistry | None = None
 ) -> BlockPolicyRegistry:
-    return (registry if registry is not None else default_block_registry()).with_policy(name, factory)
+    return (registry if registry is not None else default_block_registry()).with_policy(
+        name, factory
+    )
 
 
 def make_block_policy(

@@ -4,29 +4,34 @@ A generic cache sees independent items. A KV block is one link of a chain,
 and chains are conversations: a request reads the longest cached prefix of its
 chain, most blocks are never read again, a conversation that has continued a
 few times is likely to continue again, and a continuation comes back after a
-typical delay. ChainOdds turns that into one number per block, the chance that
-the block is read again given what it has seen so far, and evicts the block
-with the lowest chance (the deepest of a chain first); a missed block whose
-chance is lower than that of the block it would displace is not admitted.
+typical delay. ChainOdds turns that into one number per block, its expected
+reads per request of cache space it occupies from now on (its hit density),
+and evicts the block with the lowest density (the deepest of its request's
+chain first, so a head outlives its tail); a missed block whose density at
+age 0 is not above that of the block it would displace is not admitted.
 
 What it tracks:
 
 - **Turn.** A request whose known prefix ends inside an earlier request's own
-  blocks (not at a shared branch point) continues that conversation: its turn
-  is one more than that request's. A block's class is the turn of the last
-  request that read it, capped at ``max_turn``; blocks where chains branch
+  blocks (not at a branch point) continues that conversation: its turn is one
+  more than that request's. A block's class is the turn of the last request
+  that read it, capped at ``max_turn``. Blocks where chains branch
   (``shared_children`` distinct successors or more: a shared system prompt)
-  form class 0.
+  form class 0, and a chain's last block that nothing has extended yet (in a
+  trace, the partial page of the prompt) forms its own class.
 - **Ghost history.** Every block read in the last ``horizon`` requests keeps a
-  small record (class, last read) whether or not it is still cached, so
-  learning outlives eviction. When a block is read again, the gap since its
-  last read is counted for its class; when its record ages past the horizon
-  unread, a miss is counted.
-- **Odds.** For a block of class c, unread for a requests, the chance of a
-  future read is ``(R_c - R_c(<= a)) / (R_c - R_c(<= a) + X_c)``: reuses still
-  to come over reuses still to come plus never-reused, from the counts above
-  (with a weak prior). The age is measured in requests (the policy counts
-  ``on_request`` calls), so the odds do not depend on the caller's clock.
+  small record (class, last read, turn, successors seen) whether or not it is
+  still cached, so learning outlives eviction. When a block is read again,
+  the gap since its last read is counted for its class; when its record ages
+  past the horizon unread, a never-reused block is counted.
+- **Density.** For a block of class c, unread for a requests: reuses still to
+  come (counted gaps longer than a) over the expected requests it will still
+  occupy (the remaining gap for those reused, the learned stay of an evicted
+  block for those never reused). Ages are bucketed by powers of two and the
+  table is refreshed every 16 requests. Within a class density is taken at
+  the oldest and the youngest block (the function of age rises then falls).
+  Ages are counted in requests (``on_request`` calls), so nothing depends on
+  the caller's clock.
 """
 
 from __future__ import annotations

@@ -324,9 +324,13 @@ class BlockIndex:
         subtree = list(self._subtree(e))
         for d in subtree:
             if d.refs:
-                raise ValueError(f"drop of block {key!r}: block {d.key!r} is mapped by {d.refs} request(s)")
+                raise ValueError(
+                    f"drop of block {key!r}: block {d.key!r} is mapped by {d.refs} request(s)"
+                )
             if d.dst_tier is not None:
-                raise ValueError(f"drop of block {key!r}: block {d.key!r} is moving to {d.dst_tier.value}")
+                raise ValueError(
+                    f"drop of block {key!r}: block {d.key!r} is moving to {d.dst_tier.value}"
+                )
         if e.parent is not None:
             p = self._entries[e.parent]
             p.children.discard(key)
@@ -357,7 +361,9 @@ class BlockIndex:
                     return None
                 e = self._entries.get(k)
                 if e is None:
-                    raise RuntimeError(f"policy {policy.name!r} offered block {k!r}, which is not in the index")
+                    raise RuntimeError(
+                        f"policy {policy.name!r} offered block {k!r}, which is not in the index"
+                    )
                 if (tier is None or e.tier is tier) and self.evictable(k):
                     return k
             return None
@@ -381,10 +387,14 @@ class BlockIndex:
             else:
                 p = entries.get(e.parent)
                 assert p is not None, f"block {k!r}: its parent {e.parent!r} is not cached"
-                assert p.children and k in p.children, f"block {k!r}: missing from its parent's children"
+                assert p.children and k in p.children, (
+                    f"block {k!r}: missing from its parent's children"
+                )
                 assert e.depth == p.depth + 1, f"block {k!r}: depth {e.depth}, parent's {p.depth}"
             for c in e.children or ():
-                assert c in entries and entries[c].parent == k, f"block {k!r}: child {c!r} is not its child"
+                assert c in entries and entries[c].parent == k, (
+                    f"block {k!r}: child {c!r} is not its child"
+                )
             slot = (e.tier, e.handle)
             assert slot not in handles, f"{slot} holds blocks {handles.get(slot)!r} and {k!r}"
             handles[slot] = k
@@ -393,7 +403,9 @@ class BlockIndex:
                 moving += 1
                 assert e.dst_tier is not e.tier, f"block {k!r} moves to its own tier"
                 dslot = (e.dst_tier, e.dst_handle)
-                assert dslot not in handles, f"{dslot} holds blocks {handles.get(dslot)!r} and {k!r}"
+                assert dslot not in handles, (
+                    f"{dslot} holds blocks {handles.get(dslot)!r} and {k!r}"
+                )
                 handles[dslot] = k
             else:
                 assert e.dst_handle is None, f"block {k!r}: a destination handle without a move"

@@ -46,7 +46,9 @@ def root_key(
     by name, so no two different inputs share a root by concatenation.
     """
     if not isinstance(geometry_fingerprint, str) or not geometry_fingerprint:
-        raise ValueError(f"root_key: geometry_fingerprint must be a non-empty str, got {geometry_fingerprint!r}")
+        raise ValueError(
+            f"root_key: geometry_fingerprint must be a non-empty str, got {geometry_fingerprint!r}"
+        )
     if not isinstance(model_id, str) or not model_id:
         raise ValueError(f"root_key: model_id must be a non-empty str, got {model_id!r}")
     h = hashlib.blake2b(_ROOT_TAG, digest_size=KEY_BYTES)
@@ -60,7 +62,9 @@ def root_key(
         if not isinstance(name, str) or not name:
             raise ValueError(f"root_key: a resource name must be a non-empty str, got {name!r}")
         if not isinstance(fp, (bytes, bytearray)):
-            raise TypeError(f"root_key: fingerprint of resource {name!r} must be bytes or None, got {type(fp).__name__}")
+            raise TypeError(
+                f"root_key: fingerprint of resource {name!r} must be bytes or None, got {type(fp).__name__}"
+            )
         _field(h, name.encode())
         _field(h, bytes(fp))
     return h.digest()
@@ -77,7 +81,11 @@ class KeyRoot:
     key: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.page_tokens, int) or isinstance(self.page_tokens, bool) or self.page_tokens < 1:
+        if (
+            not isinstance(self.page_tokens, int)
+            or isinstance(self.page_tokens, bool)
+            or self.page_tokens < 1
+        ):
             raise ValueError(f"KeyRoot.page_tokens must be an int >= 1, got {self.page_tokens!r}")
         names = [n for n, _ in self.resource_fingerprints]
         if len(set(names)) != len(names):
@@ -115,9 +123,7 @@ def block_key(parent: bytes, page_token_ids: Sequence[int] | np.ndarray) -> byte
     return h.digest()
 
 
-def block_keys(
-    root: bytes, token_ids: Sequence[int] | np.ndarray, page_tokens: int
-) -> list[bytes]:
+def block_keys(root: bytes, token_ids: Sequence[int] | np.ndarray, page_tokens: int) -> list[bytes]:
     """Chained keys of every full page of ``token_ids`` under ``root``."""
     if not isinstance(root, bytes) or len(root) != KEY_BYTES:
         raise ValueError(f"block_keys: root must be {KEY_BYTES} bytes, got {root!r}")

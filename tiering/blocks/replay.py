@@ -59,9 +59,13 @@ def load_chains(path: str | Path, limit: int | None = None) -> list[list[int]]:
             try:
                 ids = json.loads(line)["hash_ids"]
             except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{lineno}: not a trace record with hash_ids ({err})") from err
+                raise ValueError(
+                    f"{path}:{lineno}: not a trace record with hash_ids ({err})"
+                ) from err
             if not isinstance(ids, list):
-                raise ValueError(f"{path}:{lineno}: hash_ids must be a list, got {type(ids).__name__}")
+                raise ValueError(
+                    f"{path}:{lineno}: hash_ids must be a list, got {type(ids).__name__}"
+                )
             chains.append(ids)
             if limit is not None and len(chains) >= limit:
                 break
@@ -86,10 +90,18 @@ def replay_blocks(
     dev = Tier.DEVICE
     entries = index  # local names for the hot loop
     match_length, touch, insert, acquire, release = (
-        index.match_length, index.touch, index.insert, index.acquire, index.release,
+        index.match_length,
+        index.touch,
+        index.insert,
+        index.acquire,
+        index.release,
     )
     on_request, on_hit, admit, on_insert, on_remove = (
-        policy.on_request, policy.on_hit, policy.admit, policy.on_insert, policy.on_remove,
+        policy.on_request,
+        policy.on_hit,
+        policy.admit,
+        policy.on_insert,
+        policy.on_remove,
     )
     hits = accesses = inserted = refused = evicted = orphaned = 0
     for t, chain in enumerate(chains):
@@ -135,8 +147,16 @@ def replay_blocks(
                     f"policy {policy.name!r} tracks {len(policy)} blocks, the index holds {len(index)}"
                 )
     return BlockReplayResult(
-        policy.name, capacity_blocks, len(chains), accesses, hits, inserted, refused,
-        evicted, orphaned, time.perf_counter() - t0,
+        policy.name,
+        capacity_blocks,
+        len(chains),
+        accesses,
+        hits,
+        inserted,
+        refused,
+        evicted,
+        orphaned,
+        time.perf_counter() - t0,
     )
 
 
@@ -170,7 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = registry.names if args.policy == "all" else (args.policy,)
     for n in names:
         if n not in registry:
-            ap.error(f"--policy: unknown block policy {n!r}; known: {', '.join(registry.names)}, all")
+            ap.error(
+                f"--policy: unknown block policy {n!r}; known: {', '.join(registry.names)}, all"
+            )
     chains = load_chains(args.trace, args.limit)
     results = run_policies(chains, args.capacity_blocks, names, registry)
     belady = belady_hit_rate(chains, args.capacity_blocks)
@@ -181,7 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "requests": len(chains),
         "capacity_blocks": args.capacity_blocks,
         "belady_hit_rate": belady.hit_rate,
-        "belady_plain_hit_rate": belady_hit_rate(chains, args.capacity_blocks, prefix_ties=False).hit_rate,
+        "belady_plain_hit_rate": belady_hit_rate(
+            chains, args.capacity_blocks, prefix_ties=False
+        ).hit_rate,
         "policies": {
             n: {
                 "block_hit_rate": r.hit_rate,
@@ -202,10 +226,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary["block_hit_rate"] = results[names[0]].hit_rate
         summary["policy"] = names[0]
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    print(f"{len(chains)} requests, {results[names[0]].accesses} block accesses, capacity {args.capacity_blocks} blocks")
+    print(
+        f"{len(chains)} requests, {results[names[0]].accesses} block accesses, capacity {args.capacity_blocks} blocks"
+    )
     print(f"  {'belady':>8}  {belady.hit_rate:.4f}")
     for n, r in results.items():
-        print(f"  {n:>8}  {r.hit_rate:.4f}  ({r.hit_rate / belady.hit_rate if belady.hit_rate else 0:.2f} of belady, {r.seconds:.2f} s)")
+        print(
+            f"  {n:>8}  {r.hit_rate:.4f}  ({r.hit_rate / belady.hit_rate if belady.hit_rate else 0:.2f} of belady, {r.seconds:.2f} s)"
+        )
     print(f"wrote {out / 'summary.json'}")
     return 0
 

@@ -40,7 +40,9 @@ class SynthConfig:
             raise ValueError(f"SynthConfig.system_prompts must be >= 1, got {self.system_prompts}")
         lo, hi = self.system_blocks
         if not 1 <= lo <= hi:
-            raise ValueError(f"SynthConfig.system_blocks must be 1 <= min <= max, got {self.system_blocks}")
+            raise ValueError(
+                f"SynthConfig.system_blocks must be 1 <= min <= max, got {self.system_blocks}"
+            )
         for name in ("one_off_fraction", "cont_first", "cont_max"):
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
@@ -48,7 +50,9 @@ class SynthConfig:
         if self.cont_step < 0:
             raise ValueError(f"SynthConfig.cont_step must be >= 0, got {self.cont_step}")
         if self.new_blocks_mean < 1:
-            raise ValueError(f"SynthConfig.new_blocks_mean must be >= 1, got {self.new_blocks_mean}")
+            raise ValueError(
+                f"SynthConfig.new_blocks_mean must be >= 1, got {self.new_blocks_mean}"
+            )
         if self.gap_median < 1 or self.gap_sigma < 0:
             raise ValueError(
                 f"SynthConfig.gap_median must be >= 1 and gap_sigma >= 0, got {self.gap_median}, {self.gap_sigma}"
