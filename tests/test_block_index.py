@@ -271,6 +271,15 @@ def test_handle_reuse_is_refused_and_changes_nothing():
 def test_check_integrity_catches_a_corrupted_record():
     index = BlockIndex()
     _chain(index, ["a", "b"])
-    index._entries["b"].refs = -1  # negative control: the check must see it
+    index._refs["b"] = -1  # negative controls: the check must see each of these
     with pytest.raises(AssertionError, match="refs"):
+        index.check_integrity()
+    del index._refs["b"]
+    index.check_integrity()
+    index._slots[Tier.HOST][99] = "a"  # a leaked slot
+    with pytest.raises(AssertionError, match="handle map"):
+        index.check_integrity()
+    del index._slots[Tier.HOST][99]
+    index._kids["b"] = {"zz"}  # a child that is not cached
+    with pytest.raises(AssertionError, match="child"):
         index.check_integrity()

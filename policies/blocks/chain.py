@@ -131,6 +131,10 @@ class ChainOdds(BlockPolicy):
         self._stay = max(1.0, capacity / 24.0)  # requests a block stays before eviction (learned)
         self._dens: list[list[float]] = []
         self._dens_at = -1
+        self._front: dict[int, tuple[Hashable, Hashable]] = {}  # class -> (first key, its pick)
+        self._version = 0  # bumped by every change to what is tracked
+        self._ends_at = -1
+        self._ends_memo: list = []
         self._turn = 1  # the current request's turn
         self._cls = 1
 
@@ -155,6 +159,7 @@ class ChainOdds(BlockPolicy):
 
     def on_request(self, keys: Sequence[Hashable], now: float) -> None:
         self._t += 1
+        self._version += 1
         t = self._t
         self._expire()
         ghost, children, shared = self._ghost, self._children, self.shared_children
@@ -216,6 +221,7 @@ class ChainOdds(BlockPolicy):
             del self._lists[old][key]
         self._meta[key] = cls
         self._lists[cls][key] = (self._t, depth)
+        self._version += 1
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
         self._track(info.key, info.depth)
@@ -226,25 +232,40 @@ class ChainOdds(BlockPolicy):
     def on_remove(self, key: Hashable) -> None:
         cls = self._meta.pop(key)
         last, _ = self._lists[cls].pop(key)
+        self._version += 1
         age = self._t - last
         self._stay += 0.01 * (age - self._stay)
 
     def _ends(self):
         """(density, key) of the oldest (deepest of its request) and the youngest block of every class."""
+        if self._ends_at == self._version:
+            return self._ends_memo
         out = []
+        self._density(0, self._t)  # refresh the table if due
+        dens, now, top = self._dens, self._t, _BUCKETS - 1
+        front = self._front
         for cls, lst in enumerate(self._lists):
             if not lst:
                 continue
-            it = iter(lst.items())
-            k, (t0, d0) = next(it)
-            for k2, (t2, d2) in islice(it, 256):  # the oldest request's blocks: deepest first
-                if t2 != t0:
-                    break
-                if d2 > d0:
-                    k, d0 = k2, d2
-            out.append((self._density(cls, t0), k))
+            row = dens[cls]
+            first = next(iter(lst))
+            t0 = lst[first][0]
+            cached = front.get(cls)
+            if cached is not None and cached[0] == first and cached[1] in lst and t0 < now:
+                k = cached[1]  # the oldest request is complete: its deepest block is known
+            else:
+                it = iter(lst.items())
+                k, (_, d0) = next(it)
+                for k2, (t2, d2) in islice(it, 256):  # the oldest request's blocks: deepest first
+                    if t2 != t0:
+                        break
+                    if d2 > d0:
+                        k, d0 = k2, d2
+                front[cls] = (first, k)
+            out.append((row[min((now - t0).bit_length(), top)], k))
             k = next(reversed(lst))
-            out.append((self._density(cls, lst[k][0]), k))
+            out.append((row[min((now - lst[k][0]).bit_length(), top)], k))
+        self._ends_memo, self._ends_at = out, self._version
         return out
 
     def admit(self, key: Hashable, depth: int, now: float) -> bool:

@@ -62,47 +62,7 @@ class Dropped(NamedTuple):
     reason: str
 
 
-class _Entry:
-    __slots__ = (
-        "children",
-        "depth",
-        "dst_handle",
-        "dst_tier",
-        "first_seen",
-        "handle",
-        "hits",
-        "key",
-        "last_use",
-        "parent",
-        "refs",
-        "tier",
-    )
-
-    def __init__(self, key, parent, depth, tier, handle, now) -> None:
-        self.key = key
-        self.parent = parent
-        self.depth = depth
-        self.tier = tier
-        self.handle = handle
-        self.dst_tier = None
-        self.dst_handle = None
-        self.refs = 0
-        self.hits = 0
-        self.first_seen = now
-        self.last_use = now
-        self.children: set | None = None
-
-    def info(self) -> BlockInfo:
-        return BlockInfo(
-            self.key,
-            self.parent,
-            self.depth,
-            self.refs,
-            self.hits,
-            self.first_seen,
-            self.last_use,
-            len(self.children) if self.children else 0,
-        )
+_NONE = object()  # "no entry", where None may be a value
 
 
 def _check_tier(tier: object, what: str) -> Tier:
@@ -112,22 +72,35 @@ def _check_tier(tier: object, what: str) -> Tier:
 
 
 class BlockIndex:
-    """Key -> location, reference counts and chain structure of cached KV blocks."""
+    """Key -> location, reference counts and chain structure of cached KV blocks.
+
+    Stored as parallel dicts of plain values (no object per block), so a
+    million cached blocks cost the garbage collector nothing to walk.
+    """
 
     def __init__(self) -> None:
-        self._entries: dict[Hashable, _Entry] = {}
-        self._handles: dict[tuple[Tier, Hashable], Hashable] = {}
-        self._counts: Counter[Tier] = Counter()
-        self._moving = 0
+        self._parent: dict[Hashable, Hashable | None] = {}
+        self._depth: dict[Hashable, int] = {}
+        self._tier: dict[Hashable, Tier] = {}
+        self._handle: dict[Hashable, Hashable] = {}
+        self._dest: dict[Hashable, tuple[Tier, Hashable]] = {}  # moves in flight
+        self._refs: dict[Hashable, int] = {}  # only blocks mapped by someone
+        self._hits: dict[Hashable, int] = {}
+        self._first: dict[Hashable, float] = {}
+        self._last: dict[Hashable, float] = {}
+        # only blocks with cached children: the child itself, or a set when there are several
+        self._kids: dict[Hashable, Hashable | set] = {}
+        self._slots: dict[Tier, dict[Hashable, Hashable]] = {t: {} for t in Tier}  # handle -> key
+        self._counts: dict[Tier, int] = {t: 0 for t in Tier}
         self.dropped: Counter[str] = Counter()  # blocks dropped, by reason
 
     # -- reading ---------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._tier)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._tier
 
     def count(self, tier: Tier) -> int:
         """Blocks whose current (source) location is ``tier``."""
@@ -135,21 +108,36 @@ class BlockIndex:
 
     @property
     def moving(self) -> int:
-        return self._moving
+        return len(self._dest)
+
+    def _info(self, key: Hashable) -> BlockInfo:
+        kids = self._kids.get(key, _NONE)
+        return BlockInfo(
+            key,
+            self._parent[key],
+            self._depth[key],
+            self._refs.get(key, 0),
+            self._hits[key],
+            self._first[key],
+            self._last[key],
+            0 if kids is _NONE else (len(kids) if isinstance(kids, set) else 1),
+        )
 
     def get(self, key: Hashable) -> BlockInfo | None:
-        e = self._entries.get(key)
-        return None if e is None else e.info()
+        return self._info(key) if key in self._tier else None
 
     def location(self, key: Hashable) -> BlockLocation | None:
-        e = self._entries.get(key)
-        if e is None:
+        tier = self._tier.get(key)
+        if tier is None:
             return None
-        return BlockLocation(e.tier, e.handle, e.dst_tier, e.dst_handle)
+        dest = self._dest.get(key)
+        if dest is None:
+            return BlockLocation(tier, self._handle[key])
+        return BlockLocation(tier, self._handle[key], dest[0], dest[1])
 
     def keys(self, tier: Tier | None = None) -> Iterator[Hashable]:
-        for k, e in self._entries.items():
-            if tier is None or e.tier is tier:
+        for k, t in self._tier.items():
+            if tier is None or t is tier:
                 yield k
 
     def match(self, keys: Iterable[Hashable]) -> PrefixMatch:
@@ -157,41 +145,41 @@ class BlockIndex:
 
         A block in flight is reported at its source tier, where its bytes still are.
         """
-        entries = self._entries
+        where = self._tier
         tiers: list[Tier] = []
         for k in keys:
-            e = entries.get(k)
-            if e is None:
+            t = where.get(k)
+            if t is None:
                 break
-            tiers.append(e.tier)
+            tiers.append(t)
         return PrefixMatch(len(tiers), tuple(tiers))
 
     def match_length(self, keys: Iterable[Hashable]) -> int:
         """``match(keys).blocks`` without building the tier list."""
-        entries = self._entries
+        where = self._tier
         n = 0
         for k in keys:
-            if k not in entries:
+            if k not in where:
                 break
             n += 1
         return n
 
+    def _busy(self, key: Hashable) -> bool:
+        return key in self._refs or key in self._dest
+
     def evictable(self, key: Hashable) -> bool:
         """Whether ``drop(key)`` would succeed: cached, unmapped, not moving, nor any descendant."""
-        e = self._entries.get(key)
-        if e is None or e.refs or e.dst_tier is not None:
+        if key not in self._tier or self._busy(key):
             return False
-        if not e.children:
+        if key not in self._kids:
             return True
-        return all(not d.refs and d.dst_tier is None for d in self._subtree(e))
+        return not any(self._busy(d) for d in self._subtree(key))
 
     # -- changing --------------------------------------------------------------
 
-    def _entry(self, key: Hashable, what: str) -> _Entry:
-        e = self._entries.get(key)
-        if e is None:
+    def _check_known(self, key: Hashable, what: str) -> None:
+        if key not in self._tier:
             raise ValueError(f"{what}: block {key!r} is not in the index")
-        return e
 
     def insert(
         self, key: Hashable, parent: Hashable | None, tier: Tier, handle: Hashable, now: float
@@ -200,41 +188,47 @@ class BlockIndex:
 
         False if the parent is no longer cached (the block would be unreachable).
         """
-        entries = self._entries
-        if key in entries:
+        if key in self._tier:
             raise ValueError(f"insert: block {key!r} is already in the index")
         if key is None:
             raise ValueError("insert: a block key must not be None")
         _check_tier(tier, f"insert of block {key!r}")
-        slot = (tier, handle)
-        if slot in self._handles:
+        slots = self._slots[tier]
+        if handle in slots:
             raise ValueError(
-                f"insert of block {key!r}: {tier.value} handle {handle!r} already holds block {self._handles[slot]!r}"
+                f"insert of block {key!r}: {tier.value} handle {handle!r} already holds block {slots[handle]!r}"
             )
         if parent is None:
             depth = 0
         else:
-            p = entries.get(parent)
-            if p is None:
+            pd = self._depth.get(parent)
+            if pd is None:
                 return False
-            depth = p.depth + 1
-            if p.children is None:
-                p.children = {key}
+            depth = pd + 1
+            kids = self._kids.get(parent, _NONE)
+            if kids is _NONE:
+                self._kids[parent] = key
+            elif isinstance(kids, set):
+                kids.add(key)
             else:
-                p.children.add(key)
-        entries[key] = _Entry(key, parent, depth, tier, handle, now)
-        self._handles[slot] = key
+                self._kids[parent] = {kids, key}
+        self._parent[key] = parent
+        self._depth[key] = depth
+        self._tier[key] = tier
+        self._handle[key] = handle
+        self._hits[key] = 0
+        self._first[key] = now
+        self._last[key] = now
+        slots[handle] = key
         self._counts[tier] += 1
         return True
 
     def touch(self, key: Hashable, now: float) -> BlockInfo:
         """Record an access of a cached block (a hit); returns its new snapshot."""
-        e = self._entries.get(key)
-        if e is None:
-            raise ValueError(f"touch: block {key!r} is not in the index")
-        e.hits += 1
-        e.last_use = now
-        return e.info()
+        self._check_known(key, "touch")
+        self._hits[key] += 1
+        self._last[key] = now
+        return self._info(key)
 
     def acquire(self, key: Hashable) -> int:
         """A live request maps the block; returns its reference count.
@@ -242,77 +236,85 @@ class BlockIndex:
         Refused (ValueError) for a block in flight off the device: its device
         page is freed when that copy lands. Fail or finish the move first.
         """
-        e = self._entry(key, "acquire")
-        if e.dst_tier is not None and e.tier is Tier.DEVICE:
+        self._check_known(key, "acquire")
+        dest = self._dest.get(key)
+        if dest is not None and self._tier[key] is Tier.DEVICE:
             raise ValueError(
-                f"acquire: block {key!r} is moving from device to {e.dst_tier.value}; it cannot be mapped now"
+                f"acquire: block {key!r} is moving from device to {dest[0].value}; it cannot be mapped now"
             )
-        e.refs += 1
-        return e.refs
+        n = self._refs.get(key, 0) + 1
+        self._refs[key] = n
+        return n
 
     def release(self, key: Hashable) -> int:
         """A live request stops mapping the block; never below zero."""
-        e = self._entry(key, "release")
-        if e.refs <= 0:
+        self._check_known(key, "release")
+        n = self._refs.get(key, 0)
+        if n <= 0:
             raise ValueError(f"release: block {key!r} is not mapped by any request")
-        e.refs -= 1
-        return e.refs
+        if n == 1:
+            del self._refs[key]
+        else:
+            self._refs[key] = n - 1
+        return n - 1
 
     def begin_move(self, key: Hashable, dst: Tier, dst_handle: Hashable) -> None:
         """Reserve ``(dst, dst_handle)`` for a copy of the block; it stays readable at its source."""
-        e = self._entry(key, "begin_move")
+        self._check_known(key, "begin_move")
         _check_tier(dst, f"begin_move of block {key!r}")
-        if e.dst_tier is not None:
-            raise ValueError(f"begin_move: block {key!r} is already moving to {e.dst_tier.value}")
-        if dst is e.tier:
+        if key in self._dest:
+            raise ValueError(
+                f"begin_move: block {key!r} is already moving to {self._dest[key][0].value}"
+            )
+        tier = self._tier[key]
+        if dst is tier:
             raise ValueError(f"begin_move: block {key!r} is already on {dst.value}")
-        if e.tier is Tier.DEVICE and not self.evictable(key):
+        if tier is Tier.DEVICE and not self.evictable(key):
             raise ValueError(
                 f"begin_move: block {key!r} (or a block after it) is mapped by a live request or moving; it cannot leave the device"
             )
-        slot = (dst, dst_handle)
-        if slot in self._handles:
+        slots = self._slots[dst]
+        if dst_handle in slots:
             raise ValueError(
-                f"begin_move of block {key!r}: {dst.value} handle {dst_handle!r} already holds block {self._handles[slot]!r}"
+                f"begin_move of block {key!r}: {dst.value} handle {dst_handle!r} already holds block {slots[dst_handle]!r}"
             )
-        e.dst_tier = dst
-        e.dst_handle = dst_handle
-        self._handles[slot] = key
-        self._moving += 1
+        self._dest[key] = (dst, dst_handle)
+        slots[dst_handle] = key
 
     def finish_move(self, key: Hashable) -> BlockLocation:
         """The copy landed: the block is at its destination. Returns the source to free."""
-        e = self._entry(key, "finish_move")
-        if e.dst_tier is None:
+        self._check_known(key, "finish_move")
+        dest = self._dest.pop(key, None)
+        if dest is None:
             raise ValueError(f"finish_move: block {key!r} is not moving")
-        old = BlockLocation(e.tier, e.handle)
-        del self._handles[(e.tier, e.handle)]
-        self._counts[e.tier] -= 1
-        e.tier, e.handle = e.dst_tier, e.dst_handle
-        e.dst_tier = e.dst_handle = None
-        self._counts[e.tier] += 1
-        self._moving -= 1
+        old = BlockLocation(self._tier[key], self._handle[key])
+        del self._slots[old.tier][old.handle]
+        self._counts[old.tier] -= 1
+        self._tier[key], self._handle[key] = dest
+        self._counts[dest[0]] += 1
         return old
 
     def fail_move(self, key: Hashable) -> BlockLocation:
         """The copy failed: the block stays where it was. Returns the destination to free."""
-        e = self._entry(key, "fail_move")
-        if e.dst_tier is None:
+        self._check_known(key, "fail_move")
+        dest = self._dest.pop(key, None)
+        if dest is None:
             raise ValueError(f"fail_move: block {key!r} is not moving")
-        dest = BlockLocation(e.dst_tier, e.dst_handle)
-        del self._handles[(e.dst_tier, e.dst_handle)]
-        e.dst_tier = e.dst_handle = None
-        self._moving -= 1
-        return dest
+        del self._slots[dest[0]][dest[1]]
+        return BlockLocation(dest[0], dest[1])
 
-    def _subtree(self, e: _Entry) -> Iterator[_Entry]:
-        entries = self._entries
-        stack = [e]
+    def _subtree(self, key: Hashable) -> Iterator[Hashable]:
+        kids = self._kids
+        stack = [key]
         while stack:
             x = stack.pop()
             yield x
-            if x.children:
-                stack.extend(entries[c] for c in x.children)
+            c = kids.get(x, _NONE)
+            if c is not _NONE:
+                if isinstance(c, set):
+                    stack.extend(c)
+                else:
+                    stack.append(c)
 
     def drop(self, key: Hashable, reason: str = "evicted") -> list[Dropped]:
         """Remove a block and its cached descendants; returns what each one held, deepest first.
@@ -320,26 +322,35 @@ class BlockIndex:
         ``reason`` is counted in ``dropped`` (e.g. ``evicted``, ``corrupt``,
         ``read_failed``); descendants are counted as ``orphaned``.
         """
-        e = self._entry(key, "drop")
-        subtree = list(self._subtree(e))
+        self._check_known(key, "drop")
+        subtree = list(self._subtree(key))
         for d in subtree:
-            if d.refs:
+            if d in self._refs:
                 raise ValueError(
-                    f"drop of block {key!r}: block {d.key!r} is mapped by {d.refs} request(s)"
+                    f"drop of block {key!r}: block {d!r} is mapped by {self._refs[d]} request(s)"
                 )
-            if d.dst_tier is not None:
+            if d in self._dest:
                 raise ValueError(
-                    f"drop of block {key!r}: block {d.key!r} is moving to {d.dst_tier.value}"
+                    f"drop of block {key!r}: block {d!r} is moving to {self._dest[d][0].value}"
                 )
-        if e.parent is not None:
-            p = self._entries[e.parent]
-            p.children.discard(key)
+        parent = self._parent[key]
+        if parent is not None:
+            kids = self._kids[parent]
+            if isinstance(kids, set):
+                kids.discard(key)
+                if len(kids) == 1:
+                    self._kids[parent] = next(iter(kids))
+            else:
+                del self._kids[parent]
         out: list[Dropped] = []
         for d in reversed(subtree):
-            del self._entries[d.key]
-            del self._handles[(d.tier, d.handle)]
-            self._counts[d.tier] -= 1
-            out.append(Dropped(d.key, d.tier, d.handle, reason if d is e else "orphaned"))
+            tier = self._tier.pop(d)
+            handle = self._handle.pop(d)
+            del self._parent[d], self._depth[d], self._hits[d], self._first[d], self._last[d]
+            self._kids.pop(d, None)
+            del self._slots[tier][handle]
+            self._counts[tier] -= 1
+            out.append(Dropped(d, tier, handle, reason if d == key else "orphaned"))
         self.dropped[reason] += 1
         if len(subtree) > 1:
             self.dropped["orphaned"] += len(subtree) - 1
@@ -354,17 +365,18 @@ class BlockIndex:
         resumed once per key refused, at most ``len(policy)`` times.
         """
         gen = policy.victims(now)
+        where = self._tier
         try:
             for _ in range(len(policy) + 1):
                 k = next(gen, None)
                 if k is None:
                     return None
-                e = self._entries.get(k)
-                if e is None:
+                t = where.get(k)
+                if t is None:
                     raise RuntimeError(
                         f"policy {policy.name!r} offered block {k!r}, which is not in the index"
                     )
-                if (tier is None or e.tier is tier) and self.evictable(k):
+                if (tier is None or t is tier) and self.evictable(k):
                     return k
             return None
         finally:
@@ -374,55 +386,66 @@ class BlockIndex:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every rule in the module docstring holds."""
-        entries = self._entries
+        keys = set(self._tier)
+        for name in ("_parent", "_depth", "_handle", "_hits", "_first", "_last"):
+            assert set(getattr(self, name)) == keys, (
+                f"{name} does not cover exactly the cached blocks"
+            )
+        for name in ("_dest", "_refs", "_kids"):
+            extra = set(getattr(self, name)) - keys
+            assert not extra, (
+                f"{name} holds blocks that are not cached: {sorted(map(repr, extra))[:3]}"
+            )
         handles: dict[tuple[Tier, Hashable], Hashable] = {}
-        counts: Counter[Tier] = Counter()
-        moving = 0
-        for k, e in entries.items():
-            assert e.key == k, f"block {k!r} is filed under another key {e.key!r}"
-            assert e.refs >= 0, f"block {k!r} has refs {e.refs}"
-            assert e.hits >= 0 and e.last_use >= e.first_seen, f"block {k!r}: bad use record"
-            if e.parent is None:
-                assert e.depth == 0, f"block {k!r}: a root block has depth {e.depth}"
+        counts = {t: 0 for t in Tier}
+        for k in keys:
+            tier = self._tier[k]
+            assert isinstance(tier, Tier), f"block {k!r}: tier {tier!r}"
+            assert self._refs.get(k, 1) > 0, f"block {k!r} has refs {self._refs.get(k)}"
+            assert self._hits[k] >= 0 and self._last[k] >= self._first[k], (
+                f"block {k!r}: bad use record"
+            )
+            parent = self._parent[k]
+            if parent is None:
+                assert self._depth[k] == 0, f"block {k!r}: a root block has depth {self._depth[k]}"
             else:
-                p = entries.get(e.parent)
-                assert p is not None, f"block {k!r}: its parent {e.parent!r} is not cached"
-                assert p.children and k in p.children, (
+                assert parent in keys, f"block {k!r}: its parent {parent!r} is not cached"
+                pk = self._kids.get(parent, _NONE)
+                assert pk == k or (isinstance(pk, set) and k in pk), (
                     f"block {k!r}: missing from its parent's children"
                 )
-                assert e.depth == p.depth + 1, f"block {k!r}: depth {e.depth}, parent's {p.depth}"
-            for c in e.children or ():
-                assert c in entries and entries[c].parent == k, (
-                    f"block {k!r}: child {c!r} is not its child"
+                assert self._depth[k] == self._depth[parent] + 1, (
+                    f"block {k!r}: depth {self._depth[k]}, parent's {self._depth[parent]}"
                 )
-            slot = (e.tier, e.handle)
+            slot = (tier, self._handle[k])
             assert slot not in handles, f"{slot} holds blocks {handles.get(slot)!r} and {k!r}"
             handles[slot] = k
-            counts[e.tier] += 1
-            if e.dst_tier is not None:
-                moving += 1
-                assert e.dst_tier is not e.tier, f"block {k!r} moves to its own tier"
-                dslot = (e.dst_tier, e.dst_handle)
-                assert dslot not in handles, (
-                    f"{dslot} holds blocks {handles.get(dslot)!r} and {k!r}"
+            counts[tier] += 1
+            dest = self._dest.get(k)
+            if dest is not None:
+                assert dest[0] is not tier, f"block {k!r} moves to its own tier"
+                assert dest not in handles, f"{dest} holds blocks {handles.get(dest)!r} and {k!r}"
+                handles[dest] = k
+                if k in self._refs:
+                    assert tier is not Tier.DEVICE, f"block {k!r} is mapped and leaving the device"
+        for p, kids in self._kids.items():
+            group = kids if isinstance(kids, set) else {kids}
+            assert len(group) != 1 or not isinstance(kids, set), f"block {p!r}: a one-child set"
+            for c in group:
+                assert c in keys and self._parent[c] == p, (
+                    f"block {p!r}: child {c!r} is not its child"
                 )
-                handles[dslot] = k
-            else:
-                assert e.dst_handle is None, f"block {k!r}: a destination handle without a move"
-            if e.refs and e.dst_tier is not None:
-                assert e.dst_tier is Tier.DEVICE or e.tier is not Tier.DEVICE, (
-                    f"block {k!r} is mapped and leaving the device"
-                )
-        assert handles == self._handles, "the handle map does not equal the blocks' locations"
-        assert +counts == +self._counts, f"tier counts {dict(self._counts)} != {dict(counts)}"
-        assert moving == self._moving, f"moving count {self._moving} != {moving}"
+        flat = {(t, h): k for t, slots in self._slots.items() for h, k in slots.items()}
+        assert handles == flat, "the handle map does not equal the blocks' locations"
+        assert counts == self._counts, f"tier counts {self._counts} != {counts}"
 
     def chain_keys(self, key: Hashable) -> Sequence[Hashable]:
         """The chain from the root to ``key``, root first."""
-        e = self._entry(key, "chain_keys")
+        self._check_known(key, "chain_keys")
         out = [key]
-        while e.parent is not None:
-            out.append(e.parent)
-            e = self._entries[e.parent]
+        p = self._parent[key]
+        while p is not None:
+            out.append(p)
+            p = self._parent[p]
         out.reverse()
         return out
