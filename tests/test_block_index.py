@@ -75,12 +75,13 @@ class IndexMachine(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(self._keys()))
         chain = self.index.chain_keys(key)
         tail = data.draw(st.lists(st.sampled_from(self._keys() + [10**9]), max_size=3))
+        model_chain = [key]
+        while self.model[model_chain[-1]][0] is not None:
+            model_chain.append(self.model[model_chain[-1]][0])
+        assert list(chain) == model_chain[::-1]
+        before = {k: self.index.location(k) for k in self.model}
         m = self.index.match(chain + tail)
-        expected = len(chain)
-        for k in tail:
-            if k not in self.model or self.model[k][0] != (chain + tail)[expected - 1]:
-                break
-            expected += 1
+        assert {k: self.index.location(k) for k in self.model} == before, "match changed something"
         # the model's match: walk while present (the index does not check parentage in match)
         walk = 0
         for k in chain + tail:
