@@ -1,0 +1,81 @@
+"""The block retention policy interface: what a policy is told and what it answers.
+
+A block policy decides, for one tier of content-addressed KV blocks, which
+block leaves first (``victims``) and whether a missed block is worth keeping
+at all (``admit``). It keeps its own metadata (queues, ghosts, learned odds)
+and never changes the block index: it is told about every event through the
+``on_*`` hooks, with ``BlockInfo`` snapshots, and answers with keys.
+
+Protocol (checked for every registered policy by
+``tiering.testing_blocks.check_block_policy``):
+
+- ``on_request(keys, now)`` first, once per request, with the whole chain of
+  block keys it reads (root first), before any per-block event of that request;
+- then per block: ``on_hit`` for a block the tier holds, or ``admit`` for one it
+  does not, followed by ``on_insert`` if the caller inserted it;
+- ``on_remove(key)`` when a block leaves the tier (evicted, dropped, moved away);
+- ``victims(now)`` yields tracked keys, best victim first. Resuming the
+  generator after a yield means the caller could not take that key (it is
+  mapped by a live request or in flight); the caller evicts the key it stops
+  at and then calls ``on_remove``. Every tracked key is yielded within
+  ``len(policy)`` resumptions, so a caller can bound its search.
+- ``len(policy)`` is the number of blocks it tracks (those inserted and not removed).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterator, Sequence
+from typing import NamedTuple
+
+__all__ = ["BlockInfo", "BlockPolicy"]
+
+
+class BlockInfo(NamedTuple):
+    """What a policy may read about one block (a snapshot; changing it changes nothing)."""
+
+    key: Hashable
+    parent: Hashable | None  # None for a chain's first block
+    depth: int  # 0 for a chain's first block
+    refs: int  # live requests mapping it
+    hits: int  # accesses after the first
+    first_seen: float
+    last_use: float
+    children: int  # cached children
+
+
+class BlockPolicy(ABC):
+    """Retention order for the blocks of one tier. Subclasses implement the abstract hooks."""
+
+    name: str = "block-policy"
+
+    def on_request(self, keys: Sequence[Hashable], now: float) -> None:
+        """The chain of keys a request reads, root first, before its per-block events."""
+        return
+
+    def admit(self, key: Hashable, depth: int, now: float) -> bool:
+        """Whether a block the tier does not hold should be inserted. Default: always."""
+        return True
+
+    @abstractmethod
+    def on_insert(self, info: BlockInfo, now: float) -> None:
+        """``info.key`` now lives in this tier."""
+
+    @abstractmethod
+    def on_hit(self, info: BlockInfo, now: float) -> None:
+        """A block this tier holds was accessed."""
+
+    @abstractmethod
+    def on_remove(self, key: Hashable) -> None:
+        """``key`` left this tier."""
+
+    @abstractmethod
+    def victims(self, now: float) -> Iterator[Hashable]:
+        """Tracked keys, best victim first (see the module's protocol)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """How many blocks the policy tracks."""
+
+    def __contains__(self, key: object) -> bool:  # pragma: no cover - overridden
+        raise NotImplementedError

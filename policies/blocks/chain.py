@@ -1,0 +1,298 @@
+"""ChainOdds: a retention policy that knows blocks form conversations.
+
+A generic cache sees independent items. A KV block is one link of a chain,
+and chains are conversations: a request reads the longest cached prefix of its
+chain, most blocks are never read again, a conversation that has continued a
+few times is likely to continue again, and a continuation comes back after a
+typical delay. ChainOdds turns that into one number per block, its expected
+reads per request of cache space it occupies from now on (its hit density),
+and evicts the block with the lowest density (the deepest of its request's
+chain first, so a head outlives its tail); a missed block whose density at
+age 0 is not above that of the block it would displace is not admitted.
+
+What it tracks:
+
+- **Turn.** A request whose known prefix ends inside an earlier request's own
+  blocks (not at a branch point) continues that conversation: its turn is one
+  more than that request's. A block's class is the turn of the last request
+  that read it, capped at ``max_turn``. Blocks where chains branch
+  (``shared_children`` distinct successors or more: a shared system prompt)
+  form class 0, and a chain's last block that nothing has extended yet (in a
+  trace, the partial page of the prompt) forms its own class.
+- **Ghost history.** Every block read in the last ``horizon`` requests keeps a
+  small record (class, last read, turn, successors seen) whether or not it is
+  still cached, so learning outlives eviction. When a block is read again,
+  the gap since its last read is counted for its class; when its record ages
+  past the horizon unread, a never-reused block is counted.
+- **Density.** For a block of class c, unread for a requests: reuses still to
+  come (counted gaps longer than a) over the expected requests it will still
+  occupy (the remaining gap for those reused, the learned stay of an evicted
+  block for those never reused). Ages are bucketed by powers of two and the
+  table is refreshed every 16 requests. Within a class density is taken at
+  the oldest and the youngest block (the function of age rises then falls).
+  Ages are counted in requests (``on_request`` calls), so nothing depends on
+  the caller's clock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Sequence
+from itertools import islice
+
+from policies.blocks.base import BlockInfo, BlockPolicy
+
+__all__ = ["ChainOdds"]
+
+_BUCKETS = 18  # gap and age buckets: bucket b holds values v with v.bit_length() == b
+
+
+class _Hist:
+    """Per-class reuse counts: reuses by gap bucket, and blocks never reused."""
+
+    __slots__ = ("gaps", "never", "reused")
+
+    def __init__(self, prior_reused: float, prior_never: float) -> None:
+        self.gaps = [0.0] * _BUCKETS
+        self.reused = prior_reused
+        self.never = prior_never
+        self.gaps[10] += prior_reused  # the prior's reuses come after ~512-1023 requests
+
+    def add_reuse(self, gap: int) -> None:
+        self.gaps[min(gap.bit_length(), _BUCKETS - 1)] += 1.0
+        self.reused += 1.0
+
+    def add_never(self) -> None:
+        self.never += 1.0
+
+    def densities(self, stay: float) -> list[float]:
+        """Expected reads per request held, for a block of each age bucket not read yet.
+
+        Reuses still ahead of a block of age a, over the time it is expected
+        to stay: until its read for those reused, ``stay`` more (its expected
+        time to eviction) for those never reused.
+        """
+        gaps, never = self.gaps, self.never
+        mids = [0.0] + [0.75 * (1 << b) for b in range(1, _BUCKETS)]
+        out = []
+        for b in range(_BUCKETS):
+            a = 0.0 if b == 0 else float(1 << (b - 1))
+            left = 0.5 * gaps[b] + sum(gaps[b + 1 :])
+            if left <= 0.0:
+                out.append(0.0)
+                continue
+            wait = 0.5 * gaps[b] * max(mids[b] - a, 1.0)
+            wait += sum(gaps[x] * (mids[x] - a) for x in range(b + 1, _BUCKETS))
+            wait += never * stay
+            out.append(left / max(wait, 1e-9))
+        return out
+
+
+class ChainOdds(BlockPolicy):
+    """Evict the block least likely to be read again; refuse blocks less likely than that."""
+
+    name = "chain"
+
+    def __init__(
+        self,
+        capacity: int,
+        horizon: int | None = None,
+        max_turn: int = 6,
+        shared_children: int = 4,
+        admission: bool = True,
+    ) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"chain: capacity must be an int >= 1 (blocks), got {capacity!r}")
+        if horizon is None:
+            horizon = 4096
+        if not isinstance(horizon, int) or horizon < 2:
+            raise ValueError(f"chain: horizon must be an int >= 2 (requests), got {horizon!r}")
+        if not isinstance(max_turn, int) or max_turn < 1:
+            raise ValueError(f"chain: max_turn must be an int >= 1, got {max_turn!r}")
+        if not isinstance(shared_children, int) or shared_children < 2:
+            raise ValueError(f"chain: shared_children must be an int >= 2, got {shared_children!r}")
+        self.capacity = capacity
+        self.horizon = horizon
+        self.max_turn = max_turn
+        self.shared_children = shared_children
+        self.admission = bool(admission)
+        self._t = 0  # requests seen
+        # class 0: shared branch points; 1..max_turn: a conversation's turn
+        self._hist = (
+            [_Hist(2.0, 1.0)] + [_Hist(1.0, 2.0) for _ in range(max_turn)] + [_Hist(0.5, 4.0)]
+        )
+        self._tail_cls = max_turn + 1  # a chain's last block, which nothing has extended yet
+        # ghost history, oldest read first: key -> [class, last read, created turn, children seen]
+        self._ghost: OrderedDict[Hashable, list] = OrderedDict()
+        self._children: dict[Hashable, set | int] = {}  # key -> successors seen (capped)
+        # tracked (cached) blocks: key -> class; per class, keys oldest read first
+        self._meta: dict[Hashable, int] = {}
+        self._lists: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(max_turn + 2)]
+        self._stay = max(1.0, capacity / 24.0)  # requests a block stays before eviction (learned)
+        self._dens: list[list[float]] = []
+        self._dens_at = -1
+        self._front: dict[int, tuple[Hashable, Hashable]] = {}  # class -> (first key, its pick)
+        self._version = 0  # bumped by every change to what is tracked
+        self._ends_at = -1
+        self._ends_memo: list = []
+        self._turn = 1  # the current request's turn
+        self._cls = 1
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._meta
+
+    # -- learning --------------------------------------------------------------
+
+    def _expire(self) -> None:
+        ghost, cut = self._ghost, self._t - self.horizon
+        hist, children = self._hist, self._children
+        while ghost:
+            k, rec = next(iter(ghost.items()))
+            if rec[1] > cut:
+                break
+            del ghost[k]
+            hist[rec[0]].add_never()
+            children.pop(k, None)
+
+    def on_request(self, keys: Sequence[Hashable], now: float) -> None:
+        self._t += 1
+        self._version += 1
+        t = self._t
+        self._expire()
+        ghost, children, shared = self._ghost, self._children, self.shared_children
+        # the deepest known block decides the turn
+        turn = 1
+        deepest = None
+        for k in keys:
+            rec = ghost.get(k)
+            if rec is None:
+                break
+            deepest = rec
+        if deepest is not None and deepest[3] < shared:
+            turn = min(deepest[2] + 1, self.max_turn)
+        self._turn = turn
+        hist = self._hist
+        prev = None
+        for k in keys:
+            rec = ghost.get(k)
+            if prev is not None:
+                seen = children.get(prev)
+                if seen is None:
+                    children[prev] = seen = {k}
+                elif isinstance(seen, set) and k not in seen:
+                    seen.add(k)
+                    if len(seen) >= shared:
+                        children[prev] = seen = shared
+                pr = ghost[prev]
+                pr[3] = seen if isinstance(seen, int) else len(seen)
+                pr[0] = 0 if pr[3] >= shared else turn
+            if rec is None:
+                rec = [turn, t, turn, 0]
+                ghost[k] = rec
+            else:
+                if rec[1] < t:
+                    hist[rec[0]].add_reuse(t - rec[1])
+                ghost.move_to_end(k)
+                rec[1] = t
+                rec[0] = 0 if rec[3] >= shared else turn
+            prev = k
+        if prev is not None:
+            last = ghost[prev]
+            if last[3] == 0:
+                last[0] = self._tail_cls
+        self._cls = turn
+
+    # -- ordering --------------------------------------------------------------
+
+    def _density(self, cls: int, last: int) -> float:
+        if self._t - self._dens_at >= 16 or not self._dens:
+            self._dens = [h.densities(self._stay) for h in self._hist]
+            self._dens_at = self._t
+        return self._dens[cls][min((self._t - last).bit_length(), _BUCKETS - 1)]
+
+    def _track(self, key: Hashable, depth: int) -> None:
+        rec = self._ghost.get(key)
+        cls = rec[0] if rec is not None else self._cls
+        old = self._meta.get(key)
+        if old is not None:
+            del self._lists[old][key]
+        self._meta[key] = cls
+        self._lists[cls][key] = (self._t, depth)
+        self._version += 1
+
+    def on_insert(self, info: BlockInfo, now: float) -> None:
+        self._track(info.key, info.depth)
+
+    def on_hit(self, info: BlockInfo, now: float) -> None:
+        self._track(info.key, info.depth)
+
+    def on_remove(self, key: Hashable) -> None:
+        cls = self._meta.pop(key)
+        last, _ = self._lists[cls].pop(key)
+        self._version += 1
+        age = self._t - last
+        self._stay += 0.01 * (age - self._stay)
+
+    def _ends(self):
+        """(density, key) of the oldest (deepest of its request) and the youngest block of every class."""
+        if self._ends_at == self._version:
+            return self._ends_memo
+        out = []
+        self._density(0, self._t)  # refresh the table if due
+        dens, now, top = self._dens, self._t, _BUCKETS - 1
+        front = self._front
+        for cls, lst in enumerate(self._lists):
+            if not lst:
+                continue
+            row = dens[cls]
+            first = next(iter(lst))
+            t0 = lst[first][0]
+            cached = front.get(cls)
+            if cached is not None and cached[0] == first and cached[1] in lst and t0 < now:
+                k = cached[1]  # the oldest request is complete: its deepest block is known
+            else:
+                it = iter(lst.items())
+                k, (_, d0) = next(it)
+                for k2, (t2, d2) in islice(it, 256):  # the oldest request's blocks: deepest first
+                    if t2 != t0:
+                        break
+                    if d2 > d0:
+                        k, d0 = k2, d2
+                front[cls] = (first, k)
+            out.append((row[min((now - t0).bit_length(), top)], k))
+            k = next(reversed(lst))
+            out.append((row[min((now - lst[k][0]).bit_length(), top)], k))
+        self._ends_memo, self._ends_at = out, self._version
+        return out
+
+    def admit(self, key: Hashable, depth: int, now: float) -> bool:
+        if not self.admission or len(self._meta) < self.capacity:
+            return True
+        ends = self._ends()
+        if not ends:
+            return True
+        rec = self._ghost.get(key)
+        cls = rec[0] if rec is not None else self._cls
+        return self._density(cls, self._t) > min(ends)[0]
+
+    def victims(self, now: float) -> Iterator[Hashable]:
+        seen = set()
+        for _, k in sorted(self._ends(), key=lambda e: e[0]):
+            if k not in seen:
+                seen.add(k)
+                yield k
+        # every end was refused (mapped by the request being served, which is the
+        # youngest): walk each class from its young end, lowest density first
+        ends = sorted(
+            (self._density(cls, lst[next(reversed(lst))][0]), cls)
+            for cls, lst in enumerate(self._lists)
+            if lst
+        )
+        for _, cls in ends:
+            for k in reversed(self._lists[cls]):
+                if k not in seen:
+                    seen.add(k)
+                    yield k

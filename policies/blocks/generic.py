@@ -1,0 +1,197 @@
+"""Three established cache policies over blocks: LRU, ARC and S3-FIFO.
+
+They see blocks as independent items: no chain structure, no notion of a
+conversation. They are the baselines the KV-aware policy is measured against.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+
+from policies.blocks.base import BlockInfo, BlockPolicy
+
+__all__ = ["ARCBlocks", "LRUBlocks", "S3FIFOBlocks"]
+
+
+def _check_capacity(name: str, capacity: object) -> int:
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        raise ValueError(f"{name}: capacity must be an int >= 1 (blocks), got {capacity!r}")
+    return capacity
+
+
+class LRUBlocks(BlockPolicy):
+    """Least recently used block first."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int | None = None) -> None:
+        if capacity is not None:
+            _check_capacity(self.name, capacity)
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def on_insert(self, info: BlockInfo, now: float) -> None:
+        self._order[info.key] = None
+
+    def on_hit(self, info: BlockInfo, now: float) -> None:
+        self._order.move_to_end(info.key)
+
+    def on_remove(self, key: Hashable) -> None:
+        del self._order[key]
+
+    def victims(self, now: float) -> Iterator[Hashable]:
+        yield from self._order
+
+
+class ARCBlocks(BlockPolicy):
+    """Adaptive Replacement Cache: recency list T1, frequency list T2, ghosts B1/B2, target p."""
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = _check_capacity(self.name, capacity)
+        self.p = 0.0
+        self._t1: OrderedDict[Hashable, None] = OrderedDict()
+        self._t2: OrderedDict[Hashable, None] = OrderedDict()
+        self._b1: OrderedDict[Hashable, None] = OrderedDict()
+        self._b2: OrderedDict[Hashable, None] = OrderedDict()
+        self._incoming_in_b2 = False
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def admit(self, key: Hashable, depth: int, now: float) -> bool:
+        self._incoming_in_b2 = key in self._b2
+        return True
+
+    def on_insert(self, info: BlockInfo, now: float) -> None:
+        k, c = info.key, self.capacity
+        if k in self._b1:
+            self.p = min(float(c), self.p + max(len(self._b2) / len(self._b1), 1.0))
+            del self._b1[k]
+            self._t2[k] = None
+        elif k in self._b2:
+            self.p = max(0.0, self.p - max(len(self._b1) / len(self._b2), 1.0))
+            del self._b2[k]
+            self._t2[k] = None
+        else:
+            self._t1[k] = None
+        self._incoming_in_b2 = False
+        self._trim()
+
+    def on_hit(self, info: BlockInfo, now: float) -> None:
+        k = info.key
+        if k in self._t1:
+            del self._t1[k]
+        else:
+            del self._t2[k]
+        self._t2[k] = None
+
+    def on_remove(self, key: Hashable) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._b1[key] = None
+        else:
+            del self._t2[key]
+            self._b2[key] = None
+        self._trim()
+
+    def _trim(self) -> None:
+        c = self.capacity
+        while self._b1 and len(self._t1) + len(self._b1) > c:
+            self._b1.popitem(last=False)
+        while self._b2 and len(self) + len(self._b1) + len(self._b2) > 2 * c:
+            self._b2.popitem(last=False)
+
+    def victims(self, now: float) -> Iterator[Hashable]:
+        t1 = len(self._t1)
+        if t1 and (t1 > self.p or (self._incoming_in_b2 and t1 == int(self.p))):
+            yield from self._t1
+            yield from self._t2
+        else:
+            yield from self._t2
+            yield from self._t1
+
+
+class S3FIFOBlocks(BlockPolicy):
+    """S3-FIFO: a small FIFO (10%) that filters one-hit blocks, a main FIFO with
+    reinsertion, and a ghost FIFO of blocks evicted from the small queue."""
+
+    name = "s3fifo"
+
+    def __init__(self, capacity: int, small_fraction: float = 0.1) -> None:
+        self.capacity = _check_capacity(self.name, capacity)
+        if not 0.0 < small_fraction < 1.0:
+            raise ValueError(f"s3fifo: small_fraction must be in (0, 1), got {small_fraction!r}")
+        self._small_target = max(1, int(capacity * small_fraction))
+        self._ghost_cap = max(1, capacity - self._small_target)
+        self._s: OrderedDict[Hashable, int] = OrderedDict()
+        self._m: OrderedDict[Hashable, int] = OrderedDict()
+        self._g: OrderedDict[Hashable, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._s) + len(self._m)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._s or key in self._m
+
+    def on_insert(self, info: BlockInfo, now: float) -> None:
+        k = info.key
+        if k in self._g:
+            del self._g[k]
+            self._m[k] = 0
+        else:
+            self._s[k] = 0
+
+    def on_hit(self, info: BlockInfo, now: float) -> None:
+        k = info.key
+        q = self._s if k in self._s else self._m
+        q[k] = min(q[k] + 1, 3)
+
+    def on_remove(self, key: Hashable) -> None:
+        if key in self._s:
+            del self._s[key]
+            self._g[key] = None
+            while len(self._g) > self._ghost_cap:
+                self._g.popitem(last=False)
+        else:
+            del self._m[key]
+
+    def victims(self, now: float) -> Iterator[Hashable]:
+        s, m = self._s, self._m
+        offered: set[Hashable] = set()
+        while s or m:
+            if s and (len(s) >= self._small_target or not m):
+                k, f = next(iter(s.items()))
+                if f > 0:  # read again while in the small queue: promote
+                    del s[k]
+                    m[k] = 0
+                    continue
+                offered.add(k)
+                yield k
+                del s[k]  # refused (mapped or moving): it goes on to the main queue
+                m[k] = f
+            else:
+                k, f = next(iter(m.items()))
+                if k in offered:
+                    break  # went round once: offer the rest without reordering
+                if f > 0:
+                    m.move_to_end(k)
+                    m[k] = f - 1
+                    continue
+                offered.add(k)
+                yield k
+                m.move_to_end(k)
+        for k in [*s, *m]:
+            if k not in offered:
+                offered.add(k)
+                yield k

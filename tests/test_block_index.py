@@ -1,0 +1,286 @@
+"""The block index: a hypothesis state machine against a plain model, and direct checks."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from policies.blocks import LRUBlocks
+from tiering.blocks import BlockIndex
+from tiering.types import Tier
+
+TIERS = [Tier.DEVICE, Tier.HOST, Tier.DISK]
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Model: key -> [parent, tier, refs, moving_to]; handles the caller has allocated."""
+
+    def __init__(self):
+        super().__init__()
+        self.index = BlockIndex()
+        self.model: dict[int, list] = {}
+        self.next_key = 0
+        self.next_handle = 0
+        self.allocated: set[tuple[Tier, int]] = set()  # handles the caller must still free
+        self.handle_of: dict[int, tuple[Tier, int]] = {}
+        self.dest_of: dict[int, tuple[Tier, int]] = {}
+        self.now = 0.0
+        self.gone: list[int] = []
+
+    def _handle(self, tier):
+        self.next_handle += 1
+        h = (tier, self.next_handle)
+        return h
+
+    def _subtree(self, key):
+        out, stack = [], [key]
+        while stack:
+            k = stack.pop()
+            out.append(k)
+            stack.extend(c for c, v in self.model.items() if v[0] == k)
+        return out
+
+    def _keys(self):
+        return sorted(self.model)
+
+    @rule(tier=st.sampled_from(TIERS), data=st.data())
+    def insert(self, tier, data):
+        self.now += 1.0
+        choices = [None] + self._keys() + self.gone[-3:]
+        parent = data.draw(st.sampled_from(choices))
+        key = self.next_key
+        self.next_key += 1
+        h = self._handle(tier)
+        ok = self.index.insert(key, parent, tier, h[1], self.now)
+        if parent is not None and parent not in self.model:
+            assert not ok, "a block behind a missing parent was inserted"
+            return
+        assert ok
+        self.model[key] = [parent, tier, 0, None]
+        self.allocated.add(h)
+        self.handle_of[key] = h
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def duplicate_insert_is_refused(self, data):
+        key = data.draw(st.sampled_from(self._keys()))
+        with pytest.raises(ValueError, match="already in the index"):
+            self.index.insert(key, None, Tier.HOST, -1, self.now)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def lookup(self, data):
+        key = data.draw(st.sampled_from(self._keys()))
+        chain = self.index.chain_keys(key)
+        tail = data.draw(st.lists(st.sampled_from(self._keys() + [10**9]), max_size=3))
+        model_chain = [key]
+        while self.model[model_chain[-1]][0] is not None:
+            model_chain.append(self.model[model_chain[-1]][0])
+        assert list(chain) == model_chain[::-1]
+        before = {k: self.index.location(k) for k in self.model}
+        m = self.index.match(chain + tail)
+        assert {k: self.index.location(k) for k in self.model} == before, "match changed something"
+        # the model's match: walk while present (the index does not check parentage in match)
+        walk = 0
+        for k in chain + tail:
+            if k not in self.model:
+                break
+            walk += 1
+        assert m.blocks == walk >= len(chain)
+        assert list(m.tiers[: len(chain)]) == [self.model[k][1] for k in chain]
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def touch(self, data):
+        key = data.draw(st.sampled_from(self._keys()))
+        self.now += 1.0
+        before = self.index.get(key).hits
+        info = self.index.touch(key, self.now)
+        assert info.hits == before + 1 and info.last_use == self.now
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def acquire(self, data):
+        key = data.draw(st.sampled_from(self._keys()))
+        if self.model[key][1] is Tier.DEVICE and self.model[key][3] is not None:
+            with pytest.raises(ValueError, match="moving from device"):
+                self.index.acquire(key)
+            return
+        assert self.index.acquire(key) == self.model[key][2] + 1
+        self.model[key][2] += 1
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def release(self, data):
+        key = data.draw(st.sampled_from(self._keys()))
+        if self.model[key][2] == 0:
+            with pytest.raises(ValueError, match="not mapped"):
+                self.index.release(key)
+        else:
+            assert self.index.release(key) == self.model[key][2] - 1
+            self.model[key][2] -= 1
+
+    def _busy_below(self, key):
+        return any(self.model[k][2] or self.model[k][3] for k in self._subtree(key))
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), dst=st.sampled_from(TIERS))
+    def begin_move(self, data, dst):
+        key = data.draw(st.sampled_from(self._keys()))
+        parent, tier, refs, moving = self.model[key]
+        h = self._handle(dst)
+        bad = moving is not None or dst is tier or (tier is Tier.DEVICE and self._busy_below(key))
+        if bad:
+            with pytest.raises(ValueError):
+                self.index.begin_move(key, dst, h[1])
+            return
+        self.index.begin_move(key, dst, h[1])
+        self.model[key][3] = dst
+        self.allocated.add(h)
+        self.dest_of[key] = h
+
+    @precondition(lambda self: any(v[3] for v in self.model.values()))
+    @rule(data=st.data(), ok=st.booleans())
+    def end_move(self, data, ok):
+        key = data.draw(st.sampled_from([k for k in self._keys() if self.model[k][3]]))
+        if ok:
+            freed = self.index.finish_move(key)
+            assert (freed.tier, freed.handle) == self.handle_of[key]
+            self.allocated.discard(self.handle_of[key])
+            self.handle_of[key] = self.dest_of.pop(key)
+            self.model[key][1] = self.model[key][3]
+        else:
+            freed = self.index.fail_move(key)
+            assert (freed.tier, freed.handle) == self.dest_of[key]
+            self.allocated.discard(self.dest_of.pop(key))
+        self.model[key][3] = None
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), reason=st.sampled_from(["evicted", "corrupt"]))
+    def drop(self, data, reason):
+        """Eviction, or a damaged block found at read (corruption-as-drop)."""
+        key = data.draw(st.sampled_from(self._keys()))
+        if self._busy_below(key):
+            before = {k: self.index.location(k) for k in self.model}
+            with pytest.raises(ValueError):
+                self.index.drop(key, reason)
+            assert {k: self.index.location(k) for k in self.model} == before
+            return
+        sub = self._subtree(key)
+        out = self.index.drop(key, reason)
+        assert sorted(d.key for d in out) == sorted(sub)
+        assert out[-1].key == key and out[-1].reason == reason
+        for d in out:
+            assert (d.tier, d.handle) == self.handle_of.pop(d.key)
+            self.allocated.discard((d.tier, d.handle))
+            del self.model[d.key]
+            self.gone.append(d.key)
+
+    @precondition(lambda self: self.model)
+    @rule()
+    def choose_victim_never_takes_a_mapped_block(self):
+        policy = LRUBlocks()
+        for k in self._keys():
+            policy.on_insert(self.index.get(k), self.now)
+        v = self.index.choose_victim(policy, self.now)
+        if v is None:
+            assert all(self._busy_below(k) for k in self.model)
+        else:
+            assert not self._busy_below(v)
+
+    @invariant()
+    def consistent(self):
+        self.index.check_integrity()
+        assert set(self.index.keys()) == set(self.model)
+        held = set()
+        for k, (parent, tier, refs, moving) in self.model.items():
+            info = self.index.get(k)
+            loc = self.index.location(k)
+            assert info.refs == refs >= 0
+            assert info.parent == parent and loc.tier is tier and loc.moving_to is moving
+            held.add((loc.tier, loc.handle))
+            if moving is not None:
+                held.add((loc.moving_to, loc.dest_handle))
+        assert held == self.allocated, "a handle leaked or was freed twice"
+        for t in TIERS:
+            assert self.index.count(t) == sum(1 for v in self.model.values() if v[1] is t)
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def _chain(index, keys, tier=Tier.DEVICE, start=0):
+    parent = None
+    for i, k in enumerate(keys):
+        assert index.insert(k, parent, tier, start + i, 0.0)
+        parent = k
+    index.check_integrity()
+
+
+def test_corrupt_block_turns_a_hit_into_a_miss_and_drops_what_follows():
+    index = BlockIndex()
+    _chain(index, ["a", "b", "c", "d"], Tier.DISK)
+    assert index.match(["a", "b", "c", "d"]).blocks == 4
+    out = index.drop("b", "corrupt")
+    index.check_integrity()
+    assert [d.key for d in out] == ["d", "c", "b"]
+    assert [d.reason for d in out] == ["orphaned", "orphaned", "corrupt"]
+    assert index.match(["a", "b", "c", "d"]).blocks == 1
+    assert index.dropped["corrupt"] == 1 and index.dropped["orphaned"] == 2
+
+
+def test_a_mapped_block_cannot_leave_the_device_or_be_dropped():
+    index = BlockIndex()
+    _chain(index, ["a", "b"])
+    index.acquire("b")
+    for call in (lambda: index.drop("a"), lambda: index.begin_move("a", Tier.HOST, 9)):
+        with pytest.raises(ValueError, match="mapped"):
+            call()
+    index.check_integrity()
+    assert index.match(["a", "b"]).blocks == 2
+    index.release("b")
+    index.begin_move("b", Tier.HOST, 9)
+    assert index.finish_move("b") == (Tier.DEVICE, 1, None, None)
+    index.check_integrity()
+    assert index.match(["a", "b"]).tiers == (Tier.DEVICE, Tier.HOST)
+
+
+def test_a_host_block_being_attached_may_be_mapped_while_it_moves_up():
+    index = BlockIndex()
+    _chain(index, ["a"], Tier.HOST)
+    index.acquire("a")
+    index.begin_move("a", Tier.DEVICE, 5)
+    index.check_integrity()
+    assert index.location("a").moving_to is Tier.DEVICE
+    index.finish_move("a")
+    assert index.location("a").tier is Tier.DEVICE
+    index.check_integrity()
+
+
+def test_handle_reuse_is_refused_and_changes_nothing():
+    index = BlockIndex()
+    _chain(index, ["a"])
+    with pytest.raises(ValueError, match="handle 0 already holds block 'a'"):
+        index.insert("b", "a", Tier.DEVICE, 0, 0.0)
+    assert "b" not in index
+    index.check_integrity()
+
+
+def test_check_integrity_catches_a_corrupted_record():
+    index = BlockIndex()
+    _chain(index, ["a", "b"])
+    index._refs["b"] = -1  # negative controls: the check must see each of these
+    with pytest.raises(AssertionError, match="refs"):
+        index.check_integrity()
+    del index._refs["b"]
+    index.check_integrity()
+    index._slots[Tier.HOST][99] = "a"  # a leaked slot
+    with pytest.raises(AssertionError, match="handle map"):
+        index.check_integrity()
+    del index._slots[Tier.HOST][99]
+    index._kids["b"] = {"zz"}  # a child that is not cached
+    with pytest.raises(AssertionError, match="child"):
+        index.check_integrity()

@@ -1,0 +1,451 @@
+"""The block index: where every content-addressed KV block is, and who maps it.
+
+``BlockIndex`` owns key -> location (a tier and an opaque per-tier handle: a
+device page, a host slot, a disk location), the count of live requests mapping
+each block, the chain structure (parent, depth, cached children) and what
+retention policies read (last use, hit count, first seen). It holds no tensors
+and performs no I/O: the caller copies bytes and tells the index.
+
+Rules it enforces (``check_integrity`` proves them):
+
+- A block is in exactly one place, or in flight between two (``begin_move`` ..
+  ``finish_move`` / ``fail_move``); one handle of a tier names at most one block,
+  counting the destinations of moves in flight.
+- A block's parent is cached: a block is only inserted after its parent, and
+  dropping a block drops its cached descendants with it (a prefix match stops at
+  the first miss, so they could never be read again). ``drop`` returns every
+  location freed so the caller can free them.
+- Reference counts never go negative; a mapped block (refs > 0) or one with a
+  mapped or moving descendant is never dropped and never moves off the device.
+- Bad input (a duplicate key, an unknown key, a handle already used, a release
+  below zero) raises ``ValueError`` naming the block and changes nothing. A
+  parent that has gone is an expected shortage: ``insert`` returns False.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import NamedTuple
+
+from policies.blocks.base import BlockInfo, BlockPolicy
+from tiering.types import Tier
+
+__all__ = ["BlockIndex", "BlockLocation", "Dropped", "PrefixMatch"]
+
+
+class BlockLocation(NamedTuple):
+    """Where a block is: its tier and handle, and the destination of a move in flight."""
+
+    tier: Tier
+    handle: Hashable
+    moving_to: Tier | None = None
+    dest_handle: Hashable | None = None
+
+
+class PrefixMatch(NamedTuple):
+    """The longest cached prefix of a chain: how many blocks, and each one's tier."""
+
+    blocks: int
+    tiers: tuple[Tier, ...]
+
+    def count(self, tier: Tier) -> int:
+        return sum(1 for t in self.tiers if t is tier)
+
+
+class Dropped(NamedTuple):
+    """A block that left the index and the slot the caller must free."""
+
+    key: Hashable
+    tier: Tier
+    handle: Hashable
+    reason: str
+
+
+_NONE = object()  # "no entry", where None may be a value
+
+
+def _check_tier(tier: object, what: str) -> Tier:
+    if not isinstance(tier, Tier):
+        raise ValueError(f"{what}: tier must be a Tier, got {tier!r}")
+    return tier
+
+
+class BlockIndex:
+    """Key -> location, reference counts and chain structure of cached KV blocks.
+
+    Stored as parallel dicts of plain values (no object per block), so a
+    million cached blocks cost the garbage collector nothing to walk.
+    """
+
+    def __init__(self) -> None:
+        self._parent: dict[Hashable, Hashable | None] = {}
+        self._depth: dict[Hashable, int] = {}
+        self._tier: dict[Hashable, Tier] = {}
+        self._handle: dict[Hashable, Hashable] = {}
+        self._dest: dict[Hashable, tuple[Tier, Hashable]] = {}  # moves in flight
+        self._refs: dict[Hashable, int] = {}  # only blocks mapped by someone
+        self._hits: dict[Hashable, int] = {}
+        self._first: dict[Hashable, float] = {}
+        self._last: dict[Hashable, float] = {}
+        # only blocks with cached children: the child itself, or a set when there are several
+        self._kids: dict[Hashable, Hashable | set] = {}
+        self._slots: dict[Tier, dict[Hashable, Hashable]] = {t: {} for t in Tier}  # handle -> key
+        self._counts: dict[Tier, int] = {t: 0 for t in Tier}
+        self.dropped: Counter[str] = Counter()  # blocks dropped, by reason
+
+    # -- reading ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._tier)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._tier
+
+    def count(self, tier: Tier) -> int:
+        """Blocks whose current (source) location is ``tier``."""
+        return self._counts[tier]
+
+    @property
+    def moving(self) -> int:
+        return len(self._dest)
+
+    def _info(self, key: Hashable) -> BlockInfo:
+        kids = self._kids.get(key, _NONE)
+        return BlockInfo(
+            key,
+            self._parent[key],
+            self._depth[key],
+            self._refs.get(key, 0),
+            self._hits[key],
+            self._first[key],
+            self._last[key],
+            0 if kids is _NONE else (len(kids) if isinstance(kids, set) else 1),
+        )
+
+    def get(self, key: Hashable) -> BlockInfo | None:
+        return self._info(key) if key in self._tier else None
+
+    def location(self, key: Hashable) -> BlockLocation | None:
+        tier = self._tier.get(key)
+        if tier is None:
+            return None
+        dest = self._dest.get(key)
+        if dest is None:
+            return BlockLocation(tier, self._handle[key])
+        return BlockLocation(tier, self._handle[key], dest[0], dest[1])
+
+    def keys(self, tier: Tier | None = None) -> Iterator[Hashable]:
+        for k, t in self._tier.items():
+            if tier is None or t is tier:
+                yield k
+
+    def match(self, keys: Iterable[Hashable]) -> PrefixMatch:
+        """The longest cached prefix of ``keys`` (root first); changes nothing.
+
+        A block in flight is reported at its source tier, where its bytes still are.
+        """
+        where = self._tier
+        tiers: list[Tier] = []
+        for k in keys:
+            t = where.get(k)
+            if t is None:
+                break
+            tiers.append(t)
+        return PrefixMatch(len(tiers), tuple(tiers))
+
+    def match_length(self, keys: Iterable[Hashable]) -> int:
+        """``match(keys).blocks`` without building the tier list."""
+        where = self._tier
+        n = 0
+        for k in keys:
+            if k not in where:
+                break
+            n += 1
+        return n
+
+    def _busy(self, key: Hashable) -> bool:
+        return key in self._refs or key in self._dest
+
+    def evictable(self, key: Hashable) -> bool:
+        """Whether ``drop(key)`` would succeed: cached, unmapped, not moving, nor any descendant."""
+        if key not in self._tier or self._busy(key):
+            return False
+        if key not in self._kids:
+            return True
+        return not any(self._busy(d) for d in self._subtree(key))
+
+    # -- changing --------------------------------------------------------------
+
+    def _check_known(self, key: Hashable, what: str) -> None:
+        if key not in self._tier:
+            raise ValueError(f"{what}: block {key!r} is not in the index")
+
+    def insert(
+        self, key: Hashable, parent: Hashable | None, tier: Tier, handle: Hashable, now: float
+    ) -> bool:
+        """Add a block at ``(tier, handle)`` after ``parent`` (None: a chain's first block).
+
+        False if the parent is no longer cached (the block would be unreachable).
+        """
+        if key in self._tier:
+            raise ValueError(f"insert: block {key!r} is already in the index")
+        if key is None:
+            raise ValueError("insert: a block key must not be None")
+        _check_tier(tier, f"insert of block {key!r}")
+        slots = self._slots[tier]
+        if handle in slots:
+            raise ValueError(
+                f"insert of block {key!r}: {tier.value} handle {handle!r} already holds block {slots[handle]!r}"
+            )
+        if parent is None:
+            depth = 0
+        else:
+            pd = self._depth.get(parent)
+            if pd is None:
+                return False
+            depth = pd + 1
+            kids = self._kids.get(parent, _NONE)
+            if kids is _NONE:
+                self._kids[parent] = key
+            elif isinstance(kids, set):
+                kids.add(key)
+            else:
+                self._kids[parent] = {kids, key}
+        self._parent[key] = parent
+        self._depth[key] = depth
+        self._tier[key] = tier
+        self._handle[key] = handle
+        self._hits[key] = 0
+        self._first[key] = now
+        self._last[key] = now
+        slots[handle] = key
+        self._counts[tier] += 1
+        return True
+
+    def touch(self, key: Hashable, now: float) -> BlockInfo:
+        """Record an access of a cached block (a hit); returns its new snapshot."""
+        self._check_known(key, "touch")
+        self._hits[key] += 1
+        self._last[key] = now
+        return self._info(key)
+
+    def acquire(self, key: Hashable) -> int:
+        """A live request maps the block; returns its reference count.
+
+        Refused (ValueError) for a block in flight off the device: its device
+        page is freed when that copy lands. Fail or finish the move first.
+        """
+        self._check_known(key, "acquire")
+        dest = self._dest.get(key)
+        if dest is not None and self._tier[key] is Tier.DEVICE:
+            raise ValueError(
+                f"acquire: block {key!r} is moving from device to {dest[0].value}; it cannot be mapped now"
+            )
+        n = self._refs.get(key, 0) + 1
+        self._refs[key] = n
+        return n
+
+    def release(self, key: Hashable) -> int:
+        """A live request stops mapping the block; never below zero."""
+        self._check_known(key, "release")
+        n = self._refs.get(key, 0)
+        if n <= 0:
+            raise ValueError(f"release: block {key!r} is not mapped by any request")
+        if n == 1:
+            del self._refs[key]
+        else:
+            self._refs[key] = n - 1
+        return n - 1
+
+    def begin_move(self, key: Hashable, dst: Tier, dst_handle: Hashable) -> None:
+        """Reserve ``(dst, dst_handle)`` for a copy of the block; it stays readable at its source."""
+        self._check_known(key, "begin_move")
+        _check_tier(dst, f"begin_move of block {key!r}")
+        if key in self._dest:
+            raise ValueError(
+                f"begin_move: block {key!r} is already moving to {self._dest[key][0].value}"
+            )
+        tier = self._tier[key]
+        if dst is tier:
+            raise ValueError(f"begin_move: block {key!r} is already on {dst.value}")
+        if tier is Tier.DEVICE and not self.evictable(key):
+            raise ValueError(
+                f"begin_move: block {key!r} (or a block after it) is mapped by a live request or moving; it cannot leave the device"
+            )
+        slots = self._slots[dst]
+        if dst_handle in slots:
+            raise ValueError(
+                f"begin_move of block {key!r}: {dst.value} handle {dst_handle!r} already holds block {slots[dst_handle]!r}"
+            )
+        self._dest[key] = (dst, dst_handle)
+        slots[dst_handle] = key
+
+    def finish_move(self, key: Hashable) -> BlockLocation:
+        """The copy landed: the block is at its destination. Returns the source to free."""
+        self._check_known(key, "finish_move")
+        dest = self._dest.pop(key, None)
+        if dest is None:
+            raise ValueError(f"finish_move: block {key!r} is not moving")
+        old = BlockLocation(self._tier[key], self._handle[key])
+        del self._slots[old.tier][old.handle]
+        self._counts[old.tier] -= 1
+        self._tier[key], self._handle[key] = dest
+        self._counts[dest[0]] += 1
+        return old
+
+    def fail_move(self, key: Hashable) -> BlockLocation:
+        """The copy failed: the block stays where it was. Returns the destination to free."""
+        self._check_known(key, "fail_move")
+        dest = self._dest.pop(key, None)
+        if dest is None:
+            raise ValueError(f"fail_move: block {key!r} is not moving")
+        del self._slots[dest[0]][dest[1]]
+        return BlockLocation(dest[0], dest[1])
+
+    def _subtree(self, key: Hashable) -> Iterator[Hashable]:
+        kids = self._kids
+        stack = [key]
+        while stack:
+            x = stack.pop()
+            yield x
+            c = kids.get(x, _NONE)
+            if c is not _NONE:
+                if isinstance(c, set):
+                    stack.extend(c)
+                else:
+                    stack.append(c)
+
+    def drop(self, key: Hashable, reason: str = "evicted") -> list[Dropped]:
+        """Remove a block and its cached descendants; returns what each one held, deepest first.
+
+        ``reason`` is counted in ``dropped`` (e.g. ``evicted``, ``corrupt``,
+        ``read_failed``); descendants are counted as ``orphaned``.
+        """
+        self._check_known(key, "drop")
+        subtree = list(self._subtree(key))
+        for d in subtree:
+            if d in self._refs:
+                raise ValueError(
+                    f"drop of block {key!r}: block {d!r} is mapped by {self._refs[d]} request(s)"
+                )
+            if d in self._dest:
+                raise ValueError(
+                    f"drop of block {key!r}: block {d!r} is moving to {self._dest[d][0].value}"
+                )
+        parent = self._parent[key]
+        if parent is not None:
+            kids = self._kids[parent]
+            if isinstance(kids, set):
+                kids.discard(key)
+                if len(kids) == 1:
+                    self._kids[parent] = next(iter(kids))
+            else:
+                del self._kids[parent]
+        out: list[Dropped] = []
+        for d in reversed(subtree):
+            tier = self._tier.pop(d)
+            handle = self._handle.pop(d)
+            del self._parent[d], self._depth[d], self._hits[d], self._first[d], self._last[d]
+            self._kids.pop(d, None)
+            del self._slots[tier][handle]
+            self._counts[tier] -= 1
+            out.append(Dropped(d, tier, handle, reason if d == key else "orphaned"))
+        self.dropped[reason] += 1
+        if len(subtree) > 1:
+            self.dropped["orphaned"] += len(subtree) - 1
+        return out
+
+    def choose_victim(
+        self, policy: BlockPolicy, now: float, tier: Tier | None = None
+    ) -> Hashable | None:
+        """The first key ``policy.victims`` offers that may leave (``evictable``, in ``tier``).
+
+        None when the policy offers nothing that may leave. The policy is
+        resumed once per key refused, at most ``len(policy)`` times.
+        """
+        gen = policy.victims(now)
+        where = self._tier
+        try:
+            for _ in range(len(policy) + 1):
+                k = next(gen, None)
+                if k is None:
+                    return None
+                t = where.get(k)
+                if t is None:
+                    raise RuntimeError(
+                        f"policy {policy.name!r} offered block {k!r}, which is not in the index"
+                    )
+                if (tier is None or t is tier) and self.evictable(k):
+                    return k
+            return None
+        finally:
+            gen.close()
+
+    # -- checking --------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every rule in the module docstring holds."""
+        keys = set(self._tier)
+        for name in ("_parent", "_depth", "_handle", "_hits", "_first", "_last"):
+            assert set(getattr(self, name)) == keys, (
+                f"{name} does not cover exactly the cached blocks"
+            )
+        for name in ("_dest", "_refs", "_kids"):
+            extra = set(getattr(self, name)) - keys
+            assert not extra, (
+                f"{name} holds blocks that are not cached: {sorted(map(repr, extra))[:3]}"
+            )
+        handles: dict[tuple[Tier, Hashable], Hashable] = {}
+        counts = {t: 0 for t in Tier}
+        for k in keys:
+            tier = self._tier[k]
+            assert isinstance(tier, Tier), f"block {k!r}: tier {tier!r}"
+            assert self._refs.get(k, 1) > 0, f"block {k!r} has refs {self._refs.get(k)}"
+            assert self._hits[k] >= 0 and self._last[k] >= self._first[k], (
+                f"block {k!r}: bad use record"
+            )
+            parent = self._parent[k]
+            if parent is None:
+                assert self._depth[k] == 0, f"block {k!r}: a root block has depth {self._depth[k]}"
+            else:
+                assert parent in keys, f"block {k!r}: its parent {parent!r} is not cached"
+                pk = self._kids.get(parent, _NONE)
+                assert pk == k or (isinstance(pk, set) and k in pk), (
+                    f"block {k!r}: missing from its parent's children"
+                )
+                assert self._depth[k] == self._depth[parent] + 1, (
+                    f"block {k!r}: depth {self._depth[k]}, parent's {self._depth[parent]}"
+                )
+            slot = (tier, self._handle[k])
+            assert slot not in handles, f"{slot} holds blocks {handles.get(slot)!r} and {k!r}"
+            handles[slot] = k
+            counts[tier] += 1
+            dest = self._dest.get(k)
+            if dest is not None:
+                assert dest[0] is not tier, f"block {k!r} moves to its own tier"
+                assert dest not in handles, f"{dest} holds blocks {handles.get(dest)!r} and {k!r}"
+                handles[dest] = k
+                if k in self._refs:
+                    assert tier is not Tier.DEVICE, f"block {k!r} is mapped and leaving the device"
+        for p, kids in self._kids.items():
+            group = kids if isinstance(kids, set) else {kids}
+            assert len(group) != 1 or not isinstance(kids, set), f"block {p!r}: a one-child set"
+            for c in group:
+                assert c in keys and self._parent[c] == p, (
+                    f"block {p!r}: child {c!r} is not its child"
+                )
+        flat = {(t, h): k for t, slots in self._slots.items() for h, k in slots.items()}
+        assert handles == flat, "the handle map does not equal the blocks' locations"
+        assert counts == self._counts, f"tier counts {self._counts} != {counts}"
+
+    def chain_keys(self, key: Hashable) -> Sequence[Hashable]:
+        """The chain from the root to ``key``, root first."""
+        self._check_known(key, "chain_keys")
+        out = [key]
+        p = self._parent[key]
+        while p is not None:
+            out.append(p)
+            p = self._parent[p]
+        out.reverse()
+        return out
