@@ -128,3 +128,14 @@ def test_cli_rejects_bad_arguments(tmp_path, argv, capsys):
     with pytest.raises(SystemExit):
         main(args)
     assert argv[0].lstrip("-").split("-")[0] in capsys.readouterr().err
+
+
+def test_tiering_replay_blocks_runs_the_block_replay(tmp_path):
+    from tiering.cli import main as tiering_main
+
+    out = tmp_path / "via-cli"
+    rc = tiering_main(["replay", TRACE, "--blocks", "--capacity-blocks", "200",
+                       "--policy", "lru", "--out", str(out), "--limit", "300"])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert 0 < s["policies"]["lru"]["block_hit_rate"] <= s["belady_hit_rate"]

@@ -261,6 +261,11 @@ def _check(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--blocks" in argv:  # block accesses alone, through the block index and policies
+        from tiering.blocks.replay import main as blocks_main
+
+        return blocks_main([a for a in argv if a != "--blocks"])
     try:
         args = _parser().parse_args(argv)
     except SystemExit as stop:
