@@ -57,7 +57,7 @@ if __package__ in (None, ""):
 
 from benchmarks._report import table, write_json  # noqa: E402
 from policies import Candidate, make_policy  # noqa: E402
-from tiering.controller import ControllerConfig, EvictionController  # noqa: E402
+from tiering.control.controller import ControllerConfig, EvictionController  # noqa: E402
 from tiering.testing import ExactPressure, FakeClock, FakeTieredResource  # noqa: E402
 from tiering.types import RequestState, Tier  # noqa: E402
 

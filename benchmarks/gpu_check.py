@@ -82,7 +82,7 @@ def steps(py: str, out: Path) -> list[Step]:
         Step("transfer", (py, "benchmarks/transfer.py", "--out", str(out / "transfer.json"),
                           "--gib", "0.25", "--reps", "3", "--page-kib", "2048,128,8",
                           "--both-ways", "--under-matmul"), 110, "transfer.json"),
-        Step("demo", (py, "-m", "tiering.cli", "demo", "--device", "cuda",
+        Step("demo", (py, "-m", "tiering.apps.cli", "demo", "--device", "cuda",
                       "--out", str(out / "demo")), 80, "demo/summary.json"),
     ]
 

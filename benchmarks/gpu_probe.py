@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 _CHILD = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from tiering.pressure import NvmlPressure
+from tiering.control.pressure import NvmlPressure
 s = NvmlPressure(0)
 print(json.dumps({"uuid": s.uuid, "nvml_index": s.nvml_index, "available": s.available}))
 """
@@ -80,7 +80,7 @@ def pinning(torch, device) -> dict:
 def pressure(torch) -> dict:
     from resources.kv_cache import PagedKVCache
     from resources.kv_geometry import KVGeometry
-    from tiering.pressure import NvmlPressure, TorchCudaPressure, cache_pressure
+    from tiering.control.pressure import NvmlPressure, TorchCudaPressure, cache_pressure
 
     out = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "devices": []}
     uuids = []

@@ -28,9 +28,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import table, write_json  # noqa: E402
-from tiering.replay.presets import StepCost, get_hardware, get_model  # noqa: E402
-from tiering.replay.simulator import RunSpec, SimConfig, simulate  # noqa: E402
-from tiering.replay.traces import load_trace  # noqa: E402
+from tiering.apps.replay.presets import StepCost, get_hardware, get_model  # noqa: E402
+from tiering.apps.replay.simulator import RunSpec, SimConfig, simulate  # noqa: E402
+from tiering.apps.replay.traces import load_trace  # noqa: E402
 
 DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake" / "conversation_trace.jsonl"
 

@@ -52,13 +52,13 @@ from resources.kv_records import (
     TransferJob,
     UnknownRequest,
 )
-from tiering.checksum import ChecksumMismatch, crc_of, crc_of_pages
-from tiering.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
-from tiering.pinning import HostRuntime, PinnedSlab, PinOutcome, pin_host_slab
-from tiering.pools import PagePool, PoolIntegrityError
-from tiering.protocols import CompletionFeed
-from tiering.staging import StagingConfig, StagingRing, StagingTimeout
-from tiering.transfer import StreamSet, coalesce, copy_runs, issue_runs, no_fault
+from tiering.control.protocols import CompletionFeed
+from tiering.core.checksum import ChecksumMismatch, crc_of, crc_of_pages
+from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
+from tiering.core.pinning import HostRuntime, PinnedSlab, PinOutcome, pin_host_slab
+from tiering.core.pools import PagePool, PoolIntegrityError
+from tiering.core.staging import StagingConfig, StagingRing, StagingTimeout
+from tiering.core.transfer import StreamSet, coalesce, copy_runs, issue_runs, no_fault
 from tiering.types import (
     OFFLOADED_STATES,
     RELOADABLE_STATES,
@@ -91,7 +91,7 @@ class PagedKVCache(Resource):
 
     ``device_pages`` pages are allocated once on ``device`` page-first; the
     host tier is one page-aligned slab of ``host_pages`` pages (pinned to
-    exactly that size when CUDA is present, see ``tiering.pinning``); the
+    exactly that size when CUDA is present, see ``tiering.core.pinning``); the
     disk tier is a ``DiskPageStore`` when ``disk`` is given
     (``disk_wrap_store`` wraps its zarr store: the fault-injection seam;
     ``disk_store`` injects a ready-made store, which the cache then owns and
@@ -437,9 +437,15 @@ class PagedKVCache(Resource):
         ends (under a fresh key: the id may be ingested again at once, and
         then behaves exactly like a new one)."""
         r = self._req(rid, "remove_request")
+        if r.job is not None and r.job.future.done():
+            self._finish_now(r)  # a finished copy's outcome (a fault too) is still reported
         job = r.job
         fut = job.future if job else None
-        if fut is not None and not fut.cancel() and not fut.done():
+        if fut is not None and fut.cancel():  # never started: reported as not done
+            self._unreported.append(TransferResult(
+                rid, job.move, False, 0, None, "removed before its copy started"))
+            self._release_all(r)
+        elif fut is not None and not fut.done():
             key = ("removed", next(self._tomb_seq))
             for pool, slots in ((self.device_pool, r.device), (self.host_pool, r.host)):
                 pool.transfer_ownership(rid, key, slots)
@@ -502,10 +508,13 @@ class PagedKVCache(Resource):
         self.host_pool.release(r.rid, r.host)
         if r.disk is not None:
             self._disk_call("release", r.disk)
+        move = r.job.move
         r.host, r.disk, r.job = [], None, None
         self._inflight.discard(r.rid)
         self._set_state(r, S.RESIDENT)
         self.stats.offloads_cancelled += 1
+        self._unreported.append(TransferResult(
+            r.rid, move, False, 0, S.RESIDENT, "cancelled: wanted again before its copy started"))
 
     # -- eviction hooks -------------------------------------------------------------
 

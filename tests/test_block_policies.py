@@ -13,7 +13,7 @@ from policies.blocks import (
     register_block_policy,
 )
 from policies.blocks.generic import LRUBlocks
-from tiering.testing_blocks import check_block_policy
+from tiering.testing.blocks import check_block_policy
 
 NAMES = default_block_registry().names
 

@@ -131,7 +131,7 @@ def test_cli_rejects_bad_arguments(tmp_path, argv, capsys):
 
 
 def test_tiering_replay_blocks_runs_the_block_replay(tmp_path):
-    from tiering.cli import main as tiering_main
+    from tiering.apps.cli import main as tiering_main
 
     out = tmp_path / "via-cli"
     rc = tiering_main(["replay", TRACE, "--blocks", "--capacity-blocks", "200",

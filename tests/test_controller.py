@@ -20,14 +20,14 @@ from hypothesis.stateful import (
 
 from policies import make_policy
 from policies.base import Candidate, Policy
-from tiering.admission import InFlightLedger, ReloadQueue
-from tiering.controller import (
+from tiering.control.admission import InFlightLedger, ReloadQueue
+from tiering.control.controller import (
     ControllerConfig,
     EvictionController,
     EvictionReport,
     UnknownRequestError,
 )
-from tiering.pressure import PressurePoller, ScriptedPressure
+from tiering.control.pressure import PressurePoller, ScriptedPressure
 from tiering.testing import (
     ExactPressure,
     FakeClock,
@@ -1258,7 +1258,7 @@ def test_stats_are_plain_numbers_with_link_totals():
 def test_prometheus_exporter_exposes_stats():
     from prometheus_client import CollectorRegistry
 
-    from tiering.metrics import PrometheusExporter
+    from tiering.control.metrics import PrometheusExporter
 
     rng = random.Random(16)
     res, ctl, clock, rids = _setup(rng, n=30, fill=0.96)
@@ -1278,7 +1278,7 @@ def test_prometheus_exporter_exposes_stats():
 def test_prometheus_exporter_says_what_is_missing(monkeypatch):
     import builtins
 
-    from tiering.metrics import PrometheusExporter
+    from tiering.control.metrics import PrometheusExporter
 
     real_import = builtins.__import__
 

@@ -19,9 +19,9 @@ from conftest import assert_same, fill
 
 from policies import make_policy
 from resources.kv_cache import PagedKVCache
-from tiering.controller import ControllerConfig, EvictionController
+from tiering.control.controller import ControllerConfig, EvictionController
+from tiering.control.pressure import PoolPressure
 from tiering.disk import DiskConfig, FaultPlan, FaultyStore
-from tiering.pressure import PoolPressure
 from tiering.testing import ExactPressure, FakeClock, FakeTieredResource, ScriptedFraction
 from tiering.types import RequestState, Tier
 
@@ -76,7 +76,7 @@ def test_a_request_gone_from_the_resource_is_skipped_and_logged(policy_name, bul
     gone = rids[0]
     res.remove(gone)  # the worker freed it; remove_request has not reached the controller
     assert res.device_used / 100_000 > 0.8
-    with caplog.at_level(logging.WARNING, logger="tiering.controller"):
+    with caplog.at_level(logging.WARNING, logger="tiering.control.controller"):
         report = ctl.evict_if_needed(())
     assert gone not in report.offloaded
     assert report.offloaded, "the other requests must still be offloaded"

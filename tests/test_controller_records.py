@@ -13,7 +13,7 @@ import random
 import pytest
 
 from policies import make_policy
-from tiering.controller import ControllerConfig, EvictionController
+from tiering.control.controller import ControllerConfig, EvictionController
 from tiering.testing import ExactPressure, FakeClock, FakeTieredResource, ScriptedFraction
 from tiering.types import Move, RequestState, Tier, TransferResult
 

@@ -137,7 +137,7 @@ def test_markers_are_recorded_on_the_named_compute_stream():
 
 def test_copy_events_block_instead_of_spinning():
     """Item 12: every event a worker waits on is a blocking-sync event."""
-    from tiering.transfer import StreamSet
+    from tiering.core.transfer import StreamSet
 
     ev = StreamSet(torch.device("cuda:0")).new_event()
     assert ev.blocking
@@ -145,7 +145,7 @@ def test_copy_events_block_instead_of_spinning():
 
 def test_a_fault_mid_copy_fences_the_queued_copies():
     """Item 14: a fault between runs raises only after the runs already queued finished."""
-    from tiering.transfer import PageRun, StreamSet, copy_runs
+    from tiering.core.transfer import PageRun, StreamSet, copy_runs
 
     streams = StreamSet(torch.device("cuda:0"))
     src = torch.randn(8, 1 << 20, device="cuda")
@@ -183,7 +183,7 @@ def test_cache_on_a_second_device():
 
 def test_pinning_reports_exact_and_leaves_no_pending_error():
     """Item 17: the slab is pinned exactly (or says why not) and no CUDA error is left pending."""
-    from tiering.pinning import PinMode
+    from tiering.core.pinning import PinMode
 
     kv = PagedKVCache(GEOM, device="cuda:0", device_pages=8, host_pages=37)
     try:

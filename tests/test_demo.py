@@ -16,17 +16,17 @@ import pytest
 import torch
 
 from resources.kv_cache import PagedKVCache
-from tiering.demo import main
-from tiering.demo.model import ModelConfig, TinyDecoder
-from tiering.demo.scenario import DemoConfig, compare_outputs, plan_tiers, run_demo
-from tiering.demo.worker import (
+from tiering.apps.demo import main
+from tiering.apps.demo.model import ModelConfig, TinyDecoder
+from tiering.apps.demo.scenario import DemoConfig, compare_outputs, plan_tiers, run_demo
+from tiering.apps.demo.worker import (
     DemoWorker,
     RequestOutput,
     StepClock,
     WorkerConfig,
     WorkerStalled,
 )
-from tiering.demo.workload import synthetic_requests
+from tiering.apps.demo.workload import synthetic_requests
 
 SMALL_MODEL = ModelConfig(
     vocab=96, width=48, layers=2, q_heads=4, kv_heads=2, head_dim=12, mlp_hidden=96

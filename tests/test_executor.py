@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from tiering.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
+from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 
 
 def test_reload_runs_before_writes_queued_earlier():

@@ -11,7 +11,7 @@ from conftest import assert_same, fill, random_kv, reload_all_and_check
 from resources.base import ResourceReqConfig, ResourceStep, StepContext
 from resources.kv_cache import PagedKVCache, RequestLost, UnknownRequest
 from resources.kv_geometry import KVGeometry
-from tiering.transfer import CopyFault
+from tiering.core.transfer import CopyFault
 from tiering.types import IllegalTransition, RequestState, Tier
 
 

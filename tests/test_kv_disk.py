@@ -214,8 +214,8 @@ def test_start_up_reattach_and_clear(geom, tmp_path):
 
 def test_controller_splits_offload_bytes_by_destination(geom, tmp_path):
     from policies import make_policy
-    from tiering.controller import ControllerConfig, EvictionController
-    from tiering.pressure import PoolPressure
+    from tiering.control.controller import ControllerConfig, EvictionController
+    from tiering.control.pressure import PoolPressure
 
     kv = make(geom, tmp_path, host_pages=2, device_pages=8)
     try:

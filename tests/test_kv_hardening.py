@@ -14,8 +14,8 @@ from conftest import assert_same, fill, random_kv
 from resources.base import ResourceStep, StepContext
 from resources.kv_cache import PagedKVCache
 from resources.kv_records import CacheClosed
+from tiering.core.pinning import HostRuntime, PinError, PinMode, aligned_empty, pin_host_slab
 from tiering.disk import DiskConfig
-from tiering.pinning import HostRuntime, PinError, PinMode, aligned_empty, pin_host_slab
 from tiering.types import Move, RequestState, TransferResult
 
 S = RequestState
@@ -501,3 +501,60 @@ def test_build_takes_the_compute_stream_from_the_engine_info(geom):
     info = EngineResourceInfo(device=torch.device("cpu"), compute_stream=object())
     with pytest.raises(ValueError, match="compute_stream given for a cpu device"):
         PagedKVCache.build(spec, info)  # forwarded: a CPU cache refuses a stream
+
+
+def test_a_cancelled_offload_is_reported_as_a_record(geom):
+    """An offload taken back by admit before its copy started is reported
+    (ok=False, resident again): a controller that counted it as leaving the
+    device would otherwise count it for good (the demo stalled on exactly that)."""
+    gate = threading.Event()
+    started = threading.Event()
+
+    def hold(direction):  # the first copy blocks the single d2h worker
+        if direction == "d2h" and not started.is_set():
+            started.set()
+            assert gate.wait(10)
+
+    kv = PagedKVCache(geom, device_pages=8, host_pages=8, copy_fault_hook=hold, copy_workers=1)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        fill(kv, "a", gen, 5)
+        fill(kv, "b", gen, 5)
+        assert kv.offload("a") and started.wait(10)
+        assert kv.offload("b")  # queued behind a's copy
+        assert kv.admit(ResourceStep("b"), StepContext())  # wanted again: cancelled
+        recs = kv.poll()
+        assert [(d.rid, d.ok, d.state) for d in recs] == [("b", False, S.RESIDENT)]
+        assert "cancelled" in recs[0].reason
+        gate.set()
+        kv.synchronize(10)
+        kv.check_integrity()
+    finally:
+        gate.set()
+        kv.close()
+
+
+def test_remove_reports_a_copy_it_cancelled(geom):
+    gate = threading.Event()
+    started = threading.Event()
+
+    def hold(direction):
+        if direction == "d2h" and not started.is_set():
+            started.set()
+            assert gate.wait(10)
+
+    kv = PagedKVCache(geom, device_pages=8, host_pages=8, copy_fault_hook=hold, copy_workers=1)
+    try:
+        gen = torch.Generator().manual_seed(6)
+        fill(kv, "a", gen, 5)
+        fill(kv, "b", gen, 5)
+        assert kv.offload("a") and started.wait(10)
+        assert kv.offload("b")
+        kv.remove_request("b")  # its copy never started
+        assert [(d.rid, d.ok, d.state) for d in kv.poll()] == [("b", False, None)]
+        gate.set()
+        assert [(d.rid, d.ok) for d in kv.synchronize(10)] == [("a", True)]
+        kv.check_integrity()
+    finally:
+        gate.set()
+        kv.close()

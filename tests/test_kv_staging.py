@@ -14,9 +14,9 @@ import torch
 from conftest import assert_same, fill
 
 from resources.kv_cache import PagedKVCache
+from tiering.core.staging import StagingConfig, StagingRing
 from tiering.disk import DiskConfig
 from tiering.disk.store import DiskPageStore
-from tiering.staging import StagingConfig, StagingRing
 from tiering.types import Move, RequestState
 
 S = RequestState

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tiering.pressure import (
+from tiering.control.pressure import (
     CompositePressure,
     NvmlPressure,
     PoolAdjustedPressure,
@@ -25,7 +25,7 @@ from tiering.pressure import (
     cache_pressure,
 )
 
-LOGGER = "tiering.pressure"
+LOGGER = "tiering.control.pressure"
 
 
 def _warnings(caplog) -> list[logging.LogRecord]:

@@ -17,21 +17,21 @@ import torch
 from resources.engine_types import ResourceReqConfig
 from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
-from tiering.controller import ControllerConfig
-from tiering.replay import main as replay_main
-from tiering.replay.metrics import percentile, summarize
-from tiering.replay.model_kv import LinkRates, ModeledKVCache
-from tiering.replay.prefix import PrefixIndex
-from tiering.replay.presets import (
+from tiering.apps.replay import main as replay_main
+from tiering.apps.replay.metrics import percentile, summarize
+from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
+from tiering.apps.replay.prefix import PrefixIndex
+from tiering.apps.replay.presets import (
     HardwarePreset,
     ModelPreset,
     StepCost,
     get_hardware,
     get_model,
 )
-from tiering.replay.real_kv import SynchronizedKV
-from tiering.replay.simulator import RunSpec, SimClock, SimConfig, simulate
-from tiering.replay.traces import TraceFormatError, TraceRequest, detect_format, load_trace
+from tiering.apps.replay.real_kv import SynchronizedKV
+from tiering.apps.replay.simulator import RunSpec, SimClock, SimConfig, simulate
+from tiering.apps.replay.traces import TraceFormatError, TraceRequest, detect_format, load_trace
+from tiering.control.controller import ControllerConfig
 from tiering.types import IllegalTransition, Move, RequestState, Tier, TransferResult
 
 TRACES = Path(__file__).resolve().parent.parent / "benchmarks" / "traces"
@@ -453,7 +453,7 @@ def test_runs_are_deterministic():
 def test_quiet_safe_points_change_nothing(monkeypatch):
     # the worker skips the controller's safe point while nothing it looks at has changed
     # since a call that found nothing to do; calling it every time must give the same run
-    from tiering.replay import simulator
+    from tiering.apps.replay import simulator
 
     trace = _random_trace(25, 150)
     # slow links, so that transfers are in flight across many steps

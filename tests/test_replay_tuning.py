@@ -17,18 +17,18 @@ import numpy as np
 import pytest
 
 from policies import LRU, CandidateBatch, Policy, register_policy
-from tiering.controller import ControllerConfig
-from tiering.replay import main as replay_main
-from tiering.replay.bounds import belady, infinite
-from tiering.replay.model_kv import LinkRates, ModeledKVCache
-from tiering.replay.plots import needs_log
-from tiering.replay.policy_spec import PolicySpec, parse_option
-from tiering.replay.presets import StepCost, get_hardware, get_model, reload_seconds
-from tiering.replay.progress import Progress
-from tiering.replay.seeds import aggregate, jitter, t95
-from tiering.replay.simulator import RunSpec, SimConfig, simulate
-from tiering.replay.sweep import Grid, run_grid
-from tiering.replay.traces import TraceRequest
+from tiering.apps.replay import main as replay_main
+from tiering.apps.replay.bounds import belady, infinite
+from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
+from tiering.apps.replay.plots import needs_log
+from tiering.apps.replay.policy_spec import PolicySpec, parse_option
+from tiering.apps.replay.presets import StepCost, get_hardware, get_model, reload_seconds
+from tiering.apps.replay.progress import Progress
+from tiering.apps.replay.seeds import aggregate, jitter, t95
+from tiering.apps.replay.simulator import RunSpec, SimConfig, simulate
+from tiering.apps.replay.sweep import Grid, run_grid
+from tiering.apps.replay.traces import TraceRequest
+from tiering.control.controller import ControllerConfig
 from tiering.types import Tier
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,8 +153,8 @@ def test_reversed_policy_changes_demotions_and_hits():
 def test_policy_ranks_retained_prefixes_when_the_device_drops_them():
     """Drops of resident retained prefixes and expiry from a full lowest tier take entries
     in the order the rank function gives; without one, least recently used first."""
-    from tiering.replay.retained import RetainedPrefixes
-    from tiering.replay.simulator import SimClock
+    from tiering.apps.replay.retained import RetainedPrefixes
+    from tiering.apps.replay.simulator import SimClock
 
     rng = random.Random(13)
 
@@ -340,7 +340,7 @@ def test_belady_is_between_lru_and_infinite(seed):
 def test_replay_hit_rates_add_up_and_stay_under_the_infinite_bound():
     trace = _trace(9, 150)
     res, _, _ = _run(Recording, trace)
-    from tiering.replay.metrics import summarize
+    from tiering.apps.replay.metrics import summarize
 
     row = summarize(res)
     tiers = ("device", "host", "disk")
@@ -502,7 +502,7 @@ def test_progress_plain_lines_name_the_run():
 
 @pytest.mark.parametrize("make_room", ["drop", "offload"])
 def test_quiet_safe_points_change_nothing_when_the_worker_offloads(monkeypatch, make_room):
-    from tiering.replay import simulator
+    from tiering.apps.replay import simulator
 
     sim = dataclasses.replace(SIM, make_room=make_room)
     trace = _trace(25, 150)
@@ -522,7 +522,7 @@ def test_quiet_safe_points_change_nothing_when_the_worker_offloads(monkeypatch, 
 def test_fast_forward_changes_nothing(monkeypatch, scale, make_room):
     """Decode-only stretches run in a tight loop; with the loop turned off the run is the
     same request for request and decision for decision (and the loop really ran)."""
-    from tiering.replay import simulator
+    from tiering.apps.replay import simulator
 
     SIM = dataclasses.replace(globals()["SIM"], make_room=make_room)  # noqa: N806
     trace = _trace(31, 150)
@@ -554,7 +554,7 @@ def test_fast_forward_changes_nothing(monkeypatch, scale, make_room):
 def test_retained_prefixes_are_offloaded_not_dropped_while_a_tier_below_has_room(monkeypatch):
     """Room needed at once on the device: retained prefixes go down a tier (in the policy's
     order) rather than being dropped; only without room below are they dropped."""
-    from tiering.replay import simulator
+    from tiering.apps.replay import simulator
 
     trace = _trace(7, 160)
     offload = dataclasses.replace(SIM, make_room="offload")

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from resources.kv_geometry import KVGeometry
-from tiering.cli import main as tiering_main
-from tiering.stress.accounting import account_faults, loss_kind
-from tiering.stress.cli import main as stress_main
-from tiering.stress.config import StressConfig
-from tiering.stress.crash import check_restart, crash_cache, expected_kv, run_crash_check
-from tiering.stress.faults import FAILING_KINDS, FAULT_KINDS, CopyFaultPlan, parse_faults
-from tiering.stress.harness import StressHarness
-from tiering.stress.kvdata import write_tokens
-from tiering.stress.runner import run_stress
-from tiering.transfer import CopyFault
+from tiering.apps.cli import main as tiering_main
+from tiering.apps.stress.accounting import account_faults, loss_kind
+from tiering.apps.stress.cli import main as stress_main
+from tiering.apps.stress.config import StressConfig
+from tiering.apps.stress.crash import check_restart, crash_cache, expected_kv, run_crash_check
+from tiering.apps.stress.faults import FAILING_KINDS, FAULT_KINDS, CopyFaultPlan, parse_faults
+from tiering.apps.stress.harness import StressHarness
+from tiering.apps.stress.kvdata import write_tokens
+from tiering.apps.stress.runner import run_stress
+from tiering.core.transfer import CopyFault
 
 REPORT_KEYS = {
     "operations", "bytes_moved", "faults_injected", "faults_survived", "requests_lost",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from resources.base import ResourceReqConfig
-from tiering.controller import ControllerConfig
+from tiering.control.controller import ControllerConfig
 from tiering.testing import FakeClock
 from tiering.tiered import TieredKV, TieredKVConfig
 from tiering.types import RequestState

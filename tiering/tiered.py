@@ -27,9 +27,9 @@ from policies.base import Policy
 from resources.base import ResourceReqConfig, ResourceStep, StepContext
 from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
-from tiering.controller import ControllerConfig, EvictionController, EvictionReport
+from tiering.control.controller import ControllerConfig, EvictionController, EvictionReport
+from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.disk.config import DiskConfig
-from tiering.pressure import PressureSource, cache_pressure
 
 
 def _check_pages(name: str, value: object) -> None:

@@ -7,7 +7,7 @@ Pure (no torch, no I/O). Reached by name through a ``BlockPolicyRegistry``::
 Every factory takes ``capacity`` (the tier's size in blocks) as a keyword.
 A custom policy subclasses ``BlockPolicy`` and is plugged in with
 ``register_block_policy(name, factory)``, which returns a new registry; run
-``tiering.testing_blocks.check_block_policy`` on it (the contract test every
+``tiering.testing.blocks.check_block_policy`` on it (the contract test every
 built-in passes).
 """
 

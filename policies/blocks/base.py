@@ -7,7 +7,7 @@ and never changes the block index: it is told about every event through the
 ``on_*`` hooks, with ``BlockInfo`` snapshots, and answers with keys.
 
 Protocol (checked for every registered policy by
-``tiering.testing_blocks.check_block_policy``):
+``tiering.testing.blocks.check_block_policy``):
 
 - ``on_request(keys, now)`` first, once per request, with the whole chain of
   block keys it reads (root first), before any per-block event of that request;

@@ -1,0 +1,2 @@
+"""What assembles the library into programs: the demo, trace replay, the stress
+harness and the ``tiering`` command."""

@@ -1,0 +1,302 @@
+"""The demo scenario: the same requests served twice, with and without memory pressure.
+
+``run_demo`` draws the requests, sizes the tiers, serves the requests once on
+a device pool big enough to hold everything (the reference) and once on a
+device pool that holds about ``device_fraction`` of the working set, with a
+host tier for ``host_fraction`` of it and a disk tier for the rest, then
+checks that every request produced the same tokens and bitwise the same final
+logits in both runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from policies import make_policy
+from resources.kv_cache import PagedKVCache
+from tiering.apps.demo.model import ModelConfig, TinyDecoder
+from tiering.apps.demo.worker import (
+    DemoWorker,
+    RequestOutput,
+    StepClock,
+    WorkerConfig,
+    WorkerResult,
+)
+from tiering.apps.demo.workload import DemoRequest, synthetic_requests
+from tiering.control.controller import ControllerConfig, EvictionController
+from tiering.control.pressure import PoolPressure
+
+#: Admission keeps this fraction of the device free below ``high`` (see ControllerConfig).
+RELOAD_HEADROOM = 0.02
+#: The tightest ``high`` watermark the sizing will pick.
+MAX_HIGH = 0.90
+#: Gap between the high and low watermarks.
+WATERMARK_GAP = 0.15
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything that shapes a demo run; the defaults are the ``tiering demo`` ones.
+
+    ``device_fraction`` / ``host_fraction``: the share of the whole working
+    set (every request's final KV) the device and host tiers hold in the
+    pressured run; the disk tier takes the rest. The device pool is grown if
+    that share cannot hold the largest request plus one step of growth of a
+    full batch. ``batch``, ``prefill_chunk`` and ``quantum`` shape the worker
+    (see ``WorkerConfig``). ``disk_chunk_bytes`` is the disk tier's allocation
+    unit (small, so that requests of a few MiB waste little). ``policy`` names
+    the victim ranking (``policies.make_policy``). ``min_residency_steps`` and
+    ``aging_steps`` are the controller's residency and ageing times, in steps.
+    """
+
+    requests: int = 48
+    seed: int = 0
+    device: str = "cpu"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    page_tokens: int = 16
+    prompt_tokens: tuple[int, int] = (200, 1500)
+    new_tokens: tuple[int, int] = (24, 64)
+    arrival_every: float = 1.0
+    batch: int = 4
+    prefill_chunk: int = 256
+    quantum: int = 8
+    device_fraction: float = 0.25
+    host_fraction: float = 0.35
+    disk: bool = True
+    disk_chunk_bytes: int = 1 << 20
+    policy: str = "lru"
+    min_residency_steps: float = 2.0
+    aging_steps: float = 3.0
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "page_tokens", "batch", "prefill_chunk", "quantum",
+                     "disk_chunk_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"DemoConfig.{name} must be an int >= 1, got {v!r}")
+        for name in ("device_fraction", "host_fraction"):
+            v = getattr(self, name)
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"DemoConfig.{name} must be in (0, 1], got {v!r}")
+        for name in ("min_residency_steps", "aging_steps"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"DemoConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+
+    def worker_config(self) -> WorkerConfig:
+        return WorkerConfig(
+            batch=self.batch, prefill_chunk=self.prefill_chunk, quantum=self.quantum
+        )
+
+    def draw_requests(self) -> list[DemoRequest]:
+        return synthetic_requests(
+            self.requests, self.seed, self.model.vocab, self.prompt_tokens, self.new_tokens,
+            self.arrival_every,
+        )
+
+
+class TierPlan(NamedTuple):
+    """Pool sizes (in pages; the disk in bytes) and watermarks for one run."""
+
+    device_pages: int
+    host_pages: int
+    disk_bytes: int  # 0: no disk tier
+    working_set_pages: int
+    high: float
+    low: float
+
+
+def plan_tiers(cfg: DemoConfig, requests: list[DemoRequest], *, pressured: bool) -> TierPlan:
+    """Size the tiers for ``requests``.
+
+    Pressured: the device gets ``device_fraction`` of the working set, but
+    never less than the largest request plus a full batch's growth in one step
+    (else a request could never fit, or a batch could never grow); ``high`` is
+    set so that the space above it holds that growth. Reference: the device
+    holds twice the working set, so pressure never passes ``high``; the host
+    holds one page and there is no disk.
+    """
+    g = cfg.model.kv_geometry(cfg.page_tokens)
+    pages = [g.pages_for(r.kv_tokens) for r in requests]
+    total = sum(pages)
+    growth = cfg.batch * (g.pages_for(cfg.prefill_chunk) + 1)
+    if not pressured:
+        return TierPlan(2 * total + growth, 1, 0, total, MAX_HIGH, MAX_HIGH - WATERMARK_GAP)
+    floor = math.ceil((max(pages) + growth) / (1.0 - WATERMARK_GAP - RELOAD_HEADROOM))
+    device = max(math.ceil(cfg.device_fraction * total), floor)
+    high = min(MAX_HIGH, 1.0 - growth / device)
+    host = max(1, math.ceil(cfg.host_fraction * total))
+    disk = 2 * total * g.page_bytes if cfg.disk else 0
+    return TierPlan(device, host, disk, total, high, high - WATERMARK_GAP)
+
+
+class RunOutcome(NamedTuple):
+    """One run: the worker's result, the cache's and the controller's stats, the plan."""
+
+    result: WorkerResult
+    kv_stats: dict[str, float]
+    controller_stats: dict[str, float]
+    plan: TierPlan
+    page_bytes: int
+
+
+def serve(
+    cfg: DemoConfig,
+    requests: list[DemoRequest],
+    plan: TierPlan,
+    disk_path: Path | None = None,
+    on_token: Callable[[], None] | None = None,
+) -> RunOutcome:
+    """Serve ``requests`` once on tiers sized by ``plan`` (disk under ``disk_path``)."""
+    geometry = cfg.model.kv_geometry(cfg.page_tokens)
+    disk = None
+    if plan.disk_bytes:
+        if disk_path is None:
+            raise ValueError("the plan has a disk tier but no disk_path was given")
+        from tiering.disk import DiskConfig
+
+        disk = DiskConfig(
+            path=str(disk_path), capacity_bytes=plan.disk_bytes, chunk_bytes=cfg.disk_chunk_bytes
+        )
+    torch.manual_seed(cfg.seed)
+    model = TinyDecoder(cfg.model, cfg.seed, cfg.device)
+    kv = PagedKVCache(geometry, cfg.device, plan.device_pages, plan.host_pages, disk=disk)
+    try:
+        clock = StepClock()
+        controller = EvictionController(
+            {"kv": kv},
+            make_policy(cfg.policy),
+            PoolPressure(kv),
+            ControllerConfig(
+                high=plan.high,
+                low=plan.low,
+                host_high=0.85,
+                host_low=0.65,
+                min_residency_s=cfg.min_residency_steps,
+                reload_headroom=RELOAD_HEADROOM,
+                aging_s=cfg.aging_steps,
+            ),
+            clock=clock,
+        )
+        worker = DemoWorker(
+            model, kv, controller, requests, cfg.worker_config(), clock, on_token=on_token
+        )
+        result = worker.run()
+        kv.check_integrity()
+        return RunOutcome(
+            result, kv.stats.as_dict(), controller.stats(), plan, geometry.page_bytes
+        )
+    finally:
+        kv.close()
+
+
+def compare_outputs(
+    reference: dict[str, RequestOutput], other: dict[str, RequestOutput]
+) -> list[str]:
+    """Every difference between two runs' outputs, in words (empty: identical).
+
+    Tokens must be equal and final logits bitwise equal (``torch.equal``).
+    """
+    problems = []
+    for rid in sorted(set(reference) | set(other)):
+        a, b = reference.get(rid), other.get(rid)
+        if a is None or b is None:
+            problems.append(f"{rid}: missing from the {'reference' if a is None else 'other'} run")
+            continue
+        if a.tokens != b.tokens:
+            first = next(
+                (i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y),
+                min(len(a.tokens), len(b.tokens)),
+            )
+            problems.append(f"{rid}: tokens differ from position {first}")
+        if not torch.equal(a.final_logits, b.final_logits):
+            problems.append(f"{rid}: final logits differ")
+    return problems
+
+
+def summarize(
+    cfg: DemoConfig, pressured: RunOutcome, reference: RunOutcome, problems: list[str]
+) -> dict[str, Any]:
+    """The demo's figures as a JSON-ready dict."""
+    r = pressured.result
+    s = pressured.kv_stats
+    c = r.counters
+    pb = pressured.page_bytes
+    plan = pressured.plan
+    gen = int(c["generated_tokens"])
+    return {
+        "requests": cfg.requests,
+        "seed": cfg.seed,
+        "device": cfg.device,
+        "steps": int(c["steps"]),
+        "prompt_tokens": int(c["prompt_tokens"]),
+        "generated_tokens": gen,
+        "wall_s": round(r.wall_s, 3),
+        "tokens_per_s": round(gen / r.wall_s, 2) if r.wall_s > 0 else None,
+        "prompt_tokens_per_s": round(c["prompt_tokens"] / r.wall_s, 1) if r.wall_s > 0 else None,
+        "reference_wall_s": round(reference.result.wall_s, 3),
+        "reference_tokens_per_s": (
+            round(gen / reference.result.wall_s, 2) if reference.result.wall_s > 0 else None
+        ),
+        "tiers": {
+            "working_set_bytes": plan.working_set_pages * pb,
+            "device_bytes": plan.device_pages * pb,
+            "host_bytes": plan.host_pages * pb,
+            "disk_bytes": plan.disk_bytes,
+            "high": round(plan.high, 4),
+            "low": round(plan.low, 4),
+        },
+        "offloads": {
+            "device_to_host": int(s["offloads_to_host"]),
+            "device_to_disk": int(s["offloads_to_disk"]),
+            "host_to_disk": int(s["demotions"]),
+        },
+        "reloads": {
+            "from_host": int(s["reloads_from_host"]),
+            "from_disk": int(s["reloads_from_disk"]),
+        },
+        "bytes_moved": {
+            "device_to_host": int(s["bytes_device_to_host"]),
+            "device_to_disk": int(s["bytes_device_to_disk"]),
+            "host_to_disk": int(s["bytes_host_to_disk"]),
+            "host_to_device": int(s["bytes_host_to_device"]),
+            "disk_to_device": int(s["bytes_disk_to_device"]),
+        },
+        "reload_stall_s": round(float(s["reload_stall_s_total"]), 4),
+        "stalled_steps": int(c["stalled_steps"]),
+        "stall_wait_s": round(float(c["stall_wait_s"]), 4),
+        "allocation_refusals": int(c["allocation_refusals"]),
+        "lost": int(s["lost"]),
+        "identical": not problems,
+        "mismatches": problems[:20],
+    }
+
+
+class DemoReport(NamedTuple):
+    summary: dict[str, Any]
+    pressured: RunOutcome
+    reference: RunOutcome
+
+
+def run_demo(
+    cfg: DemoConfig,
+    disk_path: Path | None,
+    *,
+    on_token: Callable[[], None] | None = None,
+    on_reference_token: Callable[[], None] | None = None,
+) -> DemoReport:
+    """Serve ``cfg``'s requests under pressure and without, and compare them."""
+    requests = cfg.draw_requests()
+    tight = plan_tiers(cfg, requests, pressured=True)
+    if cfg.disk and disk_path is None:
+        raise ValueError("DemoConfig.disk is on but no disk_path was given")
+    pressured = serve(cfg, requests, tight, disk_path, on_token)
+    roomy = plan_tiers(cfg, requests, pressured=False)
+    reference = serve(cfg, requests, roomy, None, on_reference_token)
+    problems = compare_outputs(reference.result.outputs, pressured.result.outputs)
+    return DemoReport(summarize(cfg, pressured, reference, problems), pressured, reference)

@@ -1,0 +1,126 @@
+"""Reference points for prefix reuse on one trace: an infinite cache and Belady's MIN.
+
+Both work on blocks (``block_tokens`` prompt tokens per block id, as in a
+Mooncake trace) and count hits the way the replay does: a request reuses
+the longest run of its leading full prompt blocks that the cache holds, and
+always computes at least its last prompt token. Requests are taken in
+arrival order and each one's full blocks are in the cache from the next
+request on (the replay only keeps them once the request finishes, so both
+figures are upper bounds for it).
+
+- ``infinite``: nothing is ever evicted.
+- ``belady``: ``capacity_blocks`` blocks; on a miss the block is admitted only
+  if some cached block is next used later than it, and then that block
+  (the one next used furthest in the future) is evicted. This is the
+  classic offline optimum for single blocks; for prefix runs it is the
+  reference the tiers' total capacity allows, computed at the block level
+  over the replay's whole capacity (device + host + disk), not per tier.
+
+``BoundResult`` holds the block and token hit rates.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from tiering.apps.replay.traces import TraceRequest
+
+
+class BoundResult(NamedTuple):
+    """Hit rates of one bound: blocks reused / full prompt blocks, tokens reused /
+    prompt tokens (requests with block ids only)."""
+
+    name: str
+    capacity_blocks: float  # math.inf for the infinite cache
+    block_hit_rate: float
+    token_hit_rate: float
+    blocks: int
+    tokens: int
+
+
+def _chains(trace: Sequence[TraceRequest], block_tokens: int) -> list[tuple[tuple[int, ...], int]]:
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+    return [
+        (tuple(t.hash_ids[: t.input_tokens // block_tokens]), t.input_tokens)
+        for t in sorted(trace, key=lambda t: t.arrival_s)
+        if t.hash_ids
+    ]
+
+
+def _result(name: str, cap: float, chains, depths: list[int], block_tokens: int) -> BoundResult:
+    blocks = sum(len(c) for c, _ in chains)
+    tokens = sum(n for _, n in chains)
+    reused = sum(min(d * block_tokens, n - 1) if d else 0
+                 for d, (_, n) in zip(depths, chains, strict=True))
+    return BoundResult(name, cap, sum(depths) / blocks if blocks else 0.0,
+                       reused / tokens if tokens else 0.0, blocks, tokens)
+
+
+def infinite(trace: Sequence[TraceRequest], block_tokens: int) -> BoundResult:
+    """Hit rates with a cache that keeps every block forever."""
+    chains = _chains(trace, block_tokens)
+    seen: set[int] = set()
+    depths = []
+    for chain, _ in chains:
+        d = 0
+        for b in chain:
+            if b not in seen:
+                break
+            d += 1
+        depths.append(d)
+        seen.update(chain)
+    return _result("infinite", math.inf, chains, depths, block_tokens)
+
+
+def belady(trace: Sequence[TraceRequest], block_tokens: int, capacity_blocks: int) -> BoundResult:
+    """Hit rates of Belady's MIN with ``capacity_blocks`` blocks (see the module docstring)."""
+    if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or (
+        capacity_blocks < 0
+    ):
+        raise ValueError(f"capacity_blocks must be an int >= 0, got {capacity_blocks!r}")
+    chains = _chains(trace, block_tokens)
+    # the position of each access and of the next access to the same block
+    accesses = [b for chain, _ in chains for b in chain]
+    nxt = [math.inf] * len(accesses)
+    last: dict[int, int] = {}
+    for pos in range(len(accesses) - 1, -1, -1):
+        b = accesses[pos]
+        nxt[pos] = last.get(b, math.inf)
+        last[b] = pos
+    cache: dict[int, float] = {}  # block -> its next use
+    heap: list[tuple[float, int]] = []  # (-next use, block), lazily cleaned
+    depths = []
+    pos = 0
+    for chain, _ in chains:
+        run = True
+        d = 0
+        for b in chain:
+            nu = nxt[pos]
+            pos += 1
+            if b in cache:
+                if run:
+                    d += 1
+                cache[b] = nu
+                heapq.heappush(heap, (-nu, b))
+                continue
+            run = False
+            if capacity_blocks == 0 or nu == math.inf:
+                continue
+            if len(cache) >= capacity_blocks:
+                while True:  # the cached block next used furthest away
+                    neg, victim = heap[0]
+                    if cache.get(victim) == -neg:
+                        break
+                    heapq.heappop(heap)
+                if -neg <= nu:
+                    continue  # every cached block is needed sooner: do not admit this one
+                heapq.heappop(heap)
+                del cache[victim]
+            cache[b] = nu
+            heapq.heappush(heap, (-nu, b))
+        depths.append(d)
+    return _result("belady", capacity_blocks, chains, depths, block_tokens)

@@ -1,0 +1,403 @@
+"""``tiering replay``: replay a trace against simulated tiers and report.
+
+    tiering replay TRACE --out DIR [--policy P[,P...]|all] [--policy-option KEY=VALUE ...]
+                   [--model M] [--hardware H] [--device-gib G] [--host-gib G[,G...]]
+                   [--disk-gib G] [--limit N] [--time-scale X] [--seeds N]
+                   [--watermarks HIGH:LOW[,...]] [--sweep] [--format F] [--no-prefix-reuse]
+                   [--make-room drop|offload] [--requests-csv] [--decisions] [--no-plots]
+
+``P`` is a built-in name (``lru``, ``priority``, ``largest``, ``cost``) or a
+``module:Class`` path to a ``policies.Policy`` subclass (or a factory
+returning one); ``--policy-option`` keyword options go to every policy named.
+Without ``--sweep``: each policy runs at the first watermark pair and host
+size, next to the ``recompute`` and ``no-tiering`` baselines. With
+``--sweep``: every policy at every watermark pair and host size (defaults:
+the built-ins, three watermark pairs, five host sizes up to the preset's).
+
+Written to ``DIR``: ``summary.json`` (every run's figures, the bounds, the
+tier sizes of every run, rejected requests), ``compare.png`` (hit rate by
+tier with the bounds, p99 TTFT), ``timeline.png`` (per-tier occupancy and hit
+rate over time), with ``--sweep`` also ``sweep.csv`` and two plots against host
+size; ``requests.csv`` and ``decisions.csv`` on request. A table is printed.
+Bad arguments: a message naming the argument on stderr, exit status 2, and
+nothing created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+from policies import default_registry
+from tiering.apps.replay.bounds import BoundResult, belady, infinite
+from tiering.apps.replay.policy_spec import PolicySpec, parse_option
+from tiering.apps.replay.presets import (
+    HARDWARE,
+    MODELS,
+    GiB,
+    StepCost,
+    check_fits,
+    get_hardware,
+    get_model,
+)
+from tiering.apps.replay.progress import Progress
+from tiering.apps.replay.seeds import aggregate, jitter
+from tiering.apps.replay.simulator import SimConfig
+from tiering.apps.replay.sweep import Grid, plot, run_grid, write_csv
+from tiering.apps.replay.traces import FORMATS, load_trace
+
+DEFAULT_WATERMARKS = ((0.9, 0.75),)
+SWEEP_WATERMARKS = ((0.9, 0.75), (0.95, 0.85), (0.8, 0.6))
+SWEEP_HOST_FRACTIONS = (0.0, 0.125, 0.25, 0.5, 1.0)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # exit 2 with our prefix; nothing has been created yet
+        self.print_usage(sys.stderr)
+        print(f"tiering replay: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="tiering replay",
+        description="Replay a production trace through a simulated serving worker.",
+    )
+    p.add_argument("trace", help="trace file (.jsonl Mooncake, .csv Azure or BurstGPT)")
+    p.add_argument("--out", required=True, help="directory for summary.json and plots")
+    p.add_argument("--policy", default=None,
+                   help="policy name or module:Class, comma list, or 'all' (the built-ins; "
+                        "default: lru, with --sweep: all)")
+    p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword option for the policies (repeat for several)")
+    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
+    p.add_argument("--hardware", default="h100-80g", choices=sorted(HARDWARE))
+    p.add_argument("--device-gib", default=None,
+                   help="device memory for KV in GiB (default: the preset's)")
+    p.add_argument("--host-gib", default=None,
+                   help="host tier size(s) in GiB, comma list with --sweep (default: the preset's)")
+    p.add_argument("--disk-gib", default=None, help="disk tier size in GiB (default: the preset's)")
+    p.add_argument("--limit", default=None, help="replay only the first N requests")
+    p.add_argument("--time-scale", default="1.0",
+                   help="multiply arrival times by X > 0 (2 halves the request rate)")
+    p.add_argument("--seeds", default="1",
+                   help="run N times, arrivals jittered from the second on; means and 95%% "
+                        "intervals (default 1)")
+    p.add_argument("--watermarks", default=None,
+                   help="device watermark pair(s) HIGH:LOW, comma list (default 0.9:0.75)")
+    p.add_argument("--sweep", action="store_true",
+                   help="run every policy x watermark pair x host size")
+    p.add_argument("--format", choices=FORMATS, default=None, help="trace format (default: detect)")
+    p.add_argument("--no-prefix-reuse", action="store_true",
+                   help="do not retain finished prompts for reuse")
+    p.add_argument("--requests-csv", action="store_true",
+                   help="also write DIR/requests.csv: one line per request and run")
+    p.add_argument("--decisions", action="store_true",
+                   help="also write DIR/decisions.csv: every offload, demotion, drop and reload")
+    p.add_argument("--make-room", choices=("drop", "offload"), default="drop",
+                   help="retained prefixes in the way of a request on the device: drop them "
+                        "(default) or offload them while a tier below has room")
+    p.add_argument("--no-plots", action="store_true", help="write no PNG")
+    return p
+
+
+def _number(flag: str, text: str, *, minimum: float, strict: bool = False) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a number") from None
+    bad = v <= minimum if strict else v < minimum
+    if not math.isfinite(v) or bad:
+        raise ValueError(f"{flag}: {text!r} must be a finite number {'>' if strict else '>='} "
+                         f"{minimum:g}")
+    return v
+
+
+def _count(flag: str, text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a whole number") from None
+    if v < 1:
+        raise ValueError(f"{flag}: {text!r} must be >= 1")
+    return v
+
+
+def _policies(text: str | None, sweep: bool) -> tuple[str, ...]:
+    known = default_registry().names
+    if text is None:
+        return known if sweep else ("lru",)
+    if text.strip() == "all":
+        return known
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not names:
+        raise ValueError("--policy: no policy named")
+    return names
+
+
+def _watermarks(text: str | None, sweep: bool) -> tuple[tuple[float, float], ...]:
+    if text is None:
+        return SWEEP_WATERMARKS if sweep else DEFAULT_WATERMARKS
+    pairs = []
+    for item in text.split(","):
+        high, sep, low = item.strip().partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            pairs.append((float(high), float(low)))
+        except ValueError:
+            raise ValueError(f"--watermarks: {item!r} is not HIGH:LOW (e.g. 0.9:0.75)") from None
+    return tuple(pairs)
+
+
+def _gib(flag: str, text: str) -> int:
+    return int(_number(flag, text, minimum=0) * GiB)
+
+
+def _host_sizes(text: str | None, preset_bytes: int, sweep: bool) -> tuple[int, ...]:
+    if text is None:
+        if sweep:
+            return tuple(int(preset_bytes * f) for f in SWEEP_HOST_FRACTIONS)
+        return (preset_bytes,)
+    return tuple(_gib("--host-gib", item.strip()) for item in text.split(","))
+
+
+def _run_key(row: dict, sweep: bool) -> str:
+    if row["mode"] != "tiering" or not sweep:
+        return row["label"]
+    return f"{row['policy']}@{row['high']:g}:{row['low']:g}@{row['host_gib']:g}GiB"
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.1f}"
+
+
+TABLE = ("run", "done", "rejected", "tok/s", "ttft p50", "ttft p99", "tpot p50", "preempt",
+         "offl host/disk", "reload host/disk", "tok hit % dev/host/disk", "tok hit %",
+         "block hit %")
+
+
+def _ci(row: dict, key: str, fmt: str) -> str:
+    v = row.get(key)
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    text = fmt.format(v)
+    half = row.get(f"{key}_ci95")
+    if half:
+        text += "±" + fmt.format(half)
+    return text
+
+
+def format_table(keys: list[str], rows: list[dict], bounds: list[BoundResult] = ()) -> str:
+    """A plain-text table of the main figures, one line per run, then the bounds."""
+    lines = []
+    for key, r in zip(keys, rows, strict=True):
+        lines.append([
+            key, f"{r['finished']:.0f}", f"{r['rejected']:.0f}", _ci(r, "throughput_tok_s", "{:.0f}"),
+            _ci(r, "ttft_p50_s", "{:.2f}"), _ci(r, "ttft_p99_s", "{:.2f}"),
+            _ci(r, "tpot_p50_s", "{:.4f}"), f"{r['preemptions']:.0f}",
+            f"{r['offloads_to_host']:.0f}/{r['offloads_to_disk']:.0f}",
+            f"{r['reloads_from_host']:.0f}/{r['reloads_from_disk']:.0f}",
+            "/".join(_pct(r[f"token_hit_rate_{t}"]) for t in ("device", "host", "disk")),
+            _ci({k: 100 * v for k, v in r.items() if k.startswith("token_hit_rate")
+                 and isinstance(v, (int, float))}, "token_hit_rate", "{:.1f}"),
+            _ci({k: 100 * v for k, v in r.items() if k.startswith("block_hit_rate")
+                 and isinstance(v, (int, float))}, "block_hit_rate", "{:.1f}"),
+        ])
+    for b in bounds:
+        cap = "inf" if math.isinf(b.capacity_blocks) else f"{b.capacity_blocks:,.0f} blocks"
+        lines.append([f"bound: {b.name} ({cap})", "", "", "", "", "", "", "", "", "", "",
+                      _pct(b.token_hit_rate), _pct(b.block_hit_rate)])
+    widths = [max(len(x) for x in col) for col in zip(TABLE, *lines, strict=True)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(TABLE, widths, strict=True)),
+           "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
+    return "\n".join(out)
+
+
+def _check(args: argparse.Namespace):
+    """Everything the run needs, validated; ValueError naming the argument otherwise."""
+    policies = _policies(args.policy, args.sweep)
+    options = tuple(parse_option(o) for o in args.policy_option)
+    for name in policies:  # build each once now, so a bad name or option stops here
+        PolicySpec(name, options).build()
+    watermarks = _watermarks(args.watermarks, args.sweep)
+    model = get_model(args.model)
+    hardware = get_hardware(args.hardware)
+    if args.device_gib is not None:
+        device = _gib("--device-gib", args.device_gib)
+        if device <= 0:
+            raise ValueError(f"--device-gib: {args.device_gib!r} must be > 0")
+        hardware = hardware.with_sizes(device_kv_bytes=device)
+    if args.disk_gib is not None:
+        hardware = hardware.with_sizes(disk_bytes=_gib("--disk-gib", args.disk_gib))
+    hosts = _host_sizes(args.host_gib, hardware.host_bytes, args.sweep)
+    if not args.sweep and (len(watermarks) > 1 or len(hosts) > 1):
+        raise ValueError("several --watermarks or --host-gib values need --sweep")
+    try:
+        check_fits(model, hardware)
+    except ValueError as err:
+        raise ValueError(f"--model/--hardware/--device-gib: {err}") from None
+    time_scale = _number("--time-scale", args.time_scale, minimum=0, strict=True)
+    seeds = _count("--seeds", args.seeds)
+    limit = _count("--limit", args.limit) if args.limit is not None else None
+    grid = Grid(policies, watermarks, hosts, policy_options=options,
+                device_bytes=hardware.device_kv_bytes, disk_bytes=hardware.disk_bytes)
+    sim = SimConfig(prefix_reuse=not args.no_prefix_reuse, make_room=args.make_room)
+    page_bytes = model.kv_bytes_per_token * sim.page_tokens
+    if hardware.device_kv_bytes < page_bytes:
+        raise ValueError(f"--device-gib: {hardware.device_kv_bytes} bytes hold no KV page "
+                         f"({page_bytes} bytes)")
+    trace = load_trace(args.trace, args.format, limit)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} exists and is not a directory")
+    return policies, model, hardware, grid, sim, trace, time_scale, seeds, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--blocks" in argv:  # block accesses alone, through the block index and policies
+        from tiering.blocks.replay import main as blocks_main
+
+        return blocks_main([a for a in argv if a != "--blocks"])
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    try:
+        policies, model, hardware, grid, sim, trace, time_scale, seeds, out = _check(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"tiering replay: {err}", file=sys.stderr)
+        return 2
+
+    bt = sim.block_tokens
+    total_bytes = hardware.device_kv_bytes + max(grid.host_bytes) + hardware.disk_bytes
+    block_bytes = bt * model.kv_bytes_per_token
+    per_seed: list[list[dict]] = []
+    first_results: dict[str, object] = {}
+    requests_rows: list[list] = []
+    decision_rows: list[list] = []
+    labels = grid.labels()
+    for seed in range(seeds):
+        run_trace = jitter(trace, seed)
+        progress = Progress(grid.runs(), len(trace),
+                            prefix=f"seed {seed + 1}/{seeds} " if seeds > 1 else "")
+
+        def on_result(row, result, seed=seed, progress=progress):
+            progress.finished(row)
+            if seed:
+                return
+            key = _run_key(row, args.sweep)
+            first_results[key] = result
+            if args.requests_csv:
+                requests_rows.extend([key, *rec] for rec in result.requests)
+            if args.decisions:
+                decision_rows.extend([key, *d] for d in result.decisions)
+
+        try:
+            rows = run_grid(run_trace, model, hardware, grid, sim, time_scale=time_scale,
+                            on_finish=progress.advance, on_start=progress.start,
+                            on_result=on_result)
+        finally:
+            progress.close()
+        per_seed.append(rows)
+    # the bounds cover the requests the runs served: a rejected request never ran, so
+    # neither reused nor left anything (the first tiering run of the first seed says which)
+    accepted = _accepted(trace, first_results)
+    capacity_blocks = total_bytes // block_bytes
+    bounds = [infinite(accepted, bt), belady(accepted, bt, capacity_blocks)]
+    rows = aggregate(per_seed) if seeds > 1 else per_seed[0]
+    keys = [_run_key(r, args.sweep) for r in rows]
+    assert len(labels) == len(rows)
+
+    out.mkdir(parents=True, exist_ok=True)
+    cost = StepCost(model, hardware)
+    summary = {
+        "trace": str(args.trace),
+        "requests": len(trace),
+        "time_scale": time_scale,
+        "seeds": seeds,
+        "model": {**dataclasses.asdict(model), "kv_bytes_per_token": model.kv_bytes_per_token},
+        "hardware": dataclasses.asdict(hardware),
+        "tier_bytes": {
+            "device": hardware.device_kv_bytes,
+            "host": list(grid.host_bytes) if args.sweep else grid.host_bytes[0],
+            "disk": hardware.disk_bytes,
+            "note": "each run's own sizes are in its device_bytes, host_bytes and disk_bytes; "
+                    "the baselines have no host or disk tier",
+        },
+        "step_cost": {"prefill_s_per_token": cost.prefill_s_per_token,
+                      "decode_s_per_step": cost.decode_s_per_step},
+        "sim": dataclasses.asdict(sim),
+        "bounds": {
+            b.name: {**b._asdict(), "capacity_blocks": None if math.isinf(b.capacity_blocks)
+                     else b.capacity_blocks}
+            for b in bounds
+        },
+        "bounds_note": (
+            f"block level, {bt} tokens a block; belady is the offline optimum (MIN) at the "
+            f"total capacity of device + host + disk ({capacity_blocks} blocks), not per "
+            f"tier; over the {len(accepted)} requests not rejected"),
+        "runs": {k: _finite(r) for k, r in zip(keys, rows, strict=True)},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_table(keys, rows, bounds))
+    for key, r in zip(keys, rows, strict=True):
+        if r["rejected"]:
+            print(f"warning: {key}: {r['rejected']:.0f} of {r['requests']:.0f} requests were "
+                  "rejected (their KV could never fit on the device); latency and hit figures "
+                  "cover the others only", file=sys.stderr)
+    if args.requests_csv:
+        _write_rows(out / "requests.csv", ["run", "rid", "arrival_s", "first_token_s",
+                    "finish_s", "input_tokens", "output_tokens", "status", "prefix_tier",
+                    "reused_tokens"], requests_rows)
+        print(f"wrote {out / 'requests.csv'}")
+    if args.decisions:
+        _write_rows(out / "decisions.csv", ["run", "step", "at_s", "kind", "rid"],
+                    decision_rows)
+        print(f"wrote {out / 'decisions.csv'}")
+    title = (f"{Path(args.trace).name}: {model.name} on {hardware.name}, "
+             f"time scale {time_scale:g}" + (f", {seeds} seeds" if seeds > 1 else ""))
+    if args.sweep:
+        write_csv(rows, out / "sweep.csv")
+        print(f"wrote {out / 'sweep.csv'}")
+    if not args.no_plots:
+        from tiering.apps.replay.plots import plot_compare, plot_timeline
+
+        written = plot_compare(keys, rows, bounds, out / "compare.png", title)
+        timelines = {k: first_results[k].timeline for k in keys}
+        caps = {k: first_results[k].capacities for k in keys}
+        written += plot_timeline(timelines, caps, out / "timeline.png", title=title)
+        if args.sweep:
+            written += plot(rows, out, title)
+        for path in written:
+            print(f"wrote {path}")
+    print(f"wrote {out / 'summary.json'}")
+    return 0
+
+
+def _accepted(trace, results: dict) -> list:
+    tiered = [r for r in results.values() if r.spec.mode == "tiering"] or list(results.values())
+    done = {int(rec.rid[1:]) for rec in tiered[0].requests if rec.status != "rejected"}
+    return [t for i, t in enumerate(trace) if i in done]
+
+
+def _write_rows(path: Path, header: list[str], rows: list[list]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for row in rows:
+            w.writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)
+                        for v in row])
+
+
+def _finite(row: dict) -> dict:
+    """JSON has no NaN: a figure with no samples (e.g. no TPOT) is written as null."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()}

@@ -1,0 +1,104 @@
+"""What a replay run is configured with: the simulated engine and the run's mode."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiering.apps.replay.policy_spec import PolicySpec
+from tiering.control.controller import ControllerConfig
+
+MODES = ("tiering", "recompute", "no-tiering")
+MAKE_ROOM = ("drop", "offload")
+
+
+def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated engine.
+
+    ``max_batch``: requests in the batch (prefilling or decoding) at most.
+    ``max_step_tokens``: tokens one step processes at most (one per decoding
+    request, the rest prefill chunks). ``page_tokens``: tokens per KV page.
+    ``prefix_reuse``: retain finished prompts and reuse shared prefixes
+    (needs a trace with block ids). ``block_tokens``: tokens per block id.
+    ``preempted_retention`` / ``retained_retention``: the retention priority
+    (0..100) a preempted live request and a retained prefix carry; the KV
+    cache turns it into the offload priority a ``priority`` policy reads.
+    ``sample_every_s``: simulated seconds between two samples of the timeline
+    (occupancy per tier and hits so far). ``make_room``: what the scheduler
+    does with retained prefixes on the device when it needs room at once:
+    ``drop`` them (the room is there now; the default) or, with tiering,
+    ``offload`` them in the policy's order while a tier below has room (the
+    request waits for the copies; more reuse, longer waits).
+    """
+
+    max_batch: int = 64
+    max_step_tokens: int = 8192
+    page_tokens: int = 16
+    prefix_reuse: bool = True
+    block_tokens: int = 512
+    preempted_retention: float = 80.0
+    retained_retention: float = 20.0
+    sample_every_s: float = 1.0
+    make_room: str = "drop"
+
+    def __post_init__(self) -> None:
+        if self.make_room not in MAKE_ROOM:
+            raise ValueError(f"SimConfig.make_room must be one of {MAKE_ROOM}, "
+                             f"got {self.make_room!r}")
+        v = self.sample_every_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+            math.isfinite(v) and v > 0
+        ):
+            raise ValueError(f"SimConfig.sample_every_s must be a finite number > 0, got {v!r}")
+        _check_int("SimConfig", "max_batch", self.max_batch, 1)
+        _check_int("SimConfig", "max_step_tokens", self.max_step_tokens, 1)
+        _check_int("SimConfig", "page_tokens", self.page_tokens, 1)
+        _check_int("SimConfig", "block_tokens", self.block_tokens, 1)
+        if self.max_step_tokens < self.max_batch:
+            raise ValueError(
+                f"SimConfig.max_step_tokens ({self.max_step_tokens}) must be >= max_batch "
+                f"({self.max_batch}): every decoding request needs a token per step"
+            )
+        for name in ("preempted_retention", "retained_retention"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 100:
+                raise ValueError(f"SimConfig.{name} must be a number in [0, 100], got {v!r}")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What to run: a ``mode`` (see ``MODES``) and, for ``tiering``, the policy
+    (a registry name or a ``module:Class`` path), its keyword options and the
+    controller's configuration. The policy makes every retention decision of
+    the run (see ``tiering.apps.replay.retention``); the controller's host
+    watermarks say when the host demotes, to disk, what the policy picks."""
+
+    mode: str = "tiering"
+    policy: str = "lru"
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    policy_options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"RunSpec.mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ValueError(f"RunSpec.policy must name a policy, got {self.policy!r}")
+        if not isinstance(self.controller, ControllerConfig):
+            raise TypeError("RunSpec.controller must be a ControllerConfig")
+        # normalised (sorted pairs) and checked by PolicySpec
+        object.__setattr__(self, "policy_options", self.policy_spec.options)
+
+    @property
+    def policy_spec(self) -> PolicySpec:
+        return PolicySpec(self.policy, self.policy_options)
+
+    @property
+    def label(self) -> str:
+        return self.policy_spec.label if self.mode == "tiering" else self.mode

@@ -1,0 +1,196 @@
+"""Figures a person reads at a glance.
+
+- ``plot_compare``: one bar per run. Left, the token hit rate split by the
+  tier it came from, with the infinite-cache and Belady bounds as lines;
+  right, p99 time to first token, on a log axis when the runs span more
+  than a factor of 20 (a slow baseline would otherwise squash the rest).
+  Error bars are the 95% intervals when several seeds ran.
+- ``plot_timeline``: per-tier occupancy (mean fraction of each tier's
+  capacity) and the token hit rate over time, per window of simulated time,
+  one line (one colour in every panel) per run.
+- ``plot_sweep``: token hit rate and p99 TTFT against host size, one line per
+  policy and one panel per watermark pair, baselines as grey lines (log
+  axis for TTFT when the range needs it).
+
+Every function returns the paths it wrote (PNG, Agg backend).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from tiering.apps.replay.bounds import BoundResult
+from tiering.apps.replay.results import Sample
+
+TIERS = ("device", "host", "disk")
+COLORS = {"device": "#2b6cb0", "host": "#dd6b20", "disk": "#718096"}
+_MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def needs_log(values: Sequence[float], span: float = 20.0) -> bool:
+    """Whether positive ``values`` span more than ``span`` times (a log axis reads better)."""
+    pos = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v) and v > 0]
+    return len(pos) >= 2 and max(pos) / min(pos) > span
+
+
+def plot_compare(labels: Sequence[str], rows: Sequence[Mapping], bounds: Sequence[BoundResult],
+                 path: str | Path, title: str = "") -> list[Path]:
+    plt = _plt()
+    n = len(rows)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(9.0, 1.3 * n + 5), 4.6))
+    x = np.arange(n)
+    bottom = np.zeros(n)
+    for tier in TIERS:
+        vals = np.array([float(r.get(f"token_hit_rate_{tier}", 0.0)) for r in rows])
+        left.bar(x, vals, bottom=bottom, color=COLORS[tier], label=f"from {tier}")
+        bottom += vals
+    err = [float(r.get("token_hit_rate_ci95", 0.0) or 0.0) for r in rows]
+    if any(err):
+        left.errorbar(x, bottom, yerr=err, fmt="none", ecolor="black", capsize=3)
+    for b, style in zip(bounds, ("--", ":"), strict=False):
+        left.axhline(b.token_hit_rate, color="black", linestyle=style,
+                     label=f"{b.name} bound {b.token_hit_rate:.3f}")
+    left.set_ylim(0, 1.0)
+    left.set_ylabel("prompt tokens reused (fraction)")
+    left.set_title("token hit rate by tier", fontsize=10)
+    ttft = [float(r["ttft_p99_s"]) if r.get("ttft_p99_s") is not None else math.nan
+            for r in rows]
+    right.bar(x, ttft, color="#4a5568")
+    terr = [float(r.get("ttft_p99_s_ci95", 0.0) or 0.0) for r in rows]
+    if any(terr):
+        right.errorbar(x, ttft, yerr=terr, fmt="none", ecolor="black", capsize=3)
+    if needs_log(ttft):
+        right.set_yscale("log")
+    right.set_ylabel("p99 time to first token (s)")
+    right.set_title("p99 TTFT" + (" (log axis)" if needs_log(ttft) else ""), fontsize=10)
+    for ax in (left, right):
+        ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    left.legend(fontsize=7, loc="upper right")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return [out]
+
+
+def plot_timeline(timelines: Mapping[str, Sequence[Sample]], capacities: Mapping[str, Mapping],
+                  path: str | Path, window_s: float | None = None,
+                  title: str = "") -> list[Path]:
+    """``timelines``: label -> samples; ``capacities``: label -> {"<tier>_bytes": int}.
+    ``window_s``: the window of the hit-rate curve (default: a fiftieth of the span)."""
+    plt = _plt()
+    fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
+    span = max((s[-1].t for s in timelines.values() if s), default=1.0) or 1.0
+    window = window_s or span / 50
+    for i, (label, samples) in enumerate(timelines.items()):
+        if not samples:
+            continue
+        t = np.array([s.t for s in samples])
+        # one colour per run in every panel, whichever tiers it has
+        style = {"label": label, "color": f"C{i % 10}", "linewidth": max(0.8, 1.8 - 0.15 * i)}
+        edges = np.arange(0.0, t[-1] + window, window)
+        slot = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, max(len(edges) - 2, 0))
+        counts = np.bincount(slot, minlength=max(len(edges) - 1, 1)).astype(np.float64)
+        mids = (edges[:-1] + edges[1:]) / 2 if len(edges) > 1 else edges
+        for ax, tier in zip(axes[:3], TIERS, strict=True):
+            cap = capacities[label].get(f"{tier}_bytes", 0)
+            if not cap:
+                continue
+            used = np.array([getattr(s, f"{tier}_bytes") for s in samples]) / cap
+            sums = np.bincount(slot, weights=used, minlength=len(counts))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                mean = np.where(counts > 0, sums / counts, np.nan)
+            ax.plot(mids[: len(mean)], mean, **style)  # mean occupancy per window
+        looked = np.array([s.lookup_tokens for s in samples], dtype=np.float64)
+        reused = np.array([s.reused_device + s.reused_host + s.reused_disk for s in samples],
+                          dtype=np.float64)
+        idx = np.searchsorted(t, edges, side="right") - 1
+        idx = np.clip(idx, 0, len(t) - 1)
+        d_look = np.diff(looked[idx])
+        d_reuse = np.diff(reused[idx])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rate = np.where(d_look > 0, d_reuse / d_look, np.nan)
+        axes[3].plot(edges[1:], rate, **style)
+    for ax, tier in zip(axes[:3], TIERS, strict=True):
+        ax.set_ylabel(f"{tier} used\n(of capacity,\nmean per {window:.0f} s)")
+        ax.set_ylim(0, 1.05)
+        ax.grid(True, alpha=0.3)
+    axes[3].set_ylabel(f"token hit rate\n(per {window:.0f} s)")
+    axes[3].set_ylim(0, 1.0)
+    axes[3].grid(True, alpha=0.3)
+    axes[3].set_xlabel("simulated time (s)")
+    axes[0].legend(fontsize=7, loc="upper left", ncol=3)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return [out]
+
+
+SWEEP_PLOTS = (
+    ("token_hit_rate", "prompt tokens reused (fraction)", "hit_rate_vs_host.png"),
+    ("ttft_p99_s", "p99 time to first token (s)", "ttft_p99_vs_host.png"),
+)
+
+
+def plot_sweep(rows: Sequence[Mapping], out_dir: str | Path, title: str = "") -> list[Path]:
+    plt = _plt()
+    tiered = [r for r in rows if r["mode"] == "tiering"]
+    if not tiered:
+        raise ValueError("plot: no tiering runs to plot")
+    base = [r for r in rows if r["mode"] != "tiering"]
+    pairs = sorted({(r["high"], r["low"]) for r in tiered}, reverse=True)
+    policies = sorted({r["policy"] for r in tiered})
+    written = []
+    for metric, ylabel, filename in SWEEP_PLOTS:
+        fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 4.2), sharey=True,
+                                 squeeze=False)
+        values = [float(r[metric]) for r in rows if r.get(metric) is not None]
+        log = metric != "token_hit_rate" and needs_log(values)
+        for ax, (high, low) in zip(axes[0], pairs, strict=True):
+            for i, policy in enumerate(policies):
+                pts = sorted(
+                    (r["host_gib"], r[metric]) for r in tiered
+                    if r["policy"] == policy and (r["high"], r["low"]) == (high, low)
+                )
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=policy,
+                        marker=_MARKERS[i % len(_MARKERS)], markersize=max(3.0, 9.0 - 1.2 * i),
+                        linewidth=max(0.8, 2.4 - 0.3 * i))
+            for r, style in zip(base, ("--", ":"), strict=False):
+                if r.get(metric) is not None:
+                    ax.axhline(r[metric], linestyle=style, color="grey", label=r["label"])
+            ax.set_title(f"watermarks high={high:g} low={low:g}", fontsize=10)
+            ax.set_xlabel("host tier size (GiB)")
+            if log:
+                ax.set_yscale("log")
+            elif metric == "token_hit_rate":
+                ax.set_ylim(0, 1.0)
+            ax.grid(True, alpha=0.3, which="both")
+        axes[0][0].set_ylabel(ylabel + (" (log)" if log else ""))
+        axes[0][-1].legend(fontsize=8, loc="best")
+        if title:
+            fig.suptitle(title, fontsize=11)
+        fig.tight_layout()
+        path = Path(out_dir) / filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

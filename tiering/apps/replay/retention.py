@@ -1,0 +1,134 @@
+"""Every retention decision of a replay, made by the one policy the run was given.
+
+The eviction controller asks its policy which idle requests leave the device.
+The other decisions of a tiered worker are made here, by the same policy, over
+the same kind of ``CandidateBatch``:
+
+- which on-host requests are demoted to disk when the host is over its high
+  watermark (``tier=HOST`` rows);
+- which retained prefixes expire from the lowest tier that cannot pass them
+  further down (``tier=HOST`` or ``DISK`` rows);
+- which retained prefixes resident on the device are dropped when the
+  scheduler needs room at once (``tier=DEVICE`` rows).
+
+``reload_cost_s`` of every row is what bringing that candidate back would
+cost after the move being decided, from the hardware preset's link
+bandwidths and latencies (``presets.reload_seconds``): from host or disk for
+an offload (wherever it would land), from disk for a demotion, and the
+prefill time of its tokens (``StepCost.prefill_s_per_token``) for a drop or
+an expiry, which leave only recomputation. ``CostFilled`` wraps the policy
+handed to the controller so that its batches carry the same figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from policies import CandidateBatch, Policy
+from tiering.apps.replay.presets import HardwarePreset, StepCost
+from tiering.types import Tier
+
+
+class ReloadCosts:
+    """Seconds to bring ``nbytes`` back from a tier, per the preset (vectorised)."""
+
+    def __init__(self, hardware: HardwarePreset, cost: StepCost, bytes_per_token: int) -> None:
+        hw = hardware
+        self._host = (hw.h2d_latency_s, 1.0 / hw.h2d_bps)
+        rate = min(hw.disk_read_bps, hw.h2d_bps)
+        self._disk = (hw.disk_read_latency_s + hw.h2d_latency_s, 1.0 / rate)
+        self._recompute_per_byte = cost.prefill_s_per_token / bytes_per_token
+
+    def from_host(self, nbytes: np.ndarray) -> np.ndarray:
+        lat, per_byte = self._host
+        return lat + nbytes * per_byte
+
+    def from_disk(self, nbytes: np.ndarray) -> np.ndarray:
+        lat, per_byte = self._disk
+        return lat + nbytes * per_byte
+
+    def recompute(self, nbytes: np.ndarray) -> np.ndarray:
+        return nbytes * self._recompute_per_byte
+
+
+class CostFilled(Policy):
+    """``inner`` ordering device candidates whose ``reload_cost_s`` is filled in: the
+    reload from host when the host has room for the candidate, else from disk.
+
+    Filled only for batches that carry reclaimable bytes (a policy that orders
+    without bytes, ``needs_reclaimable`` False, does not read costs either);
+    the rows, and so the indices returned, are the batch's own.
+    """
+
+    def __init__(self, inner: Policy, costs: ReloadCosts, host_free_bytes: Callable[[], int]):
+        self.inner = inner
+        self._costs = costs
+        self._host_free = host_free_bytes
+        self.name = inner.name
+        self.calls = 0  # batches whose costs were filled (a test reads it)
+
+    @property
+    def needs_priority_from(self) -> str | None:  # type: ignore[override]
+        return self.inner.needs_priority_from
+
+    @property
+    def needs_reclaimable(self) -> bool:
+        return self.inner.needs_reclaimable
+
+    @property
+    def reads_reclaimable(self) -> bool:  # type: ignore[override]
+        return self.inner.reads_reclaimable
+
+    def order(self, batch: CandidateBatch, now: float, limit: int | None = None) -> np.ndarray:
+        sizes = batch.reclaimable
+        if sizes is None or not len(batch):
+            return self.inner.order(batch, now, limit)
+        self.calls += 1
+        nbytes = sizes.astype(np.float64)
+        cost = np.where(sizes <= self._host_free(), self._costs.from_host(nbytes),
+                        self._costs.from_disk(nbytes))
+        filled = CandidateBatch.of_registered(
+            np.array(batch.rids, dtype=object), np.array(batch.resources, dtype=object),
+            batch.last_used, reclaimable=sizes, priority=batch.priority, reload_cost_s=cost,
+            tier=batch.tier,
+        )
+        return self.inner.order(filled, now, limit)
+
+
+class Retention:
+    """Orders candidates of any tier with the run's policy (see the module docstring).
+
+    ``priority_of(rid)``: the KV cache's offload priority, asked only when the
+    policy reads priorities. ``order(...)`` returns the rids most evictable first.
+    """
+
+    def __init__(self, policy: Policy, costs: ReloadCosts,
+                 priority_of: Callable[[str], float]) -> None:
+        self.policy = policy
+        self.costs = costs
+        self._priority_of = priority_of
+        self.decisions = 0  # orderings made here (a test reads it)
+
+    def order(self, rids: Sequence[str], nbytes: Sequence[int], last_used: Sequence[float],
+              tier: Tier, after: str, now: float) -> list[str]:
+        """``rids`` (with their bytes and last use) most evictable first. ``after``: where
+        a candidate's bytes would come back from after the move, "host", "disk" or
+        "recompute"."""
+        if not rids:
+            return []
+        self.decisions += 1
+        sizes = np.asarray(nbytes, dtype=np.int64)
+        as_float = sizes.astype(np.float64)
+        costs = self.costs
+        cost = {"host": costs.from_host, "disk": costs.from_disk,
+                "recompute": costs.recompute}[after](as_float)
+        prio = None
+        if self.policy.needs_priority_from is not None:
+            prio = np.fromiter(map(self._priority_of, rids), dtype=np.float64, count=len(rids))
+        batch = CandidateBatch(list(rids), np.asarray(last_used, dtype=np.float64),
+                               reclaimable=sizes, priority=prio, reload_cost_s=cost,
+                               resources="kv", tier=tier)
+        rows = self.policy.order(batch, now)
+        return [rids[i] for i in rows.tolist()]

@@ -1,0 +1,987 @@
+"""A simulated serving worker: continuous batching over a pluggable KV backend.
+
+Time is the simulator's own (``SimClock``), advanced by the step-time model of
+``presets.StepCost``; wall time never enters. The KV backend is anything with
+the request lifecycle and eviction hooks of ``resources.kv_cache.PagedKVCache``
+plus ``page_tokens``, ``page_bytes`` and ``next_completion()``: the modeled
+``ModeledKVCache`` normally, a real cache wrapped in ``SynchronizedKV`` to
+check that both lead the controller to the same decisions.
+
+One loop iteration is one engine step:
+
+1. arrivals up to now join the waiting queue (a request whose final KV could
+   never fit under the controller's admission limit is rejected);
+2. safe point (``tiering`` only): ``EvictionController.evict_if_needed`` with
+   the active requests as running; then retained prefixes are expired from a
+   lower tier that is over ``host_high`` and cannot pass them further down.
+   The call is skipped while nothing it looks at has changed since a call that
+   found nothing to do (see ``_Worker._still_quiet``; a test checks that runs
+   are identical either way);
+3. preempted requests resume first-preempted first: a resident one rejoins
+   the batch, an offloaded one asks the controller for a reload. No new
+   request is admitted while any is preempted (vLLM's rule);
+4. the step is built: decoding requests that need a new page get it,
+   prefilling requests get a chunk of the token budget, and waiting requests
+   are admitted while the batch, the budget and the device allow;
+5. the step runs for ``StepCost.step_s`` seconds; first tokens and finishes
+   are recorded at its end.
+
+Under memory shortage (a page cannot be allocated) retained prefixes on the
+device are dropped first (they are a cache). After that the modes differ:
+
+``tiering``    the request stalls for a step while memory is on its way (an
+               offload in flight, or an idle request the controller can
+               offload); otherwise the latest-arrived active request is
+               preempted and left idle on the device, where it is an offload
+               candidate for the controller.
+``recompute``  the latest-arrived active request is preempted and its KV
+               freed at once; it is prefilled again later (vLLM's default).
+``no-tiering`` a request is admitted only with room for its whole final KV,
+               so it never needs to grow; requests wait for room.
+
+Finished requests leave their full prompt blocks behind as retained prefixes
+(when the trace has block ids and ``prefix_reuse`` is on); a later request
+reuses the longest shared prefix from whichever tier holds it: from the device
+at no cost, from host or disk at the cost of the copy (``copy_in``), which the
+request waits for instead of prefilling those tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from policies import PolicyRegistry
+from resources.engine_types import ResourceReqConfig
+from tiering.apps.replay.config import MODES, RunSpec, SimConfig
+from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
+from tiering.apps.replay.presets import HardwarePreset, ModelPreset, StepCost
+from tiering.apps.replay.results import Decision, RequestRecord, RunResult, Sample, SimCounters
+from tiering.apps.replay.retained import RetainedPrefixes
+from tiering.apps.replay.retention import CostFilled, ReloadCosts, Retention
+from tiering.apps.replay.traces import TraceRequest
+from tiering.control.controller import EvictionController
+from tiering.control.pressure import PoolPressure
+from tiering.types import RequestState, Tier
+
+# phases of a simulated request
+WAITING, LOADING, PREFILL, DECODE, STALLED, PREEMPTED, DONE, REJECTED = range(8)
+
+_RESIDENT = RequestState.RESIDENT
+
+__all__ = ["MODES", "Decision", "RequestRecord", "RunResult", "RunSpec", "SimClock",
+           "SimConfig", "SimCounters", "modeled_kv_factory", "simulate"]
+
+
+class SimClock:
+    """The simulator's time; every part of a run reads it, only the loop moves it."""
+
+    __slots__ = ("now",)
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+KVFactory = Callable[[SimClock], Any]
+
+
+def modeled_kv_factory(model: ModelPreset, hardware: HardwarePreset, sim: SimConfig) -> KVFactory:
+    """Build ``ModeledKVCache`` instances sized by the presets."""
+    page_bytes = model.kv_bytes_per_token * sim.page_tokens
+    rates = LinkRates(hardware.d2h_bps, hardware.h2d_bps, hardware.disk_write_bps,
+                      hardware.disk_read_bps, hardware.d2h_latency_s, hardware.h2d_latency_s,
+                      hardware.disk_write_latency_s, hardware.disk_read_latency_s)
+
+    def factory(clock: SimClock) -> ModeledKVCache:
+        device_pages = hardware.device_kv_bytes // page_bytes
+        if device_pages < 1:
+            raise ValueError(f"hardware {hardware.name!r} has no room for one KV page")
+        return ModeledKVCache(model.kv_bytes_per_token, sim.page_tokens, device_pages,
+                              hardware.host_bytes // page_bytes,
+                              hardware.disk_bytes // page_bytes, rates, clock)
+
+    return factory
+
+
+class _Req:
+    __slots__ = (
+        "rid", "order", "arrival", "n_in", "n_out", "hash_ids", "phase", "target", "done",
+        "produced", "kv", "k0", "k_last", "epoch", "first_at", "finish_at", "waited_at",
+        "prefix_tier", "reused", "looked_up",
+    )
+
+    def __init__(self, order: int, t: TraceRequest, time_scale: float) -> None:
+        self.rid = f"r{order:06d}"
+        self.order = order
+        self.arrival = t.arrival_s * time_scale
+        self.n_in = t.input_tokens
+        self.n_out = t.output_tokens
+        self.hash_ids = t.hash_ids
+        self.phase = WAITING
+        self.target = t.input_tokens  # tokens to prefill before decoding (more after a recompute)
+        self.done = 0  # tokens of ``target`` in the KV so far
+        self.produced = 0  # output tokens produced
+        self.kv = 0  # KV tokens while not decoding; decoding: kv + (k - k0)
+        self.k0 = 0
+        self.k_last = 0
+        self.epoch = 0
+        self.first_at: float | None = None
+        self.finish_at: float | None = None
+        self.waited_at = 0.0  # when it started waiting for a reload or a prefix copy
+        self.prefix_tier: str | None = None
+        self.reused = 0
+        self.looked_up = False
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    cost: StepCost,
+    spec: RunSpec,
+    sim: SimConfig = SimConfig(),  # noqa: B008 - frozen
+    *,
+    time_scale: float = 1.0,
+    kv_factory: KVFactory | None = None,
+    on_finish: Callable[[int], None] | None = None,
+    registry: PolicyRegistry | None = None,
+) -> RunResult:
+    """Replay ``trace`` through one simulated worker and return what happened.
+
+    ``registry``: where ``spec.policy`` is looked up (default: the built-ins;
+    a ``module:Class`` path is imported). ``time_scale`` multiplies arrival
+    times (2.0 halves the request rate).
+    ``kv_factory(clock)`` builds the KV backend (default: a ``ModeledKVCache``
+    sized by the presets of ``cost``). ``on_finish(n)`` is told each time ``n``
+    more requests have finished or been rejected.
+    """
+    if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) or not (
+        math.isfinite(time_scale) and time_scale > 0
+    ):
+        raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
+    if not trace:
+        raise ValueError("the trace holds no requests")
+    policy = spec.policy_spec.build(registry) if spec.mode == "tiering" else None
+    clock = SimClock()
+    factory = kv_factory or modeled_kv_factory(cost.model, cost.hardware, sim)
+    worker = _Worker(trace, cost, spec, sim, time_scale, factory(clock), clock, on_finish,
+                     policy)
+    return worker.run()
+
+
+class _Worker:
+    """One run. Owns every piece of simulated state; see the module docstring."""
+
+    def __init__(self, trace, cost, spec, sim, time_scale, kv, clock, on_finish,
+                 policy=None) -> None:
+        self.cost = cost
+        self.spec = spec
+        self.sim = sim
+        self.kv = kv
+        self.clock = clock
+        self.on_finish = on_finish
+        self.mode = spec.mode
+        self.tiering = spec.mode == "tiering"
+        self.P = int(kv.page_tokens)
+        self.page_bytes = int(kv.page_bytes)
+        self.device_pages = int(kv.device_capacity_bytes) // self.page_bytes
+        cfg = spec.controller
+        # the controller refuses a reload above (high - headroom) x capacity, so a
+        # request whose final KV is larger could never come back: reject it up front
+        self.limit_pages = int((cfg.high - cfg.reload_headroom) * self.device_pages)
+        self.ctl: EvictionController | None = None
+        self.retention: Retention | None = None
+        self._demoting: dict[str, int] = {}  # rid -> host bytes of a demotion in flight
+        self._offloading: dict[str, int] = {}  # rid -> device pages a worker offload frees
+        self.offload_room = self.tiering and sim.make_room == "offload"
+        rank = None
+        if self.tiering:
+            costs = ReloadCosts(cost.hardware, cost, self.page_bytes // self.P)
+            self.retention = Retention(policy, costs, kv.get_offload_priority)
+            self.ctl_policy = CostFilled(
+                policy, costs, lambda: kv.host_capacity_bytes - kv.host_used_bytes())
+            # the host cascade is the worker's (below), through the policy: the
+            # controller's own, least recently used, never triggers at host_high = 1
+            ctl_cfg = dataclasses.replace(cfg, host_high=1.0, host_low=min(cfg.host_low, 0.99))
+            self.ctl = EvictionController(
+                {"kv": kv}, self.ctl_policy, PoolPressure(kv), ctl_cfg, clock=clock,
+            )
+            rank = self._rank_retained
+        self.reuse = sim.prefix_reuse
+        if self.reuse and not hasattr(kv, "copy_in"):
+            raise ValueError("prefix_reuse needs a KV backend with copy_in(); turn it off")
+        self.live = ResourceReqConfig(retention_priority=sim.preempted_retention)
+        self.prefixes = RetainedPrefixes(
+            kv, self.ctl, ResourceReqConfig(retention_priority=sim.retained_retention),
+            sim.block_tokens, self._pages, clock, rank,
+        )
+        # (rid, free pages, resident prefix pages) of the last admission refused for room:
+        # it is not retried until one of the two figures changes
+        self._refused: tuple[str, int, int] | None = None
+        self.reqs = [_Req(i, t, time_scale) for i, t in enumerate(trace)]
+        self.reqs.sort(key=lambda r: (r.arrival, r.order))
+        self.by_rid = {r.rid: r for r in self.reqs}
+        self.counters = SimCounters()
+        self.decisions: list[Decision] = []
+        self.timeline: list[Sample] = []
+        self.k = 0  # steps run so far
+        self.waiting: deque[_Req] = deque()
+        self.active: set[str] = set()  # in the batch: loading, prefilling, decoding or stalled
+        self.prefilling: list[_Req] = []
+        self.stalled: list[_Req] = []
+        self.preempted: deque[_Req] = deque()
+        self.reload_asked: set[str] = set()
+        self.loading: list[tuple[float, int, str]] = []  # (ready at, order, rid), a heap
+        self.n_dec = 0
+        self.ctx_base = 0  # sum over decoding requests of (kv - k0)
+        self._plan: list[tuple[_Req, int]] = []  # this step's prefill chunks
+        self.allocs: list[tuple[int, int, str]] = []  # (step, epoch, rid): needs a page
+        self.finishes: list[tuple[int, int, str]] = []  # (step, epoch, rid): last token
+        self.unfinished = len(self.reqs)
+        self._waited = False  # the current stuck spell already let min_residency_s pass
+        # the safe point is skipped while nothing the controller looks at has changed since
+        # a call that found nothing to do (see _still_quiet); _gen counts such changes
+        self._gen = 0
+        self._quiet: tuple[int, int] | None = None
+        self._fast = True  # decode-only stretches in a tight loop (see _fast_forward)
+        # the running set handed to the controller, rebuilt only when _gen moved (every
+        # change of ``active`` bumps it)
+        self._running: tuple[int, frozenset[str]] = (-1, frozenset())
+        self._evictable_at = 0.0
+
+    # -- the loop -------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        reqs = self.reqs
+        n = len(reqs)
+        nxt = 0
+        clock = self.clock
+        idle_rounds = 0
+        every = self.sim.sample_every_s
+        next_sample = 0.0
+        while self.unfinished:
+            now = clock.now
+            if now >= next_sample:
+                self._sample(now)
+                next_sample = (math.floor(now / every) + 1) * every
+            while nxt < n and reqs[nxt].arrival <= now:
+                self._arrive(reqs[nxt])
+                nxt += 1
+            if self.ctl is not None:
+                self._safe_point()
+            if self.loading:
+                self._finish_loads(now)
+            if self.preempted:
+                self._serve_preempted()
+            prefill_tokens = self._build_step()
+            if prefill_tokens or self.n_dec:
+                idle_rounds = 0
+                self._waited = False
+                self._run_step(prefill_tokens)
+                if not prefill_tokens and self._fast:
+                    self._fast_forward(reqs[nxt].arrival if nxt < n else math.inf,
+                                       next_sample)
+                continue
+            upcoming = [reqs[nxt].arrival] if nxt < n else []
+            done_at = self.kv.next_completion()
+            if done_at is not None:
+                upcoming.append(done_at)
+            if self.loading:
+                upcoming.append(self.loading[0][0])
+            if upcoming:
+                clock.now = max(now, min(upcoming))
+                # an event due now is applied by the next round; many rounds in a row that
+                # neither run a step nor move the clock would be a bug, not a workload
+                idle_rounds = idle_rounds + 1 if clock.now == now else 0
+                if idle_rounds > 1000:
+                    raise RuntimeError(self._stuck_message("1000 rounds without progress"))
+                continue
+            if not self._unstick():
+                raise RuntimeError(self._stuck_message("nothing can move"))
+        self._sample(clock.now)
+        return self._result()
+
+    def _fast_forward(self, next_arrival: float, next_sample: float) -> None:
+        """Run decode-only steps in a tight loop while every round of the full loop would
+        do nothing but run one: no arrival, sample, transfer completion, page allocation or
+        finish is due; nothing prefills, loads, stalls or is preempted; no waiting request
+        can be admitted; and the safe point has nothing to do (it would be skipped as
+        quiet, or the device is under ``high`` with no reload waiting). Stops at the first
+        round where any of that may change; that round runs in full. A test checks that
+        runs are identical with and without it."""
+        if not self.n_dec or self.prefilling or self.stalled or self.preempted or (
+            self.loading or self.reload_asked
+        ):
+            return
+        kv = self.kv
+        ctl = self.ctl
+        if ctl is not None:
+            over = kv.device_used_bytes() > self.spec.controller.high * kv.device_capacity_bytes
+            if over:
+                if self._quiet is None or not self._still_quiet():
+                    return
+            elif ctl.pending_reloads() or self._demoting:
+                return
+        if self.waiting and len(self.active) < self.sim.max_batch and (
+            self.sim.max_step_tokens - self.n_dec > 0
+        ):
+            seen = (self.waiting[0].rid, self._free_pages(), self.prefixes.resident_pages)
+            if seen != self._refused:
+                return
+        due = kv.next_completion()
+        until_t = min(next_arrival, next_sample, math.inf if due is None else due)
+        until_k = min(self.allocs[0][0] if self.allocs else math.inf,
+                      self.finishes[0][0] if self.finishes else math.inf)
+        clock = self.clock
+        k = self.k
+        now = clock.now
+        if k >= until_k or now >= until_t:
+            return
+        n_dec = self.n_dec
+        base = self.ctx_base
+        step_s = self.cost.step_s
+        start_k = k
+        while k < until_k and now < until_t:
+            now += step_s(0, n_dec, base + n_dec * k)
+            k += 1
+        clock.now = now
+        self.k = k
+        ran = k - start_k
+        self.counters.steps += ran
+        self.counters.fast_steps += ran
+
+    def _sample(self, now: float) -> None:
+        kv = self.kv
+        c = self.counters
+        self.timeline.append(Sample(
+            now, kv.device_used_bytes(), kv.host_used_bytes(), kv.disk_used_bytes(),
+            c.lookup_tokens, c.reused_tokens_device, c.reused_tokens_host, c.reused_tokens_disk,
+        ))
+
+    def _stuck_message(self, why: str) -> str:
+        return (
+            f"simulation stuck at t={self.clock.now:.3f}s ({why}): {self.unfinished} unfinished,"
+            f" {len(self.waiting)} waiting, {len(self.active)} active, "
+            f"{len(self.preempted)} preempted, device {self.kv.device_used_bytes()} of "
+            f"{self.kv.device_capacity_bytes} bytes"
+        )
+
+    def _arrive(self, r: _Req) -> None:
+        if self._pages(r.n_in + r.n_out) > self.limit_pages:
+            r.phase = REJECTED
+            self._count_done()
+            return
+        self.waiting.append(r)
+
+    def _count_done(self) -> None:
+        self.unfinished -= 1
+        if self.on_finish is not None:
+            self.on_finish(1)
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.P)
+
+    def _free_pages(self) -> int:
+        return (self.kv.device_capacity_bytes - self.kv.device_used_bytes()) // self.page_bytes
+
+    # -- safe point -------------------------------------------------------------------
+
+    def _safe_point(self) -> None:
+        if self._quiet is not None and self._still_quiet():
+            self.counters.quiet_safe_points += 1
+            return
+        if self._running[0] != self._gen:  # the same frozenset while the batch is unchanged
+            self._running = (self._gen, frozenset(self.active))
+        rep = self.ctl.evict_if_needed(self._running[1])
+        demoted, dropped = self._demote()
+        if demoted or dropped:
+            rep = rep._replace(demoted=tuple(rep.demoted) + demoted,
+                               dropped=tuple(rep.dropped) + dropped)
+        fruitful = bool(rep.offloaded or rep.reloads_started or rep.demoted or rep.dropped)
+        if fruitful:
+            log = self.decisions
+            k, now = self.k, self.clock.now
+            log.extend(Decision(k, now, "offload", rid) for rid in rep.offloaded)
+            log.extend(Decision(k, now, "demote", rid) for rid in rep.demoted)
+            log.extend(Decision(k, now, "drop", rid) for rid in rep.dropped)
+            log.extend(Decision(k, now, "reload", rid) for rid in rep.reloads_started)
+            if rep.reloads_started:
+                self._reloaded(now)
+            self.prefixes.moved(rep.offloaded, rep.demoted)
+            for rid in rep.dropped:
+                self._lost(rid)
+        if self.reuse:
+            self.prefixes.settle()
+            cfg = self.spec.controller
+            self.prefixes.expire(cfg.host_high, cfg.host_low)
+        self._quiet = None
+        if not fruitful and rep.pressure_before > self.spec.controller.high:
+            self._quiet = (self._gen, self.prefixes.changes)
+
+    def _demote(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The host cascade: when the host is over ``host_high`` (less demotions in flight),
+        demote on-host requests to disk in the policy's order until under ``host_low``;
+        a request that does not fit on disk is kept, or dropped under
+        ``on_disk_full="drop"``. Requests waiting for a reload stay. Returns
+        (demoted, dropped)."""
+        kv = self.kv
+        cap = kv.host_capacity_bytes
+        if not cap:
+            return (), ()
+        cfg = self.spec.controller
+        used = kv.host_used_bytes()
+        if used <= cfg.host_high * cap:  # demotions in flight only lower the figure
+            return (), ()
+        demoting = self._demoting
+        if demoting:
+            for rid in [r for r in demoting
+                        if r not in kv or kv.state_of(r) is not RequestState.DEMOTING]:
+                del demoting[rid]
+            used -= sum(demoting.values())
+            if used <= cfg.host_high * cap:
+                return (), ()
+        waiting = set(self.ctl.pending_reloads())
+        on_host = RequestState.ON_HOST
+        state_of = kv.state_of
+        rids = [r.rid for r in self.preempted if state_of(r.rid) is on_host]
+        rids += [rid for rid in self.prefixes.entries() if state_of(rid) is on_host]
+        rids = [rid for rid in rids if rid not in waiting]
+        if not rids:
+            return (), ()
+        sizes = [kv.reload_bytes(rid) for rid in rids]
+        prefixes = self.prefixes
+        last = [prefixes.last_used(rid) if rid in prefixes else self.ctl.last_used(rid)
+                for rid in rids]
+        order = self.retention.order(rids, sizes, last, Tier.HOST, "disk", self.clock.now)
+        size_of = dict(zip(rids, sizes, strict=True))
+        demoted: list[str] = []
+        dropped: list[str] = []
+        target = cfg.host_low * cap
+        for rid in order:
+            if used < target:
+                break
+            nbytes = size_of[rid]
+            if kv.demote(rid):
+                demoted.append(rid)
+                used -= nbytes
+                if state_of(rid) is RequestState.DEMOTING:
+                    demoting[rid] = nbytes
+                continue
+            if cfg.on_disk_full == "drop":
+                kv.drop(rid)
+                dropped.append(rid)
+                used -= nbytes
+                continue
+            break  # the disk is full: keep them on host, try again next safe point
+        if demoted or dropped:
+            self._gen += 1
+        return tuple(demoted), tuple(dropped)
+
+    def _rank_retained(self, rids: list[str], tier: Tier) -> list[str]:
+        """Retained entries of ``tier`` in the policy's order; dropping or expiring one
+        leaves only recomputation."""
+        kv = self.kv
+        page_bytes = self.page_bytes
+        sizes = [self._pages(kv.num_tokens(rid)) * page_bytes for rid in rids]
+        last = [self.prefixes.last_used(rid) for rid in rids]
+        return self.retention.order(rids, sizes, last, tier, "recompute", self.clock.now)
+
+    def _still_quiet(self) -> bool:
+        """Whether the controller would find nothing to do again, so the safe point may be
+        skipped. The last call looked for victims (the device was over ``high``) and moved
+        nothing; since then no request joined or left the batch or the controller's books,
+        none was touched, no reload was asked for, no offload the worker started to make
+        room is still in flight, no transfer has come due (the one poll
+        would apply), no reloaded request has become evictable again, and the device is
+        still over ``high``. Victims, the cascade and admission then have exactly what they
+        had: nothing."""
+        kv = self.kv
+        now = self.clock.now
+        if self._quiet != (self._gen, self.prefixes.changes) or self.reload_asked or (
+            self._offloading and self._offloads_pending()  # the worker's own offloads
+        ):
+            return False
+        due = kv.next_completion()
+        return (
+            now >= self._evictable_at
+            and (due is None or due > now)
+            and kv.device_used_bytes() > self.spec.controller.high * kv.device_capacity_bytes
+        )
+
+    def _reloaded(self, now: float) -> None:
+        """A reload started: the request becomes evictable ``min_residency_s`` later."""
+        self._evictable_at = now + self.spec.controller.min_residency_s
+
+    def _lost(self, rid: str) -> None:
+        """The controller gave up ``rid``'s offloaded KV (disk full, on_disk_full=drop)."""
+        if rid in self.prefixes:
+            self.prefixes.discard(rid)
+        else:
+            self._recompute_later(self.by_rid[rid])
+
+    # -- preempted requests -------------------------------------------------------------
+
+    def _serve_preempted(self) -> None:
+        slots = self.sim.max_batch - len(self.active)
+        if slots <= 0:
+            return
+        kv = self.kv
+        ctl = self.ctl
+        for r in list(self.preempted):
+            if slots <= 0:
+                break
+            state = kv.state_of(r.rid)
+            if state is _RESIDENT:
+                if not self._resume(r):
+                    break  # no room to prefill it again yet; keep the order
+            elif state is RequestState.ON_HOST or state is RequestState.ON_DISK:
+                if r.rid not in self.reload_asked:
+                    self.reload_asked.add(r.rid)
+                    r.waited_at = self.clock.now
+                    if ctl.request_reload(r.rid):
+                        self.decisions.append(Decision(self.k, self.clock.now, "reload", r.rid))
+                        self._reloaded(self.clock.now)
+            elif state is RequestState.LOST:
+                self._recompute_later(r)
+                continue
+            slots -= 1
+
+    def _resume(self, r: _Req) -> bool:
+        """Put a resident preempted request back in the batch; False if it lost its KV and
+        there is no room yet to prefill it again."""
+        if r.done < r.target and self.kv.num_tokens(r.rid) < r.target:
+            need = self._pages(r.target) - self._pages(self.kv.num_tokens(r.rid))
+            if not self._make_room(need) or not self.kv.allocate(r.rid, r.target):
+                return False
+        self._gen += 1
+        self.preempted.remove(r)
+        if r.rid in self.reload_asked:
+            self.reload_asked.discard(r.rid)
+            self.counters.reload_wait_s += self.clock.now - r.waited_at
+        self.active.add(r.rid)
+        if r.done < r.target:
+            r.phase = PREFILL
+            self.prefilling.append(r)
+        else:
+            self._join_decode(r, self.k)
+        return True
+
+    def _preempt(self, r: _Req) -> None:
+        """Take ``r`` out of the batch (its KV stays where it is)."""
+        self._gen += 1
+        self._leave_batch(r)
+        self.counters.preemptions += 1
+        if self.tiering:
+            self.ctl.touch(r.rid)
+            r.phase = PREEMPTED
+            self.preempted.append(r)
+        else:
+            self._recompute_later(r)
+
+    def _recompute_later(self, r: _Req) -> None:
+        """Free ``r``'s KV; it is prefilled again from scratch (prompt and output so far)."""
+        self._gen += 1
+        kv = self.kv
+        self.counters.recomputed_tokens += r.done if r.done < r.target else r.kv
+        kv.remove_request(r.rid)
+        kv.ingest_request(r.rid, self.live)
+        r.target = r.n_in + r.produced
+        r.done = 0
+        r.kv = 0
+        if self.tiering:
+            self.ctl.remove_request(r.rid)
+            self.ctl.add_request(r.rid)
+            self.reload_asked.discard(r.rid)
+            if r.phase != PREEMPTED:
+                r.phase = PREEMPTED
+                self.preempted.appendleft(r)
+        else:
+            r.phase = WAITING
+            self.waiting.appendleft(r)
+
+    def _leave_batch(self, r: _Req) -> None:
+        self.active.discard(r.rid)
+        if r.phase == DECODE:
+            self._leave_decode(r, self.k)
+        elif r.phase == PREFILL:
+            self.prefilling.remove(r)
+        elif r.phase == STALLED:
+            self.stalled.remove(r)
+
+    # -- decoding bookkeeping -------------------------------------------------------------
+
+    def _join_decode(self, r: _Req, k: int) -> None:
+        """``r`` decodes from step ``k`` on (its KV holds ``r.kv`` tokens)."""
+        r.phase = DECODE
+        r.epoch += 1
+        r.k0 = k
+        remaining = r.n_out - r.produced
+        r.k_last = k + remaining - 1
+        self.n_dec += 1
+        self.ctx_base += r.kv - k
+        heapq.heappush(self.finishes, (r.k_last, r.epoch, r.rid))
+        if self.mode != "no-tiering":
+            first = k + (-r.kv) % self.P
+            if first <= r.k_last:
+                heapq.heappush(self.allocs, (first, r.epoch, r.rid))
+
+    def _leave_decode(self, r: _Req, k: int) -> None:
+        """``r`` stops decoding before step ``k``; its counts are brought up to date."""
+        ran = k - r.k0
+        self.n_dec -= 1
+        self.ctx_base -= r.kv - r.k0
+        r.kv += ran
+        r.produced += ran
+        r.epoch += 1
+
+    # -- building a step ---------------------------------------------------------------
+
+    def _build_step(self) -> int:
+        """Allocate this step's KV and admit requests; returns the prefill tokens planned."""
+        k = self.k
+        if self.stalled:
+            for r in list(self.stalled):
+                if self.kv.allocate(r.rid, min(r.kv + self.P, r.n_in + r.n_out)):
+                    self.stalled.remove(r)
+                    self._join_decode(r, k)
+        allocs = self.allocs
+        while allocs and allocs[0][0] <= k:
+            _, epoch, rid = heapq.heappop(allocs)
+            r = self.by_rid[rid]
+            if r.epoch != epoch or r.phase != DECODE:
+                continue
+            tokens = min(r.kv + (k - r.k0) + self.P, r.n_in + r.n_out)
+            if self.kv.allocate(rid, tokens) or self._grow_failed(r, tokens):
+                if k + self.P <= r.k_last:
+                    heapq.heappush(allocs, (k + self.P, epoch, rid))
+        budget = self.sim.max_step_tokens - self.n_dec
+        planned = 0
+        self._plan = []
+        for r in self.prefilling:  # their whole prompt was allocated at admission
+            if budget <= 0:
+                break
+            chunk = min(r.target - r.done, budget)
+            self._plan.append((r, chunk))
+            budget -= chunk
+            planned += chunk
+        if self.waiting and not self.preempted:
+            planned += self._admit(budget)
+        return planned
+
+    def _grow_failed(self, r: _Req, tokens: int) -> bool:
+        """Decoding ``r`` could not grow to ``tokens``. True if it could after making room;
+        otherwise ``r`` stalls or is preempted (see the module docstring): False."""
+        kv = self.kv
+        need = self._pages(tokens) - self._pages(self._kv_tokens(r))
+        if self._make_room(need) and kv.allocate(r.rid, tokens):
+            return True
+        if not self.tiering:
+            while True:
+                victim = self._latest_active()  # r itself at the latest
+                self._preempt(victim)
+                if victim is r:
+                    return False
+                if kv.allocate(r.rid, tokens):
+                    return True
+        if self._memory_coming():
+            self._stall(r)
+            return False
+        victim = self._latest_active()
+        self._preempt(victim)
+        if victim is not r:
+            self._stall(r)
+        return False
+
+    def _kv_tokens(self, r: _Req) -> int:
+        return self.kv.num_tokens(r.rid)
+
+    def _stall(self, r: _Req) -> None:
+        """A decoding ``r`` sits this step out, in the batch, holding its KV."""
+        self.counters.stalls += 1
+        self._leave_decode(r, self.k)
+        r.phase = STALLED
+        self.stalled.append(r)
+
+    def _latest_active(self) -> _Req | None:
+        """The latest-arrived request in the batch that may be preempted (not one whose
+        prefix copy is still landing); None if there is none."""
+        by_rid = self.by_rid
+        batch = [by_rid[rid] for rid in self.active]
+        return max((q for q in batch if q.phase != LOADING), key=lambda q: q.order, default=None)
+
+    def _memory_coming(self) -> bool:
+        """Device memory will come free without preempting anyone: an offload is in
+        flight, or the device is over the high watermark and an idle request on it can be
+        offloaded."""
+        if self.ctl.stats()["releasing_bytes"] > 0 or self._offloads_pending():
+            return True
+        kv = self.kv
+        if kv.device_used_bytes() <= self.spec.controller.high * kv.device_capacity_bytes:
+            return False
+        reclaimable = kv.reclaimable
+        return any(reclaimable(r.rid) > 0 for r in self.preempted)
+
+    def _make_room(self, need_pages: int, keep: str | None = None) -> bool:
+        """True if ``need_pages`` device pages are free now. Otherwise, with tiering and
+        ``SimConfig.make_room="offload"``, retained prefixes resident on the device (never
+        ``keep``) are offloaded, in the policy's order, while a tier below has room: False
+        then, the room is on its way (a prefix is a cache worth keeping, and the freshest
+        ones are the ones still on the device). What is not offloaded is dropped, in the
+        policy's order, and only if dropping is enough; nothing dropped if not."""
+        free = self._free_pages()
+        if free >= need_pages:
+            return True
+        if self.offload_room and self._offload_retained(need_pages - free, keep):
+            return False
+        return self.prefixes.drop_resident(need_pages, self._free_pages, keep)
+
+    def _offloads_pending(self) -> int:
+        """Device pages that offloads of retained prefixes started by the worker will free."""
+        pending = self._offloading
+        kv = self.kv
+        for rid in [r for r in pending
+                    if r not in kv or kv.state_of(r) is not RequestState.OFFLOADING]:
+            del pending[rid]
+        return sum(pending.values())
+
+    def _offload_retained(self, short_pages: int, keep: str | None) -> bool:
+        """Start offloading resident retained prefixes until, with those already on their
+        way, ``short_pages`` device pages are coming; True if they are."""
+        coming = self._offloads_pending()
+        if coming >= short_pages:
+            return True
+        kv = self.kv
+        rids = [rid for rid in self.prefixes.resident() if rid != keep and kv.reclaimable(rid)]
+        if not rids:
+            return False
+        pages = [self.prefixes.pages_of(rid) for rid in rids]
+        size_of = dict(zip(rids, pages, strict=True))
+        last = [self.prefixes.last_used(rid) for rid in rids]
+        now = self.clock.now
+        order = self.retention.order(rids, [p * self.page_bytes for p in pages], last,
+                                     Tier.DEVICE, "host", now)
+        started = []
+        for rid in order:
+            if coming >= short_pages:
+                break
+            if not kv.reclaimable(rid) or not kv.offload(rid):
+                continue  # no room below for this one any more
+            started.append(rid)
+            coming += size_of[rid]
+            if kv.state_of(rid) is RequestState.OFFLOADING:
+                self._offloading[rid] = size_of[rid]
+        if started:
+            self._gen += 1
+            self.decisions.extend(Decision(self.k, now, "offload", rid) for rid in started)
+            self.prefixes.moved(tuple(started), ())
+            self.counters.retained_offloads += len(started)
+        return coming >= short_pages
+
+    # -- admission and prefix reuse ------------------------------------------------------------
+
+    def _admit(self, budget: int) -> int:
+        """Admit waiting requests in order while there is room; returns tokens planned."""
+        planned = 0
+        waiting = self.waiting
+        max_batch = self.sim.max_batch
+        while waiting and budget > 0 and len(self.active) < max_batch:
+            r = waiting[0]
+            seen = (r.rid, self._free_pages(), self.prefixes.resident_pages)
+            if seen == self._refused:
+                break  # refused for room before, and no room has come since
+            got = self._try_admit(r, budget)
+            if got is None:
+                self._refused = seen
+                break
+            waiting.popleft()
+            self._gen += 1
+            self.active.add(r.rid)
+            if got:
+                budget -= got
+                planned += got
+        return planned
+
+    def _try_admit(self, r: _Req, budget: int) -> int | None:
+        """Give ``r`` its first KV; None (nothing changed) if the device has no room.
+        Returns the prefill tokens planned for it this step."""
+        kv = self.kv
+        rid = r.rid
+        prefixes = self.prefixes
+        reused, source, tier = (
+            prefixes.lookup(r.hash_ids, r.n_in) if self.reuse and r.hash_ids else (0, None, None)
+        )
+        loading = tier is Tier.HOST or tier is Tier.DISK
+        # the whole prompt (or, without tiering, the whole final KV) is allocated now, so
+        # a prefilling request never has to grow
+        tokens = r.n_in + r.n_out if self.mode == "no-tiering" else r.target
+        adopt = tier is Tier.DEVICE and prefixes.adoptable(source, reused)
+        need = self._pages(tokens) - (prefixes.pages_of(source) if adopt else 0)
+        if not self._make_room(need, keep=source):
+            return None
+        if adopt:
+            prefixes.discard(source, counted=False)  # its pages become this request's
+        kv.ingest_request(rid, self.live)
+        if not kv.allocate(rid, tokens):  # cannot happen: the room was checked
+            raise RuntimeError(f"admission of {rid!r} found room for {need} pages but "
+                               f"allocate({tokens}) was refused")
+        if self.ctl is not None:
+            self.ctl.add_request(rid)
+        if r.hash_ids and self.reuse and not r.looked_up:
+            r.looked_up = True
+            self._count_lookup(r, reused, tier)
+        if source is not None and not adopt:
+            prefixes.used(source)
+        r.done = reused
+        if loading:
+            ready = kv.copy_in(self._pages(reused) * self.page_bytes, tier)
+            r.phase = LOADING
+            r.waited_at = self.clock.now
+            heapq.heappush(self.loading, (ready, r.order, rid))
+            return 0
+        r.phase = PREFILL
+        self.prefilling.append(r)
+        chunk = min(r.target - reused, budget)
+        self._plan.append((r, chunk))
+        return chunk
+
+    def _count_lookup(self, r: _Req, reused: int, tier: Tier | None) -> None:
+        c = self.counters
+        bt = self.sim.block_tokens
+        full = min(len(r.hash_ids), r.n_in // bt)
+        c.prefix_lookups += 1
+        c.lookup_tokens += r.n_in
+        c.lookup_blocks += full
+        if tier is None:
+            return
+        blocks = min(-(-reused // bt), full)
+        c.reused_tokens += reused
+        r.reused = reused
+        r.prefix_tier = tier.value
+        if tier is Tier.DEVICE:
+            c.hits_device += 1
+            c.reused_tokens_device += reused
+            c.reused_blocks_device += blocks
+        elif tier is Tier.HOST:
+            c.hits_host += 1
+            c.reused_tokens_host += reused
+            c.reused_blocks_host += blocks
+        else:
+            c.hits_disk += 1
+            c.reused_tokens_disk += reused
+            c.reused_blocks_disk += blocks
+
+    def _finish_loads(self, now: float) -> None:
+        loading = self.loading
+        while loading and loading[0][0] <= now:
+            _, _, rid = heapq.heappop(loading)
+            r = self.by_rid[rid]
+            if r.phase != LOADING:
+                continue
+            self.counters.prefix_load_wait_s += now - r.waited_at
+            r.phase = PREFILL
+            self.prefilling.append(r)
+
+    # -- running a step ---------------------------------------------------------------------
+
+    def _run_step(self, prefill_tokens: int) -> None:
+        k = self.k
+        n_dec = self.n_dec
+        ctx = self.ctx_base + n_dec * k
+        self.clock.now += self.cost.step_s(prefill_tokens, n_dec, ctx)
+        self.counters.steps += 1
+        self.k = k + 1
+        end = self.clock.now
+        for r, chunk in self._plan:
+            if r.phase != PREFILL:
+                continue
+            r.done += chunk
+            if r.done >= r.target:
+                self._prefilled(r, end)
+        self._plan = []
+        finishes = self.finishes
+        while finishes and finishes[0][0] <= k:
+            _, epoch, rid = heapq.heappop(finishes)
+            r = self.by_rid[rid]
+            if r.epoch != epoch or r.phase != DECODE:
+                continue
+            self._leave_decode(r, k + 1)
+            self._finished(r, end)
+
+    def _prefilled(self, r: _Req, end: float) -> None:
+        """``r``'s prefill completed in the step ending at ``end``: it produced a token."""
+        self.prefilling.remove(r)
+        r.kv = r.target
+        r.produced += 1
+        if r.first_at is None:
+            r.first_at = end
+        if r.produced >= r.n_out:
+            self._finished(r, end)
+        else:
+            self._join_decode(r, self.k)
+
+    def _finished(self, r: _Req, end: float) -> None:
+        self._gen += 1
+        r.phase = DONE
+        r.finish_at = end
+        self.active.discard(r.rid)
+        self._count_done()
+        kv = self.kv
+        kv.remove_request(r.rid)
+        if self.ctl is not None:
+            self.ctl.remove_request(r.rid)
+        if self.reuse and r.hash_ids:
+            self.prefixes.retain(r.rid, r.hash_ids, r.n_in)
+
+    # -- getting unstuck ------------------------------------------------------------------------
+
+    def _unstick(self) -> bool:
+        """Nothing can run and nothing is on its way. In this order: drop the retained
+        prefixes resident on the device; once per stuck spell, let ``min_residency_s`` pass
+        (a request reloaded just now may not be offloaded before); free the KV of the last
+        preempted request holding any, else of the batch's latest-arrived request (it will
+        be recomputed). False if there was nothing to do."""
+        if self.prefixes.drop_all_resident():
+            return True
+        wait = self.spec.controller.min_residency_s
+        if self.tiering and wait > 0 and not self._waited and self.preempted:
+            self._waited = True
+            self.clock.now += wait
+            return True
+        victim = next((r for r in reversed(self.preempted) if self.kv.num_tokens(r.rid)), None)
+        if victim is None:
+            victim = self._latest_active()
+            if victim is None:
+                return False
+            self._preempt(victim)
+        if victim.phase == PREEMPTED:
+            self._recompute_later(victim)
+        self.counters.forced_recomputes += 1
+        return True
+
+    # -- the result ---------------------------------------------------------------------------
+
+    def _result(self) -> RunResult:
+        records = [
+            RequestRecord(
+                r.rid, r.arrival, r.first_at, r.finish_at, r.n_in, r.n_out,
+                "rejected" if r.phase == REJECTED else "finished", r.prefix_tier, r.reused,
+            )
+            for r in sorted(self.reqs, key=lambda q: q.order)
+        ]
+        self.counters.retained_discarded = self.prefixes.discarded
+        kv_stats = self.kv.stats.as_dict() if hasattr(self.kv.stats, "as_dict") else {}
+        ctl_stats = self.ctl.stats() if self.ctl is not None else {}
+        kv = self.kv
+        capacities = {
+            "page_bytes": self.page_bytes,
+            "device_bytes": int(kv.device_capacity_bytes),
+            "host_bytes": int(kv.host_capacity_bytes),
+            "disk_bytes": int(getattr(kv, "disk_capacity_bytes", 0)),
+        }
+        return RunResult(self.spec, records, self.counters, kv_stats, ctl_stats,
+                         self.decisions, self.clock.now, capacities, self.timeline)

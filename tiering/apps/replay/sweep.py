@@ -1,0 +1,161 @@
+"""Running several configurations of one trace, and writing what they give.
+
+``Grid`` names the configurations: every policy at every watermark pair and
+every host size, plus the two baselines (``recompute`` and ``no-tiering``),
+which do not depend on either and run once. ``run_grid`` runs them and returns
+one row per run (the metrics of ``metrics.summarize`` plus the configuration).
+``write_csv`` and ``plot`` turn rows into ``sweep.csv`` and PNG figures
+(``plots.plot_sweep``).
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from policies import PolicyRegistry
+from tiering.apps.replay.metrics import summarize
+from tiering.apps.replay.policy_spec import PolicySpec
+from tiering.apps.replay.presets import GiB, HardwarePreset, ModelPreset, StepCost, check_fits
+from tiering.apps.replay.results import RunResult
+from tiering.apps.replay.simulator import RunSpec, SimConfig, modeled_kv_factory, simulate
+from tiering.apps.replay.traces import TraceRequest
+from tiering.control.controller import ControllerConfig
+
+BASELINES = ("recompute", "no-tiering")
+CONFIG_COLUMNS = ("label", "mode", "policy", "high", "low", "host_gib")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Policies x watermark pairs (high, low) x host sizes (bytes), plus the baselines.
+
+    ``policies``: registry names or ``module:Class`` paths; ``policy_options``:
+    keyword options given to every one of them. ``device_bytes`` and
+    ``disk_bytes``: the device KV and disk tier sizes of every run (None: the
+    hardware preset's).
+    """
+
+    policies: tuple[str, ...]
+    watermarks: tuple[tuple[float, float], ...]
+    host_bytes: tuple[int, ...]
+    baselines: bool = True
+    policy_options: tuple[tuple[str, object], ...] = ()
+    device_bytes: int | None = None
+    disk_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.policies or not self.watermarks or not self.host_bytes:
+            raise ValueError("Grid needs at least one policy, watermark pair and host size")
+        for high, low in self.watermarks:
+            ControllerConfig(high=high, low=low)  # raises naming the bad field
+        for size in self.host_bytes:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError(f"Grid.host_bytes must hold ints >= 0, got {size!r}")
+        for name in ("device_bytes", "disk_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"Grid.{name} must be None or an int >= 0, got {v!r}")
+        for policy in self.policies:
+            PolicySpec(policy, self.policy_options)  # raises naming a malformed option
+
+    def points(self) -> list[tuple[str, float, float, int]]:
+        return [
+            (policy, high, low, host)
+            for high, low in self.watermarks
+            for host in self.host_bytes
+            for policy in self.policies
+        ]
+
+    def runs(self) -> int:
+        return len(self.points()) + (len(BASELINES) if self.baselines else 0)
+
+    def labels(self) -> list[str]:
+        """The label of every run, in the order ``run_grid`` runs them."""
+        base = list(BASELINES) if self.baselines else []
+        return base + [PolicySpec(p, self.policy_options).label for p, *_ in self.points()]
+
+
+def run_grid(
+    trace: Sequence[TraceRequest],
+    model: ModelPreset,
+    hardware: HardwarePreset,
+    grid: Grid,
+    sim: SimConfig = SimConfig(),  # noqa: B008 - frozen
+    *,
+    time_scale: float = 1.0,
+    on_finish: Callable[[int], None] | None = None,
+    on_run: Callable[[dict], None] | None = None,
+    on_start: Callable[[int, str], None] | None = None,
+    on_result: Callable[[dict, RunResult], None] | None = None,
+    registry: PolicyRegistry | None = None,
+) -> list[dict]:
+    """Run every configuration of ``grid``; one row per run, baselines first.
+
+    ``registry``: where policy names are looked up (default: the built-ins).
+    ``on_start(i, label)`` is told before run ``i`` starts; ``on_finish`` is
+    passed to ``simulate`` (requests done); ``on_run(row)`` and
+    ``on_result(row, result)`` are told after each run. The baselines get no
+    host or disk tier (they never move KV off the device), so their rows say so.
+    """
+    rows: list[dict] = []
+    hw = hardware.with_sizes(grid.device_bytes, None, grid.disk_bytes)
+    check_fits(model, hw)
+
+    def one(spec: RunSpec, hw: HardwarePreset, host: int | None) -> None:
+        if on_start is not None:
+            on_start(len(rows), spec.label)
+        cost = StepCost(model, hw)
+        result = simulate(trace, cost, spec, sim, time_scale=time_scale,
+                          kv_factory=modeled_kv_factory(model, hw, sim), on_finish=on_finish,
+                          registry=registry)
+        row = {
+            "label": spec.label,
+            "mode": spec.mode,
+            "policy": spec.label if spec.mode == "tiering" else "",
+            "high": spec.controller.high if spec.mode == "tiering" else "",
+            "low": spec.controller.low if spec.mode == "tiering" else "",
+            "host_gib": host / GiB if host is not None else "",
+        }
+        row.update(summarize(result))
+        rows.append(row)
+        if on_run is not None:
+            on_run(row)
+        if on_result is not None:
+            on_result(row, result)
+
+    if grid.baselines:
+        for mode in BASELINES:
+            one(RunSpec(mode=mode), hw.with_sizes(None, 0, 0), None)
+    for policy, high, low, host in grid.points():
+        spec = RunSpec("tiering", policy, ControllerConfig(high=high, low=low),
+                       grid.policy_options)
+        one(spec, hw.with_host_bytes(host), host)
+    return rows
+
+
+def write_csv(rows: Sequence[dict], path: str | Path) -> None:
+    """One line per run: the configuration columns first, then every metric."""
+    if not rows:
+        raise ValueError("write_csv: no rows")
+    names = list(CONFIG_COLUMNS)
+    for row in rows:
+        names.extend(k for k in row if k not in names)
+    with Path(path).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=names)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _cell(row.get(k, "")) for k in names})
+
+
+def _cell(value: object) -> object:
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+def plot(rows: Sequence[dict], out_dir: str | Path, title: str = "") -> list[Path]:
+    """Token hit rate and p99 TTFT against host size (see ``plots.plot_sweep``)."""
+    from tiering.apps.replay.plots import plot_sweep
+
+    return plot_sweep(rows, out_dir, title)

@@ -1,0 +1,461 @@
+"""The stress harness: the real cache, controller and disk tier under a random workload.
+
+``StressHarness`` owns one ``PagedKVCache`` (device, host and a disk tier in a
+directory), one ``EvictionController`` reading the device pool's exact
+occupancy, and the faults of the run. Each ``step``:
+
+1. collects requests the cache lost (``take_lost``); each is forgotten and, if
+   it was still wanted, recomputed: ingested again with fresh KV;
+2. lets a request arrive (seeded), and places waiting arrivals on the device
+   in order: ``allocate``, then ``write`` of every layer from the request's
+   regenerable KV (``tiering.apps.stress.kvdata``);
+3. reads back every request whose reload has landed (and keeps those still
+   reloading or unread from eviction), so every reload is verified;
+4. picks a random batch of requests: a resident one that ``admit`` accepts
+   is read back layer by layer and compared bit for bit with its regenerated
+   KV, grows by a few tokens (``allocate`` + ``write``) and is ``touch``-ed;
+   an offloaded one is asked back with ``request_reload``;
+5. lets finished and cancelled requests leave. While a failing fault kind is
+   armed, a request leaves only once its transfer has settled (a copy cut
+   loose from its request could absorb a fault no request would show);
+   otherwise it leaves at once, even mid-copy, and half the cancellations
+   aim at requests with a transfer in flight;
+6. calls ``evict_if_needed(ran + coming back)``: the device is small for the
+   working set and ``high`` is low, so the device sits at the watermark, most
+   offloads make room for waiting reloads, the host tier keeps demoting to
+   disk, and copies are in flight on the cache's worker threads all the time;
+7. if nothing could run, waits (bounded) for the transfers in flight.
+
+The cache's ``check_integrity`` runs after every step, or after every single
+cache or controller call when ``check_every_op`` is set. ``drain`` lets every
+request leave and checks that every tier is then entirely free.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from policies import make_policy
+from resources.engine_types import ResourceStep, StepContext
+from resources.kv_cache import PagedKVCache
+from tiering.apps.stress.config import RELOAD_HEADROOM, StressConfig
+from tiering.apps.stress.faults import FaultInjector
+from tiering.apps.stress.kvdata import derived_seed, mismatched_layers, request_kv, write_tokens
+from tiering.apps.stress.memory import RssTracker
+from tiering.control.controller import ControllerConfig, EvictionController
+from tiering.control.pressure import PoolPressure
+from tiering.core.clocks import StepClock
+from tiering.core.pools import PoolIntegrityError
+from tiering.disk.config import DiskConfig
+from tiering.types import RequestState
+
+S = RequestState
+_T = TypeVar("_T")
+#: How many examples of each kind of failure a report keeps.
+EXAMPLES = 20
+
+
+@dataclass
+class _Wanted:
+    """A request the harness is serving; its KV is ``request_kv(seed, rid, generation)``."""
+
+    rid: str
+    generation: int
+    prompt_tokens: int
+    final_tokens: int
+    runs_left: int
+    arrived_at: int
+    tokens: int = 0  # tokens written so far (0 until placed)
+    placed: bool = False
+    leaving: str | None = None  # why it will leave: finished, cancelled, drained
+    away: bool = False  # seen off the device since it was last read back
+    asked_at: int | None = None  # step of the first reload request since it was last read
+
+
+@dataclass
+class HarnessCounts:
+    """What the harness did and saw (plain integers)."""
+
+    steps: int = 0
+    operations: int = 0
+    integrity_checks: int = 0
+    integrity_violations: int = 0
+    data_errors: int = 0
+    arrivals: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    drained: int = 0
+    recomputed: int = 0
+    reads_verified: int = 0
+    reloads_verified: int = 0
+    reload_requests: int = 0
+    removed_in_flight: int = 0
+    waits: int = 0
+    steps_at_high: int = 0  # steps that began their eviction pass at the reload ceiling or above
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class StressHarness:
+    """One stress run whose disk tier lives in ``directory``/disk (cleared at start).
+
+    ``sleep`` is what a slow disk fault waits with (a recorder in tests).
+    Not thread-safe: drive it from one thread.
+    """
+
+    def __init__(
+        self,
+        config: StressConfig,
+        directory: str | Path,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.config = config
+        c = config
+        g = c.geometry
+        self._rng = random.Random(derived_seed("workload", c.seed))
+        self.clock = StepClock()
+        self.faults = FaultInjector(
+            c.faults, seed=derived_seed("faults", c.seed), rate=c.fault_rate,
+            slow_seconds=c.slow_seconds, sleep=sleep,
+        )
+        page = g.page_bytes
+        disk = DiskConfig(
+            path=Path(directory) / "disk",
+            capacity_bytes=c.disk_chunks * c.max_request_pages * page,
+            chunk_bytes=c.max_request_pages * page,
+            io_threads=1,
+        )
+        self.kv = PagedKVCache(
+            g, c.device, device_pages=c.device_pages, host_pages=c.host_pages, disk=disk, verify=True,
+            copy_workers=c.copy_workers, io_workers=c.io_workers, clock=self.clock,
+            copy_fault_hook=self.faults.copy_hook, disk_wrap_store=self.faults.wrap_store,
+        )
+        try:
+            if self.kv.disk.pages_per_chunk != c.max_request_pages:
+                raise AssertionError("a request's disk copy must be exactly one chunk")
+            self.controller = EvictionController(
+                {"kv": self.kv},
+                make_policy(c.policy),
+                PoolPressure(self.kv),
+                ControllerConfig(
+                    high=c.high, low=c.low, host_high=c.host_high, host_low=c.host_low,
+                    min_residency_s=c.min_residency_steps, aging_s=c.aging_steps,
+                    reload_headroom=RELOAD_HEADROOM, on_disk_full="keep",
+                ),
+                clock=self.clock,
+            )
+        except BaseException:
+            self.kv.close()
+            raise
+        self.counts = HarnessCounts()
+        self.occupancy_total = 0.0  # device occupancy summed over the steps' eviction passes
+        self.rss = RssTracker()
+        self.lost: list[tuple[str, str]] = []
+        self.data_error_examples: list[str] = []
+        self.integrity_examples: list[str] = []
+        self._live: dict[str, _Wanted] = {}
+        self._waiting: deque[str] = deque()  # arrivals not yet placed, in order
+        self._serial = 0
+        self._draining = False
+        self._per_op = c.check_every_op
+
+    # -- the step -------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One worker step (see the module docstring)."""
+        self.clock.advance()
+        self.counts.steps += 1
+        self._collect_lost()
+        self._arrive()
+        self._check_landed()
+        ran = self._run_batch()
+        self._collect_lost()
+        self._depart()
+        occupancy = self.kv.device_used_bytes() / self.kv.device_capacity_bytes
+        self.occupancy_total += occupancy
+        if occupancy >= self.config.high - RELOAD_HEADROOM:
+            self.counts.steps_at_high += 1
+        self._op(self.controller.evict_if_needed, ran + self._coming_back())
+        self._collect_lost()
+        if not ran and self.kv.in_flight():
+            self.counts.waits += 1
+            self._op(self.kv.synchronize, self.config.sync_timeout_s)
+            self._collect_lost()
+        if not self._per_op:
+            self.check_integrity()
+        self.rss.sample()
+
+    def live_requests(self) -> int:
+        return len(self._live)
+
+    # -- operations and checks ---------------------------------------------------------
+
+    def _op(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Call one cache or controller operation, counted, checked after when asked."""
+        self.counts.operations += 1
+        try:
+            return fn(*args)
+        finally:
+            if self._per_op:
+                self.check_integrity()
+
+    def _write(self, *args: Any) -> None:
+        self._op(self.kv.write, *args)
+
+    def _read(self, *args: Any):
+        return self._op(self.kv.read, *args)
+
+    def check_integrity(self) -> None:
+        """Run the cache's conservation check; a failure is counted, not raised."""
+        self.counts.integrity_checks += 1
+        try:
+            self.kv.check_integrity()
+        except PoolIntegrityError as exc:
+            self._violation(f"step {self.counts.steps}: {exc}")
+
+    def _violation(self, text: str) -> None:
+        self.counts.integrity_violations += 1
+        if len(self.integrity_examples) < EXAMPLES:
+            self.integrity_examples.append(text)
+
+    def _data_error(self, text: str) -> None:
+        self.counts.data_errors += 1
+        if len(self.data_error_examples) < EXAMPLES:
+            self.data_error_examples.append(text)
+
+    # -- arrivals ------------------------------------------------------------------------
+
+    def _arrive(self) -> None:
+        c = self.config
+        if not self._draining and len(self._live) < c.max_live:
+            if self._rng.random() < c.arrival_rate:
+                self._serial += 1
+                pages = self._rng.randint(1, c.max_request_pages)
+                T = c.geometry.page_tokens
+                prompt = self._rng.randint((pages - 1) * T + 1, pages * T)
+                final = min(c.max_tokens, prompt + self._rng.randint(0, 3 * c.decode_tokens))
+                runs = self._rng.randint(1, c.max_runs)
+                self._start(_Wanted(f"r{self._serial}", 0, prompt, final, runs,
+                                    self.counts.steps))
+                self.counts.arrivals += 1
+        self._place_waiting()
+
+    def _start(self, w: _Wanted) -> None:
+        self._op(self.kv.ingest_request, w.rid)
+        self._op(self.controller.add_request, w.rid)
+        self._live[w.rid] = w
+        self._waiting.append(w.rid)
+
+    def _place_waiting(self) -> None:
+        """Place waiting arrivals on the device, oldest first, until one does not fit.
+
+        Arrivals and reloads share the device fairly: the head arrival is
+        placed if it came before every offloaded request still waiting to come
+        back, or if it fits under the ``high`` watermark; otherwise it (and
+        every arrival behind it) waits. New work would else keep taking the
+        room that offloaded requests wait for, and once the tiers below are
+        full nothing could be moved out to make room for them."""
+        kv, g = self.kv, self.config.geometry
+        offloaded = (S.ON_HOST, S.DEMOTING, S.ON_DISK)
+        oldest_reload = min(
+            (w.asked_at for w in self._live.values()
+             if w.asked_at is not None and kv.state_of(w.rid) in offloaded),
+            default=None,
+        )
+        room = self.config.high * kv.device_capacity_bytes
+        while self._waiting:
+            w = self._live.get(self._waiting[0])
+            if w is None or w.leaving or w.placed:
+                self._waiting.popleft()
+                continue
+            if (
+                oldest_reload is not None
+                and w.arrived_at > oldest_reload
+                and kv.device_used_bytes() + g.pages_for(w.prompt_tokens) * g.page_bytes > room
+            ):
+                return
+            if not self._op(kv.allocate, w.rid, w.prompt_tokens):
+                return
+            data = self._kv_of(w)
+            write_tokens(self._write, w.rid, data, 0, w.prompt_tokens)
+            w.tokens = w.prompt_tokens
+            w.placed = True
+            self._waiting.popleft()
+
+    def _kv_of(self, w: _Wanted):
+        c = self.config
+        return request_kv(c.geometry, c.seed, w.rid, w.generation, c.max_tokens)
+
+    # -- running -------------------------------------------------------------------------
+
+    def _run_batch(self) -> list[str]:
+        ready = [w for w in self._live.values() if w.placed and not w.leaving]
+        batch = self._rng.sample(ready, min(self.config.batch, len(ready)))
+        return [w.rid for w in batch if self._run_one(w)]
+
+    def _run_one(self, w: _Wanted) -> bool:
+        """Run ``w`` if it is on the device (read back, check, grow); else ask it back."""
+        state = self.kv.state_of(w.rid)
+        if state in (S.ON_HOST, S.DEMOTING, S.ON_DISK):
+            w.away = True
+            if w.asked_at is None:
+                w.asked_at = self.counts.steps
+            self.counts.reload_requests += 1
+            self._op(self.controller.request_reload, w.rid)
+            return False
+        if state is S.RELOADING:
+            w.away = True
+        elif state is not S.RESIDENT:
+            return False  # offloading: ask later; lost: collected by _collect_lost
+        outcome = self._op(self.kv.admit, ResourceStep(w.rid), StepContext(self.counts.steps))
+        if not outcome.ok:
+            return False
+        self._verify(w)
+        self._grow(w)
+        self._op(self.controller.touch, w.rid)
+        return True
+
+    def _check_landed(self) -> None:
+        """Read back every request whose reload has landed, before anything else may
+        move it again: so every reload is verified (``reloads_verified``)."""
+        for w in [w for w in self._live.values() if w.away]:
+            self._verify_if_back(w)
+
+    def _verify_if_back(self, w: _Wanted) -> None:
+        if self.kv.state_of(w.rid) in (S.RESIDENT, S.RELOADING):
+            step = ResourceStep(w.rid)
+            if self._op(self.kv.admit, step, StepContext(self.counts.steps)).ok:
+                self._verify(w)
+
+    def _coming_back(self) -> list[str]:
+        """Requests reloading or reloaded but not yet read back: kept from eviction
+        like running ones (a worker is about to run them)."""
+        back = (S.RESIDENT, S.RELOADING)
+        return [w.rid for w in self._live.values() if w.away and self.kv.state_of(w.rid) in back]
+
+    def _verify(self, w: _Wanted) -> None:
+        held = self.kv.num_tokens(w.rid)
+        if held != w.tokens:
+            self._data_error(f"{w.rid}: holds {held} tokens, {w.tokens} were written")
+            return
+        bad = mismatched_layers(self._read, w.rid, self._kv_of(w), w.tokens)
+        if bad:
+            self._data_error(
+                f"{w.rid} (generation {w.generation}, {w.tokens} tokens): layers {bad} read back "
+                "different bits from those written"
+            )
+        self.counts.reads_verified += 1
+        if w.away:
+            self.counts.reloads_verified += 1
+            w.away = False
+        w.asked_at = None
+
+    def _grow(self, w: _Wanted) -> None:
+        w.runs_left -= 1
+        if w.runs_left <= 0:
+            w.leaving = "finished"
+            return
+        if w.tokens >= w.final_tokens:
+            return
+        n = min(self._rng.randint(1, self.config.decode_tokens), w.final_tokens - w.tokens)
+        if self._op(self.kv.allocate, w.rid, w.tokens + n):
+            write_tokens(self._write, w.rid, self._kv_of(w), w.tokens, w.tokens + n)
+            w.tokens += n
+
+    # -- leaving and losses ------------------------------------------------------------------
+
+    def _depart(self) -> None:
+        if not self._draining and self._live and self._rng.random() < self.config.cancel_rate:
+            pool = list(self._live.values())
+            if not self.faults.any_failing and self._rng.random() < 0.5:
+                # half the cancellations aim at a request with a transfer in flight
+                moving = [w for w in pool if self.kv.state_of(w.rid).in_flight]
+                pool = moving or pool
+            w = self._rng.choice(pool)
+            w.leaving = w.leaving or "cancelled"
+        for w in [w for w in self._live.values() if w.leaving]:
+            if w.away:
+                self._verify_if_back(w)  # a landed reload is checked even if it leaves now
+            if self.kv.state_of(w.rid).in_flight:
+                if self.faults.any_failing:
+                    continue  # leaves once its transfer has settled
+                self.counts.removed_in_flight += 1
+            self._forget(w)
+            reason = w.leaving
+            setattr(self.counts, reason, getattr(self.counts, reason) + 1)
+
+    def _forget(self, w: _Wanted) -> None:
+        self._op(self.kv.remove_request, w.rid)
+        self._op(self.controller.remove_request, w.rid)
+        del self._live[w.rid]
+
+    def _collect_lost(self) -> None:
+        """Record every loss; recompute a lost request that is still wanted."""
+        for rid, reason in self.kv.take_lost():
+            self.lost.append((rid, reason))
+            w = self._live.get(rid)
+            if w is None:
+                continue
+            self._forget(w)
+            if w.leaving:
+                setattr(self.counts, w.leaving, getattr(self.counts, w.leaving) + 1)
+                continue
+            # recompute: the same request, fresh KV, as far as it had got
+            self.counts.recomputed += 1
+            self._start(_Wanted(rid, w.generation + 1, w.tokens, w.final_tokens, w.runs_left,
+                                self.counts.steps))
+
+    # -- the end ---------------------------------------------------------------------------
+
+    def drain(self, max_rounds: int = 1000) -> None:
+        """Let every request leave (waiting for transfers as needed), then check that
+        the cache, the controller and every tier are empty; what is not counts as an
+        integrity violation."""
+        self._draining = True
+        for w in self._live.values():
+            w.leaving = w.leaving or "drained"
+        for _ in range(max_rounds):
+            self._collect_lost()
+            self._depart()
+            if not self._live:
+                break
+            self._op(self.kv.synchronize, self.config.sync_timeout_s)
+        self._op(self.kv.synchronize, self.config.sync_timeout_s)
+        self._collect_lost()
+        self.check_integrity()
+        for problem in self.leftovers():
+            self._violation(f"after drain: {problem}")
+
+    def leftovers(self) -> list[str]:
+        """What is still held anywhere (empty after a clean drain)."""
+        kv, out = self.kv, []
+        if self._live:
+            out.append(f"{len(self._live)} requests did not leave: {sorted(self._live)[:10]}")
+        if kv.requests():
+            out.append(f"the cache still knows {len(kv.requests())} requests")
+        if kv.in_flight():
+            out.append(f"{kv.in_flight()} transfers still in flight")
+        for name, used in (
+            ("device", kv.device_used_bytes()),
+            ("host", kv.host_used_bytes()),
+            ("disk", kv.disk.used_bytes()),
+        ):
+            if used:
+                out.append(f"{name} tier still holds {used} bytes")
+        if kv.disk.stats()["extents"]:
+            out.append(f"disk tier still holds {kv.disk.stats()['extents']} extents")
+        live = self.controller.stats()["live_requests"]
+        if live:
+            out.append(f"the controller still tracks {live} requests")
+        return out
+
+    def close(self) -> None:
+        self.kv.close()
