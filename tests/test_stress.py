@@ -103,8 +103,10 @@ def assert_clean(report) -> None:
     reloads = moves["reloads_from_host"] + moves["reloads_from_disk"]
     assert moves["offloads_to_host"] >= 30 and moves["demotions"] >= 10 and reloads >= 20, moves
     assert moves["offloads_to_disk"] > 0 and moves["reloads_from_disk"] > 0, moves
-    # every reload that landed was read back layer by layer before it could move again
-    assert report["requests"]["reloads_verified"] == reloads
+    # every reload that landed was read back layer by layer before it could move again,
+    # but for requests removed while reloading (their reload may land as they leave)
+    removed_reloading = report["removal_in_flight"]["by_state"]["reloading"]
+    assert reloads - removed_reloading <= report["requests"]["reloads_verified"] <= reloads
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)
@@ -363,8 +365,8 @@ def test_a_copy_that_failed_before_its_request_was_removed_is_reported(tmp_path)
 
 def test_removal_with_copies_in_flight_under_faults(tmp_path, fixed_removal):
     # a real (short) slow disk keeps disk copies running while their requests leave
-    config = small_config(FAULT_KINDS, seed=21, steps=400, paths=("remove_in_flight",),
-                          cancel_rate=0.4, fault_rate=0.15, slow_seconds=0.004)
+    config = small_config(FAULT_KINDS, seed=21, steps=600, paths=("remove_in_flight",),
+                          cancel_rate=0.5, fault_rate=0.2, slow_seconds=0.01)
     report = run_stress(config, tmp_path, sleep=time.sleep)
     assert report["errors"] == [] and report["data_errors"] == 0, report["data_error_examples"]
     assert report["integrity_violations"] == 0, report["integrity_examples"]
@@ -421,8 +423,9 @@ def test_accounting_ties_faults_on_removed_copies():
 
 
 def test_reused_ids_behave_like_fresh_requests(tmp_path, fixed_removal):
-    config = small_config(("slow",), seed=9, steps=300, paths=("remove_in_flight", "reuse_ids"),
-                          cancel_rate=0.3, slow_seconds=0.004)
+    # every id that leaves comes back; a slow disk keeps the old request's copies running
+    config = small_config(("slow",), seed=9, steps=400, paths=("remove_in_flight", "reuse_ids"),
+                          cancel_rate=0.3, fault_rate=0.5, slow_seconds=0.01, reuse_rate=1.0)
     report = run_stress(config, tmp_path, sleep=time.sleep)
     assert_clean(report)
     reuse = report["id_reuse"]
@@ -455,8 +458,10 @@ def test_a_reused_id_served_its_old_generation_is_a_data_error(tmp_path):
     finally:
         harness.close()
     assert served_stale, "no reused id was read back"
-    assert harness.counts.data_errors == len(set(served_stale)) or harness.counts.data_errors >= 1
-    assert any("generation" in e for e in harness.data_error_examples)
+    # every read-back of a reused id (and nothing else) was caught
+    assert harness.counts.reused > 0
+    assert harness.counts.data_errors == harness.counts.reused_reads_verified > 0
+    assert all("generation" in e for e in harness.data_error_examples)
     assert harness.counts.integrity_violations == 0
 
 

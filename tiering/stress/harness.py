@@ -618,10 +618,12 @@ class StressHarness:
     # -- restart over the same directory (reattach) --------------------------------------
 
     def _settle(self) -> None:
-        """Wait for every transfer (bounded) and take what they did."""
+        """Wait for every transfer (bounded), take what they did, and read back every
+        reload that landed (so every reload is verified before anything moves it)."""
         self._op(self.kv.synchronize, self.config.sync_timeout_s)
         self._absorb_results()
         self._collect_lost()
+        self._check_landed()
 
     def restart(self) -> None:
         """Close the cache and open a new one over the same directory (``on_start=
