@@ -384,6 +384,17 @@ def test_removal_with_copies_in_flight_under_faults(tmp_path, fixed_removal):
     assert report["ok"] is True
 
 
+@pytest.mark.cuda
+def test_new_paths_under_all_faults_on_cuda(tmp_path, fixed_removal):
+    config = small_config(FAULT_KINDS, seed=23, steps=300, device="cuda", cancel_rate=0.3,
+                          paths=("remove_in_flight", "reuse_ids", "reattach"))
+    report = run_stress(config, tmp_path, sleep=lambda s: None)
+    assert_clean(report)
+    assert report["device"] == "cuda"
+    assert report["removal_in_flight"]["removed"] > 0 and report["id_reuse"]["reused"] > 0
+    assert report["reattach"]["restarts"] == 2 and report["reattach"]["problems"] == []
+
+
 def test_accounting_ties_faults_on_removed_copies():
     kv_stats = {"offload_failures": 0, "demote_failures": 0, "reload_failures": 0}
     disk = {"write_faults": 1, "read_faults": 1, "corruptions": 1,
