@@ -22,7 +22,7 @@ from tiering.stress.crash import check_restart, crash_cache, expected_kv, run_cr
 from tiering.stress.faults import FAILING_KINDS, FAULT_KINDS, CopyFaultPlan, parse_faults
 from tiering.stress.harness import StressHarness
 from tiering.stress.kvdata import request_kv, write_tokens
-from tiering.stress.report import failures
+from tiering.stress.report import build_report, failures
 from tiering.stress.runner import run_stress
 from tiering.stress.second_open import verdict
 from tiering.transfer import CopyFault
@@ -514,6 +514,14 @@ def test_a_committed_entry_left_behind_comes_back_stale_and_fails_the_run(tmp_pa
         harness.drain()
     finally:
         harness.close()
+    account = account_faults(
+        injected=harness.faults.injected(), copy_injected=harness.faults.copy_plan.injected,
+        slow_waits=0, kv_stats=harness.kv_stats(), disk_stats=harness.disk_stats(),
+        lost_reasons=[r for _, r in harness.lost], removed_failures=harness.removed_failures,
+    )
+    report = build_report(config, harness, account, [], 1.0)
+    assert report["ok"] is False
+    assert any(f.startswith("reattach:") and victim in f for f in failures(report))
 
 
 def test_second_open_of_the_live_path_is_checked(tmp_path):
