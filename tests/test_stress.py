@@ -433,7 +433,7 @@ def test_accounting_ties_faults_on_removed_copies():
         "eio_read")
 
 
-def test_reused_ids_behave_like_fresh_requests(tmp_path, fixed_removal):
+def test_reused_ids_behave_like_fresh_requests(tmp_path):
     # every id that leaves comes back; a slow disk keeps the old request's copies running
     config = small_config(("slow",), seed=9, steps=400, paths=("remove_in_flight", "reuse_ids"),
                           cancel_rate=0.3, fault_rate=0.5, slow_seconds=0.01, reuse_rate=1.0)
