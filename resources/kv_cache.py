@@ -60,6 +60,7 @@ from tiering.core.pools import PagePool, PoolIntegrityError
 from tiering.core.staging import StagingConfig, StagingRing, StagingTimeout
 from tiering.core.transfer import StreamSet, coalesce, copy_runs, issue_runs, no_fault
 from tiering.types import (
+    CANCELLED,
     OFFLOADED_STATES,
     RELOADABLE_STATES,
     IllegalTransition,
@@ -443,7 +444,7 @@ class PagedKVCache(Resource):
         fut = job.future if job else None
         if fut is not None and fut.cancel():  # never started: reported as not done
             self._unreported.append(TransferResult(
-                rid, job.move, False, 0, None, "removed before its copy started"))
+                rid, job.move, False, 0, None, CANCELLED))
             self._release_all(r)
         elif fut is not None and not fut.done():
             key = ("removed", next(self._tomb_seq))
@@ -514,7 +515,7 @@ class PagedKVCache(Resource):
         self._set_state(r, S.RESIDENT)
         self.stats.offloads_cancelled += 1
         self._unreported.append(TransferResult(
-            r.rid, move, False, 0, S.RESIDENT, "cancelled: wanted again before its copy started"))
+            r.rid, move, False, 0, S.RESIDENT, CANCELLED))
 
     # -- eviction hooks -------------------------------------------------------------
 

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import logging
+import time
 
 import pytest
 import torch
 
+from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
 from tiering.apps.cli import main as tiering_main
-from tiering.apps.stress.accounting import account_faults, loss_kind
+from tiering.apps.stress.accounting import account_faults, loss_kind, removed_fault_kind
+from tiering.apps.stress.cli import _parser as stress_parser
 from tiering.apps.stress.cli import main as stress_main
-from tiering.apps.stress.config import StressConfig
+from tiering.apps.stress.config import PATHS, StressConfig, parse_paths
 from tiering.apps.stress.crash import check_restart, crash_cache, expected_kv, run_crash_check
 from tiering.apps.stress.faults import FAILING_KINDS, FAULT_KINDS, CopyFaultPlan, parse_faults
 from tiering.apps.stress.harness import StressHarness
-from tiering.apps.stress.kvdata import write_tokens
+from tiering.apps.stress.kvdata import request_kv, write_tokens
+from tiering.apps.stress.report import build_report, failures
 from tiering.apps.stress.runner import run_stress
+from tiering.apps.stress.second_open import verdict
 from tiering.core.transfer import CopyFault
+from tiering.types import Move, RequestState
 
 REPORT_KEYS = {
     "operations", "bytes_moved", "faults_injected", "faults_survived", "requests_lost",
@@ -69,8 +76,10 @@ def assert_clean(report) -> None:
     reloads = moves["reloads_from_host"] + moves["reloads_from_disk"]
     assert moves["offloads_to_host"] >= 30 and moves["demotions"] >= 10 and reloads >= 20, moves
     assert moves["offloads_to_disk"] > 0 and moves["reloads_from_disk"] > 0, moves
-    # every reload that landed was read back layer by layer before it could move again
-    assert report["requests"]["reloads_verified"] == reloads
+    # every reload that landed was read back layer by layer before it could move again,
+    # but for requests removed while reloading (their reload may land as they leave)
+    removed_reloading = report["removal_in_flight"]["by_state"]["reloading"]
+    assert reloads - removed_reloading <= report["requests"]["reloads_verified"] <= reloads
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)
@@ -247,9 +256,13 @@ def test_crash_check_catches_wrong_bytes_and_missing_commits(tmp_path):
 def test_cli_writes_the_report(tmp_path, capsys):
     out = tmp_path / "s.json"
     rc = tiering_main(["stress", "--steps", "60", "--faults", "all", "--seed", "3",
-                       "--fault-rate", "0.05", "--slow-ms", "0", "--out", str(out)])
+                       "--fault-rate", "0.05", "--slow-ms", "0", "--out", str(out),
+                       "--paths", "remove_in_flight,reuse_ids,reattach", "--restarts", "1"])
     assert rc == 0
     report = json.loads(out.read_text())
+    assert report["paths"] == ["remove_in_flight", "reuse_ids", "reattach"]
+    assert report["reattach"]["restarts"] == 1 and report["reattach"]["problems"] == []
+    assert "second_open" not in report and "second_open_refused" not in report
     assert REPORT_KEYS <= set(report)
     assert report["seed"] == 3 and report["faults"] == list(FAULT_KINDS)
     assert report["data_errors"] == 0 and report["integrity_violations"] == 0
@@ -259,6 +272,8 @@ def test_cli_writes_the_report(tmp_path, capsys):
     assert report["peak_rss_bytes"] > 0
     assert "PASS" in capsys.readouterr().out
     assert stress_main(["--faults", "melt"]) == 2
+    assert stress_main(["--paths", "teleport"]) == 2
+    assert stress_parser().parse_args([]).paths == "all"  # every path unless told otherwise
 
 
 def test_a_run_by_duration_stops_on_the_injected_clock(tmp_path):
@@ -268,3 +283,245 @@ def test_a_run_by_duration_stops_on_the_injected_clock(tmp_path):
     # one tick to start, one per loop check: 30 ticks of the clock are 29 steps
     assert report["steps"] == 29
     assert report["ok"] and report["data_errors"] == 0 and report["integrity_violations"] == 0
+
+
+# -- the paths the harness gained -------------------------------------------------------------
+
+
+def test_paths_selection_and_validation():
+    assert parse_paths("all") == PATHS
+    assert parse_paths("none") == ()
+    assert parse_paths("reattach, reuse_ids") == ("reuse_ids", "reattach")
+    with pytest.raises(ValueError, match="teleport"):
+        parse_paths("reattach,teleport")
+    with pytest.raises(ValueError, match="paths"):
+        StressConfig(steps=10, paths=("teleport",))
+    with pytest.raises(ValueError, match="reuse_rate"):
+        StressConfig(steps=10, reuse_rate=1.5)
+    with pytest.raises(ValueError, match="restarts"):
+        StressConfig(steps=10, restarts=0)
+    with pytest.raises(ValueError, match="second_open_at"):
+        StressConfig(steps=10, second_open_at=-0.1)
+    with pytest.raises(ValueError, match="unknown path"):
+        StressConfig(steps=10).has("teleport")
+    assert StressConfig(steps=10, paths=("reattach",), restarts=3).restart_points == (
+        0.25, 0.5, 0.75)
+    assert StressConfig(steps=10).restart_points == ()
+
+
+def test_a_copy_that_failed_before_its_request_was_removed_is_reported(tmp_path):
+    """Found by the remove_in_flight path: the fault of a finished, unapplied copy vanished."""
+    geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_tokens=4,
+                          dtype=torch.bfloat16)
+
+    def always_fails(direction):
+        raise CopyFault(f"injected copy fault ({direction})")
+
+    with PagedKVCache(geometry, device_pages=8, host_pages=8, copy_fault_hook=always_fails) as kv:
+        kv.ingest_request("a")
+        assert kv.allocate("a", 10)
+        write_tokens(kv.write, "a", request_kv(geometry, 1, "a", 0, 10), 0, 10)
+        assert kv.offload("a") > 0
+        # the copy has failed, and no poll has applied it yet
+        done, _ = cf.wait([kv._reqs["a"].job.future], timeout=10)
+        assert done
+        kv.remove_request("a")
+        results = kv.poll()
+        kv.check_integrity()
+        failed = [r for r in results if r.rid == "a" and not r.ok]
+        assert kv.stats.offload_failures == 1 or (
+            len(failed) == 1 and "CopyFault" in failed[0].reason
+        ), f"the failed copy was reported nowhere: results {results}, stats {kv.stats.as_dict()}"
+
+
+def test_removal_with_copies_in_flight_under_faults(tmp_path):
+    # a real (short) slow disk keeps disk copies running while their requests leave
+    config = small_config(FAULT_KINDS, seed=21, steps=600, paths=("remove_in_flight",),
+                          cancel_rate=0.5, fault_rate=0.2, slow_seconds=0.01)
+    report = run_stress(config, tmp_path, sleep=time.sleep)
+    assert report["errors"] == [] and report["data_errors"] == 0, report["data_error_examples"]
+    assert report["integrity_violations"] == 0, report["integrity_examples"]
+    assert report["integrity_checks"] > report["operations"]
+    assert report["accounting_problems"] == [], report["accounting_problems"]
+    injected = report["faults_injected"]
+    for kind in FAULT_KINDS:
+        assert injected[kind] > 0, kind
+        assert injected[kind] == report["faults_survived"][kind] + report["faults_lost"][kind]
+    removal = report["removal_in_flight"]
+    assert all(n > 0 for n in removal["by_state"].values()), removal
+    # faults struck copies of requests already removed, and were tied to their kind
+    assert removal["copies_failed"] > 0, removal
+    assert sum(removal["faults_on_removed"].values()) == removal["copies_failed"]
+    assert report["ok"] is True
+
+
+@pytest.mark.cuda
+def test_new_paths_under_all_faults_on_cuda(tmp_path):
+    config = small_config(FAULT_KINDS, seed=23, steps=300, device="cuda", cancel_rate=0.3,
+                          paths=("remove_in_flight", "reuse_ids", "reattach"))
+    report = run_stress(config, tmp_path, sleep=lambda s: None)
+    assert_clean(report)
+    assert report["device"] == "cuda"
+    assert report["removal_in_flight"]["removed"] > 0 and report["id_reuse"]["reused"] > 0
+    assert report["reattach"]["restarts"] == 2 and report["reattach"]["problems"] == []
+
+
+def test_accounting_ties_faults_on_removed_copies():
+    kv_stats = {"offload_failures": 0, "demote_failures": 0, "reload_failures": 0}
+    disk = {"write_faults": 1, "read_faults": 1, "corruptions": 1,
+            "fault_errnos": {"ENOSPC": 1, "EBADMSG": 1}}
+    removed = [
+        (Move.DEMOTE, "DiskIOError: [Errno 28] write of extent (1,) failed: injected"),
+        (Move.RELOAD_FROM_DISK, "DiskCorruptionError: [Errno 74] read of extent (2,): corrupt"),
+        (Move.OFFLOAD_TO_HOST, "CopyFault: injected copy fault (d2h)"),
+        (Move.RELOAD_FROM_HOST, "CopyFault: injected copy fault (h2d)"),
+    ]
+    ok = account_faults(
+        injected={"enospc_write": 1, "corrupt": 1, "copy": 2},
+        copy_injected={"d2h": 1, "h2d": 1}, slow_waits=0, kv_stats=kv_stats, disk_stats=disk,
+        lost_reasons=[], removed_failures=removed,
+    )
+    assert ok.balanced, ok
+    assert ok.on_removed == {"enospc_write": 1, "eio_write": 0, "eio_read": 0, "corrupt": 1,
+                             "slow": 0, "copy": 2}
+    # a removed copy that failed for a reason no injected fault explains is flagged
+    stray = account_faults(
+        injected={"enospc_write": 1, "corrupt": 1, "copy": 2},
+        copy_injected={"d2h": 1, "h2d": 1}, slow_waits=0, kv_stats=kv_stats, disk_stats=disk,
+        lost_reasons=[], removed_failures=[*removed, (Move.DEMOTE, "TimeoutError: stuck")],
+    )
+    assert not stray.balanced and stray.lost_unexplained == 1
+    # a fault whose removed copy never reported is unaccounted
+    missing = account_faults(
+        injected={"enospc_write": 1, "corrupt": 1, "copy": 2},
+        copy_injected={"d2h": 1, "h2d": 1}, slow_waits=0, kv_stats=kv_stats, disk_stats=disk,
+        lost_reasons=[], removed_failures=removed[:3],
+    )
+    assert not missing.balanced and missing.unaccounted["copy"] == 1
+    assert removed_fault_kind(Move.OFFLOAD_TO_DISK, "DiskIOError: [Errno 5] write failed") == (
+        "eio_write")
+    assert removed_fault_kind(Move.RELOAD_FROM_DISK, "DiskIOError: [Errno 5] read failed") == (
+        "eio_read")
+
+
+def test_reused_ids_behave_like_fresh_requests(tmp_path):
+    # every id that leaves comes back; a slow disk keeps the old request's copies running
+    config = small_config(("slow",), seed=9, steps=400, paths=("remove_in_flight", "reuse_ids"),
+                          cancel_rate=0.3, fault_rate=0.5, slow_seconds=0.01, reuse_rate=1.0)
+    report = run_stress(config, tmp_path, sleep=time.sleep)
+    assert_clean(report)
+    reuse = report["id_reuse"]
+    assert reuse["reused"] > 10, reuse
+    assert reuse["reused_while_old_copy_in_flight"] > 0, reuse
+    assert reuse["reused_reads_verified"] > 0, reuse
+
+
+def test_a_reused_id_served_its_old_generation_is_a_data_error(tmp_path):
+    config = small_config((), seed=9, paths=("remove_in_flight", "reuse_ids"), cancel_rate=0.3)
+    harness = StressHarness(config, tmp_path)
+    real_read = harness.kv.read
+    served_stale = []
+
+    def read_old_generation(rid, layer):
+        k, v = real_read(rid, layer)
+        w = harness._live.get(rid)
+        if w is not None and w.reused and w.generation > 0 and k.shape[0]:
+            old = request_kv(config.geometry, config.seed, rid, w.generation - 1,
+                             config.max_tokens)
+            served_stale.append(rid)
+            return old[: k.shape[0], layer, 0].clone(), old[: k.shape[0], layer, 1].clone()
+        return k, v
+
+    harness.kv.read = read_old_generation
+    try:
+        for _ in range(150):
+            harness.step()
+        harness.drain()
+    finally:
+        harness.close()
+    assert served_stale, "no reused id was read back"
+    # every read-back of a reused id (and nothing else) was caught
+    assert harness.counts.reused > 0
+    assert harness.counts.data_errors == harness.counts.reused_reads_verified > 0
+    assert all("generation" in e for e in harness.data_error_examples)
+    assert harness.counts.integrity_violations == 0
+
+
+def test_reattach_restarts_bring_back_exactly_what_was_on_disk(tmp_path):
+    config = small_config(FAULT_KINDS, seed=13, steps=300, paths=("reattach",), restarts=2)
+    report = run_stress(config, tmp_path, sleep=lambda s: None)
+    assert_clean(report)
+    r = report["reattach"]
+    assert r["restarts"] == 2 and r["problems"] == [], r
+    assert r["reattached"] > 5, r
+    # every request that came back was read back bit for bit, or lost by an injected fault
+    assert r["verified_bit_for_bit"] + r["lost_to_injected_faults"] == r["reattached"], r
+    assert r["verified_bit_for_bit"] > 0
+    assert r["recomputed_after_restart"] > 0  # device and host died with the old cache
+
+
+def test_a_committed_entry_left_behind_comes_back_stale_and_fails_the_run(tmp_path):
+    config = small_config((), seed=13, steps=300, paths=("reattach",))
+    harness = StressHarness(config, tmp_path)
+    try:
+        left_behind = []
+        for _ in range(300):
+            harness.step()
+            disk = [rid for rid in harness.kv.requests()
+                    if harness.kv.state_of(rid) is RequestState.ON_DISK]
+            if len(disk) >= 2:
+                break
+        assert disk, "nothing reached the disk"
+        # the worker removes a request whose disk copy stays committed (a leak on disk)
+        victim = disk[0]
+        real_release = harness.kv.disk.release
+        harness.kv.disk.release = lambda extent: left_behind.append(extent)
+        harness._forget(harness._live[victim])
+        harness.kv.disk.release = real_release
+        assert left_behind
+        harness.restart()
+        assert any(victim in p and "not on disk" in p for p in harness.restart_problems), (
+            harness.restart_problems)
+        harness.drain()
+    finally:
+        harness.close()
+    account = account_faults(
+        injected=harness.faults.injected(), copy_injected=harness.faults.copy_plan.injected,
+        slow_waits=0, kv_stats=harness.kv_stats(), disk_stats=harness.disk_stats(),
+        lost_reasons=[r for _, r in harness.lost], removed_failures=harness.removed_failures,
+    )
+    report = build_report(config, harness, account, [], 1.0)
+    assert report["ok"] is False
+    assert any(f.startswith("reattach:") and victim in f for f in failures(report))
+
+
+def test_second_open_of_the_live_path_is_checked(tmp_path):
+    config = small_config(FAULT_KINDS, seed=17, steps=120, paths=("second_open",))
+    report = run_stress(config, tmp_path, sleep=lambda s: None)
+    second = report["second_open"]
+    assert report["data_errors"] == 0 and report["integrity_violations"] == 0
+    assert report["accounting_problems"] == []
+    assert report["second_open_refused"] is True, second
+    assert second["names_path"] and second["names_holder"] and second["data_unchanged"]
+    assert report["ok"] is True
+
+
+def test_second_open_verdict_fails_unless_refused_by_name_and_unchanged():
+    same = {"chunks.slots": "ab", "zarr.json": "cd"}
+    refusal = {"opened": False, "error_type": "DiskPathInUseError",
+               "error": "disk tier path '/d/disk' is in use (holder: pid 4242 host h)"}
+    good = verdict(refusal, path="/d/disk", holder_pid=4242, before=same, after=dict(same))
+    assert good.ok and good.refused and good.data_unchanged
+    tolerated = verdict({"opened": True}, path="/d/disk", holder_pid=4242, before=same,
+                        after=dict(same))
+    assert not tolerated.ok and not tolerated.refused
+    changed = verdict(refusal, path="/d/disk", holder_pid=4242, before=same,
+                      after={**same, "chunks.slots": "ff"})
+    assert not changed.ok and not changed.data_unchanged
+    assert any("chunks.slots" in p for p in changed.problems)
+    anonymous = verdict({"opened": False, "error_type": "OSError", "error": "busy"},
+                        path="/d/disk", holder_pid=4242, before=same, after=dict(same))
+    assert not anonymous.ok and not anonymous.names_path and not anonymous.names_holder
+    silent = verdict({"opened": False, "error": None, "child": "no answer within 5s"},
+                     path="/d/disk", holder_pid=4242, before=same, after=dict(same))
+    assert not silent.ok and "no answer" in silent.problems[0]

@@ -124,6 +124,11 @@ _MOVE_TIERS = {
 }
 
 
+#: ``TransferResult.reason`` of a transfer taken back before its copy started
+#: (wanted again, or removed): nothing was copied and nothing failed.
+CANCELLED = "cancelled before its copy started"
+
+
 class TransferResult(NamedTuple):
     """What one finished transfer did, as ``poll()`` reports it.
 

@@ -2,7 +2,9 @@
 
 Exit status: 0 when the run passed; 1 when any byte read back was wrong, an
 integrity check failed, an injected fault is not accounted for, something
-unexpected was raised, or (with ``--crash``) the crash check failed; 2 for bad
+unexpected was raised, a restart of a ``reattach`` run brought back anything but
+exactly the requests on disk, a second open of the live disk path was not refused
+or changed its files, or (with ``--crash``) the crash check failed; 2 for bad
 arguments.
 """
 
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tiering.apps.stress.config import PATHS, parse_paths
 from tiering.apps.stress.faults import FAULT_KINDS, parse_faults
 
 
@@ -44,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="directory for the disk tier (default: a fresh temporary directory)")
     p.add_argument("--device", default="auto",
                    help="device tier: auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    p.add_argument("--paths", default="all",
+                   help="workload paths added to the basic one: all (default), none or a "
+                   f"comma-separated list of: {', '.join(PATHS)}")
+    p.add_argument("--restarts", type=int, default=2,
+                   help="with the reattach path: how many times the cache restarts (default 2)")
     p.add_argument("--crash", action="store_true",
                    help="also kill a process mid-write and check the restart over its directory")
     return p
@@ -125,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         config = StressConfig(
             seed=args.seed, steps=args.steps, duration_s=duration, faults=faults,
             fault_rate=args.fault_rate, slow_seconds=args.slow_ms / 1000.0,
-            device=_resolve_device(args.device),
+            device=_resolve_device(args.device), paths=parse_paths(args.paths),
+            restarts=args.restarts,
         )
         if args.dir is not None and Path(args.dir).exists() and any(Path(args.dir).iterdir()):
             raise ValueError(f"--dir {args.dir}: must be empty or absent")

@@ -13,6 +13,29 @@ from tiering.apps.stress.faults import FAILING_KINDS, FAULT_KINDS
 #: Fraction of the device the controller keeps free below ``high`` when admitting reloads.
 RELOAD_HEADROOM = 0.02
 
+#: The workload paths a run may add to the basic one (see ``StressConfig.paths``).
+PATHS: tuple[str, ...] = ("remove_in_flight", "reuse_ids", "reattach", "second_open")
+
+
+def parse_paths(text: str) -> tuple[str, ...]:
+    """``all``, ``none`` or a comma-separated list of paths -> the paths, in canonical order."""
+    if not isinstance(text, str):
+        raise ValueError(f"paths must be a string, got {text!r}")
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    if words == ["all"]:
+        return PATHS
+    if words == ["none"]:
+        return ()
+    if not words:
+        raise ValueError("paths: empty; give all, none or a comma-separated list of paths")
+    unknown = [w for w in words if w not in PATHS]
+    if unknown:
+        raise ValueError(
+            f"paths: unknown path(s) {', '.join(unknown)}; expected all, none or some of "
+            f"{', '.join(PATHS)}"
+        )
+    return tuple(k for k in PATHS if k in words)
+
 
 def _default_geometry() -> KVGeometry:
     return KVGeometry(num_layers=4, num_kv_heads=4, head_dim=32, page_tokens=16,
@@ -62,6 +85,22 @@ class StressConfig:
 
     Checks: ``check_every_op`` runs the cache's integrity check after every
     operation (tests); otherwise once per step.
+
+    Paths (``paths``, any of ``PATHS``; none by default, all from the CLI):
+
+    - ``remove_in_flight``: requests leave (finish or are cancelled) while their
+      offload, demotion or reload is in flight, faults or not, and half the
+      cancellations aim at such requests; a fault that strikes a removed
+      request's copy is accounted from the cache's ``TransferResult``.
+    - ``reuse_ids``: a request that left comes back under the same id with a
+      new generation of KV, with probability ``reuse_rate``; one removed with a
+      copy in flight is ingested again at once, while that copy still runs.
+    - ``reattach``: the disk tier runs with ``on_start="reattach"`` and the
+      cache is closed and opened again over the same directory ``restarts``
+      times, evenly spread over the run.
+    - ``second_open``: at ``second_open_at`` (a fraction of the run) a child
+      process tries to open a cache on the live disk directory; it must be
+      refused and leave every byte of the directory as it was.
     """
 
     seed: int = 0
@@ -93,6 +132,11 @@ class StressConfig:
     io_workers: int = 2
     check_every_op: bool = False
     sync_timeout_s: float = 60.0
+    paths: tuple[str, ...] = ()
+    reuse_rate: float = 0.5
+    restarts: int = 2
+    second_open_at: float = 0.5
+    child_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -148,6 +192,24 @@ class StressConfig:
             self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")
         ):
             raise ValueError(f"StressConfig.device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if not isinstance(self.paths, tuple):
+            raise ValueError(f"StressConfig.paths must be a tuple, got {self.paths!r}")
+        unknown = [p for p in self.paths if p not in PATHS]
+        if unknown:
+            raise ValueError(
+                f"StressConfig.paths: unknown path(s) {unknown}; known: {', '.join(PATHS)}"
+            )
+        _fraction("reuse_rate", self.reuse_rate)
+        _fraction("second_open_at", self.second_open_at)
+        _positive_int("restarts", self.restarts)
+        if (
+            isinstance(self.child_timeout_s, bool)
+            or not isinstance(self.child_timeout_s, (int, float))
+            or not 0 < self.child_timeout_s < math.inf
+        ):
+            raise ValueError(
+                f"StressConfig.child_timeout_s must be > 0, got {self.child_timeout_s!r}"
+            )
         if self.sync_timeout_s <= 0:
             raise ValueError(f"StressConfig.sync_timeout_s must be > 0, got {self.sync_timeout_s}")
 
@@ -155,6 +217,19 @@ class StressConfig:
     def max_tokens(self) -> int:
         """The most tokens one request ever holds."""
         return self.max_request_pages * self.geometry.page_tokens
+
+    def has(self, path: str) -> bool:
+        """Whether ``path`` (one of ``PATHS``) is part of this run."""
+        if path not in PATHS:
+            raise ValueError(f"unknown path {path!r}; known: {', '.join(PATHS)}")
+        return path in self.paths
+
+    @property
+    def restart_points(self) -> tuple[float, ...]:
+        """Fractions of the run at which a ``reattach`` run restarts its cache."""
+        if not self.has("reattach"):
+            return ()
+        return tuple(k / (self.restarts + 1) for k in range(1, self.restarts + 1))
 
     @property
     def failing_faults(self) -> tuple[str, ...]:

@@ -117,7 +117,8 @@ class _Events:
             self.uncertain.discard(rest[0])
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
+    """This interpreter's environment with the repository first on the import path."""
     root = str(Path(__file__).resolve().parents[3])
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -153,7 +154,7 @@ def run_crash_check(
         proc = subprocess.Popen(
             [sys.executable, "-m", "tiering.apps.stress.crash_child", "--dir", str(directory),
              "--seed", str(seed)],
-            stdout=subprocess.PIPE, stderr=err, env=_child_env(),
+            stdout=subprocess.PIPE, stderr=err, env=child_env(),
         )
         lines: queue.Queue = queue.Queue()
         reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)

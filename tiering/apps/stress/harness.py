@@ -29,13 +29,33 @@ occupancy, and the faults of the run. Each ``step``:
 The cache's ``check_integrity`` runs after every step, or after every single
 cache or controller call when ``check_every_op`` is set. ``drain`` lets every
 request leave and checks that every tier is then entirely free.
+
+The optional paths (``StressConfig.paths``):
+
+- ``remove_in_flight``: step 5 removes requests whatever their transfers are
+  doing, faults or not; every ``TransferResult`` the cache's ``poll`` returns
+  is kept, and a failed copy of a removed request (``state=None``) is tied to
+  the fault that struck it (``tiering.apps.stress.accounting``).
+- ``reuse_ids``: a request that left may come back under its id with the next
+  generation of its KV (``request_kv(seed, rid, generation)``): at once when it
+  was removed with a copy in flight, else at a later arrival. Every read of it
+  is compared with that generation, so an old generation's byte served for
+  the new one is a data error.
+- ``reattach``: ``restart`` closes the cache and opens a new one over the same
+  directory (``on_start="reattach"``). Exactly the requests that were on disk
+  must come back, with their token counts; each is verified bit for bit when
+  it is next read (``drain`` reloads those not read yet). Requests that were
+  on the device or the host died with the old cache and are recomputed.
+- ``second_open``: ``second_open_check`` lets a child process try to open a
+  cache on the live disk directory (``tiering.apps.stress.second_open``).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -48,12 +68,18 @@ from tiering.apps.stress.config import RELOAD_HEADROOM, StressConfig
 from tiering.apps.stress.faults import FaultInjector
 from tiering.apps.stress.kvdata import derived_seed, mismatched_layers, request_kv, write_tokens
 from tiering.apps.stress.memory import RssTracker
+from tiering.apps.stress.second_open import (
+    SecondOpenOutcome,
+    attempt_second_open,
+    directory_digest,
+    verdict,
+)
 from tiering.control.controller import ControllerConfig, EvictionController
 from tiering.control.pressure import PoolPressure
 from tiering.core.clocks import StepClock
 from tiering.core.pools import PoolIntegrityError
 from tiering.disk.config import DiskConfig
-from tiering.types import RequestState
+from tiering.types import CANCELLED, Move, RequestState, TransferResult
 
 S = RequestState
 _T = TypeVar("_T")
@@ -76,6 +102,25 @@ class _Wanted:
     leaving: str | None = None  # why it will leave: finished, cancelled, drained
     away: bool = False  # seen off the device since it was last read back
     asked_at: int | None = None  # step of the first reload request since it was last read
+    reused: bool = False  # the id was used before, by a request that left
+
+
+class RecordingKVCache(PagedKVCache):
+    """The real ``PagedKVCache``, keeping every ``TransferResult`` its ``poll`` returns
+    (``synchronize`` and the controller's passes poll too) until ``take_results``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._results: list[TransferResult] = []
+        super().__init__(*args, **kwargs)
+
+    def poll(self) -> list[TransferResult]:
+        done = super().poll()
+        self._results.extend(done)
+        return done
+
+    def take_results(self) -> list[TransferResult]:
+        out, self._results = self._results, []
+        return out
 
 
 @dataclass
@@ -96,6 +141,19 @@ class HarnessCounts:
     reloads_verified: int = 0
     reload_requests: int = 0
     removed_in_flight: int = 0
+    removed_offloading: int = 0
+    removed_demoting: int = 0
+    removed_reloading: int = 0
+    removed_copies_failed: int = 0  # removed requests' copies that ended in a fault
+    reused: int = 0  # arrivals under an id used before
+    reused_while_in_flight: int = 0  # ... while the old request's copy still ran
+    reused_reads_verified: int = 0
+    restarts: int = 0
+    reattached: int = 0  # requests that came back at a restart
+    reattach_verified: int = 0  # ... and were read back bit for bit
+    reattach_lost_to_faults: int = 0  # ... or lost by an injected read fault first
+    restart_recomputed: int = 0  # requests the restart took (device, host) and recomputed
+    second_open_discarded: int = 0  # on-disk requests dropped after a tolerated second open
     waits: int = 0
     steps_at_high: int = 0  # steps that began their eviction pass at the reload ceiling or above
 
@@ -127,16 +185,45 @@ class StressHarness:
             slow_seconds=c.slow_seconds, sleep=sleep,
         )
         page = g.page_bytes
-        disk = DiskConfig(
-            path=Path(directory) / "disk",
+        self.directory = Path(directory)
+        self.disk_config = DiskConfig(
+            path=self.directory / "disk",
             capacity_bytes=c.disk_chunks * c.max_request_pages * page,
             chunk_bytes=c.max_request_pages * page,
             io_threads=1,
+            on_start="reattach" if c.has("reattach") else "clear",
         )
-        self.kv = PagedKVCache(
-            g, c.device, device_pages=c.device_pages, host_pages=c.host_pages, disk=disk, verify=True,
-            copy_workers=c.copy_workers, io_workers=c.io_workers, clock=self.clock,
-            copy_fault_hook=self.faults.copy_hook, disk_wrap_store=self.faults.wrap_store,
+        self._retired_kv: Counter[str] = Counter()
+        self._retired_disk: dict[str, Any] = {}
+        self._open_cache()
+        self.counts = HarnessCounts()
+        self.occupancy_total = 0.0  # device occupancy summed over the steps' eviction passes
+        self.rss = RssTracker()
+        self.lost: list[tuple[str, str]] = []
+        self.data_error_examples: list[str] = []
+        self.integrity_examples: list[str] = []
+        self._live: dict[str, _Wanted] = {}
+        self._waiting: deque[str] = deque()  # arrivals not yet placed, in order
+        self._serial = 0
+        self._draining = False
+        self._per_op = c.check_every_op
+        self._generations: dict[str, int] = {}  # rid -> the last generation used
+        self._reuse: deque[str] = deque()  # ids that left and may come back
+        self._tombs: Counter[str] = Counter()  # rid -> copies of removed requests still running
+        self.removed_failures: list[tuple[Move, str]] = []  # failed copies of removed requests
+        self.restart_problems: list[str] = []
+        self._unverified_reattached: set[str] = set()
+        self.second_open: SecondOpenOutcome | None = None
+        self._milestones_done: set[float] = set()
+
+    def _open_cache(self) -> None:
+        """Build the cache over ``disk_config`` and a controller for it."""
+        c = self.config
+        self.kv = RecordingKVCache(
+            c.geometry, c.device, device_pages=c.device_pages, host_pages=c.host_pages,
+            disk=self.disk_config, verify=True, copy_workers=c.copy_workers,
+            io_workers=c.io_workers, clock=self.clock, copy_fault_hook=self.faults.copy_hook,
+            disk_wrap_store=self.faults.wrap_store,
         )
         try:
             if self.kv.disk.pages_per_chunk != c.max_request_pages:
@@ -155,17 +242,20 @@ class StressHarness:
         except BaseException:
             self.kv.close()
             raise
-        self.counts = HarnessCounts()
-        self.occupancy_total = 0.0  # device occupancy summed over the steps' eviction passes
-        self.rss = RssTracker()
-        self.lost: list[tuple[str, str]] = []
-        self.data_error_examples: list[str] = []
-        self.integrity_examples: list[str] = []
-        self._live: dict[str, _Wanted] = {}
-        self._waiting: deque[str] = deque()  # arrivals not yet placed, in order
-        self._serial = 0
-        self._draining = False
-        self._per_op = c.check_every_op
+
+    # -- what every cache of the run did, together --------------------------------------
+
+    def kv_stats(self) -> dict[str, float]:
+        """``PagedKVCache.stats`` summed over every cache of the run (restarts included)."""
+        out = dict(self._retired_kv)
+        for k, v in self.kv.stats.as_dict().items():
+            out[k] = out.get(k, 0) + v
+        return out
+
+    def disk_stats(self) -> dict[str, Any]:
+        """``DiskPageStore.stats()`` with the counters summed over every cache of the run;
+        occupancy (``extents``, ``used_bytes``, ...) is the current cache's."""
+        return _sum_disk_stats(self._retired_disk, self.kv.disk.stats())
 
     # -- the step -------------------------------------------------------------------
 
@@ -173,6 +263,7 @@ class StressHarness:
         """One worker step (see the module docstring)."""
         self.clock.advance()
         self.counts.steps += 1
+        self._absorb_results()
         self._collect_lost()
         self._arrive()
         self._check_landed()
@@ -189,9 +280,22 @@ class StressHarness:
             self.counts.waits += 1
             self._op(self.kv.synchronize, self.config.sync_timeout_s)
             self._collect_lost()
+        self._absorb_results()
         if not self._per_op:
             self.check_integrity()
         self.rss.sample()
+
+    def at_progress(self, done: float) -> None:
+        """Run what is due once the run is ``done`` (0..1) through: the restarts of a
+        ``reattach`` run and the second-open check, each once."""
+        c = self.config
+        points = [(p, self.restart) for p in c.restart_points]
+        if c.has("second_open"):
+            points.append((c.second_open_at, self.second_open_check))
+        for point, action in sorted(points, key=lambda pa: pa[0]):
+            if done >= point and point not in self._milestones_done:
+                self._milestones_done.add(point)
+                action()
 
     def live_requests(self) -> int:
         return len(self._live)
@@ -206,6 +310,20 @@ class StressHarness:
         finally:
             if self._per_op:
                 self.check_integrity()
+
+    def _absorb_results(self) -> None:
+        """Take the cache's transfer results: a removed request's finished copy
+        (``state=None``) is one fewer still running under that id; a failed one is
+        kept for the fault accounting."""
+        for res in self.kv.take_results():
+            if res.state is not None or res.reason == CANCELLED:  # no tombstone: never copied
+                continue
+            self._tombs[res.rid] -= 1
+            if self._tombs[res.rid] <= 0:
+                del self._tombs[res.rid]
+            if not res.ok:
+                self.counts.removed_copies_failed += 1
+                self.removed_failures.append((res.move, res.reason or ""))
 
     def _write(self, *args: Any) -> None:
         self._op(self.kv.write, *args)
@@ -243,10 +361,47 @@ class StressHarness:
                 prompt = self._rng.randint((pages - 1) * T + 1, pages * T)
                 final = min(c.max_tokens, prompt + self._rng.randint(0, 3 * c.decode_tokens))
                 runs = self._rng.randint(1, c.max_runs)
-                self._start(_Wanted(f"r{self._serial}", 0, prompt, final, runs,
-                                    self.counts.steps))
+                rid = self._reused_id()
+                if rid is None:
+                    rid = f"r{self._serial}"
+                gen = self._next_generation(rid)
+                self._start(_Wanted(rid, gen, prompt, final, runs, self.counts.steps,
+                                    reused=gen > 0))
                 self.counts.arrivals += 1
         self._place_waiting()
+
+    def _next_generation(self, rid: str) -> int:
+        """The generation of ``rid``'s next KV: 0 for a new id, one more each time it
+        comes back (recomputed, reused or restarted)."""
+        gen = self._generations.get(rid, -1) + 1
+        self._generations[rid] = gen
+        return gen
+
+    def _reused_id(self) -> str | None:
+        """An id that left and is not alive now, if one waits to come back."""
+        while self._reuse:
+            rid = self._reuse.popleft()
+            if rid not in self._live:
+                self._note_reuse(rid)
+                return rid
+        return None
+
+    def _note_reuse(self, rid: str) -> None:
+        self.counts.reused += 1
+        if self._tombs.get(rid, 0) > 0:
+            self.counts.reused_while_in_flight += 1
+
+    def _reuse_now(self, rid: str) -> None:
+        """Ingest ``rid`` again at once, as a fresh request with new KV."""
+        c = self.config
+        self._note_reuse(rid)
+        pages = self._rng.randint(1, c.max_request_pages)
+        T = c.geometry.page_tokens
+        prompt = self._rng.randint((pages - 1) * T + 1, pages * T)
+        final = min(c.max_tokens, prompt + self._rng.randint(0, 3 * c.decode_tokens))
+        self._start(_Wanted(rid, self._next_generation(rid), prompt, final,
+                            self._rng.randint(1, c.max_runs), self.counts.steps, reused=True))
+        self.counts.arrivals += 1
 
     def _start(self, w: _Wanted) -> None:
         self._op(self.kv.ingest_request, w.rid)
@@ -353,6 +508,11 @@ class StressHarness:
                 "different bits from those written"
             )
         self.counts.reads_verified += 1
+        if w.reused:
+            self.counts.reused_reads_verified += 1
+        if w.rid in self._unverified_reattached:
+            self._unverified_reattached.discard(w.rid)
+            self.counts.reattach_verified += 1
         if w.away:
             self.counts.reloads_verified += 1
             w.away = False
@@ -373,27 +533,61 @@ class StressHarness:
     # -- leaving and losses ------------------------------------------------------------------
 
     def _depart(self) -> None:
-        if not self._draining and self._live and self._rng.random() < self.config.cancel_rate:
-            pool = list(self._live.values())
-            if not self.faults.any_failing and self._rng.random() < 0.5:
-                # half the cancellations aim at a request with a transfer in flight
-                moving = [w for w in pool if self.kv.state_of(w.rid).in_flight]
-                pool = moving or pool
-            w = self._rng.choice(pool)
-            w.leaving = w.leaving or "cancelled"
+        c = self.config
+        anytime = c.has("remove_in_flight") or not self.faults.any_failing
+        if not self._draining and self._live and self._rng.random() < c.cancel_rate:
+            # a reattached request not yet read back stays until it is (see drain)
+            pool = [w for w in self._live.values() if w.rid not in self._unverified_reattached]
+            if anytime and self._rng.random() < 0.5:
+                # half the cancellations aim at a request with a transfer in flight, each
+                # kind of transfer (offload, demotion, reload) as often as the others
+                moving: dict[RequestState, list[_Wanted]] = {}
+                for w in pool:
+                    state = self.kv.state_of(w.rid)
+                    if state.in_flight:
+                        moving.setdefault(state, []).append(w)
+                if moving:
+                    pool = moving[self._rng.choice(sorted(moving, key=lambda st: st.value))]
+            if pool:
+                w = self._rng.choice(pool)
+                w.leaving = w.leaving or "cancelled"
         for w in [w for w in self._live.values() if w.leaving]:
             if w.away:
                 self._verify_if_back(w)  # a landed reload is checked even if it leaves now
-            if self.kv.state_of(w.rid).in_flight:
-                if self.faults.any_failing:
+            if w.rid in self._unverified_reattached:
+                self._bring_back_to_verify(w)
+                continue
+            state = self.kv.state_of(w.rid)
+            if state.in_flight:
+                if not anytime:
                     continue  # leaves once its transfer has settled
                 self.counts.removed_in_flight += 1
+                name = f"removed_{state.value}"
+                setattr(self.counts, name, getattr(self.counts, name) + 1)
             self._forget(w)
             reason = w.leaving
             setattr(self.counts, reason, getattr(self.counts, reason) + 1)
+            if self._draining or not c.has("reuse_ids") or self._rng.random() >= c.reuse_rate:
+                continue
+            if state.in_flight and self.kv.in_flight():
+                self._reuse_now(w.rid)  # while the removed request's copy may still run
+            else:
+                self._reuse.append(w.rid)
+
+    def _bring_back_to_verify(self, w: _Wanted) -> None:
+        """Drain: a reattached request never read back is reloaded and read first."""
+        state = self.kv.state_of(w.rid)
+        w.away = True
+        if state in (S.ON_HOST, S.ON_DISK):
+            self._op(self.kv.reload, w.rid)
 
     def _forget(self, w: _Wanted) -> None:
+        before = self.kv.in_flight()
+        moving = self.kv.state_of(w.rid).in_flight
         self._op(self.kv.remove_request, w.rid)
+        if moving and self.kv.in_flight() == before:
+            # its copy had started: it runs on without a request and reports when it ends
+            self._tombs[w.rid] += 1
         self._op(self.controller.remove_request, w.rid)
         del self._live[w.rid]
 
@@ -404,14 +598,118 @@ class StressHarness:
             w = self._live.get(rid)
             if w is None:
                 continue
+            if rid in self._unverified_reattached:
+                self._unverified_reattached.discard(rid)
+                self.counts.reattach_lost_to_faults += 1
             self._forget(w)
             if w.leaving:
                 setattr(self.counts, w.leaving, getattr(self.counts, w.leaving) + 1)
                 continue
             # recompute: the same request, fresh KV, as far as it had got
             self.counts.recomputed += 1
-            self._start(_Wanted(rid, w.generation + 1, w.tokens, w.final_tokens, w.runs_left,
-                                self.counts.steps))
+            self._recompute(w)
+
+    def _recompute(self, w: _Wanted) -> None:
+        """Ingest ``w`` again with the next generation of its KV, as far as it had got."""
+        self._start(_Wanted(w.rid, self._next_generation(w.rid), max(1, w.tokens),
+                            max(w.final_tokens, w.tokens, 1), w.runs_left, self.counts.steps,
+                            reused=w.reused))
+
+    # -- restart over the same directory (reattach) --------------------------------------
+
+    def _settle(self) -> None:
+        """Wait for every transfer (bounded), take what they did, and read back every
+        reload that landed (so every reload is verified before anything moves it)."""
+        self._op(self.kv.synchronize, self.config.sync_timeout_s)
+        self._absorb_results()
+        self._collect_lost()
+        self._check_landed()
+
+    def restart(self) -> None:
+        """Close the cache and open a new one over the same directory (``on_start=
+        "reattach"``); check that exactly the requests on disk came back."""
+        self._settle()
+        kv = self.kv
+        on_disk = {rid: kv.num_tokens(rid) for rid in kv.requests()
+                   if kv.state_of(rid) is S.ON_DISK}
+        self._retire()
+        self._open_cache()
+        self.counts.restarts += 1
+        kv = self.kv
+        found = {rid: (kv.state_of(rid), kv.num_tokens(rid)) for rid in kv.requests()}
+        at = f"restart {self.counts.restarts} (step {self.counts.steps})"
+        stale = sorted(set(found) - set(on_disk))
+        if stale:
+            self.restart_problems.append(
+                f"{at}: {len(stale)} request(s) came back that were not on disk: {stale[:10]}")
+        missing = sorted(set(on_disk) - set(found))
+        if missing:
+            self.restart_problems.append(
+                f"{at}: {len(missing)} request(s) on disk did not come back: {missing[:10]}")
+        for rid, (state, tokens) in sorted(found.items()):
+            if rid in on_disk and (state is not S.ON_DISK or tokens != on_disk[rid]):
+                self.restart_problems.append(
+                    f"{at}: {rid} came back {state.value} with {tokens} tokens; it was on disk "
+                    f"with {on_disk[rid]}")
+                stale.append(rid)
+        for rid in stale:  # what should not have come back goes, so the rest stays clean
+            self._op(self.kv.remove_request, rid)
+        self.check_integrity()
+        # the live requests: those that came back are on disk, the rest died with the cache
+        self._waiting.clear()
+        for w in list(self._live.values()):
+            if w.rid in found and w.rid not in stale:
+                self._op(self.controller.add_request, w.rid)
+                w.away = True
+                w.asked_at = None
+                self._unverified_reattached.add(w.rid)
+                self.counts.reattached += 1
+            else:
+                del self._live[w.rid]
+                self.counts.restart_recomputed += 1
+                if w.placed:
+                    self._recompute(w)
+                else:  # it had not been placed yet: it arrives again as it was
+                    self._start(_Wanted(w.rid, self._next_generation(w.rid), w.prompt_tokens,
+                                        w.final_tokens, w.runs_left, self.counts.steps,
+                                        reused=w.reused))
+        self._tombs.clear()  # the old cache finished every copy before it closed
+
+    def _retire(self) -> None:
+        """Close the current cache, keeping its counters for the report."""
+        kv = self.kv
+        try:
+            kv.close()
+        finally:
+            self._absorb_results()
+            self._retired_kv.update(kv.stats.as_dict())
+            self._retired_disk = _sum_disk_stats(self._retired_disk, kv.disk.stats())
+
+    # -- a second process on the same path ---------------------------------------------------
+
+    def second_open_check(self) -> SecondOpenOutcome:
+        """With no transfer in flight, a child tries to open a cache on the live disk
+        directory; its outcome is judged by ``tiering.apps.stress.second_open.verdict``. If
+        the open was tolerated and the directory changed, the requests on disk can no
+        longer be trusted: they are dropped and recomputed (never read)."""
+        self._settle()
+        root = Path(self.disk_config.path)
+        before = directory_digest(root)
+        report = attempt_second_open(self.config.geometry, self.disk_config,
+                                     timeout_s=self.config.child_timeout_s)
+        after = directory_digest(root)
+        outcome = verdict(report, path=os.fspath(root), holder_pid=os.getpid(),
+                          before=before, after=after)
+        self.second_open = outcome
+        if not outcome.data_unchanged:
+            for w in list(self._live.values()):
+                if self.kv.state_of(w.rid) is S.ON_DISK:
+                    self._forget(w)
+                    self._unverified_reattached.discard(w.rid)
+                    self.counts.second_open_discarded += 1
+                    self._recompute(w)
+        self.check_integrity()
+        return outcome
 
     # -- the end ---------------------------------------------------------------------------
 
@@ -423,16 +721,20 @@ class StressHarness:
         for w in self._live.values():
             w.leaving = w.leaving or "drained"
         for _ in range(max_rounds):
+            self._absorb_results()
             self._collect_lost()
             self._depart()
             if not self._live:
                 break
             self._op(self.kv.synchronize, self.config.sync_timeout_s)
-        self._op(self.kv.synchronize, self.config.sync_timeout_s)
-        self._collect_lost()
+        self._settle()
         self.check_integrity()
         for problem in self.leftovers():
             self._violation(f"after drain: {problem}")
+        if self._unverified_reattached:
+            self.restart_problems.append(
+                f"{len(self._unverified_reattached)} reattached request(s) were never read "
+                f"back: {sorted(self._unverified_reattached)[:10]}")
 
     def leftovers(self) -> list[str]:
         """What is still held anywhere (empty after a clean drain)."""
@@ -450,6 +752,8 @@ class StressHarness:
         ):
             if used:
                 out.append(f"{name} tier still holds {used} bytes")
+        if self._tombs:
+            out.append(f"copies of removed requests never reported: {dict(self._tombs)}")
         if kv.disk.stats()["extents"]:
             out.append(f"disk tier still holds {kv.disk.stats()['extents']} extents")
         live = self.controller.stats()["live_requests"]
@@ -459,3 +763,19 @@ class StressHarness:
 
     def close(self) -> None:
         self.kv.close()
+        self._absorb_results()
+
+
+#: Disk-tier counters that add up over the caches of a run.
+_DISK_COUNTERS = ("writes", "reads", "bytes_written", "bytes_read", "refusals", "write_faults",
+                  "read_faults", "corruptions", "timeouts", "manifest_faults", "faults")
+
+
+def _sum_disk_stats(retired: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    out = dict(current)
+    for k in _DISK_COUNTERS:
+        out[k] = int(retired.get(k, 0)) + int(current.get(k, 0))
+    errnos = Counter(retired.get("fault_errnos", {}))
+    errnos.update(current.get("fault_errnos", {}))
+    out["fault_errnos"] = dict(errnos)
+    return out

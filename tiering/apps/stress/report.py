@@ -32,8 +32,8 @@ def build_report(
 ) -> dict[str, Any]:
     """Everything a run measured, under the keys operators read (see ``tiering stress``)."""
     counts = harness.counts
-    kv_stats = harness.kv.stats.as_dict()
-    disk_stats = harness.kv.disk.stats()
+    kv_stats = harness.kv_stats()
+    disk_stats = harness.disk_stats()
     reasons = [reason for _, reason in harness.lost]
     report: dict[str, Any] = {
         "seed": config.seed,
@@ -68,7 +68,38 @@ def build_report(
                        if isinstance(v, (int, float))},
         "disk": {k: disk_stats[k] for k in _DISK_FIELDS},
         "errors": list(errors),
+        "paths": list(config.paths),
+        "removal_in_flight": {
+            "removed": counts.removed_in_flight,
+            "by_state": {"offloading": counts.removed_offloading,
+                         "demoting": counts.removed_demoting,
+                         "reloading": counts.removed_reloading},
+            "copies_failed": counts.removed_copies_failed,
+            "faults_on_removed": dict(account.on_removed or {}),
+        },
+        "id_reuse": {
+            "reused": counts.reused,
+            "reused_while_old_copy_in_flight": counts.reused_while_in_flight,
+            "reused_reads_verified": counts.reused_reads_verified,
+        },
     }
+    if config.has("reattach"):
+        report["reattach"] = {
+            "restarts": counts.restarts,
+            "reattached": counts.reattached,
+            "verified_bit_for_bit": counts.reattach_verified,
+            "lost_to_injected_faults": counts.reattach_lost_to_faults,
+            "recomputed_after_restart": counts.restart_recomputed,
+            "problems": list(harness.restart_problems),
+        }
+    if config.has("second_open"):
+        outcome = harness.second_open
+        report["second_open"] = (
+            outcome.as_dict() if outcome is not None
+            else {"refused": False, "problems": ["the second-open check did not run"]}
+        )
+        report["second_open"]["discarded_after"] = counts.second_open_discarded
+        report["second_open_refused"] = bool(outcome is not None and outcome.refused)
     report["ok"] = failures(report) == []
     return report
 
@@ -87,6 +118,15 @@ def failures(report: dict[str, Any]) -> list[str]:
     crash = report.get("crash")
     if crash is not None and crash["problems"]:
         out.append("crash check: " + "; ".join(crash["problems"]))
+    reattach = report.get("reattach")
+    if reattach is not None:
+        if reattach["problems"]:
+            out.append("reattach: " + "; ".join(reattach["problems"]))
+        if reattach["restarts"] == 0:
+            out.append("reattach: the cache was never restarted")
+    second = report.get("second_open")
+    if second is not None and (second["problems"] or not report.get("second_open_refused")):
+        out.append("second open: " + "; ".join(second["problems"] or ["not refused"]))
     return out
 
 
@@ -123,6 +163,29 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['rss']['after_warmup_bytes'] / mib:.0f}, end "
         f"{report['rss']['end_bytes'] / mib:.0f} MiB)",
     ]
+    lines.append(
+        f"  removed in flight: {report['removal_in_flight']['removed']} "
+        f"{report['removal_in_flight']['by_state']}, their failed copies "
+        f"{report['removal_in_flight']['copies_failed']}; ids reused "
+        f"{report['id_reuse']['reused']} ({report['id_reuse']['reused_while_old_copy_in_flight']}"
+        f" while the old copy ran, {report['id_reuse']['reused_reads_verified']} reads verified)"
+    )
+    reattach = report.get("reattach")
+    if reattach is not None:
+        lines.append(
+            f"  reattach: {reattach['restarts']} restarts, {reattach['reattached']} requests came "
+            f"back, {reattach['verified_bit_for_bit']} verified bit for bit, "
+            f"{reattach['lost_to_injected_faults']} lost to injected faults, "
+            f"{reattach['recomputed_after_restart']} recomputed"
+        )
+    second = report.get("second_open")
+    if second is not None:
+        lines.append(
+            f"  second open on the live path: refused {str(report['second_open_refused']).lower()}"
+            f", data unchanged {str(second.get('data_unchanged')).lower()}"
+            + (f" ({second.get('error_type')}: {second.get('error')})" if second.get("error")
+               else "")
+        )
     crash = report.get("crash")
     if crash is not None:
         lines.append(

@@ -57,9 +57,11 @@ def run_stress(
                     break
                 if harness.rss.warm is None and done >= WARMUP_FRACTION:
                     harness.rss.mark_warm()
+                harness.at_progress(done)
                 harness.step()
                 if on_step is not None:
                     on_step(harness)
+            harness.at_progress(1.0)  # what is due at the very end, before the drain
         except Exception as exc:  # noqa: BLE001 - reported, then the run is drained
             errors.append(f"step {harness.counts.steps}: {_describe(exc)}")
         try:
@@ -73,8 +75,9 @@ def run_stress(
         injected=faults.injected(),
         copy_injected=faults.copy_plan.injected,
         slow_waits=faults.sleeps.calls,
-        kv_stats=harness.kv.stats.as_dict(),
-        disk_stats=harness.kv.disk.stats(),
+        kv_stats=harness.kv_stats(),
+        disk_stats=harness.disk_stats(),
         lost_reasons=[reason for _, reason in harness.lost],
+        removed_failures=harness.removed_failures,
     )
     return build_report(config, harness, account, errors, wall() - started)
