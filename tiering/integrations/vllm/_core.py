@@ -327,6 +327,7 @@ class Counters:
     promotions_started: int = 0
     promotions_ok: int = 0
     promotions_failed: int = 0  # failed their check or I/O: dropped, recomputed
+    promotions_deferred: int = 0  # no host slot could be freed yet: lookup said pending
     demotions_started: int = 0
     demotions_ok: int = 0
     demotions_failed: int = 0
@@ -533,7 +534,11 @@ class TieredBlockManager:
         if e.host in (HostState.STORING, HostState.PROMOTING):
             self.counters.pending_answers += 1
             return Lookup.PENDING
-        if e.disk is DiskState.READY and self._start_promotion(e):
+        if e.disk is DiskState.READY:
+            # Without a host slot now, every slot is held by something that ends on its
+            # own (a store, a promotion, a load, a demotion): ask vLLM to come back.
+            if not self._start_promotion(e):
+                self.counters.promotions_deferred += 1
             self.counters.pending_answers += 1
             return Lookup.PENDING
         return Lookup.MISS
@@ -741,17 +746,24 @@ class TieredBlockManager:
             self._forget_if_empty(e)
         self._dirty = True
 
+    def wait_io(self, timeout: float = 30.0) -> bool:
+        """Wait (at most ``timeout``) for disk I/O in flight, then reap it; True if none is left.
+        Never called on vLLM's step path (tests and shutdown only)."""
+        deadline = time.monotonic() + timeout
+        for fut in [*self._promoting.values(), *self._demoting.values(),
+                    *([self._dump] if self._dump is not None else [])]:
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # a fault is handled (and logged) by reap
+                pass
+        self.reap()
+        return not (self._promoting or self._demoting)
+
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._closed:
             return
         self._closed = True
-        deadline = self._clock() + timeout
-        for fut in [*self._promoting.values(), *self._demoting.values()]:
-            try:
-                fut.result(timeout=max(0.0, deadline - self._clock()))
-            except Exception:  # a fault is already logged by reap, or is irrelevant now
-                pass
-        self.reap()
+        self.wait_io(timeout)
         if self.cfg.state_path is not None:
             self._dirty = False
             try:
