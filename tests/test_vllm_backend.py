@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,19 @@ def key(i: int) -> bytes:
     return i.to_bytes(8, "big") + (0).to_bytes(4, "big")
 
 
-def make(tmp_path, slots=4, disk_pages=None, **cfg) -> TieredBlockManager:
+class InlineExecutor:
+    """Runs each job at submit (deterministic I/O order for the state machine)."""
+
+    def submit(self, priority, fn, *args) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except Exception as exc:  # handed to the manager through the future
+            fut.set_exception(exc)
+        return fut
+
+
+def make(tmp_path, slots=4, disk_pages=None, executor=None, **cfg) -> TieredBlockManager:
     c = TieredConfig(
         host_bytes=slots * PAGE,
         disk_path=str(tmp_path / "disk") if disk_pages else None,
@@ -47,7 +60,7 @@ def make(tmp_path, slots=4, disk_pages=None, **cfg) -> TieredBlockManager:
     )
     slab = HostSlab(str(tmp_path / "slab"), slots, PAGE)
     disk = open_disk(c, PAGE, "test")
-    return TieredBlockManager(c, [slab], disk, disk_root=c.disk_path)
+    return TieredBlockManager(c, [slab], disk, disk_root=c.disk_path, executor=executor)
 
 
 def store(m: TieredBlockManager, gen: torch.Generator, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
@@ -235,7 +248,8 @@ class ManagerMachine(RuleBasedStateMachine):
         import tempfile
 
         self.dir = Path(tempfile.mkdtemp(prefix="tiering-vllm-sm-"))
-        self.m = make(self.dir, slots=3, disk_pages=5, demote_headroom=2)
+        self.m = make(self.dir, slots=3, disk_pages=5, demote_headroom=2,
+                      executor=InlineExecutor())
         self.gen = torch.Generator().manual_seed(7)
         self.data: dict[bytes, torch.Tensor] = {}
         self.pending: list[list[bytes]] = []

@@ -6,7 +6,7 @@ with the reason. Four engine starts, each in its own process (tests/vllm_helpers
 
 - reference: plenty of KV blocks, no connector;
 - recompute: few KV blocks, no connector (what vLLM's own prefix cache achieves);
-- offload: few KV blocks, our host tier (12 blocks) and disk tier; three rounds of the
+- offload: few KV blocks, our host tier (24 blocks, twice vLLM's 12) and disk tier; three rounds of the
   same prompts (forward, reversed, forward), and between rounds 2 and 3 every block
   that is on disk only is damaged in the slot file;
 - negative control: as offload, with the test-only hook that corrupts every load.
@@ -71,8 +71,8 @@ def runs(tmp_path_factory):
         hd = tempfile.mkdtemp(prefix="tiering-vllm-test-",
                               dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         host_dirs.append(hd)
-        return dict(host_bytes=12 * BLOCK_BYTES, disk_path=str(work / f"{name}-disk"),
-                    disk_bytes=128 * BLOCK_BYTES, host_dir=hd, demote_headroom=12,
+        return dict(host_bytes=24 * BLOCK_BYTES, disk_path=str(work / f"{name}-disk"),
+                    disk_bytes=128 * BLOCK_BYTES, host_dir=hd, demote_headroom=24,
                     state_path=str(work / f"{name}-state.json"), **extra)
 
     try:

@@ -529,6 +529,9 @@ class TieredBlockManager:
         if e is None:
             return Lookup.MISS
         if e.host is HostState.READY:
+            # A hit is about to be loaded: make it the most recent, so that promotions
+            # started for the same request evict other blocks first.
+            self.host_policy.on_access(key)
             self.counters.host_hits += 1
             return Lookup.HIT
         if e.host in (HostState.STORING, HostState.PROMOTING):
