@@ -410,3 +410,24 @@ def test_nothing_outside_the_integration_imports_vllm():
     core = ast.parse((REPO / "tiering/integrations/vllm/_core.py").read_text())
     mods = {n.module for n in ast.walk(core) if isinstance(n, ast.ImportFrom) and n.module}
     assert not any(m.startswith("vllm") for m in mods)
+
+
+@pytest.mark.cuda
+def test_mover_cuda_round_trip_on_copy_streams(tmp_path):
+    gen = torch.Generator().manual_seed(11)
+    host_layers = _layers(gen, 16, [96, 160])
+    layers = [t.cuda() for t in host_layers]
+    copies = (LayerCopy(layers[0], 0, 96), LayerCopy(layers[1], 96, 160))
+    slab = HostSlab(str(tmp_path / "cslab"), 8, 256)
+    mv = TieredMover([GroupLayout(copies, 256)], slab, 1)
+    assert mv.streams.cuda
+    want = [t[[2, 3, 7]].clone() for t in layers]
+    assert mv.submit(1, True, [2, 3, 7], [3], [0], [5, 6, 1])
+    _finish(mv, 1)
+    for t in layers:  # overwrite with other random bytes before loading back
+        t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
+    assert mv.submit(2, False, [9, 10, 11], [3], [0], [5, 6, 1])
+    _finish(mv, 2)
+    for t, w in zip(layers, want, strict=True):
+        assert torch.equal(t[[9, 10, 11]], w)
+    mv.shutdown()
