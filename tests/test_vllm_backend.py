@@ -310,6 +310,24 @@ TestManagerMachine.settings = settings(
 )
 
 
+def test_slab_is_shared_and_its_name_goes_once_both_sides_mapped(tmp_path):
+    gen = torch.Generator().manual_seed(12)
+    path = str(tmp_path / "shared.slab")
+    first = HostSlab(path, 4, 64)
+    second = HostSlab(path, 4, 64)
+    assert first.created and not second.created
+    first.unlink_if_second()
+    assert os.path.exists(path)  # the creator never removes it
+    second.unlink_if_second()
+    assert not os.path.exists(path)
+    page = torch.randint(0, 256, (64,), generator=gen, dtype=torch.uint8)
+    first.tensor[2].copy_(page)
+    assert torch.equal(second.tensor[2], page)  # still one memory after the unlink
+    with pytest.raises(ValueError, match="expected"):
+        HostSlab(str(tmp_path / "x.slab"), 2, 64)
+        HostSlab(str(tmp_path / "x.slab"), 3, 64)
+
+
 # ----------------------------------------------------------------------------- worker side
 
 

@@ -228,8 +228,10 @@ class HostSlab:
     """``num_slots`` slots of ``slot_bytes`` in a shared file, mapped as a uint8 tensor.
 
     Both the manager (scheduler process) and a worker open the same file; whichever
-    comes first creates it at its full size. Bytes of a slot are only read after the
-    manager has seen them written, so stale file contents are never served.
+    comes first creates it at its full size (``created``), and the second one removes
+    its name as soon as it has mapped it (``unlink_if_second``): both mappings stay,
+    and no file is left behind however the processes end. Bytes of a slot are only
+    read after the manager has seen them written, so stale contents are never served.
     """
 
     def __init__(self, path: str, num_slots: int, slot_bytes: int) -> None:
@@ -249,6 +251,7 @@ class HostSlab:
                     f"host slab {path} exists with {have} bytes, expected {size} "
                     "(another engine with the same id and a different host_bytes?)"
                 )
+            self.created = have == 0
             if have == 0:
                 if st.f_bavail * st.f_frsize < size:
                     raise ValueError(
@@ -260,6 +263,14 @@ class HostSlab:
         finally:
             os.close(fd)
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8).view(num_slots, slot_bytes)
+
+    def unlink_if_second(self) -> None:
+        """Remove the file's name if the other side created it (it has mapped it already)."""
+        if not self.created:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
     def close(self, unlink: bool = False) -> None:
         self.tensor = None  # type: ignore[assignment]

@@ -232,6 +232,8 @@ class TieredOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             g = self.geometry
             slabs = [g.slab(r) for r in range(g.world)]
+            for s in slabs:
+                s.unlink_if_second()
             disk = open_disk(
                 self.cfg,
                 g.slot_bytes * g.world,
@@ -270,6 +272,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                 groups.append(GroupLayout(tuple(copies), off))
             rank = self.config.parallel.rank
             slab = g.slab(rank)
+            slab.unlink_if_second()
             if device is not None and device.type == "cuda":
                 _pin(slab)
             mover = TieredMover(groups, slab, self.blocks_per_chunk,
