@@ -154,3 +154,100 @@ def test_negative_control_a_wrong_load_fails_the_comparison(runs):
 def test_no_host_slab_file_is_left_behind(runs):
     # the side that maps a slab second removes its name; nothing leaks into /dev/shm
     assert runs["leftover_slabs"] == []
+
+
+# ----------------------------------------------------------------------------- adapter, no engine
+
+
+def _offloading_config(extra: dict, engine_id: str = "unit"):
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
+        worker_kv_bytes_per_block=2 * 256,
+        enable_kv_cache_events=True,
+        extra_config={"spec_name": "TieredOffloadingSpec",
+                      "spec_module_path": "tiering.integrations.vllm", **extra},
+        engine_id=engine_id,
+        model=OffloadingModelConfig("tiny", "float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+    )
+
+
+def test_spec_is_loaded_from_outside_vllm_under_its_own_name():
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    assert "TieredOffloadingSpec" not in OffloadingSpecFactory._registry
+    cls = OffloadingSpecFactory.get_spec_cls(
+        {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.integrations.vllm"}
+    )
+    assert cls.__module__ == "tiering.integrations.vllm._spec"
+
+
+def test_spec_rejects_bad_extra_config_naming_the_field():
+    from tiering.integrations.vllm import TieredOffloadingSpec
+
+    with pytest.raises(ValueError, match="host_bytes"):
+        TieredOffloadingSpec(_offloading_config({"host_bytes": -5}))
+    with pytest.raises(ValueError, match="disk_bytes"):
+        TieredOffloadingSpec(_offloading_config({"host_bytes": 4096, "disk_path": "/tmp/x"}))
+
+
+def test_manager_and_worker_through_vllm_types_round_trip(tmp_path):
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        LookupResult,
+        ReqContext,
+        make_offload_key,
+    )
+
+    from tiering.integrations.vllm import TieredOffloadingSpec
+
+    gen = torch.Generator().manual_seed(21)
+    cfg = _offloading_config({"host_bytes": 8 * 512, "host_dir": str(tmp_path)}, "unit-rt")
+    spec = TieredOffloadingSpec(cfg)
+    layers = [torch.randint(-128, 128, (16, 256), generator=gen, dtype=torch.int8) for _ in range(2)]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, 256) for t in layers],
+        group_data_refs=[[CanonicalKVCacheRef(0, 256), CanonicalKVCacheRef(1, 256)]],
+    )
+    worker = spec.get_worker(caches)
+    manager = spec.get_manager()
+    ctx = ReqContext(req_id="r1")
+    keys = [make_offload_key(bytes([i]) * 16, 0) for i in range(3)]
+    assert manager.lookup(keys[0], ctx) is LookupResult.MISS
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None and out.keys_to_store == keys
+    want = [t[[4, 5, 9]].clone() for t in layers]
+    assert worker.submit_store(1, GPULoadStoreSpec([4, 5, 9], [3], [0]), out.store_spec)
+    worker.wait({1})
+    assert [r.success for r in worker.get_finished()] == [True]
+    manager.complete_store(keys, ctx)
+    assert all(manager.lookup(k, ctx) is LookupResult.HIT for k in keys)
+    for t in layers:  # other random bytes where the blocks were
+        t.copy_(torch.randint(-128, 128, t.shape, generator=gen, dtype=torch.int8))
+    src = manager.prepare_load(keys, ctx)
+    assert worker.submit_load(2, src, GPULoadStoreSpec([0, 1, 2], [3], [0]))
+    worker.wait({2})
+    assert [r.success for r in worker.get_finished()] == [True]
+    manager.complete_load(keys, ctx)
+    for t, w in zip(layers, want, strict=True):
+        assert torch.equal(t[[0, 1, 2]], w)
+    stats = manager.get_stats()
+    assert stats is not None and not stats.is_empty()
+    assert any(not e.removed for e in manager.take_events())
+    manager.core.check_integrity()
+    worker.shutdown()
+    manager.shutdown()
+    assert os.listdir(tmp_path) == []
