@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
@@ -169,7 +169,9 @@ class BlockPolicy:
     def on_evict(self, key: bytes) -> None:
         raise NotImplementedError
 
-    def victims(self) -> Iterable[bytes]:
+    def victims(self) -> Iterator[bytes]:
+        """Keys coldest first, lazily: a caller that changes the policy while walking
+        it must take a list first."""
         raise NotImplementedError
 
     def __len__(self) -> int:
@@ -195,8 +197,8 @@ class LruPolicy(BlockPolicy):
         if self._order.pop(key, 0) is not None:
             raise ValueError(f"lru policy: evicting unknown key {key.hex()}")
 
-    def victims(self) -> Iterable[bytes]:
-        return list(self._order)
+    def victims(self) -> Iterator[bytes]:
+        return iter(self._order)
 
     def __len__(self) -> int:
         return len(self._order)
@@ -475,7 +477,7 @@ class TieredBlockManager:
         ext = self.disk.reserve(self._owner(key), 1)
         if ext is not None:
             return ext
-        for k in self.disk_policy.victims():
+        for k in list(self.disk_policy.victims()):
             e = self.table[k]
             if k != key and self._disk_evictable(e):
                 self._drop_disk(e)
@@ -683,13 +685,15 @@ class TieredBlockManager:
             self._dump = self._io.submit(WRITE, _write_json, self.cfg.state_path, self.state())
 
     def _demote_for_headroom(self) -> None:
+        if self.pool.free_pages >= self.headroom:
+            return  # the common case costs nothing per step
         clean = sum(
             1
             for e in self.table.values()
             if e.host is HostState.READY and e.disk is not DiskState.NONE
         )
         spare = self.pool.free_pages + clean
-        for k in self.host_policy.victims():
+        for k in list(self.host_policy.victims()):
             if spare >= self.headroom or len(self._demoting) >= 4 * self.cfg.io_threads:
                 return
             e = self.table[k]
