@@ -220,6 +220,40 @@ def test_host_only_evicts_and_reports_evicted_keys(tmp_path):
     m.shutdown()
 
 
+def test_full_disk_evicts_its_coldest_block_and_host_prefers_clean_victims(tmp_path):
+    gen = torch.Generator().manual_seed(13)
+    m = make(tmp_path, slots=2, disk_pages=2, demote_headroom=2)
+    store(m, gen, [key(1)])
+    assert m.wait_io(10)
+    store(m, gen, [key(2)])
+    assert m.wait_io(10)
+    assert {k for k, e in m.table.items() if e.disk is DiskState.READY} == {key(1), key(2)}
+    d = m.prepare_store([key(3)])  # both host blocks are clean: the LRU one goes
+    assert d is not None and d.evicted == []  # still on disk, so not gone
+    m.complete_store(d.keys_to_store)
+    assert m.wait_io(10)  # writing 3 down needs a disk slot: the disk's LRU (1) is dropped
+    assert key(1) not in m.table and m.counters.disk_evictions == 1
+    assert m.table[key(3)].disk is DiskState.READY
+    assert m.lookup(key(1)) is Lookup.MISS
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_reset_forgets_idle_blocks_but_keeps_pinned_ones(tmp_path):
+    gen = torch.Generator().manual_seed(14)
+    m = make(tmp_path, slots=3, disk_pages=4, demote_headroom=3)
+    store(m, gen, [key(1), key(2)])
+    assert m.wait_io(10)
+    m.prepare_load([key(1)])
+    m.reset()
+    m.check_integrity()
+    assert set(m.table) == {key(1)} and m.table[key(1)].host is HostState.READY
+    assert m.table[key(1)].disk is DiskState.NONE and m.disk.used_bytes() == 0
+    m.complete_load([key(1)])
+    m.check_integrity()
+    m.shutdown()
+
+
 def test_check_integrity_catches_a_broken_table(tmp_path):
     gen = torch.Generator().manual_seed(5)
     m = make(tmp_path, slots=2)
