@@ -1,0 +1,485 @@
+"""The vLLM backend's engine-independent core, without vLLM: config, block table,
+host -> disk cascade, checked promotion, the worker-side mover and the import rule."""
+
+from __future__ import annotations
+
+import ast
+import os
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tiering.disk.slotfile import SLOT_FILE_NAME
+from tiering.integrations.vllm._core import (
+    POLICIES,
+    DiskState,
+    GroupLayout,
+    HostSlab,
+    HostState,
+    LayerCopy,
+    Lookup,
+    LruPolicy,
+    TieredBlockManager,
+    TieredConfig,
+    TieredMover,
+    open_disk,
+    plan_blocks,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE = 256  # bytes of one host page in these tests
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big") + (0).to_bytes(4, "big")
+
+
+class InlineExecutor:
+    """Runs each job at submit (deterministic I/O order for the state machine)."""
+
+    def submit(self, priority, fn, *args) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except Exception as exc:  # handed to the manager through the future
+            fut.set_exception(exc)
+        return fut
+
+
+def make(tmp_path, slots=4, disk_pages=None, executor=None, **cfg) -> TieredBlockManager:
+    c = TieredConfig(
+        host_bytes=slots * PAGE,
+        disk_path=str(tmp_path / "disk") if disk_pages else None,
+        disk_bytes=disk_pages * PAGE if disk_pages else None,
+        **cfg,
+    )
+    slab = HostSlab(str(tmp_path / "slab"), slots, PAGE)
+    disk = open_disk(c, PAGE, "test")
+    return TieredBlockManager(c, [slab], disk, disk_root=c.disk_path, executor=executor)
+
+
+def store(m: TieredBlockManager, gen: torch.Generator, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
+    """Store keys the way a worker would: write random bytes into the given slots."""
+    d = m.prepare_store(keys)
+    assert d is not None
+    data = {}
+    for k, s in zip(d.keys_to_store, d.slots, strict=True):
+        page = torch.randint(0, 256, (PAGE,), generator=gen, dtype=torch.uint8)
+        m.slabs[0].tensor[s].copy_(page)
+        data[k] = page
+    m.complete_store(d.keys_to_store)
+    m.check_integrity()
+    return data
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({}, "host_bytes"),
+        ({"host_bytes": 0}, "host_bytes"),
+        ({"host_bytes": "1G"}, "host_bytes"),
+        ({"host_bytes": 10, "disk_path": "/x"}, "disk_bytes"),
+        ({"host_bytes": 10, "disk_bytes": 100}, "disk_path"),
+        ({"host_bytes": 10, "disk_path": "/x", "disk_bytes": -1}, "disk_bytes"),
+        ({"host_bytes": 10, "policy": "mru"}, "policy"),
+        ({"host_bytes": 10, "io_threads": 0}, "io_threads"),
+        ({"host_bytes": 10, "demote_headroom": -2}, "demote_headroom"),
+        ({"host_bytes": 10, "test_corrupt_loads": 1}, "test_corrupt_loads"),
+    ],
+)
+def test_bad_extra_config_names_the_field(extra, field):
+    with pytest.raises(ValueError, match=field):
+        TieredConfig.from_extra(extra)
+
+
+def test_extra_config_keeps_ours_and_ignores_vllms():
+    c = TieredConfig.from_extra(
+        {"spec_name": "TieredOffloadingSpec", "host_bytes": 4096, "policy": "fifo",
+         "offload_prompt_only": True}
+    )
+    assert (c.host_bytes, c.policy, c.disk_path) == (4096, "fifo", None)
+    assert set(POLICIES) >= {"lru", "fifo"}
+
+
+def test_lru_policy_order_and_errors():
+    p = LruPolicy()
+    for i in range(3):
+        p.on_insert(key(i))
+    p.on_access(key(0))
+    assert list(p.victims()) == [key(1), key(2), key(0)]
+    with pytest.raises(ValueError, match="twice"):
+        p.on_insert(key(1))
+    p.on_evict(key(1))
+    with pytest.raises(ValueError, match="unknown"):
+        p.on_evict(key(1))
+
+
+# ----------------------------------------------------------------------------- manager
+
+
+def test_store_then_host_hit_and_load_pins(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    m = make(tmp_path, slots=4)
+    assert m.lookup(key(1)) is Lookup.MISS
+    d = m.prepare_store([key(1), key(2)])
+    assert d is not None and d.keys_to_store == [key(1), key(2)]
+    assert m.lookup(key(1)) is Lookup.PENDING  # being stored: not loadable yet
+    with pytest.raises(ValueError, match="not loadable"):
+        m.prepare_load([key(1)])
+    m.complete_store(d.keys_to_store)
+    m.check_integrity()
+    assert m.lookup(key(1)) is Lookup.HIT
+    slots = m.prepare_load([key(1)])
+    assert slots == [d.slots[0]]
+    m.check_integrity()
+    # a pinned block is never evicted: fill the host and ask for more
+    store(m, gen, [key(3), key(4)])
+    assert m.prepare_store([key(5), key(6), key(7), key(8)]) is None  # only 3 are evictable
+    m.check_integrity()
+    assert m.table[key(1)].host is HostState.READY
+    m.complete_load([key(1)])
+    with pytest.raises(ValueError, match="no load in flight"):
+        m.complete_load([key(1)])
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_cascade_to_disk_and_checked_promotion_returns_the_same_bytes(tmp_path):
+    gen = torch.Generator().manual_seed(2)
+    m = make(tmp_path, slots=4, disk_pages=16, demote_headroom=4)
+    data = {}
+    for i in range(0, 12, 2):
+        data |= store(m, gen, [key(i), key(i + 1)])
+        m.maintain()
+        assert m.wait_io(10)
+        m.check_integrity()
+    assert m.counters.demotions_ok >= 8
+    disk_only = [k for k, e in m.table.items() if e.host is HostState.NONE]
+    assert disk_only, "nothing was pushed down to disk"
+    k = disk_only[0]
+    assert m.lookup(k) is Lookup.PENDING
+    m.check_integrity()
+    assert m.wait_io(10)
+    assert m.lookup(k) is Lookup.HIT
+    (slot,) = m.prepare_load([k])
+    assert torch.equal(m.slabs[0].tensor[slot], data[k])  # the bytes stored, from disk
+    assert m.counters.loads_from_disk == 1 and m.counters.loads_from_host == 0
+    m.complete_load([k])
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_block_damaged_on_disk_becomes_a_miss_and_is_never_served(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    m = make(tmp_path, slots=2, disk_pages=8, demote_headroom=2)
+    store(m, gen, [key(1), key(2)])
+    m.maintain()
+    assert m.wait_io(10)
+    store(m, gen, [key(3), key(4)])  # evicts the clean copies of 1 and 2 from host
+    assert m.wait_io(10)  # 3 and 4 are being written down: no slot is free until then
+    assert m.table[key(1)].host is HostState.NONE and m.table[key(1)].disk is DiskState.READY
+    state = m.state()
+    entry = next(b for b in state["disk_blocks"] if b["key"] == key(1).hex())
+    with open(os.path.join(state["disk_root"], SLOT_FILE_NAME), "r+b") as f:
+        f.seek(entry["payload_offset"] + 7)
+        b = f.read(1)
+        f.seek(entry["payload_offset"] + 7)
+        f.write(bytes([b[0] ^ 0x01]))
+    assert m.lookup(key(1)) is Lookup.PENDING
+    assert m.wait_io(10)
+    assert m.lookup(key(1)) is Lookup.MISS  # detected: recompute, never a damaged load
+    assert key(1) not in m.table and m.counters.promotions_failed == 1
+    m.check_integrity()
+    # the undamaged neighbour still promotes fine (negative control for the check)
+    assert m.lookup(key(2)) is Lookup.PENDING
+    assert m.wait_io(10)
+    assert m.lookup(key(2)) is Lookup.HIT
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_host_only_evicts_and_reports_evicted_keys(tmp_path):
+    gen = torch.Generator().manual_seed(4)
+    m = make(tmp_path, slots=2)
+    store(m, gen, [key(1), key(2)])
+    d = m.prepare_store([key(3)])
+    assert d is not None and d.evicted == [key(1)]  # LRU
+    m.complete_store(d.keys_to_store)
+    assert m.lookup(key(1)) is Lookup.MISS
+    ev = m.take_events()
+    assert any(e.removed and key(1) in e.keys for e in ev)
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_full_disk_evicts_its_coldest_block_and_host_prefers_clean_victims(tmp_path):
+    gen = torch.Generator().manual_seed(13)
+    m = make(tmp_path, slots=2, disk_pages=2, demote_headroom=2)
+    store(m, gen, [key(1)])
+    assert m.wait_io(10)
+    store(m, gen, [key(2)])
+    assert m.wait_io(10)
+    assert {k for k, e in m.table.items() if e.disk is DiskState.READY} == {key(1), key(2)}
+    d = m.prepare_store([key(3)])  # both host blocks are clean: the LRU one goes
+    assert d is not None and d.evicted == []  # still on disk, so not gone
+    m.complete_store(d.keys_to_store)
+    assert m.wait_io(10)  # writing 3 down needs a disk slot: the disk's LRU (1) is dropped
+    assert key(1) not in m.table and m.counters.disk_evictions == 1
+    assert m.table[key(3)].disk is DiskState.READY
+    assert m.lookup(key(1)) is Lookup.MISS
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_reset_forgets_idle_blocks_but_keeps_pinned_ones(tmp_path):
+    gen = torch.Generator().manual_seed(14)
+    m = make(tmp_path, slots=3, disk_pages=4, demote_headroom=3)
+    store(m, gen, [key(1), key(2)])
+    assert m.wait_io(10)
+    m.prepare_load([key(1)])
+    m.reset()
+    m.check_integrity()
+    assert set(m.table) == {key(1)} and m.table[key(1)].host is HostState.READY
+    assert m.table[key(1)].disk is DiskState.NONE and m.disk.used_bytes() == 0
+    m.complete_load([key(1)])
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_check_integrity_catches_a_broken_table(tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    m = make(tmp_path, slots=2)
+    store(m, gen, [key(1)])
+    m.table[key(1)].slot = 1  # the pool says slot 0
+    with pytest.raises(AssertionError, match="pool"):
+        m.check_integrity()
+
+
+def test_stats_delta_reports_increases_once(tmp_path):
+    gen = torch.Generator().manual_seed(6)
+    m = make(tmp_path, slots=2)
+    store(m, gen, [key(1)])
+    m.lookup(key(1))
+    d = m.stats_delta()
+    assert d["stores_completed"] == 1 and d["host_hits"] == 1
+    assert m.stats_delta() == {}
+    m.shutdown()
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Random stores, lookups, loads, maintenance and disk reads; integrity after each."""
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+
+        self.dir = Path(tempfile.mkdtemp(prefix="tiering-vllm-sm-"))
+        self.m = make(self.dir, slots=3, disk_pages=5, demote_headroom=2,
+                      executor=InlineExecutor())
+        self.gen = torch.Generator().manual_seed(7)
+        self.data: dict[bytes, torch.Tensor] = {}
+        self.pending: list[list[bytes]] = []
+        self.loads: list[list[bytes]] = []
+
+    @rule(ks=st.lists(st.integers(0, 9), min_size=1, max_size=3, unique=True))
+    def prepare_store(self, ks):
+        d = self.m.prepare_store([key(i) for i in ks])
+        if d is not None:
+            for k, s in zip(d.keys_to_store, d.slots, strict=True):
+                page = torch.randint(0, 256, (PAGE,), generator=self.gen, dtype=torch.uint8)
+                self.m.slabs[0].tensor[s].copy_(page)
+                self.data[k] = page
+            self.pending.append(d.keys_to_store)
+
+    @precondition(lambda self: self.pending)
+    @rule(ok=st.booleans())
+    def complete_store(self, ok):
+        self.m.complete_store(self.pending.pop(0), ok)
+
+    @rule(i=st.integers(0, 9))
+    def lookup_and_load(self, i):
+        k = key(i)
+        if self.m.lookup(k) is Lookup.HIT:
+            (slot,) = self.m.prepare_load([k])
+            # never a wrong byte: what a load would copy is what was stored
+            assert torch.equal(self.m.slabs[0].tensor[slot], self.data[k])
+            self.loads.append([k])
+
+    @precondition(lambda self: self.loads)
+    @rule()
+    def complete_load(self):
+        self.m.complete_load(self.loads.pop(0))
+
+    @rule()
+    def maintain(self):
+        self.m.maintain()
+
+    @rule()
+    def settle(self):
+        assert self.m.wait_io(10)
+
+    @invariant()
+    def integrity(self):
+        self.m.check_integrity()
+
+    def teardown(self):
+        self.m.shutdown()
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(
+    max_examples=25, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_slab_is_shared_and_its_name_goes_once_both_sides_mapped(tmp_path):
+    gen = torch.Generator().manual_seed(12)
+    path = str(tmp_path / "shared.slab")
+    first = HostSlab(path, 4, 64)
+    second = HostSlab(path, 4, 64)
+    assert first.created and not second.created
+    first.unlink_if_second()
+    assert os.path.exists(path)  # the creator never removes it
+    second.unlink_if_second()
+    assert not os.path.exists(path)
+    page = torch.randint(0, 256, (64,), generator=gen, dtype=torch.uint8)
+    first.tensor[2].copy_(page)
+    assert torch.equal(second.tensor[2], page)  # still one memory after the unlink
+    with pytest.raises(ValueError, match="expected"):
+        HostSlab(str(tmp_path / "x.slab"), 2, 64)
+        HostSlab(str(tmp_path / "x.slab"), 3, 64)
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def test_plan_blocks_maps_chunks_and_groups():
+    # two groups; 2 blocks per offloaded chunk; group 0 starts mid-chunk
+    plan = plan_blocks([10, 11, 12, 20, 21], [3, 2], [1, 0], [7, 3, 5], 2)
+    assert plan == [(0, [10, 11, 12], [7 * 2 + 1, 3 * 2 + 0, 3 * 2 + 1]),
+                    (1, [20, 21], [5 * 2 + 0, 5 * 2 + 1])]
+    with pytest.raises(ValueError, match="host slots"):
+        plan_blocks([1, 2], [2], [0], [4], 1)
+    with pytest.raises(ValueError, match="host slots but"):
+        plan_blocks([1, 2], [2], [0], [4, 5, 6], 1)
+
+
+def _layers(gen, n_blocks, sizes):
+    return [torch.randint(-128, 128, (n_blocks, s), generator=gen, dtype=torch.int8).view(torch.uint8)
+            for s in sizes]
+
+
+def _mover(tmp_path, gen, corrupt=False):
+    sizes = [96, 160]
+    layers = _layers(gen, 16, sizes)
+    copies = (LayerCopy(layers[0], 0, 96), LayerCopy(layers[1], 96, 160))
+    slab = HostSlab(str(tmp_path / "wslab"), 8, 256)
+    return TieredMover([GroupLayout(copies, 256)], slab, 1, corrupt_loads=corrupt), layers
+
+
+def _finish(mv, job):
+    mv.wait({job}, timeout=10)
+    res = mv.get_finished()
+    assert [r.job_id for r in res] == [job] and res[0].success
+    return res[0]
+
+
+def test_mover_round_trip_store_then_load_is_exact(tmp_path):
+    gen = torch.Generator().manual_seed(8)
+    mv, layers = _mover(tmp_path, gen)
+    src_blocks, slots = [3, 4, 5, 9], [2, 3, 4, 0]
+    want = [t[src_blocks].clone() for t in layers]
+    assert mv.submit(1, True, src_blocks, [4], [0], slots)
+    r = _finish(mv, 1)
+    assert r.nbytes == 4 * 256
+    # the host page is the block across all layers, page-first
+    assert torch.equal(mv.slab.tensor[2, :96], layers[0][3])
+    assert torch.equal(mv.slab.tensor[2, 96:], layers[1][3])
+    for t in layers:  # overwrite the device blocks, then load them back elsewhere
+        t[:] = torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8)
+    dst = [12, 13, 14, 1]
+    assert mv.submit(2, False, dst, [4], [0], slots)
+    _finish(mv, 2)
+    for t, w in zip(layers, want, strict=True):
+        assert torch.equal(t[dst], w)
+    mv.shutdown()
+
+
+def test_mover_negative_control_corrupt_loads_differ(tmp_path):
+    gen = torch.Generator().manual_seed(9)
+    mv, layers = _mover(tmp_path, gen, corrupt=True)
+    want = [t[[0, 1]].clone() for t in layers]
+    assert mv.submit(1, True, [0, 1], [2], [0], [0, 1])
+    _finish(mv, 1)
+    assert mv.submit(2, False, [5, 6], [2], [0], [0, 1])
+    _finish(mv, 2)
+    assert not torch.equal(layers[0][[5, 6]], want[0])
+    mv.shutdown()
+
+
+def test_mover_refuses_a_spec_that_does_not_add_up(tmp_path):
+    gen = torch.Generator().manual_seed(10)
+    mv, _ = _mover(tmp_path, gen)
+    assert mv.submit(1, True, [0, 1], [2], [0], [0]) is False
+    assert mv.get_finished() == []
+    mv.shutdown()
+
+
+# ----------------------------------------------------------------------------- layering
+
+
+def test_nothing_outside_the_integration_imports_vllm():
+    offenders = []
+    for base in ("tiering", "resources", "policies", "benchmarks"):
+        for p in (REPO / base).rglob("*.py"):
+            rel = p.relative_to(REPO).as_posix()
+            if rel.startswith("tiering/integrations/vllm/"):
+                continue
+            if base == "benchmarks" and p.name == "vllm_offload.py":
+                continue  # the benchmark drives vLLM in child processes only
+            tree = ast.parse(p.read_text())
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                if any(n == "vllm" or n.startswith("vllm.") for n in names):
+                    offenders.append(rel)
+    assert offenders == []
+    core = ast.parse((REPO / "tiering/integrations/vllm/_core.py").read_text())
+    mods = {n.module for n in ast.walk(core) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any(m.startswith("vllm") for m in mods)
+
+
+@pytest.mark.cuda
+def test_mover_cuda_round_trip_on_copy_streams(tmp_path):
+    gen = torch.Generator().manual_seed(11)
+    host_layers = _layers(gen, 16, [96, 160])
+    layers = [t.cuda() for t in host_layers]
+    copies = (LayerCopy(layers[0], 0, 96), LayerCopy(layers[1], 96, 160))
+    slab = HostSlab(str(tmp_path / "cslab"), 8, 256)
+    mv = TieredMover([GroupLayout(copies, 256)], slab, 1)
+    assert mv.streams.cuda
+    want = [t[[2, 3, 7]].clone() for t in layers]
+    assert mv.submit(1, True, [2, 3, 7], [3], [0], [5, 6, 1])
+    _finish(mv, 1)
+    for t in layers:  # overwrite with other random bytes before loading back
+        t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
+    assert mv.submit(2, False, [9, 10, 11], [3], [0], [5, 6, 1])
+    _finish(mv, 2)
+    for t, w in zip(layers, want, strict=True):
+        assert torch.equal(t[[9, 10, 11]], w)
+    mv.shutdown()
