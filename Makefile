@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	  else $(PY) -m venv $(VENV); fi; \
 	fi
 	sh scripts/install_torch.sh $(BIN)/python
-	extra=$$(sh scripts/install_torch.sh --cuda-extra $(BIN)/python); $(BIN)/python -m pip install -q -e ".[test,prometheus$${extra:+,$$extra}]"
+	extra=$$(sh scripts/install_torch.sh --cuda-extra $(BIN)/python); $(BIN)/python -m pip install -q -e ".[test,prometheus,coldtier$${extra:+,$$extra}]"
 	touch $(STAMP)
 
 test: $(STAMP)

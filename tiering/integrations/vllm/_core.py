@@ -9,7 +9,7 @@ worker per rank in other processes. The host tier is a slab of ``num_slots``
 page slots per rank, kept in a shared memory file that both sides map
 (``HostSlab``). The manager owns every decision and every piece of book-keeping:
 the block table (key -> host slot and/or disk extent, state, pins), the host
-slot pool (``tiering.pools.PagePool``), the disk tier (``DiskPageStore``) and the
+slot pool (``tiering.core.pools.PagePool``), the disk tier (``DiskPageStore``) and the
 cascade between them. The worker only copies bytes between vLLM's per-layer KV
 tensors and the slab slots that the manager named in a load or store spec. The
 manager itself moves host <-> disk (demotion and promotion) on its own I/O
@@ -42,9 +42,9 @@ import torch
 
 from tiering.disk import DiskConfig, DiskIOError, DiskPageStore
 from tiering.disk.ledger import DiskExtent
-from tiering.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
-from tiering.pools import PagePool
-from tiering.transfer import StreamSet, coalesce, copy_runs
+from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
+from tiering.core.pools import PagePool
+from tiering.core.transfer import StreamSet, coalesce, copy_runs
 
 log = logging.getLogger(__name__)
 
