@@ -46,6 +46,7 @@ class ReuseLifecycle(RuleBasedStateMachine):
 
         self.kv.disk.commit = commit
         self.data: dict[str, list] = {}
+        self.removed: set[str] = set()  # ids removed since the last reported results
         self.gen = torch.Generator().manual_seed(0)
 
     def teardown(self):
@@ -53,9 +54,10 @@ class ReuseLifecycle(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _check(self, results):
+        removed, self.removed = self.removed, set()
         for res in results:
-            if res.state is None:
-                continue  # a removed request's copy
+            if res.state is None or res.rid in removed:
+                continue  # a removed request's copy (applied before or after its removal)
             assert self.kv.state_of(res.rid) is res.state, res
             assert res.ok == (res.reason is None)
 
@@ -67,6 +69,7 @@ class ReuseLifecycle(RuleBasedStateMachine):
         self.kv.ingest_request(rid, None)
         if not self.kv.allocate(rid, tokens):
             self.kv.remove_request(rid)
+            self.removed.add(rid)
             return
         d = random_kv(self.gen, GEOM, tokens)
         if tokens:
@@ -105,6 +108,7 @@ class ReuseLifecycle(RuleBasedStateMachine):
     def remove(self, i):
         rid = sorted(self.data)[i % len(self.data)]
         self.kv.remove_request(rid)
+        self.removed.add(rid)
         del self.data[rid]
 
     @rule(on=st.booleans())
