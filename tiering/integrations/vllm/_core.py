@@ -40,11 +40,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tiering.disk import DiskConfig, DiskIOError, DiskPageStore
-from tiering.disk.ledger import DiskExtent
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.core.pools import PagePool
 from tiering.core.transfer import StreamSet, coalesce, copy_runs
+from tiering.disk import DiskConfig, DiskIOError, DiskPageStore
+from tiering.disk.ledger import DiskExtent
 
 log = logging.getLogger(__name__)
 
