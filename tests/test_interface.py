@@ -107,8 +107,6 @@ def test_build_resource_builds_a_kv_cache(geom):
 
     spec = base.NodeResourceSpec("kv", PagedKVCache, {"geometry": geom, "device_pages": 4,
                                                       "host_pages": 4})
-    kv = base.build_resource(spec, base.EngineResourceInfo(device=torch.device("cpu")))
-    try:
+    with base.build_resource(spec, base.EngineResourceInfo(device=torch.device("cpu"))) as kv:
         assert isinstance(kv, PagedKVCache) and kv.supports_eviction
-    finally:
-        kv.close()
+        kv.check_integrity()

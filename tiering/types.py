@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
+from tiering.errors import IllegalTransition
+
 
 class Tier(enum.Enum):
     """Where a request's KV cache lives."""
@@ -83,10 +85,6 @@ LEGAL_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     ),
     RequestState.LOST: frozenset(),
 }
-
-
-class IllegalTransition(RuntimeError):
-    """A request was asked to move in a way its state does not allow."""
 
 
 def check_transition(rid: str, current: RequestState, new: RequestState) -> None:

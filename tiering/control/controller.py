@@ -18,17 +18,18 @@ from typing import Any
 from policies.base import Candidate, Policy
 from tiering.control.admission import InFlightLedger, ReloadAdmission
 from tiering.control.cascade import HostCascade
-from tiering.control.config import (
-    ControllerConfig,
-    EvictionReport,
-    UnknownRequestError,
-)
+from tiering.control.config import ControllerConfig, EvictionReport
 from tiering.control.eviction import DeviceEviction
 from tiering.control.request_table import RequestTable, ResourceHandle
 from tiering.control.stats import ControllerStats
+from tiering.errors import UnknownRequest, UnknownRequestError
 from tiering.types import Move, RequestState, Tier, TransferResult
 
-__all__ = ["ControllerConfig", "EvictionController", "EvictionReport", "UnknownRequestError"]
+# UnknownRequest(Error) stay importable from here, their old home
+__all__ = [
+    "ControllerConfig", "EvictionController", "EvictionReport", "UnknownRequest",
+    "UnknownRequestError",
+]
 
 log = logging.getLogger("tiering.control.controller")
 
@@ -159,7 +160,7 @@ class EvictionController:
         """Forget a request that finished; its waiting reload, if any, is cancelled."""
         names = self._table.names.get(rid)
         if names is None:
-            raise UnknownRequestError(f"unknown request {rid!r}")
+            raise UnknownRequest(f"unknown request {rid!r}")
         self._table.remove(rid)
         self._admission.forget(rid)
         for name in names:
@@ -170,7 +171,7 @@ class EvictionController:
         table = self._table
         slot = table.slot.get(rid)
         if slot is None:
-            raise UnknownRequestError(f"unknown request {rid!r}")
+            raise UnknownRequest(f"unknown request {rid!r}")
         table.last_used[slot] = self._clock()
         self._eviction.touched(rid)
 
@@ -178,7 +179,7 @@ class EvictionController:
         """When the request last ran (``touch``), or was registered if it never has."""
         slot = self._table.slot.get(rid)
         if slot is None:
-            raise UnknownRequestError(f"unknown request {rid!r}")
+            raise UnknownRequest(f"unknown request {rid!r}")
         return float(self._table.last_used[slot])
 
     def _members(self, rid: str) -> tuple[ResourceHandle, ...] | None:

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from tiering.errors import CopyFault  # noqa: F401 (re-exported from its old home)
+
 
 class PageRun(NamedTuple):
     """``length`` adjacent pages copied from ``src`` onwards to ``dst`` onwards."""
@@ -46,10 +48,6 @@ def coalesce(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[PageRun
                 continue
         runs.append(PageRun(s, d, 1))
     return runs
-
-
-class CopyFault(RuntimeError):
-    """A page copy failed (raised by real failures and by injected faults)."""
 
 
 def no_fault(kind: str) -> None:
