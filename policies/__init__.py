@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from policies.base import Candidate, CandidateBatch, OrderCursor, Policy, PriorityLookup, rank_by
+from policies.base import Candidate, CandidateBatch, OrderCursor, Policy, rank_by
 from policies.cost_aware import CostAware
 from policies.largest import LargestFirst
 from policies.lru import LRU
@@ -42,7 +42,6 @@ __all__ = [
     "PolicyFactory",
     "PolicyRegistry",
     "Priority",
-    "PriorityLookup",
     "default_registry",
     "make_policy",
     "rank_by",

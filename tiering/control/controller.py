@@ -23,7 +23,7 @@ from tiering.control.eviction import DeviceEviction
 from tiering.control.request_table import RequestTable, ResourceHandle
 from tiering.control.stats import ControllerStats
 from tiering.errors import UnknownRequest, UnknownRequestError
-from tiering.types import Move, RequestState, Tier, TransferResult
+from tiering.types import Move, TransferResult
 
 # UnknownRequest(Error) stay importable from here, their old home
 __all__ = [
@@ -101,10 +101,8 @@ class EvictionController:
         self._clock = clock
         self._handles = handles
         self._evicting = tuple(h for h in handles.values() if h.evicts)
-        # polled, or (an evicting one without poll) still checked for completions
-        self._polled = tuple(
-            (h, h.poll, h.evicts) for h in handles.values() if h.poll is not None or h.evicts
-        )
+        # every resource with a poll() is polled; an evicting one's records settle the ledger
+        self._polled = tuple((h, h.poll, h.evicts) for h in handles.values() if h.poll is not None)
         # a resource that hands out a completion feed reports to it whoever polls it
         self._feeds = {
             h.name: h.resource.completion_feed()
@@ -262,24 +260,21 @@ class EvictionController:
                     answer = sync(wait)
                 except TimeoutError as exc:  # what finished was applied: settle it
                     timed_out = exc
-                    answer = poll() if poll is not None else None
+                    answer = None
+                if answer is None:  # its records wait for the next poll()
+                    answer = poll()
             else:
-                answer = poll() if poll is not None else None
+                answer = poll()
             if not evicts:
                 continue
             feed = self._feeds.get(h.name)
             if feed is not None:  # everything reported, also to whoever else polled
                 answer = feed.take()
-            if type(answer) is list or type(answer) is tuple or isinstance(answer, Sequence):
-                if answer:
-                    self._settle(h, answer)
-            else:  # a count, or nothing: a resource that does not report records yet
-                if answer is None or answer != 0:
-                    # it completed something (or does not say): a reload may have landed
-                    self._eviction.forget_finding()
-                records = self._inferred(h)
-                if records:
-                    self._settle(h, records)
+            if isinstance(answer, (str, bytes)) or not isinstance(answer, Sequence):
+                raise TypeError(f"resource {h.name!r}: poll() returned {answer!r}; expected "
+                                "a sequence of TransferResult records")
+            if answer:
+                self._settle(h, answer)
         if timed_out is not None:
             raise timed_out
 
@@ -304,30 +299,6 @@ class EvictionController:
                 # a failed reload: the request is offloaded again, a candidate no more
                 self._table.clear_reload(self._table.slot[rec.rid])
         self._stats.transfers_reported += len(records)
-
-    def _inferred(self, h: ResourceHandle) -> list[TransferResult]:
-        """Records for this controller's moves on ``h`` that ended, inferred from its hooks
-        (transitional, for a ``poll()`` that returns a count or nothing)."""
-        out: list[TransferResult] = []
-        ledger = self._ledger
-        for _, rid in [k for k in ledger.moving if k[0] == h.name]:
-            try:
-                if h.tier_of is not None and h.tier_of(rid) is not Tier.DEVICE:
-                    out.append(TransferResult(rid, Move.OFFLOAD_TO_HOST, True, 0,
-                                              RequestState.ON_HOST))
-                elif h.reclaimable(rid) > 0:  # resident and reclaimable again: it failed
-                    out.append(TransferResult(rid, Move.OFFLOAD_TO_HOST, False, 0,
-                                              RequestState.RESIDENT))
-            except Exception:  # vanished from the resource
-                out.append(TransferResult(rid, Move.OFFLOAD_TO_HOST, False, 0, None))
-        for _, rid in [k for k in ledger.demoting if k[0] == h.name]:
-            try:
-                done = h.tier_of(rid) is not Tier.HOST or h.can_reload(rid)
-            except Exception:
-                done = True
-            if done:
-                out.append(TransferResult(rid, Move.DEMOTE, True, 0, None))
-        return out
 
     # -- one pass -----------------------------------------------------------------
 
