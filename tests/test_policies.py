@@ -725,3 +725,30 @@ def test_order_rows_reads_ids_only_when_rows_tie():
     tied = check_keys([np.zeros(n)], n)
     with pytest.raises(AssertionError, match="ids were read"):
         order_rows(tied, _IdsNeverRead())
+
+
+def test_a_registry_of_another_kind_names_its_kind_and_checks_its_product():
+    """``policies.registry.Registry`` serves any kind of policy: the messages name the
+    kind, and ``make`` refuses a factory that returns something else."""
+    from policies.registry import Registry
+
+    class Widget:
+        pass
+
+    class WidgetRegistry(Registry):
+        kind = "widget policy"
+        product = Widget
+        __slots__ = ()
+
+    base = WidgetRegistry({"w": Widget})
+    grown = base.with_policy("bad", lambda: 3)
+    assert type(grown) is WidgetRegistry and base.names == ("w",)
+    assert grown.names == ("bad", "w") and isinstance(grown.make("w"), Widget)
+    with pytest.raises(TypeError, match="widget policy 'bad': factory returned int, not a Widget"):
+        grown.make("bad")
+    with pytest.raises(ValueError, match="unknown widget policy 'x'; known widget policies: bad, w"):
+        grown.make("x")
+    with pytest.raises(ValueError, match="widget policy 'w' is already registered"):
+        grown.with_policy("w", Widget)
+    with pytest.raises(ValueError, match="a widget policy name must be a non-empty str"):
+        WidgetRegistry({"": Widget})

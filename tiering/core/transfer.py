@@ -148,18 +148,10 @@ def issue_runs(
     return None
 
 
-def copy_runs(
-    streams: StreamSet,
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    runs: Sequence[PageRun],
-    direction: str,
-    after=None,
-    fault_hook: Callable[[str], None] = no_fault,
-):
-    """``issue_runs`` and wait until the copies are done (a blocking-sync
-    event: the worker sleeps). Returns the event (None on a CPU)."""
-    done = issue_runs(streams, src, dst, runs, direction, after, fault_hook)
+def copy_runs(*args, **kwargs):
+    """``issue_runs`` (the same arguments) and wait until the copies are done (a
+    blocking-sync event: the worker sleeps). Returns the event (None on a CPU)."""
+    done = issue_runs(*args, **kwargs)
     if done is not None:
         done.synchronize()
     return done
