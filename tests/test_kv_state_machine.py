@@ -134,3 +134,19 @@ def test_everything_free_after_all_removed(kv):
     cache.synchronize(10)
     cache.check_integrity()
     assert cache.device_pool.used_bytes == 0 and cache.host_pool.used_bytes == 0
+
+
+def test_the_design_page_states_the_legal_transitions_of_the_code():
+    """docs/design.md's table of the request state machine is LEGAL_TRANSITIONS."""
+    import re
+    from pathlib import Path
+
+    from tiering.types import LEGAL_TRANSITIONS
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", page, flags=re.M)
+    documented = {
+        S(state): frozenset(S(v) for v in re.findall(r"`(\w+)`", targets))
+        for state, targets in rows
+    }
+    assert documented == LEGAL_TRANSITIONS
