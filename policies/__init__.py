@@ -20,14 +20,14 @@ changes the one it started from, so nothing leaks between callers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+from collections.abc import Callable
 
-from policies.base import Candidate, CandidateBatch, OrderCursor, Policy, PriorityLookup, rank_by
+from policies.base import Candidate, CandidateBatch, OrderCursor, Policy, rank_by
 from policies.cost_aware import CostAware
 from policies.largest import LargestFirst
 from policies.lru import LRU
 from policies.priority import Priority
+from policies.registry import Registry
 
 PolicyFactory = Callable[..., Policy]
 
@@ -42,15 +42,15 @@ __all__ = [
     "PolicyFactory",
     "PolicyRegistry",
     "Priority",
-    "PriorityLookup",
     "default_registry",
     "make_policy",
     "rank_by",
+    "Registry",
     "register_policy",
 ]
 
 
-class PolicyRegistry:
+class PolicyRegistry(Registry):
     """An immutable map from policy name to a factory that builds the policy.
 
     ``make(name, **kwargs)`` calls the factory with ``kwargs``;
@@ -58,54 +58,9 @@ class PolicyRegistry:
     ``name``.
     """
 
-    __slots__ = ("_factories",)
-
-    def __init__(self, factories: Mapping[str, PolicyFactory] | None = None) -> None:
-        checked: dict[str, PolicyFactory] = {}
-        for name, factory in (factories or {}).items():
-            _check_entry(name, factory)
-            checked[name] = factory
-        self._factories = MappingProxyType(checked)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The registered names, sorted."""
-        return tuple(sorted(self._factories))
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._factories
-
-    def with_policy(self, name: str, factory: PolicyFactory) -> PolicyRegistry:
-        """A new registry holding this one's entries plus ``name``; ``name`` must be new."""
-        _check_entry(name, factory)
-        if name in self._factories:
-            raise ValueError(f"policy {name!r} is already registered")
-        return PolicyRegistry({**self._factories, name: factory})
-
-    def make(self, name: str, **kwargs: object) -> Policy:
-        """Build the policy registered as ``name`` with ``kwargs``."""
-        factory = self._factories.get(name)
-        if factory is None:
-            raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(self.names)}")
-        try:
-            policy = factory(**kwargs)
-        except TypeError as err:
-            raise TypeError(f"policy {name!r}: {err}") from err
-        if not isinstance(policy, Policy):
-            raise TypeError(
-                f"policy {name!r}: factory returned {type(policy).__name__}, not a Policy"
-            )
-        return policy
-
-    def __repr__(self) -> str:
-        return f"PolicyRegistry({', '.join(self.names)})"
-
-
-def _check_entry(name: object, factory: object) -> None:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a policy name must be a non-empty str, got {name!r}")
-    if not callable(factory):
-        raise TypeError(f"policy {name!r}: factory {factory!r} is not callable")
+    kind = "policy"
+    product = Policy
+    __slots__ = ()
 
 
 def default_registry() -> PolicyRegistry:

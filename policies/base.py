@@ -23,15 +23,9 @@ __all__ = [
     "CandidateBatch",
     "OrderCursor",
     "Policy",
-    "PriorityLookup",
     "check_now",
     "rank_by",
 ]
-
-
-# A callable the controller hands to a policy that needs a resource's opinion:
-# (resource name, rid) -> offload priority.
-PriorityLookup = Callable[[str, str], float]
 
 
 class Policy:

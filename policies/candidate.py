@@ -49,11 +49,11 @@ class Candidate:
         if (
             not isinstance(self.reclaimable, int)
             or isinstance(self.reclaimable, bool)
-            or not 0 <= self.reclaimable < _MAX_BYTES
+            or not 0 < self.reclaimable < _MAX_BYTES
         ):
             raise ValueError(
-                f"Candidate {self.rid!r}: reclaimable must be an int in [0, 2**63), "
-                f"got {self.reclaimable!r}"
+                f"Candidate {self.rid!r}: reclaimable must be an int in [1, 2**63) (a request "
+                f"with nothing to reclaim is not a candidate), got {self.reclaimable!r}"
             )
         _check_finite(self.rid, "last_used", self.last_used)
         _check_finite(self.rid, "priority", self.priority)
@@ -298,8 +298,9 @@ class CandidateBatch:
         """``Candidate`` records of ``rows`` (default: all), in that order.
 
         ``reclaimable`` gives the bytes of those rows when the batch does not
-        carry them (or replaces what it carries): ints in [0, 2**63), one per
-        row. A batch made ``from_candidates`` returns its own records.
+        carry them (or replaces what it carries): ints in [1, 2**63), one per
+        row (each > 0, as a ``Candidate``'s). A batch made ``from_candidates`` returns its
+        own records.
         """
         index = (
             np.arange(len(self), dtype=np.int64) if rows is None
@@ -411,6 +412,10 @@ def _bytes_column(values: object, n: int) -> np.ndarray:
     array = _numeric_source("reclaimable", values, n)
     if n and array.dtype.kind not in "iu":
         raise ValueError(f"CandidateBatch.reclaimable must hold ints, got dtype {array.dtype}")
-    if n and (int(array.min()) < 0 or int(array.max()) >= _MAX_BYTES):
-        raise ValueError("CandidateBatch.reclaimable must be in [0, 2**63)")
+    if n and (int(array.min()) <= 0 or int(array.max()) >= _MAX_BYTES):
+        bad = int(np.flatnonzero((array <= 0) | (array >= _MAX_BYTES))[0])
+        raise ValueError(
+            f"CandidateBatch.reclaimable must be in [1, 2**63) (a request with nothing to "
+            f"reclaim is not a candidate), got {array[bad]!r} at row {bad}"
+        )
     return _readonly(np.array(array, dtype=np.int64))

@@ -11,29 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resources.base import ResourceReqConfig
+from tiering.errors import CacheClosed, RequestLost, UnknownRequest  # noqa: F401 (re-exported from its old home)
 from tiering.types import Move, RequestState
 
 S = RequestState
-
-
-class UnknownRequest(KeyError):
-    """A request id this cache has not ingested."""
-
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
-        return str(self.args[0])
-
-
-class RequestLost(RuntimeError):
-    """The request's KV could not be kept; ``reason`` says why."""
-
-    def __init__(self, rid: str, reason: str) -> None:
-        super().__init__(f"request {rid!r} is lost: {reason}")
-        self.rid = rid
-        self.reason = reason
-
-
-class CacheClosed(RuntimeError):
-    """The cache was closed; every call after ``close()`` raises this and changes nothing."""
 
 
 @dataclass

@@ -1,10 +1,11 @@
-"""Shared fixtures: small geometries, seeded random KV, and the cuda marker."""
+"""Shared fixtures: small geometries, seeded random KV, a cache factory, and the cuda marker."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
 from tiering.types import Tier
 
@@ -28,6 +29,29 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def geom() -> KVGeometry:
     return KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_tokens=4, dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def kv(geom):
+    """A factory of ``PagedKVCache``: ``kv(device_pages=4, host_pages=8, ...)``.
+
+    The geometry defaults to the ``geom`` fixture (``kv.geometry``; pass
+    ``geometry=`` for another). Every cache it made is closed at the end of the test, whatever
+    the test did (closing twice is harmless), so no test needs
+    ``try/finally: kv.close()``.
+    """
+    made: list[PagedKVCache] = []
+
+    def make(geometry: KVGeometry | None = None, **kwargs) -> PagedKVCache:
+        cache = PagedKVCache(geom if geometry is None else geometry, **kwargs)
+        made.append(cache)
+        return cache
+
+    make.geometry = geom  # the default geometry
+    make.made = made  # every cache made so far
+    yield make
+    for cache in reversed(made):
+        cache.close()
 
 
 def random_kv(gen: torch.Generator, geometry: KVGeometry, tokens: int):

@@ -1356,14 +1356,6 @@ class NoPoll(FakeTieredResource):
     poll = None
 
 
-class PollSaysNothing(FakeTieredResource):
-    """Completes transfers in ``poll`` but does not say how many."""
-
-    def poll(self):
-        super().poll()
-        return None
-
-
 BUSY = ControllerConfig(high=0.8, low=0.6, min_residency_s=1.0)
 DEVICE = 100_000
 
@@ -1526,7 +1518,7 @@ def test_a_minimum_residency_running_out_is_noticed():
 
 @pytest.mark.parametrize("policy_name", ["lru", "largest", "priority"])
 def test_a_reload_completed_in_poll_is_noticed(policy_name):
-    # no room gauges: only poll()'s count says that something changed
+    # no room gauges: only poll()'s records say that something changed
     def scenario(w):
         back = w.add("back", 4_000, Tier.HOST)
         assert w.ctl.request_reload(back)
@@ -1664,8 +1656,7 @@ def test_a_reload_that_frees_room_below_is_noticed():
     assert fast.skipped() == 2
 
 
-@pytest.mark.parametrize("resource_cls", [NoPoll, PollSaysNothing])
-def test_without_a_count_from_poll_every_busy_call_scans(resource_cls):
+def test_without_poll_every_busy_call_scans():
     def scenario(w):
         for i in range(8):
             w.add(f"h{i}", 2_000, Tier.HOST)
@@ -1676,7 +1667,7 @@ def test_without_a_count_from_poll_every_busy_call_scans(resource_cls):
         assert w.res.calls["reclaimable_many"] == 4
         return out
 
-    fast, _ = _twins(scenario, seed=16, resource_cls=resource_cls)
+    fast, _ = _twins(scenario, seed=16, resource_cls=NoPoll)
     assert fast.skipped() == 0
 
 
@@ -1734,11 +1725,8 @@ class ControllerMachine(RuleBasedStateMachine):
         # room-aware answers; no host/disk gauges (so no cascade either), leaving the
         # other cues to notice changes; or the plain fake
         resource_cls=st.sampled_from([FakeTieredResource, RoomAware, RoomAwareUnmetered]),
-        # completion records from poll(), or only their count (inferred settlement)
-        records=st.booleans(),
     )
-    def setup(self, seed, lagging, async_transfers, on_disk_full, policy_name, resource_cls,
-              records):
+    def setup(self, seed, lagging, async_transfers, on_disk_full, policy_name, resource_cls):
         self.rng = random.Random(seed)
         self.clock = FakeClock()
         self.cfg = ControllerConfig(
@@ -1749,7 +1737,7 @@ class ControllerMachine(RuleBasedStateMachine):
         for cls in (EvictionController, AlwaysRescan):
             res = resource_cls(
                 40_000, 24_000, 12_000, async_transfers=async_transfers,
-                enforce_device_capacity=False, report_records=records,
+                enforce_device_capacity=False,
             )
             exact = ExactPressure(res)
             lag = LaggingPressure(exact, self.clock) if lagging else None

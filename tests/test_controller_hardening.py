@@ -18,7 +18,6 @@ import torch
 from conftest import assert_same, fill
 
 from policies import make_policy
-from resources.kv_cache import PagedKVCache
 from tiering.control.controller import ControllerConfig, EvictionController
 from tiering.control.pressure import PoolPressure
 from tiering.disk import DiskConfig, FaultPlan, FaultyStore
@@ -282,132 +281,126 @@ def _gate_plan(gate: threading.Event) -> FaultPlan:
     return plan
 
 
-def _real(geom, tmp_path, *, plan: FaultPlan | None = None, device_pages=16, host_pages=16):
-    page = geom.page_bytes
+def _real(kv, tmp_path, *, plan: FaultPlan | None = None, device_pages=16, host_pages=16):
+    """A real cache with a disk tier, made by the ``kv`` factory (closed for us)."""
+    page = kv.geometry.page_bytes
     cfg = DiskConfig(path=tmp_path / "disk", capacity_bytes=64 * page, chunk_bytes=2 * page)
     wrap = (lambda s: FaultyStore(s, plan)) if plan is not None else None
-    return PagedKVCache(geom, device="cpu", device_pages=device_pages, host_pages=host_pages,
-                        disk=cfg, disk_wrap_store=wrap)
+    return kv(device="cpu", device_pages=device_pages, host_pages=host_pages, disk=cfg,
+              disk_wrap_store=wrap)
 
 
-def test_real_cache_a_removed_request_is_skipped(geom, tmp_path):
-    kv = _real(geom, tmp_path)
+def test_real_cache_a_removed_request_is_skipped(kv, geom, tmp_path):
+    cache = _real(kv, tmp_path)
     gen = torch.Generator().manual_seed(11)
     clock = FakeClock()
-    ctl = EvictionController({"kv": kv}, make_policy("lru"), PoolPressure(kv),
+    ctl = EvictionController({"kv": cache}, make_policy("lru"), PoolPressure(cache),
                              ControllerConfig(high=0.8, low=0.4), clock=clock)
     data = {}
-    try:
-        for i in range(4):
-            rid = f"q{i}"
-            data[rid] = fill(kv, rid, gen, 4 * geom.page_tokens - 1)  # 4 pages each
-            ctl.add_request(rid)
-            clock.advance(0.5)
-        clock.advance(5.0)
-        kv.remove_request("q0")  # the worker freed it; the controller has not heard yet
-        kv.check_integrity()
-        kv.ingest_request("q9", None)
-        assert kv.allocate("q9", 4 * geom.page_tokens)  # the device fills up again
-        ctl.add_request("q9")
-        report = ctl.evict_if_needed({"q9"})  # must not raise
-        assert "q0" not in report.offloaded and report.offloaded
-        assert ctl.stats()["vanished_skips"] >= 1
-        kv.synchronize(10)
-        kv.check_integrity()
-        ctl.remove_request("q0")
-        ctl.check_integrity()
-        for rid in report.offloaded:
-            assert kv.is_offloaded(rid)
-            assert ctl.request_reload(rid) or rid in ctl.pending_reloads()
-        kv.remove_request("q9")
-        ctl.remove_request("q9")
-        for _ in range(3):
-            ctl.evict_if_needed(())
-            kv.synchronize(10)
-        for rid in report.offloaded:
-            assert kv.state_of(rid) is S.RESIDENT
-            assert_same(kv, rid, data[rid])
-        kv.check_integrity()
-        ctl.check_integrity()
-    finally:
-        kv.close()
+    for i in range(4):
+        rid = f"q{i}"
+        data[rid] = fill(cache, rid, gen, 4 * geom.page_tokens - 1)  # 4 pages each
+        ctl.add_request(rid)
+        clock.advance(0.5)
+    clock.advance(5.0)
+    cache.remove_request("q0")  # the worker freed it; the controller has not heard yet
+    cache.check_integrity()
+    cache.ingest_request("q9", None)
+    assert cache.allocate("q9", 4 * geom.page_tokens)  # the device fills up again
+    ctl.add_request("q9")
+    report = ctl.evict_if_needed({"q9"})  # must not raise
+    assert "q0" not in report.offloaded and report.offloaded
+    assert ctl.stats()["vanished_skips"] >= 1
+    cache.synchronize(10)
+    cache.check_integrity()
+    ctl.remove_request("q0")
+    ctl.check_integrity()
+    for rid in report.offloaded:
+        assert cache.is_offloaded(rid)
+        assert ctl.request_reload(rid) or rid in ctl.pending_reloads()
+    cache.remove_request("q9")
+    ctl.remove_request("q9")
+    for _ in range(3):
+        ctl.evict_if_needed(())
+        cache.synchronize(10)
+    for rid in report.offloaded:
+        assert cache.state_of(rid) is S.RESIDENT
+        assert_same(cache, rid, data[rid])
+    cache.check_integrity()
+    ctl.check_integrity()
 
 
-def test_real_cache_the_cascade_skips_what_the_worker_demotes(geom, tmp_path):
+def test_real_cache_the_cascade_skips_what_the_worker_demotes(kv, geom, tmp_path):
     gate = threading.Event()
     plan = _gate_plan(gate)
-    kv = _real(geom, tmp_path, plan=plan, host_pages=12)
+    cache = _real(kv, tmp_path, plan=plan, host_pages=12)
     gen = torch.Generator().manual_seed(12)
     clock = FakeClock()
-    ctl = EvictionController({"kv": kv}, make_policy("lru"), PoolPressure(kv),
+    ctl = EvictionController({"kv": cache}, make_policy("lru"), PoolPressure(cache),
                              ControllerConfig(host_high=0.6, host_low=0.3), clock=clock)
     data = {}
     try:
         for i in range(3):
             rid = f"c{i}"
-            data[rid] = fill(kv, rid, gen, 4 * geom.page_tokens)
+            data[rid] = fill(cache, rid, gen, 4 * geom.page_tokens)
             ctl.add_request(rid)
             clock.advance(0.5)
-            assert kv.offload(rid) > 0
-        kv.synchronize(10)
-        assert all(kv.state_of(r) is S.ON_HOST for r in data)
+            assert cache.offload(rid) > 0
+        cache.synchronize(10)
+        assert all(cache.state_of(r) is S.ON_HOST for r in data)
         plan.arm("slow", next_n=1_000)  # every disk write waits at the gate
-        assert kv.demote("c0")  # the worker demotes the coldest itself
-        assert kv.state_of("c0") is S.DEMOTING
+        assert cache.demote("c0")  # the worker demotes the coldest itself
+        assert cache.state_of("c0") is S.DEMOTING
         report = ctl.evict_if_needed(())  # must not raise
         assert "c0" not in report.demoted
         assert report.demoted  # host over host_high without c0: the next coldest goes
         gate.set()
-        kv.synchronize(10)
+        cache.synchronize(10)
         ctl.evict_if_needed(())
-        assert kv.state_of("c0") is S.ON_DISK
+        assert cache.state_of("c0") is S.ON_DISK
         assert ctl.stats()["demotions_in_flight"] == 0
-        kv.check_integrity()
+        cache.check_integrity()
         ctl.check_integrity()
         for rid in data:
-            if kv.is_offloaded(rid):
-                assert kv.reload(rid)
-        kv.synchronize(10)
+            if cache.is_offloaded(rid):
+                assert cache.reload(rid)
+        cache.synchronize(10)
         for rid in data:
-            assert_same(kv, rid, data[rid])
+            assert_same(cache, rid, data[rid])
     finally:
         gate.set()
-        kv.close()
 
 
-def test_real_cache_a_waiting_reload_of_a_removed_request_strands_no_other(geom, tmp_path):
-    kv = _real(geom, tmp_path)
+def test_real_cache_a_waiting_reload_of_a_removed_request_strands_no_other(kv, geom, tmp_path):
+    cache = _real(kv, tmp_path)
     gen = torch.Generator().manual_seed(13)
     clock = FakeClock()
-    ctl = EvictionController({"kv": kv}, make_policy("lru"), PoolPressure(kv),
+    ctl = EvictionController({"kv": cache}, make_policy("lru"), PoolPressure(cache),
                              ControllerConfig(), clock=clock)
     pages = 4 * geom.page_tokens
     data = {}
-    try:
-        for rid in ("q0", "q1", "q2", "q3"):
-            data[rid] = fill(kv, rid, gen, pages)
-            ctl.add_request(rid)
-            clock.advance(0.5)
-        for rid in ("q0", "q1"):
-            assert kv.offload(rid) > 0
-        kv.synchronize(10)
-        for rid in ("q4", "q5"):  # the worker fills the device again
-            data[rid] = fill(kv, rid, gen, pages)
-            ctl.add_request(rid)
-        assert ctl.request_reload("q0") is False
-        assert ctl.request_reload("q1") is False
-        kv.remove_request("q0")  # freed by the worker; the controller has not heard yet
-        for rid in ("q4", "q5"):
-            kv.remove_request(rid)
-            ctl.remove_request(rid)
-        report = ctl.evict_if_needed(())  # must not raise
-        assert report.reloads_started == ("q1",)
-        assert ctl.pending_reloads() == ()
-        kv.synchronize(10)
-        assert kv.state_of("q1") is S.RESIDENT
-        assert_same(kv, "q1", data["q1"])
-        ctl.remove_request("q0")
-        kv.check_integrity()
-        ctl.check_integrity()
-    finally:
-        kv.close()
+    for rid in ("q0", "q1", "q2", "q3"):
+        data[rid] = fill(cache, rid, gen, pages)
+        ctl.add_request(rid)
+        clock.advance(0.5)
+    for rid in ("q0", "q1"):
+        assert cache.offload(rid) > 0
+    cache.synchronize(10)
+    for rid in ("q4", "q5"):  # the worker fills the device again
+        data[rid] = fill(cache, rid, gen, pages)
+        ctl.add_request(rid)
+    assert ctl.request_reload("q0") is False
+    assert ctl.request_reload("q1") is False
+    cache.remove_request("q0")  # freed by the worker; the controller has not heard yet
+    for rid in ("q4", "q5"):
+        cache.remove_request(rid)
+        ctl.remove_request(rid)
+    report = ctl.evict_if_needed(())  # must not raise
+    assert report.reloads_started == ("q1",)
+    assert ctl.pending_reloads() == ()
+    cache.synchronize(10)
+    assert cache.state_of("q1") is S.RESIDENT
+    assert_same(cache, "q1", data["q1"])
+    ctl.remove_request("q0")
+    cache.check_integrity()
+    ctl.check_integrity()

@@ -107,8 +107,58 @@ def test_build_resource_builds_a_kv_cache(geom):
 
     spec = base.NodeResourceSpec("kv", PagedKVCache, {"geometry": geom, "device_pages": 4,
                                                       "host_pages": 4})
-    kv = base.build_resource(spec, base.EngineResourceInfo(device=torch.device("cpu")))
-    try:
+    with base.build_resource(spec, base.EngineResourceInfo(device=torch.device("cpu"))) as kv:
         assert isinstance(kv, PagedKVCache) and kv.supports_eviction
+        kv.check_integrity()
+
+
+# -- the vocabulary: where a request in each state is reported --------------------------
+
+
+def test_a_request_in_flight_is_reported_at_the_faster_of_its_two_tiers(kv):
+    import threading
+
+    import torch
+    from conftest import fill
+
+    from tiering.types import TIER_ORDER, Move, RequestState, Tier
+
+    S = RequestState
+    moves_of = {
+        S.OFFLOADING: (Move.OFFLOAD_TO_HOST, Move.OFFLOAD_TO_DISK),
+        S.DEMOTING: (Move.DEMOTE,),
+        S.RELOADING: (Move.RELOAD_FROM_HOST, Move.RELOAD_FROM_DISK),
+    }
+    assert {s for s in S if s.in_flight} == set(moves_of)
+    for state, moves in moves_of.items():
+        for move in moves:
+            fastest = min(move.source, move.destination, key=TIER_ORDER.index)
+            assert state.tier is fastest, (state, move)
+    at_rest = {S.RESIDENT: Tier.DEVICE, S.ON_HOST: Tier.HOST, S.ON_DISK: Tier.DISK, S.LOST: None}
+    assert {s: s.tier for s in at_rest} == at_rest
+
+    # the real cache reports the same while its copies are provably in flight
+    go, entered = threading.Event(), threading.Semaphore(0)
+
+    def hold(kind):
+        entered.release()
+        assert go.wait(10)
+
+    cache = kv(device_pages=8, host_pages=8, copy_fault_hook=hold)
+    try:
+        fill(cache, "a", torch.Generator().manual_seed(5), 8)
+        cache.offload("a")
+        assert entered.acquire(timeout=10)
+        assert cache.state_of("a") is S.OFFLOADING and cache.tier_of("a") is Tier.DEVICE
+        go.set()
+        cache.synchronize(10)
+        go.clear()
+        assert cache.reload("a")
+        assert entered.acquire(timeout=10)
+        assert cache.state_of("a") is S.RELOADING and cache.tier_of("a") is Tier.DEVICE
+        cache.check_integrity()
     finally:
-        kv.close()
+        go.set()
+    cache.synchronize(10)
+    assert cache.tier_of("a") is Tier.DEVICE
+    cache.check_integrity()

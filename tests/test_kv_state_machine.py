@@ -120,20 +120,33 @@ Lifecycle.TestCase.settings = settings(
 TestLifecycle = Lifecycle.TestCase
 
 
-def test_everything_free_after_all_removed():
-    kv = PagedKVCache(GEOM, device_pages=10, host_pages=8)
-    try:
-        gen = torch.Generator().manual_seed(3)
-        for i in range(4):
-            kv.ingest_request(f"x{i}")
-            kv.allocate(f"x{i}", 4)
-            for layer, (k, v) in enumerate(random_kv(gen, GEOM, 4)):
-                kv.write(f"x{i}", layer, 0, k, v)
-            kv.offload(f"x{i}")
-        for i in range(4):
-            kv.remove_request(f"x{i}")
-        kv.synchronize(10)
-        kv.check_integrity()
-        assert kv.device_pool.used_bytes == 0 and kv.host_pool.used_bytes == 0
-    finally:
-        kv.close()
+def test_everything_free_after_all_removed(kv):
+    cache = kv(geometry=GEOM, device_pages=10, host_pages=8)
+    gen = torch.Generator().manual_seed(3)
+    for i in range(4):
+        cache.ingest_request(f"x{i}")
+        cache.allocate(f"x{i}", 4)
+        for layer, (k, v) in enumerate(random_kv(gen, GEOM, 4)):
+            cache.write(f"x{i}", layer, 0, k, v)
+        cache.offload(f"x{i}")
+    for i in range(4):
+        cache.remove_request(f"x{i}")
+    cache.synchronize(10)
+    cache.check_integrity()
+    assert cache.device_pool.used_bytes == 0 and cache.host_pool.used_bytes == 0
+
+
+def test_the_design_page_states_the_legal_transitions_of_the_code():
+    """docs/design.md's table of the request state machine is LEGAL_TRANSITIONS."""
+    import re
+    from pathlib import Path
+
+    from tiering.types import LEGAL_TRANSITIONS
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", page, flags=re.M)
+    documented = {
+        S(state): frozenset(S(v) for v in re.findall(r"`(\w+)`", targets))
+        for state, targets in rows
+    }
+    assert documented == LEGAL_TRANSITIONS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from operator import attrgetter
@@ -32,6 +32,7 @@ from policies import (
 from policies.candidate import CandidateBatch
 from policies.cost_aware import EPS_S
 from policies.ordering import check_keys, order_rows
+from tiering.testing.policies import PolicyCheck, check_policy, expected_pick, same_batch
 from tiering.types import Tier
 
 
@@ -64,7 +65,7 @@ POLICY_FACTORIES = {
 # sort key are common.
 _times = st.one_of(st.integers(0, 4).map(float), st.floats(0.0, 1e6, allow_nan=False))
 _sizes = st.one_of(
-    st.integers(0, 4).map(lambda k: k * 4096),
+    st.integers(1, 4).map(lambda k: k * 4096),
     st.integers(1, 2**40),
     st.integers(2**62, 2**63 - 1),
 )
@@ -85,75 +86,108 @@ _candidates = st.builds(
 _candidate_lists = st.lists(_candidates, max_size=40, unique_by=lambda c: (c.rid, c.resource))
 
 
-def _expected_pick(ranked: list[Candidate], need: int) -> list[Candidate]:
-    if need == 0:
-        return []
-    total = 0
-    for index, candidate in enumerate(ranked):
-        total += candidate.reclaimable
-        if total >= need:
-            return ranked[: index + 1]
-    return ranked
+@pytest.mark.parametrize("policy_name", sorted(POLICY_FACTORIES))
+@settings(max_examples=150, deadline=None)
+@given(candidates=_candidate_lists, now=st.floats(0.0, 2e6, allow_nan=False),
+       seed=st.integers(0, 2**32 - 1))
+def test_policy_contract(policy_name, candidates, now, seed):
+    """The shared contract (``tiering.testing.policies.check_policy``) on drawn cases."""
+    check = check_policy(POLICY_FACTORIES[policy_name], candidates=candidates, now=now,
+                         rng=random.Random(seed))
+    assert check == PolicyCheck(check.name, 1, len(candidates))
 
 
 @pytest.mark.parametrize("policy_name", sorted(POLICY_FACTORIES))
-@settings(max_examples=150, deadline=None)
-@given(candidates=_candidate_lists, now=st.floats(0.0, 2e6, allow_nan=False), data=st.data())
-def test_policy_contract(policy_name, candidates, now, data):
-    policy = POLICY_FACTORIES[policy_name]()
-    assert isinstance(policy, Policy)
-    snapshot = list(candidates)
-
-    ranked = policy.rank(candidates, now)
-
-    # every candidate exactly once, in a new list
-    assert isinstance(ranked, list)
-    assert ranked is not candidates
-    assert len(ranked) == len(candidates)
-    assert Counter(ranked) == Counter(candidates)
-    # deterministic: again, from a tuple, and from any shuffle of the input
-    assert policy.rank(candidates, now) == ranked
-    assert policy.rank(tuple(candidates), now) == ranked
-    shuffled = data.draw(st.permutations(candidates), label="shuffled")
-    assert policy.rank(shuffled, now) == ranked
-    # pick is the shortest prefix of the ranking that covers the need
-    total = sum(c.reclaimable for c in candidates)
-    need = data.draw(st.integers(0, total + 4096), label="need")
-    picked = policy.pick(shuffled, now, need)
-    assert picked == _expected_pick(ranked, need)
-    if need <= total:
-        assert sum(c.reclaimable for c in picked) >= need
-    # the columnar order agrees with rank, and a limited order is its prefix
-    batch = CandidateBatch.from_candidates(shuffled)
-    order = policy.order(batch, now)
-    assert isinstance(order, np.ndarray) and order.dtype == np.int64
-    assert [shuffled[i] for i in order.tolist()] == ranked
-    limit = data.draw(st.integers(0, len(candidates) + 2), label="limit")
-    prefix = policy.order(batch, now, limit)
-    assert min(limit, len(candidates)) <= len(prefix) <= len(candidates)
-    assert prefix.tolist() == order.tolist()[: len(prefix)]
-    assert [shuffled[i] for i in policy.pick_rows(batch, now, need).tolist()] == picked
-    # a policy that says it orders without the bytes is not moved by them
-    if not policy.needs_reclaimable:
-        for reclaimable in (None, data.draw(st.permutations(batch.reclaimable.tolist()))):
-            blind = _same_batch(batch, reclaimable=reclaimable)
-            assert policy.order(blind, now).tolist() == order.tolist()
-    # the input was never touched
-    assert candidates == snapshot
-    assert all(a is b for a, b in zip(candidates, snapshot, strict=True))
+def test_policy_contract_on_its_own_seeded_cases(policy_name):
+    """What a user runs on their policy: seeded cases, no test framework needed."""
+    check = check_policy(POLICY_FACTORIES[policy_name], cases=60, seed=7)
+    assert check.cases == 60 and check.candidates > 60 * 5  # real, non-trivial lists
+    assert check_policy(POLICY_FACTORIES[policy_name](), cases=5).cases == 5
 
 
-def _same_batch(batch: CandidateBatch, **changes) -> CandidateBatch:
-    """``batch`` rebuilt through the checking constructor, with ``changes``."""
-    columns = {
-        "reclaimable": batch.reclaimable,
-        "priority": batch.priority,
-        "reload_cost_s": batch.reload_cost_s,
-        "resources": batch.resources.tolist(),
-        "tier": batch.tier,
-        **changes,
-    }
-    return CandidateBatch(batch.rids.tolist(), batch.last_used, **columns)
+@dataclass(frozen=True)
+class _DropsOne(Policy):
+    name = "drops-one"
+
+    def rank(self, candidates, now):
+        return sorted(candidates, key=lambda c: (c.last_used, c.rid, c.resource))[1:]
+
+
+@dataclass(frozen=True)
+class _InputOrderTies(Policy):
+    """Stable on last_used alone: ties come out in input order (not by rid)."""
+
+    name = "input-order-ties"
+
+    def rank(self, candidates, now):
+        return sorted(candidates, key=attrgetter("last_used"))
+
+
+@dataclass(frozen=True)
+class _SortsInPlace(Policy):
+    name = "sorts-in-place"
+
+    def rank(self, candidates, now):
+        if isinstance(candidates, list):
+            candidates.sort(key=lambda c: (c.last_used, c.rid, c.resource))
+            return list(candidates)
+        return sorted(candidates, key=lambda c: (c.last_used, c.rid, c.resource))
+
+
+@dataclass(frozen=True)
+class _BlindClaimButReads(LargestFirst):
+    """Says it orders without the bytes, but orders by them."""
+
+    name = "blind-claim"
+
+    @property
+    def needs_reclaimable(self):
+        return False
+
+
+def _alternating_factory():
+    """Each policy it makes ranks the other way round from the last: a factory whose
+    instances do not agree (hidden state), which a single instance would never show."""
+    made = []
+
+    def make():
+        made.append(None)
+        return LRU() if len(made) % 2 else _NewestFirst()
+
+    return make
+
+
+@dataclass(frozen=True)
+class _NewestFirst(Policy):
+    name = "newest-first"
+
+    def rank(self, candidates, now):
+        return rank_by(candidates, attrgetter("last_used"), descending=True)
+
+
+@pytest.mark.parametrize(
+    "broken, rule",
+    [
+        (_DropsOne, "rank every candidate exactly once"),
+        (_InputOrderTies, "rank a shuffle of the input the same way"),
+        (_SortsInPlace, "never mutate its input"),
+        (_BlindClaimButReads, "order without the bytes"),
+        (_alternating_factory(), "rank the same way in a fresh instance"),
+        (lambda: "not a policy", "be a policies.base.Policy"),
+    ],
+)
+def test_check_policy_rejects_a_broken_policy(broken, rule):
+    with pytest.raises(AssertionError, match=re.escape(rule)):
+        check_policy(broken, cases=50, seed=3)
+
+
+def test_check_policy_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="cases must be an int >= 1"):
+        check_policy(LRU, cases=0)
+    with pytest.raises(TypeError, match="expected a Policy or a callable"):
+        check_policy(42)
+    with pytest.raises(ValueError, match="candidates= needs now="):
+        check_policy(LRU, candidates=[])
 
 
 def _cost_reference(c: Candidate, now: float) -> tuple:
@@ -203,7 +237,7 @@ def test_large_inputs_match_the_reference_order(policy_name, distinct_times):
         assert [candidates[i] for i in prefix] == expected[: len(prefix)]
     # and the smallest covering prefix for a byte need, read in chunks
     need = rng.randint(1, sum(c.reclaimable for c in candidates) // 3)
-    assert policy.pick(candidates, now, need) == _expected_pick(expected, need)
+    assert policy.pick(candidates, now, need) == expected_pick(expected, need)
 
 
 def test_lru_orders_least_recently_used_first_ties_by_rid():
@@ -287,9 +321,9 @@ def test_cost_aware_score_follows_the_documented_formula():
     for want, one, many in zip(expected, singles, batch, strict=True):
         assert math.isclose(one, want, rel_tol=1e-12)
         assert math.isclose(many, want, rel_tol=1e-12)
-    # nothing to reclaim scores 0
-    empty = Candidate("empty", 0, now - 100.0)
-    assert policy.score(empty, now) == 0.0 and policy.scores([empty], now) == [0.0]
+    # nothing to reclaim is not a candidate at all
+    with pytest.raises(ValueError, match=r"'empty': reclaimable must be an int in \[1, 2\*\*63\)"):
+        Candidate("empty", 0, now - 100.0)
     # an unknown cost is estimated from the bytes
     unknown = next(c for c in candidates if c.reload_cost_s == 0.0)
     assert policy.reload_seconds(unknown) == pytest.approx(
@@ -554,7 +588,7 @@ def test_batch_records_equal_records_built_the_checked_way():
         batch.records([50])
     with pytest.raises(ValueError, match="reclaimable"):
         batch.records(rows, reclaimable=[-1] * len(rows))
-    blind = _same_batch(batch, reclaimable=None)
+    blind = same_batch(batch, reclaimable=None)
     with pytest.raises(ValueError, match="not asked"):
         blind.records(rows)
 
@@ -633,7 +667,7 @@ def test_the_most_derived_ordering_method_is_used():
     assert newest == overridden.rank(records, now)
     assert newest == list(reversed(LRU().rank(records, now)))
     with pytest.raises(ValueError, match="reclaimable"):
-        overridden.order(_same_batch(batch, reclaimable=None), now)
+        overridden.order(same_batch(batch, reclaimable=None), now)
     with pytest.raises(TypeError, match="NoOrder defines none"):
         NoOrder().rank(records, now)
     with pytest.raises(ValueError, match="exactly once"):
@@ -666,7 +700,7 @@ def test_order_cursor_reads_the_order_in_chunks():
     with pytest.raises(ValueError, match="limit"):
         LRU().order(batch, now, -1)
     with pytest.raises(ValueError, match="reclaimable"):
-        LRU().pick_rows(_same_batch(batch, reclaimable=None), now, 10)
+        LRU().pick_rows(same_batch(batch, reclaimable=None), now, 10)
     with pytest.raises(ValueError, match="need_bytes"):
         LRU().pick_rows(batch, now, -3)
 
@@ -691,3 +725,30 @@ def test_order_rows_reads_ids_only_when_rows_tie():
     tied = check_keys([np.zeros(n)], n)
     with pytest.raises(AssertionError, match="ids were read"):
         order_rows(tied, _IdsNeverRead())
+
+
+def test_a_registry_of_another_kind_names_its_kind_and_checks_its_product():
+    """``policies.registry.Registry`` serves any kind of policy: the messages name the
+    kind, and ``make`` refuses a factory that returns something else."""
+    from policies.registry import Registry
+
+    class Widget:
+        pass
+
+    class WidgetRegistry(Registry):
+        kind = "widget policy"
+        product = Widget
+        __slots__ = ()
+
+    base = WidgetRegistry({"w": Widget})
+    grown = base.with_policy("bad", lambda: 3)
+    assert type(grown) is WidgetRegistry and base.names == ("w",)
+    assert grown.names == ("bad", "w") and isinstance(grown.make("w"), Widget)
+    with pytest.raises(TypeError, match="widget policy 'bad': factory returned int, not a Widget"):
+        grown.make("bad")
+    with pytest.raises(ValueError, match="unknown widget policy 'x'; known widget policies: bad, w"):
+        grown.make("x")
+    with pytest.raises(ValueError, match="widget policy 'w' is already registered"):
+        grown.with_policy("w", Widget)
+    with pytest.raises(ValueError, match="a widget policy name must be a non-empty str"):
+        WidgetRegistry({"": Widget})

@@ -8,7 +8,7 @@ The front door: ``from tiering import ...`` gives the whole public API.
   ``KVGeometry``, ``DiskConfig``, ``EvictionController``, ``ControllerConfig``,
   the pressure sources, ``make_policy`` / ``register_policy``.
 - The vocabulary: ``Tier``, ``RequestState``, ``Move``, ``TransferResult``.
-- The errors a caller may catch.
+- The errors a caller may catch (all defined in ``tiering.errors``).
 
 Names are loaded on first use, so ``import tiering`` stays cheap and the
 packages below (``policies``, ``resources``) may import ``tiering.types``.
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from importlib import import_module
 from typing import Any
+
+from tiering.errors import __all__ as _ERRORS  # no dependencies: cheap to load
 
 __version__ = "0.1.0"
 
@@ -49,14 +51,8 @@ _EXPORTS: dict[str, str] = {
     "RequestState": "tiering.types",
     "Move": "tiering.types",
     "TransferResult": "tiering.types",
-    # errors
-    "IllegalTransition": "tiering.types",
-    "UnknownRequest": "resources.kv_records",
-    "RequestLost": "resources.kv_records",
-    "UnknownRequestError": "tiering.control.config",
-    "PoolIntegrityError": "tiering.core.pools",
-    "DiskIOError": "tiering.disk.store",
-    "DiskCorruptionError": "tiering.disk.store",
+    # the errors a caller may catch: every one tiering.errors defines
+    **dict.fromkeys(_ERRORS, "tiering.errors"),
 }
 
 __all__ = sorted(_EXPORTS)

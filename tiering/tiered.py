@@ -30,6 +30,7 @@ from resources.kv_geometry import KVGeometry
 from tiering.control.controller import ControllerConfig, EvictionController, EvictionReport
 from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.disk.config import DiskConfig
+from tiering.errors import UnknownRequest
 
 
 def _check_pages(name: str, value: object) -> None:
@@ -145,7 +146,7 @@ class TieredKV:
         """Forget a request everywhere and give back its slots."""
         self._check_open()
         if rid not in self._known:
-            raise KeyError(f"TieredKV.remove: unknown request {rid!r}")
+            raise UnknownRequest(f"TieredKV.remove: unknown request {rid!r}")
         self.kv.remove_request(rid)
         self.controller.remove_request(rid)
         self._known.discard(rid)
@@ -232,4 +233,4 @@ class TieredKV:
     def _check_batch(self, batch: Sequence[str], what: str) -> None:
         unknown = [rid for rid in batch if rid not in self._known]
         if unknown:
-            raise KeyError(f"TieredKV.{what}: unknown request(s) {unknown[:5]}")
+            raise UnknownRequest(f"TieredKV.{what}: unknown request(s) {unknown[:5]}")

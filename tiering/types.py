@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
+from tiering.errors import IllegalTransition
+
 
 class Tier(enum.Enum):
     """Where a request's KV cache lives."""
@@ -40,23 +42,32 @@ class RequestState(enum.Enum):
 
     @property
     def tier(self) -> Tier | None:
-        """The tier a request in this state is read from (None for LOST).
+        """The tier a request in this state is reported at (None for LOST).
 
-        A request in flight is reported at its source tier: until the copy
-        completes that is where its bytes are known to be good.
+        At rest, the tier that holds it. In flight, the request holds slots in
+        two tiers, and is reported at the faster of them (DEVICE before HOST
+        before DISK): an offload (OFFLOADING) at DEVICE, its source, whose
+        pages it still holds and whose bytes stay good until the copy
+        completes; a demotion (DEMOTING) at HOST, its source, for the same
+        reason; a reload (RELOADING) at DEVICE, its destination, whose pages
+        were reserved when it started (its source, host or disk, is not known
+        from the state alone; the move says it).
         """
         return _STATE_TIER[self]
 
 
 _STATE_TIER = {
     RequestState.RESIDENT: Tier.DEVICE,
-    RequestState.OFFLOADING: Tier.DEVICE,
+    RequestState.OFFLOADING: Tier.DEVICE,  # source
     RequestState.ON_HOST: Tier.HOST,
-    RequestState.DEMOTING: Tier.HOST,
+    RequestState.DEMOTING: Tier.HOST,  # source
     RequestState.ON_DISK: Tier.DISK,
-    RequestState.RELOADING: Tier.DEVICE,
+    RequestState.RELOADING: Tier.DEVICE,  # destination
     RequestState.LOST: None,
 }
+
+#: The tiers from fastest to slowest (what ``RequestState.tier`` reports a move at).
+TIER_ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
 #: States in which a request's KV is off the device (on host or disk, or on
 #: its way from host to disk).
@@ -83,10 +94,6 @@ LEGAL_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     ),
     RequestState.LOST: frozenset(),
 }
-
-
-class IllegalTransition(RuntimeError):
-    """A request was asked to move in a way its state does not allow."""
 
 
 def check_transition(rid: str, current: RequestState, new: RequestState) -> None:

@@ -26,6 +26,8 @@ import struct
 
 import google_crc32c
 
+from tiering.errors import FrameRefused
+
 __all__ = ["HEADER_BYTES", "KIND_BLOCK", "KIND_PRIVATE", "MAX_ID_BYTES", "FrameRefused",
            "frame", "framed_size", "unframe"]
 
@@ -36,10 +38,6 @@ KIND_PRIVATE = 2
 _HEAD = struct.Struct("<4sBBHHHQ")
 HEADER_BYTES = _HEAD.size
 MAX_ID_BYTES = 1024
-
-
-class FrameRefused(Exception):
-    """An object is not the one asked for (foreign, truncated, damaged); the reason says which."""
 
 
 def _check_ids(key: bytes, root: bytes, geometry: bytes) -> None:

@@ -18,8 +18,9 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiering.control.config import ControllerConfig, UnknownRequestError
+from tiering.control.config import ControllerConfig
 from tiering.control.stats import ControllerStats
+from tiering.errors import UnknownRequest
 from tiering.types import Tier
 
 log = logging.getLogger("tiering.control.controller")
@@ -317,7 +318,7 @@ class ReloadAdmission:
         """``EvictionController.request_reload``: start now if it fits, else queue."""
         members = self._members(rid)
         if members is None:
-            raise UnknownRequestError(f"unknown request {rid!r}")
+            raise UnknownRequest(f"unknown request {rid!r}")
         queue = self.queue
         if rid in queue:
             return False

@@ -6,14 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from tiering.errors import UnknownRequestError  # noqa: F401 (re-exported from its old home)
+
 ON_DISK_FULL_CHOICES = ("keep", "drop")
-
-
-class UnknownRequestError(KeyError):
-    """A request id the controller was never told about (or was told is gone)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown request"
 
 
 def _check_number(name: str, value: object) -> float:

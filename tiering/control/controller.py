@@ -18,17 +18,18 @@ from typing import Any
 from policies.base import Candidate, Policy
 from tiering.control.admission import InFlightLedger, ReloadAdmission
 from tiering.control.cascade import HostCascade
-from tiering.control.config import (
-    ControllerConfig,
-    EvictionReport,
-    UnknownRequestError,
-)
+from tiering.control.config import ControllerConfig, EvictionReport
 from tiering.control.eviction import DeviceEviction
 from tiering.control.request_table import RequestTable, ResourceHandle
 from tiering.control.stats import ControllerStats
-from tiering.types import Move, RequestState, Tier, TransferResult
+from tiering.errors import UnknownRequest, UnknownRequestError
+from tiering.types import Move, TransferResult
 
-__all__ = ["ControllerConfig", "EvictionController", "EvictionReport", "UnknownRequestError"]
+# UnknownRequest(Error) stay importable from here, their old home
+__all__ = [
+    "ControllerConfig", "EvictionController", "EvictionReport", "UnknownRequest",
+    "UnknownRequestError",
+]
 
 log = logging.getLogger("tiering.control.controller")
 
@@ -100,10 +101,8 @@ class EvictionController:
         self._clock = clock
         self._handles = handles
         self._evicting = tuple(h for h in handles.values() if h.evicts)
-        # polled, or (an evicting one without poll) still checked for completions
-        self._polled = tuple(
-            (h, h.poll, h.evicts) for h in handles.values() if h.poll is not None or h.evicts
-        )
+        # every resource with a poll() is polled; an evicting one's records settle the ledger
+        self._polled = tuple((h, h.poll, h.evicts) for h in handles.values() if h.poll is not None)
         # a resource that hands out a completion feed reports to it whoever polls it
         self._feeds = {
             h.name: h.resource.completion_feed()
@@ -159,7 +158,7 @@ class EvictionController:
         """Forget a request that finished; its waiting reload, if any, is cancelled."""
         names = self._table.names.get(rid)
         if names is None:
-            raise UnknownRequestError(f"unknown request {rid!r}")
+            raise UnknownRequest(f"unknown request {rid!r}")
         self._table.remove(rid)
         self._admission.forget(rid)
         for name in names:
@@ -170,7 +169,7 @@ class EvictionController:
         table = self._table
         slot = table.slot.get(rid)
         if slot is None:
-            raise UnknownRequestError(f"unknown request {rid!r}")
+            raise UnknownRequest(f"unknown request {rid!r}")
         table.last_used[slot] = self._clock()
         self._eviction.touched(rid)
 
@@ -178,7 +177,7 @@ class EvictionController:
         """When the request last ran (``touch``), or was registered if it never has."""
         slot = self._table.slot.get(rid)
         if slot is None:
-            raise UnknownRequestError(f"unknown request {rid!r}")
+            raise UnknownRequest(f"unknown request {rid!r}")
         return float(self._table.last_used[slot])
 
     def _members(self, rid: str) -> tuple[ResourceHandle, ...] | None:
@@ -261,24 +260,21 @@ class EvictionController:
                     answer = sync(wait)
                 except TimeoutError as exc:  # what finished was applied: settle it
                     timed_out = exc
-                    answer = poll() if poll is not None else None
+                    answer = None
+                if answer is None:  # its records wait for the next poll()
+                    answer = poll()
             else:
-                answer = poll() if poll is not None else None
+                answer = poll()
             if not evicts:
                 continue
             feed = self._feeds.get(h.name)
             if feed is not None:  # everything reported, also to whoever else polled
                 answer = feed.take()
-            if type(answer) is list or type(answer) is tuple or isinstance(answer, Sequence):
-                if answer:
-                    self._settle(h, answer)
-            else:  # a count, or nothing: a resource that does not report records yet
-                if answer is None or answer != 0:
-                    # it completed something (or does not say): a reload may have landed
-                    self._eviction.forget_finding()
-                records = self._inferred(h)
-                if records:
-                    self._settle(h, records)
+            if isinstance(answer, (str, bytes)) or not isinstance(answer, Sequence):
+                raise TypeError(f"resource {h.name!r}: poll() returned {answer!r}; expected "
+                                "a sequence of TransferResult records")
+            if answer:
+                self._settle(h, answer)
         if timed_out is not None:
             raise timed_out
 
@@ -303,30 +299,6 @@ class EvictionController:
                 # a failed reload: the request is offloaded again, a candidate no more
                 self._table.clear_reload(self._table.slot[rec.rid])
         self._stats.transfers_reported += len(records)
-
-    def _inferred(self, h: ResourceHandle) -> list[TransferResult]:
-        """Records for this controller's moves on ``h`` that ended, inferred from its hooks
-        (transitional, for a ``poll()`` that returns a count or nothing)."""
-        out: list[TransferResult] = []
-        ledger = self._ledger
-        for _, rid in [k for k in ledger.moving if k[0] == h.name]:
-            try:
-                if h.tier_of is not None and h.tier_of(rid) is not Tier.DEVICE:
-                    out.append(TransferResult(rid, Move.OFFLOAD_TO_HOST, True, 0,
-                                              RequestState.ON_HOST))
-                elif h.reclaimable(rid) > 0:  # resident and reclaimable again: it failed
-                    out.append(TransferResult(rid, Move.OFFLOAD_TO_HOST, False, 0,
-                                              RequestState.RESIDENT))
-            except Exception:  # vanished from the resource
-                out.append(TransferResult(rid, Move.OFFLOAD_TO_HOST, False, 0, None))
-        for _, rid in [k for k in ledger.demoting if k[0] == h.name]:
-            try:
-                done = h.tier_of(rid) is not Tier.HOST or h.can_reload(rid)
-            except Exception:
-                done = True
-            if done:
-                out.append(TransferResult(rid, Move.DEMOTE, True, 0, None))
-        return out
 
     # -- one pass -----------------------------------------------------------------
 

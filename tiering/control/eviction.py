@@ -238,9 +238,9 @@ class DeviceEviction:
             stats.bytes_device_to_disk += nbytes
         else:
             stats.bytes_device_to_host += nbytes
-        if tier is Tier.DEVICE:
+        if tier is Tier.DEVICE and h.poll is not None:  # in flight: its record settles it
             self._ledger.add_offload((h.name, rid), nbytes)
-        else:
+        else:  # done already (a resource without poll() offloads synchronously)
             self._ledger.add_released(nbytes, self._stamp())
         return nbytes
 

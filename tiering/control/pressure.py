@@ -183,9 +183,21 @@ class _OptionalSource(PressureSource):
         got = self.read_bytes()
         return 0.0 if got is None else got[0] / got[1]
 
-    def _start(self) -> None:
-        """Connect now (from the subclass's constructor)."""
+    def _start(self, absent: str | None = None) -> None:
+        """Connect now (from the subclass's constructor), unless ``absent`` says why
+        this source can never work here."""
+        if absent is not None:
+            self._go_absent(absent)
+            return
         self._attempt(connect=True)
+
+    def _go_absent(self, why: str) -> None:
+        self._absent = why
+        self._up = False
+        logger.warning(
+            "pressure source %s is unavailable on this machine: %s; it will read 0.0",
+            self.name, why,
+        )
 
     def read_bytes(self) -> tuple[int, int] | None:
         """(used, total) bytes; None while absent or in an outage (never raises)."""
@@ -207,13 +219,8 @@ class _OptionalSource(PressureSource):
             used, total = int(used), int(total)
             _used_fraction(used, total, self.name)  # validates
         except _Absent as why:
-            self._absent = str(why)
-            self._up = False
             self._disconnect()
-            logger.warning(
-                "pressure source %s is unavailable on this machine: %s; it will read 0.0",
-                self.name, why,
-            )
+            self._go_absent(str(why))
             return None
         except Exception as err:
             self._failed(step, err)
@@ -281,6 +288,21 @@ _NVML_NOT_FOUND = 6  # NVML_ERROR_NOT_FOUND
 _NVML_MIG_ENABLE = 1  # NVML_DEVICE_MIG_ENABLE
 
 
+def _cuda_target(device: Any, torch_module: Any, who: str) -> tuple[Any, int | None, str | None]:
+    """(torch, CUDA index, why absent or None) for a CUDA-backed source; bad input
+    (a device that cannot name a CUDA device) raises even without CUDA."""
+    torch = None
+    absent: str | None = None
+    try:
+        torch = _torch_cuda(torch_module)
+    except _Absent as why:
+        absent = str(why)
+    try:
+        return torch, cuda_index(device, torch, who), absent
+    except _Absent as why:
+        return torch, None, str(why)
+
+
 class NvmlPressure(_OptionalSource):
     """Whole-device memory use as NVML sees it (other processes included), for
     the CUDA device ``device`` of this process.
@@ -303,17 +325,7 @@ class NvmlPressure(_OptionalSource):
         clock: Callable[[], float] = time.monotonic,
         retry: RetryPolicy | None = None,
     ) -> None:
-        torch = None
-        absent: str | None = None
-        try:
-            torch = _torch_cuda(torch_module)
-        except _Absent as why:
-            absent = str(why)
-        index: int | None
-        try:
-            index = cuda_index(device, torch, "NvmlPressure")  # bad input raises even without CUDA
-        except _Absent as why:
-            index, absent = None, str(why)
+        torch, index, absent = _cuda_target(device, torch_module, "NvmlPressure")
         super().__init__(f"nvml:cuda:{'?' if index is None else index}", clock, retry)
         self.cuda_index: int | None = index
         self.uuid: str | None = None
@@ -323,14 +335,7 @@ class NvmlPressure(_OptionalSource):
         self._nvml_module = nvml
         self._nvml: Any = None
         self._handle: Any = None
-        if absent is not None:
-            self._absent = absent
-            logger.warning(
-                "pressure source %s is unavailable on this machine: %s; it will read 0.0",
-                self.name, absent,
-            )
-            return
-        self._start()
+        self._start(absent)
 
     def _connect(self) -> None:
         module = _import(self._nvml_module, "pynvml")
@@ -407,28 +412,11 @@ class TorchCudaPressure(_OptionalSource):
         clock: Callable[[], float] = time.monotonic,
         retry: RetryPolicy | None = None,
     ) -> None:
-        torch = None
-        absent: str | None = None
-        try:
-            torch = _torch_cuda(torch_module)
-        except _Absent as why:
-            absent = str(why)
-        index: int | None
-        try:
-            index = cuda_index(device, torch, "TorchCudaPressure")  # bad input raises even without CUDA
-        except _Absent as why:
-            index, absent = None, str(why)
+        torch, index, absent = _cuda_target(device, torch_module, "TorchCudaPressure")
         super().__init__(f"torch-cuda:{'?' if index is None else index}", clock, retry)
         self.cuda_index: int | None = index
         self._torch = torch
-        if absent is not None:
-            self._absent = absent
-            logger.warning(
-                "pressure source %s is unavailable on this machine: %s; it will read 0.0",
-                self.name, absent,
-            )
-            return
-        self._start()
+        self._start(absent)
 
     def _connect(self) -> None:
         pass

@@ -64,9 +64,11 @@ class TieredResource(EvictableResource, Protocol):
     - ``poll()``: complete finished transfers; returns one ``TransferResult``
       for each transfer it completed or failed since the previous ``poll``
       (``state`` None for a request removed while its copy ran). The
-      controller settles its in-flight ledger from these records alone. (A
-      resource that still returns a count is served by inferring the same
-      from ``tier_of`` / ``reclaimable`` / ``can_reload``, for now.)
+      controller settles its in-flight ledger from these records alone; any
+      other answer (a count, None) from an evicting resource is refused with a
+      TypeError naming it. An evicting resource without ``poll`` is taken to
+      offload synchronously (done when ``offload`` returns) and takes no part
+      in the host -> disk cascade.
     - ``reclaimable_many(rids: Sequence[str]) -> numpy.ndarray``: optional, and
       not part of the structural check below. The answers ``reclaimable``
       would give for each of ``rids`` right now, in one call: a 1-D integer

@@ -66,6 +66,7 @@ class ResourceHandle:
             and self.demote is not None
             and self.tier_of is not None
             and self.reload_bytes is not None
+            and self.poll is not None  # a demotion in flight is settled by its record
         )
 
 

@@ -11,10 +11,7 @@ import zlib
 import torch
 
 from tiering.core.transfer import coalesce
-
-
-class ChecksumMismatch(RuntimeError):
-    """Bytes brought back differ from the bytes that were offloaded."""
+from tiering.errors import ChecksumMismatch  # noqa: F401 (re-exported from its old home)
 
 
 def crc_of(t: torch.Tensor, crc: int = 0) -> int:

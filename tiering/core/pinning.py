@@ -28,6 +28,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tiering.errors import PinError
+
 log = logging.getLogger("tiering.core.pinning")
 
 #: Alignment of the slab's first byte (a host page).
@@ -58,10 +60,6 @@ class HostRuntime(NamedTuple):
     name: str
     register: Callable[[int, int], None]
     unregister: Callable[[int], None]
-
-
-class PinError(RuntimeError):
-    """A host (un)registration failed; the message names the CUDA error."""
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, align: int = PAGE_ALIGN) -> torch.Tensor:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterable
 
-
-class PoolIntegrityError(AssertionError):
-    """A pool's slots, free list and ledger disagree."""
+from tiering.errors import PoolIntegrityError
 
 
 class PagePool:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tiering.errors import StagingTimeout  # noqa: F401 (re-exported from its old home)
+
 
 @dataclass(frozen=True)
 class StagingConfig:
@@ -35,10 +37,6 @@ class StagingConfig:
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"StagingConfig.timeout_s must be a number > 0, got {t!r}")
-
-
-class StagingTimeout(TimeoutError):
-    """No staging buffer came free in time (the job fails; its request stays at its source)."""
 
 
 class StagingRing:

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from tiering.errors import CopyFault  # noqa: F401 (re-exported from its old home)
+
 
 class PageRun(NamedTuple):
     """``length`` adjacent pages copied from ``src`` onwards to ``dst`` onwards."""
@@ -46,10 +48,6 @@ def coalesce(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[PageRun
                 continue
         runs.append(PageRun(s, d, 1))
     return runs
-
-
-class CopyFault(RuntimeError):
-    """A page copy failed (raised by real failures and by injected faults)."""
 
 
 def no_fault(kind: str) -> None:
@@ -150,18 +148,10 @@ def issue_runs(
     return None
 
 
-def copy_runs(
-    streams: StreamSet,
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    runs: Sequence[PageRun],
-    direction: str,
-    after=None,
-    fault_hook: Callable[[str], None] = no_fault,
-):
-    """``issue_runs`` and wait until the copies are done (a blocking-sync
-    event: the worker sleeps). Returns the event (None on a CPU)."""
-    done = issue_runs(streams, src, dst, runs, direction, after, fault_hook)
+def copy_runs(*args, **kwargs):
+    """``issue_runs`` (the same arguments) and wait until the copies are done (a
+    blocking-sync event: the worker sleeps). Returns the event (None on a CPU)."""
+    done = issue_runs(*args, **kwargs)
     if done is not None:
         done.synchronize()
     return done

@@ -45,18 +45,11 @@ from tiering.disk.config import DiskConfig
 from tiering.disk.lock import LOCK_FILE_NAME, LocalDirLock
 from tiering.disk.manifest import MANIFEST_KEY, Manifest, ManifestError
 from tiering.disk.slotfile import SLOT_FILE_NAME, SlotFileStore
+from tiering.errors import StartRefused
 
 _T = TypeVar("_T")
 STORE_ID_ATTR = "tiering_store_id"  # the page array's attribute naming the store identity
 BINDING_DIR = "tiering-bind"  # the zarr path's per-chunk binding records
-
-
-class StartRefused(Exception):
-    """Why a reattach was declined; ``nothing_there`` for a plain first start."""
-
-    def __init__(self, reason: str, *, nothing_there: bool = False) -> None:
-        super().__init__(reason)
-        self.nothing_there = nothing_there
 
 
 @dataclass(frozen=True)

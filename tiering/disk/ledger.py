@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from tiering.errors import DiskIntegrityError
+
 
 class DiskExtent(NamedTuple):
     """What one reservation holds: whole chunks, how many pages they carry, and the
@@ -29,10 +31,6 @@ class DiskExtent(NamedTuple):
     chunks: tuple[int, ...]
     num_pages: int
     generation: int = 0
-
-
-class DiskIntegrityError(AssertionError):
-    """The disk tier's bookkeeping broke one of its invariants."""
 
 
 @dataclass

@@ -29,11 +29,9 @@ import socket
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from tiering.errors import DiskPathInUseError
+
 LOCK_FILE_NAME = ".tiering.lock"
-
-
-class DiskPathInUseError(OSError):
-    """Another live disk tier holds this location; the message names it and the holder."""
 
 
 @runtime_checkable

@@ -16,12 +16,10 @@ from typing import Any, NamedTuple
 
 import google_crc32c
 
+from tiering.errors import ManifestError
+
 MANIFEST_KEY = "tiering-manifest.json"
 MANIFEST_VERSION = 2
-
-
-class ManifestError(ValueError):
-    """The manifest cannot be trusted; the message says why."""
 
 
 class ManifestEntry(NamedTuple):

@@ -75,6 +75,7 @@ from zarr.abc.store import (
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from tiering.disk.crc import ByteSpan, crc32c_bytes
+from tiering.errors import ChunkChecksumError
 
 SLOT_FILE_NAME = "chunks.slots"
 _ALIGN = 4096
@@ -91,10 +92,6 @@ _CRC_BYTES = 4
 _LOCK_NAME = ".tiering.lock"  # tiering.disk.lock.LOCK_FILE_NAME (the holder's lock file)
 _OWN_NAMES = (SLOT_FILE_NAME, "zarr.json", "tiering-manifest.json", "tiering-bind", _LOCK_NAME)
 PIECE_BYTES = 1 << 20  # direct I/O granule: about one core's L2, so crc and copy share it
-
-
-class ChunkChecksumError(ValueError):
-    """A slot's stored chunk failed its length or crc32c check at a direct read."""
 
 
 def _align_up(n: int, align: int = _ALIGN) -> int:

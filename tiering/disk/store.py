@@ -155,6 +155,7 @@ from tiering.disk.lock import DiskPathInUseError
 from tiering.disk.manifest import Manifest, ManifestEntry, decode_manifest, encode_manifest
 from tiering.disk.pages import PageFormat
 from tiering.disk.slotfile import ChunkChecksumError, describe_binding, make_binding
+from tiering.errors import DiskCorruptionError, DiskIOError
 
 __all__ = [
     "CODECS",
@@ -209,14 +210,6 @@ def _check_binding_record(chunk: int, record: bytes, expected: bytes, dest: np.n
         raise ChunkChecksumError(
             f"chunk {chunk}: its pages are not the ones its binding record vouches for"
         )
-
-
-class DiskIOError(OSError):
-    """A disk-tier read or write failed; ``errno`` is set when known."""
-
-
-class DiskCorruptionError(DiskIOError):
-    """A chunk's bytes failed their checksum (or could not be decoded) at read."""
 
 
 @dataclass

@@ -7,6 +7,10 @@ so, and it can accept reloads beyond device capacity so that a test can prove
 the controller, not the resource, kept the device from being oversubscribed.
 ``ExactPressure`` reports its occupancy synchronously; ``LaggingPressure``
 publishes numbered samples only when told, as a background poller would.
+
+The contracts, as functions a user runs on their own code:
+``tiering.testing.policies.check_policy`` (a request-eviction policy) and
+``tiering.testing.blocks.check_block_policy`` (a block retention policy).
 """
 
 from __future__ import annotations
@@ -68,8 +72,7 @@ class FakeTieredResource:
     previous ``poll``, whether it completed them itself or the test did
     (``complete_transfers``, ``fail_transfer``), or the request was removed
     while it ran (``state`` None), as a resource whose completions are
-    applied only in its ``poll`` would. ``report_records=False`` makes it
-    answer with their count instead, as a resource not yet reporting records.
+    applied only in its ``poll`` would.
     """
 
     def __init__(
@@ -82,7 +85,6 @@ class FakeTieredResource:
         async_transfers: bool = False,
         complete_on_poll: bool = True,
         enforce_device_capacity: bool = True,
-        report_records: bool = True,
     ) -> None:
         if device_capacity <= 0:
             raise ValueError(f"device_capacity must be > 0, got {device_capacity!r}")
@@ -93,7 +95,6 @@ class FakeTieredResource:
         self.async_transfers = async_transfers
         self.complete_on_poll = complete_on_poll
         self.enforce_device_capacity = enforce_device_capacity
-        self.report_records = report_records
         self.state: dict[str, RequestState] = {}
         self.size: dict[str, int] = {}
         # rid -> what get_offload_priority answers: 0.0 from add() until a test sets it
@@ -321,17 +322,16 @@ class FakeTieredResource:
         self._free(rid, state)
         self._set_state(rid, RequestState.LOST)
 
-    def poll(self) -> list[TransferResult] | int:
+    def poll(self) -> list[TransferResult]:
         """Complete every transfer in flight (when ``complete_on_poll``); returns a record
-        of each that completed or failed since the previous ``poll`` (their count when
-        not ``report_records``)."""
+        of each that completed or failed since the previous ``poll``."""
         self.calls["poll"] += 1
         done = self._unreported
         if done:
             self._unreported = []
         if self._dest and self.async_transfers and self.complete_on_poll:
             done += self._complete(None)
-        return done if self.report_records else len(done)
+        return done
 
     # -- checking -----------------------------------------------------------------
 

@@ -42,11 +42,8 @@ from resources.base import ResourceStep, StepContext
 from tiering.apps.demo.model import TinyDecoder
 from tiering.apps.demo.workload import DemoRequest
 from tiering.core.clocks import StepClock
+from tiering.errors import WorkerStalled
 from tiering.types import RequestState
-
-
-class WorkerStalled(RuntimeError):
-    """The worker could run nothing for too many steps in a row."""
 
 
 @dataclass(frozen=True)

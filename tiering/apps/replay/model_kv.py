@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from resources.engine_types import ResourceReqConfig, retention_offload_priority
+from tiering.errors import UnknownRequest
 from tiering.types import (
     OFFLOADED_STATES,
     RELOADABLE_STATES,
@@ -48,13 +49,6 @@ _TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
 def _removed(rid: str, move: Move, nbytes: int) -> TransferResult:
     return TransferResult(rid, move, False, nbytes, None, "request removed during the copy")
-
-
-class UnknownRequest(KeyError):
-    """A request id this cache has not ingested."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 @dataclass(frozen=True)

@@ -26,17 +26,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-#: Prompt tokens covered by one Mooncake hash id.
+from tiering.errors import TraceFormatError
+
 MOONCAKE_BLOCK_TOKENS = 512
 
 FORMATS = ("mooncake", "azure", "burstgpt")
 
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _BURST_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
-
-
-class TraceFormatError(ValueError):
-    """A trace file, or one line of it, is not in the expected format."""
 
 
 @dataclass(frozen=True, slots=True)

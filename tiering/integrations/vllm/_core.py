@@ -45,6 +45,7 @@ from tiering.core.pools import PagePool
 from tiering.core.transfer import StreamSet, coalesce, copy_runs
 from tiering.disk import DiskConfig, DiskIOError, DiskPageStore
 from tiering.disk.ledger import DiskExtent
+from tiering.errors import TableIntegrityError
 
 log = logging.getLogger(__name__)
 
@@ -347,10 +348,6 @@ class Counters:
     host_evictions: int = 0
     disk_evictions: int = 0
     dropped: int = 0  # blocks gone from every tier
-
-
-class TableIntegrityError(AssertionError):
-    """The block table, the host pool, the disk ledger and the policies disagree."""
 
 
 class Event(NamedTuple):
