@@ -98,6 +98,7 @@ class ChainOdds(BlockPolicy):
         capacity: int,
         horizon: int | None = None,
         max_turn: int = 6,
+        max_reads: int = 3,
         shared_children: int = 4,
         admission: bool = True,
     ) -> None:
@@ -114,20 +115,22 @@ class ChainOdds(BlockPolicy):
         self.capacity = capacity
         self.horizon = horizon
         self.max_turn = max_turn
+        self.max_reads = max_reads
+        R = max_reads
         self.shared_children = shared_children
         self.admission = bool(admission)
         self._t = 0  # requests seen
         # class 0: shared branch points; 1..max_turn: a conversation's turn
         self._hist = (
-            [_Hist(2.0, 1.0)] + [_Hist(1.0, 2.0) for _ in range(max_turn)] + [_Hist(0.5, 4.0)]
+            [_Hist(2.0, 1.0)] + [_Hist(1.0, 2.0) for _ in range(max_turn * R)] + [_Hist(0.5, 4.0)]
         )
-        self._tail_cls = max_turn + 1  # a chain's last block, which nothing has extended yet
+        self._tail_cls = max_turn * R + 1  # a chain's last block, which nothing has extended yet
         # ghost history, oldest read first: key -> [class, last read, created turn, children seen]
         self._ghost: OrderedDict[Hashable, list] = OrderedDict()
         self._children: dict[Hashable, set | int] = {}  # key -> successors seen (capped)
         # tracked (cached) blocks: key -> class; per class, keys oldest read first
         self._meta: dict[Hashable, int] = {}
-        self._lists: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(max_turn + 2)]
+        self._lists: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(max_turn * R + 2)]
         self._stay = max(1.0, capacity / 24.0)  # requests a block stays before eviction (learned)
         self._dens: list[list[float]] = []
         self._dens_at = -1
@@ -174,6 +177,8 @@ class ChainOdds(BlockPolicy):
         if deepest is not None and deepest[3] < shared:
             turn = min(deepest[2] + 1, self.max_turn)
         self._turn = turn
+        R = self.max_reads
+        base = (turn - 1) * R
         hist = self._hist
         prev = None
         for k in keys:
@@ -188,22 +193,23 @@ class ChainOdds(BlockPolicy):
                         children[prev] = seen = shared
                 pr = ghost[prev]
                 pr[3] = seen if isinstance(seen, int) else len(seen)
-                pr[0] = 0 if pr[3] >= shared else turn
+                pr[0] = 0 if pr[3] >= shared else base + pr[4]
             if rec is None:
-                rec = [turn, t, turn, 0]
+                rec = [base + 1, t, turn, 0, 1]
                 ghost[k] = rec
             else:
                 if rec[1] < t:
                     hist[rec[0]].add_reuse(t - rec[1])
                 ghost.move_to_end(k)
                 rec[1] = t
-                rec[0] = 0 if rec[3] >= shared else turn
+                rec[4] = r = min(rec[4] + 1, R)
+                rec[0] = 0 if rec[3] >= shared else base + r
             prev = k
         if prev is not None:
             last = ghost[prev]
             if last[3] == 0:
                 last[0] = self._tail_cls
-        self._cls = turn
+        self._cls = base + 1
 
     # -- ordering --------------------------------------------------------------
 
