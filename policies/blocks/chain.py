@@ -99,6 +99,8 @@ class ChainOdds(BlockPolicy):
         horizon: int | None = None,
         max_turn: int = 6,
         max_reads: int = 3,
+        length_classes: int = 3,
+        branch_classes: bool = True,
         shared_children: int = 4,
         admission: bool = True,
     ) -> None:
@@ -116,21 +118,28 @@ class ChainOdds(BlockPolicy):
         self.horizon = horizon
         self.max_turn = max_turn
         self.max_reads = max_reads
+        self.length_classes = length_classes
+        self.branch_classes = bool(branch_classes)
         R = max_reads
         self.shared_children = shared_children
         self.admission = bool(admission)
         self._t = 0  # requests seen
         # class 0: shared branch points; 1..max_turn: a conversation's turn
         self._hist = (
-            [_Hist(2.0, 1.0)] + [_Hist(1.0, 2.0) for _ in range(max_turn * R)] + [_Hist(0.5, 4.0)]
+            [_Hist(2.0, 1.0)]
+            + [_Hist(1.0, 2.0) for _ in range(max_turn * R)]
+            + [_Hist(0.5, 4.0)]
+            + [_Hist(1.0, 2.0) for _ in range(length_classes)]
+            + [_Hist(0.5, 4.0) for _ in range(max_turn)]
         )
+        self._branch_cls = max_turn * R + 2 + length_classes  # + turn - 1
         self._tail_cls = max_turn * R + 1  # a chain's last block, which nothing has extended yet
         # ghost history, oldest read first: key -> [class, last read, created turn, children seen]
         self._ghost: OrderedDict[Hashable, list] = OrderedDict()
         self._children: dict[Hashable, set | int] = {}  # key -> successors seen (capped)
         # tracked (cached) blocks: key -> class; per class, keys oldest read first
         self._meta: dict[Hashable, int] = {}
-        self._lists: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(max_turn * R + 2)]
+        self._lists: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(len(self._hist))]
         self._stay = max(1.0, capacity / 24.0)  # requests a block stays before eviction (learned)
         self._dens: list[list[float]] = []
         self._dens_at = -1
@@ -174,11 +183,21 @@ class ChainOdds(BlockPolicy):
             if rec is None:
                 break
             deepest = rec
+        branch = False
         if deepest is not None and deepest[3] < shared:
             turn = min(deepest[2] + 1, self.max_turn)
+            branch = not deepest[5]  # it continues from inside an earlier request, not its end
         self._turn = turn
         R = self.max_reads
         base = (turn - 1) * R
+        # a first read in a new conversation: its class also says how long the request is
+        first = base + 1
+        if turn == 1 and self.length_classes:
+            first = self._tail_cls + min(
+                max(len(keys).bit_length() - 2, 0), self.length_classes - 1
+            ) + 1
+        elif branch and self.branch_classes:
+            first = self._branch_cls + turn - 1
         hist = self._hist
         prev = None
         for k in keys:
@@ -193,9 +212,9 @@ class ChainOdds(BlockPolicy):
                         children[prev] = seen = shared
                 pr = ghost[prev]
                 pr[3] = seen if isinstance(seen, int) else len(seen)
-                pr[0] = 0 if pr[3] >= shared else base + pr[4]
+                pr[0] = 0 if pr[3] >= shared else (first if pr[4] == 1 else base + pr[4])
             if rec is None:
-                rec = [base + 1, t, turn, 0, 1]
+                rec = [first, t, turn, 0, 1, False]
                 ghost[k] = rec
             else:
                 if rec[1] < t:
@@ -205,11 +224,14 @@ class ChainOdds(BlockPolicy):
                 rec[4] = r = min(rec[4] + 1, R)
                 rec[0] = 0 if rec[3] >= shared else base + r
             prev = k
+        if len(keys) >= 2:
+            ghost[keys[-2]][5] = True
         if prev is not None:
             last = ghost[prev]
+            last[5] = True
             if last[3] == 0:
                 last[0] = self._tail_cls
-        self._cls = base + 1
+        self._cls = first
 
     # -- ordering --------------------------------------------------------------
 
