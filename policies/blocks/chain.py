@@ -39,11 +39,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from itertools import islice
+from operator import itemgetter
 
 from policies.blocks.base import BlockInfo, BlockPolicy
 
 __all__ = ["ChainOdds"]
 
+_first = itemgetter(0)
+_AGE = tuple([0.0] + [float(1 << (b - 1)) for b in range(1, 18)])  # youngest age of bucket b
+_MID = tuple([0.0] + [0.75 * (1 << b) for b in range(1, 18)])  # a typical gap in bucket b
 _BUCKETS = 18  # gap and age buckets: bucket b holds values v with v.bit_length() == b
 
 
@@ -73,18 +77,18 @@ class _Hist:
         time to eviction) for those never reused.
         """
         gaps, never = self.gaps, self.never
-        mids = [0.0] + [0.75 * (1 << b) for b in range(1, _BUCKETS)]
-        out = []
-        for b in range(_BUCKETS):
-            a = 0.0 if b == 0 else float(1 << (b - 1))
-            left = 0.5 * gaps[b] + sum(gaps[b + 1 :])
-            if left <= 0.0:
-                out.append(0.0)
-                continue
-            wait = 0.5 * gaps[b] * max(mids[b] - a, 1.0)
-            wait += sum(gaps[x] * (mids[x] - a) for x in range(b + 1, _BUCKETS))
-            wait += never * stay
-            out.append(left / max(wait, 1e-9))
+        tail = never * stay
+        out = [0.0] * _BUCKETS
+        later = later_mid = 0.0  # sums over the buckets above b: counts, counts x midpoints
+        for b in range(_BUCKETS - 1, -1, -1):
+            g = gaps[b]
+            a = _AGE[b]
+            left = 0.5 * g + later
+            if left > 0.0:
+                wait = 0.5 * g * max(_MID[b] - a, 1.0) + later_mid - a * later + tail
+                out[b] = left / max(wait, 1e-9)
+            later += g
+            later_mid += g * _MID[b]
         return out
 
 
@@ -143,6 +147,9 @@ class ChainOdds(BlockPolicy):
         self._stay = max(1.0, capacity / 24.0)  # requests a block stays before eviction (learned)
         self._dens: list[list[float]] = []
         self._dens_at = -1
+        self._cend: list[tuple] = [()] * len(self._lists)  # class -> its two ends, cached
+        self._cend_key: tuple[int, int] | None = None  # (request count, table age) of _cend
+        self._dirty: set[int] = set()  # classes changed since _cend was computed
         self._front: dict[int, tuple[Hashable, Hashable]] = {}  # class -> (first key, its pick)
         self._version = 0  # bumped by every change to what is tracked
         self._ends_at = -1
@@ -247,6 +254,8 @@ class ChainOdds(BlockPolicy):
         old = self._meta.get(key)
         if old is not None:
             del self._lists[old][key]
+            self._dirty.add(old)
+        self._dirty.add(cls)
         self._meta[key] = cls
         self._lists[cls][key] = (self._t, depth)
         self._version += 1
@@ -260,20 +269,32 @@ class ChainOdds(BlockPolicy):
     def on_remove(self, key: Hashable) -> None:
         cls = self._meta.pop(key)
         last, _ = self._lists[cls].pop(key)
+        self._dirty.add(cls)
         self._version += 1
         age = self._t - last
         self._stay += 0.01 * (age - self._stay)
 
     def _ends(self):
-        """(density, key) of the oldest (deepest of its request) and the youngest block of every class."""
+        """(density, key) of the oldest (deepest of its request) and the youngest block of every class.
+
+        Per class, cached until that class changes, the request count moves or
+        the density table is refreshed; so a miss recomputes one or two classes.
+        """
         if self._ends_at == self._version:
             return self._ends_memo
-        out = []
         self._density(0, self._t)  # refresh the table if due
         dens, now, top = self._dens, self._t, _BUCKETS - 1
+        cend, lists = self._cend, self._lists
+        if self._cend_key != (now, self._dens_at):
+            self._cend_key = (now, self._dens_at)
+            dirty = range(len(lists))
+        else:
+            dirty = self._dirty
         front = self._front
-        for cls, lst in enumerate(self._lists):
+        for cls in dirty:
+            lst = lists[cls]
             if not lst:
+                cend[cls] = ()
                 continue
             row = dens[cls]
             first = next(iter(lst))
@@ -290,9 +311,13 @@ class ChainOdds(BlockPolicy):
                     if d2 > d0:
                         k, d0 = k2, d2
                 front[cls] = (first, k)
-            out.append((row[min((now - t0).bit_length(), top)], k))
-            k = next(reversed(lst))
-            out.append((row[min((now - lst[k][0]).bit_length(), top)], k))
+            k2 = next(reversed(lst))
+            cend[cls] = (
+                (row[min((now - t0).bit_length(), top)], k),
+                (row[min((now - lst[k2][0]).bit_length(), top)], k2),
+            )
+        self._dirty = set()
+        out = [e for pair in cend for e in pair]
         self._ends_memo, self._ends_at = out, self._version
         return out
 
@@ -304,11 +329,16 @@ class ChainOdds(BlockPolicy):
             return True
         rec = self._ghost.get(key)
         cls = rec[0] if rec is not None else self._cls
-        return self._density(cls, self._t) > min(ends)[0]
+        return self._density(cls, self._t) > min(ends, key=_first)[0]
 
     def victims(self, now: float) -> Iterator[Hashable]:
-        seen = set()
-        for _, k in sorted(self._ends(), key=lambda e: e[0]):
+        ends = self._ends()
+        if not ends:
+            return
+        k0 = min(ends, key=_first)[1]
+        yield k0  # nearly always taken: sort the rest only when it is not
+        seen = {k0}
+        for _, k in sorted(ends, key=_first):
             if k not in seen:
                 seen.add(k)
                 yield k
