@@ -150,10 +150,11 @@ class ChainOdds(BlockPolicy):
         self._cend: list[tuple] = [()] * len(self._lists)  # class -> its two ends, cached
         self._cend_key: tuple[int, int] | None = None  # (request count, table age) of _cend
         self._dirty: set[int] = set()  # classes changed since _cend was computed
+        self._low_cls = -1  # the class of the lowest end (-1: none)
         self._front: dict[int, tuple[Hashable, Hashable]] = {}  # class -> (first key, its pick)
         self._version = 0  # bumped by every change to what is tracked
         self._ends_at = -1
-        self._ends_memo: list = []
+        self._ends_memo: tuple | None = None
         self._turn = 1  # the current request's turn
         self._cls = 1
 
@@ -275,7 +276,7 @@ class ChainOdds(BlockPolicy):
         self._stay += 0.01 * (age - self._stay)
 
     def _ends(self):
-        """(density, key) of the oldest (deepest of its request) and the youngest block of every class.
+        """The lowest (density, key) of the oldest (deepest of its request) and the youngest block of every class.
 
         Per class, cached until that class changes, the request count moves or
         the density table is refreshed; so a miss recomputes one or two classes.
@@ -288,8 +289,10 @@ class ChainOdds(BlockPolicy):
         if self._cend_key != (now, self._dens_at):
             self._cend_key = (now, self._dens_at)
             dirty = range(len(lists))
+            whole = True
         else:
             dirty = self._dirty
+            whole = self._low_cls < 0 or self._low_cls in dirty
         front = self._front
         for cls in dirty:
             lst = lists[cls]
@@ -312,32 +315,46 @@ class ChainOdds(BlockPolicy):
                         k, d0 = k2, d2
                 front[cls] = (first, k)
             k2 = next(reversed(lst))
-            cend[cls] = (
-                (row[min((now - t0).bit_length(), top)], k),
-                (row[min((now - lst[k2][0]).bit_length(), top)], k2),
-            )
+            b_old, b_young = (now - t0).bit_length(), (now - lst[k2][0]).bit_length()
+            old = (row[b_old if b_old < top else top], k)
+            young = (row[b_young if b_young < top else top], k2)
+            cend[cls] = (old if old[0] <= young[0] else young, old, young)
+        if whole:  # the lowest class changed: look at every class
+            best = None
+            for cls, c in enumerate(cend):
+                if c and (best is None or c[0][0] < best[0]):
+                    best, bcls = c[0], cls
+        else:  # only the changed classes can undercut the lowest one (ties go to the first class)
+            best, bcls = self._ends_memo, self._low_cls
+            for cls in dirty:
+                c = cend[cls]
+                if c and (c[0][0] < best[0] or (c[0][0] == best[0] and cls < bcls)):
+                    best, bcls = c[0], cls
         self._dirty = set()
-        out = [e for pair in cend for e in pair]
-        self._ends_memo, self._ends_at = out, self._version
-        return out
+        if best is None:
+            bcls = -1
+        self._low_cls = bcls
+        self._ends_memo, self._ends_at = best, self._version
+        return best
 
     def admit(self, key: Hashable, depth: int, now: float) -> bool:
         if not self.admission or len(self._meta) < self.capacity:
             return True
-        ends = self._ends()
-        if not ends:
+        low = self._ends()
+        if low is None:
             return True
         rec = self._ghost.get(key)
         cls = rec[0] if rec is not None else self._cls
-        return self._density(cls, self._t) > min(ends, key=_first)[0]
+        return self._density(cls, self._t) > low[0]
 
     def victims(self, now: float) -> Iterator[Hashable]:
-        ends = self._ends()
-        if not ends:
+        low = self._ends()
+        if low is None:
             return
-        k0 = min(ends, key=_first)[1]
+        k0 = low[1]
         yield k0  # nearly always taken: sort the rest only when it is not
         seen = {k0}
+        ends = [e for c in self._cend if c for e in c[1:]]
         for _, k in sorted(ends, key=_first):
             if k not in seen:
                 seen.add(k)
