@@ -101,7 +101,7 @@ class ChainOdds(BlockPolicy):
         self,
         capacity: int,
         horizon: int | None = None,
-        max_turn: int = 6,
+        max_turn: int = 4,
         max_reads: int = 3,
         length_classes: int = 3,
         branch_classes: bool = True,
@@ -111,7 +111,7 @@ class ChainOdds(BlockPolicy):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"chain: capacity must be an int >= 1 (blocks), got {capacity!r}")
         if horizon is None:
-            horizon = 4096
+            horizon = 2048
         if not isinstance(horizon, int) or horizon < 2:
             raise ValueError(f"chain: horizon must be an int >= 2 (requests), got {horizon!r}")
         if not isinstance(max_turn, int) or max_turn < 1:
