@@ -116,6 +116,14 @@ class ChainOdds(BlockPolicy):
             raise ValueError(f"chain: horizon must be an int >= 2 (requests), got {horizon!r}")
         if not isinstance(max_turn, int) or max_turn < 1:
             raise ValueError(f"chain: max_turn must be an int >= 1, got {max_turn!r}")
+        if not isinstance(max_reads, int) or isinstance(max_reads, bool) or max_reads < 1:
+            raise ValueError(f"chain: max_reads must be an int >= 1, got {max_reads!r}")
+        if (
+            not isinstance(length_classes, int)
+            or isinstance(length_classes, bool)
+            or length_classes < 0
+        ):
+            raise ValueError(f"chain: length_classes must be an int >= 0, got {length_classes!r}")
         if not isinstance(shared_children, int) or shared_children < 2:
             raise ValueError(f"chain: shared_children must be an int >= 2, got {shared_children!r}")
         self.capacity = capacity
@@ -146,7 +154,8 @@ class ChainOdds(BlockPolicy):
         self._lists: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(len(self._hist))]
         self._stay = max(1.0, capacity / 24.0)  # requests a block stays before eviction (learned)
         self._dens: list[list[float]] = []
-        self._dens_at = -1
+        self._dens_at = 0
+        self._refresh()
         self._cend: list[tuple] = [()] * len(self._lists)  # class -> its two ends, cached
         self._cend_key: tuple[int, int] | None = None  # (request count, table age) of _cend
         self._dirty: set[int] = set()  # classes changed since _cend was computed
@@ -182,6 +191,8 @@ class ChainOdds(BlockPolicy):
         self._version += 1
         t = self._t
         self._expire()
+        if t - self._dens_at >= 16:  # the density table, refreshed every 16 requests
+            self._refresh()
         ghost, children, shared = self._ghost, self._children, self.shared_children
         # the deepest known block decides the turn
         turn = 1
@@ -243,10 +254,11 @@ class ChainOdds(BlockPolicy):
 
     # -- ordering --------------------------------------------------------------
 
+    def _refresh(self) -> None:
+        self._dens = [h.densities(self._stay) for h in self._hist]
+        self._dens_at = self._t
+
     def _density(self, cls: int, last: int) -> float:
-        if self._t - self._dens_at >= 16 or not self._dens:
-            self._dens = [h.densities(self._stay) for h in self._hist]
-            self._dens_at = self._t
         return self._dens[cls][min((self._t - last).bit_length(), _BUCKETS - 1)]
 
     def _track(self, key: Hashable, depth: int) -> None:
@@ -283,7 +295,6 @@ class ChainOdds(BlockPolicy):
         """
         if self._ends_at == self._version:
             return self._ends_memo
-        self._density(0, self._t)  # refresh the table if due
         dens, now, top = self._dens, self._t, _BUCKETS - 1
         cend, lists = self._cend, self._lists
         if self._cend_key != (now, self._dens_at):
@@ -371,3 +382,56 @@ class ChainOdds(BlockPolicy):
                 if k not in seen:
                     seen.add(k)
                     yield k
+
+    # -- checking --------------------------------------------------------------
+
+    def _lowest_from_scratch(self) -> tuple | None:
+        """What ``_ends`` must answer, recomputed without any of its caches."""
+        dens, now, top = self._dens, self._t, _BUCKETS - 1
+        best = None
+        for cls, lst in enumerate(self._lists):
+            if not lst:
+                continue
+            it = iter(lst.items())
+            k, (t0, d0) = next(it)
+            for k2, (t2, d2) in islice(it, 256):
+                if t2 != t0:
+                    break
+                if d2 > d0:
+                    k, d0 = k2, d2
+            k2 = next(reversed(lst))
+            old = (dens[cls][min((now - t0).bit_length(), top)], k)
+            young = (dens[cls][min((now - lst[k2][0]).bit_length(), top)], k2)
+            low = old if old[0] <= young[0] else young
+            if best is None or low[0] < best[0]:
+                best = low
+        return best
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first inconsistency in the policy's own records."""
+        total = 0
+        for cls, lst in enumerate(self._lists):
+            last = -1
+            for k, (t, _) in lst.items():
+                if self._meta.get(k) != cls:
+                    raise AssertionError(
+                        f"chain: block {k!r} is listed in class {cls}, recorded as {self._meta.get(k)}"
+                    )
+                if t < last or t > self._t:
+                    raise AssertionError(f"chain: class {cls} is out of read order at {k!r}")
+                last = t
+            total += len(lst)
+        if total != len(self._meta):
+            raise AssertionError(
+                f"chain: {len(self._meta)} blocks tracked, {total} in the class lists"
+            )
+        last = -1
+        for k, rec in self._ghost.items():
+            if rec[1] < last or rec[1] <= self._t - self.horizon:
+                raise AssertionError(f"chain: ghost record of {k!r} is out of order or expired")
+            if not 0 <= rec[0] < len(self._hist) or not 1 <= rec[4] <= self.max_reads:
+                raise AssertionError(f"chain: ghost record of {k!r} has a bad class or read count")
+            last = rec[1]
+        cached, fresh = self._ends(), self._lowest_from_scratch()
+        if cached != fresh:
+            raise AssertionError(f"chain: cached lowest end {cached!r}, recomputed {fresh!r}")
