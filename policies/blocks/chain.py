@@ -151,7 +151,9 @@ class ChainOdds(BlockPolicy):
         self._children: dict[Hashable, set | int] = {}  # key -> successors seen (capped)
         # tracked (cached) blocks: key -> class; per class, keys oldest read first
         self._meta: dict[Hashable, int] = {}
-        self._lists: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(len(self._hist))]
+        self._lists: list[OrderedDict[Hashable, int]] = [
+            OrderedDict() for _ in range(len(self._hist))
+        ]
         self._stay = max(1.0, capacity / 24.0)  # requests a block stays before eviction (learned)
         self._dens: list[list[float]] = []
         self._dens_at = 0
@@ -212,9 +214,11 @@ class ChainOdds(BlockPolicy):
         # a first read in a new conversation: its class also says how long the request is
         first = base + 1
         if turn == 1 and self.length_classes:
-            first = self._tail_cls + min(
-                max(len(keys).bit_length() - 2, 0), self.length_classes - 1
-            ) + 1
+            first = (
+                self._tail_cls
+                + min(max(len(keys).bit_length() - 2, 0), self.length_classes - 1)
+                + 1
+            )
         elif branch and self.branch_classes:
             first = self._branch_cls + turn - 1
         hist = self._hist
