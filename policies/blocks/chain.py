@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
-from itertools import islice
 from operator import itemgetter
 
 from policies.blocks.base import BlockInfo, BlockPolicy
@@ -46,6 +45,7 @@ from policies.blocks.base import BlockInfo, BlockPolicy
 __all__ = ["ChainOdds"]
 
 _first = itemgetter(0)
+_INF = float("inf")
 _AGE = tuple([0.0] + [float(1 << (b - 1)) for b in range(1, 18)])  # youngest age of bucket b
 _MID = tuple([0.0] + [0.75 * (1 << b) for b in range(1, 18)])  # a typical gap in bucket b
 _BUCKETS = 18  # gap and age buckets: bucket b holds values v with v.bit_length() == b
@@ -161,8 +161,8 @@ class ChainOdds(BlockPolicy):
         self._cend: list[tuple] = [()] * len(self._lists)  # class -> its two ends, cached
         self._cend_key: tuple[int, int] | None = None  # (request count, table age) of _cend
         self._dirty: set[int] = set()  # classes changed since _cend was computed
-        self._low_cls = -1  # the class of the lowest end (-1: none)
-        self._front: dict[int, tuple[Hashable, Hashable]] = {}  # class -> (first key, its pick)
+        self._lows = [(_INF, c, None) for c in range(len(self._lists))]  # (density, class, key)
+        self._front: dict[int, tuple[int, list]] = {}  # class -> (oldest read, its blocks by depth)
         self._version = 0  # bumped by every change to what is tracked
         self._ends_at = -1
         self._ends_memo: tuple | None = None
@@ -304,51 +304,43 @@ class ChainOdds(BlockPolicy):
         if self._cend_key != (now, self._dens_at):
             self._cend_key = (now, self._dens_at)
             dirty = range(len(lists))
-            whole = True
         else:
             dirty = self._dirty
-            whole = self._low_cls < 0 or self._low_cls in dirty
-        front = self._front
+        front, lows = self._front, self._lows
         for cls in dirty:
             lst = lists[cls]
             if not lst:
                 cend[cls] = ()
+                lows[cls] = (_INF, cls, None)
                 continue
             row = dens[cls]
             first = next(iter(lst))
             t0 = lst[first][0]
-            cached = front.get(cls)
-            if cached is not None and cached[0] == first and cached[1] in lst and t0 < now:
-                k = cached[1]  # the oldest request is complete: its deepest block is known
-            else:
-                it = iter(lst.items())
-                k, (_, d0) = next(it)
-                for k2, (t2, d2) in islice(it, 256):  # the oldest request's blocks: deepest first
+            stack = front.get(cls)
+            if stack is None or stack[0] != t0 or t0 >= now:
+                # the oldest request's blocks, deepest (then earliest) last; a request
+                # that is over gains no blocks, so the stack only shrinks until it is used up
+                group = []
+                for pos, (k2, (t2, d2)) in enumerate(lst.items()):
                     if t2 != t0:
                         break
-                    if d2 > d0:
-                        k, d0 = k2, d2
-                front[cls] = (first, k)
+                    group.append((d2, -pos, k2))
+                group.sort()
+                stack = front[cls] = (t0, [g[2] for g in group])
+            keys = stack[1]
+            while keys and (keys[-1] not in lst or lst[keys[-1]][0] != t0):
+                keys.pop()
+            k = keys[-1] if keys else first
             k2 = next(reversed(lst))
             b_old, b_young = (now - t0).bit_length(), (now - lst[k2][0]).bit_length()
             old = (row[b_old if b_old < top else top], k)
             young = (row[b_young if b_young < top else top], k2)
-            cend[cls] = (old if old[0] <= young[0] else young, old, young)
-        if whole:  # the lowest class changed: look at every class
-            best = None
-            for cls, c in enumerate(cend):
-                if c and (best is None or c[0][0] < best[0]):
-                    best, bcls = c[0], cls
-        else:  # only the changed classes can undercut the lowest one (ties go to the first class)
-            best, bcls = self._ends_memo, self._low_cls
-            for cls in dirty:
-                c = cend[cls]
-                if c and (c[0][0] < best[0] or (c[0][0] == best[0] and cls < bcls)):
-                    best, bcls = c[0], cls
+            low = old if old[0] <= young[0] else young
+            cend[cls] = (low, old, young)
+            lows[cls] = (low[0], cls, low[1])
         self._dirty = set()
-        if best is None:
-            bcls = -1
-        self._low_cls = bcls
+        m = min(lows)  # (density, class, key): ties go to the first class
+        best = None if m[2] is None else (m[0], m[2])
         self._ends_memo, self._ends_at = best, self._version
         return best
 
@@ -398,7 +390,7 @@ class ChainOdds(BlockPolicy):
                 continue
             it = iter(lst.items())
             k, (t0, d0) = next(it)
-            for k2, (t2, d2) in islice(it, 256):
+            for k2, (t2, d2) in it:
                 if t2 != t0:
                     break
                 if d2 > d0:
