@@ -7,14 +7,15 @@ Measures, in one run:
   Belady's optimum (and the chain-blind Belady) for the same trace and
   capacity, on: the bundled Mooncake conversation trace (whole, first half,
   second half: the policy's defaults were chosen on the first half only), and
-  seeded synthetic conversation traces it has never seen;
+  seeded synthetic conversation traces: the default generator (seeds 0-2) and
+  one with every knob changed (``SHIFTED``);
 - the per-block cost of computing a block key, and of a lookup plus an insert
   in ``BlockIndex``, against a raw Python dict lookup and insert of the same
   keys (the ratio is the baseline);
 - the wall time (and the process CPU time, which other load on the machine
   does not inflate) of one whole-trace block replay per policy.
 
-Usage: ``python benchmarks/prefix.py --out prefix.json [--synthetic-seeds 0,1] [--capacities ...]``
+Usage: ``python benchmarks/prefix.py --out prefix.json [--synthetic-seeds 0,1,2] [--shifted-seeds 3] [--capacities ...]``
 """
 
 from __future__ import annotations
@@ -36,11 +37,24 @@ from tiering.blocks.belady import belady_hit_rate  # noqa: E402
 from tiering.blocks.index import BlockIndex  # noqa: E402
 from tiering.blocks.keys import KeyRoot  # noqa: E402
 from tiering.blocks.replay import load_chains, replay_blocks  # noqa: E402
-from tiering.blocks.synth import synthetic_chains  # noqa: E402
+from tiering.blocks.synth import SynthConfig, synthetic_chains  # noqa: E402
 from tiering.types import Tier  # noqa: E402
 
 DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake" / "conversation_trace.jsonl"
 BASELINES = ("lru", "arc", "s3fifo")
+# a synthetic trace unlike the default one in every knob, for a policy tuned elsewhere:
+# more system prompts, more one-offs, longer turns, likelier first continuations that
+# rise slowly, shorter and more spread gaps
+SHIFTED = SynthConfig(
+    system_prompts=8,
+    one_off_fraction=0.5,
+    new_blocks_mean=12.0,
+    cont_first=0.5,
+    cont_step=0.05,
+    cont_max=0.7,
+    gap_median=200.0,
+    gap_sigma=1.2,
+)
 OURS = "chain"
 
 
@@ -118,7 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--capacities", default="1000,4000,16000")
-    ap.add_argument("--synthetic-seeds", default="0,1", help="comma-separated seeds ('' for none)")
+    ap.add_argument(
+        "--synthetic-seeds", default="0,1,2", help="comma-separated seeds ('' for none)"
+    )
+    ap.add_argument(
+        "--shifted-seeds",
+        default="3",
+        help="seeds of a synthetic trace with other parameters (SHIFTED; '' for none)",
+    )
     ap.add_argument("--synthetic-requests", type=int, default=12000)
     args = ap.parse_args(argv)
     capacities = [int(c) for c in args.capacities.split(",") if c]
@@ -132,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for s in [int(x) for x in args.synthetic_seeds.split(",") if x.strip()]:
         sets.append((f"synthetic-seed{s}", synthetic_chains(args.synthetic_requests, s)))
+    for s in [int(x) for x in args.shifted_seeds.split(",") if x.strip()]:
+        sets.append(
+            (f"shifted-seed{s}", synthetic_chains(args.synthetic_requests, s, config=SHIFTED))
+        )
     rows = []
     for label, ch in sets:
         rows.extend(_run(label, ch, capacities, names))
