@@ -12,15 +12,22 @@ age 0 is not above that of the block it would displace is not admitted.
 
 What it tracks:
 
-- **Turn.** A request whose known prefix ends inside an earlier request's own
-  blocks (not at a branch point) continues that conversation: its turn is one
-  more than that request's. A block's class is the turn of the last request
-  that read it, capped at ``max_turn``. Blocks where chains branch
+- **Class.** A request whose known prefix ends inside an earlier request's
+  own blocks (not at a branch point) continues that conversation: its turn is
+  one more than that request's, capped at ``max_turn``. A block's class is the
+  turn of the last request that read it times how often it has been read
+  (capped at ``max_reads``): a re-read block is shared context, a block read
+  once may be a question never asked again. A first read in a new
+  conversation is classed by its request's length (``length_classes``
+  buckets by powers of two from 4 blocks), and one in a continuation that
+  branches from inside an earlier request rather than extending its end
+  (``branch_classes``) has a class per turn. Blocks where chains branch
   (``shared_children`` distinct successors or more: a shared system prompt)
   form class 0, and a chain's last block that nothing has extended yet (in a
   trace, the partial page of the prompt) forms its own class.
 - **Ghost history.** Every block read in the last ``horizon`` requests keeps a
-  small record (class, last read, turn, successors seen) whether or not it is
+  small record (class, last read, turn, successors seen, reads, whether it
+  ended a request) whether or not it is
   still cached, so learning outlives eviction. When a block is read again,
   the gap since its last read is counted for its class; when its record ages
   past the horizon unread, a never-reused block is counted.
@@ -29,7 +36,10 @@ What it tracks:
   occupy (the remaining gap for those reused, the learned stay of an evicted
   block for those never reused). Ages are bucketed by powers of two and the
   table is refreshed every 16 requests. Within a class density is taken at
-  the oldest and the youngest block (the function of age rises then falls).
+  the oldest and the youngest block (the function of age rises then falls);
+  each class's lowest end is cached until an event changes that class, so a
+  miss costs one or two classes' work, and ``check_integrity`` compares the
+  cached choice with a recomputation.
   Ages are counted in requests (``on_request`` calls), so nothing depends on
   the caller's clock.
 """
@@ -136,7 +146,7 @@ class ChainOdds(BlockPolicy):
         self.shared_children = shared_children
         self.admission = bool(admission)
         self._t = 0  # requests seen
-        # class 0: shared branch points; 1..max_turn: a conversation's turn
+        # class 0: shared branch points; then turn x reads; the tail; length; branch per turn
         self._hist = (
             [_Hist(2.0, 1.0)]
             + [_Hist(1.0, 2.0) for _ in range(max_turn * R)]
@@ -146,7 +156,8 @@ class ChainOdds(BlockPolicy):
         )
         self._branch_cls = max_turn * R + 2 + length_classes  # + turn - 1
         self._tail_cls = max_turn * R + 1  # a chain's last block, which nothing has extended yet
-        # ghost history, oldest read first: key -> [class, last read, created turn, children seen]
+        # ghost history, oldest read first:
+        # key -> [class, last read, created turn, children seen, reads, ended a request]
         self._ghost: OrderedDict[Hashable, list] = OrderedDict()
         self._children: dict[Hashable, set | int] = {}  # key -> successors seen (capped)
         # tracked (cached) blocks: key -> class; per class, keys oldest read first
