@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import heapq
+import random
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +15,10 @@ from policies.blocks import (
     make_block_policy,
     register_block_policy,
 )
+from policies.blocks.chain import ChainOdds
 from policies.blocks.generic import LRUBlocks
+from tiering.blocks.replay import load_chains, replay_blocks
+from tiering.blocks.synth import synthetic_chains
 from tiering.testing.blocks import check_block_policy
 
 NAMES = default_block_registry().names
@@ -87,3 +93,162 @@ class _NoCapacityCheck(LRUBlocks):
 def test_contract_fails_broken_policies(bad):
     with pytest.raises((AssertionError, RuntimeError, KeyError)):
         check_block_policy(bad)
+
+
+# -- ChainOdds ---------------------------------------------------------------------------
+
+TRACE = (
+    Path(__file__).resolve().parent.parent / "benchmarks/traces/mooncake/conversation_trace.jsonl"
+)
+
+
+def _conversations(n, seed, extend_share=0.0, cont=0.7):
+    """Seeded conversations on a shared root block 0: one-offs, and conversations whose
+    turns either extend the whole previous request or branch from its context (a new
+    question after the same context: the earlier question is never read again)."""
+    rng = random.Random(seed)
+    nid = [1]
+
+    def fresh(k):
+        out = list(range(nid[0], nid[0] + k))
+        nid[0] += k
+        return out
+
+    due, seq, chains = [], 0, []
+    for i in range(n):
+        if due and due[0][0] <= i:
+            _, _, extend, ctx, prev = heapq.heappop(due)
+            chain = (prev if extend else ctx) + fresh(rng.randint(2, 6))
+        elif rng.random() < 0.4:
+            chains.append([0, *fresh(rng.randint(2, 12))])
+            continue
+        else:
+            ctx = [0, *fresh(rng.randint(4, 12))]
+            chain = ctx + fresh(rng.randint(2, 6))
+            extend = rng.random() < extend_share
+        chains.append(chain)
+        if rng.random() < cont:
+            seq += 1
+            heapq.heappush(due, (i + rng.randint(20, 200), seq, extend, ctx, chain))
+    return chains
+
+
+class _CheckedChain(ChainOdds):
+    """ChainOdds that checks its own records after every event it is told about."""
+
+    def on_request(self, keys, now):
+        super().on_request(keys, now)
+        self.check_integrity()
+
+    def on_insert(self, info, now):
+        super().on_insert(info, now)
+        self.check_integrity()
+
+    def on_hit(self, info, now):
+        super().on_hit(info, now)
+        self.check_integrity()
+
+    def on_remove(self, key):
+        super().on_remove(key)
+        self.check_integrity()
+
+    def admit(self, key, depth, now):
+        ok = super().admit(key, depth, now)
+        self.check_integrity()
+        return ok
+
+
+@pytest.mark.parametrize(
+    "source,capacity",
+    [("synth", 40), ("synth", 300), ("mooncake", 100), ("mooncake", 500)],
+)
+def test_chain_records_stay_consistent_and_checking_changes_no_decision(source, capacity):
+    chains = synthetic_chains(600, seed=5) if source == "synth" else load_chains(TRACE, limit=400)
+    checked = replay_blocks(chains, capacity, _CheckedChain(capacity=capacity), check_every=1)
+    plain = replay_blocks(chains, capacity, ChainOdds(capacity=capacity))
+    # the cached lowest end was compared with a recomputation after every event; the
+    # decisions (hits, admissions, refusals, evictions) are those of the unchecked run
+    assert checked[:-1] == plain[:-1]
+    assert plain.evicted > 0 and plain.refused > 0 and plain.hits > 0  # every path ran
+
+
+def test_chain_check_integrity_catches_what_it_checks():
+    chains = synthetic_chains(300, seed=2)
+
+    def fresh():
+        p = ChainOdds(capacity=60)
+        replay_blocks(chains, 60, p)
+        p.check_integrity()
+        return p
+
+    p = fresh()  # a stale cached lowest end
+    p._ends()
+    p._ends_memo = (-1.0, "stale")
+    with pytest.raises(AssertionError, match="cached lowest end"):
+        p.check_integrity()
+    p = fresh()  # a block listed under the wrong class
+    k = next(iter(p._meta))
+    p._meta[k] = (p._meta[k] + 1) % len(p._lists)
+    with pytest.raises(AssertionError, match="listed in class"):
+        p.check_integrity()
+    p = fresh()  # a list entry without a record
+    p._meta.pop(next(iter(p._meta)))
+    with pytest.raises(AssertionError):
+        p.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "kw,word",
+    [
+        ({"capacity": 0}, "capacity"),
+        ({"capacity": 10, "horizon": 1}, "horizon"),
+        ({"capacity": 10, "max_turn": 0}, "max_turn"),
+        ({"capacity": 10, "max_reads": 0}, "max_reads"),
+        ({"capacity": 10, "max_reads": True}, "max_reads"),
+        ({"capacity": 10, "length_classes": -1}, "length_classes"),
+        ({"capacity": 10, "length_classes": 2.0}, "length_classes"),
+        ({"capacity": 10, "shared_children": 1}, "shared_children"),
+    ],
+)
+def test_chain_rejects_bad_parameters_by_name(kw, word):
+    with pytest.raises(ValueError, match=word):
+        ChainOdds(**kw)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chain_tells_a_context_read_again_from_a_question_read_once(seed):
+    # Every turn reads the conversation's context again and asks a new question that is
+    # never read again. Only the read count separates the two within a turn.
+    chains = _conversations(3000, seed)
+    cap = 400
+    by_reads = replay_blocks(chains, cap, ChainOdds(capacity=cap, horizon=1024))
+    blind = replay_blocks(chains, cap, ChainOdds(capacity=cap, horizon=1024, max_reads=1))
+    lru = replay_blocks(chains, cap, LRUBlocks(capacity=cap))
+    assert by_reads.hits > 1.1 * blind.hits, (by_reads.hits, blind.hits)
+    assert blind.hits > lru.hits  # the turn classes alone still help (negative control is lru)
+    p = ChainOdds(capacity=cap, horizon=1024)
+    replay_blocks(chains, cap, p)
+    # what it learned: a turn-2 block read for the second time comes back more often
+    # than one read for the first time (class 1 + (turn - 1) * max_reads + (reads - 1))
+    first, again = p._hist[1 + p.max_reads], p._hist[2 + p.max_reads]
+    assert again.reused / (again.reused + again.never) > 2 * first.reused / (
+        first.reused + first.never
+    )
+
+
+def test_chain_classes_a_branch_apart_from_an_extension():
+    p = ChainOdds(capacity=100, length_classes=0)
+    p.on_request([0, 1, 2, 3, 4, 5], 0.0)  # turn 1
+    p.on_request([0, 1, 2, 3, 4, 5, 6, 7], 1.0)  # extends it: turn 2, not a branch
+    assert p._ghost[6][0] == 1 + p.max_reads  # turn 2, first read (7 is the unextended tail)
+    assert p._ghost[7][0] == p._tail_cls
+    p.on_request([0, 1, 2, 3, 8, 9, 10], 2.0)  # continues from inside request 1: a branch
+    assert p._ghost[9][0] == p._branch_cls + 1  # turn 2, branch class
+    q = ChainOdds(capacity=100, length_classes=0, branch_classes=False)
+    for t, keys in enumerate(
+        ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 8, 9, 10])
+    ):
+        q.on_request(keys, float(t))
+    assert q._ghost[9][0] == 1 + q.max_reads  # turn 2, first read, no branch class
+    p.check_integrity()
+    q.check_integrity()

@@ -12,15 +12,22 @@ age 0 is not above that of the block it would displace is not admitted.
 
 What it tracks:
 
-- **Turn.** A request whose known prefix ends inside an earlier request's own
-  blocks (not at a branch point) continues that conversation: its turn is one
-  more than that request's. A block's class is the turn of the last request
-  that read it, capped at ``max_turn``. Blocks where chains branch
+- **Class.** A request whose known prefix ends inside an earlier request's
+  own blocks (not at a branch point) continues that conversation: its turn is
+  one more than that request's, capped at ``max_turn``. A block's class is the
+  turn of the last request that read it times how often it has been read
+  (capped at ``max_reads``): a re-read block is shared context, a block read
+  once may be a question never asked again. A first read in a new
+  conversation is classed by its request's length (``length_classes``
+  buckets by powers of two from 4 blocks), and one in a continuation that
+  branches from inside an earlier request rather than extending its end
+  (``branch_classes``) has a class per turn. Blocks where chains branch
   (``shared_children`` distinct successors or more: a shared system prompt)
   form class 0, and a chain's last block that nothing has extended yet (in a
   trace, the partial page of the prompt) forms its own class.
 - **Ghost history.** Every block read in the last ``horizon`` requests keeps a
-  small record (class, last read, turn, successors seen) whether or not it is
+  small record (class, last read, turn, successors seen, reads, whether it
+  ended a request) whether or not it is
   still cached, so learning outlives eviction. When a block is read again,
   the gap since its last read is counted for its class; when its record ages
   past the horizon unread, a never-reused block is counted.
@@ -29,7 +36,10 @@ What it tracks:
   occupy (the remaining gap for those reused, the learned stay of an evicted
   block for those never reused). Ages are bucketed by powers of two and the
   table is refreshed every 16 requests. Within a class density is taken at
-  the oldest and the youngest block (the function of age rises then falls).
+  the oldest and the youngest block (the function of age rises then falls);
+  each class's lowest end is cached until an event changes that class, so a
+  miss costs one or two classes' work, and ``check_integrity`` compares the
+  cached choice with a recomputation.
   Ages are counted in requests (``on_request`` calls), so nothing depends on
   the caller's clock.
 """
@@ -38,12 +48,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
-from itertools import islice
+from operator import itemgetter
 
 from policies.blocks.base import BlockInfo, BlockPolicy
 
 __all__ = ["ChainOdds"]
 
+_first = itemgetter(0)
+_INF = float("inf")
+_AGE = tuple([0.0] + [float(1 << (b - 1)) for b in range(1, 18)])  # youngest age of bucket b
+_MID = tuple([0.0] + [0.75 * (1 << b) for b in range(1, 18)])  # a typical gap in bucket b
 _BUCKETS = 18  # gap and age buckets: bucket b holds values v with v.bit_length() == b
 
 
@@ -73,18 +87,18 @@ class _Hist:
         time to eviction) for those never reused.
         """
         gaps, never = self.gaps, self.never
-        mids = [0.0] + [0.75 * (1 << b) for b in range(1, _BUCKETS)]
-        out = []
-        for b in range(_BUCKETS):
-            a = 0.0 if b == 0 else float(1 << (b - 1))
-            left = 0.5 * gaps[b] + sum(gaps[b + 1 :])
-            if left <= 0.0:
-                out.append(0.0)
-                continue
-            wait = 0.5 * gaps[b] * max(mids[b] - a, 1.0)
-            wait += sum(gaps[x] * (mids[x] - a) for x in range(b + 1, _BUCKETS))
-            wait += never * stay
-            out.append(left / max(wait, 1e-9))
+        tail = never * stay
+        out = [0.0] * _BUCKETS
+        later = later_mid = 0.0  # sums over the buckets above b: counts, counts x midpoints
+        for b in range(_BUCKETS - 1, -1, -1):
+            g = gaps[b]
+            a = _AGE[b]
+            left = 0.5 * g + later
+            if left > 0.0:
+                wait = 0.5 * g * max(_MID[b] - a, 1.0) + later_mid - a * later + tail
+                out[b] = left / max(wait, 1e-9)
+            later += g
+            later_mid += g * _MID[b]
         return out
 
 
@@ -97,44 +111,72 @@ class ChainOdds(BlockPolicy):
         self,
         capacity: int,
         horizon: int | None = None,
-        max_turn: int = 6,
+        max_turn: int = 4,
+        max_reads: int = 3,
+        length_classes: int = 3,
+        branch_classes: bool = True,
         shared_children: int = 4,
         admission: bool = True,
     ) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"chain: capacity must be an int >= 1 (blocks), got {capacity!r}")
         if horizon is None:
-            horizon = 4096
+            horizon = 2048
         if not isinstance(horizon, int) or horizon < 2:
             raise ValueError(f"chain: horizon must be an int >= 2 (requests), got {horizon!r}")
         if not isinstance(max_turn, int) or max_turn < 1:
             raise ValueError(f"chain: max_turn must be an int >= 1, got {max_turn!r}")
+        if not isinstance(max_reads, int) or isinstance(max_reads, bool) or max_reads < 1:
+            raise ValueError(f"chain: max_reads must be an int >= 1, got {max_reads!r}")
+        if (
+            not isinstance(length_classes, int)
+            or isinstance(length_classes, bool)
+            or length_classes < 0
+        ):
+            raise ValueError(f"chain: length_classes must be an int >= 0, got {length_classes!r}")
         if not isinstance(shared_children, int) or shared_children < 2:
             raise ValueError(f"chain: shared_children must be an int >= 2, got {shared_children!r}")
         self.capacity = capacity
         self.horizon = horizon
         self.max_turn = max_turn
+        self.max_reads = max_reads
+        self.length_classes = length_classes
+        self.branch_classes = bool(branch_classes)
+        R = max_reads
         self.shared_children = shared_children
         self.admission = bool(admission)
         self._t = 0  # requests seen
-        # class 0: shared branch points; 1..max_turn: a conversation's turn
+        # class 0: shared branch points; then turn x reads; the tail; length; branch per turn
         self._hist = (
-            [_Hist(2.0, 1.0)] + [_Hist(1.0, 2.0) for _ in range(max_turn)] + [_Hist(0.5, 4.0)]
+            [_Hist(2.0, 1.0)]
+            + [_Hist(1.0, 2.0) for _ in range(max_turn * R)]
+            + [_Hist(0.5, 4.0)]
+            + [_Hist(1.0, 2.0) for _ in range(length_classes)]
+            + [_Hist(0.5, 4.0) for _ in range(max_turn)]
         )
-        self._tail_cls = max_turn + 1  # a chain's last block, which nothing has extended yet
-        # ghost history, oldest read first: key -> [class, last read, created turn, children seen]
+        self._branch_cls = max_turn * R + 2 + length_classes  # + turn - 1
+        self._tail_cls = max_turn * R + 1  # a chain's last block, which nothing has extended yet
+        # ghost history, oldest read first:
+        # key -> [class, last read, created turn, children seen, reads, ended a request]
         self._ghost: OrderedDict[Hashable, list] = OrderedDict()
         self._children: dict[Hashable, set | int] = {}  # key -> successors seen (capped)
         # tracked (cached) blocks: key -> class; per class, keys oldest read first
         self._meta: dict[Hashable, int] = {}
-        self._lists: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(max_turn + 2)]
+        self._lists: list[OrderedDict[Hashable, int]] = [
+            OrderedDict() for _ in range(len(self._hist))
+        ]
         self._stay = max(1.0, capacity / 24.0)  # requests a block stays before eviction (learned)
         self._dens: list[list[float]] = []
-        self._dens_at = -1
-        self._front: dict[int, tuple[Hashable, Hashable]] = {}  # class -> (first key, its pick)
+        self._dens_at = 0
+        self._refresh()
+        self._cend: list[tuple] = [()] * len(self._lists)  # class -> its two ends, cached
+        self._cend_key: tuple[int, int] | None = None  # (request count, table age) of _cend
+        self._dirty: set[int] = set()  # classes changed since _cend was computed
+        self._lows = [(_INF, c, None) for c in range(len(self._lists))]  # (density, class, key)
+        self._front: dict[int, tuple[int, list]] = {}  # class -> (oldest read, its blocks by depth)
         self._version = 0  # bumped by every change to what is tracked
         self._ends_at = -1
-        self._ends_memo: list = []
+        self._ends_memo: tuple | None = None
         self._turn = 1  # the current request's turn
         self._cls = 1
 
@@ -162,6 +204,8 @@ class ChainOdds(BlockPolicy):
         self._version += 1
         t = self._t
         self._expire()
+        if t - self._dens_at >= 16:  # the density table, refreshed every 16 requests
+            self._refresh()
         ghost, children, shared = self._ghost, self._children, self.shared_children
         # the deepest known block decides the turn
         turn = 1
@@ -171,9 +215,23 @@ class ChainOdds(BlockPolicy):
             if rec is None:
                 break
             deepest = rec
+        branch = False
         if deepest is not None and deepest[3] < shared:
             turn = min(deepest[2] + 1, self.max_turn)
+            branch = not deepest[5]  # it continues from inside an earlier request, not its end
         self._turn = turn
+        R = self.max_reads
+        base = (turn - 1) * R
+        # a first read in a new conversation: its class also says how long the request is
+        first = base + 1
+        if turn == 1 and self.length_classes:
+            first = (
+                self._tail_cls
+                + min(max(len(keys).bit_length() - 2, 0), self.length_classes - 1)
+                + 1
+            )
+        elif branch and self.branch_classes:
+            first = self._branch_cls + turn - 1
         hist = self._hist
         prev = None
         for k in keys:
@@ -188,29 +246,34 @@ class ChainOdds(BlockPolicy):
                         children[prev] = seen = shared
                 pr = ghost[prev]
                 pr[3] = seen if isinstance(seen, int) else len(seen)
-                pr[0] = 0 if pr[3] >= shared else turn
+                pr[0] = 0 if pr[3] >= shared else (first if pr[4] == 1 else base + pr[4])
             if rec is None:
-                rec = [turn, t, turn, 0]
+                rec = [first, t, turn, 0, 1, False]
                 ghost[k] = rec
             else:
                 if rec[1] < t:
                     hist[rec[0]].add_reuse(t - rec[1])
                 ghost.move_to_end(k)
                 rec[1] = t
-                rec[0] = 0 if rec[3] >= shared else turn
+                rec[4] = r = min(rec[4] + 1, R)
+                rec[0] = 0 if rec[3] >= shared else base + r
             prev = k
+        if len(keys) >= 2:
+            ghost[keys[-2]][5] = True
         if prev is not None:
             last = ghost[prev]
+            last[5] = True
             if last[3] == 0:
                 last[0] = self._tail_cls
-        self._cls = turn
+        self._cls = first
 
     # -- ordering --------------------------------------------------------------
 
+    def _refresh(self) -> None:
+        self._dens = [h.densities(self._stay) for h in self._hist]
+        self._dens_at = self._t
+
     def _density(self, cls: int, last: int) -> float:
-        if self._t - self._dens_at >= 16 or not self._dens:
-            self._dens = [h.densities(self._stay) for h in self._hist]
-            self._dens_at = self._t
         return self._dens[cls][min((self._t - last).bit_length(), _BUCKETS - 1)]
 
     def _track(self, key: Hashable, depth: int) -> None:
@@ -219,6 +282,8 @@ class ChainOdds(BlockPolicy):
         old = self._meta.get(key)
         if old is not None:
             del self._lists[old][key]
+            self._dirty.add(old)
+        self._dirty.add(cls)
         self._meta[key] = cls
         self._lists[cls][key] = (self._t, depth)
         self._version += 1
@@ -232,55 +297,83 @@ class ChainOdds(BlockPolicy):
     def on_remove(self, key: Hashable) -> None:
         cls = self._meta.pop(key)
         last, _ = self._lists[cls].pop(key)
+        self._dirty.add(cls)
         self._version += 1
         age = self._t - last
         self._stay += 0.01 * (age - self._stay)
 
     def _ends(self):
-        """(density, key) of the oldest (deepest of its request) and the youngest block of every class."""
+        """The lowest (density, key) of the oldest (deepest of its request) and the youngest block of every class.
+
+        Per class, cached until that class changes, the request count moves or
+        the density table is refreshed; so a miss recomputes one or two classes.
+        """
         if self._ends_at == self._version:
             return self._ends_memo
-        out = []
-        self._density(0, self._t)  # refresh the table if due
         dens, now, top = self._dens, self._t, _BUCKETS - 1
-        front = self._front
-        for cls, lst in enumerate(self._lists):
+        cend, lists = self._cend, self._lists
+        if self._cend_key != (now, self._dens_at):
+            self._cend_key = (now, self._dens_at)
+            dirty = range(len(lists))
+        else:
+            dirty = self._dirty
+        front, lows = self._front, self._lows
+        for cls in dirty:
+            lst = lists[cls]
             if not lst:
+                cend[cls] = ()
+                lows[cls] = (_INF, cls, None)
                 continue
             row = dens[cls]
             first = next(iter(lst))
             t0 = lst[first][0]
-            cached = front.get(cls)
-            if cached is not None and cached[0] == first and cached[1] in lst and t0 < now:
-                k = cached[1]  # the oldest request is complete: its deepest block is known
-            else:
-                it = iter(lst.items())
-                k, (_, d0) = next(it)
-                for k2, (t2, d2) in islice(it, 256):  # the oldest request's blocks: deepest first
+            stack = front.get(cls)
+            if stack is None or stack[0] != t0 or t0 >= now:
+                # the oldest request's blocks, deepest (then earliest) last; a request
+                # that is over gains no blocks, so the stack only shrinks until it is used up
+                group = []
+                for pos, (k2, (t2, d2)) in enumerate(lst.items()):
                     if t2 != t0:
                         break
-                    if d2 > d0:
-                        k, d0 = k2, d2
-                front[cls] = (first, k)
-            out.append((row[min((now - t0).bit_length(), top)], k))
-            k = next(reversed(lst))
-            out.append((row[min((now - lst[k][0]).bit_length(), top)], k))
-        self._ends_memo, self._ends_at = out, self._version
-        return out
+                    group.append((d2, -pos, k2))
+                group.sort()
+                stack = front[cls] = (t0, [g[2] for g in group])
+            keys = stack[1]
+            while keys and (keys[-1] not in lst or lst[keys[-1]][0] != t0):
+                keys.pop()
+            k = keys[-1] if keys else first
+            k2 = next(reversed(lst))
+            b_old, b_young = (now - t0).bit_length(), (now - lst[k2][0]).bit_length()
+            old = (row[b_old if b_old < top else top], k)
+            young = (row[b_young if b_young < top else top], k2)
+            low = old if old[0] <= young[0] else young
+            cend[cls] = (low, old, young)
+            lows[cls] = (low[0], cls, low[1])
+        self._dirty = set()
+        m = min(lows)  # (density, class, key): ties go to the first class
+        best = None if m[2] is None else (m[0], m[2])
+        self._ends_memo, self._ends_at = best, self._version
+        return best
 
     def admit(self, key: Hashable, depth: int, now: float) -> bool:
         if not self.admission or len(self._meta) < self.capacity:
             return True
-        ends = self._ends()
-        if not ends:
+        low = self._ends()
+        if low is None:
             return True
         rec = self._ghost.get(key)
         cls = rec[0] if rec is not None else self._cls
-        return self._density(cls, self._t) > min(ends)[0]
+        return self._density(cls, self._t) > low[0]
 
     def victims(self, now: float) -> Iterator[Hashable]:
-        seen = set()
-        for _, k in sorted(self._ends(), key=lambda e: e[0]):
+        low = self._ends()
+        if low is None:
+            return
+        k0 = low[1]
+        yield k0  # nearly always taken: sort the rest only when it is not
+        seen = {k0}
+        ends = [e for c in self._cend if c for e in c[1:]]
+        for _, k in sorted(ends, key=_first):
             if k not in seen:
                 seen.add(k)
                 yield k
@@ -296,3 +389,56 @@ class ChainOdds(BlockPolicy):
                 if k not in seen:
                     seen.add(k)
                     yield k
+
+    # -- checking --------------------------------------------------------------
+
+    def _lowest_from_scratch(self) -> tuple | None:
+        """What ``_ends`` must answer, recomputed without any of its caches."""
+        dens, now, top = self._dens, self._t, _BUCKETS - 1
+        best = None
+        for cls, lst in enumerate(self._lists):
+            if not lst:
+                continue
+            it = iter(lst.items())
+            k, (t0, d0) = next(it)
+            for k2, (t2, d2) in it:
+                if t2 != t0:
+                    break
+                if d2 > d0:
+                    k, d0 = k2, d2
+            k2 = next(reversed(lst))
+            old = (dens[cls][min((now - t0).bit_length(), top)], k)
+            young = (dens[cls][min((now - lst[k2][0]).bit_length(), top)], k2)
+            low = old if old[0] <= young[0] else young
+            if best is None or low[0] < best[0]:
+                best = low
+        return best
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first inconsistency in the policy's own records."""
+        total = 0
+        for cls, lst in enumerate(self._lists):
+            last = -1
+            for k, (t, _) in lst.items():
+                if self._meta.get(k) != cls:
+                    raise AssertionError(
+                        f"chain: block {k!r} is listed in class {cls}, recorded as {self._meta.get(k)}"
+                    )
+                if t < last or t > self._t:
+                    raise AssertionError(f"chain: class {cls} is out of read order at {k!r}")
+                last = t
+            total += len(lst)
+        if total != len(self._meta):
+            raise AssertionError(
+                f"chain: {len(self._meta)} blocks tracked, {total} in the class lists"
+            )
+        last = -1
+        for k, rec in self._ghost.items():
+            if rec[1] < last or rec[1] <= self._t - self.horizon:
+                raise AssertionError(f"chain: ghost record of {k!r} is out of order or expired")
+            if not 0 <= rec[0] < len(self._hist) or not 1 <= rec[4] <= self.max_reads:
+                raise AssertionError(f"chain: ghost record of {k!r} has a bad class or read count")
+            last = rec[1]
+        cached, fresh = self._ends(), self._lowest_from_scratch()
+        if cached != fresh:
+            raise AssertionError(f"chain: cached lowest end {cached!r}, recomputed {fresh!r}")
