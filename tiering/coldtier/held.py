@@ -13,7 +13,9 @@ it returns, :class:`LeasedZarrStore`, wraps ``zarr.storage.ObjectStore`` so that
 - a :class:`CircuitBreaker` sits in front of every request. A connection error, timeout or
   5xx opens it. While it is open, requests fail at once with :class:`StoreNotAnswering`
   (``OSError``, errno ``EAGAIN``) and make no request, so a store that stopped answering costs
-  one client timeout per I/O thread, not one per queued write. Other transient faults are
+  one client timeout per I/O thread, not one per queued write. After the cooldown one request
+  is the trial; the others wait for its outcome (at most the client timeout) and go on if it
+  succeeded. Other transient faults are
   raised as :class:`StoreNotAnswering` with errno ``ETIMEDOUT``, ``ECONNREFUSED`` or ``EIO``;
 - the lease object is invisible: listings leave it out, a clear keeps it, and a write or
   delete of its key is refused (``PermissionError``). A clear therefore removes exactly what
@@ -22,6 +24,7 @@ it returns, :class:`LeasedZarrStore`, wraps ``zarr.storage.ObjectStore`` so that
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -32,7 +35,7 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
 from ._io import Fault, classify, short
-from .breaker import BreakerConfig, CircuitBreaker
+from .breaker import BreakerConfig, BreakerState, CircuitBreaker
 from .errors import LeaseHeld
 from .lease import Lease, LeaseConfig, LeaseKeeper
 
@@ -73,14 +76,17 @@ def _from_the_store(exc: BaseException) -> bool:
 class LeasedZarrStore(WrapperStore[Store]):
     """``zarr.storage.ObjectStore`` guarded by a lease and a breaker (see the module docstring)."""
 
-    def __init__(self, store: Store, *, lease: Lease, breaker: CircuitBreaker, where: str) -> None:
+    def __init__(self, store: Store, *, lease: Lease, breaker: CircuitBreaker, where: str,
+                 trial_wait_s: float = 10.0) -> None:
         super().__init__(store)
         self.lease = lease
         self.breaker = breaker
         self.where = where
+        self.trial_wait_s = trial_wait_s
 
     def _with_store(self, store: Store) -> LeasedZarrStore:
-        return LeasedZarrStore(store, lease=self.lease, breaker=self.breaker, where=self.where)
+        return LeasedZarrStore(store, lease=self.lease, breaker=self.breaker, where=self.where,
+                               trial_wait_s=self.trial_wait_s)
 
     def __repr__(self) -> str:
         return f"LeasedZarrStore({self.where!r})"
@@ -97,7 +103,7 @@ class LeasedZarrStore(WrapperStore[Store]):
 
     async def _call(self, aw: Awaitable[_T]) -> _T:
         """Await one request through the breaker; transient faults become StoreNotAnswering."""
-        if not self.breaker.allow():
+        if not await self._admitted():
             if hasattr(aw, "close"):
                 aw.close()  # never started: no request is made
             raise StoreNotAnswering(errno.EAGAIN, f"{self.where}: the store stopped answering; "
@@ -112,6 +118,19 @@ class LeasedZarrStore(WrapperStore[Store]):
             raise StoreNotAnswering(_transient_errno(exc), f"{self.where}: {short(exc)}") from exc
         self.breaker.record_success()
         return out
+
+    async def _admitted(self) -> bool:
+        """May a request go now? While a half-open breaker's one trial is out, wait for its
+        outcome (at most ``trial_wait_s``, checked every 20 ms on the event loop, which the
+        trial itself needs): a write of several chunks then goes on once the trial succeeded,
+        instead of failing because its other chunks were not the trial."""
+        deadline = time.monotonic() + self.trial_wait_s
+        while True:
+            if self.breaker.allow():
+                return True
+            if self.breaker.state is not BreakerState.HALF_OPEN or time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
 
     async def _keys(self, it: AsyncIterator[str]) -> list[str]:
         async def collect() -> list[str]:
@@ -223,5 +242,8 @@ def hold_zarr_prefix(url: str, storage_options=None, *, owner: str,
         raise LeaseHeld(f"{url}: {exc}") from exc
     keeper = LeaseKeeper(lease).start() if renew else None
     breaker = breaker or CircuitBreaker(BreakerConfig(), clock=monotonic)
-    guarded = LeasedZarrStore(zarr.storage.ObjectStore(store), lease=lease, breaker=breaker, where=url)
+    # a request waits for a half-open trial at most as long as the trial may take
+    trial_wait_s = float(dict(storage_options or {}).get("timeout_s", open_kwargs.get("timeout_s", 10.0)))
+    guarded = LeasedZarrStore(zarr.storage.ObjectStore(store), lease=lease, breaker=breaker, where=url,
+                              trial_wait_s=trial_wait_s)
     return HeldPrefix(guarded, lease, keeper, breaker, url)

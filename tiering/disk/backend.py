@@ -406,7 +406,7 @@ def _hold_s3(config: DiskConfig, url: str) -> Any:
             if any(w in text for w in ("PermissionDenied", "Unauthenticated", "403"))
             else errno.EHOSTUNREACH
         )
-        raise OSError(code, f"the object store cannot be reached: {text}") from exc
+        raise OSError(code, text) from exc
 
 
 def _tier_key(key: str) -> bool:
