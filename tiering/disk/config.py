@@ -70,7 +70,6 @@ class DiskConfig:
     lease_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
-        self._check_storage()
         if self.lease is not None and not all(
             callable(getattr(self.lease, name, None)) for name in ("acquire", "release")
         ):
@@ -112,6 +111,7 @@ class DiskConfig:
             or not self.io_timeout_s > 0
         ):
             raise ValueError(f"DiskConfig.io_timeout_s must be > 0, got {self.io_timeout_s!r}")
+        self._check_storage()
 
     def _check_storage(self) -> None:
         """The URL-related fields; ValueError naming what is wrong (nothing is opened)."""
