@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
 import threading
 import time
@@ -194,11 +195,13 @@ def test_second_cache_on_the_same_prefix_is_refused(seaweed, geom):  # noqa: F81
     a = cache(geom, s3_config(seaweed, url))
     try:
         data = fill(a, "x", gen, 8)
+        threads = len(lease_threads())
         with pytest.raises(DiskPathInUseError) as err:
             cache(geom, s3_config(seaweed, url))
+        assert len(lease_threads()) == threads  # the refused cache left nothing running
         text = str(err.value)
         assert err.value.errno == errno.EBUSY
-        assert url in text and f"pid {__import__('os').getpid()} host" in text, text
+        assert url in text and f"pid {os.getpid()} host" in text, text
         # the refused cache touched nothing: the first one still demotes and reloads its bytes
         assert a.offload("x") and a.synchronize(30)[0].ok
         assert a.demote("x") and a.synchronize(60)[0].ok
@@ -241,11 +244,13 @@ def test_clear_touches_only_the_held_prefix(seaweed, geom):  # noqa: F811
         kv.close()
     # a foreign object inside the prefix: the clear is refused and deletes nothing
     obstore.put(root, f"{parent}/w0/not-ours", b"f")
-    before = keys_under(seaweed, url)
+    before, threads = keys_under(seaweed, url), len(lease_threads())
     with pytest.raises(DiskIOError, match="did not write") as err:
         cache(geom, s3_config(seaweed, url))
     assert err.value.errno == errno.EEXIST
     assert keys_under(seaweed, url) == before
+    assert len(lease_threads()) == threads  # the failed start stopped renewing ...
+    assert not _lease_live(seaweed, f"{parent}/w0/LEASE")  # ... and released the lease
 
 
 def test_lost_lease_fails_the_write_and_the_request_stays_on_host(seaweed, geom):  # noqa: F811
