@@ -321,7 +321,7 @@ def test_frozen_server_mid_demote_keeps_requests_on_host(seaweed_faults, geom): 
         finally:
             srv.thaw()
         assert len(results) == len(rids), "demotes did not settle while the server was frozen"
-        assert slowest < 0.25, f"a step-path call took {slowest:.3f} s"
+        assert slowest < 0.5, f"a step-path call took {slowest:.3f} s (the client timeout is 1.5 s)"
         assert all(not r.ok and r.state is RequestState.ON_HOST for r in results)
         assert all(kv.tier_of(rid) is Tier.HOST for rid in rids)
         timed_out = [r for r in results if r.reason.startswith(f"DiskIOError: [Errno {errno.ETIMEDOUT}]")]
