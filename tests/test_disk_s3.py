@@ -384,3 +384,12 @@ def test_guarded_store_raises_its_own_errors_and_hides_the_lease(seaweed):  # no
 
 async def _collect(it):
     return [k async for k in it]
+
+
+def test_refused_credentials_at_start_are_the_tiers_own_error(seaweed, geom):  # noqa: F811
+    url = seaweed.url() + "/w0"
+    cfg = DiskConfig(path=url, capacity_bytes=CAP, storage_options=seaweed.options(secret="wrong"))
+    with pytest.raises(DiskIOError) as err:
+        cache(geom, cfg)
+    assert err.value.errno == errno.EACCES and url in str(err.value), str(err.value)
+    assert keys_under(seaweed, url) == []  # nothing was written, not even a lease
