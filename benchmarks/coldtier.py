@@ -22,6 +22,13 @@ miss); then all its blocks are published.
 - ``model``: the whole trace, with the tier's total capacity as a fraction of the distinct
   blocks; one shared LRU against four private LRUs of a quarter of that capacity each.
 
+Part 3, the disk tier on ``s3://bucket/prefix`` (``DiskConfig(path="s3://...",
+storage_options=...)``: a leased prefix through obstore): ``DiskPageStore.write`` / ``read`` of
+whole requests against raw ``obstore.put`` / ``get`` of the same page-sized objects with as
+many requests in flight (``io_threads``). The tier stores each page as a zarr chunk (bytes codec
++ crc32c) plus a 44-byte binding record, so it makes two PUTs per page where the raw baseline
+makes one; every read checks both, and the pages read back are compared bitwise.
+
 Usage: ``python benchmarks/coldtier.py --out coldtier.json [--quick]``
        (``--endpoint URL --key K --secret S`` uses a running store instead of starting one).
 """
@@ -138,6 +145,63 @@ def throughput(url: str, opts: dict, *, blocks: int, block_bytes: int, threads: 
             "max_reload_over_get": max(p["reload_over_get"] for p in passes)}
 
 
+# -- part 3: the disk tier on s3:// ----------------------------------------------------------
+def disk_tier(url: str, opts: dict, *, requests: int, pages: int, page_bytes: int, threads: int,
+              repeats: int) -> dict:
+    import numpy as np
+    import torch
+
+    from tiering.disk import DiskConfig, DiskPageStore
+
+    elems = page_bytes // 2
+    rng = np.random.default_rng(5)
+    data = [torch.from_numpy(rng.integers(0, 1 << 16, (pages, elems), dtype=np.uint16).astype(np.int16))
+            .view(torch.bfloat16) for _ in range(requests)]  # random bits, never zeros
+    total = requests * pages * page_bytes
+    passes = []
+    for rep in range(repeats):
+        cfg = DiskConfig(path=f"{url}/{rep}", capacity_bytes=total, io_threads=threads,
+                         chunk_bytes=page_bytes, storage_options={**opts, "timeout_s": 60.0})
+        store = DiskPageStore(cfg, (elems,), torch.bfloat16)
+        raw = open_s3_store(f"{url}/raw-{rep}", opts, timeout_s=60.0)
+        raw_pages = [bytes(d[i].view(torch.int16).numpy().tobytes()) for d in data for i in range(pages)]
+        try:
+            with ThreadPoolExecutor(threads) as pool:
+                t = time.perf_counter()
+                list(pool.map(lambda a, s=raw: obstore.put(s, f"p/{a[0]}", a[1]), enumerate(raw_pages)))
+                raw_put = total / (time.perf_counter() - t)
+                t = time.perf_counter()
+                got = list(pool.map(lambda i, s=raw: obstore.get(s, f"p/{i}").bytes(), range(len(raw_pages))))
+                raw_get = total / (time.perf_counter() - t)
+                assert all(len(g) == page_bytes for g in got)
+            extents = [store.reserve(f"r{i}", pages) for i in range(requests)]
+            t = time.perf_counter()
+            for ext, d in zip(extents, data, strict=True):
+                store.write(ext, d)
+            write = total / (time.perf_counter() - t)
+            outs = [torch.empty_like(d) for d in data]
+            t = time.perf_counter()
+            for ext, out in zip(extents, outs, strict=True):
+                store.read(ext, out)
+            read = total / (time.perf_counter() - t)
+            mismatches = sum(not torch.equal(o.view(torch.int16), d.view(torch.int16))  # bitwise (NaNs too)
+                             for o, d in zip(outs, data, strict=True))
+            assert mismatches == 0, f"{mismatches} requests read back different bytes"
+        finally:
+            store.close()
+            obstore.delete(raw, [f"p/{i}" for i in range(len(raw_pages))])
+        passes.append({"raw_put_MBps": raw_put / 1e6, "write_MBps": write / 1e6,
+                       "raw_get_MBps": raw_get / 1e6, "read_MBps": read / 1e6,
+                       "write_over_put": write / raw_put, "read_over_get": read / raw_get})
+    med = {k: statistics.median(p[k] for p in passes) for k in passes[0]}
+    return {"requests": requests, "pages": pages, "page_bytes": page_bytes, "threads": threads,
+            "passes": passes, "median": med,
+            "range_write_over_put": [min(p["write_over_put"] for p in passes),
+                                     max(p["write_over_put"] for p in passes)],
+            "range_read_over_get": [min(p["read_over_get"] for p in passes),
+                                    max(p["read_over_get"] for p in passes)]}
+
+
 # -- part 2: hit rate -------------------------------------------------------------------------
 def load_trace(limit: int | None = None) -> list[list[bytes]]:
     """Each request's chained block keys (a key depends on every block before it)."""
@@ -229,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-requests", type=int, default=600)
     ap.add_argument("--refresh-every", type=int, default=8)
     ap.add_argument("--trace-block-bytes", type=int, default=2048)
+    ap.add_argument("--disk-requests", type=int, default=8)
+    ap.add_argument("--disk-pages", type=int, default=16)
+    ap.add_argument("--disk-page-kib", type=int, default=256)
     ap.add_argument("--endpoint")
     ap.add_argument("--key")
     ap.add_argument("--secret")
@@ -236,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.blocks, a.block_mib, a.repeats, a.trace_requests = 6, 1.0, 1, 120
+        a.disk_requests, a.disk_pages = 2, 4
     server = None
     if a.endpoint:
         opts = options(a.endpoint, a.key or "", a.secret or "")
@@ -246,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         run = f"bench-{time.time_ns()}"
         tp = throughput(f"s3://{a.bucket}/{run}/tp", opts, blocks=a.blocks,
                         block_bytes=int(a.block_mib * (1 << 20)), threads=a.threads, repeats=a.repeats)
+        disk = disk_tier(f"s3://{a.bucket}/{run}/disk", opts, requests=a.disk_requests,
+                         pages=a.disk_pages, page_bytes=a.disk_page_kib << 10, threads=a.threads,
+                         repeats=a.repeats)
         reqs = load_trace()
         head = reqs[: a.trace_requests]
         real = {
@@ -278,6 +349,15 @@ def main(argv: list[str] | None = None) -> int:
         ["reload / raw GET", f"{m['reload_MBps']:.0f}", f"{m['raw_get_MBps']:.0f}",
          f"{m['reload_over_get']:.2f} ({tp['min_reload_over_get']:.2f}-{tp['max_reload_over_get']:.2f})"],
     ], ["operation", "tier MB/s", "raw MB/s", "ratio"]))
+    d = disk["median"]
+    print(f"\ndisk tier on s3://: {disk['requests']} requests of {disk['pages']} pages of "
+          f"{disk['page_bytes'] >> 10} KiB, {disk['threads']} in flight, {a.repeats} passes")
+    print(table([
+        ["write / raw PUT", f"{d['write_MBps']:.0f}", f"{d['raw_put_MBps']:.0f}",
+         f"{d['write_over_put']:.2f} ({disk['range_write_over_put'][0]:.2f}-{disk['range_write_over_put'][1]:.2f})"],
+        ["read / raw GET", f"{d['read_MBps']:.0f}", f"{d['raw_get_MBps']:.0f}",
+         f"{d['read_over_get']:.2f} ({disk['range_read_over_get'][0]:.2f}-{disk['range_read_over_get'][1]:.2f})"],
+    ], ["operation", "tier MB/s", "raw MB/s", "ratio"]))
     print(f"\ncross-worker hit rate, real server, first {len(head)} requests, 4 workers round-robin:")
     print(table([[k, str(v["blocks"]), str(v["hits"]), f"{v['hit_rate']:.3f}",
                   f"{v['model_no_lag']:.3f}", str(v["mismatches"])] for k, v in real.items()],
@@ -286,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table([[f"{r['capacity_fraction']:.2f}", str(r["capacity_blocks"]), f"{r['shared']:.3f}",
                   f"{r['private']:.3f}", f"{r['shared'] / r['private']:.2f}" if r["private"] else "inf"]
                  for r in model], ["capacity/distinct", "blocks", "shared", "4 private", "shared/private"]))
-    result = {"throughput": tp, "hit_rate_real": real, "hit_rate_model": model,
+    result = {"throughput": tp, "disk_tier_s3": disk, "hit_rate_real": real, "hit_rate_model": model,
               "trace": str(TRACE.relative_to(REPO)), "args": vars(a)}
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {a.out}")

@@ -4,12 +4,13 @@ sweeper, the step-path queue, and zarr over the same store."""
 from __future__ import annotations
 
 import random
+import threading
 import uuid
 
 import numpy as np
 import obstore
 import pytest
-from seaweed_fixture import seaweed  # noqa: F401  (fixture)
+from seaweed_fixture import _seaweed_shared, seaweed  # noqa: F401  (fixtures)
 
 from tiering.coldtier import (
     BlockQueue,
@@ -103,23 +104,42 @@ def test_damaged_or_foreign_object_is_never_served(seaweed):  # noqa: F811
     assert s.fetch(k1).payload == v1  # untouched
 
 
+class GatedBlocks(SharedBlockStore):
+    """Its I/O threads wait at a gate before each request, so a test can know that what it
+    queued is still queued (a free thread may otherwise finish a request at once)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def publish(self, key, payload):
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().publish(key, payload)
+
+
 def test_queue_publishes_and_fetches_off_the_step_path(seaweed):  # noqa: F811
     rng = random.Random(12)
-    s = SharedBlockStore(seaweed.store(), rng.randbytes(16), b"g",
-                         config=ColdTierConfig(io_threads=3, max_queued=5))
+    s = GatedBlocks(seaweed.store(), rng.randbytes(16), b"g",
+                    config=ColdTierConfig(io_threads=3, max_queued=5))
     q = BlockQueue(s)
     blocks = {rkey(rng): rng.randbytes(rng.randrange(100, 50_000)) for _ in range(5)}
+    s.gate.clear()  # hold the I/O threads: all five stay queued
     assert all(q.submit_publish(k, v) for k, v in blocks.items())
+    assert q.in_flight == 5
     assert not q.submit_publish(rkey(rng), b"x")  # queue full: refused, nothing queued
+    assert q.in_flight == 5
+    s.gate.set()
     res = q.drain(30)
     q.check_integrity()
-    assert sorted(r.status for r in res) == [BlockStatus.WRITTEN] * 5
+    assert sorted(r.status for r in res) == [BlockStatus.WRITTEN] * 5, [r.reason for r in res]
+    assert {r.key for r in res} == set(blocks)  # the refused sixth never ran
     assert not q.submit_publish(next(iter(blocks)), b"y")  # known to exist already
     s.known = type(s.known)(100)  # forget: learn them back from a queued listing
     assert not q.submit_fetch(next(iter(blocks)))
     assert q.submit_refresh()
     (listed,) = q.drain(30)
-    assert listed.status is BlockStatus.LISTED and listed.nbytes == 5 and len(s.known) == 5
+    assert listed.status is BlockStatus.LISTED and listed.nbytes == 5 and len(s.known) == 5, listed
     assert all(q.submit_fetch(k) for k in blocks)
     got = {r.key: r.payload for r in q.drain(30)}
     assert got == blocks

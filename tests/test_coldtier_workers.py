@@ -13,7 +13,7 @@ import uuid
 
 import obstore
 import pytest
-from seaweed_fixture import seaweed, seaweed_faults, seaweed_tiny  # noqa: F401  (fixtures)
+from seaweed_fixture import _seaweed_shared, seaweed, seaweed_faults, seaweed_tiny  # noqa: F401  (fixtures)
 
 from tiering.coldtier import (
     BlockQueue,

@@ -5,6 +5,8 @@
 - :class:`SharedBlockStore` / :class:`BlockQueue`: published, content-addressed, write-once
   blocks, checked on read; the step path enqueues and polls, worker threads do the I/O.
 - :class:`PrivatePrefix`: a worker's own offloads under a prefix it holds by a lease object.
+- :func:`hold_zarr_prefix`: a zarr store on a held prefix (what ``DiskConfig(path="s3://...")``
+  opens): writes checked against the lease, requests behind a breaker.
 - :class:`Sweeper`: the cap on shared bytes, enforced by one elected worker (LRU).
 - :class:`CircuitBreaker`: a store that stops answering is skipped until it answers again.
 """
@@ -21,8 +23,9 @@ from .blocks import (
 from .breaker import BreakerConfig, BreakerState, CircuitBreaker
 from .errors import ColdTierError, ColdTierUnavailable, LeaseHeld, LeaseLost
 from .frame import FrameRefused, frame, unframe
+from .held import HeldPrefix, LeasedZarrStore, PrefixLeaseLost, StoreNotAnswering, hold_zarr_prefix
 from .lease import Lease, LeaseConfig, LeaseInfo, LeaseKeeper
-from .private import HeldPrefix, PrivatePrefix, hold_zarr_prefix
+from .private import PrivatePrefix
 from .s3 import S3Location, open_s3_store, open_zarr_store, parse_s3_url, probe
 from .sweeper import HitLog, Sweeper, SweeperConfig, SweepResult
 
@@ -30,6 +33,7 @@ __all__ = [
     "BlockQueue", "BlockResult", "BlockStatus", "BreakerConfig", "BreakerState", "CircuitBreaker",
     "ColdTierConfig", "ColdTierError", "ColdTierUnavailable", "FrameRefused", "HitLog",
     "KnownBlocks", "Lease", "LeaseConfig", "LeaseHeld", "LeaseInfo", "LeaseKeeper", "LeaseLost",
-    "HeldPrefix", "PrivatePrefix", "hold_zarr_prefix", "S3Location", "SharedBlockStore", "SweepResult", "Sweeper", "SweeperConfig",
+    "HeldPrefix", "LeasedZarrStore", "PrefixLeaseLost", "PrivatePrefix", "S3Location", "SharedBlockStore",
+    "StoreNotAnswering", "SweepResult", "Sweeper", "SweeperConfig", "hold_zarr_prefix",
     "block_path", "frame", "open_s3_store", "open_zarr_store", "parse_s3_url", "probe", "unframe",
 ]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 from ._io import Fault, classify, short
 from .blocks import BlockResult, BlockStatus
@@ -22,7 +21,7 @@ from .breaker import CircuitBreaker
 from .frame import KIND_PRIVATE, FrameRefused, frame, unframe
 from .lease import Lease, LeaseConfig, LeaseKeeper
 
-__all__ = ["HeldPrefix", "PrivatePrefix", "hold_zarr_prefix"]
+__all__ = ["PrivatePrefix"]
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
@@ -134,33 +133,3 @@ class PrivatePrefix:
         if clear:
             self.clear()
         self.lease.release()
-
-
-class HeldPrefix(NamedTuple):
-    """A zarr store on a prefix this worker holds by lease (what the disk tier opens on s3://)."""
-
-    zarr_store: object
-    lease: Lease
-    keeper: LeaseKeeper | None
-
-    def close(self) -> None:
-        if self.keeper is not None:
-            self.keeper.stop()
-        self.lease.release()
-
-
-def hold_zarr_prefix(url: str, storage_options=None, *, owner: str,
-                     lease_config: LeaseConfig | None = None, clock: Callable[[], float] = time.time,
-                     renew: bool = True, **open_kwargs) -> HeldPrefix:
-    """Open ``url`` (s3://bucket/prefix) as a zarr store that this worker holds exclusively:
-    the lease object ``<prefix>/LEASE`` is taken first (LeaseHeld if another live worker holds
-    it, ColdTierUnavailable if the store cannot be reached) and renewed on a thread."""
-    import zarr.storage
-
-    from .s3 import open_s3_store
-
-    store = open_s3_store(url, storage_options, **open_kwargs)
-    lease = Lease(store, "LEASE", owner, config=lease_config, clock=clock)
-    lease.acquire()
-    keeper = LeaseKeeper(lease).start() if renew else None
-    return HeldPrefix(zarr.storage.ObjectStore(store), lease, keeper)

@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 
 from .errors import ColdTierUnavailable
 
-__all__ = ["S3Location", "open_s3_store", "open_zarr_store", "parse_s3_url", "probe"]
+__all__ = ["S3Location", "check_storage_options", "open_s3_store", "open_zarr_store", "parse_s3_url",
+           "probe"]
 
 # storage_options name -> obstore S3Config name
 _ALIASES = MappingProxyType({
@@ -95,6 +96,11 @@ def _config(storage_options: Mapping[str, Any] | None) -> tuple[dict[str, Any], 
     if "max_retries" in ours and not (isinstance(ours["max_retries"], int) and ours["max_retries"] >= 0):
         raise ValueError(f"storage_options['max_retries'] must be an int >= 0, got {ours['max_retries']!r}")
     return config, ours
+
+
+def check_storage_options(storage_options: Mapping[str, Any] | None) -> None:
+    """Raise ValueError naming the first unknown or bad option; no I/O, no client needed."""
+    _config(storage_options)
 
 
 def open_s3_store(

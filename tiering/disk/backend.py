@@ -2,8 +2,10 @@
 reattaching it.
 
 ``PageBackend`` opens the zarr store named by a ``DiskConfig`` (a local
-directory becomes a ``SlotFileStore``; another URL an ``FsspecStore``; a given
-store or ``StorePath`` is used as it is), wraps it so that a missing chunk is an
+directory becomes a ``SlotFileStore``; an ``s3://bucket/prefix`` URL the
+cold tier's ``LeasedZarrStore`` on obstore, held by a lease object and checked
+against it before every write; another URL an ``FsspecStore`` with the config's
+``storage_options``; a given store or ``StorePath`` is used as it is), wraps it so that a missing chunk is an
 error rather than fill values, and holds the page array. It knows nothing of
 owners or ledgers: ``reattach`` returns the manifest's entries, or raises
 ``StartRefused`` saying why they cannot be trusted, and the caller then clears.
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
@@ -41,8 +45,8 @@ from tiering.disk.array import (
     page_array_mismatch,
     raw_crc_chunks,
 )
-from tiering.disk.config import DiskConfig
-from tiering.disk.lock import LOCK_FILE_NAME, LocalDirLock
+from tiering.disk.config import DiskConfig, s3_url
+from tiering.disk.lock import LOCK_FILE_NAME, DiskPathInUseError, LocalDirLock
 from tiering.disk.manifest import MANIFEST_KEY, Manifest, ManifestError
 from tiering.disk.slotfile import SLOT_FILE_NAME, SlotFileStore
 from tiering.errors import StartRefused
@@ -119,6 +123,7 @@ class PageBackend:
         self.lock: LocalDirLock | None = None
         self.lease = config.lease
         self._leased = False
+        self.hold: Any = None  # the cold tier's HeldPrefix of an s3:// path
         self._created: list[str] = []  # files (relative to a local root) this start created
         if isinstance(config.store, StorePath):
             base: Store = config.store.store
@@ -128,8 +133,14 @@ class PageBackend:
         else:
             assert config.path is not None
             local = local_dir(config.path)
-            if local is None:
-                base = FsspecStore.from_url(os.fspath(config.path))
+            url = s3_url(config.path)
+            if url is not None:
+                self.hold = _hold_s3(config, url)
+                base = self.hold.zarr_store
+            elif local is None:
+                base = FsspecStore.from_url(
+                    os.fspath(config.path), storage_options=dict(config.storage_options or {})
+                )
             else:
                 # Lock first: nothing may touch a directory another live tier uses.
                 self.lock = LocalDirLock(local)
@@ -217,6 +228,9 @@ class PageBackend:
     def _release_hold(self) -> None:
         if self.lock is not None:
             self.lock.release()
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            hold.close()
         if self._leased and self.lease is not None:
             self._leased = False
             self.lease.release()
@@ -355,6 +369,37 @@ class PageBackend:
                 self.call(self.store.delete(key))
         except OSError as exc:
             raise StartRefused(f"store listing failed: {exc}") from exc
+
+
+def _hold_s3(config: DiskConfig, url: str) -> Any:
+    """Open and hold ``url`` through the cold tier: probed, leased, renewed. The cold tier's
+    errors become the disk tier's own: ``DiskPathInUseError`` naming the prefix and its holder,
+    or an ``OSError`` (``DiskIOError`` once the store wraps it) naming the URL and the cause."""
+    from tiering.coldtier import ColdTierUnavailable, LeaseConfig, LeaseHeld, hold_zarr_prefix
+
+    ttl = float(config.lease_ttl_s)
+    owner = f"pid {os.getpid()} host {socket.gethostname()} tier {secrets.token_hex(4)}"
+    try:
+        return hold_zarr_prefix(
+            url,
+            config.storage_options,
+            owner=owner,
+            lease_config=LeaseConfig(ttl_s=ttl, renew_every_s=ttl / 3, safety_s=ttl / 15),
+        )
+    except LeaseHeld as exc:
+        raise DiskPathInUseError(
+            errno.EBUSY,
+            f"disk tier path {url!r} is in use by another live disk tier ({exc}); "
+            "each cache needs its own disk path",
+        ) from exc
+    except ColdTierUnavailable as exc:
+        text = str(exc)
+        code = (
+            errno.EACCES
+            if any(w in text for w in ("PermissionDenied", "Unauthenticated", "403"))
+            else errno.EHOSTUNREACH
+        )
+        raise OSError(code, text) from exc
 
 
 def _tier_key(key: str) -> bool:

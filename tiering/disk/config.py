@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 from zarr.abc.store import Store
@@ -13,6 +16,15 @@ from zarr.storage import StorePath
 from tiering.disk.array import CODECS
 
 ON_START = ("clear", "reattach")
+S3_SCHEMES = ("s3", "s3a")  # opened through obstore and held by a lease object
+
+
+def s3_url(path: str | os.PathLike[str] | None) -> str | None:
+    """``path`` as a str when it is an s3:// (or s3a://) URL, else None."""
+    if path is None:
+        return None
+    text = os.fspath(path)
+    return text if urlsplit(text).scheme in S3_SCHEMES and "://" in text else None
 
 
 def _is_int(value: object) -> bool:
@@ -36,6 +48,13 @@ class DiskConfig:
     take. ``lease``: for a store that is not a local directory, an object with
     ``acquire()`` / ``release()`` (``tiering.disk.lock.PathLease``) that holds the
     location exclusively; a local directory is always held by an OS lock.
+    ``storage_options``: for a URL path, the store's options: for ``s3://bucket/prefix``
+    the endpoint, region, credentials and client timeouts that
+    ``tiering.coldtier.open_s3_store`` takes (an option left out comes from the ``AWS_*``
+    environment variables); for another fsspec URL, what its filesystem takes. An s3://
+    path is opened through obstore, probed at start-up, and held by a lease object
+    ``<prefix>/LEASE`` (``lease_ttl_s``, renewed every third of it); it must name a prefix,
+    never a bucket root, and takes no ``lease`` of its own.
     """
 
     path: str | os.PathLike[str] | None = None
@@ -47,6 +66,8 @@ class DiskConfig:
     io_threads: int = 2
     io_timeout_s: float = 120.0
     lease: Any = None
+    storage_options: Mapping[str, Any] | None = None
+    lease_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.lease is not None and not all(
@@ -90,3 +111,45 @@ class DiskConfig:
             or not self.io_timeout_s > 0
         ):
             raise ValueError(f"DiskConfig.io_timeout_s must be > 0, got {self.io_timeout_s!r}")
+        self._check_storage()
+
+    def _check_storage(self) -> None:
+        """The URL-related fields; ValueError naming what is wrong (nothing is opened)."""
+        if (
+            not isinstance(self.lease_ttl_s, (int, float))
+            or isinstance(self.lease_ttl_s, bool)
+            or not 0 < self.lease_ttl_s < float("inf")
+        ):
+            raise ValueError(f"DiskConfig.lease_ttl_s must be > 0, got {self.lease_ttl_s!r}")
+        opts = self.storage_options
+        if opts is not None:
+            if not isinstance(opts, Mapping) or not all(isinstance(k, str) for k in opts):
+                raise ValueError(
+                    "DiskConfig.storage_options must be a mapping of option names (str) "
+                    f"to values, got {opts!r:.100}"
+                )
+            path = None if self.path is None else os.fspath(self.path)
+            if self.store is not None or path is None or "://" not in path or path.startswith("file:"):
+                raise ValueError(
+                    "DiskConfig.storage_options applies only to a URL path (s3://, gcs://, ...), "
+                    f"not to {'a given store' if self.store is not None else repr(path)}"
+                )
+            # a read-only copy: the caller's dict may change later, this config may not
+            object.__setattr__(self, "storage_options", MappingProxyType(dict(opts)))
+        url = s3_url(self.path) if self.store is None else None
+        if url is None:
+            return
+        from tiering.coldtier.s3 import check_storage_options, parse_s3_url
+
+        loc = parse_s3_url(url)  # ValueError naming the URL
+        if not loc.prefix:
+            raise ValueError(
+                f"DiskConfig.path {url!r} names a bucket root; give the disk tier a prefix of "
+                "its own (s3://bucket/prefix): a clear there would destroy other data"
+            )
+        if self.lease is not None:
+            raise ValueError(
+                f"DiskConfig.lease: an s3:// path ({url!r}) is held by its own lease object; "
+                "do not pass one"
+            )
+        check_storage_options(self.storage_options)  # ValueError naming the option
