@@ -343,3 +343,23 @@ def test_removing_a_loader_in_flight_leaks_nothing():
         assert kv.device_used_bytes() == 0 and kv.host_used_bytes() == 0
         held = kv.device_pool.holdings()
         assert set(held) <= {BLOCKS}
+
+
+def test_negative_control_without_the_crc_check_corruption_would_be_served(monkeypatch):
+    """The corruption test above detects something real: with the check disabled,
+    the same flipped value reaches ``read``."""
+    import resources.kv_prefix as kp
+
+    monkeypatch.setattr(kp, "crc_page", lambda t: 0)
+    gen = torch.Generator().manual_seed(8)
+    with make(device_pages=8, host_pages=8) as kv:
+        ids, data = published(kv, gen)
+        kv.remove_request("a")
+        squeeze_device(kv, gen)
+        kv.remove_request("big")
+        keys = kv._prefix.keys(ids)
+        kv._host[kv._prefix.index.location(keys[2]).handle].view(-1)[5] += 1.0
+        attach_and_load(kv, "b", ids)
+        assert kv.num_tokens("b") == 16
+        k, _ = kv.read("b", 0)
+        assert not torch.equal(k[:16], data[0][0][:16])
