@@ -28,9 +28,11 @@ from tiering.apps.demo.worker import (
     WorkerConfig,
     WorkerResult,
 )
-from tiering.apps.demo.workload import DemoRequest, synthetic_requests
+from tiering.apps.demo.workload import DemoRequest, conversation_requests, synthetic_requests
+from tiering.blocks import KeyRoot
 from tiering.control.controller import ControllerConfig, EvictionController
 from tiering.control.pressure import PoolPressure
+from tiering.types import Tier
 
 #: Admission keeps this fraction of the device free below ``high`` (see ControllerConfig).
 RELOAD_HEADROOM = 0.02
@@ -53,6 +55,16 @@ class DemoConfig:
     unit (small, so that requests of a few MiB waste little). ``policy`` names
     the victim ranking (``policies.make_policy``). ``min_residency_steps`` and
     ``aging_steps`` are the controller's residency and ageing times, in steps.
+
+    ``workload``: ``conversations`` (requests share ``system_prompts`` system
+    prompts of ``system_tokens`` tokens, and continue earlier conversations
+    with probability ``continue_p``; ``prompt_tokens`` is then the length of
+    a user turn) or ``synthetic`` (independent random prompts). ``prefix``:
+    the pressured run reuses cached KV blocks (``attach_prefix`` /
+    ``publish_prefix``); the reference never does. ``corrupt_every``: every
+    that many steps of the pressured run, until one is detected (at most
+    ``max_corruptions``), one value of a cached host block is changed (the
+    negative control: the load must detect it and the request recompute).
     """
 
     requests: int = 48
@@ -60,8 +72,15 @@ class DemoConfig:
     device: str = "cpu"
     model: ModelConfig = field(default_factory=ModelConfig)
     page_tokens: int = 16
-    prompt_tokens: tuple[int, int] = (200, 1500)
-    new_tokens: tuple[int, int] = (24, 64)
+    prompt_tokens: tuple[int, int] = (48, 320)
+    new_tokens: tuple[int, int] = (8, 24)
+    workload: str = "conversations"
+    system_prompts: int = 3
+    system_tokens: tuple[int, int] = (96, 320)
+    continue_p: float = 0.45
+    prefix: bool = True
+    corrupt_every: int = 40
+    max_corruptions: int = 3
     arrival_every: float = 1.0
     batch: int = 4
     prefill_chunk: int = 256
@@ -84,6 +103,14 @@ class DemoConfig:
             v = getattr(self, name)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"DemoConfig.{name} must be in (0, 1], got {v!r}")
+        if self.workload not in ("conversations", "synthetic"):
+            raise ValueError(
+                f"DemoConfig.workload must be 'conversations' or 'synthetic', got {self.workload!r}"
+            )
+        for name in ("corrupt_every", "max_corruptions"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"DemoConfig.{name} must be an int >= 0, got {v!r}")
         for name in ("min_residency_steps", "aging_steps"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"DemoConfig.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -94,6 +121,13 @@ class DemoConfig:
         )
 
     def draw_requests(self) -> list[DemoRequest]:
+        if self.workload == "conversations":
+            return conversation_requests(
+                self.requests, self.seed, self.model.vocab, system_prompts=self.system_prompts,
+                system_tokens=self.system_tokens, user_tokens=self.prompt_tokens,
+                new_tokens=self.new_tokens, continue_p=self.continue_p,
+                arrival_every=self.arrival_every,
+            )
         return synthetic_requests(
             self.requests, self.seed, self.model.vocab, self.prompt_tokens, self.new_tokens,
             self.arrival_every,
@@ -136,13 +170,47 @@ def plan_tiers(cfg: DemoConfig, requests: list[DemoRequest], *, pressured: bool)
 
 
 class RunOutcome(NamedTuple):
-    """One run: the worker's result, the cache's and the controller's stats, the plan."""
+    """One run: the worker's result, the cache's and the controller's stats, the plan,
+    and (prefix reuse only) the block store's counters and the root checks."""
 
     result: WorkerResult
     kv_stats: dict[str, float]
     controller_stats: dict[str, float]
     plan: TierPlan
     page_bytes: int
+    prefix_stats: dict[str, float] | None = None
+    corruptions: int = 0
+    root_check: dict[str, int] | None = None
+
+
+def key_root(cfg: DemoConfig, kv: PagedKVCache, model_id: str | None = None) -> KeyRoot:
+    """The block keys' root: the geometry, the model (its seed fixes its weights), the cache."""
+    g = kv.geometry
+    return KeyRoot(g.fingerprint(), model_id or f"tiny-decoder/{cfg.model}/seed={cfg.seed}",
+                   resource_fingerprints=(("kv", kv.fingerprint()),), page_tokens=g.page_tokens)
+
+
+class _Corrupter:
+    """The demo's negative control: now and then, one value of a cached host block changes."""
+
+    def __init__(self, kv: PagedKVCache, every: int, most: int) -> None:
+        self.kv, self.every, self.most = kv, every, most
+        self.injected = 0
+
+    def __call__(self, step: int) -> None:
+        kv = self.kv
+        if not self.every or self.injected >= self.most or step == 0 or step % self.every:
+            return
+        st = kv.prefix_stats()
+        if st.get("load_corrupt", 0):
+            return  # detected once: enough
+        p = kv._prefix
+        host = [k for k in p.index.keys(Tier.HOST) if p.index.get(k).refs == 0]
+        if not host:
+            return
+        key = max(host, key=lambda k: (p.index.get(k).hits, -p.index.get(k).depth))
+        kv._host[p.index.location(key).handle].view(-1)[0] += 1.0
+        self.injected += 1
 
 
 def serve(
@@ -151,8 +219,11 @@ def serve(
     plan: TierPlan,
     disk_path: Path | None = None,
     on_token: Callable[[], None] | None = None,
+    *,
+    prefix: bool = True,
 ) -> RunOutcome:
-    """Serve ``requests`` once on tiers sized by ``plan`` (disk under ``disk_path``)."""
+    """Serve ``requests`` once on tiers sized by ``plan`` (disk under ``disk_path``),
+    reusing cached prefixes when ``prefix`` and ``cfg.prefix``."""
     geometry = cfg.model.kv_geometry(cfg.page_tokens)
     disk = None
     if plan.disk_bytes:
@@ -166,7 +237,12 @@ def serve(
     torch.manual_seed(cfg.seed)
     model = TinyDecoder(cfg.model, cfg.seed, cfg.device)
     kv = PagedKVCache(geometry, cfg.device, plan.device_pages, plan.host_pages, disk=disk)
+    reuse = cfg.prefix and prefix
     try:
+        corrupter = None
+        if reuse:
+            kv.enable_prefix_cache(key_root(cfg, kv))
+            corrupter = _Corrupter(kv, cfg.corrupt_every, cfg.max_corruptions)
         clock = StepClock()
         controller = EvictionController(
             {"kv": kv},
@@ -184,15 +260,34 @@ def serve(
             clock=clock,
         )
         worker = DemoWorker(
-            model, kv, controller, requests, cfg.worker_config(), clock, on_token=on_token
+            model, kv, controller, requests, cfg.worker_config(), clock, on_token=on_token,
+            on_step=corrupter,
         )
         result = worker.run()
         kv.check_integrity()
+        pstats = root_check = None
+        if reuse:
+            pstats = kv.prefix_stats()
+            root_check = _root_check(cfg, kv, worker)
         return RunOutcome(
-            result, kv.stats.as_dict(), controller.stats(), plan, geometry.page_bytes
+            result, kv.stats.as_dict(), controller.stats(), plan, geometry.page_bytes,
+            pstats, corrupter.injected if corrupter else 0, root_check,
         )
     finally:
         kv.close()
+
+
+def _root_check(cfg: DemoConfig, kv: PagedKVCache, worker: DemoWorker) -> dict[str, int]:
+    """Every request's full prompt looked up in the final cache under the run's root and
+    under another model's root (the wrong-root control: it must find nothing)."""
+    prompts = worker.full_prompts()
+    right = sum(kv.cached_prefix(p).tokens for p in prompts.values())
+    kv._prefix.root, saved = key_root(cfg, kv, "another-model").key, kv._prefix.root
+    try:
+        wrong = sum(kv.cached_prefix(p).tokens for p in prompts.values())
+    finally:
+        kv._prefix.root = saved
+    return {"right_root_cached_tokens": right, "wrong_root_cached_tokens": wrong}
 
 
 def compare_outputs(
@@ -272,8 +367,36 @@ def summarize(
         "stall_wait_s": round(float(c["stall_wait_s"]), 4),
         "allocation_refusals": int(c["allocation_refusals"]),
         "lost": int(s["lost"]),
+        "prefix": _prefix_summary(pressured, reference),
         "identical": not problems,
         "mismatches": problems[:20],
+    }
+
+
+def _prefix_summary(pressured: RunOutcome, reference: RunOutcome) -> dict[str, Any] | None:
+    p = pressured.prefix_stats
+    if p is None:
+        return None
+    c = pressured.result.counters
+    return {
+        "hit_tokens": {t: int(p.get(f"hit_tokens_{t}", 0)) for t in ("device", "host", "disk")},
+        "attached_tokens": int(c["prefix_attached_tokens"]),
+        "prefill_tokens_saved": int(c["prefix_valid_tokens"]),
+        "recomputed_after_corruption": int(c["prefix_recomputed_tokens"]),
+        "prompt_tokens_run": int(c["prompt_tokens"]),
+        "reference_prompt_tokens_run": int(reference.result.counters["prompt_tokens"]),
+        "blocks_published": int(p.get("blocks_published", 0)),
+        "blocks_moved": {
+            "device_to_host": int(p.get("blocks_device_to_host", 0)),
+            "host_to_disk": int(p.get("blocks_host_to_disk", 0)),
+            "host_to_device": int(p.get("blocks_host_to_device", 0)),
+            "disk_to_device": int(p.get("blocks_disk_to_device", 0)),
+        },
+        "disk_block_writes": int(p.get("disk_block_writes", 0)),
+        "blocks_evicted": int(p.get("dropped_evicted", 0)),
+        "corruptions_injected": pressured.corruptions,
+        "corrupt_blocks_detected": int(p.get("load_corrupt", 0)),
+        **(pressured.root_check or {}),
     }
 
 
@@ -297,6 +420,6 @@ def run_demo(
         raise ValueError("DemoConfig.disk is on but no disk_path was given")
     pressured = serve(cfg, requests, tight, disk_path, on_token)
     roomy = plan_tiers(cfg, requests, pressured=False)
-    reference = serve(cfg, requests, roomy, None, on_reference_token)
+    reference = serve(cfg, requests, roomy, None, on_reference_token, prefix=False)
     problems = compare_outputs(reference.result.outputs, pressured.result.outputs)
     return DemoReport(summarize(cfg, pressured, reference, problems), pressured, reference)
