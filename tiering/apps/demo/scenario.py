@@ -86,7 +86,7 @@ class DemoConfig:
     prefill_chunk: int = 256
     quantum: int = 8
     device_fraction: float = 0.25
-    host_fraction: float = 0.35
+    host_fraction: float = 0.08
     disk: bool = True
     disk_chunk_bytes: int = 1 << 20
     policy: str = "lru"
