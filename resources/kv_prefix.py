@@ -270,7 +270,6 @@ class PrefixCache:
     def publish(self, r: RequestRecord, token_ids) -> int:
         """Key ``r``'s full pages of ``token_ids``; returns the blocks it maps afterwards."""
         c = self.cache
-        T = c.geometry.page_tokens
         arr = token_ids.detach().cpu().numpy() if isinstance(token_ids, torch.Tensor) else token_ids
         n_tok = len(arr)
         if n_tok > r.num_tokens:
@@ -316,7 +315,6 @@ class PrefixCache:
             r.blocks.append(key)
             self.stats["blocks_published"] += 1
         r.index = None
-        del T
         return len(r.blocks)
 
     def lookup(self, token_ids) -> PrefixHit:
@@ -461,7 +459,6 @@ class PrefixCache:
 
     def check_integrity(self, reqs) -> list[str]:
         """Problems found (empty: none). ``reqs`` are the cache's records."""
-        c = self.cache
         problems = []
         try:
             self.index.check_integrity()
@@ -512,7 +509,6 @@ class PrefixCache:
                 problems.append(f"disk extent {ext_id}: {n} live blocks recorded, {live.get(ext_id, 0)} held")
         if set(live) - set(self.extents):
             problems.append("a block names a disk extent the cache does not hold")
-        del c
         return problems
 
     def device_pages(self) -> list[int]:

@@ -363,3 +363,37 @@ def test_negative_control_without_the_crc_check_corruption_would_be_served(monke
         assert kv.num_tokens("b") == 16
         k, _ = kv.read("b", 0)
         assert not torch.equal(k[:16], data[0][0][:16])
+
+
+def test_engine_hooks_resolve_apply_and_extend():
+    """The seed's prefix hooks on the same machinery: resolve says how much, apply attaches,
+    extend keys generated pages as they fill."""
+    gen = torch.Generator().manual_seed(13)
+    with make() as kv:
+        assert kv.prefix_skip_safe and kv.keys_prefix_chains
+        assert kv.fingerprint() == GEOM.fingerprint().encode()
+        ids = tokens(gen, 10)
+        kv.ingest_request("a")
+        kv.apply_cached_prefix("a", "n", "w", ids, None)
+        data = fill(kv, "a", gen, 10)
+        kv.extend_prefix_chain("a", "n", "w", tokens(gen, 2))  # 12 tokens known, 10 held
+        assert kv.prefix_stats()["blocks_published"] == 2
+        more = fill(kv, "a", gen, 2, start=10)
+        kv.extend_prefix_chain("a", "n", "w", tokens(gen, 1))
+        assert kv.prefix_stats()["blocks_published"] == 3  # the third page filled
+        chain = kv._reqs["a"].chain_tokens
+        kv.remove_request("a")
+        hit = kv.resolve_cached_prefix("b", "n", "w", chain[:12])
+        assert (hit.label, hit.tokens, hit.position) == ("w", 8, 8)  # the last token is run
+        kv.ingest_request("b")
+        kv.apply_cached_prefix("b", "n", "w", chain[:13], kv.resolve_cached_prefix("b", "n", "w", chain[:13]))
+        assert kv.num_tokens("b") == 12
+        k, _ = kv.read("b", 0)
+        assert torch.equal(k[:10], data[0][0]) and torch.equal(k[10:12], more[0][0])
+        kv.check_integrity()
+    plain = PagedKVCache(GEOM, "cpu", 4, 4)
+    try:
+        assert plain.resolve_cached_prefix("x", "n", "w", [1, 2, 3]) is None
+        assert not plain.keys_prefix_chains
+    finally:
+        plain.close()
