@@ -1232,7 +1232,8 @@ class PagedKVCache(Resource):
             return False
         work = p.start_load(r, pages)
         move = Move.RELOAD_FROM_HOST if r.state is S.ON_HOST else Move.RELOAD_FROM_DISK
-        fut = self._submit(self._io, RELOAD, p.load_job, work, self._fault)
+        marker = self._streams.compute_marker()
+        fut = self._submit(self._io, RELOAD, p.load_job, work, self._fault, marker)
         if fut is None:
             p.finish_load(None, work, ["not queued"] * len(work))
             return False

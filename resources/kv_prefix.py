@@ -36,6 +36,7 @@ import torch
 from policies.blocks import make_block_policy
 from tiering.blocks import BlockIndex, KeyRoot, block_keys
 from tiering.blocks.keys import KEY_BYTES
+from tiering.core.transfer import coalesce, copy_runs
 from tiering.disk.crc import crc32c_extend
 from tiering.types import Tier
 
@@ -379,26 +380,30 @@ class PrefixCache:
             work.append((key, loc.tier, loc.handle, page, self.crc.get(key)))
         return work
 
-    def load_job(self, work: list, fault) -> list[str | None]:
+    def load_job(self, work: list, fault, marker=None) -> list[str | None]:
         """Worker thread: copy each block in, checking its crc32c before it is mapped.
 
-        Returns, per block, None (landed) or the reason it is unusable."""
+        The copies go through the cache's host-to-device stream and wait on
+        ``marker`` (recorded on the compute stream when the load was asked
+        for: its fresh pages may just have been freed by kernels still
+        queued), like a reload. Returns, per block, None (landed) or the
+        reason it is unusable."""
         c = self.cache
         out: list[str | None] = []
         for key, tier, handle, page, crc in work:
             try:
                 if tier is Tier.HOST:
-                    src = c._host[handle]
+                    src, slot = c._host, handle
                 else:
                     ext_id, i = handle
-                    src = torch.empty(c.geometry.page_shape, dtype=c.geometry.dtype)
-                    c.disk.read(self.extents[ext_id][0], src.unsqueeze(0), first_page=i)
-                if crc is None or crc_page(src) != crc:
+                    src = torch.empty((1, *c.geometry.page_shape), dtype=c.geometry.dtype)
+                    c.disk.read(self.extents[ext_id][0], src, first_page=i)
+                    slot = 0
+                if crc is None or crc_page(src[slot]) != crc:
                     raise CorruptBlock(f"block {key.hex()} does not match its crc32c")
-                fault("h2d")
-                c._dev[page].copy_(src)
-                if c.device.type == "cuda":  # pragma: no cover - needs a GPU
-                    torch.cuda.current_stream(c.device).synchronize()
+                copy_runs(c._streams, src, c._dev, coalesce([slot], [page]), "h2d",
+                          after=marker, fault_hook=fault)
+                marker = None
                 out.append(None)
             except CorruptBlock as exc:
                 out.append(f"corrupt: {exc}")
