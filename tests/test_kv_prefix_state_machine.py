@@ -46,7 +46,7 @@ class PrefixMachine(RuleBasedStateMachine):
         self._tmp = tempfile.TemporaryDirectory(prefix="kv-prefix-sm-")
         disk = DiskConfig(path=self._tmp.name, capacity_bytes=24 * G.page_bytes,
                           chunk_bytes=2 * G.page_bytes)
-        self.kv = PagedKVCache(G, "cpu", 12, 6, disk=disk)
+        self.kv = PagedKVCache(G, "cpu", 12, 8, disk=disk)
         self.kv.enable_prefix_cache(KeyRoot(G.fingerprint(), "sm", page_tokens=T), disk_batch_pages=3)
         self.stems = [torch.randint(0, 50, (4 * T,), generator=torch.Generator().manual_seed(s))
                       for s in range(3)]
@@ -141,6 +141,10 @@ class PrefixMachine(RuleBasedStateMachine):
         room = kv.device_pool.free_pages + kv._prefix.unmapped(Tier.DEVICE)
         if room:
             assert kv.allocate("filler", room * T)
+        kv.check_integrity()
+        if room and kv.offload("filler"):  # host room for a live request: cached blocks go to disk
+            kv.check_integrity()
+            kv.synchronize(10)
         kv.check_integrity()
         kv.remove_request("filler")
 
