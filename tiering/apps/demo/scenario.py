@@ -5,7 +5,10 @@ a device pool big enough to hold everything (the reference) and once on a
 device pool that holds about ``device_fraction`` of the working set, with a
 host tier for ``host_fraction`` of it and a disk tier for the rest, then
 checks that every request produced the same tokens and bitwise the same final
-logits in both runs.
+logits in both runs. The requests share system prompts and continue earlier
+conversations; the pressured run reuses cached KV blocks (device, host, disk;
+see ``docs/prefix.md``), the reference computes everything, so identical
+outputs also prove the reused bytes were the right ones.
 """
 
 from __future__ import annotations
