@@ -194,26 +194,41 @@ def key_root(cfg: DemoConfig, kv: PagedKVCache, model_id: str | None = None) -> 
 
 
 class _Corrupter:
-    """The demo's negative control: now and then, one value of a cached host block changes."""
+    """The demo's negative control: now and then, one value of a cached host block changes.
+
+    The block chosen is one an attached request is waiting to load (so the
+    load must meet it), else the most used unmapped host block."""
 
     def __init__(self, kv: PagedKVCache, every: int, most: int) -> None:
         self.kv, self.every, self.most = kv, every, most
         self.injected = 0
+        self._armed = False
 
     def __call__(self, step: int) -> None:
         kv = self.kv
-        if not self.every or self.injected >= self.most or step == 0 or step % self.every:
+        if not self.every or self.injected >= self.most:
             return
-        st = kv.prefix_stats()
-        if st.get("load_corrupt", 0):
+        if kv.prefix_stats().get("load_corrupt", 0):
             return  # detected once: enough
-        p = kv._prefix
-        host = [k for k in p.index.keys(Tier.HOST) if p.index.get(k).refs == 0]
-        if not host:
+        if step and step % self.every == 0:
+            self._armed = True
+        if not self._armed:
             return
-        key = max(host, key=lambda k: (p.index.get(k).hits, -p.index.get(k).depth))
+        p = kv._prefix
+        key = None
+        for r in kv._reqs.values():  # a load that has not started yet
+            if r.prefix_load is not None and r.load_work is None:
+                for pos, tier in zip(r.prefix_load.positions, r.prefix_load.tiers, strict=True):
+                    if tier is Tier.HOST:
+                        key = r.blocks[pos]
+                        break
+            if key is not None:
+                break
+        if key is None:
+            return  # wait (armed) for a request that will load a host block
         kv._host[p.index.location(key).handle].view(-1)[0] += 1.0
         self.injected += 1
+        self._armed = False
 
 
 def serve(
