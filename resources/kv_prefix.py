@@ -145,13 +145,7 @@ class PrefixCache:
 
     def unmapped(self, tier: Tier) -> int:
         """Blocks on ``tier`` no live request maps and that are not moving (space the cache can free)."""
-        idx = self.index
-        n = 0
-        for k in idx.keys(tier):
-            loc = idx.location(k)
-            if loc.moving_to is None and idx.get(k).refs == 0:
-                n += 1
-        return n
+        return self.index.idle_count(tier)
 
     # -- making room (caller's thread) -----------------------------------------------
 
@@ -498,6 +492,10 @@ class PrefixCache:
             if key not in self.policies[loc.tier]:
                 problems.append(f"block {key.hex()} is not tracked by the {loc.tier.value} policy")
         for t in Tier:
+            slow = sum(1 for k in self.index.keys(t)
+                       if self.index.get(k).refs == 0 and self.index.location(k).moving_to is None)
+            if slow != self.index.idle_count(t):
+                problems.append(f"{t.value}: idle_count {self.index.idle_count(t)}, counted {slow}")
             if len(self.policies[t]) != self.index.count(t):
                 problems.append(f"{t.value} policy tracks {len(self.policies[t])} blocks,"
                                 f" index holds {self.index.count(t)}")

@@ -282,6 +282,10 @@ def test_workload_is_seeded_and_well_formed():
         (lambda: DemoConfig(device_fraction=0.0), "device_fraction"),
         (lambda: DemoConfig(quantum=0), "quantum"),
         (lambda: synthetic_requests(2, 0, 10, (5, 4)), "prompt_tokens"),
+        (lambda: DemoConfig(system_tokens=(9, 3)), "system_tokens"),
+        (lambda: DemoConfig(continue_p=1.5), "continue_p"),
+        (lambda: DemoConfig(workload="chat"), "workload"),
+        (lambda: DemoConfig(corrupt_every=-1), "corrupt_every"),
     ],
 )
 def test_bad_settings_name_the_field(make, field):

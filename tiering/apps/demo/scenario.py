@@ -106,6 +106,16 @@ class DemoConfig:
             v = getattr(self, name)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"DemoConfig.{name} must be in (0, 1], got {v!r}")
+        if isinstance(self.system_prompts, bool) or not isinstance(self.system_prompts, int) \
+                or self.system_prompts < 1:
+            raise ValueError(f"DemoConfig.system_prompts must be an int >= 1, got {self.system_prompts!r}")
+        for name in ("prompt_tokens", "system_tokens", "new_tokens"):
+            lo_hi = getattr(self, name)
+            if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
+                raise ValueError(f"DemoConfig.{name} must be (low, high) with 1 <= low <= high,"
+                                 f" got {lo_hi!r}")
+        if not 0.0 <= self.continue_p <= 1.0:
+            raise ValueError(f"DemoConfig.continue_p must be in [0, 1], got {self.continue_p!r}")
         if self.workload not in ("conversations", "synthetic"):
             raise ValueError(
                 f"DemoConfig.workload must be 'conversations' or 'synthetic', got {self.workload!r}"
