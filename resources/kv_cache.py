@@ -477,7 +477,6 @@ class PagedKVCache(Resource):
             self._release_all(r)
             self._inflight.discard(rid)
             del self._reqs[rid]
-            self._forget_reported_state(rid)
             return
         if self._prefix is not None and r.blocks:
             self._prefix.release_request(r)  # a finished copy's outcome (a fault too) is still reported
@@ -500,16 +499,6 @@ class PagedKVCache(Resource):
             self._release_all(r)
         self._inflight.discard(rid)
         del self._reqs[rid]
-        self._forget_reported_state(rid)
-
-    def _forget_reported_state(self, rid: str) -> None:
-        """Records applied but not yet reported for a request just removed carry
-        ``state=None``: the state they name no longer exists (and the id may be
-        ingested again at once)."""
-        self._unreported = [
-            res._replace(state=None) if res.rid == rid and res.state is not None else res
-            for res in self._unreported
-        ]
 
     def _release_all(self, r: RequestRecord) -> None:
         if self._prefix is not None and (r.blocks or r.prefix_load is not None):
