@@ -460,7 +460,7 @@ class PagedKVCache(Resource):
         then behaves exactly like a new one)."""
         r = self._req(rid, "remove_request")
         if r.job is not None and r.job.future.done():
-            self._finish_now(r)
+            self._finish_now(r)  # a finished copy's outcome (a fault too) is still reported
         if r.load_work is not None:  # a prefix load in flight
             job, work = r.job, r.load_work
             if job.future.cancel():
@@ -479,7 +479,7 @@ class PagedKVCache(Resource):
             del self._reqs[rid]
             return
         if self._prefix is not None and r.blocks:
-            self._prefix.release_request(r)  # a finished copy's outcome (a fault too) is still reported
+            self._prefix.release_request(r)
         job = r.job
         fut = job.future if job else None
         if fut is not None and fut.cancel():  # never started: reported as not done
