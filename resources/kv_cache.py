@@ -34,6 +34,7 @@ import torch
 from resources.base import (
     ADMIT_OK,
     AdmitOutcome,
+    CachedPrefix,
     EngineResourceInfo,
     NodeResourceSpec,
     Resource,
@@ -43,6 +44,7 @@ from resources.base import (
 )
 from resources.engine_types import retention_offload_priority
 from resources.kv_geometry import KVGeometry
+from resources.kv_prefix import BLOCKS, PrefixCache, PrefixHit, as_root
 from resources.kv_records import (
     CacheClosed,
     KVStats,
@@ -136,6 +138,7 @@ class PagedKVCache(Resource):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"PagedKVCache: {name} must be an int >= 1, got {v!r}")
         self._closed = False
+        self._prefix: PrefixCache | None = None
         self._executors: list[PriorityExecutor] = []
         self._slab: PinnedSlab | None = None
         self.disk = None
@@ -242,7 +245,8 @@ class PagedKVCache(Resource):
             raise UnknownRequest(f"unknown request {rid!r}") from None
 
     def _pages_for(self, r: RequestRecord) -> int:
-        return self.geometry.pages_for(r.num_tokens)
+        """The request's own pages (mapped prefix blocks are the index's)."""
+        return self.geometry.pages_for(r.num_tokens) - len(r.shared)
 
     @property
     def device_capacity_bytes(self) -> int:
@@ -253,12 +257,21 @@ class PagedKVCache(Resource):
         return self.host_pool.capacity_bytes
 
     def device_used_bytes(self) -> int:
+        """Device bytes held, not counting cached prefix blocks no request maps
+        (the cache frees those itself when it needs the room)."""
         self._open("device_used_bytes")
-        return self.device_pool.used_bytes
+        used = self.device_pool.used_bytes
+        if self._prefix is not None:
+            used -= self._prefix.unmapped(Tier.DEVICE) * self.geometry.page_bytes
+        return used
 
     def host_used_bytes(self) -> int:
+        """Host bytes held, not counting cached prefix blocks no request maps."""
         self._open("host_used_bytes")
-        return self.host_pool.used_bytes
+        used = self.host_pool.used_bytes
+        if self._prefix is not None:
+            used -= self._prefix.unmapped(Tier.HOST) * self.geometry.page_bytes
+        return used
 
     def disk_used_bytes(self) -> int:
         """Bytes the disk tier's ledger holds (0 without a disk tier)."""
@@ -283,7 +296,7 @@ class PagedKVCache(Resource):
         r = self._req(rid, "page_table")
         if r.state is not S.RESIDENT:
             raise IllegalTransition(f"request {rid!r} is {r.state.value}; it has no page table")
-        return list(r.device)
+        return list(r.shared) + list(r.device)
 
     def device_page_table(self, rid: str) -> torch.Tensor:
         """The request's device slots as a long tensor on the device (kept per
@@ -291,8 +304,8 @@ class PagedKVCache(Resource):
         return self._index(self._readable(rid, "device_page_table"))
 
     def _index(self, r: RequestRecord) -> torch.Tensor:
-        if r.index is None or r.index.numel() != len(r.device):
-            r.index = torch.tensor(r.device, dtype=torch.long).to(self.device)
+        if r.index is None or r.index.numel() != len(r.shared) + len(r.device):
+            r.index = torch.tensor(r.shared + r.device, dtype=torch.long).to(self.device)
             self.stats.page_tables_built += 1
         return r.index
 
@@ -346,8 +359,10 @@ class PagedKVCache(Resource):
             raise IllegalTransition(f"request {rid!r} is {r.state.value}; allocate needs it resident")
         if num_tokens <= r.num_tokens:
             return True
-        extra = self.geometry.pages_for(num_tokens) - len(r.device)
+        extra = self.geometry.pages_for(num_tokens) - len(r.device) - len(r.shared)
         if extra > 0:
+            if self._prefix is not None and not self._prefix.ensure_device(extra):
+                return False
             slots = self.device_pool.allocate(rid, extra)
             if slots is None:
                 return False
@@ -359,11 +374,12 @@ class PagedKVCache(Resource):
     def _token_pages(self, r: RequestRecord, start: int, n: int):
         """(slot, offset in page, token index in the input, count) pieces of a token range."""
         T = self.geometry.page_tokens
+        table = r.shared + r.device
         pos, end = start, start + n
         while pos < end:
             page, off = divmod(pos, T)
             take = min(T - off, end - pos)
-            yield r.device[page], off, pos - start, take
+            yield table[page], off, pos - start, take
             pos += take
 
     def _check_kv(self, what: str, k: Any, v: Any) -> None:
@@ -400,6 +416,11 @@ class PagedKVCache(Resource):
             raise ValueError(
                 f"{what}: tokens [{start}, {start + n}) are past the {r.num_tokens}"
                 " allocated tokens"
+            )
+        if start < len(r.shared) * self.geometry.page_tokens:
+            raise ValueError(
+                f"{what}: tokens from {start} fall in published page {start // self.geometry.page_tokens}"
+                f" (the first {len(r.shared) * self.geometry.page_tokens} tokens are published and immutable)"
             )
         r = self._readable(rid, "write")
         for slot, off, i, take in self._token_pages(r, start, n):
@@ -440,6 +461,25 @@ class PagedKVCache(Resource):
         r = self._req(rid, "remove_request")
         if r.job is not None and r.job.future.done():
             self._finish_now(r)  # a finished copy's outcome (a fault too) is still reported
+        if r.load_work is not None:  # a prefix load in flight
+            job, work = r.job, r.load_work
+            if job.future.cancel():
+                self._prefix.finish_load(None, work, ["cancelled"] * len(work))
+                self._unreported.append(TransferResult(rid, job.move, False, 0, None, CANCELLED))
+            else:  # it ends in poll; its blocks stay mapped by it until then
+                keys = {w[0] for w in work}
+                for key in r.blocks:
+                    if key not in keys:
+                        self._prefix.index.release(key)
+                self._prefix.orphans.append((job.future, work))
+                r.blocks, r.shared = [], []
+            r.job, r.load_work, r.prefix_load = None, None, None
+            self._release_all(r)
+            self._inflight.discard(rid)
+            del self._reqs[rid]
+            return
+        if self._prefix is not None and r.blocks:
+            self._prefix.release_request(r)
         job = r.job
         fut = job.future if job else None
         if fut is not None and fut.cancel():  # never started: reported as not done
@@ -461,6 +501,8 @@ class PagedKVCache(Resource):
         del self._reqs[rid]
 
     def _release_all(self, r: RequestRecord) -> None:
+        if self._prefix is not None and (r.blocks or r.prefix_load is not None):
+            self._prefix.release_request(r)
         self.device_pool.release(r.rid, r.device)
         self.host_pool.release(r.rid, r.host)
         if r.disk is not None:
@@ -531,8 +573,12 @@ class PagedKVCache(Resource):
         return n * self.geometry.page_bytes if self._room_below(n) else 0
 
     def _room_below(self, n: int) -> bool:
-        """Whether an offload of ``n`` pages has somewhere to go now."""
-        return self.host_pool.can_allocate(n) or (
+        """Whether an offload of ``n`` pages has somewhere to go now (cached prefix
+        blocks no request maps count as room: the cache moves them down first)."""
+        free = self.host_pool.free_pages
+        if self._prefix is not None:
+            free += self._prefix.unmapped(Tier.HOST)
+        return free >= n or (
             self.disk is not None
             and self.offload_to_disk_when_host_full
             and self.disk.can_reserve(n)
@@ -593,6 +639,8 @@ class PagedKVCache(Resource):
         r = self._req(rid, "reload_bytes")
         if r.state not in OFFLOADED_STATES:
             return 0
+        if r.prefix_load is not None:
+            return len(r.prefix_load.positions) * self.geometry.page_bytes
         return self._pages_for(r) * self.geometry.page_bytes
 
     def _submit(self, ex: PriorityExecutor, prio: int, fn, *args) -> cf.Future | None:
@@ -618,6 +666,8 @@ class PagedKVCache(Resource):
             return 0
         freed = n * self.geometry.page_bytes
         marker = self._streams.compute_marker()
+        if self._prefix is not None:
+            self._prefix.ensure_host(n)  # cached blocks make way for a live request
         host = self.host_pool.allocate(rid, n)
         if host is not None:
             fut = self._submit(
@@ -678,7 +728,11 @@ class PagedKVCache(Resource):
             raise IllegalTransition(
                 f"reload: request {rid!r} is {r.state.value}; only an offloaded request reloads"
             )
+        if r.prefix_load is not None:
+            return self._reload_prefix(r)
         n = self._pages_for(r)
+        if self._prefix is not None:
+            self._prefix.ensure_device(n)
         slots = self.device_pool.allocate(rid, n)
         if slots is None:
             self.stats.reload_refusals += 1
@@ -854,6 +908,8 @@ class PagedKVCache(Resource):
         applied (a removed request's finished copy has ``state=None``).
         Never raises for a fault in a transfer or its completion."""
         self._open("poll")
+        if self._prefix is not None and self._prefix.orphans:
+            self._prefix.poll_orphans()
         done, self._unreported = self._unreported, []
         for rid in [rid for rid in self._inflight if self._reqs[rid].job.future.done()]:
             res = self._finish(self._reqs[rid])
@@ -908,6 +964,8 @@ class PagedKVCache(Resource):
         self._inflight.discard(r.rid)
         exc = job.future.exception()
         try:
+            if r.load_work is not None:
+                return self._done_prefix_load(r, job, exc)
             return self._completions[job.move](r, job, exc)
         except Exception as err:  # a bug or an unexpected fault: keep the records consistent
             self.stats.completion_errors += 1
@@ -1045,6 +1103,8 @@ class PagedKVCache(Resource):
             raise ValueError(f"synchronize: timeout must be a number of seconds >= 0, got {timeout!r}")
         futs = [self._reqs[rid].job.future for rid in self._inflight]
         futs += [t.future for t in self._tombstones.values()]
+        if self._prefix is not None:
+            futs += [f for f, _ in self._prefix.orphans]
         _, pending = cf.wait(futs, timeout=timeout)
         done = self.poll()
         if pending:
@@ -1056,7 +1116,187 @@ class PagedKVCache(Resource):
 
     def in_flight(self) -> int:
         self._open("in_flight")
-        return len(self._inflight) + len(self._tombstones)
+        orphans = len(self._prefix.orphans) if self._prefix is not None else 0
+        return len(self._inflight) + len(self._tombstones) + orphans
+
+    # -- prefix reuse (resources.kv_prefix) -------------------------------------------
+
+    prefix_skip_safe = True  # a hit only skips tokens whose K/V the cache already holds
+
+    def enable_prefix_cache(self, root, walks=None, *, policy: str = "lru",
+                            disk_batch_pages: int = 16) -> bool:
+        """Open the block store under ``root`` (16 bytes, or a ``tiering.blocks.KeyRoot``).
+
+        ``policy`` names the block retention policy of every tier
+        (``policies.blocks.make_block_policy``); ``disk_batch_pages`` is how many
+        blocks one host -> disk write packs. Enabling twice with another root is
+        an error; with the same root it does nothing. ``walks`` is accepted for
+        the engine contract and not used (every walk's writes are keyed)."""
+        self._open("enable_prefix_cache")
+        del walks
+        key = as_root(root)
+        if self._prefix is not None:
+            if self._prefix.root != key:
+                raise ValueError("enable_prefix_cache: already enabled under another root")
+            return True
+        self._prefix = PrefixCache(self, key, policy, disk_batch_pages)
+        return True
+
+    @property
+    def prefix_enabled(self) -> bool:
+        return self._prefix is not None
+
+    def _prefix_on(self, what: str) -> PrefixCache:
+        self._open(what)
+        if self._prefix is None:
+            raise RuntimeError(f"{what}: the prefix cache is not enabled (call enable_prefix_cache)")
+        return self._prefix
+
+    @staticmethod
+    def _token_array(what: str, token_ids) -> np.ndarray:
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.detach().cpu().numpy()
+        arr = np.asarray(token_ids)
+        if arr.ndim != 1:
+            raise ValueError(f"{what}: token_ids must be one-dimensional, got shape {arr.shape}")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise ValueError(f"{what}: token_ids must be integers, got dtype {arr.dtype}")
+        if arr.size and int(arr.min()) < 0:
+            raise ValueError(f"{what}: token_ids must be >= 0, got {int(arr.min())}")
+        return arr
+
+    def publish_prefix(self, rid: str, token_ids) -> int:
+        """Key the request's full pages of ``token_ids`` (its first tokens); idempotent.
+
+        Published pages become cached blocks the request maps; they are
+        immutable (``write`` into them raises). A page whose key is already
+        cached on the device is replaced by that block (the request's copy is
+        freed); publishing stops at a key cached on another tier. Returns the
+        tokens the request now maps as blocks."""
+        p = self._prefix_on("publish_prefix")
+        r = self._req(rid, "publish_prefix")
+        arr = self._token_array(f"publish_prefix({rid!r})", token_ids)
+        if r.state is not S.RESIDENT or r.prefix_load is not None:
+            raise IllegalTransition(
+                f"publish_prefix: request {rid!r} is {r.state.value}; it must be resident"
+            )
+        return p.publish(r, arr) * self.geometry.page_tokens
+
+    def cached_prefix(self, token_ids) -> PrefixHit:
+        """How many leading tokens of ``token_ids`` are cached, and per tier. Changes nothing."""
+        p = self._prefix_on("cached_prefix")
+        return p.lookup(self._token_array("cached_prefix", token_ids))
+
+    def attach_prefix(self, rid: str, token_ids) -> int:
+        """Give a freshly ingested request the longest cached prefix of ``token_ids``.
+
+        Device blocks are mapped by reference. Host and disk blocks are loaded
+        into fresh device pages: the request is then offloaded for those pages
+        (``is_offloaded`` True, ``admit`` not ready) until ``reload`` (the
+        controller's admission) brings them in. The last token is never
+        attached (its logits are needed). Returns the tokens attached; when a
+        load finds a block corrupt or unreadable, the request keeps only the
+        blocks before it, and ``num_tokens(rid)`` (read after ``admit`` says
+        ready) is the number of valid tokens the caller continues from."""
+        p = self._prefix_on("attach_prefix")
+        r = self._req(rid, "attach_prefix")
+        arr = self._token_array(f"attach_prefix({rid!r})", token_ids)
+        if r.state is not S.RESIDENT or r.num_tokens or r.device or r.blocks:
+            raise IllegalTransition(
+                f"attach_prefix: request {rid!r} already holds tokens; attach only a fresh request"
+            )
+        r.chain_tokens = arr.tolist()
+        n = p.attach(r, arr)
+        if r.prefix_load is not None:
+            on_host = Tier.HOST in r.prefix_load.tiers
+            r.state = S.ON_HOST if on_host else S.ON_DISK  # offloaded for the pages to load
+        return n
+
+    def prefix_stats(self) -> dict[str, int]:
+        """Counters of the block store: hit tokens per tier, blocks moved, dropped, ..."""
+        p = self._prefix_on("prefix_stats")
+        out = dict(p.stats)
+        out["blocks_cached"] = len(p.index)
+        for t in Tier:
+            out.setdefault(f"hit_tokens_{t.value}", 0)
+            out[f"blocks_on_{t.value}"] = p.index.count(t)
+        return out
+
+    def _reload_prefix(self, r: RequestRecord) -> bool:
+        p = self._prefix
+        k = len(r.prefix_load.positions)
+        p.ensure_device(k)
+        pages = self.device_pool.allocate(BLOCKS, k)
+        if pages is None:
+            self.stats.reload_refusals += 1
+            return False
+        work = p.start_load(r, pages)
+        move = Move.RELOAD_FROM_HOST if r.state is S.ON_HOST else Move.RELOAD_FROM_DISK
+        marker = self._streams.compute_marker()
+        fut = self._submit(self._io, RELOAD, p.load_job, work, self._fault, marker)
+        if fut is None:
+            p.finish_load(None, work, ["not queued"] * len(work))
+            return False
+        r.load_work = work
+        self._start(r, move, fut, S.RELOADING)
+        return True
+
+    def _done_prefix_load(self, r, job, exc):
+        p = self._prefix
+        work, r.load_work = r.load_work, None
+        results = job.future.result() if exc is None else [f"read_failed: {_why(exc)}"] * len(work)
+        kept, reason = p.finish_load(r, work, results)
+        positions = r.prefix_load.positions
+        r.prefix_load = None
+        if kept < len(work):
+            p.truncate(r, positions[kept], reason)
+        self._set_state(r, S.RESIDENT)
+        nbytes = kept * self.geometry.page_bytes
+        self.stats.reload_stall_s_total += max(0.0, self._clock() - job.started)
+        return TransferResult(r.rid, job.move, reason is None, nbytes, S.RESIDENT, reason)
+
+    # the engine's prefix hooks, on the calls above (one rank: no TP lease)
+
+    @property
+    def keys_prefix_chains(self) -> bool:
+        return self._prefix is not None
+
+    def fingerprint(self) -> bytes | None:
+        """The geometry (layout and dtype of a page): what a stored page depends on here."""
+        return self.geometry.fingerprint().encode()
+
+    def resolve_cached_prefix(self, rid, node_name, graph_walk, inputs) -> CachedPrefix | None:
+        if self._prefix is None:
+            return None
+        arr = self._token_array("resolve_cached_prefix", inputs)
+        T = self.geometry.page_tokens
+        tokens = min(self.cached_prefix(arr).tokens, max(0, (arr.size - 1) // T) * T)
+        return CachedPrefix(graph_walk, tokens, tokens)
+
+    def apply_cached_prefix(self, rid, node_name, graph_walk, inputs, prefix) -> None:
+        if self._prefix is None:
+            return
+        arr = self._token_array("apply_cached_prefix", inputs)
+        r = self._req(rid, "apply_cached_prefix")
+        if prefix is None or prefix.tokens == 0:
+            r.chain_tokens = arr.tolist()
+            return
+        got = self.attach_prefix(rid, arr[: prefix.tokens + 1])
+        r.chain_tokens = arr.tolist()
+        if got < prefix.tokens:
+            log.info("request %r: %d of %d agreed prefix tokens attached", rid, got, prefix.tokens)
+
+    def extend_prefix_chain(self, rid, node_name, graph_walk, outputs) -> None:
+        if self._prefix is None:
+            return
+        r = self._req(rid, "extend_prefix_chain")
+        r.chain_tokens.extend(self._token_array("extend_prefix_chain", outputs).tolist())
+        if r.state is S.RESIDENT and r.prefix_load is None:
+            n = min(len(r.chain_tokens), r.num_tokens)
+            self.publish_prefix(rid, r.chain_tokens[:n])
+
+    def complete_cached_walk(self, rid, node_name, graph_walk) -> None:
+        return
 
     # -- integrity --------------------------------------------------------------------
 
@@ -1071,7 +1311,7 @@ class PagedKVCache(Resource):
         pages = self.geometry.pages_for
         for rid, r in self._reqs.items():
             dev[rid], host[rid] = r.device, r.host
-            need = pages(r.num_tokens)
+            need = pages(r.num_tokens) - len(r.shared)
             st = r.state
             has = (bool(r.device), bool(r.host), r.disk is not None)
             allowed = {
@@ -1085,6 +1325,12 @@ class PagedKVCache(Resource):
             }[st]
             if need == 0 and st is not S.LOST:
                 allowed = allowed | {(False, False, False)}
+            if r.prefix_load is not None:  # a pending prefix load holds only mapped blocks
+                allowed = {(False, False, False)}
+                if st not in (S.ON_HOST, S.ON_DISK, S.RELOADING):
+                    problems.append(f"{rid}: a pending prefix load in state {st.value}")
+                if (r.load_work is not None) != (st is S.RELOADING):
+                    problems.append(f"{rid}: load in flight {r.load_work is not None}, state {st.value}")
             if has not in allowed:
                 problems.append(f"{rid}: state {st.value} holds device/host/disk {has}")
             if st is S.RESIDENT and len(r.device) != need:
@@ -1094,12 +1340,17 @@ class PagedKVCache(Resource):
                     problems.append(f"{rid}: {len(slots)} {name} pages, needs {need}")
             if st.in_flight != (r.job is not None) or st.in_flight != (rid in self._inflight):
                 problems.append(f"{rid}: state {st.value} but job={r.job is not None}")
-            if r.index is not None and r.index.tolist() != r.device:
-                problems.append(f"{rid}: device page table {r.index.tolist()} != slots {r.device}")
+            if r.index is not None and r.index.tolist() != r.shared + r.device:
+                problems.append(f"{rid}: device page table {r.index.tolist()} != slots {r.shared + r.device}")
+            if self._prefix is None and (r.blocks or r.shared):
+                problems.append(f"{rid}: maps prefix blocks with no prefix cache")
             if r.disk is not None and r.disk.num_pages != need:
                 problems.append(f"{rid}: disk extent of {r.disk.num_pages} pages, needs {need}")
         for key, t in self._tombstones.items():
             dev[key], host[key] = t.device, t.host
+        if self._prefix is not None:
+            dev[BLOCKS], host[BLOCKS] = self._prefix.device_pages(), self._prefix.host_pages()
+            problems += self._prefix.check_integrity(self._reqs.values())
         if self._ring is not None and not self._inflight and not self._tombstones:
             try:
                 self._ring.check_integrity()
@@ -1112,6 +1363,8 @@ class PagedKVCache(Resource):
                 self.disk.check_integrity()
                 held = sum(1 for r in self._reqs.values() if r.disk is not None)
                 held += sum(1 for t in self._tombstones.values() if t.disk is not None)
+                if self._prefix is not None:
+                    held += len(self._prefix.extents)
                 extents = self.disk.stats()["extents"]
                 if held != extents:
                     problems.append(f"disk holds {extents} extents, records {held}")

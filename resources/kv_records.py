@@ -41,6 +41,13 @@ class RequestRecord:
     ready_event: Any = None
     lost_reason: str | None = None
     index: Any = None  # device page table (a long tensor on the device), built on demand
+    # prefix reuse (resources.kv_prefix): leading blocks the request maps, their
+    # device pages (-1 while a load is pending), a pending load and one in flight
+    blocks: list = field(default_factory=list)
+    shared: list = field(default_factory=list)
+    prefix_load: Any = None
+    load_work: Any = None
+    chain_tokens: list = field(default_factory=list)
 
 
 @dataclass

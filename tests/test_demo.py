@@ -26,7 +26,7 @@ from tiering.apps.demo.worker import (
     WorkerConfig,
     WorkerStalled,
 )
-from tiering.apps.demo.workload import synthetic_requests
+from tiering.apps.demo.workload import conversation_requests, synthetic_requests
 
 SMALL_MODEL = ModelConfig(
     vocab=96, width=48, layers=2, q_heads=4, kv_heads=2, head_dim=12, mlp_hidden=96
@@ -35,17 +35,21 @@ SMALL_MODEL = ModelConfig(
 
 def small_config(seed: int = 7, **over) -> DemoConfig:
     kw = dict(
-        requests=10,
+        requests=16,
         seed=seed,
         model=SMALL_MODEL,
         page_tokens=8,
-        prompt_tokens=(40, 150),
+        prompt_tokens=(24, 90),
+        system_tokens=(24, 60),
+        system_prompts=2,
+        continue_p=0.5,
+        corrupt_every=6,
         new_tokens=(4, 9),
         batch=2,
         prefill_chunk=32,
         quantum=3,
         device_fraction=0.25,
-        host_fraction=0.3,
+        host_fraction=0.08,
         disk_chunk_bytes=4 * 1536,  # 4 pages per chunk
     )
     kw.update(over)
@@ -278,6 +282,10 @@ def test_workload_is_seeded_and_well_formed():
         (lambda: DemoConfig(device_fraction=0.0), "device_fraction"),
         (lambda: DemoConfig(quantum=0), "quantum"),
         (lambda: synthetic_requests(2, 0, 10, (5, 4)), "prompt_tokens"),
+        (lambda: DemoConfig(system_tokens=(9, 3)), "system_tokens"),
+        (lambda: DemoConfig(continue_p=1.5), "continue_p"),
+        (lambda: DemoConfig(workload="chat"), "workload"),
+        (lambda: DemoConfig(corrupt_every=-1), "corrupt_every"),
     ],
 )
 def test_bad_settings_name_the_field(make, field):
@@ -302,3 +310,69 @@ def test_cli_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["--requests", "0"])
     assert "--requests must be >= 1" in capsys.readouterr().err
+
+
+def test_prefix_hits_come_from_every_tier_and_save_prefill(report):
+    px = report.summary["prefix"]
+    hits = px["hit_tokens"]
+    assert hits["device"] > 0 and hits["host"] > 0 and hits["disk"] > 0, hits
+    assert px["prefill_tokens_saved"] > 0
+    # the reuse path really skipped prefill: fewer prompt tokens were run than in the reference
+    assert px["prompt_tokens_run"] + px["prefill_tokens_saved"] == px["reference_prompt_tokens_run"]
+    assert px["blocks_moved"]["host_to_disk"] > 0 and px["disk_block_writes"] > 0
+    assert report.summary["identical"] is True
+
+
+def test_corrupted_block_is_detected_and_recomputed(report):
+    px = report.summary["prefix"]
+    assert px["corruptions_injected"] >= 1
+    assert px["corrupt_blocks_detected"] >= 1
+    assert px["recomputed_after_corruption"] > 0
+    assert report.summary["identical"] is True  # recomputed, never served from wrong bytes
+
+
+def test_wrong_root_finds_no_cached_tokens(report):
+    px = report.summary["prefix"]
+    assert px["right_root_cached_tokens"] > 0
+    assert px["wrong_root_cached_tokens"] == 0
+
+
+def test_reference_run_reuses_nothing(report):
+    assert report.reference.prefix_stats is None
+    c = report.reference.result.counters
+    assert c["prefix_attached_tokens"] == 0
+
+
+def test_model_is_batch_invariant_bitwise():
+    """Any chunking, token by token included, gives bitwise the same logits and K/V:
+    what makes a reused prefix indistinguishable from a recomputed one."""
+    model = TinyDecoder(SMALL_MODEL, seed=3)
+    prompt = torch.randint(0, SMALL_MODEL.vocab, (45,), generator=torch.Generator().manual_seed(8))
+    with _cache(SMALL_MODEL) as kv:
+        outs = [_prefill(model, kv, f"c{chunk}", prompt, chunk) for chunk in (45, 1, 7, 16)]
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])
+        for layer in range(SMALL_MODEL.layers):
+            ref = kv.read("c45", layer)
+            for chunk in (1, 7, 16):
+                got = kv.read(f"c{chunk}", layer)
+                assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_conversation_workload_is_seeded_and_continues_earlier_requests():
+    kw = dict(system_prompts=2, system_tokens=(10, 20), user_tokens=(5, 9), new_tokens=(2, 3),
+              continue_p=0.6, continue_after=2)
+    a = conversation_requests(20, 4, 50, **kw)
+    b = conversation_requests(20, 4, 50, **kw)
+    assert all(torch.equal(x.prompt, y.prompt) and x.parent == y.parent for x, y in zip(a, b, strict=True))
+    by = {r.rid: r for r in a}
+    conts = [r for r in a if r.parent is not None]
+    assert conts, "no continuation was drawn"
+    for r in conts:
+        p = by[r.parent]
+        assert r.context_tokens == p.context_tokens + p.prompt.numel() + p.max_new_tokens
+        assert r.kv_tokens == r.context_tokens + r.prompt.numel() + r.max_new_tokens - 1
+    assert len({r.parent for r in conts}) == len(conts)  # each conversation continues once
+    fresh = [r for r in a if r.parent is None]
+    heads = {tuple(r.prompt[:10].tolist()) for r in fresh}
+    assert len(heads) <= 2  # they share the system prompts

@@ -110,6 +110,14 @@ class BlockIndex:
     def moving(self) -> int:
         return len(self._dest)
 
+    def idle_count(self, tier: Tier) -> int:
+        """Blocks whose location is ``tier`` that no request maps and that are not moving
+        (cost: the mapped and moving blocks, not the whole index)."""
+        where = self._tier
+        busy = sum(1 for k in self._refs if where[k] is tier)
+        busy += sum(1 for k in self._dest if where[k] is tier and k not in self._refs)
+        return self._counts[tier] - busy
+
     def _info(self, key: Hashable) -> BlockInfo:
         kids = self._kids.get(key, _NONE)
         return BlockInfo(

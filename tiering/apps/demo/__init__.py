@@ -4,9 +4,10 @@ Serves synthetic long-prompt requests with a small randomly initialised
 transformer whose attention reads its KV from ``PagedKVCache``, twice: once
 with a device pool of about a quarter of the working set (the rest on host
 and on disk, moved by the ``EvictionController``), once with everything on
-the device. Prints a summary, says whether every request's tokens and final
-logits were bitwise identical in both runs, and writes ``summary.json`` and
-``occupancy.png``. Exit status 0 when identical, 1 when not.
+the device and no prefix reuse (the pressured run reuses cached prefixes of
+shared system prompts and earlier conversations). Prints a summary, says
+whether every request's tokens and final logits were bitwise identical in
+both runs, and writes ``summary.json`` and ``occupancy.png``. Exit status 0 when identical, 1 when not.
 """
 
 from __future__ import annotations

@@ -158,6 +158,14 @@ class TinyDecoder:
         ``rid`` (the caller allocates first) with K/V written for the first
         ``start``; this call writes the rest. Returns the logits ``[vocab]`` that
         follow the last token, as float32.
+
+        Batch-invariant by construction: the tokens are run in tiles of one
+        cache page aligned to absolute positions (a tile's other rows are
+        padding), and each tile attends over exactly the keys up to its end,
+        so every operation on a token has the same shape and the same inputs
+        however the request was chunked, and whether its prefix was computed
+        here or reused from the cache. A token's K/V and logits are therefore
+        bitwise the same in every run.
         """
         self._check_cache(kv)
         if tokens.dim() != 1 or tokens.numel() == 0:
@@ -169,23 +177,48 @@ class TinyDecoder:
                 f"forward({rid!r}): cache holds {kv.num_tokens(rid)} tokens, "
                 f"expected start + len(tokens) = {start + n}"
             )
+        R = kv.geometry.page_tokens
+        tokens = tokens.to(self.device)
+        logits = None
+        pos = start
+        end = start + n
+        while pos < end:
+            tile0 = (pos // R) * R
+            take = min(tile0 + R, end) - pos
+            logits = self._tile(kv, rid, tokens[pos - start : pos - start + take], pos, tile0, R)
+            pos += take
+        return logits
+
+    def _tile(self, kv, rid: str, toks: torch.Tensor, pos: int, tile0: int, R: int) -> torch.Tensor:
+        """Tokens ``toks`` at positions ``pos..`` inside the tile ``[tile0, tile0 + R)``."""
         c = self.cfg
-        pos = torch.arange(start, start + n, device=self.device, dtype=torch.float32)
-        angles = pos.unsqueeze(1) * self._inv_freq.unsqueeze(0)  # [n, half]
+        lo = pos - tile0
+        m = int(toks.numel())
+        ids = torch.zeros(R, dtype=torch.long, device=self.device)
+        ids[lo : lo + m] = toks
+        positions = torch.arange(tile0, tile0 + R, device=self.device, dtype=torch.float32)
+        angles = positions.unsqueeze(1) * self._inv_freq.unsqueeze(0)  # [R, half]
         cos = angles.cos().to(c.dtype).unsqueeze(1)
         sin = angles.sin().to(c.dtype).unsqueeze(1)
-        x = self.embed.index_select(0, tokens.to(self.device))
+        x = self.embed.index_select(0, ids)
+        keys = tile0 + R  # every tile attends over exactly the keys up to its end
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer.attn_norm)
-            q = (h @ layer.wq).view(n, c.q_heads, c.head_dim)
-            k = (h @ layer.wk).view(n, c.kv_heads, c.head_dim)
-            v = (h @ layer.wv).view(n, c.kv_heads, c.head_dim)
+            q = (h @ layer.wq).view(R, c.q_heads, c.head_dim)
+            k = (h @ layer.wk).view(R, c.kv_heads, c.head_dim)
+            v = (h @ layer.wv).view(R, c.kv_heads, c.head_dim)
             q = self._rotate(q, cos, sin)
             k = self._rotate(k, cos, sin)
-            kv.write(rid, i, start, k, v)
+            kv.write(rid, i, pos, k[lo : lo + m].contiguous(), v[lo : lo + m].contiguous())
             k_all, v_all = kv.read(rid, i)
-            x = x + self._attend(q, k_all, v_all, start) @ layer.wo
+            have = pos + m  # written so far (later tiles of this call are not yet)
+            k_all, v_all = k_all[: min(have, keys)], v_all[: min(have, keys)]
+            if have < keys:  # keys past the last written token are zeros (their weight is exactly 0)
+                pad = keys - have
+                k_all = torch.cat([k_all, k_all.new_zeros((pad, *k_all.shape[1:]))])
+                v_all = torch.cat([v_all, v_all.new_zeros((pad, *v_all.shape[1:]))])
+            x = x + self._attend(q, k_all, v_all, tile0) @ layer.wo
             h = self._norm(x, layer.mlp_norm)
             x = x + torch.nn.functional.gelu(h @ layer.w_up) @ layer.w_down
-        last = self._norm(x[-1:], self.final_norm)
-        return (last @ self.embed.t())[0].float()
+        last = self._norm(x, self.final_norm)
+        return (last @ self.embed.t())[lo + m - 1].float()

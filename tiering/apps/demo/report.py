@@ -38,6 +38,25 @@ def format_summary(s: dict[str, Any]) -> str:
         ("reload stall", f"{s['reload_stall_s']:.2f} s of reloads in flight (summed); "
                          f"{s['stalled_steps']} steps with nothing to run"),
     ]
+    px = s.get("prefix")
+    if px:
+        h = px["hit_tokens"]
+        rows += [
+            ("prefix hits", f"device {h['device']:,}, host {h['host']:,}, disk {h['disk']:,} tokens; "
+                            f"prefill saved {px['prefill_tokens_saved']:,} tokens "
+                            f"({px['prompt_tokens_run']:,} prompt tokens run vs "
+                            f"{px['reference_prompt_tokens_run']:,} in the reference)"),
+            ("blocks", f"published {px['blocks_published']:,}; moved device->host "
+                       f"{px['blocks_moved']['device_to_host']:,}, host->disk "
+                       f"{px['blocks_moved']['host_to_disk']:,} (in {px['disk_block_writes']:,} writes), "
+                       f"host->device {px['blocks_moved']['host_to_device']:,}, disk->device "
+                       f"{px['blocks_moved']['disk_to_device']:,}; evicted {px['blocks_evicted']:,}"),
+            ("controls", f"corrupted {px['corruptions_injected']} stored block(s), detected "
+                         f"{px['corrupt_blocks_detected']}, recomputed "
+                         f"{px['recomputed_after_corruption']:,} tokens; wrong root finds "
+                         f"{px['wrong_root_cached_tokens']:,} cached tokens "
+                         f"(right root {px['right_root_cached_tokens']:,})"),
+        ]
     width = max(len(k) for k, _ in rows)
     head = (f"tiering demo: {s['requests']} requests, seed {s['seed']}, "
             f"device {s['device']}")

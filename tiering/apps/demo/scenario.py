@@ -5,7 +5,10 @@ a device pool big enough to hold everything (the reference) and once on a
 device pool that holds about ``device_fraction`` of the working set, with a
 host tier for ``host_fraction`` of it and a disk tier for the rest, then
 checks that every request produced the same tokens and bitwise the same final
-logits in both runs.
+logits in both runs. The requests share system prompts and continue earlier
+conversations; the pressured run reuses cached KV blocks (device, host, disk;
+see ``docs/prefix.md``), the reference computes everything, so identical
+outputs also prove the reused bytes were the right ones.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from tiering.apps.demo.worker import (
     WorkerConfig,
     WorkerResult,
 )
-from tiering.apps.demo.workload import DemoRequest, synthetic_requests
+from tiering.apps.demo.workload import DemoRequest, conversation_requests, synthetic_requests
+from tiering.blocks import KeyRoot
 from tiering.control.controller import ControllerConfig, EvictionController
 from tiering.control.pressure import PoolPressure
+from tiering.types import Tier
 
 #: Admission keeps this fraction of the device free below ``high`` (see ControllerConfig).
 RELOAD_HEADROOM = 0.02
@@ -53,6 +58,16 @@ class DemoConfig:
     unit (small, so that requests of a few MiB waste little). ``policy`` names
     the victim ranking (``policies.make_policy``). ``min_residency_steps`` and
     ``aging_steps`` are the controller's residency and ageing times, in steps.
+
+    ``workload``: ``conversations`` (requests share ``system_prompts`` system
+    prompts of ``system_tokens`` tokens, and continue earlier conversations
+    with probability ``continue_p``; ``prompt_tokens`` is then the length of
+    a user turn) or ``synthetic`` (independent random prompts). ``prefix``:
+    the pressured run reuses cached KV blocks (``attach_prefix`` /
+    ``publish_prefix``); the reference never does. ``corrupt_every``: every
+    that many steps of the pressured run, until one is detected (at most
+    ``max_corruptions``), one value of a cached host block is changed (the
+    negative control: the load must detect it and the request recompute).
     """
 
     requests: int = 48
@@ -60,14 +75,21 @@ class DemoConfig:
     device: str = "cpu"
     model: ModelConfig = field(default_factory=ModelConfig)
     page_tokens: int = 16
-    prompt_tokens: tuple[int, int] = (200, 1500)
-    new_tokens: tuple[int, int] = (24, 64)
+    prompt_tokens: tuple[int, int] = (48, 320)
+    new_tokens: tuple[int, int] = (8, 24)
+    workload: str = "conversations"
+    system_prompts: int = 3
+    system_tokens: tuple[int, int] = (96, 320)
+    continue_p: float = 0.45
+    prefix: bool = True
+    corrupt_every: int = 40
+    max_corruptions: int = 3
     arrival_every: float = 1.0
     batch: int = 4
     prefill_chunk: int = 256
     quantum: int = 8
     device_fraction: float = 0.25
-    host_fraction: float = 0.35
+    host_fraction: float = 0.08
     disk: bool = True
     disk_chunk_bytes: int = 1 << 20
     policy: str = "lru"
@@ -84,6 +106,24 @@ class DemoConfig:
             v = getattr(self, name)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"DemoConfig.{name} must be in (0, 1], got {v!r}")
+        if isinstance(self.system_prompts, bool) or not isinstance(self.system_prompts, int) \
+                or self.system_prompts < 1:
+            raise ValueError(f"DemoConfig.system_prompts must be an int >= 1, got {self.system_prompts!r}")
+        for name in ("prompt_tokens", "system_tokens", "new_tokens"):
+            lo_hi = getattr(self, name)
+            if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
+                raise ValueError(f"DemoConfig.{name} must be (low, high) with 1 <= low <= high,"
+                                 f" got {lo_hi!r}")
+        if not 0.0 <= self.continue_p <= 1.0:
+            raise ValueError(f"DemoConfig.continue_p must be in [0, 1], got {self.continue_p!r}")
+        if self.workload not in ("conversations", "synthetic"):
+            raise ValueError(
+                f"DemoConfig.workload must be 'conversations' or 'synthetic', got {self.workload!r}"
+            )
+        for name in ("corrupt_every", "max_corruptions"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"DemoConfig.{name} must be an int >= 0, got {v!r}")
         for name in ("min_residency_steps", "aging_steps"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"DemoConfig.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -94,6 +134,13 @@ class DemoConfig:
         )
 
     def draw_requests(self) -> list[DemoRequest]:
+        if self.workload == "conversations":
+            return conversation_requests(
+                self.requests, self.seed, self.model.vocab, system_prompts=self.system_prompts,
+                system_tokens=self.system_tokens, user_tokens=self.prompt_tokens,
+                new_tokens=self.new_tokens, continue_p=self.continue_p,
+                arrival_every=self.arrival_every,
+            )
         return synthetic_requests(
             self.requests, self.seed, self.model.vocab, self.prompt_tokens, self.new_tokens,
             self.arrival_every,
@@ -136,13 +183,62 @@ def plan_tiers(cfg: DemoConfig, requests: list[DemoRequest], *, pressured: bool)
 
 
 class RunOutcome(NamedTuple):
-    """One run: the worker's result, the cache's and the controller's stats, the plan."""
+    """One run: the worker's result, the cache's and the controller's stats, the plan,
+    and (prefix reuse only) the block store's counters and the root checks."""
 
     result: WorkerResult
     kv_stats: dict[str, float]
     controller_stats: dict[str, float]
     plan: TierPlan
     page_bytes: int
+    prefix_stats: dict[str, float] | None = None
+    corruptions: int = 0
+    root_check: dict[str, int] | None = None
+
+
+def key_root(cfg: DemoConfig, kv: PagedKVCache, model_id: str | None = None) -> KeyRoot:
+    """The block keys' root: the geometry, the model (its seed fixes its weights), the cache."""
+    g = kv.geometry
+    return KeyRoot(g.fingerprint(), model_id or f"tiny-decoder/{cfg.model}/seed={cfg.seed}",
+                   resource_fingerprints=(("kv", kv.fingerprint()),), page_tokens=g.page_tokens)
+
+
+class _Corrupter:
+    """The demo's negative control: now and then, one value of a cached host block changes.
+
+    The block chosen is one an attached request is waiting to load (so the
+    load must meet it), else the most used unmapped host block."""
+
+    def __init__(self, kv: PagedKVCache, every: int, most: int) -> None:
+        self.kv, self.every, self.most = kv, every, most
+        self.injected = 0
+        self._armed = False
+
+    def __call__(self, step: int) -> None:
+        kv = self.kv
+        if not self.every or self.injected >= self.most:
+            return
+        if kv.prefix_stats().get("load_corrupt", 0):
+            return  # detected once: enough
+        if step and step % self.every == 0:
+            self._armed = True
+        if not self._armed:
+            return
+        p = kv._prefix
+        key = None
+        for r in kv._reqs.values():  # a load that has not started yet
+            if r.prefix_load is not None and r.load_work is None:
+                for pos, tier in zip(r.prefix_load.positions, r.prefix_load.tiers, strict=True):
+                    if tier is Tier.HOST:
+                        key = r.blocks[pos]
+                        break
+            if key is not None:
+                break
+        if key is None:
+            return  # wait (armed) for a request that will load a host block
+        kv._host[p.index.location(key).handle].view(-1)[0] += 1.0
+        self.injected += 1
+        self._armed = False
 
 
 def serve(
@@ -151,8 +247,11 @@ def serve(
     plan: TierPlan,
     disk_path: Path | None = None,
     on_token: Callable[[], None] | None = None,
+    *,
+    prefix: bool = True,
 ) -> RunOutcome:
-    """Serve ``requests`` once on tiers sized by ``plan`` (disk under ``disk_path``)."""
+    """Serve ``requests`` once on tiers sized by ``plan`` (disk under ``disk_path``),
+    reusing cached prefixes when ``prefix`` and ``cfg.prefix``."""
     geometry = cfg.model.kv_geometry(cfg.page_tokens)
     disk = None
     if plan.disk_bytes:
@@ -166,7 +265,12 @@ def serve(
     torch.manual_seed(cfg.seed)
     model = TinyDecoder(cfg.model, cfg.seed, cfg.device)
     kv = PagedKVCache(geometry, cfg.device, plan.device_pages, plan.host_pages, disk=disk)
+    reuse = cfg.prefix and prefix
     try:
+        corrupter = None
+        if reuse:
+            kv.enable_prefix_cache(key_root(cfg, kv))
+            corrupter = _Corrupter(kv, cfg.corrupt_every, cfg.max_corruptions)
         clock = StepClock()
         controller = EvictionController(
             {"kv": kv},
@@ -184,15 +288,34 @@ def serve(
             clock=clock,
         )
         worker = DemoWorker(
-            model, kv, controller, requests, cfg.worker_config(), clock, on_token=on_token
+            model, kv, controller, requests, cfg.worker_config(), clock, on_token=on_token,
+            on_step=corrupter,
         )
         result = worker.run()
         kv.check_integrity()
+        pstats = root_check = None
+        if reuse:
+            pstats = kv.prefix_stats()
+            root_check = _root_check(cfg, kv, worker)
         return RunOutcome(
-            result, kv.stats.as_dict(), controller.stats(), plan, geometry.page_bytes
+            result, kv.stats.as_dict(), controller.stats(), plan, geometry.page_bytes,
+            pstats, corrupter.injected if corrupter else 0, root_check,
         )
     finally:
         kv.close()
+
+
+def _root_check(cfg: DemoConfig, kv: PagedKVCache, worker: DemoWorker) -> dict[str, int]:
+    """Every request's full prompt looked up in the final cache under the run's root and
+    under another model's root (the wrong-root control: it must find nothing)."""
+    prompts = worker.full_prompts()
+    right = sum(kv.cached_prefix(p).tokens for p in prompts.values())
+    kv._prefix.root, saved = key_root(cfg, kv, "another-model").key, kv._prefix.root
+    try:
+        wrong = sum(kv.cached_prefix(p).tokens for p in prompts.values())
+    finally:
+        kv._prefix.root = saved
+    return {"right_root_cached_tokens": right, "wrong_root_cached_tokens": wrong}
 
 
 def compare_outputs(
@@ -272,8 +395,36 @@ def summarize(
         "stall_wait_s": round(float(c["stall_wait_s"]), 4),
         "allocation_refusals": int(c["allocation_refusals"]),
         "lost": int(s["lost"]),
+        "prefix": _prefix_summary(pressured, reference),
         "identical": not problems,
         "mismatches": problems[:20],
+    }
+
+
+def _prefix_summary(pressured: RunOutcome, reference: RunOutcome) -> dict[str, Any] | None:
+    p = pressured.prefix_stats
+    if p is None:
+        return None
+    c = pressured.result.counters
+    return {
+        "hit_tokens": {t: int(p.get(f"hit_tokens_{t}", 0)) for t in ("device", "host", "disk")},
+        "attached_tokens": int(c["prefix_attached_tokens"]),
+        "prefill_tokens_saved": int(c["prefix_valid_tokens"]),
+        "recomputed_after_corruption": int(c["prefix_recomputed_tokens"]),
+        "prompt_tokens_run": int(c["prompt_tokens"]),
+        "reference_prompt_tokens_run": int(reference.result.counters["prompt_tokens"]),
+        "blocks_published": int(p.get("blocks_published", 0)),
+        "blocks_moved": {
+            "device_to_host": int(p.get("blocks_device_to_host", 0)),
+            "host_to_disk": int(p.get("blocks_host_to_disk", 0)),
+            "host_to_device": int(p.get("blocks_host_to_device", 0)),
+            "disk_to_device": int(p.get("blocks_disk_to_device", 0)),
+        },
+        "disk_block_writes": int(p.get("disk_block_writes", 0)),
+        "blocks_evicted": int(p.get("dropped_evicted", 0)),
+        "corruptions_injected": pressured.corruptions,
+        "corrupt_blocks_detected": int(p.get("load_corrupt", 0)),
+        **(pressured.root_check or {}),
     }
 
 
@@ -297,6 +448,6 @@ def run_demo(
         raise ValueError("DemoConfig.disk is on but no disk_path was given")
     pressured = serve(cfg, requests, tight, disk_path, on_token)
     roomy = plan_tiers(cfg, requests, pressured=False)
-    reference = serve(cfg, requests, roomy, None, on_reference_token)
+    reference = serve(cfg, requests, roomy, None, on_reference_token, prefix=False)
     problems = compare_outputs(reference.result.outputs, pressured.result.outputs)
     return DemoReport(summarize(cfg, pressured, reference, problems), pressured, reference)

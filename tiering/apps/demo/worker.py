@@ -30,6 +30,7 @@ count, so its residency and ageing times are counted in steps.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -117,6 +118,9 @@ class WorkerCounters:
     allocation_refusals: int = 0
     reload_asks: int = 0  # request_reload calls; a waiting request is asked each step
     admit_waits: int = 0
+    prefix_attached_tokens: int = 0  # tokens attach_prefix gave (before loads were checked)
+    prefix_valid_tokens: int = 0  # of those, the tokens whose KV was valid (prefill skipped)
+    prefix_recomputed_tokens: int = 0  # attached, then found corrupt: run again
     prompt_tokens: int = 0
     generated_tokens: int = 0
     stall_wait_s: float = 0.0
@@ -143,6 +147,8 @@ class _Live:
     generated: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None
     runs_in_turn: int = 0  # runs since it last reached its place in the queue
+    attached: bool = False  # attach_prefix was asked (prefix reuse only)
+    loading: int = 0  # tokens attached whose load has not been checked yet
 
     def next_input(self, chunk: int) -> tuple[torch.Tensor, int]:
         """The tokens to feed next and the position of the first one."""
@@ -180,6 +186,7 @@ class DemoWorker:
         clock: StepClock,
         *,
         on_token: Callable[[], None] | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> None:
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids):
@@ -190,6 +197,9 @@ class DemoWorker:
         self.config = config
         self._clock = clock
         self._on_token = on_token
+        self._on_step = on_step
+        self._prefix = bool(getattr(kv, "prefix_enabled", False))
+        self._full: dict[str, torch.Tensor] = {}  # rid -> full prompt, once it has arrived
         self._pending = deque(sorted(requests, key=lambda r: (r.arrival_step, r.rid)))
         self._queue: deque[str] = deque()
         self._live: dict[str, _Live] = {}
@@ -202,6 +212,10 @@ class DemoWorker:
     @property
     def done(self) -> bool:
         return not self._pending and not self._live
+
+    def full_prompts(self) -> dict[str, torch.Tensor]:
+        """Each arrived request's full prompt (a continuation's includes its conversation)."""
+        return dict(self._full)
 
     @property
     def samples(self) -> list[StepSample]:
@@ -225,6 +239,8 @@ class DemoWorker:
     def step(self) -> None:
         """Admit arrivals, run a batch, then let the controller move KV."""
         step = self.counters.steps
+        if self._on_step is not None:
+            self._on_step(step)
         self._admit_arrivals(step)
         self.controller.poll()
         batch = self._pick(step)
@@ -246,12 +262,26 @@ class DemoWorker:
         self._sample(step, len(batch))
 
     def _admit_arrivals(self, step: int) -> None:
+        """Requests whose step has come join the queue; a continuation waits for its parent
+        to finish, then arrives with the conversation so far as its prompt."""
+        waiting = deque()
         while self._pending and self._pending[0].arrival_step <= step:
             req = self._pending.popleft()
+            if req.parent is not None:
+                done = self._outputs.get(req.parent)
+                if done is None:
+                    waiting.append(req)
+                    continue
+                context = torch.cat([self._full[req.parent],
+                                     torch.tensor(done.tokens, dtype=torch.long)])
+                req = dataclasses.replace(req, prompt=torch.cat([context, req.prompt]),
+                                          parent=None, context_tokens=0)
+            self._full[req.rid] = req.prompt
             self.kv.ingest_request(req.rid)
             self.controller.add_request(req.rid)
             self._live[req.rid] = _Live(req)
             self._queue.append(req.rid)
+        self._pending.extendleft(reversed(waiting))
 
     def _resident(self, rid: str) -> bool:
         return self.kv.state_of(rid) is RequestState.RESIDENT
@@ -268,18 +298,28 @@ class DemoWorker:
             full = len(batch) >= cfg.batch
             if kv.state_of(rid) is RequestState.LOST:
                 raise RuntimeError(f"request {rid!r} lost its KV: {kv.lost_reason(rid)}")
+            live = self._live[rid]
+            if self._prefix and not live.attached:
+                live.attached = True
+                got = kv.attach_prefix(rid, live.req.prompt)
+                self.counters.prefix_attached_tokens += got
+                live.written = live.loading = got
             if kv.is_offloaded(rid):
                 self.counters.reload_asks += 1
                 self.controller.request_reload(rid)
                 continue
             if full:
                 continue
-            live = self._live[rid]
-            tokens, start = live.next_input(cfg.prefill_chunk)
-            ok = kv.admit(ResourceStep(rid, num_tokens=int(tokens.numel())), StepContext(step))
+            ok = kv.admit(ResourceStep(rid), StepContext(step))
             if not ok:
                 self.counters.admit_waits += 1
                 continue
+            if live.loading:  # the load landed: continue from the tokens that proved valid
+                valid = kv.num_tokens(rid)
+                self.counters.prefix_valid_tokens += valid
+                self.counters.prefix_recomputed_tokens += live.loading - valid
+                live.written, live.loading = valid, 0
+            tokens, start = live.next_input(cfg.prefill_chunk)
             if not kv.allocate(rid, start + int(tokens.numel())):
                 self.counters.allocation_refusals += 1
                 continue
@@ -328,6 +368,9 @@ class DemoWorker:
 
     def _finish(self, live: _Live) -> None:
         rid = live.req.rid
+        if self._prefix:  # its KV stays as cached blocks for later requests
+            ids = torch.cat([live.req.prompt, torch.tensor(live.generated, dtype=torch.long)])
+            self.kv.publish_prefix(rid, ids[: live.written])
         self.kv.remove_request(rid)
         self.controller.remove_request(rid)
         del self._live[rid]

@@ -1,0 +1,400 @@
+"""Prefix reuse in PagedKVCache: publish, look up, attach through device, host and disk.
+
+Every test fills pages with random bytes and checks what ``read`` returns bit
+for bit against what was published; ``check_integrity`` runs after every
+operation. Where a hit and a recompute would give the same bytes, the tests
+also check the reuse path ran (hit counters, shared page numbers, moves) and
+keep a negative control (a changed root, a corrupted block).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resources.kv_cache import PagedKVCache
+from resources.kv_geometry import KVGeometry
+from resources.kv_prefix import BLOCKS
+from tiering.blocks import KeyRoot
+from tiering.disk import DiskConfig
+from tiering.types import IllegalTransition, RequestState, Tier
+
+S = RequestState
+GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_tokens=4)
+T = GEOM.page_tokens
+
+
+def root(model: str = "m") -> KeyRoot:
+    return KeyRoot(GEOM.fingerprint(), model, page_tokens=T)
+
+
+def make(tmp_path=None, device_pages=16, host_pages=8, disk_pages=32, model="m", **kw):
+    disk = None
+    if tmp_path is not None:
+        disk = DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=disk_pages * GEOM.page_bytes,
+                          chunk_bytes=2 * GEOM.page_bytes)
+    kv = PagedKVCache(GEOM, "cpu", device_pages, host_pages, disk=disk, **kw)
+    assert kv.enable_prefix_cache(root(model))
+    return kv
+
+
+def tokens(gen, n):
+    return torch.randint(0, 1000, (n,), generator=gen, dtype=torch.long)
+
+
+def fill(kv, rid, gen, n, start=0):
+    """Allocate ``n`` tokens from ``start`` and write random K/V into every layer; returns them."""
+    assert kv.allocate(rid, start + n)
+    out = []
+    for layer in range(GEOM.num_layers):
+        k = torch.randn(n, GEOM.num_kv_heads, GEOM.head_dim, generator=gen).to(GEOM.dtype)
+        v = torch.randn(n, GEOM.num_kv_heads, GEOM.head_dim, generator=gen).to(GEOM.dtype)
+        kv.write(rid, layer, start, k, v)
+        out.append((k, v))
+    kv.check_integrity()
+    return out
+
+
+def assert_prefix(kv, rid, want, ntok):
+    for layer, (k, v) in enumerate(want):
+        gk, gv = kv.read(rid, layer)
+        assert torch.equal(gk[:ntok], k[:ntok]) and torch.equal(gv[:ntok], v[:ntok])
+
+
+def published(kv, gen, rid="a", n=18):
+    ids = tokens(gen, n)
+    kv.ingest_request(rid)
+    data = fill(kv, rid, gen, n)
+    assert kv.publish_prefix(rid, ids) == (n // T) * T
+    kv.check_integrity()
+    return ids, data
+
+
+def squeeze_device(kv, gen, rid="big"):
+    """Fill the device with a new request so the cache must move unmapped blocks down."""
+    kv.ingest_request(rid)
+    free = kv.device_pool.free_pages + kv._prefix.unmapped(Tier.DEVICE)
+    fill(kv, rid, gen, free * T)
+    kv.check_integrity()
+
+
+def attach_and_load(kv, rid, ids):
+    kv.ingest_request(rid)
+    got = kv.attach_prefix(rid, ids)
+    kv.check_integrity()
+    if kv.is_offloaded(rid):
+        from resources.base import ResourceStep, StepContext
+
+        assert not kv.admit(ResourceStep(rid), StepContext())
+        assert kv.reload(rid)
+        kv.check_integrity()
+        kv.synchronize(10)
+        kv.check_integrity()
+        assert kv.admit(ResourceStep(rid), StepContext())
+    return got
+
+
+def test_device_hit_shares_the_pages_without_a_copy():
+    gen = torch.Generator().manual_seed(1)
+    with make() as kv:
+        ids, data = published(kv, gen)
+        pages = kv.page_table("a")[:4]
+        kv.remove_request("a")
+        kv.check_integrity()
+        assert kv.cached_prefix(ids).tokens == 16
+        assert kv.device_used_bytes() == 0  # unmapped blocks count as free room
+        got = attach_and_load(kv, "b", ids)
+        assert got == 16 and kv.num_tokens("b") == 16
+        assert kv.page_table("b") == pages  # the same pages: shared, not copied
+        assert kv.prefix_stats()["hit_tokens_device"] == 16
+        assert kv.stats.bytes_host_to_device == kv.stats.bytes_disk_to_device == 0
+        assert_prefix(kv, "b", data, 16)
+        # a second request maps the same pages at once; both are counted
+        got = attach_and_load(kv, "c", ids)
+        assert kv.page_table("c") == pages
+        assert kv._prefix.index.get(kv._prefix.keys(ids)[0]).refs == 2
+        # the rest is the request's own: it computes and writes it
+        rest = fill(kv, "c", gen, 2, start=16)
+        kv.write("c", 0, 16, rest[0][0], rest[0][1])
+        kv.check_integrity()
+
+
+def test_a_published_page_is_immutable():
+    gen = torch.Generator().manual_seed(2)
+    with make() as kv:
+        ids, data = published(kv, gen)
+        k = torch.randn(1, GEOM.num_kv_heads, GEOM.head_dim, generator=gen).to(GEOM.dtype)
+        with pytest.raises(ValueError, match="published page 3"):
+            kv.write("a", 0, 15, k, k)
+        assert_prefix(kv, "a", data, 18)  # nothing changed
+        kv.write("a", 0, 16, k, k)  # the unpublished tail is writable
+        kv.check_integrity()
+
+
+def test_publish_is_idempotent_and_rejects_other_tokens():
+    gen = torch.Generator().manual_seed(3)
+    with make() as kv:
+        ids, _ = published(kv, gen)
+        before = kv.prefix_stats()["blocks_published"]
+        assert kv.publish_prefix("a", ids) == 16
+        assert kv.prefix_stats()["blocks_published"] == before
+        other = ids.clone()
+        other[1] += 1
+        with pytest.raises(ValueError, match="page 0 was published from other token ids"):
+            kv.publish_prefix("a", other)
+        with pytest.raises(ValueError, match="holds 18 tokens"):
+            kv.publish_prefix("a", tokens(gen, 19))
+        with pytest.raises(ValueError, match="one-dimensional"):
+            kv.publish_prefix("a", ids.reshape(2, 9))
+        kv.check_integrity()
+
+
+def test_cached_prefix_changes_nothing():
+    gen = torch.Generator().manual_seed(4)
+    with make() as kv:
+        ids, _ = published(kv, gen)
+        kv.remove_request("a")
+        snap = (dict(kv.prefix_stats()), kv.device_pool.used_pages)
+        hit = kv.cached_prefix(ids)
+        assert (hit.tokens, hit.device, hit.host, hit.disk) == (16, 16, 0, 0)
+        assert kv.cached_prefix(ids[:9]).tokens == 8
+        assert (dict(kv.prefix_stats()), kv.device_pool.used_pages) == snap
+        kv.check_integrity()
+
+
+def test_changed_root_gives_no_hit():
+    gen = torch.Generator().manual_seed(5)
+    with make(model="m") as kv:
+        ids, _ = published(kv, gen)
+        kv.remove_request("a")
+        assert kv.cached_prefix(ids).tokens == 16
+    with make(model="other-model") as kv2:
+        ids2, _ = published(kv2, torch.Generator().manual_seed(5))
+        assert torch.equal(ids2, ids)
+        kv2.remove_request("a")
+        keys_m = set(kv2._prefix.keys(ids))
+        assert keys_m.isdisjoint({x for x in KeyRoot(GEOM.fingerprint(), "m", page_tokens=T).keys(ids)})
+    # the same cache under another root finds nothing of the first root's blocks
+    with make(model="m") as kv3:
+        published(kv3, torch.Generator().manual_seed(5))
+        kv3.remove_request("a")
+        kv3._prefix.root = KeyRoot(GEOM.fingerprint(), "m2", page_tokens=T).key
+        assert kv3.cached_prefix(ids).tokens == 0
+        assert attach_and_load(kv3, "b", ids) == 0
+
+
+def test_host_hit_is_loaded_through_reload_and_bitwise():
+    gen = torch.Generator().manual_seed(6)
+    with make(device_pages=8, host_pages=8) as kv:
+        ids, data = published(kv, gen)
+        kv.remove_request("a")
+        squeeze_device(kv, gen)
+        st = kv.prefix_stats()
+        assert st["blocks_device_to_host"] == 4 and st["blocks_on_host"] == 4
+        assert kv.host_used_bytes() == 0  # unmapped host blocks count as room too
+        kv.remove_request("big")
+        hit = kv.cached_prefix(ids)
+        assert (hit.tokens, hit.host) == (16, 16)
+        kv.ingest_request("b")
+        assert kv.attach_prefix("b", ids) == 16
+        assert kv.is_offloaded("b") and kv.reload_bytes("b") == 4 * GEOM.page_bytes
+        kv.check_integrity()
+        assert kv.reload("b")
+        kv.synchronize(10)
+        kv.check_integrity()
+        assert kv.state_of("b") is S.RESIDENT and kv.num_tokens("b") == 16
+        assert_prefix(kv, "b", data, 16)
+        st = kv.prefix_stats()
+        assert st["hit_tokens_host"] == 16 and st["blocks_host_to_device"] == 4
+        assert st["blocks_on_device"] == 4 and st["blocks_on_host"] == 0  # moved, not copied
+
+
+def test_disk_hit_is_bitwise_and_blocks_are_packed(tmp_path):
+    gen = torch.Generator().manual_seed(7)
+    with make(tmp_path, device_pages=8, host_pages=4) as kv:
+        ids, data = published(kv, gen)
+        kv.remove_request("a")
+        squeeze_device(kv, gen, "big")  # device -> host
+        kv.remove_request("big")
+        kv.ingest_request("h")
+        fill(kv, "h", gen, 2)
+        assert kv.offload("h") > 0  # host room for a live request: cached blocks go to disk
+        kv.synchronize(10)
+        kv.check_integrity()
+        st = kv.prefix_stats()
+        assert st["blocks_host_to_disk"] == 4 and st["disk_block_writes"] == 1  # one write
+        assert kv.cached_prefix(ids).disk == 16
+        got = attach_and_load(kv, "b", ids)
+        assert got == 16 and kv.num_tokens("b") == 16
+        assert_prefix(kv, "b", data, 16)
+        assert kv.prefix_stats()["hit_tokens_disk"] == 16
+        kv.remove_request("b")
+        kv.remove_request("h")
+        kv.check_integrity()
+
+
+def test_corrupt_host_block_turns_the_hit_into_a_miss():
+    gen = torch.Generator().manual_seed(8)
+    for corrupt in (False, True):  # the first pass is the control: nothing corrupted, all hit
+        with make(device_pages=8, host_pages=8) as kv:
+            ids, data = published(kv, gen)
+            kv.remove_request("a")
+            squeeze_device(kv, gen)
+            kv.remove_request("big")
+            keys = kv._prefix.keys(ids)
+            if corrupt:
+                slot = kv._prefix.index.location(keys[2]).handle
+                kv._host[slot].view(-1)[5] += 1.0  # one value of block 2 changes
+            kv.ingest_request("b")
+            assert kv.attach_prefix("b", ids) == 16  # optimistic until loaded
+            assert kv.reload("b")
+            kv.synchronize(10)
+            kv.check_integrity()
+            valid = kv.num_tokens("b")
+            assert valid == (8 if corrupt else 16)
+            assert_prefix(kv, "b", data, valid)
+            if corrupt:
+                assert keys[2] not in kv._prefix.index and keys[3] not in kv._prefix.index
+                assert kv._prefix.index.dropped["corrupt"] == 1
+                assert kv.cached_prefix(ids).tokens == 8
+                # the caller recomputes from the valid count: the tail is the request's own
+                redo = fill(kv, "b", gen, 10, start=8)
+                assert kv.read("b", 0)[0][8:].equal(redo[0][0])
+
+
+def test_corrupt_disk_block_is_detected(tmp_path):
+    gen = torch.Generator().manual_seed(9)
+    with make(tmp_path, device_pages=8, host_pages=4) as kv:
+        ids, data = published(kv, gen)
+        kv.remove_request("a")
+        squeeze_device(kv, gen)
+        kv.remove_request("big")
+        kv.ingest_request("h")
+        fill(kv, "h", gen, 2)
+        kv.offload("h")
+        kv.synchronize(10)
+        keys = kv._prefix.keys(ids)
+        assert kv._prefix.index.location(keys[0]).tier is Tier.DISK
+        kv._prefix.crc[keys[1]] ^= 1  # the stored block no longer matches what was published
+        got = attach_and_load(kv, "b", ids)
+        assert got == 16 and kv.num_tokens("b") == 4
+        assert_prefix(kv, "b", data, 4)
+        assert kv.cached_prefix(ids).tokens == 4
+        kv.check_integrity()
+
+
+def test_offloading_a_request_with_shared_blocks_moves_only_its_own_pages():
+    gen = torch.Generator().manual_seed(10)
+    with make(device_pages=16, host_pages=16) as kv:
+        ids, data = published(kv, gen, "a", 18)
+        attach_and_load(kv, "b", ids)
+        tail = fill(kv, "b", gen, 6, start=16)
+        shared = kv.page_table("b")[:4]
+        assert kv.reclaimable("b") == 2 * GEOM.page_bytes  # its own 2 pages, not the 4 shared
+        assert kv.offload("b") == 2 * GEOM.page_bytes
+        kv.synchronize(10)
+        kv.check_integrity()
+        assert kv.page_table("a")[:4] == shared  # still mapped, never copied or freed
+        assert_prefix(kv, "a", data, 18)
+        assert kv.reload("b")
+        kv.synchronize(10)
+        kv.check_integrity()
+        assert kv.page_table("b")[:4] == shared
+        k, v = kv.read("b", 0)
+        assert torch.equal(k[:16], data[0][0][:16]) and torch.equal(k[16:], tail[0][0])
+        assert kv.stats.bytes_device_to_host == 2 * GEOM.page_bytes
+
+
+def test_bad_input_names_what_was_wrong_and_changes_nothing():
+    gen = torch.Generator().manual_seed(11)
+    with make() as kv:
+        ids, _ = published(kv, gen)
+        with pytest.raises(IllegalTransition, match="attach only a fresh request"):
+            kv.attach_prefix("a", ids)
+        kv.ingest_request("b")
+        with pytest.raises(ValueError, match="must be >= 0"):
+            kv.attach_prefix("b", torch.tensor([1, -2, 3]))
+        assert kv.num_tokens("b") == 0
+        kv.check_integrity()
+    plain = PagedKVCache(GEOM, "cpu", 4, 4)
+    try:
+        plain.ingest_request("x")
+        with pytest.raises(RuntimeError, match="not enabled"):
+            plain.cached_prefix([1, 2, 3, 4])
+    finally:
+        plain.close()
+
+
+def test_removing_a_loader_in_flight_leaks_nothing():
+    gen = torch.Generator().manual_seed(12)
+    with make(device_pages=8, host_pages=8) as kv:
+        ids, _ = published(kv, gen)
+        kv.remove_request("a")
+        squeeze_device(kv, gen)
+        kv.remove_request("big")
+        kv.ingest_request("b")
+        kv.attach_prefix("b", ids)
+        assert kv.reload("b")
+        kv.remove_request("b")
+        kv.check_integrity()
+        kv.synchronize(10)
+        kv.check_integrity()
+        assert kv.in_flight() == 0
+        assert kv.device_used_bytes() == 0 and kv.host_used_bytes() == 0
+        held = kv.device_pool.holdings()
+        assert set(held) <= {BLOCKS}
+
+
+def test_negative_control_without_the_crc_check_corruption_would_be_served(monkeypatch):
+    """The corruption test above detects something real: with the check disabled,
+    the same flipped value reaches ``read``."""
+    import resources.kv_prefix as kp
+
+    monkeypatch.setattr(kp, "crc_page", lambda t: 0)
+    gen = torch.Generator().manual_seed(8)
+    with make(device_pages=8, host_pages=8) as kv:
+        ids, data = published(kv, gen)
+        kv.remove_request("a")
+        squeeze_device(kv, gen)
+        kv.remove_request("big")
+        keys = kv._prefix.keys(ids)
+        kv._host[kv._prefix.index.location(keys[2]).handle].view(-1)[5] += 1.0
+        attach_and_load(kv, "b", ids)
+        assert kv.num_tokens("b") == 16
+        k, _ = kv.read("b", 0)
+        assert not torch.equal(k[:16], data[0][0][:16])
+
+
+def test_engine_hooks_resolve_apply_and_extend():
+    """The seed's prefix hooks on the same machinery: resolve says how much, apply attaches,
+    extend keys generated pages as they fill."""
+    gen = torch.Generator().manual_seed(13)
+    with make() as kv:
+        assert kv.prefix_skip_safe and kv.keys_prefix_chains
+        assert kv.fingerprint() == GEOM.fingerprint().encode()
+        ids = tokens(gen, 10)
+        kv.ingest_request("a")
+        kv.apply_cached_prefix("a", "n", "w", ids, None)
+        data = fill(kv, "a", gen, 10)
+        kv.extend_prefix_chain("a", "n", "w", tokens(gen, 2))  # 12 tokens known, 10 held
+        assert kv.prefix_stats()["blocks_published"] == 2
+        more = fill(kv, "a", gen, 2, start=10)
+        kv.extend_prefix_chain("a", "n", "w", tokens(gen, 1))
+        assert kv.prefix_stats()["blocks_published"] == 3  # the third page filled
+        chain = kv._reqs["a"].chain_tokens
+        kv.remove_request("a")
+        hit = kv.resolve_cached_prefix("b", "n", "w", chain[:12])
+        assert (hit.label, hit.tokens, hit.position) == ("w", 8, 8)  # the last token is run
+        kv.ingest_request("b")
+        kv.apply_cached_prefix("b", "n", "w", chain[:13], kv.resolve_cached_prefix("b", "n", "w", chain[:13]))
+        assert kv.num_tokens("b") == 12
+        k, _ = kv.read("b", 0)
+        assert torch.equal(k[:10], data[0][0]) and torch.equal(k[10:12], more[0][0])
+        kv.check_integrity()
+    plain = PagedKVCache(GEOM, "cpu", 4, 4)
+    try:
+        assert plain.resolve_cached_prefix("x", "n", "w", [1, 2, 3]) is None
+        assert not plain.keys_prefix_chains
+    finally:
+        plain.close()
+
