@@ -61,6 +61,7 @@ from tiering.core.pinning import HostRuntime, PinnedSlab, PinOutcome, pin_host_s
 from tiering.core.pools import PagePool, PoolIntegrityError
 from tiering.core.staging import StagingConfig, StagingRing, StagingTimeout
 from tiering.core.transfer import StreamSet, coalesce, copy_runs, issue_runs, no_fault
+from tiering.errors import TRANSIENT_IO_ERRNOS
 from tiering.types import (
     CANCELLED,
     OFFLOADED_STATES,
@@ -1021,7 +1022,8 @@ class PagedKVCache(Resource):
     def _done_reload_disk(self, r, job, exc):
         if isinstance(exc, StagingTimeout) or (
             exc is not None and not isinstance(exc, (OSError, ChecksumMismatch))
-        ):
+        ) or (isinstance(exc, OSError) and exc.errno in TRANSIENT_IO_ERRNOS):
+            # nothing was read wrong: the bytes are still on disk (a miss now, a retry later)
             return self._survived(r, job, S.ON_DISK, "reload_failures", exc)
         if exc is not None:
             return self._lost(r, job, f"reload from disk failed: {_why(exc)}")

@@ -38,6 +38,7 @@ from tiering.blocks import BlockIndex, KeyRoot, block_keys
 from tiering.blocks.keys import KEY_BYTES
 from tiering.core.transfer import coalesce, copy_runs
 from tiering.disk.crc import crc32c_extend
+from tiering.errors import CorruptBlock
 from tiering.types import Tier
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,10 +50,6 @@ log = logging.getLogger("tiering.kv_prefix")
 #: Pool owner of every device or host page the block index holds.
 BLOCKS = ("prefix-blocks",)
 _DISK_OWNER = "prefix-blocks"
-
-
-class CorruptBlock(RuntimeError):
-    """A stored block's bytes do not match the crc32c taken when it was published."""
 
 
 class PrefixHit(NamedTuple):

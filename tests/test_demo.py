@@ -51,6 +51,7 @@ def small_config(seed: int = 7, **over) -> DemoConfig:
         device_fraction=0.25,
         host_fraction=0.08,
         disk_chunk_bytes=4 * 1536,  # 4 pages per chunk
+        settle_each_step=True,  # the same moves and hits however busy the machine is
     )
     kw.update(over)
     return DemoConfig(**kw)

@@ -188,4 +188,4 @@ def test_errors_module_imports_nothing_of_the_package():
         for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
         for alias in node.names
     ]
-    assert all(m == "__future__" for m in imported), imported
+    assert all(m in ("__future__", "errno") for m in imported), imported  # the standard library only

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import random
 
 import pytest
@@ -148,6 +149,29 @@ def test_read_fault_loses_only_that_request(kv, tmp_path, kind):
     cache.check_integrity()
     assert cache.take_lost() == [("a", cache.lost_reason("a"))]
     del a
+
+
+def test_a_read_that_times_out_leaves_the_request_on_disk_for_a_retry(kv, tmp_path):
+    """A store that did not answer (ETIMEDOUT) has lost nothing: the reload
+    fails, the request stays on disk, and the next reload brings back the
+    same bytes. Only a failed check or a missing chunk means lost."""
+    plan = FaultPlan(seed=3)
+    cache = make(kv, tmp_path, plan=plan)
+    gen = torch.Generator().manual_seed(17)
+    a = fill(cache, "a", gen, 8)
+    to_disk(cache, "a")
+    plan.arm("etimedout_read", next_n=1)
+    assert cache.reload("a")
+    (done,) = cache.synchronize(10)
+    assert not done.ok and f"Errno {errno.ETIMEDOUT}" in done.reason and done.state is S.ON_DISK
+    assert plan.injected["etimedout_read"] == 1
+    assert cache.state_of("a") is S.ON_DISK and cache.take_lost() == []
+    cache.check_integrity()
+    assert cache.reload("a")
+    (done,) = cache.synchronize(10)
+    assert done.ok
+    assert_same(cache, "a", a)
+    cache.check_integrity()
 
 
 def test_flipped_byte_in_the_file_is_detected_never_served(kv, tmp_path):

@@ -19,6 +19,17 @@ This module imports nothing of the package (it is the lowest layer, with
 
 from __future__ import annotations
 
+import errno as _errno
+
+#: ``OSError.errno`` values of a read that may succeed if tried again (a store
+#: that timed out, refused a connection, is skipped by its circuit breaker, is
+#: unreachable, or whose lease is being renewed): the data is still where it
+#: was, so a reload that fails with one of these leaves the request on disk.
+TRANSIENT_IO_ERRNOS = frozenset({
+    _errno.ETIMEDOUT, _errno.ECONNREFUSED, _errno.ECONNRESET, _errno.EAGAIN,
+    _errno.EHOSTUNREACH, _errno.ENETUNREACH, _errno.ENOLCK,
+})
+
 __all__ = [
     # requests and their states
     "IllegalTransition",
@@ -46,6 +57,9 @@ __all__ = [
     "LeaseHeld",
     "LeaseLost",
     "FrameRefused",
+    "PrefixLeaseLost",
+    "StoreNotAnswering",
+    "CorruptBlock",
     # integrations and applications
     "TableIntegrityError",
     "TraceFormatError",
@@ -175,6 +189,19 @@ class LeaseHeld(ColdTierError):
 
 class LeaseLost(ColdTierError):
     """This worker's lease was taken over (it expired without renewal); stop writing."""
+
+
+class PrefixLeaseLost(OSError):
+    """A write was refused before any request because this worker no longer holds the prefix."""
+
+
+class StoreNotAnswering(OSError):
+    """The object store did not answer (errno ETIMEDOUT, ECONNREFUSED, EIO), or the breaker is
+    open after it stopped answering (errno EAGAIN: no request was made)."""
+
+
+class CorruptBlock(RuntimeError):
+    """A stored prefix block's bytes do not match the crc32c taken when it was published."""
 
 
 class FrameRefused(Exception):

@@ -34,6 +34,8 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
+from tiering.errors import PrefixLeaseLost, StoreNotAnswering
+
 from ._io import Fault, classify, short
 from .breaker import BreakerConfig, BreakerState, CircuitBreaker
 from .errors import LeaseHeld
@@ -44,15 +46,6 @@ __all__ = ["LEASE_KEY", "HeldPrefix", "LeasedZarrStore", "PrefixLeaseLost", "Sto
 
 LEASE_KEY = "LEASE"  # the lease object, relative to the held prefix
 _T = TypeVar("_T")
-
-
-class PrefixLeaseLost(OSError):
-    """A write was refused before any request because this worker no longer holds the prefix."""
-
-
-class StoreNotAnswering(OSError):
-    """The object store did not answer (errno ETIMEDOUT, ECONNREFUSED, EIO), or the breaker is
-    open after it stopped answering (errno EAGAIN: no request was made)."""
 
 
 def _transient_errno(exc: BaseException) -> int:

@@ -45,9 +45,11 @@ from tiering.disk.manifest import MANIFEST_KEY
 
 WRITE_KINDS = ("enospc_write", "eio_write")
 READ_KINDS = ("eio_read", "corrupt")
+#: a read that times out (a store that stopped answering): transient, the data stays
+TRANSIENT_KINDS = ("etimedout_read",)
 MANIFEST_KINDS = ("enospc_manifest", "erofs_manifest", "eio_manifest")
 FAULT_KINDS = (*WRITE_KINDS, *READ_KINDS, "slow")  # the data path's kinds
-ALL_KINDS = (*FAULT_KINDS, *MANIFEST_KINDS)  # what ``arm`` accepts and ``injected`` counts
+ALL_KINDS = (*FAULT_KINDS, *MANIFEST_KINDS, *TRANSIENT_KINDS)  # what ``arm`` accepts and ``injected`` counts
 _ERRNO = {
     "enospc_write": errno.ENOSPC,
     "eio_write": errno.EIO,
@@ -129,7 +131,7 @@ class FaultPlan:
         if op == "set":
             kinds: Iterable[str] = WRITE_KINDS
         elif op == "get":
-            kinds = READ_KINDS
+            kinds = (*READ_KINDS, *TRANSIENT_KINDS)
         elif op == "manifest":
             with self._lock:
                 return next((k for k in MANIFEST_KINDS if self._fires(k)), None), False
@@ -206,9 +208,10 @@ class FaultyStore(WrapperStore[Store]):
             return await self._store.get(key, prototype, byte_range)
         failing, slow = self.plan.draw("get")
         await self._maybe_slow(slow)
-        if failing == "eio_read":
+        if failing in ("eio_read", "etimedout_read"):
             self.plan.record(failing)
-            raise OSError(errno.EIO, f"injected fault {failing}: {os.strerror(errno.EIO)}", key)
+            code = errno.EIO if failing == "eio_read" else errno.ETIMEDOUT
+            raise OSError(code, f"injected fault {failing}: {os.strerror(code)}", key)
         value = await self._store.get(key, prototype, byte_range)
         if failing == "corrupt" and value is not None and len(value) > 0:
             data = np.array(value.as_numpy_array(), dtype=np.uint8, copy=True)

@@ -56,7 +56,8 @@ class DemoConfig:
     full batch. ``batch``, ``prefill_chunk`` and ``quantum`` shape the worker
     (see ``WorkerConfig``). ``disk_chunk_bytes`` is the disk tier's allocation
     unit (small, so that requests of a few MiB waste little). ``policy`` names
-    the victim ranking (``policies.make_policy``). ``min_residency_steps`` and
+    the victim ranking (``policies.make_policy``). ``settle_each_step``: see
+    ``WorkerConfig``. ``min_residency_steps`` and
     ``aging_steps`` are the controller's residency and ageing times, in steps.
 
     ``workload``: ``conversations`` (requests share ``system_prompts`` system
@@ -93,6 +94,7 @@ class DemoConfig:
     disk: bool = True
     disk_chunk_bytes: int = 1 << 20
     policy: str = "lru"
+    settle_each_step: bool = False
     min_residency_steps: float = 2.0
     aging_steps: float = 3.0
 
@@ -130,7 +132,8 @@ class DemoConfig:
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(
-            batch=self.batch, prefill_chunk=self.prefill_chunk, quantum=self.quantum
+            batch=self.batch, prefill_chunk=self.prefill_chunk, quantum=self.quantum,
+            settle_each_step=self.settle_each_step,
         )
 
     def draw_requests(self) -> list[DemoRequest]:

@@ -54,7 +54,10 @@ class WorkerConfig:
     ``reload_window``: how many places at the head of the queue are candidates
     (and are asked back when offloaded); default ``batch + batch // 2``.
     ``max_stalled_steps``: steps in a row with nothing run before giving up.
-    ``sync_timeout_s``: the longest a stalled step waits for copies in flight."""
+    ``sync_timeout_s``: the longest a stalled step waits for copies in flight.
+    ``settle_each_step``: wait for every copy at the end of each step, so a run
+    does not depend on how fast the copy threads are (the same moves and hits
+    every time; copies then never overlap the next step's compute)."""
 
     batch: int = 4
     prefill_chunk: int = 256
@@ -62,6 +65,7 @@ class WorkerConfig:
     reload_window: int | None = None
     max_stalled_steps: int = 200
     sync_timeout_s: float = 60.0
+    settle_each_step: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "prefill_chunk", "quantum", "max_stalled_steps"):
@@ -257,6 +261,8 @@ class DemoWorker:
         else:
             in_use = self._stalled(step)
         self.controller.evict_if_needed(in_use)
+        if self.config.settle_each_step:
+            self.controller.synchronize(self.config.sync_timeout_s)
         self.counters.steps += 1
         self._clock.advance()
         self._sample(step, len(batch))
