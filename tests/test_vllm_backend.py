@@ -334,6 +334,37 @@ def test_a_damaged_block_with_a_busy_descendant_is_a_miss_then_dropped(tmp_path)
     m.shutdown()
 
 
+def test_a_promoted_block_is_held_for_its_load_so_promotions_do_not_undo_each_other(tmp_path):
+    from tiering.integrations.vllm._core import PROMOTED_HOLD_STEPS
+
+    gen = torch.Generator().manual_seed(18)
+    m = make(tmp_path, slots=2, disk_pages=8, demote_headroom=2, policy="lru")
+    data = {}
+    for pair in ((1, 2), (3, 4), (5, 6)):  # write-through; each pair pushes the last to disk
+        data |= store(m, gen, [key(i) for i in pair])
+        assert m.wait_io(10)
+    assert [m.block(key(i)).host for i in (1, 2, 3)] == [HostState.NONE] * 3
+    assert m.lookup(key(1)) is Lookup.PENDING and m.lookup(key(2)) is Lookup.PENDING
+    assert m.wait_io(10)  # 1 and 2 are on host now, waiting for vLLM to ask again
+    assert m.lookup(key(3)) is Lookup.PENDING  # a third request: no slot yet, no eviction
+    assert m.counters.promotions_deferred == 1 and m.counters.promotions_started == 2
+    assert m.lookup(key(1)) is Lookup.HIT and m.lookup(key(2)) is Lookup.HIT
+    (slot,) = m.prepare_load([key(1)])
+    assert torch.equal(m.slabs[0].tensor[slot], data[key(1)])
+    m.complete_load([key(1)])  # loaded: an ordinary block again
+    assert m.lookup(key(3)) is Lookup.PENDING and m.counters.promotions_started == 3
+    assert m.block(key(1)).host is HostState.NONE and m.block(key(2)).host is HostState.READY
+    m.check_integrity()
+    # the hold ends after PROMOTED_HOLD_STEPS steps even if nobody loads the block
+    assert m.wait_io(10)
+    for _ in range(PROMOTED_HOLD_STEPS):
+        m.maintain()
+    assert m.lookup(key(4)) is Lookup.PENDING and m.counters.promotions_started == 4
+    assert m.counters.promotions_unused == 1  # key 2: promoted, never loaded
+    m.check_integrity()
+    m.shutdown()
+
+
 def test_host_only_evicts_and_reports_evicted_keys(tmp_path):
     gen = torch.Generator().manual_seed(4)
     m = make(tmp_path, slots=2, policy="lru")

@@ -293,6 +293,7 @@ class Counters:
     promotions_ok: int = 0
     promotions_failed: int = 0  # failed their check or I/O: dropped, recomputed
     promotions_deferred: int = 0  # no host slot could be freed yet: lookup said pending
+    promotions_unused: int = 0  # promoted, then left host before any load
     demotions_started: int = 0
     demotions_ok: int = 0
     demotions_failed: int = 0
@@ -321,6 +322,9 @@ def _payload_offset(disk: DiskPageStore | None, chunk: int) -> int | None:
     that reads its private backend (see docs/vllm.md for the addition it needs)."""
     direct = getattr(getattr(disk, "_backend", None), "direct", None)
     return direct.payload_offset(chunk) if direct is not None else None
+
+
+PROMOTED_HOLD_STEPS = 16  # steps a promoted, not yet loaded block is not a host victim
 
 
 class TieredBlockManager:
@@ -402,6 +406,9 @@ class TieredBlockManager:
         self._dirty = True
         self._dump: Future | None = None
         self._closed = False
+        self._step = 0  # maintain() calls: one per vLLM scheduler step
+        # promoted for a lookup that answered "pending" and not loaded yet: key -> step
+        self._fresh: dict[bytes, int] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -481,6 +488,7 @@ class TieredBlockManager:
                 self.host_policy.on_remove(k)
                 host_gone.append(k)
                 self._from_disk.discard(k)
+                self._forget_fresh(k)
                 ext = self._disk_copy.pop(k, None)
                 if ext is not None:
                     self._release_disk(ext)
@@ -517,6 +525,17 @@ class TieredBlockManager:
                 out.update(self.index.chain_keys(k))
         return out
 
+    def _forget_fresh(self, key: bytes) -> None:
+        if self._fresh.pop(key, None) is not None:
+            self.counters.promotions_unused += 1
+
+    def _held_fresh(self, key: bytes) -> bool:
+        """A block promoted for a pending lookup is kept for ``PROMOTED_HOLD_STEPS``
+        steps or until it is loaded: evicting it first would make concurrent
+        requests undo each other's promotions (and retry them forever)."""
+        at = self._fresh.get(key)
+        return at is not None and self._step - at < PROMOTED_HOLD_STEPS
+
     def _free_host_slots(self, need: int, evicted: list[bytes], protect: set[bytes]) -> bool:
         """Make ``need`` host slots free, evicting cold blocks; all or nothing.
 
@@ -536,7 +555,7 @@ class TieredBlockManager:
                 if k is None:
                     break
                 info = self.index.get(k)
-                if info is None or info.refs or k in guarded:
+                if info is None or info.refs or k in guarded or self._held_fresh(k):
                     continue
                 if self._disk_ready_copy(k):
                     clean.append(k)
@@ -569,6 +588,7 @@ class TieredBlockManager:
         self.pool.release(key, [old.handle])
         self.host_policy.on_remove(key)
         self._from_disk.discard(key)
+        self._forget_fresh(key)
         self.events.append(Event((key,), "host", True))
         self.counters.host_evictions += 1
         self._dirty = True
@@ -613,6 +633,7 @@ class TieredBlockManager:
                 old = self.index.finish_move(key)  # now on HOST; its disk copy stays
                 self._disk_copy[key] = old.handle
                 self._from_disk.add(key)
+                self._fresh[key] = self._step
                 info = self.index.get(key)
                 assert info is not None
                 self.host_policy.on_insert(info, now)
@@ -723,6 +744,7 @@ class TieredBlockManager:
         for k in keys:
             self.index.acquire(k)
             self._load_pins[k] = self._load_pins.get(k, 0) + 1
+            self._fresh.pop(k, None)
             info = self.index.touch(k, now)
             self.host_policy.on_hit(info, now)
             if self._disk_ready_copy(k):
@@ -856,6 +878,7 @@ class TieredBlockManager:
 
     def maintain(self) -> None:
         """Reap I/O, write cold host blocks down to disk to keep headroom, dump state."""
+        self._step += 1
         self.reap()
         if self.disk is not None:
             self._demote_for_headroom()
@@ -1037,6 +1060,9 @@ class TieredBlockManager:
                     problems.append(f"{k.hex()}: a disk-only block with host-side state")
             else:
                 problems.append(f"{k.hex()}: on {loc.tier.value}, which this manager has not")
+        stray = [k for k in self._fresh if k not in host_ready]
+        if stray:
+            problems.append(f"{stray[0].hex()}: held as freshly promoted but not on host")
         for name, keys in (("disk copies", self._disk_copy), ("demotions", self._demoting),
                            ("promotions", self._promoting), ("from-disk marks", self._from_disk),
                            ("load pins", self._load_pins), ("lost blocks", self._lost)):
