@@ -300,7 +300,8 @@ def test_evicting_a_host_only_block_drops_its_chain_deepest_first(tmp_path):
     m.shutdown()
 
 
-def test_a_damaged_block_with_a_busy_descendant_is_a_miss_then_dropped(tmp_path):
+@pytest.mark.parametrize("damaged", [(1,), (1, 2)])  # (1, 2): a lost block below a lost block
+def test_a_damaged_block_with_a_busy_descendant_is_a_miss_then_dropped(tmp_path, damaged):
     gen = torch.Generator().manual_seed(17)
     m = make(tmp_path, slots=4, disk_pages=8, demote_headroom=4, policy="lru")
     data = store(m, gen, [key(1), key(2), key(3)], chained=True)
@@ -311,11 +312,15 @@ def test_a_damaged_block_with_a_busy_descendant_is_a_miss_then_dropped(tmp_path)
         HostState.NONE, HostState.NONE, HostState.READY]
     assert m.lookup(key(3)) is Lookup.HIT
     m.prepare_load([key(3)])  # a load of the chain's tail is in flight
-    _damage(m, key(1))
-    assert m.lookup(key(1)) is Lookup.PENDING
+    for i in damaged:
+        _damage(m, key(i))
+    for i in damaged:
+        assert m.lookup(key(i)) is Lookup.PENDING
     assert m.wait_io(10)
-    assert m.counters.promotions_failed == 1 and m.counters.drops_deferred == 1
-    assert m.lookup(key(1)) is Lookup.MISS  # never served, though its drop must wait
+    n = len(damaged)
+    assert m.counters.promotions_failed == n and m.counters.drops_deferred == n
+    for i in damaged:
+        assert m.lookup(key(i)) is Lookup.MISS  # never served, though its drop must wait
     assert m.block(key(1)) is not None and m.block(key(3)).load_pins == 1
     with pytest.raises(ValueError, match="not loadable"):
         m.prepare_load([key(1)])
@@ -324,6 +329,7 @@ def test_a_damaged_block_with_a_busy_descendant_is_a_miss_then_dropped(tmp_path)
     m.maintain()  # the drop is retried now that nothing below it is busy
     assert [m.block(key(i)) for i in (1, 2, 3)] == [None, None, None]
     assert m.index.dropped["corrupt"] == 1 and m.index.dropped["orphaned"] == 2
+    assert m.counters.dropped == 3 and not m._lost
     if m.lookup(key(4)) is Lookup.PENDING:  # it left host for the failed promotion's slot
         assert m.wait_io(10)
     assert m.lookup(key(4)) is Lookup.HIT  # a block outside the chain is untouched

@@ -512,11 +512,14 @@ class TieredBlockManager:
         return True
 
     def _retry_lost(self) -> None:
-        for k, reason in list(self._lost.items()):
+        for k in list(self._lost):
+            reason = self._lost.get(k)
+            if reason is None:
+                continue  # dropped meanwhile, as a descendant of another lost block
             if k in self.index:
                 self._remove(k, reason)
             else:
-                del self._lost[k]
+                self._lost.pop(k, None)
 
     def _ancestors(self, keys: Iterable[bytes]) -> set[bytes]:
         out: set[bytes] = set()
