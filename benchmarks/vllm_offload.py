@@ -8,7 +8,8 @@ Each configuration is one engine, started in its own process, with so few KV
 blocks that a conversation's history cannot stay in vLLM's own cache while the
 other conversations take their turns. Configurations: ``recompute`` (no
 connector: vLLM recomputes the evicted prefix), ``tiered-host`` (our backend,
-host tier only), ``tiered-disk`` (a small host tier over the disk tier) and, on
+host tier only), ``tiered-disk`` (a small host tier over the disk tier, block
+policy ``chain``, the default), ``tiered-disk-lru`` (the same with ``lru``) and, on
 a CUDA machine only, ``vllm-cpu`` (vLLM's own CPUOffloadingSpec). Reported per
 configuration: median and p90 time to first token over all turns after the
 first, total wall time, generated tokens per second, prefill tokens vLLM served
@@ -144,6 +145,10 @@ def main() -> int:
             "tiered-host": dict(ours, host_bytes=512 * BLOCK_BYTES),
             "tiered-disk": dict(ours, host_bytes=16 * BLOCK_BYTES, demote_headroom=16,
                                 disk_path=str(work / "disk"), disk_bytes=512 * BLOCK_BYTES),
+            # the same tiers with the LRU block policy instead of the default (chain)
+            "tiered-disk-lru": dict(ours, host_bytes=16 * BLOCK_BYTES, demote_headroom=16,
+                                    disk_path=str(work / "disk-lru"), disk_bytes=512 * BLOCK_BYTES,
+                                    policy="lru"),
         }
         if torch.cuda.is_available():
             configs["vllm-cpu"] = {"spec_name": "CPUOffloadingSpec",

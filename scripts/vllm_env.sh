@@ -19,7 +19,20 @@ command -v "$PY" >/dev/null 2>&1 || fail "no interpreter '$PY' (set VLLM_ENV_PYT
   || fail "the lock file is for CPython 3.11; '$PY' is $("$PY" -V 2>&1)"
 [ "$(uname -m)" = "x86_64" ] || fail "the lock file is for x86_64, this machine is $(uname -m)"
 
-if [ -f "$STAMP" ] && [ "$STAMP" -nt "$LOCK" ] && "$ENV_DIR/bin/python" -c 'import vllm, tiering' 2>/dev/null; then
+# tiering must resolve to this checkout (an environment copied from another worktree
+# still imports that worktree's code until the project is installed again from here)
+ours() {
+  ("$ENV_DIR/bin/python" -P -c 'import os, sys, tiering
+root = os.path.realpath(sys.argv[1])
+sys.exit(0 if os.path.realpath(tiering.__file__).startswith(root + os.sep) else 1)' "$ROOT") 2>/dev/null
+}
+if [ -f "$STAMP" ] && [ "$STAMP" -nt "$LOCK" ] && "$ENV_DIR/bin/python" -c 'import vllm' 2>/dev/null; then
+  if ! ours; then
+    echo "vllm_env: installing the project from $ROOT into $ENV_DIR (editable)"
+    "$ENV_DIR/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" \
+      || fail "installing the project (editable, --no-deps) failed"
+    ours || fail "tiering in $ENV_DIR does not resolve to $ROOT"
+  fi
   echo "vllm_env: $ENV_DIR is ready"
   exit 0
 fi

@@ -1,5 +1,6 @@
-"""The vLLM backend's engine-independent core, without vLLM: config, block table,
-host -> disk cascade, checked promotion, the worker-side mover and the import rule."""
+"""The vLLM backend's engine-independent core, without vLLM: config, the manager on
+the block index and block policies, host -> disk cascade, checked promotion, the
+worker-side mover and the import rule."""
 
 from __future__ import annotations
 
@@ -10,20 +11,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
+from policies.blocks import default_block_registry
+from tiering.blocks import BlockIndex
 from tiering.disk.slotfile import SLOT_FILE_NAME
 from tiering.integrations.vllm._core import (
-    POLICIES,
     DiskState,
     GroupLayout,
     HostSlab,
     HostState,
     LayerCopy,
     Lookup,
-    LruPolicy,
+    TableIntegrityError,
     TieredBlockManager,
     TieredConfig,
     TieredMover,
@@ -63,9 +71,13 @@ def make(tmp_path, slots=4, disk_pages=None, executor=None, **cfg) -> TieredBloc
     return TieredBlockManager(c, [slab], disk, disk_root=c.disk_path, executor=executor)
 
 
-def store(m: TieredBlockManager, gen: torch.Generator, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
-    """Store keys the way a worker would: write random bytes into the given slots."""
-    d = m.prepare_store(keys)
+def store(
+    m: TieredBlockManager, gen: torch.Generator, keys: list[bytes], chained: bool = False
+) -> dict[bytes, torch.Tensor]:
+    """Store keys the way a worker would: write random bytes into the given slots
+    (``chained``: each key's parent is the key before it)."""
+    parents = [None, *keys[:-1]] if chained else None
+    d = m.prepare_store(keys, parents)
     assert d is not None
     data = {}
     for k, s in zip(d.keys_to_store, d.slots, strict=True):
@@ -90,6 +102,8 @@ def store(m: TieredBlockManager, gen: torch.Generator, keys: list[bytes]) -> dic
         ({"host_bytes": 10, "disk_bytes": 100}, "disk_path"),
         ({"host_bytes": 10, "disk_path": "/x", "disk_bytes": -1}, "disk_bytes"),
         ({"host_bytes": 10, "policy": "mru"}, "policy"),
+        ({"host_bytes": 10, "policy": "fifo"}, "policy"),  # the old private policy is gone
+        ({"host_bytes": 10, "policy": ["lru"]}, "policy"),
         ({"host_bytes": 10, "io_threads": 0}, "io_threads"),
         ({"host_bytes": 10, "demote_headroom": -2}, "demote_headroom"),
         ({"host_bytes": 10, "test_corrupt_loads": 1}, "test_corrupt_loads"),
@@ -102,24 +116,50 @@ def test_bad_extra_config_names_the_field(extra, field):
 
 def test_extra_config_keeps_ours_and_ignores_vllms():
     c = TieredConfig.from_extra(
-        {"spec_name": "TieredOffloadingSpec", "host_bytes": 4096, "policy": "fifo",
+        {"spec_name": "TieredOffloadingSpec", "host_bytes": 4096, "policy": "s3fifo",
          "offload_prompt_only": True}
     )
-    assert (c.host_bytes, c.policy, c.disk_path) == (4096, "fifo", None)
-    assert set(POLICIES) >= {"lru", "fifo"}
+    assert (c.host_bytes, c.policy, c.disk_path) == (4096, "s3fifo", None)
+    assert TieredConfig(host_bytes=4096).policy == "chain"  # ours by default
 
 
-def test_lru_policy_order_and_errors():
-    p = LruPolicy()
-    for i in range(3):
-        p.on_insert(key(i))
-    p.on_access(key(0))
-    assert list(p.victims()) == [key(1), key(2), key(0)]
-    with pytest.raises(ValueError, match="twice"):
-        p.on_insert(key(1))
-    p.on_evict(key(1))
-    with pytest.raises(ValueError, match="unknown"):
-        p.on_evict(key(1))
+def test_bad_policy_error_lists_the_registered_names():
+    with pytest.raises(ValueError) as err:
+        TieredConfig(host_bytes=4096, policy="fifo")
+    msg = str(err.value)
+    assert "kv_connector_extra_config.policy" in msg
+    for name in default_block_registry().names:
+        assert name in msg
+
+
+@pytest.mark.parametrize("name", default_block_registry().names)
+def test_every_registered_block_policy_runs_the_manager(tmp_path, name):
+    """Each registered policy drives both tiers; the manager's own table is gone."""
+    gen = torch.Generator().manual_seed(20)
+    m = make(tmp_path, slots=3, disk_pages=6, demote_headroom=2, policy=name)
+    assert isinstance(m.index, BlockIndex) and not hasattr(m, "table")
+    assert m.host_policy.name == name and m.disk_policy.name == name
+    data = {}
+    for i in range(0, 8, 2):
+        data |= store(m, gen, [key(i), key(i + 1)], chained=True)
+        assert m.wait_io(10)
+        m.check_integrity()
+    assert m.counters.demotions_ok > 0
+    # every block still held returns the bytes stored, from host or via a promotion
+    served = 0
+    for k, page in data.items():
+        r = m.lookup(k)
+        if r is Lookup.PENDING:
+            assert m.wait_io(10)
+            r = m.lookup(k)
+        if r is Lookup.HIT:
+            (slot,) = m.prepare_load([k])
+            assert torch.equal(m.slabs[0].tensor[slot], page)
+            m.complete_load([k])
+            served += 1
+        m.check_integrity()
+    assert served >= 3
+    m.shutdown()
 
 
 # ----------------------------------------------------------------------------- manager
@@ -127,7 +167,7 @@ def test_lru_policy_order_and_errors():
 
 def test_store_then_host_hit_and_load_pins(tmp_path):
     gen = torch.Generator().manual_seed(1)
-    m = make(tmp_path, slots=4)
+    m = make(tmp_path, slots=4, policy="lru")  # admits every block
     assert m.lookup(key(1)) is Lookup.MISS
     d = m.prepare_store([key(1), key(2)])
     assert d is not None and d.keys_to_store == [key(1), key(2)]
@@ -144,7 +184,7 @@ def test_store_then_host_hit_and_load_pins(tmp_path):
     store(m, gen, [key(3), key(4)])
     assert m.prepare_store([key(5), key(6), key(7), key(8)]) is None  # only 3 are evictable
     m.check_integrity()
-    assert m.table[key(1)].host is HostState.READY
+    assert m.block(key(1)).host is HostState.READY
     m.complete_load([key(1)])
     with pytest.raises(ValueError, match="no load in flight"):
         m.complete_load([key(1)])
@@ -162,7 +202,7 @@ def test_cascade_to_disk_and_checked_promotion_returns_the_same_bytes(tmp_path):
         assert m.wait_io(10)
         m.check_integrity()
     assert m.counters.demotions_ok >= 8
-    disk_only = [k for k, e in m.table.items() if e.host is HostState.NONE]
+    disk_only = [k for k in m.keys() if m.block(k).host is HostState.NONE]
     assert disk_only, "nothing was pushed down to disk"
     k = disk_only[0]
     assert m.lookup(k) is Lookup.PENDING
@@ -185,7 +225,7 @@ def test_block_damaged_on_disk_becomes_a_miss_and_is_never_served(tmp_path):
     assert m.wait_io(10)
     store(m, gen, [key(3), key(4)])  # evicts the clean copies of 1 and 2 from host
     assert m.wait_io(10)  # 3 and 4 are being written down: no slot is free until then
-    assert m.table[key(1)].host is HostState.NONE and m.table[key(1)].disk is DiskState.READY
+    assert m.block(key(1)).host is HostState.NONE and m.block(key(1)).disk is DiskState.READY
     state = m.state()
     entry = next(b for b in state["disk_blocks"] if b["key"] == key(1).hex())
     with open(os.path.join(state["disk_root"], SLOT_FILE_NAME), "r+b") as f:
@@ -196,7 +236,8 @@ def test_block_damaged_on_disk_becomes_a_miss_and_is_never_served(tmp_path):
     assert m.lookup(key(1)) is Lookup.PENDING
     assert m.wait_io(10)
     assert m.lookup(key(1)) is Lookup.MISS  # detected: recompute, never a damaged load
-    assert key(1) not in m.table and m.counters.promotions_failed == 1
+    assert m.block(key(1)) is None and m.counters.promotions_failed == 1
+    assert m.index.dropped["corrupt"] == 1
     m.check_integrity()
     # the undamaged neighbour still promotes fine (negative control for the check)
     assert m.lookup(key(2)) is Lookup.PENDING
@@ -206,9 +247,133 @@ def test_block_damaged_on_disk_becomes_a_miss_and_is_never_served(tmp_path):
     m.shutdown()
 
 
+def _damage(m: TieredBlockManager, k: bytes, at: int = 7) -> None:
+    state = m.state()
+    entry = next(b for b in state["disk_blocks"] if b["key"] == k.hex())
+    with open(os.path.join(state["disk_root"], SLOT_FILE_NAME), "r+b") as f:
+        f.seek(entry["payload_offset"] + at)
+        b = f.read(1)
+        f.seek(entry["payload_offset"] + at)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_blocks_are_chained_after_the_parent_given_when_it_is_held(tmp_path):
+    gen = torch.Generator().manual_seed(15)
+    m = make(tmp_path, slots=6)
+    store(m, gen, [key(1), key(2), key(3)], chained=True)
+    assert [m.block(key(i)).parent for i in (1, 2, 3)] == [None, key(1), key(2)]
+    assert [m.block(key(i)).depth for i in (1, 2, 3)] == [0, 1, 2]
+    assert list(m.index.chain_keys(key(3))) == [key(1), key(2), key(3)]
+    # a parent the index does not hold (on vLLM's GPU only, say) starts a new chain
+    d = m.prepare_store([key(5)], [key(4)])
+    m.complete_store(d.keys_to_store)
+    assert m.block(key(5)).parent is None
+    # the parent given is still storing when its child completes first: a root too
+    d1 = m.prepare_store([key(6)])
+    d2 = m.prepare_store([key(7)], [key(6)])
+    m.complete_store(d2.keys_to_store)
+    m.complete_store(d1.keys_to_store)
+    assert m.block(key(7)).parent is None and m.block(key(6)).parent is None
+    m.check_integrity()
+    assert m.state()["index"]["chained"] == 2
+    with pytest.raises(ValueError, match="parents"):
+        m.prepare_store([key(8), key(9)], [None])
+    assert m.block(key(8)) is None  # refused input changes nothing
+    m.shutdown()
+
+
+def test_evicting_a_host_only_block_drops_its_chain_deepest_first(tmp_path):
+    gen = torch.Generator().manual_seed(16)
+    m = make(tmp_path, slots=3, policy="lru")
+    store(m, gen, [key(1), key(2)], chained=True)
+    store(m, gen, [key(3)])
+    d = m.prepare_store([key(4), key(5)])  # 1 free, 2 needed: the LRU block is key 1
+    assert d is not None
+    assert d.evicted == [key(2), key(1)]  # its child cannot be reached without it
+    assert m.index.dropped["evicted"] == 1 and m.index.dropped["orphaned"] == 1
+    assert m.counters.host_evictions == 1 and m.counters.dropped == 2
+    m.complete_store(d.keys_to_store)
+    assert m.lookup(key(2)) is Lookup.MISS and m.lookup(key(3)) is Lookup.HIT
+    removed = [k for e in m.take_events() if e.removed for k in e.keys]
+    assert set(removed) == {key(1), key(2)}
+    m.check_integrity()
+    m.shutdown()
+
+
+@pytest.mark.parametrize("damaged", [(1,), (1, 2)])  # (1, 2): a lost block below a lost block
+def test_a_damaged_block_with_a_busy_descendant_is_a_miss_then_dropped(tmp_path, damaged):
+    gen = torch.Generator().manual_seed(17)
+    m = make(tmp_path, slots=4, disk_pages=8, demote_headroom=4, policy="lru")
+    data = store(m, gen, [key(1), key(2), key(3)], chained=True)
+    assert m.wait_io(10)  # write-through: all three have a disk copy
+    data |= store(m, gen, [key(4), key(5), key(6)])  # 1 free: the clean 1 and 2 leave host
+    assert m.wait_io(10)
+    assert [m.block(key(i)).host for i in (1, 2, 3)] == [
+        HostState.NONE, HostState.NONE, HostState.READY]
+    assert m.lookup(key(3)) is Lookup.HIT
+    m.prepare_load([key(3)])  # a load of the chain's tail is in flight
+    for i in damaged:
+        _damage(m, key(i))
+    for i in damaged:
+        assert m.lookup(key(i)) is Lookup.PENDING
+    assert m.wait_io(10)
+    n = len(damaged)
+    assert m.counters.promotions_failed == n and m.counters.drops_deferred == n
+    for i in damaged:
+        assert m.lookup(key(i)) is Lookup.MISS  # never served, though its drop must wait
+    assert m.block(key(1)) is not None and m.block(key(3)).load_pins == 1
+    with pytest.raises(ValueError, match="not loadable"):
+        m.prepare_load([key(1)])
+    m.check_integrity()
+    m.complete_load([key(3)])
+    m.maintain()  # the drop is retried now that nothing below it is busy
+    assert [m.block(key(i)) for i in (1, 2, 3)] == [None, None, None]
+    assert m.index.dropped["corrupt"] == 1 and m.index.dropped["orphaned"] == 2
+    assert m.counters.dropped == 3 and not m._lost
+    if m.lookup(key(4)) is Lookup.PENDING:  # it left host for the failed promotion's slot
+        assert m.wait_io(10)
+    assert m.lookup(key(4)) is Lookup.HIT  # a block outside the chain is untouched
+    (slot,) = m.prepare_load([key(4)])
+    assert torch.equal(m.slabs[0].tensor[slot], data[key(4)])
+    m.complete_load([key(4)])
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_a_promoted_block_is_held_for_its_load_so_promotions_do_not_undo_each_other(tmp_path):
+    from tiering.integrations.vllm._core import PROMOTED_HOLD_STEPS
+
+    gen = torch.Generator().manual_seed(18)
+    m = make(tmp_path, slots=2, disk_pages=8, demote_headroom=2, policy="lru")
+    data = {}
+    for pair in ((1, 2), (3, 4), (5, 6)):  # write-through; each pair pushes the last to disk
+        data |= store(m, gen, [key(i) for i in pair])
+        assert m.wait_io(10)
+    assert [m.block(key(i)).host for i in (1, 2, 3)] == [HostState.NONE] * 3
+    assert m.lookup(key(1)) is Lookup.PENDING and m.lookup(key(2)) is Lookup.PENDING
+    assert m.wait_io(10)  # 1 and 2 are on host now, waiting for vLLM to ask again
+    assert m.lookup(key(3)) is Lookup.PENDING  # a third request: no slot yet, no eviction
+    assert m.counters.promotions_deferred == 1 and m.counters.promotions_started == 2
+    assert m.lookup(key(1)) is Lookup.HIT and m.lookup(key(2)) is Lookup.HIT
+    (slot,) = m.prepare_load([key(1)])
+    assert torch.equal(m.slabs[0].tensor[slot], data[key(1)])
+    m.complete_load([key(1)])  # loaded: an ordinary block again
+    assert m.lookup(key(3)) is Lookup.PENDING and m.counters.promotions_started == 3
+    assert m.block(key(1)).host is HostState.NONE and m.block(key(2)).host is HostState.READY
+    m.check_integrity()
+    # the hold ends after PROMOTED_HOLD_STEPS steps even if nobody loads the block
+    assert m.wait_io(10)
+    for _ in range(PROMOTED_HOLD_STEPS):
+        m.maintain()
+    assert m.lookup(key(4)) is Lookup.PENDING and m.counters.promotions_started == 4
+    assert m.counters.promotions_unused == 1  # key 2: promoted, never loaded
+    m.check_integrity()
+    m.shutdown()
+
+
 def test_host_only_evicts_and_reports_evicted_keys(tmp_path):
     gen = torch.Generator().manual_seed(4)
-    m = make(tmp_path, slots=2)
+    m = make(tmp_path, slots=2, policy="lru")
     store(m, gen, [key(1), key(2)])
     d = m.prepare_store([key(3)])
     assert d is not None and d.evicted == [key(1)]  # LRU
@@ -222,18 +387,18 @@ def test_host_only_evicts_and_reports_evicted_keys(tmp_path):
 
 def test_full_disk_evicts_its_coldest_block_and_host_prefers_clean_victims(tmp_path):
     gen = torch.Generator().manual_seed(13)
-    m = make(tmp_path, slots=2, disk_pages=2, demote_headroom=2)
+    m = make(tmp_path, slots=2, disk_pages=2, demote_headroom=2, policy="lru")
     store(m, gen, [key(1)])
     assert m.wait_io(10)
     store(m, gen, [key(2)])
     assert m.wait_io(10)
-    assert {k for k, e in m.table.items() if e.disk is DiskState.READY} == {key(1), key(2)}
+    assert {k for k in m.keys() if m.block(k).disk is DiskState.READY} == {key(1), key(2)}
     d = m.prepare_store([key(3)])  # both host blocks are clean: the LRU one goes
     assert d is not None and d.evicted == []  # still on disk, so not gone
     m.complete_store(d.keys_to_store)
     assert m.wait_io(10)  # writing 3 down needs a disk slot: the disk's LRU (1) is dropped
-    assert key(1) not in m.table and m.counters.disk_evictions == 1
-    assert m.table[key(3)].disk is DiskState.READY
+    assert m.block(key(1)) is None and m.counters.disk_evictions == 1
+    assert m.block(key(3)).disk is DiskState.READY
     assert m.lookup(key(1)) is Lookup.MISS
     m.check_integrity()
     m.shutdown()
@@ -247,19 +412,34 @@ def test_reset_forgets_idle_blocks_but_keeps_pinned_ones(tmp_path):
     m.prepare_load([key(1)])
     m.reset()
     m.check_integrity()
-    assert set(m.table) == {key(1)} and m.table[key(1)].host is HostState.READY
-    assert m.table[key(1)].disk is DiskState.NONE and m.disk.used_bytes() == 0
+    assert set(m.keys()) == {key(1)} and m.block(key(1)).host is HostState.READY
+    assert m.block(key(1)).disk is DiskState.NONE and m.disk.used_bytes() == 0
     m.complete_load([key(1)])
     m.check_integrity()
     m.shutdown()
 
 
-def test_check_integrity_catches_a_broken_table(tmp_path):
+@pytest.mark.parametrize("breakage", ["pool", "policy", "pin", "disk copy"])
+def test_check_integrity_catches_a_broken_manager(tmp_path, breakage):
     gen = torch.Generator().manual_seed(5)
-    m = make(tmp_path, slots=2)
-    store(m, gen, [key(1)])
-    m.table[key(1)].slot = 1  # the pool says slot 0
-    with pytest.raises(AssertionError, match="pool"):
+    m = make(tmp_path, slots=3, disk_pages=4, demote_headroom=3)
+    store(m, gen, [key(1), key(2)])
+    assert m.wait_io(10)
+    m.check_integrity()  # sound before the breakage
+    slot = m.block(key(1)).slot
+    if breakage == "pool":
+        m.pool.release(key(1), [slot])  # the index still says key 1 holds it
+        match = "host pool"
+    elif breakage == "policy":
+        m.host_policy.on_remove(key(2))
+        match = "host policy"
+    elif breakage == "pin":
+        m.index.acquire(key(1))  # a pin no load or demotion accounts for
+        match = "refs"
+    else:
+        m._disk_copy[key(1)] = m._disk_copy[key(2)]  # two blocks on one disk extent
+        match = "held twice"
+    with pytest.raises(TableIntegrityError, match=match):
         m.check_integrity()
 
 
@@ -275,28 +455,36 @@ def test_stats_delta_reports_increases_once(tmp_path):
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    """Random stores, lookups, loads, maintenance and disk reads; integrity after each."""
+    """Random chained stores, lookups, loads, maintenance, resets and blocks damaged on
+    disk, under every registered block policy; integrity after each step, and every
+    load hands back exactly the bytes stored."""
 
-    def __init__(self):
-        super().__init__()
+    @initialize(policy=st.sampled_from(default_block_registry().names))
+    def setup(self, policy):
         import tempfile
 
         self.dir = Path(tempfile.mkdtemp(prefix="tiering-vllm-sm-"))
         self.m = make(self.dir, slots=3, disk_pages=5, demote_headroom=2,
-                      executor=InlineExecutor())
+                      executor=InlineExecutor(), policy=policy)
         self.gen = torch.Generator().manual_seed(7)
         self.data: dict[bytes, torch.Tensor] = {}
         self.pending: list[list[bytes]] = []
         self.loads: list[list[bytes]] = []
+        self.damaged: set[bytes] = set()
 
-    @rule(ks=st.lists(st.integers(0, 9), min_size=1, max_size=3, unique=True))
-    def prepare_store(self, ks):
-        d = self.m.prepare_store([key(i) for i in ks])
+    @rule(ks=st.lists(st.integers(0, 9), min_size=1, max_size=3, unique=True),
+          first_parent=st.none() | st.integers(0, 9), chained=st.booleans())
+    def prepare_store(self, ks, first_parent, chained):
+        keys = [key(i) for i in ks]
+        parents = ([None if first_parent is None else key(first_parent), *keys[:-1]]
+                   if chained else None)
+        d = self.m.prepare_store(keys, parents)
         if d is not None:
             for k, s in zip(d.keys_to_store, d.slots, strict=True):
                 page = torch.randint(0, 256, (PAGE,), generator=self.gen, dtype=torch.uint8)
                 self.m.slabs[0].tensor[s].copy_(page)
                 self.data[k] = page
+                self.damaged.discard(k)
             self.pending.append(d.keys_to_store)
 
     @precondition(lambda self: self.pending)
@@ -304,10 +492,16 @@ class ManagerMachine(RuleBasedStateMachine):
     def complete_store(self, ok):
         self.m.complete_store(self.pending.pop(0), ok)
 
-    @rule(i=st.integers(0, 9))
-    def lookup_and_load(self, i):
-        k = key(i)
-        if self.m.lookup(k) is Lookup.HIT:
+    @rule(pick=st.integers(0, 63), held=st.booleans(), again=st.booleans())
+    def lookup_and_load(self, pick, held, again):
+        keys = sorted(self.m.keys())
+        k = keys[pick % len(keys)] if held and keys else key(pick % 10)
+        r = self.m.lookup(k)
+        if r is Lookup.PENDING and again:  # vLLM asks again on a later step
+            self.m.reap()
+            r = self.m.lookup(k)
+        if r is Lookup.HIT:
+            assert k not in self.damaged, "a block damaged on disk was reported loadable"
             (slot,) = self.m.prepare_load([k])
             # never a wrong byte: what a load would copy is what was stored
             assert torch.equal(self.m.slabs[0].tensor[slot], self.data[k])
@@ -318,6 +512,23 @@ class ManagerMachine(RuleBasedStateMachine):
     def complete_load(self):
         self.m.complete_load(self.loads.pop(0))
 
+    @rule(pick=st.integers(0, 63), at=st.integers(0, PAGE - 1))
+    def damage_on_disk(self, pick, at):
+        """Flip a byte of a disk-only block's chunk in the slot file."""
+        cands = [x for x in self.m.state()["disk_blocks"] if not x["on_host"]
+                 and self.m.block(bytes.fromhex(x["key"])).host is HostState.NONE]  # not promoting
+        if not cands:
+            return
+        entry = cands[pick % len(cands)]
+        k = bytes.fromhex(entry["key"])
+        path = os.path.join(self.m.disk_root, SLOT_FILE_NAME)
+        with open(path, "r+b") as f:
+            f.seek(entry["payload_offset"] + at)
+            old = f.read(1)
+            f.seek(entry["payload_offset"] + at)
+            f.write(bytes([old[0] ^ 0xA5]))
+        self.damaged.add(k)
+
     @rule()
     def maintain(self):
         self.m.maintain()
@@ -326,9 +537,23 @@ class ManagerMachine(RuleBasedStateMachine):
     def settle(self):
         assert self.m.wait_io(10)
 
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def reset(self):
+        self.m.reset()
+        assert set(self.m.keys()) <= {k for ks in self.loads for k in self.m.index.chain_keys(ks[0])}
+
     @invariant()
     def integrity(self):
         self.m.check_integrity()
+        d = self.m.index.dropped
+        for name in ("corrupt", "orphaned", "evicted", "reset"):
+            if d[name]:
+                event(f"dropped {name}")
+        if self.m._lost:
+            event("drop deferred (a descendant busy)")
+        if self.m.counters.loads_from_disk:
+            event("loaded from disk")
 
     def teardown(self):
         self.m.shutdown()
@@ -337,9 +562,49 @@ class ManagerMachine(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def test_machine_rules_reach_the_disk_and_corruption_paths():
+    """The machine's rules, driven by seeded random walks, reach every path the
+    hypothesis run may only sample: loads from disk, damaged blocks dropped (with
+    their descendants), deferred drops, disk evictions; integrity after each step."""
+    import random
+
+    rules = ManagerMachine
+    seen: dict[str, int] = {}
+    for seed in range(40):
+        r = random.Random(seed)
+        mm = ManagerMachine()
+        rules.setup(mm, default_block_registry().names[seed % 4])
+        for _ in range(50):
+            c = r.randrange(8)
+            if c == 0:
+                rules.prepare_store(mm, r.sample(range(10), r.randint(1, 3)),
+                                    r.choice([None, r.randrange(10)]), r.random() < 0.5)
+            elif c == 1 and mm.pending:
+                rules.complete_store(mm, r.random() < 0.85)
+            elif c == 2:
+                rules.lookup_and_load(mm, r.randrange(64), r.random() < 0.5, r.random() < 0.5)
+            elif c == 3 and mm.loads:
+                rules.complete_load(mm)
+            elif c == 4:
+                rules.damage_on_disk(mm, r.randrange(64), r.randrange(256))
+            elif c == 5:
+                rules.maintain(mm)
+            elif c == 6:
+                rules.settle(mm)
+            elif c == 7 and not mm.pending and r.random() < 0.2:
+                rules.reset(mm)
+            mm.m.check_integrity()
+        for name, v in [*mm.m.counters.__dict__.items(), *mm.m.index.dropped.items()]:
+            seen[name] = seen.get(name, 0) + (v > 0)
+        mm.teardown()
+    for name in ("loads_from_disk", "promotions_failed", "corrupt", "orphaned",
+                 "disk_evictions", "demotions_ok", "host_evictions"):
+        assert seen.get(name, 0) > 0, (name, seen)
+
+
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(
-    max_examples=25, stateful_step_count=30, deadline=None,
+    max_examples=150, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 

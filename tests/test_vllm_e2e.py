@@ -134,6 +134,15 @@ def test_second_round_loads_from_host_and_disk(runs):
     assert c["promotions_failed"] == 0, c
 
 
+def test_the_manager_runs_on_the_block_index_with_the_default_policy(runs):
+    st = runs["offload"]["states"][1]
+    assert st["policy"] == "chain", st["policy"]  # the default: ours
+    ix = st["index"]
+    # vLLM's blocks were inserted after the previous block of their request
+    assert ix["blocks"] > 0 and ix["chained"] > 0, ix
+    assert ix["on_host"] + ix["on_disk"] == ix["blocks"], ix
+
+
 def test_block_damaged_on_disk_is_detected_and_recomputed(runs):
     off = runs["offload"]
     assert off["corrupted"], "no block was damaged"
@@ -235,6 +244,17 @@ def test_manager_and_worker_through_vllm_types_round_trip(tmp_path):
     assert [r.success for r in worker.get_finished()] == [True]
     manager.complete_store(keys, ctx)
     assert all(manager.lookup(k, ctx) is LookupResult.HIT for k in keys)
+    # the request's blocks form one chain in the block index, in vLLM's order
+    assert [manager.core.block(bytes(k)).parent for k in keys] == [None, *map(bytes, keys[:2])]
+    more = [make_offload_key(bytes([9]) * 16, 0)]
+    out2 = manager.prepare_store(more, ctx)  # a later store of the same request
+    assert out2 is not None and out2.keys_to_store == more
+    manager.complete_store(more, ctx)
+    assert manager.core.block(bytes(more[0])).parent == bytes(keys[2])
+    other = ReqContext(req_id="r2")  # another request knows no parent for its first block
+    lone = [make_offload_key(bytes([7]) * 16, 0)]
+    manager.complete_store(manager.prepare_store(lone, other).keys_to_store, other)
+    assert manager.core.block(bytes(lone[0])).parent is None
     for t in layers:  # other random bytes where the blocks were
         t.copy_(torch.randint(-128, 128, t.shape, generator=gen, dtype=torch.int8))
     src = manager.prepare_load(keys, ctx)

@@ -308,6 +308,12 @@ class DiskPageStore:
 
     # ------------------------------------------------------------------ sizing and ledger
 
+    def chunk_offset(self, chunk: int) -> int | None:
+        """Byte offset of chunk ``chunk``'s payload in the slot file, or None when
+        chunk I/O goes through zarr's pipeline (for tools that inspect the file)."""
+        direct = self._backend.direct
+        return None if direct is None else direct.payload_offset(chunk)
+
     def used_bytes(self) -> int:
         """Bytes the ledger holds: reserved (and quarantined) chunks times the chunk size."""
         return self._ledger.used_chunks() * self.chunk_alloc_bytes

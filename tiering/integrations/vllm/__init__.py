@@ -10,7 +10,9 @@ Enable it with::
 
 Only ``TieredOffloadingSpec`` (and the classes next to it in ``_spec``) needs vLLM;
 it is imported on first access, so the engine-independent core (``_core``) can
-be used and tested without vLLM installed.
+be used and tested without vLLM installed. The ``policy`` extra-config field
+names one of the registered block policies (``policies.blocks``: lru, arc,
+s3fifo, chain; default chain).
 """
 
 from __future__ import annotations
@@ -18,9 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from tiering.integrations.vllm._core import (
-    POLICIES,
-    BlockPolicy,
-    LruPolicy,
+    BlockView,
     TieredBlockManager,
     TieredConfig,
     TieredMover,
@@ -34,9 +34,7 @@ _VLLM_NAMES = (
 )
 
 __all__ = [
-    "POLICIES",
-    "BlockPolicy",
-    "LruPolicy",
+    "BlockView",
     "TieredBlockManager",
     "TieredConfig",
     "TieredMover",

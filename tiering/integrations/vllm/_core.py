@@ -1,5 +1,6 @@
-"""The engine-independent part of the vLLM backend: config, block table, policies,
-the shared host slab, the scheduler-side manager and the worker-side mover.
+"""The engine-independent part of the vLLM backend: config, the shared host slab,
+the scheduler-side manager (on the project's block index and block policies) and
+the worker-side mover.
 
 Nothing here imports vLLM, so all of it is unit-tested in the project's own
 environment; ``_spec`` wraps it in vLLM's classes.
@@ -8,8 +9,9 @@ Processes and ownership. vLLM runs the manager in its scheduler process and one
 worker per rank in other processes. The host tier is a slab of ``num_slots``
 page slots per rank, kept in a shared memory file that both sides map
 (``HostSlab``). The manager owns every decision and every piece of book-keeping:
-the block table (key -> host slot and/or disk extent, state, pins), the host
-slot pool (``tiering.core.pools.PagePool``), the disk tier (``DiskPageStore``) and the
+where each block is (``tiering.blocks.BlockIndex``), the retention order of each
+tier (``policies.blocks``, by name), the host slot pool
+(``tiering.core.pools.PagePool``), the disk tier (``DiskPageStore``) and the
 cascade between them. The worker only copies bytes between vLLM's per-layer KV
 tensors and the slab slots that the manager named in a load or store spec. The
 manager itself moves host <-> disk (demotion and promotion) on its own I/O
@@ -31,21 +33,24 @@ import os
 import tempfile
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
+from itertools import islice
 from typing import Any, NamedTuple
 
 import torch
 
+from policies.blocks import BlockPolicy, default_block_registry, make_block_policy
+from tiering.blocks import BlockIndex
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.core.pools import PagePool
 from tiering.core.transfer import StreamSet, coalesce, copy_runs
-from tiering.disk import DiskConfig, DiskIOError, DiskPageStore
+from tiering.disk import DiskConfig, DiskCorruptionError, DiskIOError, DiskPageStore
 from tiering.disk.ledger import DiskExtent
 from tiering.errors import TableIntegrityError
+from tiering.types import Tier
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +83,8 @@ class TieredConfig:
 
     ``host_bytes``: bytes of host slots per rank (required, > 0). ``disk_path`` and
     ``disk_bytes``: the disk tier (both or neither; host only without them).
-    ``policy``: a registered block policy name (``POLICIES``). ``host_dir``: where
+    ``policy``: a registered block policy name (``policies.blocks``: lru, arc,
+    s3fifo, chain; default chain), used for both tiers. ``host_dir``: where
     the shared slab files live (default /dev/shm when present). ``state_path``: a
     JSON file the manager rewrites (off the step path) with its counters and disk
     table, for tests and monitoring. ``demote_headroom``: host slots the manager
@@ -91,7 +97,7 @@ class TieredConfig:
     host_bytes: int
     disk_path: str | None = None
     disk_bytes: int | None = None
-    policy: str = "lru"
+    policy: str = "chain"
     host_dir: str | None = None
     state_path: str | None = None
     demote_headroom: int | None = None
@@ -119,9 +125,11 @@ class TieredConfig:
             raise ValueError(
                 f"kv_connector_extra_config.disk_bytes must be a positive int, got {self.disk_bytes!r}"
             )
-        if self.policy not in POLICIES:
+        names = default_block_registry().names
+        if not isinstance(self.policy, str) or self.policy not in names:
             raise ValueError(
-                f"kv_connector_extra_config.policy must be one of {sorted(POLICIES)}, got {self.policy!r}"
+                "kv_connector_extra_config.policy must be one of the registered block "
+                f"policies {', '.join(names)}; got {self.policy!r}"
             )
         for name in ("host_dir", "state_path"):
             v = getattr(self, name)
@@ -152,67 +160,6 @@ class TieredConfig:
         if "host_bytes" not in extra:
             raise ValueError("kv_connector_extra_config.host_bytes is required (bytes of host slots)")
         return cls(**{k: extra[k] for k in OUR_KEYS if k in extra})
-
-
-# ----------------------------------------------------------------------------- policies
-
-
-class BlockPolicy:
-    """Victim choice for one tier. The table calls the hooks; ``victims`` yields keys
-    coldest first (the caller skips ineligible ones). Pure book-keeping, no I/O."""
-
-    def on_insert(self, key: bytes) -> None:
-        raise NotImplementedError
-
-    def on_access(self, key: bytes) -> None:
-        raise NotImplementedError
-
-    def on_evict(self, key: bytes) -> None:
-        raise NotImplementedError
-
-    def victims(self) -> Iterator[bytes]:
-        """Keys coldest first, lazily: a caller that changes the policy while walking
-        it must take a list first."""
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-
-class LruPolicy(BlockPolicy):
-    """Least recently inserted or accessed first."""
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[bytes, None] = OrderedDict()
-
-    def on_insert(self, key: bytes) -> None:
-        if key in self._order:
-            raise ValueError(f"lru policy: key {key.hex()} inserted twice")
-        self._order[key] = None
-
-    def on_access(self, key: bytes) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
-
-    def on_evict(self, key: bytes) -> None:
-        if self._order.pop(key, 0) is not None:
-            raise ValueError(f"lru policy: evicting unknown key {key.hex()}")
-
-    def victims(self) -> Iterator[bytes]:
-        return iter(self._order)
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-
-class FifoPolicy(LruPolicy):
-    """Oldest inserted first; accesses do not reorder."""
-
-    def on_access(self, key: bytes) -> None:
-        return
-
-
-POLICIES: dict[str, Callable[[], BlockPolicy]] = {"lru": LruPolicy, "fifo": FifoPolicy}
 
 
 # ----------------------------------------------------------------------------- host slab
@@ -288,7 +235,7 @@ class HostSlab:
                 pass
 
 
-# ----------------------------------------------------------------------------- block table
+# ----------------------------------------------------------------------------- block state
 
 
 class HostState(Enum):
@@ -300,19 +247,23 @@ class HostState(Enum):
 
 class DiskState(Enum):
     NONE = "none"
-    WRITING = "writing"  # demotion in flight (host slot pinned)
+    WRITING = "writing"  # demotion in flight (host copy pinned)
     READY = "ready"
 
 
-@dataclass
-class Entry:
+class BlockView(NamedTuple):
+    """One block as the manager sees it (a snapshot, read from the index and the
+    manager's per-tier state; changing it changes nothing)."""
+
     key: bytes
-    host: HostState = HostState.NONE
-    slot: int | None = None
-    disk: DiskState = DiskState.NONE
-    extent: DiskExtent | None = None
-    load_pins: int = 0
-    from_disk: bool = False  # its host copy was promoted from disk
+    host: HostState
+    slot: int | None
+    disk: DiskState
+    extent: DiskExtent | None
+    load_pins: int
+    from_disk: bool  # its host copy was promoted from disk
+    parent: bytes | None
+    depth: int
 
 
 class Lookup(Enum):
@@ -335,19 +286,23 @@ class Counters:
     stores_started: int = 0
     stores_completed: int = 0
     stores_failed: int = 0
-    stores_refused: int = 0
+    stores_refused: int = 0  # no host slot could be freed: prepare_store answered None
+    stores_not_admitted: int = 0  # the retention policy refused the block (not stored)
     loads_from_host: int = 0  # blocks handed to vLLM whose bytes were stored into host
     loads_from_disk: int = 0  # blocks handed to vLLM whose bytes were promoted from disk
     promotions_started: int = 0
     promotions_ok: int = 0
     promotions_failed: int = 0  # failed their check or I/O: dropped, recomputed
     promotions_deferred: int = 0  # no host slot could be freed yet: lookup said pending
+    promotions_unused: int = 0  # promoted, then left host before any load
     demotions_started: int = 0
     demotions_ok: int = 0
     demotions_failed: int = 0
+    demotions_not_admitted: int = 0  # the disk policy refused the block
     host_evictions: int = 0
     disk_evictions: int = 0
-    dropped: int = 0  # blocks gone from every tier
+    dropped: int = 0  # blocks gone from every tier (orphaned descendants included)
+    drops_deferred: int = 0  # a damaged block waited (answering miss) for a busy descendant
 
 
 class Event(NamedTuple):
@@ -356,13 +311,39 @@ class Event(NamedTuple):
     removed: bool
 
 
-class TieredBlockManager:
-    """The scheduler-side manager on our block table (engine independent).
+def _payload_offset(disk: DiskPageStore | None, chunk: int) -> int | None:
+    """Where a chunk's payload starts in the disk tier's slot file (None when unknown)."""
+    return disk.chunk_offset(chunk) if disk is not None else None
 
-    ``host`` is a list of per-rank slabs (the manager reads and writes whole
-    pages across ranks when it moves blocks to and from disk). ``disk`` is
-    optional. Not thread-safe: all calls come from vLLM's scheduler thread; disk
-    I/O runs on ``executor`` threads and is reaped on that thread.
+
+PROMOTED_HOLD_STEPS = 16  # steps a promoted, not yet loaded block is not a host victim
+
+
+class TieredBlockManager:
+    """The scheduler-side manager on the project's ``BlockIndex`` (engine independent).
+
+    Where a block is lives in ``self.index`` (a ``tiering.blocks.BlockIndex``):
+    its location is HOST with its host slot as handle while it has a host copy,
+    else DISK with its ``DiskExtent``; a promotion is a move DISK -> HOST in
+    flight. Load pins and the pin of a demotion in flight are the index's
+    reference counts. What the index cannot express is kept here, per tier and
+    nothing else: slots reserved for stores in flight (a block enters the index
+    when its bytes have landed), the disk copy of a block whose location is HOST
+    (being written, or a clean copy, so evicting its host copy is a move to DISK
+    that drops nothing), which host copies came from disk, and blocks found
+    damaged that cannot be dropped yet (a descendant is busy; they answer MISS).
+
+    Chains: vLLM's keys are opaque; a block is inserted after the parent vLLM's
+    side names (the previous block of the same request and KV group, when that
+    block is in the index), else as a chain's first block. Dropping a block
+    drops its cached descendants (a prefix lookup stops at the first miss).
+
+    Policies: one ``policies.blocks`` policy per tier (``cfg.policy``), told
+    every event with the index's ``BlockInfo``; both see one request per store
+    batch and per load batch (the batch's chain from its root as the index
+    knows it). ``slabs`` are the per-rank host slabs; ``disk`` is optional. Not
+    thread-safe: all calls come from vLLM's scheduler thread; disk I/O runs on
+    ``executor`` threads and is reaped on that thread.
     """
 
     def __init__(
@@ -391,9 +372,13 @@ class TieredBlockManager:
                 f"disk page {disk.page_bytes} B != host page {self.page_bytes} B (all ranks)"
             )
         self.disk_root = disk_root
-        self.table: dict[bytes, Entry] = {}
-        self.host_policy = POLICIES[cfg.policy]()
-        self.disk_policy = POLICIES[cfg.policy]()
+        self.index = BlockIndex()
+        self.host_policy: BlockPolicy = make_block_policy(cfg.policy, capacity=n)
+        self.disk_policy: BlockPolicy | None = (
+            make_block_policy(cfg.policy, capacity=max(1, disk.capacity_pages))
+            if disk is not None
+            else None
+        )
         self.headroom = (
             cfg.demote_headroom if cfg.demote_headroom is not None else max(1, n // 4)
         )
@@ -403,11 +388,50 @@ class TieredBlockManager:
         self._clock = clock
         self._own_executor = executor is None
         self._io = executor or PriorityExecutor(cfg.io_threads, "tiering-vllm-io")
+        self._storing: dict[bytes, tuple[int, bytes | None]] = {}  # key -> (slot, parent)
+        self._disk_copy: dict[bytes, DiskExtent] = {}  # disk copies of blocks located on HOST
+        self._from_disk: set[bytes] = set()
+        self._load_pins: dict[bytes, int] = {}
+        self._lost: dict[bytes, str] = {}  # damaged, drop deferred: key -> reason
         self._promoting: dict[bytes, Future] = {}
         self._demoting: dict[bytes, Future] = {}
         self._dirty = True
         self._dump: Future | None = None
         self._closed = False
+        self._step = 0  # maintain() calls: one per vLLM scheduler step
+        # promoted for a lookup that answered "pending" and not loaded yet: key -> step
+        self._fresh: dict[bytes, int] = {}
+
+    # ------------------------------------------------------------------ reading
+
+    def block(self, key: bytes) -> BlockView | None:
+        """The block's state in both tiers, or None when no tier holds (or stores) it."""
+        st = self._storing.get(key)
+        if st is not None:
+            return BlockView(key, HostState.STORING, st[0], DiskState.NONE, None, 0, False,
+                             st[1], 0)
+        loc = self.index.location(key)
+        if loc is None:
+            return None
+        info = self.index.get(key)
+        assert info is not None
+        if loc.tier is Tier.HOST:
+            ext = self._disk_copy.get(key)
+            disk = (DiskState.NONE if ext is None else
+                    DiskState.WRITING if key in self._demoting else DiskState.READY)
+            return BlockView(key, HostState.READY, loc.handle, disk, ext,
+                             self._load_pins.get(key, 0), key in self._from_disk,
+                             info.parent, info.depth)
+        host = HostState.PROMOTING if loc.moving_to is Tier.HOST else HostState.NONE
+        return BlockView(key, host, loc.dest_handle, DiskState.READY, loc.handle, 0, False,
+                         info.parent, info.depth)
+
+    def keys(self) -> list[bytes]:
+        """Every block a tier holds or is storing."""
+        return [*self.index.keys(), *self._storing]
+
+    def loaded_from_disk(self, key: bytes) -> bool:
+        return key in self._from_disk
 
     # ------------------------------------------------------------------ helpers
 
@@ -417,155 +441,267 @@ class TieredBlockManager:
     def _owner(self, key: bytes) -> str:
         return "k" + key.hex()
 
-    def _host_evictable(self, e: Entry) -> bool:
-        return e.host is HostState.READY and e.load_pins == 0 and e.disk is not DiskState.WRITING
+    def _disk_ready_copy(self, key: bytes) -> bool:
+        return key in self._disk_copy and key not in self._demoting
 
-    def _disk_evictable(self, e: Entry) -> bool:
-        return e.disk is DiskState.READY and e.host is not HostState.PROMOTING
+    def _announce(self, chain: Sequence[bytes]) -> None:
+        now = self._clock()
+        self.host_policy.on_request(chain, now)
+        if self.disk_policy is not None:
+            self.disk_policy.on_request(chain, now)
 
-    def _drop_host(self, e: Entry) -> None:
-        assert e.slot is not None
-        self.pool.release(e.key, [e.slot])
-        if e.host is HostState.READY:
-            self.host_policy.on_evict(e.key)
-            self.events.append(Event((e.key,), "host", True))
-        e.host, e.slot, e.from_disk = HostState.NONE, None, False
+    def _chain_to(self, parent: bytes | None) -> list[bytes]:
+        if parent is None or parent not in self.index:
+            return []
+        return list(self.index.chain_keys(parent))
 
-    def _drop_disk(self, e: Entry) -> None:
-        assert self.disk is not None and e.extent is not None
-        self.disk.release(e.extent)
-        if e.disk is DiskState.READY:
-            self.disk_policy.on_evict(e.key)
-            self.events.append(Event((e.key,), "disk", True))
-        e.disk, e.extent = DiskState.NONE, None
+    def _release_disk(self, ext: DiskExtent) -> None:
+        assert self.disk is not None
+        try:
+            self.disk.release(ext)
+        except (ValueError, DiskIOError) as exc:  # stays quarantined in the ledger
+            log.warning("tiering: releasing disk extent %s: %s", ext, exc)
 
-    def _forget_if_empty(self, e: Entry, evicted: list[bytes] | None = None) -> None:
-        if e.host is HostState.NONE and e.disk is DiskState.NONE:
-            del self.table[e.key]
+    def _remove(self, key: bytes, reason: str, evicted: list[bytes] | None = None) -> bool:
+        """Drop a block and its cached descendants from every tier and free what they
+        held. False (and the block answers MISS until a later retry succeeds) when it
+        or a descendant is busy (loading, being written down or promoted)."""
+        if not self.index.evictable(key):
+            if key not in self._lost:
+                self.counters.drops_deferred += 1
+            self._lost[key] = reason
+            return False
+        host_gone: list[bytes] = []
+        disk_gone: list[bytes] = []
+        for d in self.index.drop(key, reason):
+            k = d.key
+            if d.tier is Tier.HOST:
+                self.pool.release(k, [d.handle])
+                self.host_policy.on_remove(k)
+                host_gone.append(k)
+                self._from_disk.discard(k)
+                self._forget_fresh(k)
+                ext = self._disk_copy.pop(k, None)
+                if ext is not None:
+                    self._release_disk(ext)
+                    assert self.disk_policy is not None
+                    self.disk_policy.on_remove(k)
+                    disk_gone.append(k)
+            else:
+                self._release_disk(d.handle)
+                assert self.disk_policy is not None
+                self.disk_policy.on_remove(k)
+                disk_gone.append(k)
+            self._lost.pop(k, None)
             self.counters.dropped += 1
             if evicted is not None:
-                evicted.append(e.key)
+                evicted.append(k)
+        if host_gone:
+            self.events.append(Event(tuple(host_gone), "host", True))
+        if disk_gone:
+            self.events.append(Event(tuple(disk_gone), "disk", True))
+        self._dirty = True
+        return True
+
+    def _retry_lost(self) -> None:
+        for k in list(self._lost):
+            reason = self._lost.get(k)
+            if reason is None:
+                continue  # dropped meanwhile, as a descendant of another lost block
+            if k in self.index:
+                self._remove(k, reason)
+            else:
+                self._lost.pop(k, None)
+
+    def _ancestors(self, keys: Iterable[bytes]) -> set[bytes]:
+        out: set[bytes] = set()
+        for k in keys:
+            if k in self.index:
+                out.update(self.index.chain_keys(k))
+        return out
+
+    def _forget_fresh(self, key: bytes) -> None:
+        if self._fresh.pop(key, None) is not None:
+            self.counters.promotions_unused += 1
+
+    def _held_fresh(self, key: bytes) -> bool:
+        """A block promoted for a pending lookup is kept for ``PROMOTED_HOLD_STEPS``
+        steps or until it is loaded: evicting it first would make concurrent
+        requests undo each other's promotions (and retry them forever)."""
+        at = self._fresh.get(key)
+        return at is not None and self._step - at < PROMOTED_HOLD_STEPS
 
     def _free_host_slots(self, need: int, evicted: list[bytes], protect: set[bytes]) -> bool:
-        """Make ``need`` host slots free, evicting cold blocks; all or nothing."""
+        """Make ``need`` host slots free, evicting cold blocks; all or nothing.
+
+        Clean blocks (a disk copy is ready) go first, in policy order: evicting one is
+        a move to DISK and drops nothing. A block without one is dropped with its
+        cached descendants, never one above a protected block."""
         short = need - self.pool.free_pages
         if short <= 0:
             return True
-        chosen: list[Entry] = []
-        clean_first = sorted(
-            (self.table[k] for k in self.host_policy.victims()),
-            key=lambda e: e.disk is not DiskState.READY,
-        )  # stable: policy order within "backed by disk" and "not backed"
-        for e in clean_first:
-            if e.key not in protect and self._host_evictable(e):
-                chosen.append(e)
-                if len(chosen) == short:
+        guarded = self._ancestors(protect)
+        clean: list[bytes] = []
+        dirty: list[bytes] = []
+        gen = self.host_policy.victims(self._clock())
+        try:
+            for _ in range(len(self.host_policy)):
+                k = next(gen, None)
+                if k is None:
                     break
-        if len(chosen) < short:
+                info = self.index.get(k)
+                if info is None or info.refs or k in guarded or self._held_fresh(k):
+                    continue
+                if self._disk_ready_copy(k):
+                    clean.append(k)
+                    if len(clean) >= short:
+                        break
+                elif self.index.evictable(k):
+                    dirty.append(k)
+        finally:
+            gen.close()
+        if len(clean) + len(dirty) < short:
             return False
-        for e in chosen:
-            self._drop_host(e)
-            self.counters.host_evictions += 1
-            self._forget_if_empty(e, evicted)
-        return True
+        freed = 0
+        for k in clean:
+            if freed >= short:
+                break
+            self._evict_clean_host_copy(k)
+            freed += 1
+        for k in dirty:
+            if self.pool.free_pages >= need:
+                break
+            if k in self.index and self.index.evictable(k):  # may be gone with an ancestor
+                self.counters.host_evictions += 1
+                self._remove(k, "evicted", evicted)
+        return self.pool.free_pages >= need
+
+    def _evict_clean_host_copy(self, key: bytes) -> None:
+        ext = self._disk_copy.pop(key)
+        self.index.begin_move(key, Tier.DISK, ext)
+        old = self.index.finish_move(key)  # the bytes are on disk already
+        self.pool.release(key, [old.handle])
+        self.host_policy.on_remove(key)
+        self._from_disk.discard(key)
+        self._forget_fresh(key)
+        self.events.append(Event((key,), "host", True))
+        self.counters.host_evictions += 1
+        self._dirty = True
 
     def _reserve_disk(self, key: bytes, evicted: list[bytes]) -> DiskExtent | None:
-        assert self.disk is not None
+        assert self.disk is not None and self.disk_policy is not None
         ext = self.disk.reserve(self._owner(key), 1)
         if ext is not None:
             return ext
-        for k in list(self.disk_policy.victims()):
-            e = self.table[k]
-            if k != key and self._disk_evictable(e):
-                self._drop_disk(e)
-                self.counters.disk_evictions += 1
-                self._forget_if_empty(e, evicted)
-                ext = self.disk.reserve(self._owner(key), 1)
-                if ext is not None:
-                    return ext
+        guarded = self._ancestors([key])
+        for k in list(islice(self.disk_policy.victims(self._clock()), len(self.disk_policy))):
+            if k in guarded or k not in self.index:
+                continue
+            loc = self.index.location(k)
+            assert loc is not None
+            if loc.tier is Tier.HOST:  # a clean copy: the host copy stays
+                if not self._disk_ready_copy(k):
+                    continue
+                self._release_disk(self._disk_copy.pop(k))
+                self.disk_policy.on_remove(k)
+                self.events.append(Event((k,), "disk", True))
+            elif not self.index.evictable(k) or not self._remove(k, "evicted", evicted):
+                continue  # busy (a descendant is loading or moving): not this one
+            self.counters.disk_evictions += 1
+            ext = self.disk.reserve(self._owner(key), 1)
+            if ext is not None:
+                return ext
         return None
 
     # ------------------------------------------------------------------ reaping I/O
 
     def reap(self) -> None:
         """Settle finished promotions and demotions (non-blocking)."""
+        now = self._clock()
         for key, fut in list(self._promoting.items()):
             if not fut.done():
                 continue
             del self._promoting[key]
-            e = self.table[key]
             self._dirty = True
-            if fut.exception() is None:
-                e.host, e.from_disk = HostState.READY, True
-                self.host_policy.on_insert(key)
+            exc = fut.exception()
+            if exc is None:
+                old = self.index.finish_move(key)  # now on HOST; its disk copy stays
+                self._disk_copy[key] = old.handle
+                self._from_disk.add(key)
+                self._fresh[key] = self._step
+                info = self.index.get(key)
+                assert info is not None
+                self.host_policy.on_insert(info, now)
                 self.events.append(Event((key,), "host", False))
                 self.counters.promotions_ok += 1
             else:
                 log.warning("tiering: block %s failed promotion (%s): dropped, will be recomputed",
-                            key.hex(), fut.exception())
+                            key.hex(), exc)
                 self.counters.promotions_failed += 1
-                self.pool.release(key, [e.slot])
-                e.host, e.slot = HostState.NONE, None
-                self._drop_disk(e)
-                self._forget_if_empty(e)
+                dest = self.index.fail_move(key)
+                self.pool.release(key, [dest.handle])
+                reason = "corrupt" if isinstance(exc, DiskCorruptionError) else "read_failed"
+                self._remove(key, reason)
         for key, fut in list(self._demoting.items()):
             if not fut.done():
                 continue
             del self._demoting[key]
-            e = self.table[key]
+            self.index.release(key)
             self._dirty = True
-            if fut.exception() is None:
-                e.disk = DiskState.READY
-                self.disk_policy.on_insert(key)
+            exc = fut.exception()
+            if exc is None:
+                info = self.index.get(key)
+                assert info is not None and self.disk_policy is not None
+                self.disk_policy.on_insert(info, now)
                 self.events.append(Event((key,), "disk", False))
                 self.counters.demotions_ok += 1
             else:
-                log.warning("tiering: demotion of %s failed: %s", key.hex(), fut.exception())
+                log.warning("tiering: demotion of %s failed: %s", key.hex(), exc)
                 self.counters.demotions_failed += 1
-                e.disk = DiskState.NONE
-                ext, e.extent = e.extent, None
-                try:
-                    assert self.disk is not None and ext is not None
-                    self.disk.release(ext)
-                except (ValueError, DiskIOError) as exc:  # stays quarantined in the ledger
-                    log.warning("tiering: releasing failed extent: %s", exc)
+                self._release_disk(self._disk_copy.pop(key))
+        if self._lost:
+            self._retry_lost()
 
     # ------------------------------------------------------------------ vLLM-facing operations
 
     def lookup(self, key: bytes) -> Lookup:
         self.reap()
         self.counters.lookups += 1
-        e = self.table.get(key)
-        if e is None:
+        if key in self._storing:
+            self.counters.pending_answers += 1
+            return Lookup.PENDING
+        loc = self.index.location(key)
+        if loc is None or key in self._lost:
             return Lookup.MISS
-        if e.host is HostState.READY:
-            # A hit is about to be loaded: make it the most recent, so that promotions
-            # started for the same request evict other blocks first.
-            self.host_policy.on_access(key)
+        if loc.tier is Tier.HOST:
+            # A hit is about to be loaded: make it recent, so that promotions started
+            # for the same request evict other blocks first.
+            info = self.index.get(key)
+            assert info is not None
+            self.host_policy.on_hit(info, self._clock())
             self.counters.host_hits += 1
             return Lookup.HIT
-        if e.host in (HostState.STORING, HostState.PROMOTING):
-            self.counters.pending_answers += 1
-            return Lookup.PENDING
-        if e.disk is DiskState.READY:
+        if loc.moving_to is None:
             # Without a host slot now, every slot is held by something that ends on its
             # own (a store, a promotion, a load, a demotion): ask vLLM to come back.
-            if not self._start_promotion(e):
+            if not self._start_promotion(key):
                 self.counters.promotions_deferred += 1
-            self.counters.pending_answers += 1
-            return Lookup.PENDING
-        return Lookup.MISS
+        self.counters.pending_answers += 1
+        return Lookup.PENDING
 
-    def _start_promotion(self, e: Entry) -> bool:
+    def _start_promotion(self, key: bytes) -> bool:
         evicted: list[bytes] = []
-        if not self._free_host_slots(1, evicted, {e.key}):
+        if not self._free_host_slots(1, evicted, {key}):
             return False
-        slots = self.pool.allocate(e.key, 1)
+        loc = self.index.location(key)
+        if loc is None or loc.tier is not Tier.DISK or loc.moving_to is not None:
+            return False
+        slots = self.pool.allocate(key, 1)
         assert slots is not None
-        e.slot, e.host = slots[0], HostState.PROMOTING
+        self.index.begin_move(key, Tier.HOST, slots[0])
         self.counters.promotions_started += 1
         self._dirty = True
-        self._promoting[e.key] = self._io.submit(RELOAD, self._read_page, e.extent, e.slot)
+        self._promoting[key] = self._io.submit(RELOAD, self._read_page, loc.handle, slots[0])
         return True
 
     def _read_page(self, extent: DiskExtent, slot: int) -> None:
@@ -588,83 +724,148 @@ class TieredBlockManager:
         self.disk.write(extent, torch.cat(self._slot_view(slot)).view(1, -1))
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
-        slots = []
         for k in keys:
-            e = self.table.get(k)
-            if e is None or e.host is not HostState.READY:
+            loc = self.index.location(k)
+            if loc is None or loc.tier is not Tier.HOST or k in self._lost:
+                b = self.block(k)
                 raise ValueError(
                     f"prepare_load: block {k.hex()} is not loadable from host "
-                    f"(state {None if e is None else e.host.value})"
+                    f"(state {None if b is None else b.host.value})"
                 )
+        if keys:
+            self._announce([*self._chain_to(self.index.get(keys[0]).parent), *keys])
+        now = self._clock()
+        slots = []
         for k in keys:
-            e = self.table[k]
-            e.load_pins += 1
-            self.host_policy.on_access(k)
-            if e.disk is DiskState.READY:
-                self.disk_policy.on_access(k)
-            if e.from_disk:
+            self.index.acquire(k)
+            self._load_pins[k] = self._load_pins.get(k, 0) + 1
+            self._fresh.pop(k, None)
+            info = self.index.touch(k, now)
+            self.host_policy.on_hit(info, now)
+            if self._disk_ready_copy(k):
+                assert self.disk_policy is not None
+                self.disk_policy.on_hit(info, now)
+            if k in self._from_disk:
                 self.counters.loads_from_disk += 1
             else:
                 self.counters.loads_from_host += 1
-            slots.append(e.slot)
+            loc = self.index.location(k)
+            assert loc is not None
+            slots.append(loc.handle)
         self._dirty = True
         return slots
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
+        keys = list(keys)
+        need: dict[bytes, int] = {}
         for k in keys:
-            e = self.table.get(k)
-            if e is None or e.load_pins <= 0:
+            need[k] = need.get(k, 0) + 1
+        for k, n in need.items():
+            if self._load_pins.get(k, 0) < n:
                 raise ValueError(f"complete_load: block {k.hex()} has no load in flight")
-            e.load_pins -= 1
+        for k in keys:
+            self.index.release(k)
+            left = self._load_pins[k] - 1
+            if left:
+                self._load_pins[k] = left
+            else:
+                del self._load_pins[k]
 
     def touch(self, keys: Iterable[bytes]) -> None:
+        now = self._clock()
         for k in keys:
-            e = self.table.get(k)
-            if e is None:
+            loc = self.index.location(k)
+            if loc is None:
                 continue
-            if e.host is HostState.READY:
-                self.host_policy.on_access(k)
-            if e.disk is DiskState.READY:
-                self.disk_policy.on_access(k)
+            info = self.index.touch(k, now)
+            if loc.tier is Tier.HOST:
+                self.host_policy.on_hit(info, now)
+            if self.disk_policy is not None and (loc.tier is Tier.DISK or self._disk_ready_copy(k)):
+                self.disk_policy.on_hit(info, now)
 
-    def prepare_store(self, keys: Sequence[bytes]) -> StoreDecision | None:
-        """Host slots for the keys not yet held; None (nothing changed) if they do not fit."""
+    def prepare_store(
+        self, keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None
+    ) -> StoreDecision | None:
+        """Host slots for the keys not yet held; None (nothing changed) if they do not fit.
+
+        ``parents[i]`` is the block before ``keys[i]`` in its request (None: unknown).
+        Without a disk tier the host is the bottom tier and its policy may refuse a
+        new block (``admit``): a refused block is not stored, nor are the blocks
+        after it in this batch. With one, every block is stored (evicting a block
+        with a disk copy loses nothing) and the disk policy admits at demotion."""
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(
+                f"prepare_store: {len(keys)} keys but {len(parents)} parents"
+            )
         self.reap()
         seen: set[bytes] = set()
-        new = []
-        for k in keys:
-            if k not in self.table and k not in seen:
-                new.append(k)
-                seen.add(k)
+        batch: list[tuple[bytes, bytes | None]] = []
+        for i, k in enumerate(keys):
+            if k in seen:
+                continue
+            seen.add(k)
+            p = parents[i] if parents is not None else None
+            if p is not None and not isinstance(p, bytes):
+                raise ValueError(f"prepare_store: parent of {k.hex()} must be bytes or None, got {p!r}")
+            batch.append((k, None if p == k else p))
+        if batch:
+            first_parent = batch[0][1]
+            self._announce([*self._chain_to(first_parent), *(k for k, _ in batch)])
+        now = self._clock()
+        depth: dict[bytes, int] = {}
+        skipped: set[bytes] = set()
+        new: list[tuple[bytes, bytes | None]] = []
+        for k, p in batch:
+            if k in self.index or k in self._storing:
+                if k in self.index:
+                    depth[k] = self.index.get(k).depth
+                continue
+            if p is not None and p in skipped:
+                skipped.add(k)
+                continue
+            pinfo = self.index.get(p) if p is not None else None
+            d = pinfo.depth + 1 if pinfo is not None else depth.get(p, -1) + 1 if p else 0
+            if self.disk is None and not self.host_policy.admit(k, d, now):
+                skipped.add(k)
+                self.counters.stores_not_admitted += 1
+                continue
+            depth[k] = d
+            new.append((k, p))
         evicted: list[bytes] = []
         if not self._free_host_slots(len(new), evicted, set(keys)):
             self.counters.stores_refused += 1
             return None
+        # an eviction may have taken a parent with it: such a block starts a chain
         slots = self.pool.allocate(("batch",), len(new)) if new else []
         assert slots is not None
-        for k, s in zip(new, slots, strict=True):
+        for (k, p), s in zip(new, slots, strict=True):
             self.pool.transfer_ownership(("batch",), k, [s])
-            self.table[k] = Entry(k, HostState.STORING, s)
+            self._storing[k] = (s, p)
         self.counters.stores_started += len(new)
         self._dirty = True
-        return StoreDecision(new, slots, evicted)
+        return StoreDecision([k for k, _ in new], slots, evicted)
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
         stored = []
+        now = self._clock()
         for k in keys:
-            e = self.table.get(k)
-            if e is None or e.host is not HostState.STORING:
+            st = self._storing.pop(k, None)
+            if st is None:
                 continue  # already complete (keys repeat across jobs) or never ours
+            slot, parent = st
             if success:
-                e.host = HostState.READY
-                self.host_policy.on_insert(k)
+                if parent is not None and (parent not in self.index or parent in self._lost):
+                    parent = None  # gone meanwhile, or not stored yet: a chain's first block
+                ok = self.index.insert(k, parent, Tier.HOST, slot, now)
+                assert ok
+                info = self.index.get(k)
+                assert info is not None
+                self.host_policy.on_insert(info, now)
                 stored.append(k)
                 self.counters.stores_completed += 1
             else:
-                self.pool.release(k, [e.slot])
-                e.host, e.slot = HostState.NONE, None
+                self.pool.release(k, [slot])
                 self.counters.stores_failed += 1
-                self._forget_if_empty(e)
         if stored:
             self.events.append(Event(tuple(stored), "host", False))
         self._dirty = True
@@ -672,6 +873,7 @@ class TieredBlockManager:
 
     def maintain(self) -> None:
         """Reap I/O, write cold host blocks down to disk to keep headroom, dump state."""
+        self._step += 1
         self.reap()
         if self.disk is not None:
             self._demote_for_headroom()
@@ -684,25 +886,28 @@ class TieredBlockManager:
     def _demote_for_headroom(self) -> None:
         if self.pool.free_pages >= self.headroom:
             return  # the common case costs nothing per step
-        clean = sum(
-            1
-            for e in self.table.values()
-            if e.host is HostState.READY and e.disk is not DiskState.NONE
-        )
-        spare = self.pool.free_pages + clean
-        for k in list(self.host_policy.victims()):
+        spare = self.pool.free_pages + len(self._disk_copy) - len(self._demoting)
+        now = self._clock()
+        for k in list(islice(self.host_policy.victims(now), len(self.host_policy))):
             if spare >= self.headroom or len(self._demoting) >= 4 * self.cfg.io_threads:
                 return
-            e = self.table[k]
-            if e.disk is not DiskState.NONE or not self._host_evictable(e):
+            info = self.index.get(k)
+            if info is None or info.refs or k in self._disk_copy:
                 continue
+            loc = self.index.location(k)
+            assert loc is not None and loc.tier is Tier.HOST
+            assert self.disk_policy is not None
+            if not self.disk_policy.admit(k, info.depth, now):
+                self.counters.demotions_not_admitted += 1
+                continue  # stays host only: dropped, not written down, when evicted
             evicted: list[bytes] = []
             ext = self._reserve_disk(k, evicted)
             if ext is None:
                 return
-            e.extent, e.disk = ext, DiskState.WRITING
+            self._disk_copy[k] = ext
+            self.index.acquire(k)  # pinned until the write is reaped
             self.counters.demotions_started += 1
-            self._demoting[k] = self._io.submit(OFFLOAD, self._write_page, ext, e.slot)
+            self._demoting[k] = self._io.submit(OFFLOAD, self._write_page, ext, loc.handle)
             spare += 1
             self._dirty = True
 
@@ -729,14 +934,15 @@ class TieredBlockManager:
 
     def state(self) -> dict[str, Any]:
         disk_blocks = []
-        direct = getattr(getattr(self.disk, "_backend", None), "direct", None)
-        for e in self.table.values():
-            if e.disk is DiskState.READY and e.extent is not None:
-                chunk = e.extent.chunks[0]
-                off = direct.payload_offset(chunk) if direct is not None else None
+        for k in self.index.keys():
+            b = self.block(k)
+            assert b is not None
+            if b.disk is DiskState.READY and b.extent is not None:
+                chunk = b.extent.chunks[0]
                 disk_blocks.append(
-                    {"key": e.key.hex(), "chunk": chunk, "payload_offset": off,
-                     "on_host": e.host is HostState.READY}
+                    {"key": k.hex(), "chunk": chunk,
+                     "payload_offset": _payload_offset(self.disk, chunk),
+                     "on_host": b.host is HostState.READY}
                 )
         return {
             "time": self._clock(),
@@ -746,19 +952,32 @@ class TieredBlockManager:
             "page_bytes": self.page_bytes,
             "disk_root": self.disk_root,
             "disk_blocks": disk_blocks,
+            "policy": self.cfg.policy,
+            "index": {
+                "blocks": len(self.index),
+                "on_host": self.index.count(Tier.HOST),
+                "on_disk": self.index.count(Tier.DISK),
+                "chained": sum(1 for k in self.index.keys() if self.index.get(k).parent is not None),
+                "dropped": dict(self.index.dropped),
+            },
         }
 
     def reset(self) -> None:
-        """Forget every block that no job uses (vLLM's reset_cache)."""
+        """Forget every block that no job uses (vLLM's reset_cache). A block that a
+        load, a demotion or a promotion uses stays, and so do its ancestors; a clean
+        disk copy of a block that stays is dropped."""
         self.reap()
-        for e in list(self.table.values()):
-            if e.key in self._promoting or e.key in self._demoting:
-                continue
-            if e.host is HostState.READY and e.load_pins == 0:
-                self._drop_host(e)
-            if e.disk is DiskState.READY:
-                self._drop_disk(e)
-            self._forget_if_empty(e)
+        for k in list(self.index.keys()):
+            if k not in self.index:
+                continue  # gone with an ancestor
+            if self.index.evictable(k):
+                self._remove(k, "reset")
+        for k in list(self._disk_copy):
+            if self._disk_ready_copy(k):
+                assert self.disk_policy is not None
+                self._release_disk(self._disk_copy.pop(k))
+                self.disk_policy.on_remove(k)
+                self.events.append(Event((k,), "disk", True))
         self._dirty = True
 
     def wait_io(self, timeout: float = 30.0) -> bool:
@@ -792,51 +1011,87 @@ class TieredBlockManager:
 
     def check_integrity(self) -> None:
         problems = []
+        try:
+            self.index.check_integrity()
+        except AssertionError as exc:
+            problems.append(f"block index: {exc}")
         holdings: dict[Any, list[int]] = {}
-        host_ready = set()
-        disk_ready = set()
-        for k, e in self.table.items():
-            if e.key != k:
-                problems.append(f"{k.hex()}: entry key differs")
-            if (e.host is HostState.NONE) != (e.slot is None):
-                problems.append(f"{k.hex()}: host {e.host.value} with slot {e.slot}")
-            if (e.disk is DiskState.NONE) != (e.extent is None):
-                problems.append(f"{k.hex()}: disk {e.disk.value} with extent {e.extent}")
-            if e.host is HostState.NONE and e.disk is DiskState.NONE:
-                problems.append(f"{k.hex()}: in no tier but still in the table")
-            if e.load_pins < 0 or (e.load_pins and e.host is not HostState.READY):
-                problems.append(f"{k.hex()}: {e.load_pins} load pins with host {e.host.value}")
-            if (e.host is HostState.PROMOTING) != (k in self._promoting):
-                problems.append(f"{k.hex()}: promoting state and job disagree")
-            if (e.disk is DiskState.WRITING) != (k in self._demoting):
-                problems.append(f"{k.hex()}: demoting state and job disagree")
-            if e.disk is DiskState.WRITING and e.host is not HostState.READY:
-                problems.append(f"{k.hex()}: demoting without a ready host copy")
-            if e.slot is not None:
-                holdings[k] = [e.slot]
-            if e.host is HostState.READY:
+        host_ready: set[bytes] = set()
+        disk_ready: set[bytes] = set()
+        extents: dict[Any, bytes] = {}
+        for k, (slot, _) in self._storing.items():
+            if k in self.index:
+                problems.append(f"{k.hex()}: storing and already in the index")
+            holdings[k] = [slot]
+        for k in self.index.keys():
+            loc = self.index.location(k)
+            info = self.index.get(k)
+            assert loc is not None and info is not None
+            pins = self._load_pins.get(k, 0) + (1 if k in self._demoting else 0)
+            if info.refs != pins:
+                problems.append(f"{k.hex()}: {info.refs} refs, {pins} load/demotion pins")
+            if loc.tier is Tier.HOST:
                 host_ready.add(k)
-            if e.disk is DiskState.READY:
+                holdings[k] = [loc.handle]
+                if loc.moving_to is not None:
+                    problems.append(f"{k.hex()}: a host block moving to {loc.moving_to.value}")
+                ext = self._disk_copy.get(k)
+                if ext is not None:
+                    if k not in self._demoting:
+                        disk_ready.add(k)
+                    if ext in extents:
+                        problems.append(f"{k.hex()}: extent {ext} held twice")
+                    extents[ext] = k
+            elif loc.tier is Tier.DISK:
                 disk_ready.add(k)
-        if set(self.host_policy.victims()) != host_ready or len(self.host_policy) != len(host_ready):
-            problems.append("host policy does not hold exactly the host-ready blocks")
-        if set(self.disk_policy.victims()) != disk_ready or len(self.disk_policy) != len(disk_ready):
-            problems.append("disk policy does not hold exactly the disk-ready blocks")
+                if loc.handle in extents:
+                    problems.append(f"{k.hex()}: extent {loc.handle} held twice")
+                extents[loc.handle] = k
+                if (loc.moving_to is Tier.HOST) != (k in self._promoting):
+                    problems.append(f"{k.hex()}: promoting state and job disagree")
+                if loc.moving_to is Tier.HOST:
+                    holdings[k] = [loc.dest_handle]
+                if self._load_pins.get(k) or k in self._disk_copy or k in self._from_disk:
+                    problems.append(f"{k.hex()}: a disk-only block with host-side state")
+            else:
+                problems.append(f"{k.hex()}: on {loc.tier.value}, which this manager has not")
+        stray = [k for k in self._fresh if k not in host_ready]
+        if stray:
+            problems.append(f"{stray[0].hex()}: held as freshly promoted but not on host")
+        for name, keys in (("disk copies", self._disk_copy), ("demotions", self._demoting),
+                           ("promotions", self._promoting), ("from-disk marks", self._from_disk),
+                           ("load pins", self._load_pins), ("lost blocks", self._lost)):
+            stray = [k for k in keys if k not in self.index]
+            if stray:
+                problems.append(f"{name} of blocks not in the index: {stray[0].hex()}")
+        if not set(self._demoting) <= set(self._disk_copy):
+            problems.append("a demotion without its disk copy")
+        for name, policy, want in (("host", self.host_policy, host_ready),
+                                   ("disk", self.disk_policy, disk_ready)):
+            if policy is None:
+                if want:
+                    problems.append(f"{name} blocks without a {name} policy")
+                continue
+            if len(policy) != len(want) or not all(k in policy for k in want):
+                problems.append(
+                    f"{name} policy tracks {len(policy)} blocks, not exactly the "
+                    f"{len(want)} {name}-ready ones"
+                )
         try:
             self.pool.check_integrity(holdings)
         except AssertionError as exc:
-            problems.append(str(exc))
+            problems.append(f"host pool: {exc}")
         if self.disk is not None:
             try:
                 self.disk.check_integrity()
             except AssertionError as exc:
                 problems.append(str(exc))
-            extents = [e for e in self.table.values() if e.extent is not None]
             if self.disk.used_bytes() < len(extents) * self.disk.chunk_alloc_bytes:
-                problems.append("disk ledger holds fewer chunks than the table's extents")
+                problems.append("disk ledger holds fewer chunks than the blocks' extents")
+        elif extents:
+            problems.append("disk extents without a disk tier")
         if problems:
-            raise TableIntegrityError("tiering vLLM block table: " + "; ".join(problems[:20]))
-
+            raise TableIntegrityError("tiering vLLM manager: " + "; ".join(problems[:20]))
 
 def _write_json(path: str, obj: Mapping[str, Any]) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"

@@ -92,22 +92,54 @@ class _Geometry:
                         self.slot_bytes)
 
 
+class _RequestChain:
+    """Per request (kept on its ``ReqContext``): the last key seen of each KV group,
+    in the order vLLM looks up and stores them, i.e. the parent of the next one."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: dict[bytes, bytes] = {}
+
+    @staticmethod
+    def of(ctx: ReqContext) -> _RequestChain:
+        chain = ctx.get_state(_RequestChain)
+        if chain is None:
+            chain = _RequestChain()
+            ctx.set_state(chain)
+        return chain
+
+    def parents(self, keys: list[bytes]) -> list[bytes | None]:
+        """Each key's parent: the key before it of its group (changes nothing)."""
+        last = dict(self.last)
+        out: list[bytes | None] = []
+        for k in keys:
+            group = k[-4:]  # an offload key is block hash + 4-byte group index
+            out.append(last.get(group))
+            last[group] = k
+        return out
+
+    def advance(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self.last[k[-4:]] = k
+
+
 class TieredOffloadingManager(OffloadingManager):
     def __init__(self, core: TieredBlockManager, enable_events: bool):
         self.core = core
         self.enable_events = enable_events
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        r = self.core.lookup(bytes(key))
-        if r is Lookup.HIT:
-            return LookupResult.HIT
-        if r is Lookup.PENDING:
-            return LookupResult.HIT_PENDING
-        return LookupResult.MISS
+        k = bytes(key)
+        r = self.core.lookup(k)
+        if r is Lookup.MISS:
+            return LookupResult.MISS
+        # lookups run root first and stop at a miss: a hit is the next one's parent
+        _RequestChain.of(req_context).last[k[-4:]] = k
+        return LookupResult.HIT if r is Lookup.HIT else LookupResult.HIT_PENDING
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        e = self.core.table.get(bytes(key))
-        if e is not None and e.from_disk:
+        if self.core.loaded_from_disk(bytes(key)):
             return CacheHitSource.DISK
         return CacheHitSource.HOST
 
@@ -123,9 +155,12 @@ class TieredOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        d = self.core.prepare_store([bytes(k) for k in keys])
+        ks = [bytes(k) for k in keys]
+        chain = _RequestChain.of(req_context)
+        d = self.core.prepare_store(ks, chain.parents(ks))
         if d is None:
             return None
+        chain.advance(ks)
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in d.keys_to_store],
             store_spec=TieredLoadStoreSpec(d.slots),
