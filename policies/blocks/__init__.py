@@ -13,12 +13,12 @@ built-in passes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+from collections.abc import Callable
 
 from policies.blocks.base import BlockInfo, BlockPolicy
 from policies.blocks.chain import ChainOdds
 from policies.blocks.generic import ARCBlocks, LRUBlocks, S3FIFOBlocks
+from policies.registry import Registry
 
 BlockPolicyFactory = Callable[..., BlockPolicy]
 
@@ -36,54 +36,12 @@ __all__ = [
 ]
 
 
-class BlockPolicyRegistry:
-    """An immutable map from block policy name to factory."""
+class BlockPolicyRegistry(Registry):
+    """An immutable map from block policy name to factory (see ``policies.registry``)."""
 
-    __slots__ = ("_factories",)
-
-    def __init__(self, factories: Mapping[str, BlockPolicyFactory] | None = None) -> None:
-        checked: dict[str, BlockPolicyFactory] = {}
-        for name, factory in (factories or {}).items():
-            _check_entry(name, factory)
-            checked[name] = factory
-        self._factories = MappingProxyType(checked)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(sorted(self._factories))
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._factories
-
-    def with_policy(self, name: str, factory: BlockPolicyFactory) -> BlockPolicyRegistry:
-        _check_entry(name, factory)
-        if name in self._factories:
-            raise ValueError(f"block policy {name!r} is already registered")
-        return BlockPolicyRegistry({**self._factories, name: factory})
-
-    def make(self, name: str, **kwargs: object) -> BlockPolicy:
-        factory = self._factories.get(name)
-        if factory is None:
-            raise ValueError(f"unknown block policy {name!r}; known: {', '.join(self.names)}")
-        try:
-            policy = factory(**kwargs)
-        except TypeError as err:
-            raise TypeError(f"block policy {name!r}: {err}") from err
-        if not isinstance(policy, BlockPolicy):
-            raise TypeError(
-                f"block policy {name!r}: factory returned {type(policy).__name__}, not a BlockPolicy"
-            )
-        return policy
-
-    def __repr__(self) -> str:
-        return f"BlockPolicyRegistry({', '.join(self.names)})"
-
-
-def _check_entry(name: object, factory: object) -> None:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a block policy name must be a non-empty str, got {name!r}")
-    if not callable(factory):
-        raise TypeError(f"block policy {name!r}: factory {factory!r} is not callable")
+    kind = "block policy"
+    product = BlockPolicy
+    __slots__ = ()
 
 
 def default_block_registry() -> BlockPolicyRegistry:
