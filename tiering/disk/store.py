@@ -472,21 +472,29 @@ class DiskPageStore:
             previous = slot
         return batches
 
+    def _direct_jobs(
+        self, chunk_io: Callable[..., None], state: ExtentState,
+        batches: list[list[tuple[int, np.ndarray]]],
+    ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
+        """One job per batch of adjacent slots on the slot file's direct path:
+        ``chunk_io`` (``write_chunk`` or ``read_chunk``) per slot, off the loop."""
+
+        def run(batch: list[tuple[int, np.ndarray]]) -> None:
+            for slot, row in batch:
+                chunk_io(slot, row, 0, self._binding(state, slot))
+
+        async def one_direct(batch: list[tuple[int, np.ndarray]]) -> None:
+            await asyncio.to_thread(run, batch)
+
+        return [(one_direct, (batch,)) for batch in batches]
+
     def _write_jobs(
         self, extent: DiskExtent, state: ExtentState, positions: range, rows: np.ndarray
     ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
         direct = self._backend.direct
         batches = self._batches(extent, positions, rows)
         if direct is not None:
-
-            def run(batch: list[tuple[int, np.ndarray]]) -> None:
-                for slot, row in batch:
-                    direct.write_chunk(slot, row, 0, self._binding(state, slot))
-
-            async def one_direct(batch: list[tuple[int, np.ndarray]]) -> None:
-                await asyncio.to_thread(run, batch)
-
-            return [(one_direct, (batch,)) for batch in batches]
+            return self._direct_jobs(direct.write_chunk, state, batches)
         array = self._require_array()
         backend = self._backend
         slots = backend.slots
@@ -507,15 +515,7 @@ class DiskPageStore:
         direct = self._backend.direct
         batches = self._batches(extent, positions, rows)
         if direct is not None:
-
-            def run(batch: list[tuple[int, np.ndarray]]) -> None:
-                for slot, row in batch:
-                    direct.read_chunk(slot, row, 0, self._binding(state, slot))
-
-            async def one_direct(batch: list[tuple[int, np.ndarray]]) -> None:
-                await asyncio.to_thread(run, batch)
-
-            return [(one_direct, (batch,)) for batch in batches]
+            return self._direct_jobs(direct.read_chunk, state, batches)
         prototype = default_buffer_prototype()
         array = self._require_array()
         backend = self._backend
