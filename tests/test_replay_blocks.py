@@ -41,13 +41,14 @@ def _admit(kv, store, rid, chain, n_in):
     mapped = store.lend(peek) if peek.blocks else []
     kv.ingest_request(rid)
     assert kv.allocate(rid, n_in)
-    moves = store.commit(rid, peek, mapped)
+    moves = store.commit(peek)
     return peek, mapped, moves
 
 
-def _finish(kv, store, rid, mapped):
+def _finish(kv, store, rid, mapped, keys=()):
     kv.remove_request(rid)
-    store.release(rid, mapped)
+    store.release(mapped)
+    return store.publish(keys)
 
 
 def test_hand_checked_reuse_moves_down_and_back_up():
@@ -55,11 +56,10 @@ def test_hand_checked_reuse_moves_down_and_back_up():
     kv, store = _store(clock)
     a = (11, 12, 13)
     peek, mapped, moves = _admit(kv, store, "a", a, 3 * BT + 5)
-    assert peek.blocks == 0 and moves == [] and mapped == list(a)
-    # still being computed: another request may not reuse it
+    assert peek.blocks == 0 and moves == [] and mapped == [] and peek.keys == a
+    # kept only once its request is done
     assert store.peek(a + (14,), 4 * BT + 1).blocks == 0
-    store.computed("a", mapped)
-    _finish(kv, store, "a", mapped)
+    assert _finish(kv, store, "a", mapped, a) == 3
     store.check_integrity()
     assert store.count(Tier.DEVICE) == 3 and kv.block_pages(Tier.DEVICE) == 6
     assert kv.device_used_bytes() == 6 * kv.page_bytes  # the request itself is gone
@@ -78,29 +78,29 @@ def test_hand_checked_reuse_moves_down_and_back_up():
     store.check_integrity()
     store.loaded(moves)
     store.check_integrity()
-    assert store.count(Tier.DEVICE) == 4 and store.count(Tier.HOST) == 0
+    assert store.count(Tier.DEVICE) == 3 and store.count(Tier.HOST) == 0
     assert kv.block_pages(Tier.HOST) == 0 and kv.block_pages(Tier.DEVICE) == 0  # all mapped
-    store.computed("b", mapped)
-    _finish(kv, store, "b", mapped)
+    assert _finish(kv, store, "b", mapped, a + (21,)) == 1
     store.check_integrity()
     assert kv.block_pages(Tier.DEVICE) == 8 and store.counters.loaded == 3
 
 
-def test_mapped_blocks_never_leave_and_uncomputed_ones_are_dropped():
+def test_mapped_blocks_never_leave():
     clock = SimClock()
     kv, store = _store(clock)
     chain = (1, 2, 3, 4)
     _, mapped, _ = _admit(kv, store, "a", chain, 4 * BT + 1)
+    _finish(kv, store, "a", mapped, chain)
+    _, mapped, _ = _admit(kv, store, "b", chain, 4 * BT + 1)
+    assert mapped == list(chain)
     free = kv.device_free_pages
     # everything is mapped: no block may go, and nothing changes
     assert not store.make_room(free() + 1, free, move=False)
     assert store.shed_device(lambda: True) == 0 and store.count(Tier.DEVICE) == 4
-    # its KV is freed before its prefill completed: the blocks were never computed
-    _finish(kv, store, "a", mapped)
     store.check_integrity()
-    assert len(store) == 0 and kv.block_pages(Tier.DEVICE) == 0
-    assert store.index.dropped["uncomputed"] == 1 and store.index.dropped["orphaned"] == 3
-    assert store.counters.dropped == 0  # not counted as evictions
+    _finish(kv, store, "b", mapped, chain)
+    assert store.shed_device(lambda: store.count(Tier.DEVICE) > 0) == 4
+    store.check_integrity()
 
 
 def test_make_room_drops_in_the_block_policy_order_and_refuses_when_it_cannot():
@@ -109,8 +109,7 @@ def test_make_room_drops_in_the_block_policy_order_and_refuses_when_it_cannot():
     for i, chain in enumerate([(1, 2), (3, 4), (5, 6)]):
         clock.now = float(i)
         _, mapped, _ = _admit(kv, store, f"r{i}", chain, 2 * BT + 1)
-        store.computed(f"r{i}", mapped)
-        _finish(kv, store, f"r{i}", mapped)
+        _finish(kv, store, f"r{i}", mapped, chain)
     clock.now = 5.0
     _admit(kv, store, "x", (3, 4), 2 * BT + 1)  # maps (3, 4): the most recent, and pinned
     free = kv.device_free_pages
@@ -149,27 +148,29 @@ class BlockStoreMachine(RuleBasedStateMachine):
         rid = f"r{self.n}"
         self.n += 1
         peek, mapped, moves = _admit(self.kv, self.store, rid, chain, n_in)
-        assert all(k not in self.store._pending or self.store._pending[k] == rid
-                   for k in mapped[: peek.blocks])
-        self.live[rid] = (mapped, moves, False)
+        assert mapped == list(peek.keys[: peek.blocks])
+        self.live[rid] = (mapped, moves, peek.keys)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
-    def land_and_compute(self, data):
+    def land(self, data):
         rid = data.draw(st.sampled_from(sorted(self.live)))
-        mapped, moves, _ = self.live[rid]
+        mapped, moves, keys = self.live[rid]
         self.store.loaded(moves)
-        self.store.computed(rid, mapped)
-        self.live[rid] = (mapped, [], True)
+        self.live[rid] = (mapped, [], keys)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def finish(self, data):
         rid = data.draw(st.sampled_from(sorted(self.live)))
-        mapped, moves, _ = self.live.pop(rid)
+        mapped, moves, keys = self.live.pop(rid)
         self.store.loaded(moves)
         self.kv.remove_request(rid)
-        self.store.release(rid, mapped)
+        self.store.release(mapped)
+        if not data.draw(st.booleans()):  # finished, not freed to be recomputed
+            before = self.store.index.match_length(keys)
+            added = self.store.publish(keys)
+            assert self.store.index.match_length(keys) >= before + added
 
     @rule(low=st.integers(0, 40))
     def shed(self, low):
@@ -207,8 +208,7 @@ def test_check_integrity_catches_miscounted_pages():
     clock = SimClock()
     kv, store = _store(clock)
     _, mapped, _ = _admit(kv, store, "a", (1, 2), 2 * BT + 1)
-    store.computed("a", mapped)
-    _finish(kv, store, "a", mapped)
+    _finish(kv, store, "a", mapped, (1, 2))
     store.check_integrity()
     kv.take_block_pages(Tier.DEVICE, 1)
     with pytest.raises(AssertionError, match="block pages"):

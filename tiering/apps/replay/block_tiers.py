@@ -9,22 +9,24 @@ is the same index and the same policies that run in production, not a copy.
 
 The life of a block:
 
-- **Lookup and publish** (``peek`` then ``commit``, when a request is
-  admitted): the longest cached prefix of its full prompt blocks is reused
-  (a block still being computed by another request ends the match); then,
-  as the block replay does, every policy is told the request
-  (``on_request``), each matched block is touched (``on_hit`` of its tier's
-  policy) and mapped, and the rest of the chain is inserted on the device
-  if the device policy admits it, mapped by the request and marked pending
-  until its prefill completes. Matched host and disk blocks move up to the
-  device (``begin_move``; ``loaded`` finishes the moves when the copy lands).
+- **Lookup** (``peek``, ``lend``, ``commit``, when a request is admitted):
+  the longest cached prefix of its full prompt blocks is reused; every
+  tier's policy is told the request (``on_request``), each matched block is
+  touched (``on_hit`` of its tier's policy) and mapped; matched host and
+  disk blocks move up to the device (``begin_move``; ``loaded`` finishes the
+  moves when the copy lands).
+- **Publish** (``publish``, when the request finishes): the blocks of its
+  prompt the index lacks are offered to the device policy root first
+  (``admit``, then ``insert`` and ``on_insert``) while it admits them and the
+  device has room. A prompt's blocks are thus kept once its request is done
+  (as a worker keeps a finished request's prefix), never half-computed.
 - **Device pages.** A block mapped by a live request is part of that
   request's KV (its pages are in the request's allocation); an unmapped
   device block holds its own pages (``take_block_pages`` of the KV backend),
   so the device's pressure sees it. Blocks on host and disk always hold
   their pages there.
 - **Release** (the request finished, or its KV was freed to be recomputed):
-  its blocks are unmapped; blocks it was still computing are dropped.
+  its blocks are unmapped.
 - **Down the tiers** (``shed_device``, ``relieve_lower``, ``make_room``): the
   tier's policy picks the victim (``BlockIndex.choose_victim``, so a mapped
   block, or one with a mapped or moving descendant, never leaves); it moves
@@ -105,7 +107,6 @@ class PrefixBlocks:
         self.policy_name = policy
         self.index = BlockIndex()
         self._handle = 0
-        self._pending: dict[Hashable, str] = {}  # block -> request still computing it
         self._reserved = dict.fromkeys(_TIERS, 0)  # blocks holding their own pages, per tier
         self.changes = 0  # bumped whenever a block comes, goes, moves or is (un)mapped
         self._moved_host = self._moved_disk = self._loaded = self._dropped = self._refused = 0
@@ -139,12 +140,6 @@ class PrefixBlocks:
         prompt token is always left to compute."""
         keys = self.keys_of(hash_ids, n_in)
         tiers = self.index.match(keys).tiers
-        pending = self._pending
-        if pending:
-            for i in range(len(tiers)):
-                if keys[i] in pending:
-                    tiers = tiers[:i]
-                    break
         d = len(tiers)
         reused = min(d * self.block_tokens, n_in - 1) if d else 0
         if reused <= 0:
@@ -176,11 +171,11 @@ class PrefixBlocks:
                 self._reserve(k, Tier.DEVICE)
         self.changes += 1
 
-    def commit(self, rid: str, peek: PrefixPeek, mapped: list[Hashable]) -> list[Hashable]:
-        """Admission went through: tell the policies, touch the hits, start moving host
-        and disk hits up, and publish the rest of the chain on the device (mapped by
-        ``rid``, pending until ``computed``). ``mapped`` (from ``lend``) grows with the
-        published keys. Returns the keys whose move up ``loaded`` must finish."""
+    def commit(self, peek: PrefixPeek) -> list[Hashable]:
+        """Admission went through (after ``lend``): tell every tier's policy of the
+        request, touch the hits (``on_hit`` of their tier's policy) and start moving host
+        and disk hits up to the device. Returns the keys whose move ``loaded`` must
+        finish."""
         now = self._clock()
         index = self.index
         pol = self.policies
@@ -188,29 +183,11 @@ class PrefixBlocks:
         for p in pol.values():
             p.on_request(keys, now)
         moves = []
-        for k, t in zip(keys, peek.tiers):
+        for k, t in zip(keys, peek.tiers, strict=False):
             pol[t].on_hit(index.touch(k, now), now)
-            if t is not Tier.DEVICE:
-                loc = index.location(k)
-                if loc.moving_to is None:
-                    index.begin_move(k, Tier.DEVICE, self._new_handle())
-                    moves.append(k)
-        parent = keys[peek.blocks - 1] if peek.blocks else None
-        dev = pol[Tier.DEVICE]
-        for depth in range(peek.blocks, len(keys)):
-            k = keys[depth]
-            if k in index:
-                break  # being computed by another request: the chain is not ours past here
-            if not dev.admit(k, depth, now):
-                self._refused += 1
-                break
-            if not index.insert(k, parent, Tier.DEVICE, self._new_handle(), now):
-                break
-            dev.on_insert(index.get(k), now)
-            index.acquire(k)
-            self._pending[k] = rid
-            mapped.append(k)
-            parent = k
+            if t is not Tier.DEVICE and index.location(k).moving_to is None:
+                index.begin_move(k, Tier.DEVICE, self._new_handle())
+                moves.append(k)
         self.changes += 1
         return moves
 
@@ -229,31 +206,43 @@ class PrefixBlocks:
             self._loaded += 1
         self.changes += 1
 
-    def computed(self, rid: str, mapped: Sequence[Hashable]) -> None:
-        """``rid``'s prefill completed: the blocks it published may be reused."""
-        pending = self._pending
-        for k in mapped:
-            if pending.get(k) == rid:
-                del pending[k]
-        self.changes += 1
-
-    def release(self, rid: str, mapped: Sequence[Hashable]) -> None:
-        """``rid`` no longer holds its KV (the caller freed it first): unmap its blocks;
-        the ones it was still computing are dropped, the rest stay cached."""
+    def release(self, mapped: Sequence[Hashable]) -> None:
+        """The request that mapped these blocks no longer holds its KV (the caller freed
+        it first): unmap them; a device block nobody maps takes its own pages again."""
         index = self.index
-        pending = self._pending
-        first_pending = None
         for k in mapped:
-            if pending.get(k) == rid:
-                index.release(k)
-                if first_pending is None:
-                    first_pending = k
-                continue
             if not index.release(k) and index.location(k).tier is Tier.DEVICE:
                 self._reserve(k, Tier.DEVICE)
-        if first_pending is not None:
-            self._drop(first_pending, "uncomputed", counted=False)
         self.changes += 1
+
+    def publish(self, keys: Sequence[Hashable]) -> int:
+        """A request finished (its KV freed, its blocks released): its full prompt blocks
+        the index lacks are offered to the device policy, root first, and kept on the
+        device while it admits them and the device has room. Returns the blocks added."""
+        now = self._clock()
+        index = self.index
+        dev = self.policies[Tier.DEVICE]
+        kv = self._kv
+        parent = None
+        added = 0
+        for depth, k in enumerate(keys):
+            if k in index:
+                parent = k
+                continue
+            if not dev.admit(k, depth, now):
+                self._refused += 1
+                break
+            if kv.free_pages(Tier.DEVICE) < self.block_pages:
+                break
+            if not index.insert(k, parent, Tier.DEVICE, self._new_handle(), now):
+                break
+            self._reserve(k, Tier.DEVICE)
+            dev.on_insert(index.get(k), now)
+            added += 1
+            parent = k
+        if added:
+            self.changes += 1
+        return added
 
     # -- making room -------------------------------------------------------------------
 
@@ -367,11 +356,8 @@ class PrefixBlocks:
     def _drop(self, key: Hashable, reason: str, counted: bool = True) -> list[Dropped]:
         """Drop ``key`` and its cached descendants; every page they held is given back."""
         out = self.index.drop(key, reason)
-        pending = self._pending
         for d in out:
             self.policies[d.tier].on_remove(d.key)
-            if pending.pop(d.key, None) is not None:
-                continue  # mapped until just now: it held no pages of its own
             self._unreserve(d.tier)
         if counted:
             self._dropped += len(out)
@@ -397,7 +383,6 @@ class PrefixBlocks:
             loc = index.location(k)
             assert loc.moving_to in (None, Tier.DEVICE), f"block {k!r} moves down in flight"
             if loc.tier is not Tier.DEVICE or not info.refs:
-                assert k not in self._pending, f"block {k!r} is pending but not mapped"
                 held[loc.tier] += 1
             assert k in self.policies[loc.tier], f"block {k!r} missing from its tier's policy"
         assert held == self._reserved, f"blocks holding pages {held} != counted {self._reserved}"

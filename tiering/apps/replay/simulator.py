@@ -115,7 +115,7 @@ class _Req:
     __slots__ = (
         "rid", "order", "arrival", "n_in", "n_out", "hash_ids", "phase", "target", "done",
         "produced", "kv", "k0", "k_last", "epoch", "first_at", "finish_at", "waited_at",
-        "prefix_tier", "reused", "looked_up", "blocks", "moves",
+        "prefix_tier", "reused", "looked_up", "blocks", "moves", "keys",
     )
 
     def __init__(self, order: int, t: TraceRequest, time_scale: float) -> None:
@@ -141,6 +141,7 @@ class _Req:
         self.looked_up = False
         self.blocks: list = []  # cached prefix blocks it maps (PrefixBlocks)
         self.moves: list = []  # of those, the ones moving up to the device for it
+        self.keys: tuple = ()  # its full prompt blocks' keys
 
 
 def simulate(
@@ -825,8 +826,9 @@ class _Worker:
             self.ctl.add_request(rid)
         loading = False
         if peek is not None:
-            r.moves = prefixes.commit(rid, peek, mapped)
+            r.moves = prefixes.commit(peek)
             r.blocks = mapped
+            r.keys = peek.keys
             if not r.looked_up:  # counted once, at the first admission
                 r.looked_up = True
                 self._count_lookup(r, peek)
@@ -928,8 +930,6 @@ class _Worker:
     def _prefilled(self, r: _Req, end: float) -> None:
         """``r``'s prefill completed in the step ending at ``end``: it produced a token."""
         self.prefilling.remove(r)
-        if r.blocks:
-            self.prefixes.computed(r.rid, r.blocks)
         r.kv = r.target
         r.produced += 1
         if r.first_at is None:
@@ -950,6 +950,8 @@ class _Worker:
         if self.ctl is not None:
             self.ctl.remove_request(r.rid)
         self._release_blocks(r)
+        if r.keys:
+            self.prefixes.publish(r.keys)
 
     def _release_blocks(self, r: _Req) -> None:
         """``r``'s KV was just freed: it no longer maps its cached blocks."""
@@ -957,7 +959,7 @@ class _Worker:
             self.prefixes.loaded(r.moves)
             r.moves = []
         if r.blocks:
-            self.prefixes.release(r.rid, r.blocks)
+            self.prefixes.release(r.blocks)
             r.blocks = []
 
     # -- getting unstuck ------------------------------------------------------------------------
