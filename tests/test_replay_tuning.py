@@ -398,6 +398,7 @@ def test_cli_reports_rejections(tmp_path, capsys):
     (("--watermarks", "0.9"), "HIGH:LOW"),
     (("--model", "gpt"), "invalid choice"),
     (("--make-room", "keep"), "invalid choice"),
+    (("--block-policy", "mru"), "--block-policy: unknown block policy 'mru'"),
 ])
 def test_cli_bad_arguments_exit_2_and_create_nothing(tmp_path, capsys, args, message):
     out = tmp_path / "never"

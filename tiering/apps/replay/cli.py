@@ -4,11 +4,15 @@
                    [--model M] [--hardware H] [--device-gib G] [--host-gib G[,G...]]
                    [--disk-gib G] [--limit N] [--time-scale X] [--seeds N]
                    [--watermarks HIGH:LOW[,...]] [--sweep] [--format F] [--no-prefix-reuse]
-                   [--make-room drop|offload] [--requests-csv] [--decisions] [--no-plots]
+                   [--make-room drop|offload] [--block-policy B] [--requests-csv]
+                   [--decisions] [--no-plots]
 
 ``P`` is a built-in name (``lru``, ``priority``, ``largest``, ``cost``) or a
 ``module:Class`` path to a ``policies.Policy`` subclass (or a factory
 returning one); ``--policy-option`` keyword options go to every policy named.
+``P`` orders the live requests (device offloads, host demotions); ``B`` (a
+block policy of ``policies.blocks``: ``lru``, ``arc``, ``s3fifo``, ``chain``,
+default ``chain``) keeps the cached prefix blocks of every tier.
 Without ``--sweep``: each policy runs at the first watermark pair and host
 size, next to the ``recompute`` and ``no-tiering`` baselines. With
 ``--sweep``: every policy at every watermark pair and host size (defaults:

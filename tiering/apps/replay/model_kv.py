@@ -44,6 +44,9 @@ LINKS = ("d2h", "h2d", "disk_write", "disk_read")
 # tier indices of the page counters (plain ints: this is the simulator's hot path)
 _DEV, _HOST, _DISK = 0, 1, 2
 _TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+# the links a copy of cached blocks a tier down crosses
+_BLOCK_LINKS = {(Tier.DEVICE, Tier.HOST): ("d2h",), (Tier.DEVICE, Tier.DISK): ("d2h", "disk_write"),
+                (Tier.HOST, Tier.DISK): ("disk_write",)}
 
 
 def _removed(rid: str, move: Move, nbytes: int) -> TransferResult:
@@ -304,8 +307,7 @@ class ModeledKVCache:
         destination is taken and the source freed at once, and the copy occupies its links
         (so transfers started after it queue behind it). False (nothing changed) if ``dst``
         is short."""
-        links = {(Tier.DEVICE, Tier.HOST): ("d2h",), (Tier.DEVICE, Tier.DISK): ("d2h", "disk_write"),
-                 (Tier.HOST, Tier.DISK): ("disk_write",)}.get((src, dst))
+        links = _BLOCK_LINKS.get((src, dst))
         if links is None:
             raise ValueError(f"move_block_pages: no move from {src!r} to {dst!r}")
         if not self.take_block_pages(dst, n):

@@ -11,9 +11,11 @@ One loop iteration is one engine step:
 
 1. arrivals up to now join the waiting queue (a request whose final KV could
    never fit under the controller's admission limit is rejected);
-2. safe point (``tiering`` only): ``EvictionController.evict_if_needed`` with
-   the active requests as running; then retained prefixes are expired from a
-   lower tier that is over ``host_high`` and cannot pass them further down.
+2. safe point (``tiering`` only): cached prefix blocks leave a device over
+   ``high`` (down a tier, or dropped) until it is under ``low``, a host or
+   disk over ``host_high`` passes its blocks down (or drops them) until under
+   ``host_low``, each in its tier's block policy's order; then
+   ``EvictionController.evict_if_needed`` with the active requests as running.
    The call is skipped while nothing it looks at has changed since a call that
    found nothing to do (see ``_Worker._still_quiet``; a test checks that runs
    are identical either way);
@@ -26,8 +28,9 @@ One loop iteration is one engine step:
 5. the step runs for ``StepCost.step_s`` seconds; first tokens and finishes
    are recorded at its end.
 
-Under memory shortage (a page cannot be allocated) retained prefixes on the
-device are dropped first (they are a cache). After that the modes differ:
+Under memory shortage (a page cannot be allocated) cached prefix blocks on the
+device are dropped (or moved down, ``make_room="offload"``) first: they are a
+cache. After that the modes differ:
 
 ``tiering``    the request stalls for a step while memory is on its way (an
                offload in flight, or an idle request the controller can
@@ -39,11 +42,12 @@ device are dropped first (they are a cache). After that the modes differ:
 ``no-tiering`` a request is admitted only with room for its whole final KV,
                so it never needs to grow; requests wait for room.
 
-Finished requests leave their full prompt blocks behind as retained prefixes
-(when the trace has block ids and ``prefix_reuse`` is on); a later request
-reuses the longest shared prefix from whichever tier holds it: from the device
-at no cost, from host or disk at the cost of the copy (``copy_in``), which the
-request waits for instead of prefilling those tokens.
+Finished requests leave their full prompt blocks behind as cached blocks
+(``block_tiers.PrefixBlocks``: the ``BlockIndex`` and the block policies, when
+the trace has block ids and ``prefix_reuse`` is on); a later request reuses the
+longest cached prefix block by block from whichever tier holds each block: from
+the device at no cost, from host or disk at the cost of the copy
+(``copy_in``), which the request waits for instead of prefilling those tokens.
 """
 
 from __future__ import annotations
