@@ -440,6 +440,12 @@ class _Worker:
             cap = kv.device_capacity_bytes
             if kv.device_used_bytes() > cfg.high * cap:
                 prefixes.shed_device(lambda: kv.device_used_bytes() > cfg.low * cap)
+            pending = self.ctl.pending_reloads()
+            if pending:
+                # a reload the controller holds back for room: cached blocks make it
+                limit = (cfg.high - cfg.reload_headroom) * cap - sum(
+                    kv.reload_bytes(rid) for rid in pending)
+                prefixes.shed_device(lambda: kv.device_used_bytes() > limit)
             prefixes.relieve_lower(cfg.host_high, cfg.host_low)
             self._log_blocks()
         rep = self.ctl.evict_if_needed(self._running[1])
