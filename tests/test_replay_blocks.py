@@ -279,3 +279,4 @@ def test_belady_bound_is_the_block_index_belady():
         assert b.blocks == ref.accesses and b.block_hit_rate == pytest.approx(ref.hit_rate)
         assert b.block_hit_rate > 0
     assert belady(trace, 64, 0).block_hit_rate == 0.0
+

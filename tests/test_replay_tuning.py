@@ -19,6 +19,7 @@ import pytest
 from policies import LRU, CandidateBatch, Policy, register_policy
 from tiering.apps.replay import main as replay_main
 from tiering.apps.replay.bounds import belady, infinite
+from tiering.apps.replay.metrics import summarize
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.apps.replay.plots import needs_log
 from tiering.apps.replay.policy_spec import PolicySpec, parse_option
@@ -513,3 +514,23 @@ def test_cached_blocks_move_down_not_dropped_while_a_tier_below_has_room():
     assert n.block_moves_host == n.block_moves_disk == 0 and n.block_drops > 0
     with pytest.raises(ValueError, match="make_room must be one of"):
         SimConfig(make_room="keep")
+
+
+def test_cached_blocks_make_room_for_a_reload_the_controller_holds_back(monkeypatch):
+    """A preempted request's reload waits for room under the controller's admission limit,
+    and no request is admitted meanwhile; cached device blocks are the room. Without
+    giving them up (the defect: the controller does not see blocks) the reload and every
+    admission behind it wait for running requests to finish."""
+    from tiering.apps.replay import simulator
+
+    trace = _trace(7, 200)
+    spec = RunSpec("tiering", "lru", ControllerConfig(high=0.85, low=0.7))
+    made: list = []
+    fixed = simulate(trace, COST, spec, SIM, kv_factory=_factory(300, 100, 800, made),
+                     check=True)
+    with monkeypatch.context() as m:
+        m.setattr(simulator._Worker, "_room_for_reloads", lambda self: None)
+        held = simulate(trace, COST, spec, SIM, kv_factory=_factory(300, 100, 800, made))
+    assert fixed.counters.preemptions > 0 and held.counters.preemptions > 0
+    assert fixed.counters.reload_wait_s < 0.5 * held.counters.reload_wait_s
+    assert summarize(fixed)["ttft_p99_s"] < summarize(held)["ttft_p99_s"]

@@ -440,12 +440,7 @@ class _Worker:
             cap = kv.device_capacity_bytes
             if kv.device_used_bytes() > cfg.high * cap:
                 prefixes.shed_device(lambda: kv.device_used_bytes() > cfg.low * cap)
-            pending = self.ctl.pending_reloads()
-            if pending:
-                # a reload the controller holds back for room: cached blocks make it
-                limit = (cfg.high - cfg.reload_headroom) * cap - sum(
-                    kv.reload_bytes(rid) for rid in pending)
-                prefixes.shed_device(lambda: kv.device_used_bytes() > limit)
+            self._room_for_reloads()
             prefixes.relieve_lower(cfg.host_high, cfg.host_low)
             self._log_blocks()
         rep = self.ctl.evict_if_needed(self._running[1])
@@ -524,6 +519,20 @@ class _Worker:
         if demoted or dropped:
             self._gen += 1
         return tuple(demoted), tuple(dropped)
+
+    def _room_for_reloads(self) -> None:
+        """Reloads the controller holds back for room (its admission limit is
+        ``(high - reload_headroom) x capacity``): cached device blocks go down or away
+        until the waiting reloads fit. The controller does not see blocks, so without
+        this a reload, and every admission behind it, waits for requests to finish."""
+        pending = self.ctl.pending_reloads()
+        if not pending:
+            return
+        kv = self.kv
+        cfg = self.spec.controller
+        limit = (cfg.high - cfg.reload_headroom) * kv.device_capacity_bytes - sum(
+            kv.reload_bytes(rid) for rid in pending)
+        self.prefixes.shed_device(lambda: kv.device_used_bytes() > limit)
 
     def _block_pages(self) -> int:
         """Device pages held by unmapped cached blocks (0 without prefix reuse)."""
