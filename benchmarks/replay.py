@@ -14,13 +14,21 @@ in the decode-only tight loop). Wall time is the best of ``--repeat`` runs.
 The target for the tiering run is at most 10 times ``raw``. ``--policy``
 takes a built-in name or a ``module:Class`` path.
 
-Usage: ``python benchmarks/replay.py --out replay.json [--limit N] [--repeat K]``
+``--before DIR`` first runs this same benchmark in another checkout ``DIR``
+(a subprocess with ``DIR`` as its working directory, the same interpreter
+and arguments) and reports both, back to back in one run, each with its own
+``raw`` and ratios (``before`` in the JSON).
+
+Usage: ``python benchmarks/replay.py --out replay.json [--limit N] [--repeat K] [--before DIR]``
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--limit", type=int, default=None, help="only the first N requests")
     parser.add_argument("--repeat", type=int, default=1, help="best of K runs (default 1)")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="another checkout to run first, for a before/after comparison")
     args = parser.parse_args(argv)
+    before = None
+    if args.before is not None:
+        before = _run_before(args, argv if argv is not None else sys.argv[1:])
 
     raw_s = min(_raw(args.trace, args.limit)[0] for _ in range(max(1, args.repeat)))
     trace = load_trace(args.trace, limit=args.limit)
@@ -83,8 +96,17 @@ def main(argv: list[str] | None = None) -> int:
         }
     headers = ("case", "requests", "wall s", "req/s", "x raw", "simulated s", "steps",
                "fast steps")
+    if before is not None:
+        print(f"before ({args.before}):")
+        brows = [(case, r.get("requests", len(trace)), r["wall_s"],
+                  r.get("requests_per_s", r.get("requests", 0) / r["wall_s"]),
+                  r.get("ratio_to_raw", 1.0), r.get("simulated_s", 0.0), r.get("steps", 0),
+                  r.get("fast_steps", 0)) for case, r in before["results"].items()]
+        print(table(brows, headers))
+        print("after (this checkout):")
     print(table(rows, headers))
     write_json(args.out, {
+        "before": before,
         "benchmark": "replay",
         "trace": str(args.trace),
         "model": args.model,
@@ -95,6 +117,30 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     })
     return 0
+
+
+def _run_before(args: argparse.Namespace, argv: list[str]) -> dict:
+    """This benchmark, run in the checkout ``args.before`` with the same arguments."""
+    rest, skip = [], False
+    for a in argv:  # drop --out and --before (and their values); the rest is passed on
+        if skip:
+            skip = False
+            continue
+        if a in ("--out", "--before"):
+            skip = True
+            continue
+        if a.startswith(("--out=", "--before=")):
+            continue
+        rest.append(a)
+    script = args.before / "benchmarks" / "replay.py"
+    if not script.is_file():
+        raise SystemExit(f"--before: {script} does not exist")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "before.json"
+        trace = ["--trace", str(args.trace.resolve())] if "--trace" not in rest else []
+        subprocess.run([sys.executable, str(script), "--out", str(out), *trace, *rest],
+                       cwd=args.before, check=True, timeout=3600)
+        return json.loads(out.read_text())
 
 
 if __name__ == "__main__":

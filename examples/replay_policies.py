@@ -8,7 +8,9 @@ it next to the built-ins from the repository root::
     tiering replay benchmarks/traces/mooncake/conversation_trace.jsonl --out out \\
         --policy lru,cost,examples.replay_policies:IdleBytes
 
-``--policy-option cost_weight=2`` sets its option; options go to every policy
+It orders the live idle requests the controller offloads; cached prefix
+blocks are kept by the block policy (``--block-policy``; see
+``docs/replay.md``). ``--policy-option cost_weight=2`` sets its option; options go to every policy
 named, so give them with this policy alone (the built-ins take no
 ``cost_weight`` and the run would stop with exit status 2).
 """

@@ -20,7 +20,6 @@ from resources.kv_geometry import KVGeometry
 from tiering.apps.replay import main as replay_main
 from tiering.apps.replay.metrics import percentile, summarize
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
-from tiering.apps.replay.prefix import PrefixIndex
 from tiering.apps.replay.presets import (
     HardwarePreset,
     ModelPreset,
@@ -268,20 +267,6 @@ def test_modeled_cache_bulk_answers_match_single_ones():
         kv.reclaimable_many(["q1", "nope"])
 
 
-def test_prefix_index_longest_match_and_redundancy():
-    idx = PrefixIndex()
-    assert idx.add("a", [0, 1, 2]) == []
-    assert idx.add("b", [0, 7]) == []
-    assert idx.longest_match([0, 1, 2, 3]) == (3, ["a"])
-    assert idx.longest_match([0, 9]) == (1, ["b", "a"])
-    assert idx.longest_match([5]) == (0, [])
-    assert idx.add("c", [0, 1, 2, 3, 4]) == ["a"]  # a's chain is a prefix of c's
-    idx.remove("a")
-    assert idx.longest_match([0, 1, 2, 3, 4, 5]) == (5, ["c"])
-    idx.touch("b")
-    assert list(idx.coldest_first()) == ["c", "b"]
-
-
 # -- the simulated worker ----------------------------------------------------------------------
 
 
@@ -346,19 +331,23 @@ def test_tiering_conserves_bytes_and_finishes_everything(policy):
         caches.append(kv)
         return kv
 
-    res = simulate(trace, COST, RunSpec("tiering", policy), SMALL_SIM, kv_factory=factory)
+    res = simulate(trace, COST, RunSpec("tiering", policy), SMALL_SIM, kv_factory=factory,
+                   check=True)
     kv = caches[0]
     assert kv.checks > 100
     assert all(r.status == "finished" and r.finish_s >= r.first_token_s >= r.arrival_s
                for r in res.requests)
     st = kv.stats
     assert st.max_device_pages <= 160 and st.max_host_pages <= 120 and st.max_disk_pages <= 400
-    assert st.offloads_to_host > 0 and st.demotions > 0  # the tiers were really used
-    kv.check_integrity()
-    # only retained prefixes are left, and each one is somewhere
-    left = [rid for rid in kv._reqs]
-    assert all(kv.state_of(rid) is not RequestState.LOST for rid in left)
     m = summarize(res)
+    # the tiers were really used, by live requests and by cached blocks
+    assert st.offloads_to_host > 0 and st.offloads_to_disk > 0
+    assert m["block_moves_host"] > 0 and m["block_moves_disk"] > 0 and m["block_drops"] > 0
+    assert m["token_hit_rate_host"] > 0 and m["token_hit_rate_disk"] > 0
+    kv.check_integrity()
+    # no request is left, only cached blocks, and their pages are all the cache holds
+    assert not kv._reqs
+    assert sum(kv.block_pages(t) for t in Tier) == sum(kv._used) > 0
     assert m["finished"] == len(trace) and m["rejected"] == 0
     assert m["offloads_to_host"] == st.offloads_to_host
 
@@ -378,7 +367,8 @@ def test_baselines_run_and_finish(mode):
     m = summarize(res)
     assert m["finished"] == len(trace)
     assert m["offloads_to_host"] == m["offloads_to_disk"] == m["reloads_from_host"] == 0
-    assert res.decisions == []
+    # no controller: the only moves are drops of cached blocks (no tier below)
+    assert {d.kind for d in res.decisions} == {"block-drop"} and m["block_moves_host"] == 0
     if mode == "no-tiering":
         assert m["preemptions"] == 0 and m["recomputed_tokens"] == 0
     else:

@@ -9,24 +9,24 @@ request on (the replay only keeps them once the request finishes, so both
 figures are upper bounds for it).
 
 - ``infinite``: nothing is ever evicted.
-- ``belady``: ``capacity_blocks`` blocks; on a miss the block is admitted only
-  if some cached block is next used later than it, and then that block
-  (the one next used furthest in the future) is evicted. This is the
-  classic offline optimum for single blocks; for prefix runs it is the
-  reference the tiers' total capacity allows, computed at the block level
-  over the replay's whole capacity (device + host + disk), not per tier.
+- ``belady``: ``capacity_blocks`` blocks under ``tiering.blocks.belady`` (the
+  block index's offline MIN: a block is not admitted when its next use is
+  farther than every cached block's; ties broken deepest first, which keeps
+  the cached set prefix-closed and makes it the optimum of the prefix
+  metric), at the replay's whole capacity (device + host + disk), not per
+  tier.
 
 ``BoundResult`` holds the block and token hit rates.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from tiering.apps.replay.traces import TraceRequest
+from tiering.blocks.belady import belady_hit_rate
 
 
 class BoundResult(NamedTuple):
@@ -77,50 +77,25 @@ def infinite(trace: Sequence[TraceRequest], block_tokens: int) -> BoundResult:
 
 
 def belady(trace: Sequence[TraceRequest], block_tokens: int, capacity_blocks: int) -> BoundResult:
-    """Hit rates of Belady's MIN with ``capacity_blocks`` blocks (see the module docstring)."""
+    """Hit rates of Belady's MIN with ``capacity_blocks`` blocks: the block index's own
+    ``tiering.blocks.belady`` (ties broken deepest first, so it is the optimum of the
+    prefix metric), over the same chains as ``infinite``.
+
+    Its block hit rate is exact. Its token hit rate counts ``block_tokens`` per hit
+    block: it leaves out the one-token clip of a prompt that is an exact multiple of
+    the block size and hits in full, so it may be above the exact figure by at most
+    (such prompts) / (prompt tokens) -- still an upper bound for the replay.
+    """
     if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or (
         capacity_blocks < 0
     ):
         raise ValueError(f"capacity_blocks must be an int >= 0, got {capacity_blocks!r}")
     chains = _chains(trace, block_tokens)
-    # the position of each access and of the next access to the same block
-    accesses = [b for chain, _ in chains for b in chain]
-    nxt = [math.inf] * len(accesses)
-    last: dict[int, int] = {}
-    for pos in range(len(accesses) - 1, -1, -1):
-        b = accesses[pos]
-        nxt[pos] = last.get(b, math.inf)
-        last[b] = pos
-    cache: dict[int, float] = {}  # block -> its next use
-    heap: list[tuple[float, int]] = []  # (-next use, block), lazily cleaned
-    depths = []
-    pos = 0
-    for chain, _ in chains:
-        run = True
-        d = 0
-        for b in chain:
-            nu = nxt[pos]
-            pos += 1
-            if b in cache:
-                if run:
-                    d += 1
-                cache[b] = nu
-                heapq.heappush(heap, (-nu, b))
-                continue
-            run = False
-            if capacity_blocks == 0 or nu == math.inf:
-                continue
-            if len(cache) >= capacity_blocks:
-                while True:  # the cached block next used furthest away
-                    neg, victim = heap[0]
-                    if cache.get(victim) == -neg:
-                        break
-                    heapq.heappop(heap)
-                if -neg <= nu:
-                    continue  # every cached block is needed sooner: do not admit this one
-                heapq.heappop(heap)
-                del cache[victim]
-            cache[b] = nu
-            heapq.heappush(heap, (-nu, b))
-        depths.append(d)
-    return _result("belady", capacity_blocks, chains, depths, block_tokens)
+    blocks = sum(len(c) for c, _ in chains)
+    tokens = sum(n for _, n in chains)
+    hits = belady_hit_rate([c for c, _ in chains], capacity_blocks).hits if (
+        capacity_blocks and blocks
+    ) else 0
+    return BoundResult("belady", capacity_blocks, hits / blocks if blocks else 0.0,
+                       min(hits * block_tokens, tokens) / tokens if tokens else 0.0,
+                       blocks, tokens)

@@ -4,11 +4,15 @@
                    [--model M] [--hardware H] [--device-gib G] [--host-gib G[,G...]]
                    [--disk-gib G] [--limit N] [--time-scale X] [--seeds N]
                    [--watermarks HIGH:LOW[,...]] [--sweep] [--format F] [--no-prefix-reuse]
-                   [--make-room drop|offload] [--requests-csv] [--decisions] [--no-plots]
+                   [--make-room drop|offload] [--block-policy B] [--requests-csv]
+                   [--decisions] [--no-plots]
 
 ``P`` is a built-in name (``lru``, ``priority``, ``largest``, ``cost``) or a
 ``module:Class`` path to a ``policies.Policy`` subclass (or a factory
 returning one); ``--policy-option`` keyword options go to every policy named.
+``P`` orders the live requests (device offloads, host demotions); ``B`` (a
+block policy of ``policies.blocks``: ``lru``, ``arc``, ``s3fifo``, ``chain``,
+default ``chain``) keeps the cached prefix blocks of every tier.
 Without ``--sweep``: each policy runs at the first watermark pair and host
 size, next to the ``recompute`` and ``no-tiering`` baselines. With
 ``--sweep``: every policy at every watermark pair and host size (defaults:
@@ -34,6 +38,7 @@ import sys
 from pathlib import Path
 
 from policies import default_registry
+from policies.blocks import default_block_registry
 from tiering.apps.replay.bounds import BoundResult, belady, infinite
 from tiering.apps.replay.policy_spec import PolicySpec, parse_option
 from tiering.apps.replay.presets import (
@@ -100,8 +105,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decisions", action="store_true",
                    help="also write DIR/decisions.csv: every offload, demotion, drop and reload")
     p.add_argument("--make-room", choices=("drop", "offload"), default="drop",
-                   help="retained prefixes in the way of a request on the device: drop them "
-                        "(default) or offload them while a tier below has room")
+                   help="cached prefix blocks in the way of a request on the device: drop "
+                        "them (default) or move them a tier down while one has room")
+    p.add_argument("--block-policy", default="chain",
+                   help="block retention policy of every tier's cached prefix blocks: "
+                        f"{', '.join(default_block_registry().names)} (default chain)")
     p.add_argument("--no-plots", action="store_true", help="write no PNG")
     return p
 
@@ -248,7 +256,11 @@ def _check(args: argparse.Namespace):
     limit = _count("--limit", args.limit) if args.limit is not None else None
     grid = Grid(policies, watermarks, hosts, policy_options=options,
                 device_bytes=hardware.device_kv_bytes, disk_bytes=hardware.disk_bytes)
-    sim = SimConfig(prefix_reuse=not args.no_prefix_reuse, make_room=args.make_room)
+    if args.block_policy not in default_block_registry():
+        raise ValueError(f"--block-policy: unknown block policy {args.block_policy!r}; known: "
+                         f"{', '.join(default_block_registry().names)}")
+    sim = SimConfig(prefix_reuse=not args.no_prefix_reuse, make_room=args.make_room,
+                    block_policy=args.block_policy)
     page_bytes = model.kv_bytes_per_token * sim.page_tokens
     if hardware.device_kv_bytes < page_bytes:
         raise ValueError(f"--device-gib: {hardware.device_kv_bytes} bytes hold no KV page "

@@ -34,8 +34,11 @@ class SimConfig:
     (occupancy per tier and hits so far). ``make_room``: what the scheduler
     does with retained prefixes on the device when it needs room at once:
     ``drop`` them (the room is there now; the default) or, with tiering,
-    ``offload`` them in the policy's order while a tier below has room (the
-    request waits for the copies; more reuse, longer waits).
+    ``offload`` them in the block policy's order a tier down while one has
+    room. ``block_policy``: the block retention policy (a name of
+    ``policies.blocks``, default ``chain``) of every tier's cached prefix
+    blocks, made per tier with ``capacity`` (its size in blocks) and
+    ``block_policy_options``.
     """
 
     max_batch: int = 64
@@ -47,8 +50,20 @@ class SimConfig:
     retained_retention: float = 20.0
     sample_every_s: float = 1.0
     make_room: str = "drop"
+    block_policy: str = "chain"
+    block_policy_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.block_policy, str) or not self.block_policy:
+            raise ValueError(f"SimConfig.block_policy must name a block policy, "
+                             f"got {self.block_policy!r}")
+        opts = self.block_policy_options
+        if not isinstance(opts, tuple) or not all(
+            isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str) and o[0]
+            for o in opts
+        ):
+            raise ValueError("SimConfig.block_policy_options must be a tuple of (name, value) "
+                             f"pairs, got {opts!r}")
         if self.make_room not in MAKE_ROOM:
             raise ValueError(f"SimConfig.make_room must be one of {MAKE_ROOM}, "
                              f"got {self.make_room!r}")

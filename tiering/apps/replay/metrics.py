@@ -11,9 +11,10 @@
   ``tpot_p50_s``, ``tpot_p99_s`` (per request: (finish - first token) /
   (output tokens - 1), for requests with at least two output tokens);
 - scheduling: ``preemptions``, ``stalls``, ``recomputed_tokens``,
-  ``forced_recomputes``; ``retained_offloads`` (retained prefixes the worker
-  offloaded, instead of dropping them, to make room at once) and
-  ``retained_discarded``;
+  ``forced_recomputes``;
+- cached prefix blocks: ``block_moves_host``, ``block_moves_disk`` (moved a
+  tier down), ``block_loads`` (moved up for a request reusing them),
+  ``block_drops``, ``block_refused`` (not admitted by the device block policy);
 - moves: ``offloads_to_host``, ``offloads_to_disk``, ``demotions``,
   ``reloads_from_host``, ``reloads_from_disk``, ``bytes_<link>`` for each link;
   ``reload_stall_s`` (preempted requests: asking for a reload to rejoining the
@@ -21,7 +22,8 @@
   reused prefix to be copied in, summed), ``max_reload_queue_wait_s`` (the
   longest a reload waited in the controller's queue for room);
 - prefix reuse: ``prefix_lookups``, ``hit_rate_device``, ``hit_rate_host``,
-  ``hit_rate_disk``, ``miss_rate`` (fractions of lookups), ``reused_tokens``,
+  ``hit_rate_disk`` (lookups served at least one block by that tier; a prefix
+  may come from several), ``miss_rate`` (fractions of lookups), ``reused_tokens``,
   ``token_hit_rate`` (reused over prompt tokens of the requests looked up),
   ``block_hit_rate`` (reused over full prompt blocks looked up), and per tier
   ``token_hit_rate_<tier>`` and ``block_hit_rate_<tier>`` (they add up to the
@@ -107,14 +109,17 @@ def summarize(result: RunResult) -> dict[str, float | int | str]:
         "hit_rate_device": _rate(c.hits_device, lookups),
         "hit_rate_host": _rate(c.hits_host, lookups),
         "hit_rate_disk": _rate(c.hits_disk, lookups),
-        "miss_rate": _rate(lookups - c.hits_device - c.hits_host - c.hits_disk, lookups),
+        "miss_rate": _rate(lookups - c.prefix_hits, lookups),
         "reused_tokens": c.reused_tokens,
         "token_hit_rate": _rate(c.reused_tokens, c.lookup_tokens),
         "lookup_blocks": c.lookup_blocks,
         "block_hit_rate": _rate(c.reused_blocks_device + c.reused_blocks_host
                                 + c.reused_blocks_disk, c.lookup_blocks),
-        "retained_discarded": c.retained_discarded,
-        "retained_offloads": c.retained_offloads,
+        "block_moves_host": c.block_moves_host,
+        "block_moves_disk": c.block_moves_disk,
+        "block_loads": c.block_loads,
+        "block_drops": c.block_drops,
+        "block_refused": c.block_refused,
         "max_device_bytes": kv.get("max_device_pages", 0) * page_bytes,
         "max_host_bytes": kv.get("max_host_pages", 0) * page_bytes,
         "max_disk_bytes": kv.get("max_disk_pages", 0) * page_bytes,

@@ -45,6 +45,9 @@ LINKS = ("d2h", "h2d", "disk_write", "disk_read")
 # tier indices of the page counters (plain ints: this is the simulator's hot path)
 _DEV, _HOST, _DISK = 0, 1, 2
 _TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+# the links a copy of cached blocks a tier down crosses
+_BLOCK_LINKS = {(Tier.DEVICE, Tier.HOST): ("d2h",), (Tier.DEVICE, Tier.DISK): ("d2h", "disk_write"),
+                (Tier.HOST, Tier.DISK): ("disk_write",)}
 
 
 def _removed(rid: str, move: Move, nbytes: int) -> TransferResult:
@@ -163,6 +166,7 @@ class ModeledKVCache:
         self.rates = rates
         self._clock = clock
         self._used = [0, 0, 0]
+        self._blocks = [0, 0, 0]  # pages held by cached prefix blocks (``take_block_pages``)
         self._cap = [device_pages, host_pages, disk_pages]
         self._free_at = dict.fromkeys(LINKS, 0.0)
         self._reqs: dict[str, _Rec] = {}
@@ -262,6 +266,49 @@ class ModeledKVCache:
         self._give(_HOST, r.host)
         self._give(_DISK, r.disk)
         del self._reqs[rid]
+
+    # -- cached prefix blocks --------------------------------------------------------
+
+    def block_pages(self, tier: Tier) -> int:
+        """Pages held in ``tier`` by cached prefix blocks (not by any request)."""
+        return self._blocks[_TIERS.index(tier)]
+
+    def free_pages(self, tier: Tier) -> int:
+        i = _TIERS.index(tier)
+        return self._cap[i] - self._used[i]
+
+    def take_block_pages(self, tier: Tier, n: int) -> bool:
+        """``n`` pages of ``tier`` now hold cached blocks; False (nothing changed) if short."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"take_block_pages: n must be an int >= 0, got {n!r}")
+        i = _TIERS.index(tier)
+        if not self._take(i, n):
+            return False
+        self._blocks[i] += n
+        return True
+
+    def give_block_pages(self, tier: Tier, n: int) -> None:
+        """``n`` pages of ``tier`` held by cached blocks are free again."""
+        i = _TIERS.index(tier)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._blocks[i]:
+            raise ValueError(f"give_block_pages: n must be an int in [0, {self._blocks[i]}] "
+                             f"for {tier.value}, got {n!r}")
+        self._give(i, n)
+        self._blocks[i] -= n
+
+    def move_block_pages(self, src: Tier, dst: Tier, n: int) -> bool:
+        """Cached blocks of ``n`` pages go from ``src`` down to ``dst`` (HOST or DISK): the
+        destination is taken and the source freed at once, and the copy occupies its links
+        (so transfers started after it queue behind it). False (nothing changed) if ``dst``
+        is short."""
+        links = _BLOCK_LINKS.get((src, dst))
+        if links is None:
+            raise ValueError(f"move_block_pages: no move from {src!r} to {dst!r}")
+        if not self.take_block_pages(dst, n):
+            return False
+        self.give_block_pages(src, n)
+        self._occupy(links, n * self.page_bytes)
+        return True
 
     # -- page counters --------------------------------------------------------------
 
@@ -526,7 +573,7 @@ class ModeledKVCache:
     def check_integrity(self) -> None:
         """Page counters equal what the records hold; no tier over capacity; each
         record holds exactly what its state allows."""
-        held = [0, 0, 0]
+        held = list(self._blocks)
         problems = []
         for rid, r in self._reqs.items():
             held[_DEV] += r.device

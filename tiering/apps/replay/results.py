@@ -52,6 +52,7 @@ class SimCounters:
     recomputed_tokens: int = 0
     forced_recomputes: int = 0
     prefix_lookups: int = 0
+    prefix_hits: int = 0  # lookups that reused at least one block
     lookup_tokens: int = 0  # prompt tokens of the requests looked up
     hits_device: int = 0
     hits_host: int = 0
@@ -64,10 +65,13 @@ class SimCounters:
     reused_blocks_device: int = 0
     reused_blocks_host: int = 0
     reused_blocks_disk: int = 0
-    retained_discarded: int = 0
+    block_moves_host: int = 0  # cached prefix blocks moved device -> host
+    block_moves_disk: int = 0  # ... device or host -> disk
+    block_loads: int = 0  # ... host or disk -> device, for a request reusing them
+    block_drops: int = 0  # ... dropped (descendants included; not blocks never computed)
+    block_refused: int = 0  # blocks the device block policy did not admit
     reload_wait_s: float = 0.0
     prefix_load_wait_s: float = 0.0
-    retained_offloads: int = 0  # retained prefixes offloaded to make room at once
     fast_steps: int = 0  # decode-only steps run in the tight loop (``_fast_forward``)
     quiet_safe_points: int = 0  # safe points skipped: nothing had changed since a fruitless one
 

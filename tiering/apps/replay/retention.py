@@ -4,12 +4,11 @@ The eviction controller asks its policy which idle requests leave the device.
 The other decisions of a tiered worker are made here, by the same policy, over
 the same kind of ``CandidateBatch``:
 
-- which on-host requests are demoted to disk when the host is over its high
-  watermark (``tier=HOST`` rows);
-- which retained prefixes expire from the lowest tier that cannot pass them
-  further down (``tier=HOST`` or ``DISK`` rows);
-- which retained prefixes resident on the device are dropped when the
-  scheduler needs room at once (``tier=DEVICE`` rows).
+- which on-host (preempted) requests are demoted to disk when the host is
+  over its high watermark (``tier=HOST`` rows).
+
+Cached prefix blocks are not requests: the block policies keep them
+(``block_tiers``).
 
 ``reload_cost_s`` of every row is what bringing that candidate back would
 cost after the move being decided, from the hardware preset's link

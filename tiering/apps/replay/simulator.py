@@ -11,9 +11,11 @@ One loop iteration is one engine step:
 
 1. arrivals up to now join the waiting queue (a request whose final KV could
    never fit under the controller's admission limit is rejected);
-2. safe point (``tiering`` only): ``EvictionController.evict_if_needed`` with
-   the active requests as running; then retained prefixes are expired from a
-   lower tier that is over ``host_high`` and cannot pass them further down.
+2. safe point (``tiering`` only): cached prefix blocks leave a device over
+   ``high`` (down a tier, or dropped) until it is under ``low``, a host or
+   disk over ``host_high`` passes its blocks down (or drops them) until under
+   ``host_low``, each in its tier's block policy's order; then
+   ``EvictionController.evict_if_needed`` with the active requests as running.
    The call is skipped while nothing it looks at has changed since a call that
    found nothing to do (see ``_Worker._still_quiet``; a test checks that runs
    are identical either way);
@@ -26,8 +28,9 @@ One loop iteration is one engine step:
 5. the step runs for ``StepCost.step_s`` seconds; first tokens and finishes
    are recorded at its end.
 
-Under memory shortage (a page cannot be allocated) retained prefixes on the
-device are dropped first (they are a cache). After that the modes differ:
+Under memory shortage (a page cannot be allocated) cached prefix blocks on the
+device are dropped (or moved down, ``make_room="offload"``) first: they are a
+cache. After that the modes differ:
 
 ``tiering``    the request stalls for a step while memory is on its way (an
                offload in flight, or an idle request the controller can
@@ -39,11 +42,12 @@ device are dropped first (they are a cache). After that the modes differ:
 ``no-tiering`` a request is admitted only with room for its whole final KV,
                so it never needs to grow; requests wait for room.
 
-Finished requests leave their full prompt blocks behind as retained prefixes
-(when the trace has block ids and ``prefix_reuse`` is on); a later request
-reuses the longest shared prefix from whichever tier holds it: from the device
-at no cost, from host or disk at the cost of the copy (``copy_in``), which the
-request waits for instead of prefilling those tokens.
+Finished requests leave their full prompt blocks behind as cached blocks
+(``block_tiers.PrefixBlocks``: the ``BlockIndex`` and the block policies, when
+the trace has block ids and ``prefix_reuse`` is on); a later request reuses the
+longest cached prefix block by block from whichever tier holds each block: from
+the device at no cost, from host or disk at the cost of the copy
+(``copy_in``), which the request waits for instead of prefilling those tokens.
 """
 
 from __future__ import annotations
@@ -56,12 +60,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from policies import PolicyRegistry
+from policies.blocks import BlockPolicyRegistry
 from resources.engine_types import ResourceReqConfig
+from tiering.apps.replay.block_tiers import PrefixBlocks
 from tiering.apps.replay.config import MODES, RunSpec, SimConfig
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.apps.replay.presets import HardwarePreset, ModelPreset, StepCost
 from tiering.apps.replay.results import Decision, RequestRecord, RunResult, Sample, SimCounters
-from tiering.apps.replay.retained import RetainedPrefixes
 from tiering.apps.replay.retention import CostFilled, ReloadCosts, Retention
 from tiering.apps.replay.traces import TraceRequest
 from tiering.control.controller import EvictionController
@@ -114,7 +119,7 @@ class _Req:
     __slots__ = (
         "rid", "order", "arrival", "n_in", "n_out", "hash_ids", "phase", "target", "done",
         "produced", "kv", "k0", "k_last", "epoch", "first_at", "finish_at", "waited_at",
-        "prefix_tier", "reused", "looked_up",
+        "prefix_tier", "reused", "looked_up", "blocks", "moves", "keys",
     )
 
     def __init__(self, order: int, t: TraceRequest, time_scale: float) -> None:
@@ -138,6 +143,9 @@ class _Req:
         self.prefix_tier: str | None = None
         self.reused = 0
         self.looked_up = False
+        self.blocks: list = []  # cached prefix blocks it maps (PrefixBlocks)
+        self.moves: list = []  # of those, the ones moving up to the device for it
+        self.keys: tuple = ()  # its full prompt blocks' keys
 
 
 def simulate(
@@ -150,15 +158,20 @@ def simulate(
     kv_factory: KVFactory | None = None,
     on_finish: Callable[[int], None] | None = None,
     registry: PolicyRegistry | None = None,
+    block_registry: BlockPolicyRegistry | None = None,
+    check: bool = False,
 ) -> RunResult:
     """Replay ``trace`` through one simulated worker and return what happened.
 
     ``registry``: where ``spec.policy`` is looked up (default: the built-ins;
-    a ``module:Class`` path is imported). ``time_scale`` multiplies arrival
+    a ``module:Class`` path is imported); ``block_registry``: where
+    ``sim.block_policy`` is (default: the built-in block policies). ``time_scale`` multiplies arrival
     times (2.0 halves the request rate).
     ``kv_factory(clock)`` builds the KV backend (default: a ``ModeledKVCache``
     sized by the presets of ``cost``). ``on_finish(n)`` is told each time ``n``
-    more requests have finished or been rejected.
+    more requests have finished or been rejected. ``check``: run every
+    ``check_integrity`` (the KV backend's, the block store's) after every round of
+    the loop (tests; slow).
     """
     if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) or not (
         math.isfinite(time_scale) and time_scale > 0
@@ -170,7 +183,8 @@ def simulate(
     clock = SimClock()
     factory = kv_factory or modeled_kv_factory(cost.model, cost.hardware, sim)
     worker = _Worker(trace, cost, spec, sim, time_scale, factory(clock), clock, on_finish,
-                     policy)
+                     policy, block_registry)
+    worker.check = check
     return worker.run()
 
 
@@ -178,7 +192,7 @@ class _Worker:
     """One run. Owns every piece of simulated state; see the module docstring."""
 
     def __init__(self, trace, cost, spec, sim, time_scale, kv, clock, on_finish,
-                 policy=None) -> None:
+                 policy=None, block_registry=None) -> None:
         self.cost = cost
         self.spec = spec
         self.sim = sim
@@ -197,9 +211,7 @@ class _Worker:
         self.ctl: EvictionController | None = None
         self.retention: Retention | None = None
         self._demoting: dict[str, int] = {}  # rid -> host bytes of a demotion in flight
-        self._offloading: dict[str, int] = {}  # rid -> device pages a worker offload frees
         self.offload_room = self.tiering and sim.make_room == "offload"
-        rank = None
         if self.tiering:
             costs = ReloadCosts(cost.hardware, cost, self.page_bytes // self.P)
             self.retention = Retention(policy, costs, kv.get_offload_priority)
@@ -211,14 +223,15 @@ class _Worker:
             self.ctl = EvictionController(
                 {"kv": kv}, self.ctl_policy, PoolPressure(kv), ctl_cfg, clock=clock,
             )
-            rank = self._rank_retained
         self.reuse = sim.prefix_reuse
-        if self.reuse and not hasattr(kv, "copy_in"):
-            raise ValueError("prefix_reuse needs a KV backend with copy_in(); turn it off")
+        if self.reuse and not (hasattr(kv, "copy_in") and hasattr(kv, "take_block_pages")):
+            raise ValueError("prefix_reuse needs a KV backend with copy_in() and block pages "
+                             "(take_block_pages); turn it off")
         self.live = ResourceReqConfig(retention_priority=sim.preempted_retention)
-        self.prefixes = RetainedPrefixes(
-            kv, self.ctl, ResourceReqConfig(retention_priority=sim.retained_retention),
-            sim.block_tokens, self._pages, clock, rank,
+        self.prefixes: PrefixBlocks | None = (
+            PrefixBlocks(kv, sim.block_policy, sim.block_tokens, clock, block_registry,
+                         sim.block_policy_options)
+            if self.reuse else None
         )
         # (rid, free pages, resident prefix pages) of the last admission refused for room:
         # it is not retried until one of the two figures changes
@@ -264,7 +277,10 @@ class _Worker:
         idle_rounds = 0
         every = self.sim.sample_every_s
         next_sample = 0.0
+        check = getattr(self, "check", False)
         while self.unfinished:
+            if check:
+                self.check_integrity()
             now = clock.now
             if now >= next_sample:
                 self._sample(now)
@@ -306,6 +322,25 @@ class _Worker:
         self._sample(clock.now)
         return self._result()
 
+    def check_integrity(self) -> None:
+        """The KV backend's and the block store's own checks, and that every block a
+        request maps is cached and mapped."""
+        if hasattr(self.kv, "check_integrity"):
+            self.kv.check_integrity()
+        prefixes = self.prefixes
+        if prefixes is None:
+            return
+        prefixes.check_integrity()
+        maps: dict = {}
+        for r in self.reqs:
+            for k in r.blocks:
+                maps[k] = maps.get(k, 0) + 1
+        for k, n in maps.items():
+            info = prefixes.index.get(k)
+            assert info is not None and info.refs == n, (
+                f"block {k!r}: mapped by {n} requests, the index says "
+                f"{None if info is None else info.refs}")
+
     def _fast_forward(self, next_arrival: float, next_sample: float) -> None:
         """Run decode-only steps in a tight loop while every round of the full loop would
         do nothing but run one: no arrival, sample, transfer completion, page allocation or
@@ -330,7 +365,7 @@ class _Worker:
         if self.waiting and len(self.active) < self.sim.max_batch and (
             self.sim.max_step_tokens - self.n_dec > 0
         ):
-            seen = (self.waiting[0].rid, self._free_pages(), self.prefixes.resident_pages)
+            seen = (self.waiting[0].rid, self._free_pages(), self._block_pages())
             if seen != self._refused:
                 return
         due = kv.next_completion()
@@ -397,6 +432,17 @@ class _Worker:
             return
         if self._running[0] != self._gen:  # the same frozenset while the batch is unchanged
             self._running = (self._gen, frozenset(self.active))
+        cfg = self.spec.controller
+        prefixes = self.prefixes
+        if prefixes is not None:
+            # cached blocks are a cache: they go down (or away) before any live request
+            kv = self.kv
+            cap = kv.device_capacity_bytes
+            if kv.device_used_bytes() > cfg.high * cap:
+                prefixes.shed_device(lambda: kv.device_used_bytes() > cfg.low * cap)
+            self._room_for_reloads()
+            prefixes.relieve_lower(cfg.host_high, cfg.host_low)
+            self._log_blocks()
         rep = self.ctl.evict_if_needed(self._running[1])
         demoted, dropped = self._demote()
         if demoted or dropped:
@@ -412,16 +458,11 @@ class _Worker:
             log.extend(Decision(k, now, "reload", rid) for rid in rep.reloads_started)
             if rep.reloads_started:
                 self._reloaded(now)
-            self.prefixes.moved(rep.offloaded, rep.demoted)
             for rid in rep.dropped:
                 self._lost(rid)
-        if self.reuse:
-            self.prefixes.settle()
-            cfg = self.spec.controller
-            self.prefixes.expire(cfg.host_high, cfg.host_low)
         self._quiet = None
-        if not fruitful and rep.pressure_before > self.spec.controller.high:
-            self._quiet = (self._gen, self.prefixes.changes)
+        if not fruitful and rep.pressure_before > cfg.high:
+            self._quiet = (self._gen, self._block_changes())
 
     def _demote(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The host cascade: when the host is over ``host_high`` (less demotions in flight),
@@ -448,15 +489,12 @@ class _Worker:
         waiting = set(self.ctl.pending_reloads())
         on_host = RequestState.ON_HOST
         state_of = kv.state_of
-        rids = [r.rid for r in self.preempted if state_of(r.rid) is on_host]
-        rids += [rid for rid in self.prefixes.entries() if state_of(rid) is on_host]
-        rids = [rid for rid in rids if rid not in waiting]
+        rids = [r.rid for r in self.preempted
+                if state_of(r.rid) is on_host and r.rid not in waiting]
         if not rids:
             return (), ()
         sizes = [kv.reload_bytes(rid) for rid in rids]
-        prefixes = self.prefixes
-        last = [prefixes.last_used(rid) if rid in prefixes else self.ctl.last_used(rid)
-                for rid in rids]
+        last = [self.ctl.last_used(rid) for rid in rids]
         order = self.retention.order(rids, sizes, last, Tier.HOST, "disk", self.clock.now)
         size_of = dict(zip(rids, sizes, strict=True))
         demoted: list[str] = []
@@ -482,14 +520,34 @@ class _Worker:
             self._gen += 1
         return tuple(demoted), tuple(dropped)
 
-    def _rank_retained(self, rids: list[str], tier: Tier) -> list[str]:
-        """Retained entries of ``tier`` in the policy's order; dropping or expiring one
-        leaves only recomputation."""
+    def _room_for_reloads(self) -> None:
+        """Reloads the controller holds back for room (its admission limit is
+        ``(high - reload_headroom) x capacity``): cached device blocks go down or away
+        until the waiting reloads fit. The controller does not see blocks, so without
+        this a reload, and every admission behind it, waits for requests to finish."""
+        pending = self.ctl.pending_reloads()
+        if not pending:
+            return
         kv = self.kv
-        page_bytes = self.page_bytes
-        sizes = [self._pages(kv.num_tokens(rid)) * page_bytes for rid in rids]
-        last = [self.prefixes.last_used(rid) for rid in rids]
-        return self.retention.order(rids, sizes, last, tier, "recompute", self.clock.now)
+        cfg = self.spec.controller
+        limit = (cfg.high - cfg.reload_headroom) * kv.device_capacity_bytes - sum(
+            kv.reload_bytes(rid) for rid in pending)
+        self.prefixes.shed_device(lambda: kv.device_used_bytes() > limit)
+
+    def _block_pages(self) -> int:
+        """Device pages held by unmapped cached blocks (0 without prefix reuse)."""
+        return self.prefixes.device_pages if self.prefixes is not None else 0
+
+    def _block_changes(self) -> int:
+        return self.prefixes.changes if self.prefixes is not None else 0
+
+    def _log_blocks(self) -> None:
+        """Moves down and drops of cached blocks go to the decisions log."""
+        events = self.prefixes.events
+        if events:
+            k, now = self.k, self.clock.now
+            self.decisions.extend(Decision(k, now, kind, str(key)) for kind, key in events)
+            events.clear()
 
     def _still_quiet(self) -> bool:
         """Whether the controller would find nothing to do again, so the safe point may be
@@ -502,9 +560,7 @@ class _Worker:
         had: nothing."""
         kv = self.kv
         now = self.clock.now
-        if self._quiet != (self._gen, self.prefixes.changes) or self.reload_asked or (
-            self._offloading and self._offloads_pending()  # the worker's own offloads
-        ):
+        if self._quiet != (self._gen, self._block_changes()) or self.reload_asked:
             return False
         due = kv.next_completion()
         return (
@@ -519,10 +575,7 @@ class _Worker:
 
     def _lost(self, rid: str) -> None:
         """The controller gave up ``rid``'s offloaded KV (disk full, on_disk_full=drop)."""
-        if rid in self.prefixes:
-            self.prefixes.discard(rid)
-        else:
-            self._recompute_later(self.by_rid[rid])
+        self._recompute_later(self.by_rid[rid])
 
     # -- preempted requests -------------------------------------------------------------
 
@@ -589,6 +642,7 @@ class _Worker:
         kv = self.kv
         self.counters.recomputed_tokens += r.done if r.done < r.target else r.kv
         kv.remove_request(r.rid)
+        self._release_blocks(r)
         kv.ingest_request(r.rid, self.live)
         r.target = r.n_in + r.produced
         r.done = 0
@@ -718,7 +772,7 @@ class _Worker:
         """Device memory will come free without preempting anyone: an offload is in
         flight, or the device is over the high watermark and an idle request on it can be
         offloaded."""
-        if self.ctl.stats()["releasing_bytes"] > 0 or self._offloads_pending():
+        if self.ctl.stats()["releasing_bytes"] > 0:
             return True
         kv = self.kv
         if kv.device_used_bytes() <= self.spec.controller.high * kv.device_capacity_bytes:
@@ -726,61 +780,20 @@ class _Worker:
         reclaimable = kv.reclaimable
         return any(reclaimable(r.rid) > 0 for r in self.preempted)
 
-    def _make_room(self, need_pages: int, keep: str | None = None) -> bool:
-        """True if ``need_pages`` device pages are free now. Otherwise, with tiering and
-        ``SimConfig.make_room="offload"``, retained prefixes resident on the device (never
-        ``keep``) are offloaded, in the policy's order, while a tier below has room: False
-        then, the room is on its way (a prefix is a cache worth keeping, and the freshest
-        ones are the ones still on the device). What is not offloaded is dropped, in the
-        policy's order, and only if dropping is enough; nothing dropped if not."""
+    def _make_room(self, need_pages: int) -> bool:
+        """True if ``need_pages`` device pages are free now, after freeing the pages of
+        cached blocks in the device block policy's order if need be: with
+        ``SimConfig.make_room="offload"`` (and tiering) each moves a tier down where one
+        has room, otherwise (or where none has) it is dropped. Nothing is freed when even
+        all of them would not do."""
         free = self._free_pages()
         if free >= need_pages:
             return True
-        if self.offload_room and self._offload_retained(need_pages - free, keep):
+        if self.prefixes is None:
             return False
-        return self.prefixes.drop_resident(need_pages, self._free_pages, keep)
-
-    def _offloads_pending(self) -> int:
-        """Device pages that offloads of retained prefixes started by the worker will free."""
-        pending = self._offloading
-        kv = self.kv
-        for rid in [r for r in pending
-                    if r not in kv or kv.state_of(r) is not RequestState.OFFLOADING]:
-            del pending[rid]
-        return sum(pending.values())
-
-    def _offload_retained(self, short_pages: int, keep: str | None) -> bool:
-        """Start offloading resident retained prefixes until, with those already on their
-        way, ``short_pages`` device pages are coming; True if they are."""
-        coming = self._offloads_pending()
-        if coming >= short_pages:
-            return True
-        kv = self.kv
-        rids = [rid for rid in self.prefixes.resident() if rid != keep and kv.reclaimable(rid)]
-        if not rids:
-            return False
-        pages = [self.prefixes.pages_of(rid) for rid in rids]
-        size_of = dict(zip(rids, pages, strict=True))
-        last = [self.prefixes.last_used(rid) for rid in rids]
-        now = self.clock.now
-        order = self.retention.order(rids, [p * self.page_bytes for p in pages], last,
-                                     Tier.DEVICE, "host", now)
-        started = []
-        for rid in order:
-            if coming >= short_pages:
-                break
-            if not kv.reclaimable(rid) or not kv.offload(rid):
-                continue  # no room below for this one any more
-            started.append(rid)
-            coming += size_of[rid]
-            if kv.state_of(rid) is RequestState.OFFLOADING:
-                self._offloading[rid] = size_of[rid]
-        if started:
-            self._gen += 1
-            self.decisions.extend(Decision(self.k, now, "offload", rid) for rid in started)
-            self.prefixes.moved(tuple(started), ())
-            self.counters.retained_offloads += len(started)
-        return coming >= short_pages
+        ok = self.prefixes.make_room(need_pages, self._free_pages, self.offload_room)
+        self._log_blocks()
+        return ok
 
     # -- admission and prefix reuse ------------------------------------------------------------
 
@@ -791,7 +804,7 @@ class _Worker:
         max_batch = self.sim.max_batch
         while waiting and budget > 0 and len(self.active) < max_batch:
             r = waiting[0]
-            seen = (r.rid, self._free_pages(), self.prefixes.resident_pages)
+            seen = (r.rid, self._free_pages(), self._block_pages())
             if seen == self._refused:
                 break  # refused for room before, and no room has come since
             got = self._try_admit(r, budget)
@@ -807,38 +820,46 @@ class _Worker:
         return planned
 
     def _try_admit(self, r: _Req, budget: int) -> int | None:
-        """Give ``r`` its first KV; None (nothing changed) if the device has no room.
-        Returns the prefill tokens planned for it this step."""
+        """Give ``r`` its first KV; None (nothing changed but cached blocks made room
+        for it) if the device has no room. Returns the prefill tokens planned for it."""
         kv = self.kv
         rid = r.rid
         prefixes = self.prefixes
-        reused, source, tier = (
-            prefixes.lookup(r.hash_ids, r.n_in) if self.reuse and r.hash_ids else (0, None, None)
-        )
-        loading = tier is Tier.HOST or tier is Tier.DISK
+        peek = None
+        if prefixes is not None and r.hash_ids:
+            peek = prefixes.peek(r.hash_ids, r.n_in)
+        reused = peek.reused if peek is not None else 0
         # the whole prompt (or, without tiering, the whole final KV) is allocated now, so
         # a prefilling request never has to grow
         tokens = r.n_in + r.n_out if self.mode == "no-tiering" else r.target
-        adopt = tier is Tier.DEVICE and prefixes.adoptable(source, reused)
-        need = self._pages(tokens) - (prefixes.pages_of(source) if adopt else 0)
-        if not self._make_room(need, keep=source):
+        mapped = prefixes.lend(peek) if peek is not None and peek.blocks else []
+        if not self._make_room(self._pages(tokens)):
+            if mapped:
+                prefixes.unlend(mapped)
             return None
-        if adopt:
-            prefixes.discard(source, counted=False)  # its pages become this request's
         kv.ingest_request(rid, self.live)
         if not kv.allocate(rid, tokens):  # cannot happen: the room was checked
-            raise RuntimeError(f"admission of {rid!r} found room for {need} pages but "
-                               f"allocate({tokens}) was refused")
+            raise RuntimeError(f"admission of {rid!r} found room for {tokens} tokens but "
+                               "allocate was refused")
         if self.ctl is not None:
             self.ctl.add_request(rid)
-        if r.hash_ids and self.reuse and not r.looked_up:
-            r.looked_up = True
-            self._count_lookup(r, reused, tier)
-        if source is not None and not adopt:
-            prefixes.used(source)
+        loading = False
+        if peek is not None:
+            r.moves = prefixes.commit(peek)
+            r.blocks = mapped
+            r.keys = peek.keys
+            if not r.looked_up:  # counted once, at the first admission
+                r.looked_up = True
+                self._count_lookup(r, peek)
+            host = sum(1 for t in peek.tiers if t is Tier.HOST)
+            disk = sum(1 for t in peek.tiers if t is Tier.DISK)
+            if host or disk:
+                block_bytes = prefixes.block_bytes
+                ready = max(kv.copy_in(host * block_bytes, Tier.HOST) if host else 0.0,
+                            kv.copy_in(disk * block_bytes, Tier.DISK) if disk else 0.0)
+                loading = True
         r.done = reused
         if loading:
-            ready = kv.copy_in(self._pages(reused) * self.page_bytes, tier)
             r.phase = LOADING
             r.waited_at = self.clock.now
             heapq.heappush(self.loading, (ready, r.order, rid))
@@ -849,31 +870,41 @@ class _Worker:
         self._plan.append((r, chunk))
         return chunk
 
-    def _count_lookup(self, r: _Req, reused: int, tier: Tier | None) -> None:
+    def _count_lookup(self, r: _Req, peek) -> None:
+        """Count one lookup: its tokens and blocks, and what each tier served (the block
+        that holds the last reused token is clipped to it)."""
         c = self.counters
         bt = self.sim.block_tokens
-        full = min(len(r.hash_ids), r.n_in // bt)
         c.prefix_lookups += 1
         c.lookup_tokens += r.n_in
-        c.lookup_blocks += full
-        if tier is None:
+        c.lookup_blocks += len(peek.keys)
+        if not peek.blocks:
             return
-        blocks = min(-(-reused // bt), full)
+        reused = peek.reused
+        c.prefix_hits += 1
         c.reused_tokens += reused
         r.reused = reused
-        r.prefix_tier = tier.value
-        if tier is Tier.DEVICE:
-            c.hits_device += 1
-            c.reused_tokens_device += reused
-            c.reused_blocks_device += blocks
-        elif tier is Tier.HOST:
-            c.hits_host += 1
-            c.reused_tokens_host += reused
-            c.reused_blocks_host += blocks
-        else:
-            c.hits_disk += 1
-            c.reused_tokens_disk += reused
-            c.reused_blocks_disk += blocks
+        per = {Tier.DEVICE: [0, 0], Tier.HOST: [0, 0], Tier.DISK: [0, 0]}
+        for i, t in enumerate(peek.tiers):
+            row = per[t]
+            row[0] += 1
+            row[1] += min(bt, reused - i * bt)
+        r.prefix_tier = peek.tiers[-1].value  # the deepest tier it waited for
+        for tier, (blocks, tokens) in per.items():
+            if not blocks:
+                continue
+            if tier is Tier.DEVICE:
+                c.hits_device += 1
+                c.reused_tokens_device += tokens
+                c.reused_blocks_device += blocks
+            elif tier is Tier.HOST:
+                c.hits_host += 1
+                c.reused_tokens_host += tokens
+                c.reused_blocks_host += blocks
+            else:
+                c.hits_disk += 1
+                c.reused_tokens_disk += tokens
+                c.reused_blocks_disk += blocks
 
     def _finish_loads(self, now: float) -> None:
         loading = self.loading
@@ -883,6 +914,9 @@ class _Worker:
             if r.phase != LOADING:
                 continue
             self.counters.prefix_load_wait_s += now - r.waited_at
+            if r.moves:
+                self.prefixes.loaded(r.moves)
+                r.moves = []
             r.phase = PREFILL
             self.prefilling.append(r)
 
@@ -934,8 +968,18 @@ class _Worker:
         kv.remove_request(r.rid)
         if self.ctl is not None:
             self.ctl.remove_request(r.rid)
-        if self.reuse and r.hash_ids:
-            self.prefixes.retain(r.rid, r.hash_ids, r.n_in)
+        self._release_blocks(r)
+        if r.keys:
+            self.prefixes.publish(r.keys)
+
+    def _release_blocks(self, r: _Req) -> None:
+        """``r``'s KV was just freed: it no longer maps its cached blocks."""
+        if r.moves:  # cannot happen (a loading request is never preempted); keep books sound
+            self.prefixes.loaded(r.moves)
+            r.moves = []
+        if r.blocks:
+            self.prefixes.release(r.blocks)
+            r.blocks = []
 
     # -- getting unstuck ------------------------------------------------------------------------
 
@@ -945,7 +989,8 @@ class _Worker:
         (a request reloaded just now may not be offloaded before); free the KV of the last
         preempted request holding any, else of the batch's latest-arrived request (it will
         be recomputed). False if there was nothing to do."""
-        if self.prefixes.drop_all_resident():
+        if self.prefixes is not None and self.prefixes.drop_all_device():
+            self._log_blocks()
             return True
         wait = self.spec.controller.min_residency_s
         if self.tiering and wait > 0 and not self._waited and self.preempted:
@@ -973,7 +1018,11 @@ class _Worker:
             )
             for r in sorted(self.reqs, key=lambda q: q.order)
         ]
-        self.counters.retained_discarded = self.prefixes.discarded
+        if self.prefixes is not None:
+            b = self.prefixes.counters
+            c = self.counters
+            c.block_moves_host, c.block_moves_disk = b.moved_host, b.moved_disk
+            c.block_loads, c.block_drops, c.block_refused = b.loaded, b.dropped, b.refused
         kv_stats = self.kv.stats.as_dict() if hasattr(self.kv.stats, "as_dict") else {}
         ctl_stats = self.ctl.stats() if self.ctl is not None else {}
         kv = self.kv

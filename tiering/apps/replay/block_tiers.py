@@ -1,0 +1,395 @@
+"""Cached prefix blocks in every tier: the replay's prefix reuse on ``tiering.blocks.BlockIndex``.
+
+A Mooncake trace names a prompt's 512-token blocks by ``hash_ids`` (equal ids,
+equal prefix). ``PrefixBlocks`` keeps those blocks the way a worker built on
+this library does: one ``BlockIndex`` (the keys are the ids, the tiers device,
+host and disk) and, per tier, a block retention policy made by
+``policies.blocks.make_block_policy`` with the tier's capacity in blocks. It
+is the same index and the same policies that run in production, not a copy.
+
+The life of a block:
+
+- **Lookup** (``peek``, ``lend``, ``commit``, when a request is admitted):
+  the longest cached prefix of its full prompt blocks is reused; every
+  tier's policy is told the request (``on_request``), each matched block is
+  touched (``on_hit`` of its tier's policy) and mapped; matched host and
+  disk blocks move up to the device (``begin_move``; ``loaded`` finishes the
+  moves when the copy lands).
+- **Publish** (``publish``, when the request finishes): the blocks of its
+  prompt the index lacks are offered to the device policy root first
+  (``admit``, then ``insert`` and ``on_insert``) while it admits them and the
+  device has room. A prompt's blocks are thus kept once its request is done
+  (as a worker keeps a finished request's prefix), never half-computed.
+- **Device pages.** A block mapped by a live request is part of that
+  request's KV (its pages are in the request's allocation); an unmapped
+  device block holds its own pages (``take_block_pages`` of the KV backend),
+  so the device's pressure sees it. Blocks on host and disk always hold
+  their pages there.
+- **Release** (the request finished, or its KV was freed to be recomputed):
+  its blocks are unmapped.
+- **Down the tiers** (``shed_device``, ``relieve_lower``, ``make_room``): the
+  tier's policy picks the victim (``BlockIndex.choose_victim``, so a mapped
+  block, or one with a mapped or moving descendant, never leaves); it moves
+  one tier down if the tier below admits it and has room, else it is
+  dropped with its cached descendants. Moves down change the books at once;
+  their copies occupy the links (``move_block_pages``).
+
+``check_integrity`` checks the index, that every policy tracks exactly its
+tier's blocks, and that the pages held match the blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+from policies.blocks import BlockPolicyRegistry, make_block_policy
+from tiering.blocks.index import BlockIndex, Dropped
+from tiering.types import Tier
+
+__all__ = ["BlockCounters", "PrefixBlocks", "PrefixPeek"]
+
+_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+_BELOW = {Tier.DEVICE: (Tier.HOST, Tier.DISK), Tier.HOST: (Tier.DISK,), Tier.DISK: ()}
+
+
+class PrefixPeek(NamedTuple):
+    """What a lookup found (nothing changed yet): the request's full prompt block keys,
+    how many lead the cache, each one's tier, the prompt tokens they save, and the
+    device pages the store would hand over to the request (matched unmapped device
+    blocks)."""
+
+    keys: tuple[Hashable, ...]
+    blocks: int
+    tiers: tuple[Tier, ...]
+    reused: int
+    lent_pages: int
+
+
+class BlockCounters(NamedTuple):
+    moved_host: int  # device -> host
+    moved_disk: int  # device or host -> disk
+    loaded: int  # host or disk -> device (reused)
+    dropped: int  # blocks dropped, descendants included
+    refused: int  # blocks a device policy did not admit
+
+
+class PrefixBlocks:
+    """The block store of one run (see the module docstring).
+
+    ``kv``: the KV backend (``pages_for``, ``page_bytes``, tier capacities and
+    ``take_block_pages`` / ``give_block_pages`` / ``move_block_pages`` /
+    ``free_pages``); ``policy``: a block policy name of ``registry`` (default:
+    the built-ins), with ``options`` passed to each tier's factory;
+    ``block_tokens``: prompt tokens per block id; ``clock``: the run's time.
+    """
+
+    def __init__(self, kv: Any, policy: str, block_tokens: int, clock: Callable[[], float],
+                 registry: BlockPolicyRegistry | None = None,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or (
+            block_tokens < 1
+        ):
+            raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+        self._kv = kv
+        self._clock = clock
+        self.block_tokens = block_tokens
+        self.block_pages = int(kv.pages_for(block_tokens))
+        self.block_bytes = self.block_pages * int(kv.page_bytes)
+        caps = {Tier.DEVICE: int(kv.device_capacity_bytes), Tier.HOST: int(kv.host_capacity_bytes),
+                Tier.DISK: int(getattr(kv, "disk_capacity_bytes", 0))}
+        self.capacity_blocks = {t: caps[t] // self.block_bytes for t in _TIERS}
+        self.policies = {
+            t: make_block_policy(policy, registry, capacity=max(1, self.capacity_blocks[t]),
+                                 **dict(options))
+            for t in _TIERS
+        }
+        self.policy_name = policy
+        self.index = BlockIndex()
+        self._handle = 0
+        self._reserved = dict.fromkeys(_TIERS, 0)  # blocks holding their own pages, per tier
+        self.changes = 0  # bumped whenever a block comes, goes, moves or is (un)mapped
+        self._moved_host = self._moved_disk = self._loaded = self._dropped = self._refused = 0
+        self.events: list[tuple[str, Hashable]] = []  # (kind, key) of moves down and drops
+
+    # -- reading ---------------------------------------------------------------------
+
+    @property
+    def counters(self) -> BlockCounters:
+        return BlockCounters(self._moved_host, self._moved_disk, self._loaded, self._dropped,
+                             self._refused)
+
+    @property
+    def device_pages(self) -> int:
+        """Device pages held by unmapped cached blocks (what dropping all of them frees
+        at most)."""
+        return self._reserved[Tier.DEVICE] * self.block_pages
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def count(self, tier: Tier) -> int:
+        return self.index.count(tier)
+
+    def keys_of(self, hash_ids: Sequence[Hashable], n_in: int) -> tuple[Hashable, ...]:
+        """The keys of a prompt's full blocks."""
+        return tuple(hash_ids[: n_in // self.block_tokens])
+
+    def peek(self, hash_ids: Sequence[Hashable], n_in: int) -> PrefixPeek:
+        """The longest reusable cached prefix of a prompt; changes nothing. At least one
+        prompt token is always left to compute."""
+        keys = self.keys_of(hash_ids, n_in)
+        tiers = self.index.match(keys).tiers
+        d = len(tiers)
+        reused = min(d * self.block_tokens, n_in - 1) if d else 0
+        if reused <= 0:
+            return PrefixPeek(keys, 0, (), 0, 0)
+        get = self.index.get
+        lent = sum(1 for k, t in zip(keys, tiers, strict=False) if t is Tier.DEVICE and not get(k).refs)
+        return PrefixPeek(keys, d, tiers, reused, lent * self.block_pages)
+
+    # -- a request's blocks ----------------------------------------------------------
+
+    def lend(self, peek: PrefixPeek) -> list[Hashable]:
+        """Map the matched blocks (they can no longer be evicted); the pages of matched
+        unmapped device blocks pass to the caller's allocation. Returns the keys mapped;
+        ``unlend`` undoes it exactly."""
+        index = self.index
+        mapped = []
+        for k, t in zip(peek.keys, peek.tiers, strict=False):
+            if index.acquire(k) == 1 and t is Tier.DEVICE:
+                self._unreserve(Tier.DEVICE)
+            mapped.append(k)
+        self.changes += 1
+        return mapped
+
+    def unlend(self, mapped: Sequence[Hashable]) -> None:
+        """Undo ``lend`` (the request was not admitted after all)."""
+        index = self.index
+        for k in mapped:
+            if not index.release(k) and index.location(k).tier is Tier.DEVICE:
+                self._reserve(k, Tier.DEVICE)
+        self.changes += 1
+
+    def commit(self, peek: PrefixPeek) -> list[Hashable]:
+        """Admission went through (after ``lend``): tell every tier's policy of the
+        request, touch the hits (``on_hit`` of their tier's policy) and start moving host
+        and disk hits up to the device. Returns the keys whose move ``loaded`` must
+        finish."""
+        now = self._clock()
+        index = self.index
+        pol = self.policies
+        keys = peek.keys
+        for p in pol.values():
+            p.on_request(keys, now)
+        moves = []
+        for k, t in zip(keys, peek.tiers, strict=False):
+            pol[t].on_hit(index.touch(k, now), now)
+            if t is not Tier.DEVICE and index.location(k).moving_to is None:
+                index.begin_move(k, Tier.DEVICE, self._new_handle())
+                moves.append(k)
+        self.changes += 1
+        return moves
+
+    def loaded(self, moves: Sequence[Hashable]) -> None:
+        """The copy of these blocks to the device landed: they are device blocks now."""
+        index = self.index
+        now = self._clock()
+        for k in moves:
+            loc = index.location(k)
+            if loc is None or loc.moving_to is not Tier.DEVICE:
+                continue
+            index.finish_move(k)
+            self._unreserve(loc.tier)
+            self.policies[loc.tier].on_remove(k)
+            self.policies[Tier.DEVICE].on_insert(index.get(k), now)
+            self._loaded += 1
+        self.changes += 1
+
+    def release(self, mapped: Sequence[Hashable]) -> None:
+        """The request that mapped these blocks no longer holds its KV (the caller freed
+        it first): unmap them; a device block nobody maps takes its own pages again."""
+        index = self.index
+        for k in mapped:
+            if not index.release(k) and index.location(k).tier is Tier.DEVICE:
+                self._reserve(k, Tier.DEVICE)
+        self.changes += 1
+
+    def publish(self, keys: Sequence[Hashable]) -> int:
+        """A request finished (its KV freed, its blocks released): its full prompt blocks
+        the index lacks are offered to the device policy, root first, and kept on the
+        device while it admits them and the device has room. Returns the blocks added."""
+        now = self._clock()
+        index = self.index
+        dev = self.policies[Tier.DEVICE]
+        kv = self._kv
+        parent = None
+        added = 0
+        for depth, k in enumerate(keys):
+            if k in index:
+                parent = k
+                continue
+            if not dev.admit(k, depth, now):
+                self._refused += 1
+                break
+            if kv.free_pages(Tier.DEVICE) < self.block_pages:
+                break
+            if not index.insert(k, parent, Tier.DEVICE, self._new_handle(), now):
+                break
+            self._reserve(k, Tier.DEVICE)
+            dev.on_insert(index.get(k), now)
+            added += 1
+            parent = k
+        if added:
+            self.changes += 1
+        return added
+
+    # -- making room -------------------------------------------------------------------
+
+    def make_room(self, need_pages: int, free_pages: Callable[[], int], move: bool) -> bool:
+        """Free device pages held by cached blocks, in the device policy's order, until
+        ``need_pages`` are free: each victim moves down a tier where one admits it and
+        has room (``move``), else it is dropped. True if the pages are free; False at
+        once, with nothing changed, if all such pages would not do (some may have gone
+        before a False when blocks still mapped by requests keep the rest)."""
+        free = free_pages()
+        if free >= need_pages:
+            return True
+        if free + self.device_pages < need_pages:
+            return False
+        while free_pages() < need_pages:
+            if not self._evict_one(Tier.DEVICE, move):
+                return False
+        return True
+
+    def drop_all_device(self) -> bool:
+        """Drop every cached device block that may leave; False if none could."""
+        any_ = False
+        while self._reserved[Tier.DEVICE] and self._evict_one(Tier.DEVICE, False):
+            any_ = True
+        return any_
+
+    def shed_device(self, over: Callable[[], bool]) -> int:
+        """While ``over()``: move the device policy's victim down (or drop it). Returns
+        the blocks that left the device."""
+        n = 0
+        while self._reserved[Tier.DEVICE] and over():
+            if not self._evict_one(Tier.DEVICE, True):
+                break
+            n += 1
+        return n
+
+    def relieve_lower(self, high: float, low: float) -> int:
+        """The host over ``high`` of its capacity: its policy's victims move to disk (or
+        are dropped) until under ``low``; then the disk over ``high``: its victims are
+        dropped until under ``low``. One call leaves nothing for the next to do.
+        Returns the blocks that left."""
+        kv = self._kv
+        n = 0
+        for tier in (Tier.HOST, Tier.DISK):
+            total = {Tier.HOST: kv.host_capacity_bytes,
+                     Tier.DISK: getattr(kv, "disk_capacity_bytes", 0)}[tier] // kv.page_bytes
+            if not total or not self._reserved[tier]:
+                continue
+
+            def used(tier=tier, total=total) -> int:
+                return total - kv.free_pages(tier)
+
+            if used() <= high * total:
+                continue
+            while self._reserved[tier] and used() > low * total:
+                if not self._evict_one(tier, True):
+                    break
+                n += 1
+        return n
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _new_handle(self) -> int:
+        self._handle += 1
+        return self._handle
+
+    def _reserve(self, key: Hashable, tier: Tier) -> None:
+        if not self._kv.take_block_pages(tier, self.block_pages):
+            # the request that mapped it has just freed at least as much
+            raise RuntimeError(f"block {key!r}: no {tier.value} page for it once unmapped "
+                               "(block pages were miscounted)")
+        self._reserved[tier] += 1
+
+    def _unreserve(self, tier: Tier) -> None:
+        self._kv.give_block_pages(tier, self.block_pages)
+        self._reserved[tier] -= 1
+
+    def _evict_one(self, tier: Tier, move: bool) -> bool:
+        now = self._clock()
+        key = self.index.choose_victim(self.policies[tier], now, tier=tier)
+        if key is None:
+            return False
+        if move:
+            kv = self._kv
+            for dst in _BELOW[tier]:
+                if self.capacity_blocks[dst] and kv.free_pages(dst) >= self.block_pages and (
+                    self.policies[dst].admit(key, self.index.get(key).depth, now)
+                ):
+                    self._move_down(key, tier, dst, now)
+                    return True
+        self._drop(key, "evicted")
+        return True
+
+    def _move_down(self, key: Hashable, src: Tier, dst: Tier, now: float) -> None:
+        if not self._kv.move_block_pages(src, dst, self.block_pages):
+            raise RuntimeError(f"moving block {key!r} to {dst.value}: room was checked")
+        index = self.index
+        index.begin_move(key, dst, self._new_handle())
+        index.finish_move(key)
+        self._reserved[src] -= 1
+        self._reserved[dst] += 1
+        self.policies[src].on_remove(key)
+        self.policies[dst].on_insert(index.get(key), now)
+        if dst is Tier.HOST:
+            self._moved_host += 1
+        else:
+            self._moved_disk += 1
+        self.events.append((f"block-{dst.value}", key))
+        self.changes += 1
+
+    def _drop(self, key: Hashable, reason: str, counted: bool = True) -> list[Dropped]:
+        """Drop ``key`` and its cached descendants; every page they held is given back."""
+        out = self.index.drop(key, reason)
+        for d in out:
+            self.policies[d.tier].on_remove(d.key)
+            self._unreserve(d.tier)
+        if counted:
+            self._dropped += len(out)
+            self.events.append(("block-drop", key))
+        self.changes += 1
+        return out
+
+    # -- checking ----------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the index is sound, each tier's policy tracks
+        exactly that tier's blocks, and the pages held equal the blocks that hold them."""
+        index = self.index
+        index.check_integrity()
+        for t in _TIERS:
+            n = index.count(t)
+            assert len(self.policies[t]) == n, (
+                f"{t.value} policy tracks {len(self.policies[t])} blocks, the index holds {n}"
+            )
+        held = dict.fromkeys(_TIERS, 0)
+        for k in index.keys():
+            info = index.get(k)
+            loc = index.location(k)
+            assert loc.moving_to in (None, Tier.DEVICE), f"block {k!r} moves down in flight"
+            if loc.tier is not Tier.DEVICE or not info.refs:
+                held[loc.tier] += 1
+            assert k in self.policies[loc.tier], f"block {k!r} missing from its tier's policy"
+        assert held == self._reserved, f"blocks holding pages {held} != counted {self._reserved}"
+        kv = self._kv
+        if hasattr(kv, "block_pages"):
+            for t in _TIERS:
+                assert kv.block_pages(t) == held[t] * self.block_pages, (
+                    f"{t.value}: the KV backend holds {kv.block_pages(t)} block pages, "
+                    f"the blocks {held[t] * self.block_pages}"
+                )
