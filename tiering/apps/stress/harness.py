@@ -662,8 +662,9 @@ class StressHarness:
                 self._op(self.controller.add_request, w.rid)
                 w.away = True
                 w.asked_at = None
+                if w.rid not in self._unverified_reattached:  # still unread since an earlier
+                    self.counts.reattached += 1               # restart: counted once
                 self._unverified_reattached.add(w.rid)
-                self.counts.reattached += 1
             else:
                 del self._live[w.rid]
                 self.counts.restart_recomputed += 1
