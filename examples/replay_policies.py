@@ -10,7 +10,7 @@ it next to the built-ins from the repository root::
 
 It orders the live idle requests the controller offloads; cached prefix
 blocks are kept by the block policy (``--block-policy``; see
-``docs/replay.md``). ``--policy-option cost_weight=2`` sets its option; options go to every policy
+the README's "Trace replay" section). ``--policy-option cost_weight=2`` sets its option; options go to every policy
 named, so give them with this policy alone (the built-ins take no
 ``cost_weight`` and the run would stop with exit status 2).
 """

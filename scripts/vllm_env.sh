@@ -19,8 +19,8 @@ command -v "$PY" >/dev/null 2>&1 || fail "no interpreter '$PY' (set VLLM_ENV_PYT
   || fail "the lock file is for CPython 3.11; '$PY' is $("$PY" -V 2>&1)"
 [ "$(uname -m)" = "x86_64" ] || fail "the lock file is for x86_64, this machine is $(uname -m)"
 
-# tiering must resolve to this checkout (an environment copied from another worktree
-# still imports that worktree's code until the project is installed again from here)
+# tiering must resolve to this checkout (an environment copied from another checkout
+# still imports that checkout's code until the project is installed again from here)
 ours() {
   ("$ENV_DIR/bin/python" -P -c 'import os, sys, tiering
 root = os.path.realpath(sys.argv[1])

@@ -122,7 +122,7 @@ def test_unreachable_store_raises_the_tiers_own_error_at_start():
         open_s3_store("s3://bucket/prefix", {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
                                               "key": "k", "secret": "s", "region": "us-east-1"},
                       timeout_s=2.0, max_retries=0)
-    # without the check, opening does no I/O and succeeds (the lead may defer the probe)
+    # without the check, opening does no I/O and succeeds (a caller may defer the probe)
     assert open_s3_store("s3://bucket/prefix", opts, check=False) is not None
 
 
