@@ -503,10 +503,9 @@ def test_build_takes_the_compute_stream_from_the_engine_info(geom):
         PagedKVCache.build(spec, info)  # forwarded: a CPU cache refuses a stream
 
 
-def test_a_cancelled_offload_is_reported_as_a_record(geom):
-    """An offload taken back by admit before its copy started is reported
-    (ok=False, resident again): a controller that counted it as leaving the
-    device would otherwise count it for good (the demo stalled on exactly that)."""
+def _second_offload_queued(geom, seed):
+    """A cache whose one d2h worker is held inside a's offload copy, with b's
+    offload queued behind it (not started). Returns (cache, gate to open)."""
     gate = threading.Event()
     started = threading.Event()
 
@@ -516,12 +515,20 @@ def test_a_cancelled_offload_is_reported_as_a_record(geom):
             assert gate.wait(10)
 
     kv = PagedKVCache(geom, device_pages=8, host_pages=8, copy_fault_hook=hold, copy_workers=1)
+    gen = torch.Generator().manual_seed(seed)
+    fill(kv, "a", gen, 5)
+    fill(kv, "b", gen, 5)
+    assert kv.offload("a") and started.wait(10)
+    assert kv.offload("b")  # queued behind a's copy
+    return kv, gate
+
+
+def test_a_cancelled_offload_is_reported_as_a_record(geom):
+    """An offload taken back by admit before its copy started is reported
+    (ok=False, resident again): a controller that counted it as leaving the
+    device would otherwise count it for good (the demo stalled on exactly that)."""
+    kv, gate = _second_offload_queued(geom, 5)
     try:
-        gen = torch.Generator().manual_seed(5)
-        fill(kv, "a", gen, 5)
-        fill(kv, "b", gen, 5)
-        assert kv.offload("a") and started.wait(10)
-        assert kv.offload("b")  # queued behind a's copy
         assert kv.admit(ResourceStep("b"), StepContext())  # wanted again: cancelled
         recs = kv.poll()
         assert [(d.rid, d.ok, d.state) for d in recs] == [("b", False, S.RESIDENT)]
@@ -535,21 +542,8 @@ def test_a_cancelled_offload_is_reported_as_a_record(geom):
 
 
 def test_remove_reports_a_copy_it_cancelled(geom):
-    gate = threading.Event()
-    started = threading.Event()
-
-    def hold(direction):
-        if direction == "d2h" and not started.is_set():
-            started.set()
-            assert gate.wait(10)
-
-    kv = PagedKVCache(geom, device_pages=8, host_pages=8, copy_fault_hook=hold, copy_workers=1)
+    kv, gate = _second_offload_queued(geom, 6)
     try:
-        gen = torch.Generator().manual_seed(6)
-        fill(kv, "a", gen, 5)
-        fill(kv, "b", gen, 5)
-        assert kv.offload("a") and started.wait(10)
-        assert kv.offload("b")
         kv.remove_request("b")  # its copy never started
         assert [(d.rid, d.ok, d.state) for d in kv.poll()] == [("b", False, None)]
         gate.set()
