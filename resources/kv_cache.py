@@ -1351,7 +1351,7 @@ class PagedKVCache(Resource):
         for key, t in self._tombstones.items():
             dev[key], host[key] = t.device, t.host
         if self._prefix is not None:
-            dev[BLOCKS], host[BLOCKS] = self._prefix.device_pages(), self._prefix.host_pages()
+            dev[BLOCKS], host[BLOCKS] = self._prefix.pages_on(Tier.DEVICE), self._prefix.pages_on(Tier.HOST)
             problems += self._prefix.check_integrity(self._reqs.values())
         if self._ring is not None and not self._inflight and not self._tombstones:
             try:

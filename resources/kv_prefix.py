@@ -511,24 +511,14 @@ class PrefixCache:
             problems.append("a block names a disk extent the cache does not hold")
         return problems
 
-    def device_pages(self) -> list[int]:
-        """Device pages the index holds (locations and load destinations)."""
+    def pages_on(self, tier: Tier) -> list[int]:
+        """Pages of ``tier`` the index holds (locations and move destinations)."""
         out = []
         for key in self.index.keys():
             loc = self.index.location(key)
-            if loc.tier is Tier.DEVICE:
+            if loc.tier is tier:
                 out.append(loc.handle)
-            if loc.moving_to is Tier.DEVICE:
-                out.append(loc.dest_handle)
-        return out
-
-    def host_pages(self) -> list[int]:
-        out = []
-        for key in self.index.keys():
-            loc = self.index.location(key)
-            if loc.tier is Tier.HOST:
-                out.append(loc.handle)
-            if loc.moving_to is Tier.HOST:
+            if loc.moving_to is tier:
                 out.append(loc.dest_handle)
         return out
 

@@ -94,3 +94,23 @@ def reload_all_and_check(kv, data) -> None:
     for rid, d in data.items():
         assert kv.tier_of(rid) is Tier.DEVICE
         assert_same(kv, rid, d)
+
+
+def disk_lock_held(root) -> bool:
+    """Whether some open file description holds the disk tier's lock on ``root`` now."""
+    import fcntl
+    import os
+
+    from tiering.disk.lock import LOCK_FILE_NAME
+
+    path = root / LOCK_FILE_NAME
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import disk_lock_held
 from zarr.storage import MemoryStore
 
 from tiering.disk import DiskConfig, DiskIOError, DiskPageStore, DiskPathInUseError
@@ -34,19 +34,6 @@ def make(path, *, on_start="clear", capacity_chunks=8, **kw) -> DiskPageStore:
     )
     return DiskPageStore(cfg, PAGE_SHAPE, torch.float32, fingerprint="lock-test")
 
-
-def lock_held(root: Path) -> bool:
-    path = root / LOCK_FILE_NAME
-    if not path.exists():
-        return False
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def random_pages(n: int, seed: int) -> torch.Tensor:
@@ -74,9 +61,9 @@ def test_second_open_in_the_same_process_is_refused_and_changes_nothing(tmp_path
     first.read(extent, out)
     assert torch.equal(out, data)
     first.check_integrity()
-    assert lock_held(root)
+    assert disk_lock_held(root)
     first.close()
-    assert not lock_held(root)
+    assert not disk_lock_held(root)
     again = make(root, on_start="reattach")  # released at close: a new open succeeds
     assert set(again.reattached()) == {"r1"}
     again.read(again.reattached()["r1"][0], out)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from conftest import disk_lock_held
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from zarr.storage import LocalStore, MemoryStore, StorePath
@@ -40,25 +41,6 @@ from tiering.disk.store import (
     DiskIOError,
     DiskPageStore,
 )
-
-
-def _lock_held(root: Path) -> bool:
-    """Whether some open file description holds the tier's lock on ``root`` now."""
-    import fcntl
-    import os
-
-    path = root / LOCK_FILE_NAME
-    if not path.exists():
-        return False
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
 
 PAGE_SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, tokens, heads, head dim: 256 elements
 CHUNK = 4096  # 4 float32 pages or 8 bf16 pages per chunk
@@ -610,7 +592,7 @@ def test_clear_refuses_a_directory_holding_foreign_files(tmp_path, gen, foreign)
         make(tmp_path)  # on_start="clear"
     assert target.exists() and slot_file.read_bytes() == before
     assert (tmp_path / "disk" / MANIFEST_KEY).exists()
-    assert not _lock_held(tmp_path / "disk")
+    assert not disk_lock_held(tmp_path / "disk")
 
 
 def test_clear_refuses_a_foreign_file_named_like_the_slot_file(tmp_path):
