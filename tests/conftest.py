@@ -114,3 +114,31 @@ def disk_lock_held(root) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def conversation_trace(seed: int, n: int, *, shared: float = 0.5):
+    """A seeded replay trace: conversations that extend each other's block chains
+    (64-token blocks), some unrelated requests."""
+    import random
+
+    from tiering.apps.replay.traces import TraceRequest
+
+    rng = random.Random(seed)
+    chains: list[list[int]] = []
+    next_id = 1
+    out = []
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(4.0)
+        if chains and rng.random() < shared:
+            base = rng.choice(chains)
+            extra = [next_id + i for i in range(rng.randint(1, 6))]
+            chain = base + extra
+        else:
+            extra = [next_id + i for i in range(rng.randint(2, 20))]
+            chain = [0] + extra
+        next_id += len(extra)
+        chains.append(chain)
+        n_in = len(chain) * 64 - rng.randint(0, 63)
+        out.append(TraceRequest(t, n_in, rng.randint(1, 120), tuple(chain)))
+    return out

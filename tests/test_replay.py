@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import conversation_trace
 
 from resources.engine_types import ResourceReqConfig
 from resources.kv_cache import PagedKVCache
@@ -285,29 +286,6 @@ class CheckedKV(ModeledKVCache):
         return done
 
 
-def _random_trace(seed: int, n: int, *, shared: float = 0.5) -> list[TraceRequest]:
-    """Conversations that extend each other's block chains, some unrelated requests."""
-    rng = random.Random(seed)
-    chains: list[list[int]] = []
-    next_id = 1
-    out = []
-    t = 0.0
-    for _ in range(n):
-        t += rng.expovariate(4.0)
-        if chains and rng.random() < shared:
-            base = rng.choice(chains)
-            extra = [next_id + i for i in range(rng.randint(1, 6))]
-            chain = base + extra
-        else:
-            extra = [next_id + i for i in range(rng.randint(2, 20))]
-            chain = [0] + extra
-        next_id += len(extra)
-        chains.append(chain)
-        n_in = len(chain) * 64 - rng.randint(0, 63)
-        out.append(TraceRequest(t, n_in, rng.randint(1, 120), tuple(chain)))
-    return out
-
-
 def _checked_factory(device_pages, host_pages, disk_pages, rates=None, sim=None):
     page_tokens = (sim or SimConfig()).page_tokens
 
@@ -323,7 +301,7 @@ SMALL_SIM = SimConfig(max_batch=16, max_step_tokens=1024, page_tokens=16, block_
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_tiering_conserves_bytes_and_finishes_everything(policy):
-    trace = _random_trace(21, 120)
+    trace = conversation_trace(21, 120)
     caches = []
 
     def factory(clock):
@@ -361,7 +339,7 @@ def test_a_request_too_large_for_the_device_is_rejected():
 
 @pytest.mark.parametrize("mode", ["recompute", "no-tiering"])
 def test_baselines_run_and_finish(mode):
-    trace = _random_trace(22, 100, shared=0.3)
+    trace = conversation_trace(22, 100, shared=0.3)
     res = simulate(trace, COST, RunSpec(mode), SMALL_SIM,
                    kv_factory=_checked_factory(120, 0, 0, sim=SMALL_SIM))
     m = summarize(res)
@@ -376,7 +354,7 @@ def test_baselines_run_and_finish(mode):
 
 
 def test_tiering_preempts_offloads_and_reloads_without_recomputing():
-    trace = _random_trace(23, 100, shared=0.0)
+    trace = conversation_trace(23, 100, shared=0.0)
     res = simulate(trace, COST, RunSpec("tiering", "lru"), SMALL_SIM,
                    kv_factory=_checked_factory(120, 600, 0, sim=SMALL_SIM))
     m = summarize(res)
@@ -433,7 +411,7 @@ def test_prefix_reuse_on_device_skips_prefill():
 
 
 def test_runs_are_deterministic():
-    trace = _random_trace(24, 80)
+    trace = conversation_trace(24, 80)
     factory = _checked_factory(140, 100, 300, sim=SMALL_SIM)
     one = simulate(trace, COST, RunSpec("tiering", "cost"), SMALL_SIM, kv_factory=factory)
     two = simulate(trace, COST, RunSpec("tiering", "cost"), SMALL_SIM, kv_factory=factory)
@@ -445,7 +423,7 @@ def test_quiet_safe_points_change_nothing(monkeypatch):
     # since a call that found nothing to do; calling it every time must give the same run
     from tiering.apps.replay import simulator
 
-    trace = _random_trace(25, 150)
+    trace = conversation_trace(25, 150)
     # slow links, so that transfers are in flight across many steps
     factory = _checked_factory(150, 60, 300, rates=LinkRates(2e8, 2e8, 5e7, 1e8), sim=SMALL_SIM)
     for policy in POLICIES:

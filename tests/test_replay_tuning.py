@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import conversation_trace
 
 from policies import LRU, CandidateBatch, Policy, register_policy
 from tiering.apps.replay import main as replay_main
@@ -41,23 +42,7 @@ SIM = SimConfig(max_batch=16, max_step_tokens=1024, page_tokens=16, block_tokens
 
 
 def _trace(seed: int, n: int, *, shared: float = 0.6) -> list[TraceRequest]:
-    """Conversations that extend each other's block chains, some unrelated requests."""
-    rng = random.Random(seed)
-    chains: list[list[int]] = []
-    next_id = 1
-    out = []
-    t = 0.0
-    for _ in range(n):
-        t += rng.expovariate(4.0)
-        if chains and rng.random() < shared:
-            chain = rng.choice(chains) + [next_id + i for i in range(rng.randint(1, 6))]
-        else:
-            chain = [0] + [next_id + i for i in range(rng.randint(2, 20))]
-        next_id = max(next_id, max(chain) + 1)
-        chains.append(chain)
-        n_in = len(chain) * 64 - rng.randint(0, 63)
-        out.append(TraceRequest(t, n_in, rng.randint(1, 120), tuple(chain)))
-    return out
+    return conversation_trace(seed, n, shared=shared)
 
 
 class CheckedKV(ModeledKVCache):
