@@ -149,3 +149,39 @@ def test_synchronize_through_the_front_door_settles_the_controllers_ledger(geom)
         assert tkv.stats()["controller.transfers_reported"] >= 1
         tkv.controller.check_integrity()
         assert tkv.stats()["controller.offloads_in_flight"] == 0, "a landed offload still counted"
+
+
+def test_around_wraps_a_cache_built_elsewhere_and_owns_it(geom):
+    from resources.kv_cache import PagedKVCache
+    from tiering.errors import CacheClosed
+
+    clock = FakeClock()
+    gen = torch.Generator().manual_seed(11)
+    kv = PagedKVCache(geom, device_pages=8, host_pages=32, clock=clock)
+    tkv = TieredKV.around(kv, policy="lru", clock=clock,
+                          controller=ControllerConfig(high=0.7, low=0.4, min_residency_s=0.0))
+    assert tkv.config is None and tkv.kv is kv
+    _fill(tkv, "a", 8, gen)
+    _fill(tkv, "b", 8, gen)
+    _fill(tkv, "c", 8, gen)
+    assert tkv.requests() == ["a", "b", "c"] == kv.requests()
+    tkv.prepare(["c"])
+    assert tkv.after_step(["c"]).offloaded
+    tkv.synchronize(timeout=10)
+    tkv.check_integrity()
+    tkv.close()
+    with pytest.raises(CacheClosed):
+        kv.requests()
+
+
+def test_around_refuses_what_it_cannot_drive_and_names_it(geom):
+    class NotACache:
+        def supports_eviction(self):
+            return True
+
+    with pytest.raises(TypeError, match="lacks .*ingest_request"):
+        TieredKV.around(NotACache())
+    with pytest.raises(TypeError, match="controller must be a ControllerConfig"):
+        from resources.kv_cache import PagedKVCache
+        with PagedKVCache(geom, device_pages=4, host_pages=4) as kv:
+            TieredKV.around(kv, controller={"high": 0.9})

@@ -29,6 +29,7 @@ from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
 from tiering.control.controller import ControllerConfig, EvictionController, EvictionReport
 from tiering.control.pressure import PressureSource, cache_pressure
+from tiering.control.protocols import TieredCache
 from tiering.disk.config import DiskConfig
 from tiering.errors import UnknownRequest
 
@@ -89,6 +90,25 @@ class TieredKVConfig:
             )
 
 
+_CACHE_METHODS = tuple(sorted({
+    name for proto in TieredCache.__mro__ if proto not in (object,)
+    for name, value in vars(proto).items()
+    if not name.startswith("_") and callable(value)
+}))
+
+
+def _resolve_policy(policy: str | Policy, registry: Any) -> Policy:
+    if isinstance(policy, str):
+        return make_policy(policy, registry=registry)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a policy name or a Policy, got {policy!r}")
+    return policy
+
+
+def _close_cache(kv: Any) -> None:
+    kv.close()
+
+
 class TieredKV:
     """A tiered KV cache with its controller, driven once per step (see the module doc).
 
@@ -107,28 +127,72 @@ class TieredKV:
     ) -> None:
         if not isinstance(config, TieredKVConfig):
             raise TypeError(f"TieredKV needs a TieredKVConfig, got {type(config).__name__}")
-        self.config = config
-        policy = config.policy
-        if isinstance(policy, str):
-            policy = make_policy(policy, registry=policy_registry)
-        self.policy = policy
-        self.kv = PagedKVCache(
+        policy = _resolve_policy(config.policy, policy_registry)
+        kv = PagedKVCache(
             config.geometry, device=config.device, device_pages=config.device_pages,
             host_pages=config.host_pages, disk=config.disk, verify=config.verify,
             offload_to_disk_when_host_full=config.offload_to_disk_when_host_full,
             clock=clock, **config.cache_options,
         )
-        try:
-            self.pressure = config.pressure(self.kv)
-            self.controller = EvictionController(
-                {"kv": self.kv}, policy, self.pressure, config.controller, clock=clock
+        self.config: TieredKVConfig | None = config
+        self._assemble(kv, policy, config.pressure, config.controller, clock)
+
+    @classmethod
+    def around(
+        cls,
+        cache: Any,
+        *,
+        policy: str | Policy = "lru",
+        pressure: Any = None,
+        controller: ControllerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        policy_registry: Any = None,
+    ) -> TieredKV:
+        """A ``TieredKV`` over a cache built elsewhere: any resource with the
+        eviction hooks (``PagedKVCache``, the replay's modelled cache, the test
+        fake). ``pressure``: a pressure source, a callable ``cache -> source``,
+        or None for ``cache_pressure(cache)``. The ``TieredKV`` owns the cache
+        from then on: ``close()`` closes it."""
+        missing = [m for m in _CACHE_METHODS if not callable(getattr(cache, m, None))]
+        if missing:
+            raise TypeError(
+                f"TieredKV.around: {type(cache).__name__} lacks {missing} (see TieredCache)"
             )
-            for rid in self.kv.requests():  # reattached from disk by an earlier process
+        if not cache.supports_eviction:
+            raise TypeError(
+                f"TieredKV.around needs a cache that supports eviction, got {type(cache).__name__}"
+            )
+        if controller is None:
+            controller = ControllerConfig()
+        if not isinstance(controller, ControllerConfig):
+            raise TypeError(
+                f"TieredKV.around: controller must be a ControllerConfig, got {controller!r}"
+            )
+        if pressure is None:
+            pressure = cache_pressure
+        elif not callable(pressure) or hasattr(pressure, "read") or hasattr(pressure, "latest"):
+            source = pressure
+            pressure = lambda _cache: source  # noqa: E731 - a given source, as is
+        self = cls.__new__(cls)
+        self.config = None
+        self._assemble(cache, _resolve_policy(policy, policy_registry), pressure, controller,
+                       clock)
+        return self
+
+    def _assemble(self, kv: Any, policy: Policy, pressure: Callable[[Any], PressureSource],
+                  controller: ControllerConfig, clock: Callable[[], float]) -> None:
+        self.policy = policy
+        self.kv = kv
+        try:
+            self.pressure = pressure(kv)
+            self.controller = EvictionController(
+                {"kv": kv}, policy, self.pressure, controller, clock=clock
+            )
+            for rid in kv.requests():  # reattached from disk by an earlier process
                 self.controller.add_request(rid)
         except BaseException:
-            self.kv.close()
+            _close_cache(kv)
             raise
-        self._known: set[str] = set(self.kv.requests())
         self._running: frozenset[str] = frozenset()
         self._closed = False
 
@@ -138,21 +202,19 @@ class TieredKV:
         """Register a request with the cache and the controller (idempotent)."""
         self._check_open()
         self.kv.ingest_request(rid, config)  # validates; refuses different settings
-        if rid not in self._known:
-            self.controller.add_request(rid)
-            self._known.add(rid)
+        self.controller.add_request(rid)  # idempotent
 
     def remove(self, rid: str) -> None:
         """Forget a request everywhere and give back its slots."""
         self._check_open()
-        if rid not in self._known:
+        if not self.controller.knows(rid):
             raise UnknownRequest(f"TieredKV.remove: unknown request {rid!r}")
         self.kv.remove_request(rid)
         self.controller.remove_request(rid)
-        self._known.discard(rid)
 
     def requests(self) -> list[str]:
-        return sorted(self._known)
+        """The registered requests, sorted (the controller's table is the one list)."""
+        return self.controller.requests()
 
     # -- the step ---------------------------------------------------------------
 
@@ -202,12 +264,14 @@ class TieredKV:
 
     def stats(self) -> dict[str, float]:
         """The cache's move counters, the controller's, and the bytes per tier."""
-        out: dict[str, float] = {f"kv.{k}": v for k, v in self.kv.stats.as_dict().items()}
+        kv_stats = getattr(self.kv, "stats", None)
+        counters = kv_stats.as_dict() if kv_stats is not None else {}
+        out: dict[str, float] = {f"kv.{k}": v for k, v in counters.items()}
         out.update({f"controller.{k}": v for k, v in self.controller.stats().items()})
         out["device_used_bytes"] = self.kv.device_used_bytes()
         out["host_used_bytes"] = self.kv.host_used_bytes()
         out["disk_used_bytes"] = self.kv.disk_used_bytes()
-        out["requests"] = len(self._known)
+        out["requests"] = len(self.controller.requests())
         return out
 
     def check_integrity(self) -> None:
@@ -218,7 +282,7 @@ class TieredKV:
         if self._closed:
             return
         self._closed = True
-        self.kv.close()
+        _close_cache(self.kv)
 
     def __enter__(self) -> TieredKV:
         return self
@@ -231,6 +295,7 @@ class TieredKV:
             raise RuntimeError("TieredKV is closed")
 
     def _check_batch(self, batch: Sequence[str], what: str) -> None:
-        unknown = [rid for rid in batch if rid not in self._known]
+        knows = self.controller.knows
+        unknown = [rid for rid in batch if not knows(rid)]
         if unknown:
             raise UnknownRequest(f"TieredKV.{what}: unknown request(s) {unknown[:5]}")

@@ -164,6 +164,14 @@ class EvictionController:
         for name in names:
             self._ledger.forget((name, rid))
 
+    def requests(self) -> list[str]:
+        """The registered requests, sorted."""
+        return sorted(self._table.names)
+
+    def knows(self, rid: str) -> bool:
+        """Whether ``rid`` is registered."""
+        return rid in self._table.names
+
     def touch(self, rid: str) -> None:
         """The request ran now."""
         table = self._table
