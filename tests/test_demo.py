@@ -27,6 +27,8 @@ from tiering.apps.demo.worker import (
     WorkerStalled,
 )
 from tiering.apps.demo.workload import conversation_requests, synthetic_requests
+from tiering.control.pressure import ScriptedPressure
+from tiering.tiered import TieredKV
 
 SMALL_MODEL = ModelConfig(
     vocab=96, width=48, layers=2, q_heads=4, kv_heads=2, head_dim=12, mlp_hidden=96
@@ -202,48 +204,22 @@ def test_forward_refuses_a_mismatched_cache_or_allocation():
             model.forward(kv, "r", torch.tensor([1, 2, 3]), 0)
 
 
-class _IdleController:
-    """Accepts every call and never moves anything."""
-
-    def __init__(self) -> None:
-        self.evict_calls = 0
-
-    def add_request(self, rid):
-        pass
-
-    def remove_request(self, rid):
-        pass
-
-    def touch(self, rid):
-        pass
-
-    def request_reload(self, rid):
-        return False
-
-    def poll(self):
-        pass
-
-    def synchronize(self, timeout):
-        pass
-
-    def evict_if_needed(self, running):
-        self.evict_calls += 1
-
-
 def test_worker_gives_up_loudly_instead_of_hanging():
     """A request that can never get device room: the worker raises after
     max_stalled_steps steps with nothing to run, naming what it waited on."""
     reqs = synthetic_requests(1, 0, SMALL_MODEL.vocab, (60, 60), (2, 2))
-    controller = _IdleController()
-    with _cache(SMALL_MODEL, pages=2) as kv:  # 16 tokens of room, the first chunk needs 32
+    # 16 tokens of room, the first chunk needs 32; no pressure, so nothing ever moves
+    tkv = TieredKV.around(_cache(SMALL_MODEL, pages=2), pressure=ScriptedPressure([0.0]))
+    with tkv:
         worker = DemoWorker(
-            TinyDecoder(SMALL_MODEL, seed=0), kv, controller, reqs,
+            TinyDecoder(SMALL_MODEL, seed=0), tkv, reqs,
             WorkerConfig(batch=1, prefill_chunk=32, max_stalled_steps=5), StepClock(),
         )
         with pytest.raises(WorkerStalled, match="nothing could run for 5 steps"):
             worker.run()
         assert worker.counters.allocation_refusals == 6
-        assert controller.evict_calls == 5
+        assert tkv.stats("controller")["evict_calls"] == 5
+        tkv.check_integrity()
 
 
 def test_plan_always_fits_the_largest_request_and_a_batch_step():

@@ -17,6 +17,7 @@ that drives them itself.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.control.protocols import TieredCache
 from tiering.disk.config import DiskConfig
 from tiering.errors import UnknownRequest
+from tiering.types import RequestState
 
 
 def _check_pages(name: str, value: object) -> None:
@@ -109,6 +111,40 @@ def _close_cache(kv: Any) -> None:
     kv.close()
 
 
+def _is_source(pressure: object) -> bool:
+    """A pressure source instance (``read`` or ``latest``), not a class of them."""
+    if isinstance(pressure, type):
+        return False
+    return callable(getattr(pressure, "read", None)) or callable(getattr(pressure, "latest", None))
+
+
+def _pressure_factory(pressure: object) -> Callable[[Any], PressureSource]:
+    """``pressure`` as ``cache -> source``: None is ``cache_pressure``, a source is
+    used as it is, a class or another callable is called with the cache."""
+    if pressure is None:
+        return cache_pressure
+    if _is_source(pressure):
+        return lambda _cache: pressure  # type: ignore[return-value]
+    if callable(pressure):
+        return pressure  # type: ignore[return-value]
+    raise TypeError(
+        f"pressure must be a pressure source, a callable (cache -> source) or None, "
+        f"got {pressure!r}"
+    )
+
+
+class Readiness(enum.Enum):
+    """What ``TieredKV.ready`` found for one request of a batch."""
+
+    READY = "ready"  # on the device and admitted: it may run this step
+    ASKED_BACK = "asked_back"  # offloaded: its reload was asked for (it runs a later step)
+    WAITING = "waiting"  # a copy of it is still moving (the cache did not admit it)
+    LOST = "lost"  # its KV is gone (``take_lost`` says why)
+
+
+_STATS_PARTS = ("kv", "controller")
+
+
 class TieredKV:
     """A tiered KV cache with its controller, driven once per step (see the module doc).
 
@@ -150,8 +186,9 @@ class TieredKV:
     ) -> TieredKV:
         """A ``TieredKV`` over a cache built elsewhere: any resource with the
         eviction hooks (``PagedKVCache``, the replay's modelled cache, the test
-        fake). ``pressure``: a pressure source, a callable ``cache -> source``,
-        or None for ``cache_pressure(cache)``. The ``TieredKV`` owns the cache
+        fake). ``pressure``: a pressure source, a callable ``cache -> source``
+        (a source class such as ``PoolPressure`` is one), or None for
+        ``cache_pressure(cache)``. The ``TieredKV`` owns the cache
         from then on: ``close()`` closes it."""
         missing = [m for m in _CACHE_METHODS if not callable(getattr(cache, m, None))]
         if missing:
@@ -168,14 +205,10 @@ class TieredKV:
             raise TypeError(
                 f"TieredKV.around: controller must be a ControllerConfig, got {controller!r}"
             )
-        if pressure is None:
-            pressure = cache_pressure
-        elif not callable(pressure) or hasattr(pressure, "read") or hasattr(pressure, "latest"):
-            source = pressure
-            pressure = lambda _cache: source  # noqa: E731 - a given source, as is
+        factory = _pressure_factory(pressure)
         self = cls.__new__(cls)
         self.config = None
-        self._assemble(cache, _resolve_policy(policy, policy_registry), pressure, controller,
+        self._assemble(cache, _resolve_policy(policy, policy_registry), factory, controller,
                        clock)
         return self
 
@@ -221,21 +254,45 @@ class TieredKV:
     def prepare(self, batch: Sequence[str], step: int = 0) -> list[str]:
         """The requests of ``batch`` whose KV is on the device and ready, in order.
 
-        Finished copies are applied first; an offloaded request is asked back
-        (admitted only when it fits) and is not ready this step; a lost one is
-        not ready (``take_lost`` says why)."""
+        Finished copies are applied first (``poll``); then each request is
+        ``ready``-checked: an offloaded one is asked back (admitted only when
+        it fits) and is not ready this step; a lost one is not ready
+        (``take_lost`` says why)."""
         self._check_open()
         self._check_batch(batch, "prepare")
+        self.controller.poll()
+        return [rid for rid in batch if self._ready(rid, step) is Readiness.READY]
+
+    def poll(self) -> None:
+        """Apply every finished copy now; the controller settles its ledgers
+        from what completed (``prepare`` does this first)."""
+        self._check_open()
+        self.controller.poll()
+
+    def ready(self, rid: str, step: int = 0) -> Readiness:
+        """One request of a batch, for a worker that picks its batch itself (a
+        window, a token budget): READY when its KV is on the device and the
+        cache admits it for ``step``; an offloaded one is asked back
+        (ASKED_BACK); WAITING while a copy of it moves; LOST when its KV is
+        gone. Does not poll: call ``poll`` once per step first."""
+        self._check_open()
+        self._check_batch((rid,), "ready")
+        return self._ready(rid, step)
+
+    def _ready(self, rid: str, step: int) -> Readiness:
         kv = self.kv
-        self.controller.poll()  # the controller settles its ledgers from what completed
-        ready = []
-        for rid in batch:
-            if kv.is_offloaded(rid):
-                self.controller.request_reload(rid)
-                continue
-            if kv.admit(ResourceStep(rid), StepContext(step)):
-                ready.append(rid)
-        return ready
+        if kv.is_offloaded(rid):
+            self.controller.request_reload(rid)
+            return Readiness.ASKED_BACK
+        if kv.admit(ResourceStep(rid), StepContext(step)):
+            return Readiness.READY
+        if kv.state_of(rid) is RequestState.LOST:
+            return Readiness.LOST
+        return Readiness.WAITING
+
+    def knows(self, rid: str) -> bool:
+        """Whether ``rid`` is registered."""
+        return self.controller.knows(rid)
 
     def after_step(self, ran: Iterable[str], keep: Collection[str] = ()) -> EvictionReport:
         """Mark ``ran`` as used now and let the controller move KV at this safe
@@ -262,10 +319,19 @@ class TieredKV:
 
     # -- reports and lifecycle ---------------------------------------------------
 
-    def stats(self) -> dict[str, float]:
-        """The cache's move counters, the controller's, and the bytes per tier."""
+    def stats(self, part: str | None = None) -> dict[str, float]:
+        """The cache's move counters (``kv.*``), the controller's
+        (``controller.*``), and the bytes per tier; ``part="kv"`` or
+        ``"controller"``: that part alone, its names without the prefix."""
+        if part is not None and part not in _STATS_PARTS:
+            raise ValueError(f"TieredKV.stats: part must be one of {_STATS_PARTS} or None, "
+                             f"got {part!r}")
         kv_stats = getattr(self.kv, "stats", None)
         counters = kv_stats.as_dict() if kv_stats is not None else {}
+        if part == "kv":
+            return dict(counters)
+        if part == "controller":
+            return self.controller.stats()
         out: dict[str, float] = {f"kv.{k}": v for k, v in counters.items()}
         out.update({f"controller.{k}": v for k, v in self.controller.stats().items()})
         out["device_used_bytes"] = self.kv.device_used_bytes()

@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from policies import make_policy
 from resources.kv_cache import PagedKVCache
 from tiering.apps.demo.model import ModelConfig, TinyDecoder
 from tiering.apps.demo.worker import (
@@ -33,8 +32,9 @@ from tiering.apps.demo.worker import (
 )
 from tiering.apps.demo.workload import DemoRequest, conversation_requests, synthetic_requests
 from tiering.blocks import KeyRoot
-from tiering.control.controller import ControllerConfig, EvictionController
+from tiering.control.controller import ControllerConfig
 from tiering.control.pressure import PoolPressure
+from tiering.tiered import TieredKV
 from tiering.types import Tier
 
 #: Admission keeps this fraction of the device free below ``high`` (see ControllerConfig).
@@ -275,11 +275,13 @@ def serve(
             kv.enable_prefix_cache(key_root(cfg, kv))
             corrupter = _Corrupter(kv, cfg.corrupt_every, cfg.max_corruptions)
         clock = StepClock()
-        controller = EvictionController(
-            {"kv": kv},
-            make_policy(cfg.policy),
-            PoolPressure(kv),
-            ControllerConfig(
+        # the cache keeps the wall clock (its reload-stall figure is in seconds);
+        # the controller counts residency and ageing in steps
+        tkv = TieredKV.around(
+            kv,
+            policy=cfg.policy,
+            pressure=PoolPressure,
+            controller=ControllerConfig(
                 high=plan.high,
                 low=plan.low,
                 host_high=0.85,
@@ -290,22 +292,24 @@ def serve(
             ),
             clock=clock,
         )
+    except BaseException:
+        kv.close()
+        raise
+    with tkv:
         worker = DemoWorker(
-            model, kv, controller, requests, cfg.worker_config(), clock, on_token=on_token,
+            model, tkv, requests, cfg.worker_config(), clock, on_token=on_token,
             on_step=corrupter,
         )
         result = worker.run()
-        kv.check_integrity()
+        tkv.check_integrity()
         pstats = root_check = None
         if reuse:
             pstats = kv.prefix_stats()
             root_check = _root_check(cfg, kv, worker)
         return RunOutcome(
-            result, kv.stats.as_dict(), controller.stats(), plan, geometry.page_bytes,
+            result, tkv.stats("kv"), tkv.stats("controller"), plan, geometry.page_bytes,
             pstats, corrupter.injected if corrupter else 0, root_check,
         )
-    finally:
-        kv.close()
 
 
 def _root_check(cfg: DemoConfig, kv: PagedKVCache, worker: DemoWorker) -> dict[str, int]:

@@ -2,24 +2,28 @@
 
 Requests wait in one queue. Each ``step``:
 
-1. requests whose arrival step has come join the back of the queue (ingested
-   by the cache, registered with the controller);
+Everything goes through one ``tiering.TieredKV`` (``tkv``); the model reads
+and writes ``tkv.kv``. Each ``step``:
+
+1. requests whose arrival step has come join the back of the queue
+   (``tkv.add``); finished copies are applied (``tkv.poll``);
 2. the worker looks at the first ``window`` places of the queue. An
-   offloaded request there gets ``controller.request_reload`` (so the ones
+   offloaded request there is asked back by ``tkv.ready`` (so the ones
    about to run are brought back ahead of time); a resident one that
-   ``kv.admit`` accepts and whose next tokens fit on the device joins the
-   batch, up to ``batch`` requests. Others wait, keeping their place;
+   ``tkv.ready`` finds READY and whose next tokens fit on the device joins
+   the batch, up to ``batch`` requests. Others wait, keeping their place;
 3. each request of the batch runs alone (a prefill chunk or one decode
-   token), so its numerics never depend on what else runs, and is
-   ``touch``-ed. A request keeps its place for ``quantum`` runs, then yields
-   it and goes to the back of the queue (round robin); a finished one leaves;
-4. at the safe point, ``controller.evict_if_needed(in_use)``, where
-   ``in_use`` is the batch plus the resident requests in the window: they
-   are about to run and would only come straight back if moved out. The idle
-   requests further back are the controller's to move to host and disk.
+   token), so its numerics never depend on what else runs. A request keeps
+   its place for ``quantum`` runs, then yields it and goes to the back of
+   the queue (round robin); a finished one leaves (``tkv.remove``);
+4. at the safe point, ``tkv.after_step(ran, keep)`` touches what ran and lets
+   the controller move KV; ``keep`` holds the resident requests in the
+   window: they are about to run and would only come straight back if moved
+   out. The idle requests further back are the controller's to move to host
+   and disk.
 
 A step that could run nothing (every candidate waiting for a copy or for
-room) waits for the copies in flight with ``kv.synchronize(timeout)`` and
+room) waits for the copies in flight with ``tkv.synchronize(timeout)`` and
 protects only the head of the queue, so the controller may move anything
 else out to make room for it. The worker gives up with ``WorkerStalled``
 (it never hangs) after ``max_stalled_steps`` such steps in a row.
@@ -39,11 +43,11 @@ from typing import NamedTuple
 
 import torch
 
-from resources.base import ResourceStep, StepContext
 from tiering.apps.demo.model import TinyDecoder
 from tiering.apps.demo.workload import DemoRequest
 from tiering.core.clocks import StepClock
 from tiering.errors import WorkerStalled
+from tiering.tiered import Readiness, TieredKV
 from tiering.types import RequestState
 
 
@@ -120,7 +124,7 @@ class WorkerCounters:
     steps: int = 0
     stalled_steps: int = 0
     allocation_refusals: int = 0
-    reload_asks: int = 0  # request_reload calls; a waiting request is asked each step
+    reload_asks: int = 0  # reloads asked for; a waiting request is asked each step
     admit_waits: int = 0
     prefix_attached_tokens: int = 0  # tokens attach_prefix gave (before loads were checked)
     prefix_valid_tokens: int = 0  # of those, the tokens whose KV was valid (prefill skipped)
@@ -173,18 +177,17 @@ def _disk_used_bytes(kv) -> int:
 
 
 class DemoWorker:
-    """Serves ``requests`` with ``model`` on ``kv`` under ``controller`` (see module doc).
+    """Serves ``requests`` with ``model`` on the tiered cache ``tkv`` (see module doc).
 
-    ``clock`` must be the clock the controller was built with; the worker
-    advances it once per step. ``on_token`` is called once per generated
-    token (for a progress bar).
+    ``clock`` must be the clock ``tkv`` was built with; the worker advances it
+    once per step. ``on_token`` is called once per generated token (for a
+    progress bar).
     """
 
     def __init__(
         self,
         model: TinyDecoder,
-        kv,
-        controller,
+        tkv: TieredKV,
         requests: Sequence[DemoRequest],
         config: WorkerConfig,
         clock: StepClock,
@@ -196,8 +199,8 @@ class DemoWorker:
         if len(set(rids)) != len(rids):
             raise ValueError("request ids must be unique")
         self.model = model
-        self.kv = kv
-        self.controller = controller
+        self.tkv = tkv
+        self.kv = kv = tkv.kv
         self.config = config
         self._clock = clock
         self._on_token = on_token
@@ -230,7 +233,7 @@ class DemoWorker:
         self._t0 = time.perf_counter()
         while not self.done:
             self.step()
-        self.controller.synchronize(self.config.sync_timeout_s)
+        self.tkv.synchronize(self.config.sync_timeout_s)
         return WorkerResult(
             dict(self._outputs),
             list(self._samples),
@@ -246,23 +249,22 @@ class DemoWorker:
         if self._on_step is not None:
             self._on_step(step)
         self._admit_arrivals(step)
-        self.controller.poll()
+        tkv = self.tkv
+        tkv.poll()
         batch = self._pick(step)
         for rid in batch:
             self._run(rid)
-        for rid in batch:
-            self.controller.touch(rid)
         self._requeue(batch)
+        ran = [rid for rid in batch if rid in self._live]  # the finished ones have left
         if batch or not self._live:
             self._stalled_in_a_row = 0
-            in_use = set(batch)
             head = list(self._queue)[: self.config.window]
-            in_use.update(rid for rid in head if self._resident(rid))
+            keep = {rid for rid in head if self._resident(rid)}
         else:
-            in_use = self._stalled(step)
-        self.controller.evict_if_needed(in_use)
+            keep = self._stalled(step)
+        tkv.after_step(ran, keep)
         if self.config.settle_each_step:
-            self.controller.synchronize(self.config.sync_timeout_s)
+            tkv.synchronize(self.config.sync_timeout_s)
         self.counters.steps += 1
         self._clock.advance()
         self._sample(step, len(batch))
@@ -283,8 +285,7 @@ class DemoWorker:
                 req = dataclasses.replace(req, prompt=torch.cat([context, req.prompt]),
                                           parent=None, context_tokens=0)
             self._full[req.rid] = req.prompt
-            self.kv.ingest_request(req.rid)
-            self.controller.add_request(req.rid)
+            self.tkv.add(req.rid)
             self._live[req.rid] = _Live(req)
             self._queue.append(req.rid)
         self._pending.extendleft(reversed(waiting))
@@ -297,6 +298,7 @@ class DemoWorker:
         back offloaded ones within the reload window."""
         cfg = self.config
         kv = self.kv
+        tkv = self.tkv
         batch: list[str] = []
         for pos, rid in enumerate(self._queue):
             if pos >= cfg.window:
@@ -310,14 +312,13 @@ class DemoWorker:
                 got = kv.attach_prefix(rid, live.req.prompt)
                 self.counters.prefix_attached_tokens += got
                 live.written = live.loading = got
-            if kv.is_offloaded(rid):
+            if full and not kv.is_offloaded(rid):
+                continue  # an offloaded one is still asked back below
+            got = tkv.ready(rid, step)
+            if got is Readiness.ASKED_BACK:
                 self.counters.reload_asks += 1
-                self.controller.request_reload(rid)
                 continue
-            if full:
-                continue
-            ok = kv.admit(ResourceStep(rid), StepContext(step))
-            if not ok:
+            if got is not Readiness.READY:
                 self.counters.admit_waits += 1
                 continue
             if live.loading:  # the load landed: continue from the tokens that proved valid
@@ -377,8 +378,7 @@ class DemoWorker:
         if self._prefix:  # its KV stays as cached blocks for later requests
             ids = torch.cat([live.req.prompt, torch.tensor(live.generated, dtype=torch.long)])
             self.kv.publish_prefix(rid, ids[: live.written])
-        self.kv.remove_request(rid)
-        self.controller.remove_request(rid)
+        self.tkv.remove(rid)
         del self._live[rid]
         assert live.logits is not None
         self._outputs[rid] = RequestOutput(rid, tuple(live.generated), live.logits.cpu())
@@ -395,7 +395,7 @@ class DemoWorker:
                 f" {self.kv.device_capacity_bytes} bytes used"
             )
         t = time.perf_counter()
-        self.controller.synchronize(self.config.sync_timeout_s)
+        self.tkv.synchronize(self.config.sync_timeout_s)
         self.counters.stall_wait_s += time.perf_counter() - t
         head = self._queue[0]
         return {head} if self._resident(head) else set()
