@@ -341,7 +341,17 @@ class TieredKV:
         return out
 
     def check_integrity(self) -> None:
+        """The cache's own check, the controller's (table, ledgers, queue), and
+        that the two know the same requests; AssertionError names what is wrong."""
         self.kv.check_integrity()
+        self.controller.check_integrity()
+        in_cache, in_controller = set(self.kv.requests()), set(self.controller.requests())
+        if in_cache != in_controller:
+            raise AssertionError(
+                "TieredKV: the cache and the controller know different requests: only in the "
+                f"cache {sorted(in_cache - in_controller)[:5]}, only in the controller "
+                f"{sorted(in_controller - in_cache)[:5]}"
+            )
 
     def close(self) -> None:
         """Finish or abandon transfers and stop every thread (idempotent)."""

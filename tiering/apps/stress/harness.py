@@ -1,33 +1,39 @@
 """The stress harness: the real cache, controller and disk tier under a random workload.
 
-``StressHarness`` owns one ``PagedKVCache`` (device, host and a disk tier in a
-directory), one ``EvictionController`` reading the device pool's exact
-occupancy, and the faults of the run. Each ``step``:
+``StressHarness`` owns one ``tiering.TieredKV`` (``tkv``): a ``PagedKVCache``
+(device, host and a disk tier in a directory) with its ``EvictionController``
+reading the device pool's exact occupancy; and the faults of the run. The
+workload registers, asks back, settles and removes requests through ``tkv``;
+it reads and writes KV, injects faults and inspects states on the cache
+itself (``tkv.kv``). Each ``step``:
 
 1. collects requests the cache lost (``take_lost``); each is forgotten and, if
-   it was still wanted, recomputed: ingested again with fresh KV;
+   it was still wanted, recomputed: added again with fresh KV;
 2. lets a request arrive (seeded), and places waiting arrivals on the device
    in order: ``allocate``, then ``write`` of every layer from the request's
    regenerable KV (``tiering.apps.stress.kvdata``);
 3. reads back every request whose reload has landed (and keeps those still
    reloading or unread from eviction), so every reload is verified;
-4. picks a random batch of requests: a resident one that ``admit`` accepts
-   is read back layer by layer and compared bit for bit with its regenerated
-   KV, grows by a few tokens (``allocate`` + ``write``) and is ``touch``-ed;
-   an offloaded one is asked back with ``request_reload``;
+4. picks a random batch of requests: a resident one that ``tkv.ready`` finds
+   READY is read back layer by layer and compared bit for bit with its
+   regenerated KV and grows by a few tokens (``allocate`` + ``write``); an
+   offloaded one is asked back (``tkv.ready`` again);
 5. lets finished and cancelled requests leave. While a failing fault kind is
    armed, a request leaves only once its transfer has settled (a copy cut
    loose from its request could absorb a fault no request would show);
    otherwise it leaves at once, even mid-copy, and half the cancellations
    aim at requests with a transfer in flight;
-6. calls ``evict_if_needed(ran + coming back)``: the device is small for the
+6. calls ``tkv.after_step(ran, coming back)`` (touches what ran, then the
+   controller's safe-point pass): the device is small for the
    working set and ``high`` is low, so the device sits at the watermark, most
    offloads make room for waiting reloads, the host tier keeps demoting to
    disk, and copies are in flight on the cache's worker threads all the time;
-7. if nothing could run, waits (bounded) for the transfers in flight.
+7. if nothing could run, waits (bounded) for the transfers in flight
+   (``tkv.synchronize``).
 
-The cache's ``check_integrity`` runs after every step, or after every single
-cache or controller call when ``check_every_op`` is set. ``drain`` lets every
+``tkv.check_integrity`` (the cache's pools, the controller's ledgers, the two
+agree on which requests exist) runs after every step, or after every single
+cache or front-door call when ``check_every_op`` is set. ``drain`` lets every
 request leave and checks that every tier is then entirely free.
 
 The optional paths (``StressConfig.paths``):
@@ -41,7 +47,7 @@ The optional paths (``StressConfig.paths``):
   was removed with a copy in flight, else at a later arrival. Every read of it
   is compared with that generation, so an old generation's byte served for
   the new one is a data error.
-- ``reattach``: ``restart`` closes the cache and opens a new one over the same
+- ``reattach``: ``restart`` closes ``tkv`` and opens a new one over the same
   directory (``on_start="reattach"``). Exactly the requests that were on disk
   must come back, with their token counts; each is verified bit for bit when
   it is next read (``drain`` reloads those not read yet). Requests that were
@@ -61,8 +67,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from policies import make_policy
-from resources.engine_types import ResourceStep, StepContext
 from resources.kv_cache import PagedKVCache
 from tiering.apps.stress.config import RELOAD_HEADROOM, StressConfig
 from tiering.apps.stress.faults import FaultInjector
@@ -74,11 +78,11 @@ from tiering.apps.stress.second_open import (
     directory_digest,
     verdict,
 )
-from tiering.control.controller import ControllerConfig, EvictionController
+from tiering.control.controller import ControllerConfig
 from tiering.control.pressure import PoolPressure
 from tiering.core.clocks import StepClock
-from tiering.core.pools import PoolIntegrityError
 from tiering.disk.config import DiskConfig
+from tiering.tiered import Readiness, TieredKV
 from tiering.types import CANCELLED, Move, RequestState, TransferResult
 
 S = RequestState
@@ -217,38 +221,40 @@ class StressHarness:
         self._milestones_done: set[float] = set()
 
     def _open_cache(self) -> None:
-        """Build the cache over ``disk_config`` and a controller for it."""
+        """Build the cache over ``disk_config`` and the ``TieredKV`` around it (which
+        registers the requests a reattach brought back)."""
         c = self.config
-        self.kv = RecordingKVCache(
+        kv = RecordingKVCache(
             c.geometry, c.device, device_pages=c.device_pages, host_pages=c.host_pages,
             disk=self.disk_config, verify=True, copy_workers=c.copy_workers,
             io_workers=c.io_workers, clock=self.clock, copy_fault_hook=self.faults.copy_hook,
             disk_wrap_store=self.faults.wrap_store,
         )
         try:
-            if self.kv.disk.pages_per_chunk != c.max_request_pages:
+            if kv.disk.pages_per_chunk != c.max_request_pages:
                 raise AssertionError("a request's disk copy must be exactly one chunk")
-            self.controller = EvictionController(
-                {"kv": self.kv},
-                make_policy(c.policy),
-                PoolPressure(self.kv),
-                ControllerConfig(
-                    high=c.high, low=c.low, host_high=c.host_high, host_low=c.host_low,
-                    min_residency_s=c.min_residency_steps, aging_s=c.aging_steps,
-                    reload_headroom=RELOAD_HEADROOM, on_disk_full="keep",
-                ),
-                clock=self.clock,
-            )
         except BaseException:
-            self.kv.close()
+            kv.close()
             raise
+        self.tkv = TieredKV.around(  # closes the cache itself if it cannot be built
+            kv,
+            policy=c.policy,
+            pressure=PoolPressure,
+            controller=ControllerConfig(
+                high=c.high, low=c.low, host_high=c.host_high, host_low=c.host_low,
+                min_residency_s=c.min_residency_steps, aging_s=c.aging_steps,
+                reload_headroom=RELOAD_HEADROOM, on_disk_full="keep",
+            ),
+            clock=self.clock,
+        )
+        self.kv = kv
 
     # -- what every cache of the run did, together --------------------------------------
 
     def kv_stats(self) -> dict[str, float]:
         """``PagedKVCache.stats`` summed over every cache of the run (restarts included)."""
         out = dict(self._retired_kv)
-        for k, v in self.kv.stats.as_dict().items():
+        for k, v in self.tkv.stats("kv").items():
             out[k] = out.get(k, 0) + v
         return out
 
@@ -274,11 +280,12 @@ class StressHarness:
         self.occupancy_total += occupancy
         if occupancy >= self.config.high - RELOAD_HEADROOM:
             self.counts.steps_at_high += 1
-        self._op(self.controller.evict_if_needed, ran + self._coming_back())
+        still = [rid for rid in ran if self.tkv.knows(rid)]  # finished ones have left
+        self._op(self.tkv.after_step, still, self._coming_back())
         self._collect_lost()
         if not ran and self.kv.in_flight():
             self.counts.waits += 1
-            self._op(self.kv.synchronize, self.config.sync_timeout_s)
+            self._op(self.tkv.synchronize, self.config.sync_timeout_s)
             self._collect_lost()
         self._absorb_results()
         if not self._per_op:
@@ -303,7 +310,7 @@ class StressHarness:
     # -- operations and checks ---------------------------------------------------------
 
     def _op(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Call one cache or controller operation, counted, checked after when asked."""
+        """Call one cache or front-door operation, counted, checked after when asked."""
         self.counts.operations += 1
         try:
             return fn(*args)
@@ -332,11 +339,12 @@ class StressHarness:
         return self._op(self.kv.read, *args)
 
     def check_integrity(self) -> None:
-        """Run the cache's conservation check; a failure is counted, not raised."""
+        """Run the front door's check (pools, ledgers, membership); a failure is
+        counted, not raised."""
         self.counts.integrity_checks += 1
         try:
-            self.kv.check_integrity()
-        except PoolIntegrityError as exc:
+            self.tkv.check_integrity()
+        except AssertionError as exc:  # PoolIntegrityError is one
             self._violation(f"step {self.counts.steps}: {exc}")
 
     def _violation(self, text: str) -> None:
@@ -404,8 +412,7 @@ class StressHarness:
         self.counts.arrivals += 1
 
     def _start(self, w: _Wanted) -> None:
-        self._op(self.kv.ingest_request, w.rid)
-        self._op(self.controller.add_request, w.rid)
+        self._op(self.tkv.add, w.rid)
         self._live[w.rid] = w
         self._waiting.append(w.rid)
 
@@ -464,19 +471,17 @@ class StressHarness:
             if w.asked_at is None:
                 w.asked_at = self.counts.steps
             self.counts.reload_requests += 1
-            self._op(self.controller.request_reload, w.rid)
+            self._op(self.tkv.ready, w.rid, self.counts.steps)  # asks it back
             return False
         if state is S.RELOADING:
             w.away = True
         elif state is not S.RESIDENT:
             return False  # offloading: ask later; lost: collected by _collect_lost
-        outcome = self._op(self.kv.admit, ResourceStep(w.rid), StepContext(self.counts.steps))
-        if not outcome.ok:
+        if self._op(self.tkv.ready, w.rid, self.counts.steps) is not Readiness.READY:
             return False
         self._verify(w)
         self._grow(w)
-        self._op(self.controller.touch, w.rid)
-        return True
+        return True  # touched by after_step
 
     def _check_landed(self) -> None:
         """Read back every request whose reload has landed, before anything else may
@@ -486,8 +491,7 @@ class StressHarness:
 
     def _verify_if_back(self, w: _Wanted) -> None:
         if self.kv.state_of(w.rid) in (S.RESIDENT, S.RELOADING):
-            step = ResourceStep(w.rid)
-            if self._op(self.kv.admit, step, StepContext(self.counts.steps)).ok:
+            if self._op(self.tkv.ready, w.rid, self.counts.steps) is Readiness.READY:
                 self._verify(w)
 
     def _coming_back(self) -> list[str]:
@@ -575,7 +579,9 @@ class StressHarness:
                 self._reuse.append(w.rid)
 
     def _bring_back_to_verify(self, w: _Wanted) -> None:
-        """Drain: a reattached request never read back is reloaded and read first."""
+        """Drain: a reattached request never read back is reloaded and read first
+        (straight on the cache: no eviction pass runs while draining, so a reload
+        the controller queued would never be admitted)."""
         state = self.kv.state_of(w.rid)
         w.away = True
         if state in (S.ON_HOST, S.ON_DISK):
@@ -584,11 +590,10 @@ class StressHarness:
     def _forget(self, w: _Wanted) -> None:
         before = self.kv.in_flight()
         moving = self.kv.state_of(w.rid).in_flight
-        self._op(self.kv.remove_request, w.rid)
+        self._op(self.tkv.remove, w.rid)
         if moving and self.kv.in_flight() == before:
             # its copy had started: it runs on without a request and reports when it ends
             self._tombs[w.rid] += 1
-        self._op(self.controller.remove_request, w.rid)
         del self._live[w.rid]
 
     def _collect_lost(self) -> None:
@@ -620,13 +625,13 @@ class StressHarness:
     def _settle(self) -> None:
         """Wait for every transfer (bounded), take what they did, and read back every
         reload that landed (so every reload is verified before anything moves it)."""
-        self._op(self.kv.synchronize, self.config.sync_timeout_s)
+        self._op(self.tkv.synchronize, self.config.sync_timeout_s)
         self._absorb_results()
         self._collect_lost()
         self._check_landed()
 
     def restart(self) -> None:
-        """Close the cache and open a new one over the same directory (``on_start=
+        """Close ``tkv`` and open a new one over the same directory (``on_start=
         "reattach"``); check that exactly the requests on disk came back."""
         self._settle()
         kv = self.kv
@@ -653,13 +658,13 @@ class StressHarness:
                     f"with {on_disk[rid]}")
                 stale.append(rid)
         for rid in stale:  # what should not have come back goes, so the rest stays clean
-            self._op(self.kv.remove_request, rid)
+            self._op(self.tkv.remove, rid)
         self.check_integrity()
-        # the live requests: those that came back are on disk, the rest died with the cache
+        # the live requests: those that came back are on disk (the new TieredKV
+        # registered them), the rest died with the cache
         self._waiting.clear()
         for w in list(self._live.values()):
             if w.rid in found and w.rid not in stale:
-                self._op(self.controller.add_request, w.rid)
                 w.away = True
                 w.asked_at = None
                 if w.rid not in self._unverified_reattached:  # still unread since an earlier
@@ -677,13 +682,13 @@ class StressHarness:
         self._tombs.clear()  # the old cache finished every copy before it closed
 
     def _retire(self) -> None:
-        """Close the current cache, keeping its counters for the report."""
+        """Close the current ``tkv``, keeping its cache's counters for the report."""
         kv = self.kv
         try:
-            kv.close()
+            self.tkv.close()
         finally:
             self._absorb_results()
-            self._retired_kv.update(kv.stats.as_dict())
+            self._retired_kv.update(self.tkv.stats("kv"))
             self._retired_disk = _sum_disk_stats(self._retired_disk, kv.disk.stats())
 
     # -- a second process on the same path ---------------------------------------------------
@@ -727,7 +732,7 @@ class StressHarness:
             self._depart()
             if not self._live:
                 break
-            self._op(self.kv.synchronize, self.config.sync_timeout_s)
+            self._op(self.tkv.synchronize, self.config.sync_timeout_s)
         self._settle()
         self.check_integrity()
         for problem in self.leftovers():
@@ -757,13 +762,13 @@ class StressHarness:
             out.append(f"copies of removed requests never reported: {dict(self._tombs)}")
         if kv.disk.stats()["extents"]:
             out.append(f"disk tier still holds {kv.disk.stats()['extents']} extents")
-        live = self.controller.stats()["live_requests"]
+        live = self.tkv.stats("controller")["live_requests"]
         if live:
             out.append(f"the controller still tracks {live} requests")
         return out
 
     def close(self) -> None:
-        self.kv.close()
+        self.tkv.close()
         self._absorb_results()
 
 

@@ -64,7 +64,7 @@ def build_report(
         "requests": counts.as_dict(),
         "device_occupancy_mean": round(harness.occupancy_total / max(1, counts.steps), 4),
         "moves": {k: v for k, v in kv_stats.items() if k != "reload_stall_s_total"},
-        "controller": {k: v for k, v in harness.controller.stats().items()
+        "controller": {k: v for k, v in harness.tkv.stats("controller").items()
                        if isinstance(v, (int, float))},
         "disk": {k: disk_stats[k] for k in _DISK_FIELDS},
         "errors": list(errors),
