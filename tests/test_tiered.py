@@ -185,3 +185,106 @@ def test_around_refuses_what_it_cannot_drive_and_names_it(geom):
         from resources.kv_cache import PagedKVCache
         with PagedKVCache(geom, device_pages=4, host_pages=4) as kv:
             TieredKV.around(kv, controller={"high": 0.9})
+
+
+def test_ready_names_each_state_a_request_can_be_in(geom, tmp_path):
+    """READY, WAITING (its copy is running), ASKED_BACK (offloaded), READY again
+    once back with the same bytes, LOST once dropped; each call changes only what
+    it says."""
+    import threading
+
+    from tiering.disk.config import DiskConfig
+    from tiering.tiered import Readiness
+
+    started, release = threading.Event(), threading.Event()
+
+    def hold_disk_writes(direction: str) -> None:
+        if direction == "d2h":
+            started.set()
+            assert release.wait(10), "the test never let the copy go"
+
+    disk = DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=16 * geom.page_bytes,
+                      chunk_bytes=2 * geom.page_bytes)
+    gen = torch.Generator().manual_seed(5)
+    cfg = _config(geom, host_pages=1, disk=disk,
+                  cache_options={"copy_fault_hook": hold_disk_writes})
+    with TieredKV(cfg, clock=FakeClock()) as tkv:
+        data = _fill(tkv, "a", 8, gen)
+        _fill(tkv, "b", 8, gen)
+        assert tkv.ready("a", 3) is Readiness.READY
+        assert tkv.kv.offload("a") > 0  # host full: straight to disk, held by the hook
+        assert started.wait(10)
+        assert tkv.ready("a") is Readiness.WAITING
+        assert tkv.kv.state_of("a") is RequestState.OFFLOADING
+        release.set()
+        tkv.synchronize(timeout=10)
+        tkv.check_integrity()
+        assert tkv.kv.state_of("a") is RequestState.ON_DISK
+        assert tkv.ready("a") is Readiness.ASKED_BACK
+        assert tkv.kv.state_of("a") in (RequestState.RELOADING, RequestState.ON_DISK)
+        tkv.synchronize(timeout=10)
+        assert tkv.ready("a") is Readiness.READY
+        for layer, (k, v) in enumerate(data):
+            got_k, got_v = tkv.kv.read("a", layer)
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)
+        assert tkv.stats()["kv.reloads_from_disk"] == 1
+        assert tkv.kv.offload("b") > 0
+        tkv.synchronize(timeout=10)
+        tkv.kv.drop("b")
+        assert tkv.ready("b") is Readiness.LOST
+        assert [rid for rid, _ in tkv.take_lost()] == ["b"]
+        tkv.check_integrity()
+        with pytest.raises(KeyError, match="'nope'"):
+            tkv.ready("nope")
+    with pytest.raises(RuntimeError, match="closed"):
+        tkv.ready("a")
+    with pytest.raises(RuntimeError, match="closed"):
+        tkv.poll()
+
+
+def test_check_integrity_catches_a_request_registered_behind_the_front_door(geom):
+    with TieredKV(_config(geom)) as tkv:
+        tkv.add("a")
+        tkv.check_integrity()
+        tkv.kv.ingest_request("x")  # the cache alone: the controller never heard of it
+        with pytest.raises(AssertionError, match=r"only in the cache \['x'\]"):
+            tkv.check_integrity()
+        tkv.add("x")  # registering it through the front door mends it
+        tkv.check_integrity()
+        assert tkv.knows("x") and not tkv.knows("y")
+
+
+def test_stats_parts_are_the_prefixed_figures_without_the_prefix(geom):
+    gen = torch.Generator().manual_seed(13)
+    with TieredKV(_config(geom)) as tkv:
+        for rid in ("a", "b", "c"):
+            _fill(tkv, rid, 8, gen)
+        tkv.after_step(["c"])
+        tkv.synchronize(timeout=10)
+        flat = tkv.stats()
+        kv_part, ctl_part = tkv.stats("kv"), tkv.stats("controller")
+        assert kv_part["offloads_to_host"] >= 1
+        assert kv_part == {k[3:]: v for k, v in flat.items() if k.startswith("kv.")}
+        assert ctl_part == {k[11:]: v for k, v in flat.items() if k.startswith("controller.")}
+        assert ctl_part["live_requests"] == 3
+        with pytest.raises(ValueError, match="part must be one of"):
+            tkv.stats("disk")
+
+
+def test_around_takes_a_pressure_class_a_source_or_nothing_else(geom):
+    from resources.kv_cache import PagedKVCache
+    from tiering.control.pressure import PoolPressure, ScriptedPressure
+
+    with TieredKV.around(PagedKVCache(geom, device_pages=8, host_pages=8),
+                         pressure=PoolPressure) as tkv:
+        assert isinstance(tkv.pressure, PoolPressure), "a source class is called with the cache"
+        tkv.add("a")
+        assert tkv.kv.allocate("a", 8)
+        assert tkv.pressure.read() == pytest.approx(2 / 8)
+    source = ScriptedPressure([0.25])
+    with TieredKV.around(PagedKVCache(geom, device_pages=8, host_pages=8),
+                         pressure=source) as tkv:
+        assert tkv.pressure is source, "a source instance is used as it is"
+    kv = PagedKVCache(geom, device_pages=4, host_pages=4)
+    with kv, pytest.raises(TypeError, match="pressure must be"):
+        TieredKV.around(kv, pressure=3)
