@@ -1,6 +1,16 @@
 """The engine-independent part of the vLLM backend: config, the shared host slab,
 the scheduler-side manager (on the project's block index and block policies) and
-the worker-side mover.
+the worker-side mover. The config and slab live in ``_config``, the mover in
+``_mover``; this module holds the manager and re-exports the rest.
+
+Size: the module is over 500 lines because ``TieredBlockManager`` is about 770
+on purpose. It is the single owner of every block's state (index entry, host
+slot, disk extent, pins, promotions and demotions in flight) and of the
+cascade between the tiers; its methods change several of those tables
+together, its I/O threads only move bytes (``reap`` applies their results on
+the caller's thread), and ``check_integrity`` checks the tables against each
+other. Split across classes, each change would cross objects and the
+invariant would have no single owner.
 
 Nothing here imports vLLM, so all of it is unit-tested in the project's own
 environment; ``_spec`` wraps it in vLLM's classes.
@@ -26,14 +36,9 @@ drops the block, and lookup answers "miss", so vLLM recomputes it.
 
 from __future__ import annotations
 
-import json
 import logging
-import mmap
-import os
-import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
@@ -42,198 +47,56 @@ from typing import Any, NamedTuple
 
 import torch
 
-from policies.blocks import BlockPolicy, default_block_registry, make_block_policy
+from policies.blocks import BlockPolicy, make_block_policy
 from tiering.blocks import BlockIndex
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.core.pools import PagePool
-from tiering.core.transfer import StreamSet, coalesce, copy_runs
-from tiering.disk import DiskConfig, DiskCorruptionError, DiskIOError, DiskPageStore
+from tiering.disk import DiskCorruptionError, DiskIOError, DiskPageStore
 from tiering.disk.ledger import DiskExtent
 from tiering.errors import TableIntegrityError
+from tiering.integrations.vllm._config import (
+    OUR_KEYS,
+    HostSlab,
+    TieredConfig,
+    _write_json,
+    default_host_dir,
+    open_disk,
+    slab_path,
+)
+from tiering.integrations.vllm._mover import (
+    GroupLayout,
+    JobResult,
+    LayerCopy,
+    TieredMover,
+    plan_blocks,
+)
 from tiering.types import Tier
 
+__all__ = [
+    "OUR_KEYS",
+    "PROMOTED_HOLD_STEPS",
+    "BlockView",
+    "Counters",
+    "DiskState",
+    "Event",
+    "GroupLayout",
+    "HostSlab",
+    "HostState",
+    "JobResult",
+    "LayerCopy",
+    "Lookup",
+    "StoreDecision",
+    "TableIntegrityError",
+    "TieredBlockManager",
+    "TieredConfig",
+    "TieredMover",
+    "default_host_dir",
+    "open_disk",
+    "plan_blocks",
+    "slab_path",
+]
+
 log = logging.getLogger(__name__)
-
-# ----------------------------------------------------------------------------- config
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-OUR_KEYS = frozenset(
-    {
-        "host_bytes",
-        "disk_path",
-        "disk_bytes",
-        "policy",
-        "host_dir",
-        "state_path",
-        "demote_headroom",
-        "io_threads",
-        "copy_threads",
-        "test_corrupt_loads",
-    }
-)
-
-
-@dataclass(frozen=True)
-class TieredConfig:
-    """Our part of ``kv_connector_extra_config``; validated on construction.
-
-    ``host_bytes``: bytes of host slots per rank (required, > 0). ``disk_path`` and
-    ``disk_bytes``: the disk tier (both or neither; host only without them).
-    ``policy``: a registered block policy name (``policies.blocks``: lru, arc,
-    s3fifo, chain; default chain), used for both tiers. ``host_dir``: where
-    the shared slab files live (default /dev/shm when present). ``state_path``: a
-    JSON file the manager rewrites (off the step path) with its counters and disk
-    table, for tests and monitoring. ``demote_headroom``: host slots the manager
-    keeps free or backed by disk by writing cold blocks down early (default a
-    quarter of the slots). ``io_threads``/``copy_threads``: threads for disk I/O in
-    the scheduler and for copies in each worker. ``test_corrupt_loads``: TEST ONLY,
-    the worker flips bytes of every block it loads (a negative control).
-    """
-
-    host_bytes: int
-    disk_path: str | None = None
-    disk_bytes: int | None = None
-    policy: str = "chain"
-    host_dir: str | None = None
-    state_path: str | None = None
-    demote_headroom: int | None = None
-    io_threads: int = 2
-    copy_threads: int = 2
-    test_corrupt_loads: bool = False
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.host_bytes) or self.host_bytes <= 0:
-            raise ValueError(
-                f"kv_connector_extra_config.host_bytes must be a positive int, got {self.host_bytes!r}"
-            )
-        if (self.disk_path is None) != (self.disk_bytes is None):
-            raise ValueError(
-                "kv_connector_extra_config.disk_path and disk_bytes must be given together "
-                f"(got disk_path={self.disk_path!r}, disk_bytes={self.disk_bytes!r})"
-            )
-        if self.disk_path is not None and (
-            not isinstance(self.disk_path, str) or not self.disk_path
-        ):
-            raise ValueError(
-                f"kv_connector_extra_config.disk_path must be a non-empty str, got {self.disk_path!r}"
-            )
-        if self.disk_bytes is not None and (not _is_int(self.disk_bytes) or self.disk_bytes <= 0):
-            raise ValueError(
-                f"kv_connector_extra_config.disk_bytes must be a positive int, got {self.disk_bytes!r}"
-            )
-        names = default_block_registry().names
-        if not isinstance(self.policy, str) or self.policy not in names:
-            raise ValueError(
-                "kv_connector_extra_config.policy must be one of the registered block "
-                f"policies {', '.join(names)}; got {self.policy!r}"
-            )
-        for name in ("host_dir", "state_path"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, str) or not v):
-                raise ValueError(f"kv_connector_extra_config.{name} must be a non-empty str, got {v!r}")
-        if self.demote_headroom is not None and (
-            not _is_int(self.demote_headroom) or self.demote_headroom < 0
-        ):
-            raise ValueError(
-                "kv_connector_extra_config.demote_headroom must be an int >= 0, "
-                f"got {self.demote_headroom!r}"
-            )
-        for name in ("io_threads", "copy_threads"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"kv_connector_extra_config.{name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.test_corrupt_loads, bool):
-            raise ValueError(
-                "kv_connector_extra_config.test_corrupt_loads must be a bool, "
-                f"got {self.test_corrupt_loads!r}"
-            )
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any]) -> TieredConfig:
-        """Ours from vLLM's extra config (other keys belong to vLLM and are left alone)."""
-        if not isinstance(extra, Mapping):
-            raise ValueError(f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}")
-        if "host_bytes" not in extra:
-            raise ValueError("kv_connector_extra_config.host_bytes is required (bytes of host slots)")
-        return cls(**{k: extra[k] for k in OUR_KEYS if k in extra})
-
-
-# ----------------------------------------------------------------------------- host slab
-
-
-def default_host_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def slab_path(host_dir: str, engine_id: str, rank: int) -> str:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(engine_id))
-    return os.path.join(host_dir, f"tiering-vllm-{safe}-r{rank}.slab")
-
-
-class HostSlab:
-    """``num_slots`` slots of ``slot_bytes`` in a shared file, mapped as a uint8 tensor.
-
-    Both the manager (scheduler process) and a worker open the same file; whichever
-    comes first creates it at its full size (``created``), and the second one removes
-    its name as soon as it has mapped it (``unlink_if_second``): both mappings stay,
-    and no file is left behind however the processes end. Bytes of a slot are only
-    read after the manager has seen them written, so stale contents are never served.
-    """
-
-    def __init__(self, path: str, num_slots: int, slot_bytes: int) -> None:
-        if num_slots < 1 or slot_bytes < 1:
-            raise ValueError(f"host slab {path}: num_slots and slot_bytes must be >= 1")
-        self.path = path
-        self.num_slots = num_slots
-        self.slot_bytes = slot_bytes
-        size = num_slots * slot_bytes
-        d = os.path.dirname(path) or "."
-        st = os.statvfs(d)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            have = os.fstat(fd).st_size
-            if have not in (0, size):
-                raise ValueError(
-                    f"host slab {path} exists with {have} bytes, expected {size} "
-                    "(another engine with the same id and a different host_bytes?)"
-                )
-            self.created = have == 0
-            if have == 0:
-                if st.f_bavail * st.f_frsize < size:
-                    raise ValueError(
-                        f"host_bytes: {size} bytes do not fit in {d} "
-                        f"({st.f_bavail * st.f_frsize} bytes free); lower host_bytes or set host_dir"
-                    )
-                os.ftruncate(fd, size)
-            self._mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8).view(num_slots, slot_bytes)
-
-    def unlink_if_second(self) -> None:
-        """Remove the file's name if the other side created it (it has mapped it already)."""
-        if not self.created:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
-    def close(self, unlink: bool = False) -> None:
-        self.tensor = None  # type: ignore[assignment]
-        try:
-            self._mm.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with it
-            pass
-        if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
 
 # ----------------------------------------------------------------------------- block state
 
@@ -1092,202 +955,3 @@ class TieredBlockManager:
             problems.append("disk extents without a disk tier")
         if problems:
             raise TableIntegrityError("tiering vLLM manager: " + "; ".join(problems[:20]))
-
-def _write_json(path: str, obj: Mapping[str, Any]) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
-def open_disk(cfg: TieredConfig, page_bytes: int, fingerprint: str) -> DiskPageStore | None:
-    """The disk tier for pages of ``page_bytes`` (one page per chunk), or None."""
-    if cfg.disk_path is None:
-        return None
-    assert cfg.disk_bytes is not None
-    if cfg.disk_bytes < page_bytes:
-        raise ValueError(
-            f"kv_connector_extra_config.disk_bytes {cfg.disk_bytes} is smaller than one block "
-            f"({page_bytes} bytes)"
-        )
-    return DiskPageStore(
-        DiskConfig(
-            path=cfg.disk_path,
-            capacity_bytes=cfg.disk_bytes,
-            chunk_bytes=page_bytes,
-            io_threads=1,
-            io_timeout_s=60.0,
-        ),
-        (page_bytes,),
-        torch.uint8,
-        fingerprint=fingerprint,
-    )
-
-
-# ----------------------------------------------------------------------------- worker side
-
-
-class LayerCopy(NamedTuple):
-    """One KV tensor of a group: ``tensor`` (num_blocks, >= nbytes) uint8 view; its
-    bytes go to ``offset`` .. ``offset + nbytes`` of a block's part of a host slot."""
-
-    tensor: torch.Tensor
-    offset: int
-    nbytes: int
-
-
-class GroupLayout(NamedTuple):
-    copies: tuple[LayerCopy, ...]
-    block_bytes: int  # bytes of one vLLM block of this group across its layers
-
-
-def plan_blocks(
-    block_ids: Sequence[int],
-    group_sizes: Sequence[int],
-    block_indices: Sequence[int],
-    slots: Sequence[int],
-    blocks_per_chunk: int,
-) -> list[tuple[int, list[int], list[int]]]:
-    """Per KV group: (group, vLLM block ids, host rows) where a host row is
-    ``slot * blocks_per_chunk + block-within-chunk``; slots are listed group by group,
-    one per offloaded chunk the group's blocks touch."""
-    if sum(group_sizes) != len(block_ids) or len(block_indices) != len(group_sizes):
-        raise ValueError(
-            f"spec: {len(block_ids)} block ids vs group sizes {list(group_sizes)} "
-            f"and block indices {list(block_indices)}"
-        )
-    out = []
-    b = 0
-    k = 0
-    for g, (n, b0) in enumerate(zip(group_sizes, block_indices, strict=True)):
-        if n == 0:
-            continue
-        first_chunk = b0 // blocks_per_chunk
-        n_keys = (b0 + n - 1) // blocks_per_chunk - first_chunk + 1
-        if k + n_keys > len(slots):
-            raise ValueError(f"spec: group {g} needs {n_keys} host slots, {len(slots) - k} left")
-        rows = []
-        for j in range(n):
-            idx = b0 + j
-            slot = slots[k + idx // blocks_per_chunk - first_chunk]
-            rows.append(int(slot) * blocks_per_chunk + idx % blocks_per_chunk)
-        out.append((g, [int(x) for x in block_ids[b : b + n]], rows))
-        b += n
-        k += n_keys
-    if k != len(slots):
-        raise ValueError(f"spec: {len(slots)} host slots but the blocks use {k}")
-    return out
-
-
-class JobResult(NamedTuple):
-    job_id: int
-    success: bool
-    nbytes: int
-    seconds: float
-
-
-class TieredMover:
-    """Worker side: copies between vLLM's per-layer block tensors and this rank's slab.
-
-    ``groups[g]`` says where group g's layers lie in a host block row. A slot holds
-    ``blocks_per_chunk`` block rows. Each job runs on a worker thread (the copy
-    streams on a GPU); adjacent blocks that are adjacent in the slab are one copy
-    per layer.
-    """
-
-    def __init__(
-        self,
-        groups: Sequence[GroupLayout],
-        slab: HostSlab,
-        blocks_per_chunk: int,
-        *,
-        threads: int = 2,
-        device: torch.device | None = None,
-        corrupt_loads: bool = False,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
-        self.groups = list(groups)
-        self.slab = slab
-        self.bpc = blocks_per_chunk
-        row_bytes = max(g.block_bytes for g in self.groups)
-        if row_bytes * blocks_per_chunk > slab.slot_bytes:
-            raise ValueError(
-                f"host slot of {slab.slot_bytes} B cannot hold {blocks_per_chunk} blocks "
-                f"of {row_bytes} B"
-            )
-        self.row_bytes = slab.slot_bytes // blocks_per_chunk
-        self.rows = slab.tensor.view(slab.num_slots * blocks_per_chunk, self.row_bytes)
-        dev = device or (self.groups[0].copies[0].tensor.device if self.groups else torch.device("cpu"))
-        self.streams = StreamSet(dev)
-        self.corrupt_loads = corrupt_loads
-        self._clock = clock
-        self._exec = PriorityExecutor(threads, "tiering-vllm-copy")
-        self._jobs: dict[int, Future] = {}
-        self._lock = threading.Lock()
-        self.counters = {"jobs": 0, "bytes": 0, "failed": 0}
-
-    def submit(self, job_id: int, store: bool, block_ids, group_sizes, block_indices, slots) -> bool:
-        try:
-            plan = plan_blocks(block_ids, group_sizes, block_indices, slots, self.bpc)
-        except ValueError as exc:
-            log.error("tiering: job %d refused: %s", job_id, exc)
-            return False
-        marker = self.streams.compute_marker()
-        fut = self._exec.submit(RELOAD if not store else OFFLOAD, self._run, store, plan, marker)
-        with self._lock:
-            self._jobs[job_id] = fut
-        return True
-
-    def _run(self, store: bool, plan, marker) -> tuple[int, float]:
-        t0 = self._clock()
-        nbytes = 0
-        for g, blocks, rows in plan:
-            layout = self.groups[g]
-            if store:
-                runs = coalesce(blocks, rows)
-            else:
-                runs = coalesce(rows, blocks)
-            for c in layout.copies:
-                dev = c.tensor[:, : c.nbytes]
-                host = self.rows[:, c.offset : c.offset + c.nbytes]
-                if store:
-                    copy_runs(self.streams, dev, host, runs, "d2h", after=marker)
-                else:
-                    copy_runs(self.streams, host, dev, runs, "h2d", after=marker)
-                    if self.corrupt_loads:  # TEST ONLY negative control
-                        for b in blocks:
-                            c.tensor[b, : c.nbytes].bitwise_xor_(0x5A)
-                nbytes += len(blocks) * c.nbytes
-        return nbytes, self._clock() - t0
-
-    def get_finished(self) -> list[JobResult]:
-        out = []
-        with self._lock:
-            done = [(j, f) for j, f in self._jobs.items() if f.done()]
-            for j, _ in done:
-                del self._jobs[j]
-        for j, f in done:
-            exc = f.exception()
-            if exc is None:
-                n, t = f.result()
-                self.counters["jobs"] += 1
-                self.counters["bytes"] += n
-                out.append(JobResult(j, True, n, t))
-            else:
-                log.error("tiering: copy job %d failed: %r", j, exc)
-                self.counters["failed"] += 1
-                out.append(JobResult(j, False, 0, 0.0))
-        return out
-
-    def wait(self, job_ids: Iterable[int], timeout: float = 120.0) -> None:
-        with self._lock:
-            futs = [self._jobs[j] for j in job_ids if j in self._jobs]
-        deadline = time.monotonic() + timeout
-        for f in futs:
-            try:
-                f.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # reported by get_finished
-                pass
-
-    def shutdown(self) -> None:
-        self._exec.shutdown(30.0)
