@@ -1,5 +1,15 @@
 """The stress harness: the real cache, controller and disk tier under a random workload.
 
+Size: the module is about 700 lines and ``StressHarness`` most of it, on
+purpose: every path of a run (steps, losses and recomputes, id reuse,
+restarts, the second open, the drain) reads and changes the same table of
+live requests, the same tombstones of removed requests' copies and the same
+counters, and the run's verdicts (every reload read back, every loss tied to
+a fault, nothing left after the drain) are drawn across all of them. The
+parts that stand alone are beside it: the records and counters (``records``),
+the workload's KV (``kvdata``), the faults (``faults``), the second open
+(``second_open``) and the report (``report``).
+
 ``StressHarness`` owns one ``tiering.TieredKV`` (``tkv``): a ``PagedKVCache``
 (device, host and a disk tier in a directory) with its ``EvictionController``
 reading the device pool's exact occupancy; and the faults of the run. The
@@ -63,15 +73,14 @@ import random
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from resources.kv_cache import PagedKVCache
 from tiering.apps.stress.config import RELOAD_HEADROOM, StressConfig
 from tiering.apps.stress.faults import FaultInjector
 from tiering.apps.stress.kvdata import derived_seed, mismatched_layers, request_kv, write_tokens
 from tiering.apps.stress.memory import RssTracker
+from tiering.apps.stress.records import HarnessCounts, RecordingKVCache, Wanted, sum_disk_stats
 from tiering.apps.stress.second_open import (
     SecondOpenOutcome,
     attempt_second_open,
@@ -83,86 +92,12 @@ from tiering.control.pressure import PoolPressure
 from tiering.core.clocks import StepClock
 from tiering.disk.config import DiskConfig
 from tiering.tiered import Readiness, TieredKV
-from tiering.types import CANCELLED, Move, RequestState, TransferResult
+from tiering.types import CANCELLED, Move, RequestState
 
 S = RequestState
 _T = TypeVar("_T")
 #: How many examples of each kind of failure a report keeps.
 EXAMPLES = 20
-
-
-@dataclass
-class _Wanted:
-    """A request the harness is serving; its KV is ``request_kv(seed, rid, generation)``."""
-
-    rid: str
-    generation: int
-    prompt_tokens: int
-    final_tokens: int
-    runs_left: int
-    arrived_at: int
-    tokens: int = 0  # tokens written so far (0 until placed)
-    placed: bool = False
-    leaving: str | None = None  # why it will leave: finished, cancelled, drained
-    away: bool = False  # seen off the device since it was last read back
-    asked_at: int | None = None  # step of the first reload request since it was last read
-    reused: bool = False  # the id was used before, by a request that left
-
-
-class RecordingKVCache(PagedKVCache):
-    """The real ``PagedKVCache``, keeping every ``TransferResult`` its ``poll`` returns
-    (``synchronize`` and the controller's passes poll too) until ``take_results``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._results: list[TransferResult] = []
-        super().__init__(*args, **kwargs)
-
-    def poll(self) -> list[TransferResult]:
-        done = super().poll()
-        self._results.extend(done)
-        return done
-
-    def take_results(self) -> list[TransferResult]:
-        out, self._results = self._results, []
-        return out
-
-
-@dataclass
-class HarnessCounts:
-    """What the harness did and saw (plain integers)."""
-
-    steps: int = 0
-    operations: int = 0
-    integrity_checks: int = 0
-    integrity_violations: int = 0
-    data_errors: int = 0
-    arrivals: int = 0
-    finished: int = 0
-    cancelled: int = 0
-    drained: int = 0
-    recomputed: int = 0
-    reads_verified: int = 0
-    reloads_verified: int = 0
-    reload_requests: int = 0
-    removed_in_flight: int = 0
-    removed_offloading: int = 0
-    removed_demoting: int = 0
-    removed_reloading: int = 0
-    removed_copies_failed: int = 0  # removed requests' copies that ended in a fault
-    reused: int = 0  # arrivals under an id used before
-    reused_while_in_flight: int = 0  # ... while the old request's copy still ran
-    reused_reads_verified: int = 0
-    restarts: int = 0
-    reattached: int = 0  # requests that came back at a restart
-    reattach_verified: int = 0  # ... and were read back bit for bit
-    reattach_lost_to_faults: int = 0  # ... or lost by an injected read fault first
-    restart_recomputed: int = 0  # requests the restart took (device, host) and recomputed
-    second_open_discarded: int = 0  # on-disk requests dropped after a tolerated second open
-    waits: int = 0
-    steps_at_high: int = 0  # steps that began their eviction pass at the reload ceiling or above
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class StressHarness:
@@ -206,7 +141,7 @@ class StressHarness:
         self.lost: list[tuple[str, str]] = []
         self.data_error_examples: list[str] = []
         self.integrity_examples: list[str] = []
-        self._live: dict[str, _Wanted] = {}
+        self._live: dict[str, Wanted] = {}
         self._waiting: deque[str] = deque()  # arrivals not yet placed, in order
         self._serial = 0
         self._draining = False
@@ -261,7 +196,7 @@ class StressHarness:
     def disk_stats(self) -> dict[str, Any]:
         """``DiskPageStore.stats()`` with the counters summed over every cache of the run;
         occupancy (``extents``, ``used_bytes``, ...) is the current cache's."""
-        return _sum_disk_stats(self._retired_disk, self.kv.disk.stats())
+        return sum_disk_stats(self._retired_disk, self.kv.disk.stats())
 
     # -- the step -------------------------------------------------------------------
 
@@ -373,7 +308,7 @@ class StressHarness:
                 if rid is None:
                     rid = f"r{self._serial}"
                 gen = self._next_generation(rid)
-                self._start(_Wanted(rid, gen, prompt, final, runs, self.counts.steps,
+                self._start(Wanted(rid, gen, prompt, final, runs, self.counts.steps,
                                     reused=gen > 0))
                 self.counts.arrivals += 1
         self._place_waiting()
@@ -407,11 +342,11 @@ class StressHarness:
         T = c.geometry.page_tokens
         prompt = self._rng.randint((pages - 1) * T + 1, pages * T)
         final = min(c.max_tokens, prompt + self._rng.randint(0, 3 * c.decode_tokens))
-        self._start(_Wanted(rid, self._next_generation(rid), prompt, final,
+        self._start(Wanted(rid, self._next_generation(rid), prompt, final,
                             self._rng.randint(1, c.max_runs), self.counts.steps, reused=True))
         self.counts.arrivals += 1
 
-    def _start(self, w: _Wanted) -> None:
+    def _start(self, w: Wanted) -> None:
         self._op(self.tkv.add, w.rid)
         self._live[w.rid] = w
         self._waiting.append(w.rid)
@@ -452,7 +387,7 @@ class StressHarness:
             w.placed = True
             self._waiting.popleft()
 
-    def _kv_of(self, w: _Wanted):
+    def _kv_of(self, w: Wanted):
         c = self.config
         return request_kv(c.geometry, c.seed, w.rid, w.generation, c.max_tokens)
 
@@ -463,7 +398,7 @@ class StressHarness:
         batch = self._rng.sample(ready, min(self.config.batch, len(ready)))
         return [w.rid for w in batch if self._run_one(w)]
 
-    def _run_one(self, w: _Wanted) -> bool:
+    def _run_one(self, w: Wanted) -> bool:
         """Run ``w`` if it is on the device (read back, check, grow); else ask it back."""
         state = self.kv.state_of(w.rid)
         if state in (S.ON_HOST, S.DEMOTING, S.ON_DISK):
@@ -489,7 +424,7 @@ class StressHarness:
         for w in [w for w in self._live.values() if w.away]:
             self._verify_if_back(w)
 
-    def _verify_if_back(self, w: _Wanted) -> None:
+    def _verify_if_back(self, w: Wanted) -> None:
         if self.kv.state_of(w.rid) in (S.RESIDENT, S.RELOADING):
             if self._op(self.tkv.ready, w.rid, self.counts.steps) is Readiness.READY:
                 self._verify(w)
@@ -500,7 +435,7 @@ class StressHarness:
         back = (S.RESIDENT, S.RELOADING)
         return [w.rid for w in self._live.values() if w.away and self.kv.state_of(w.rid) in back]
 
-    def _verify(self, w: _Wanted) -> None:
+    def _verify(self, w: Wanted) -> None:
         held = self.kv.num_tokens(w.rid)
         if held != w.tokens:
             self._data_error(f"{w.rid}: holds {held} tokens, {w.tokens} were written")
@@ -522,7 +457,7 @@ class StressHarness:
             w.away = False
         w.asked_at = None
 
-    def _grow(self, w: _Wanted) -> None:
+    def _grow(self, w: Wanted) -> None:
         w.runs_left -= 1
         if w.runs_left <= 0:
             w.leaving = "finished"
@@ -545,7 +480,7 @@ class StressHarness:
             if anytime and self._rng.random() < 0.5:
                 # half the cancellations aim at a request with a transfer in flight, each
                 # kind of transfer (offload, demotion, reload) as often as the others
-                moving: dict[RequestState, list[_Wanted]] = {}
+                moving: dict[RequestState, list[Wanted]] = {}
                 for w in pool:
                     state = self.kv.state_of(w.rid)
                     if state.in_flight:
@@ -578,7 +513,7 @@ class StressHarness:
             else:
                 self._reuse.append(w.rid)
 
-    def _bring_back_to_verify(self, w: _Wanted) -> None:
+    def _bring_back_to_verify(self, w: Wanted) -> None:
         """Drain: a reattached request never read back is reloaded and read first
         (straight on the cache: no eviction pass runs while draining, so a reload
         the controller queued would never be admitted)."""
@@ -587,7 +522,7 @@ class StressHarness:
         if state in (S.ON_HOST, S.ON_DISK):
             self._op(self.kv.reload, w.rid)
 
-    def _forget(self, w: _Wanted) -> None:
+    def _forget(self, w: Wanted) -> None:
         before = self.kv.in_flight()
         moving = self.kv.state_of(w.rid).in_flight
         self._op(self.tkv.remove, w.rid)
@@ -614,9 +549,9 @@ class StressHarness:
             self.counts.recomputed += 1
             self._recompute(w)
 
-    def _recompute(self, w: _Wanted) -> None:
+    def _recompute(self, w: Wanted) -> None:
         """Ingest ``w`` again with the next generation of its KV, as far as it had got."""
-        self._start(_Wanted(w.rid, self._next_generation(w.rid), max(1, w.tokens),
+        self._start(Wanted(w.rid, self._next_generation(w.rid), max(1, w.tokens),
                             max(w.final_tokens, w.tokens, 1), w.runs_left, self.counts.steps,
                             reused=w.reused))
 
@@ -676,7 +611,7 @@ class StressHarness:
                 if w.placed:
                     self._recompute(w)
                 else:  # it had not been placed yet: it arrives again as it was
-                    self._start(_Wanted(w.rid, self._next_generation(w.rid), w.prompt_tokens,
+                    self._start(Wanted(w.rid, self._next_generation(w.rid), w.prompt_tokens,
                                         w.final_tokens, w.runs_left, self.counts.steps,
                                         reused=w.reused))
         self._tombs.clear()  # the old cache finished every copy before it closed
@@ -689,7 +624,7 @@ class StressHarness:
         finally:
             self._absorb_results()
             self._retired_kv.update(self.tkv.stats("kv"))
-            self._retired_disk = _sum_disk_stats(self._retired_disk, kv.disk.stats())
+            self._retired_disk = sum_disk_stats(self._retired_disk, kv.disk.stats())
 
     # -- a second process on the same path ---------------------------------------------------
 
@@ -770,18 +705,3 @@ class StressHarness:
     def close(self) -> None:
         self.tkv.close()
         self._absorb_results()
-
-
-#: Disk-tier counters that add up over the caches of a run.
-_DISK_COUNTERS = ("writes", "reads", "bytes_written", "bytes_read", "refusals", "write_faults",
-                  "read_faults", "corruptions", "timeouts", "manifest_faults", "faults")
-
-
-def _sum_disk_stats(retired: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
-    out = dict(current)
-    for k in _DISK_COUNTERS:
-        out[k] = int(retired.get(k, 0)) + int(current.get(k, 0))
-    errnos = Counter(retired.get("fault_errnos", {}))
-    errnos.update(current.get("fault_errnos", {}))
-    out["fault_errnos"] = dict(errnos)
-    return out
