@@ -13,7 +13,7 @@ import struct
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 
 import google_crc32c
@@ -184,43 +184,41 @@ def _pieces(
         done += size
 
 
+def _positional_all(io: Callable[[int, list, int], int], fd: int, parts: list, offset: int,
+                    short: Callable[[list], str]) -> int:
+    """``io`` (``os.pwritev`` or ``os.preadv``) until every byte of ``parts`` has
+    moved; returns the offset after the last byte. A call that moves nothing is
+    an I/O error, ``short(views left)`` its message."""
+    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if len(v)]
+    while views:
+        moved = io(fd, views, offset)
+        if moved <= 0:
+            raise OSError(errno.EIO, short(views))
+        offset += moved
+        while views and moved >= len(views[0]):
+            moved -= len(views[0])
+            views.pop(0)
+        if views and moved:
+            views[0] = views[0][moved:]
+    return offset
+
+
 def _pwrite_all(fd: int, parts: list, offset: int) -> int:
     """pwritev until every byte is down; returns the offset after the last byte.
 
     A zero-byte write is an I/O error."""
-    views = [memoryview(p).cast("B") for p in parts]
-    views = [v for v in views if len(v)]
-    while views:
-        written = os.pwritev(fd, views, offset)
-        if written <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += written
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if views and written:
-            views[0] = views[0][written:]
-    return offset
+    return _positional_all(os.pwritev, fd, parts, offset, lambda _views: "pwritev wrote nothing")
 
 
 def _pread_all(fd: int, parts: list, offset: int) -> int:
     """preadv until every buffer in ``parts`` is full; returns the offset after them.
 
     A short file is an I/O error."""
-    views = [memoryview(p).cast("B") for p in parts]
-    views = [v for v in views if len(v)]
-    while views:
-        got = os.preadv(fd, views, offset)
-        if got <= 0:
-            missing = sum(len(v) for v in views)
-            raise OSError(errno.EIO, f"slot file ended {missing} bytes early")
-        offset += got
-        while views and got >= len(views[0]):
-            got -= len(views[0])
-            views.pop(0)
-        if views and got:
-            views[0] = views[0][got:]
-    return offset
+    return _positional_all(
+        os.preadv, fd, parts, offset,
+        lambda views: f"slot file ended {sum(len(v) for v in views)} bytes early",
+    )
 
 
 def _atomic_replace(path: Path, data: memoryview) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from resources.kv_geometry import KVGeometry
-from tiering.apps.stress.faults import FAILING_KINDS, FAULT_KINDS
+from tiering.apps.stress.faults import FAILING_KINDS, FAULT_KINDS, parse_choices
 
 #: Fraction of the device the controller keeps free below ``high`` when admitting reloads.
 RELOAD_HEADROOM = 0.02
@@ -19,22 +19,7 @@ PATHS: tuple[str, ...] = ("remove_in_flight", "reuse_ids", "reattach", "second_o
 
 def parse_paths(text: str) -> tuple[str, ...]:
     """``all``, ``none`` or a comma-separated list of paths -> the paths, in canonical order."""
-    if not isinstance(text, str):
-        raise ValueError(f"paths must be a string, got {text!r}")
-    words = [w.strip() for w in text.split(",") if w.strip()]
-    if words == ["all"]:
-        return PATHS
-    if words == ["none"]:
-        return ()
-    if not words:
-        raise ValueError("paths: empty; give all, none or a comma-separated list of paths")
-    unknown = [w for w in words if w not in PATHS]
-    if unknown:
-        raise ValueError(
-            f"paths: unknown path(s) {', '.join(unknown)}; expected all, none or some of "
-            f"{', '.join(PATHS)}"
-        )
-    return tuple(k for k in PATHS if k in words)
+    return parse_choices(text, PATHS, "paths", "path")
 
 
 def _default_geometry() -> KVGeometry:

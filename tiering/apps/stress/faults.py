@@ -34,24 +34,30 @@ FAILING_KINDS: tuple[str, ...] = tuple(k for k in FAULT_KINDS if k != "slow")
 COPY_DIRECTIONS = ("d2h", "h2d")
 
 
-def parse_faults(text: str) -> tuple[str, ...]:
-    """``all``, ``none`` or a comma-separated list of kinds -> the kinds, in canonical order."""
+def parse_choices(text: str, choices: tuple[str, ...], what: str, noun: str) -> tuple[str, ...]:
+    """``all``, ``none`` or a comma-separated list of ``choices`` -> those chosen, in the
+    order of ``choices``; ValueError naming ``what`` and the unknown words otherwise."""
     if not isinstance(text, str):
-        raise ValueError(f"faults must be a string, got {text!r}")
+        raise ValueError(f"{what} must be a string, got {text!r}")
     words = [w.strip() for w in text.split(",") if w.strip()]
     if words == ["all"]:
-        return FAULT_KINDS
+        return choices
     if words == ["none"]:
         return ()
     if not words:
-        raise ValueError("faults: empty; give all, none or a comma-separated list of kinds")
-    unknown = [w for w in words if w not in FAULT_KINDS]
+        raise ValueError(f"{what}: empty; give all, none or a comma-separated list of {noun}s")
+    unknown = [w for w in words if w not in choices]
     if unknown:
         raise ValueError(
-            f"faults: unknown kind(s) {', '.join(unknown)}; expected all, none or some of "
-            f"{', '.join(FAULT_KINDS)}"
+            f"{what}: unknown {noun}(s) {', '.join(unknown)}; expected all, none or some of "
+            f"{', '.join(choices)}"
         )
-    return tuple(k for k in FAULT_KINDS if k in words)
+    return tuple(k for k in choices if k in words)
+
+
+def parse_faults(text: str) -> tuple[str, ...]:
+    """``all``, ``none`` or a comma-separated list of kinds -> the kinds, in canonical order."""
+    return parse_choices(text, FAULT_KINDS, "faults", "kind")
 
 
 class CopyFaultPlan:
