@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
+import math
 import time
 
 import pytest
@@ -224,6 +225,18 @@ def test_fault_selection_and_config_validation():
         StressConfig(steps=10, device_pages=8, max_request_pages=6)
     with pytest.raises(ValueError, match="faults"):
         StressConfig(steps=10, faults=("melt",))
+
+
+@pytest.mark.parametrize("name,bad", [
+    ("duration_s", 0), ("duration_s", math.inf), ("sync_timeout_s", 0.0),
+    ("sync_timeout_s", math.nan), ("child_timeout_s", -1.0), ("child_timeout_s", True),
+    ("min_residency_steps", -0.5), ("aging_steps", math.inf), ("aging_steps", "8"),
+])
+def test_stress_config_names_a_bad_time_or_step_count(name, bad):
+    kw = {"steps": None} if name == "duration_s" else {"steps": 10}
+    with pytest.raises(ValueError, match=rf"StressConfig\.{name} must be"):
+        StressConfig(**kw, **{name: bad})
+    StressConfig(**kw, **{name: 0.0 if name in ("min_residency_steps", "aging_steps") else 1.5})
 
 
 def test_crash_mid_write_restart_reattaches_only_committed_requests(tmp_path):

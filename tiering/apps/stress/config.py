@@ -32,6 +32,18 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> None:
         raise ValueError(f"StressConfig.{name} must be an int >= {minimum}, got {value!r}")
 
 
+def _number(name: str, value: object, *, positive: bool) -> None:
+    """A finite number, > 0 when ``positive`` else >= 0; ValueError naming ``name``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (0 < value if positive else 0 <= value)
+        or not value < math.inf
+    ):
+        bound = "> 0" if positive else "a finite number >= 0"
+        raise ValueError(f"StressConfig.{name} must be {bound}, got {value!r}")
+
+
 def _fraction(name: str, value: object, *, upper_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"StressConfig.{name} must be a finite number, got {value!r}")
@@ -130,12 +142,8 @@ class StressConfig:
             raise ValueError("StressConfig needs exactly one of steps and duration_s")
         if self.steps is not None:
             _positive_int("steps", self.steps)
-        if self.duration_s is not None and (
-            isinstance(self.duration_s, bool)
-            or not isinstance(self.duration_s, (int, float))
-            or not 0 < self.duration_s < math.inf
-        ):
-            raise ValueError(f"StressConfig.duration_s must be > 0, got {self.duration_s!r}")
+        if self.duration_s is not None:
+            _number("duration_s", self.duration_s, positive=True)
         if not isinstance(self.faults, tuple):
             raise ValueError(f"StressConfig.faults must be a tuple, got {self.faults!r}")
         unknown = [k for k in self.faults if k not in FAULT_KINDS]
@@ -169,10 +177,9 @@ class StressConfig:
                 f"StressConfig.max_request_pages {self.max_request_pages} exceeds what the"
                 f" controller admits on reload ({limit:.1f} pages = (high - {RELOAD_HEADROOM}) x device_pages)"
             )
-        for name in ("min_residency_steps", "aging_steps", "sync_timeout_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-                raise ValueError(f"StressConfig.{name} must be a finite number >= 0, got {v!r}")
+        for name in ("min_residency_steps", "aging_steps"):
+            _number(name, getattr(self, name), positive=False)
+        _number("sync_timeout_s", self.sync_timeout_s, positive=True)
         if not isinstance(self.device, str) or not (
             self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")
         ):
@@ -187,16 +194,7 @@ class StressConfig:
         _fraction("reuse_rate", self.reuse_rate)
         _fraction("second_open_at", self.second_open_at)
         _positive_int("restarts", self.restarts)
-        if (
-            isinstance(self.child_timeout_s, bool)
-            or not isinstance(self.child_timeout_s, (int, float))
-            or not 0 < self.child_timeout_s < math.inf
-        ):
-            raise ValueError(
-                f"StressConfig.child_timeout_s must be > 0, got {self.child_timeout_s!r}"
-            )
-        if self.sync_timeout_s <= 0:
-            raise ValueError(f"StressConfig.sync_timeout_s must be > 0, got {self.sync_timeout_s}")
+        _number("child_timeout_s", self.child_timeout_s, positive=True)
 
     @property
     def max_tokens(self) -> int:
