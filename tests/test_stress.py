@@ -144,6 +144,17 @@ def test_without_failing_faults_requests_leave_in_the_middle_of_copies(tmp_path)
     assert report["requests_lost"]["count"] == 0
 
 
+def _serve_with_read(harness: StressHarness, read, steps: int) -> None:
+    """Run ``steps`` steps and the drain with the cache's ``read`` replaced by ``read``."""
+    harness.kv.read = read
+    try:
+        for _ in range(steps):
+            harness.step()
+        harness.drain()
+    finally:
+        harness.close()
+
+
 def test_a_wrong_byte_is_reported_as_a_data_error(tmp_path):
     harness = StressHarness(small_config(()), tmp_path)
     real_read = harness.kv.read
@@ -156,13 +167,7 @@ def test_a_wrong_byte_is_reported_as_a_data_error(tmp_path):
             flipped.append(rid)
         return k, v
 
-    harness.kv.read = read_with_a_flipped_bit
-    try:
-        for _ in range(30):
-            harness.step()
-        harness.drain()
-    finally:
-        harness.close()
+    _serve_with_read(harness, read_with_a_flipped_bit, steps=30)
     assert flipped
     assert harness.counts.data_errors == 1
     assert flipped[0] in harness.data_error_examples[0]
@@ -448,13 +453,7 @@ def test_a_reused_id_served_its_old_generation_is_a_data_error(tmp_path):
             return old[: k.shape[0], layer, 0].clone(), old[: k.shape[0], layer, 1].clone()
         return k, v
 
-    harness.kv.read = read_old_generation
-    try:
-        for _ in range(150):
-            harness.step()
-        harness.drain()
-    finally:
-        harness.close()
+    _serve_with_read(harness, read_old_generation, steps=150)
     assert served_stale, "no reused id was read back"
     # every read-back of a reused id (and nothing else) was caught
     assert harness.counts.reused > 0
