@@ -522,27 +522,24 @@ def test_byte_flipped_in_slot_file_is_detected(tmp_path, gen):
     s.close()
 
 
-def test_byte_flipped_in_local_store_chunk_file_is_detected(tmp_path, gen):
+@pytest.mark.parametrize("damage", ["byte_flipped", "chunk_missing"])
+def test_a_damaged_local_store_chunk_file_is_an_error_not_data(tmp_path, gen, damage):
+    """A flipped byte is a checksum error; a missing chunk is ENODATA, never fill values."""
     s = make(tmp_path, store=LocalStore(tmp_path / "local"))
     data = pages(gen, 4)
     extent = s.reserve("a", 4)
     s.write(extent, data)
-    chunk_file = tmp_path / "local" / "c" / str(extent.chunks[1]) / "0"
-    _flip_first_occurrence(chunk_file, data[1].numpy().tobytes()[:64])
-    with pytest.raises(DiskCorruptionError):
+    page = 1 if damage == "byte_flipped" else 0
+    chunk_file = tmp_path / "local" / "c" / str(extent.chunks[page]) / "0"
+    if damage == "byte_flipped":
+        _flip_first_occurrence(chunk_file, data[page].numpy().tobytes()[:64])
+    else:
+        chunk_file.unlink()
+    error = DiskCorruptionError if damage == "byte_flipped" else DiskIOError
+    with pytest.raises(error) as info:
         s.read(extent, torch.empty_like(data))
-    s.close()
-
-
-def test_missing_chunk_is_an_error_not_fill_values(tmp_path, gen):
-    s = make(tmp_path, store=LocalStore(tmp_path / "local"))
-    data = pages(gen, 4)
-    extent = s.reserve("a", 4)
-    s.write(extent, data)
-    (tmp_path / "local" / "c" / str(extent.chunks[0]) / "0").unlink()
-    with pytest.raises(DiskIOError) as info:
-        s.read(extent, torch.empty_like(data))
-    assert info.value.errno == errno.ENODATA
+    if damage == "chunk_missing":
+        assert info.value.errno == errno.ENODATA
     s.close()
 
 

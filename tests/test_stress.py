@@ -217,12 +217,23 @@ def test_copy_fault_plan_is_seeded_and_counts_each_direction():
         a("sideways")
 
 
-def test_fault_selection_and_config_validation():
-    assert parse_faults("all") == FAULT_KINDS
-    assert parse_faults("none") == ()
-    assert parse_faults("copy, eio_read") == ("eio_read", "copy")
-    with pytest.raises(ValueError, match="bogus"):
-        parse_faults("eio_read,bogus")
+@pytest.mark.parametrize("parse,choices,some,picked,bogus", [
+    (parse_faults, FAULT_KINDS, "copy, eio_read", ("eio_read", "copy"), "eio_read,bogus"),
+    (parse_paths, PATHS, "reattach, reuse_ids", ("reuse_ids", "reattach"), "reattach,teleport"),
+])
+def test_fault_and_path_selection(parse, choices, some, picked, bogus):
+    assert parse("all") == choices
+    assert parse("none") == ()
+    assert parse(some) == picked
+    with pytest.raises(ValueError, match=bogus.split(",")[1]):
+        parse(bogus)
+    with pytest.raises(ValueError, match="empty"):
+        parse(" , ")
+    with pytest.raises(ValueError, match="must be a string"):
+        parse(None)
+
+
+def test_fault_config_validation():
     assert set(FAILING_KINDS) == set(FAULT_KINDS) - {"slow"}
     with pytest.raises(ValueError, match="exactly one of steps and duration_s"):
         StressConfig(steps=10, duration_s=1.0)
@@ -306,12 +317,7 @@ def test_a_run_by_duration_stops_on_the_injected_clock(tmp_path):
 # -- the paths the harness gained -------------------------------------------------------------
 
 
-def test_paths_selection_and_validation():
-    assert parse_paths("all") == PATHS
-    assert parse_paths("none") == ()
-    assert parse_paths("reattach, reuse_ids") == ("reuse_ids", "reattach")
-    with pytest.raises(ValueError, match="teleport"):
-        parse_paths("reattach,teleport")
+def test_paths_config_validation():
     with pytest.raises(ValueError, match="paths"):
         StressConfig(steps=10, paths=("teleport",))
     with pytest.raises(ValueError, match="reuse_rate"):
