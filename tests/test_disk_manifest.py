@@ -116,11 +116,17 @@ def test_release_and_uncommit_never_raise_for_a_manifest_fault(tmp_path, rng, ki
     again.close()
 
 
+def _committed(s, rid: str, n: int, rng, meta: dict):
+    """Reserve ``n`` pages for ``rid``, write random pages there and commit them."""
+    extent = s.reserve(rid, n)
+    s.write(extent, pages(rng, n))
+    s.commit(rid, extent, meta)
+    return extent
+
+
 def test_uncommit_lets_a_reused_id_commit_at_once_and_is_idempotent(tmp_path, rng):
     s = make(tmp_path / "d")
-    first = s.reserve("rid", 3)
-    s.write(first, pages(rng, 3))
-    s.commit("rid", first, {"turn": 1})
+    first = _committed(s, "rid", 3, rng, {"turn": 1})
     s.uncommit(first)
     s.uncommit(first)  # idempotent
     assert s.stats()["committed"] == 0 and s.stats()["extents"] == 1  # still reserved
@@ -146,12 +152,10 @@ def test_uncommit_lets_a_reused_id_commit_at_once_and_is_idempotent(tmp_path, rn
 
 def test_a_reused_id_is_never_wedged_by_a_leftover_entry(tmp_path, rng):
     s = make(tmp_path / "d")
-    old = s.reserve("rid", 2)
-    s.write(old, pages(rng, 2))
-    s.commit("rid", old, {"turn": 1})
-    new = s.reserve("rid", 2)  # no uncommit: the old copy is still held
-    s.write(new, pages(rng, 2))
-    s.commit("rid", new, {"turn": 2})  # supersedes; used to raise "already committed"
+    old = _committed(s, "rid", 2, rng, {"turn": 1})
+    # no uncommit: the old copy is still held; the new one supersedes it (this used to
+    # raise "already committed")
+    new = _committed(s, "rid", 2, rng, {"turn": 2})
     assert s.stats()["committed"] == 1 and s.stats()["extents"] == 2
     s.write(old, pages(rng, 2))  # the old extent is no longer committed, so it may be rewritten
     s.check_integrity()

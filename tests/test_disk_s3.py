@@ -129,6 +129,17 @@ def test_server_down_at_start_is_the_tiers_own_error(geom):
 
 
 # -- against the real server ------------------------------------------------------------------
+def _move_all(kv: PagedKVCache, rids, move) -> None:
+    """Start ``move`` (``kv.demote`` or ``kv.reload``) for every request, checking the
+    cache after each; wait for them all and require that every one landed."""
+    for rid in rids:
+        assert move(rid)
+        kv.check_integrity()
+    res = kv.synchronize(60)
+    kv.check_integrity()
+    assert all(r.ok for r in res), [r.reason for r in res]
+
+
 def test_round_trip_device_host_s3_device_bitwise(seaweed, geom):  # noqa: F811
     url = seaweed.url() + "/w0"
     gen = torch.Generator().manual_seed(21)
@@ -141,12 +152,7 @@ def test_round_trip_device_host_s3_device_bitwise(seaweed, geom):  # noqa: F811
         kv.synchronize(30)
         kv.check_integrity()
         assert all(kv.tier_of(rid) is Tier.HOST for rid in data)
-        for rid in data:
-            assert kv.demote(rid)
-            kv.check_integrity()
-        res = kv.synchronize(60)
-        kv.check_integrity()
-        assert all(r.ok for r in res), [r.reason for r in res]
+        _move_all(kv, data, kv.demote)
         assert all(kv.tier_of(rid) is Tier.DISK for rid in data)
         # the pages are on the server, under the prefix: one chunk object per page
         pages = sum(geom.pages_for(t) for t in (3, 9, 17, 4))
@@ -155,12 +161,7 @@ def test_round_trip_device_host_s3_device_bitwise(seaweed, geom):  # noqa: F811
         assert sum(k.startswith(f"{prefix}/c/") for k in keys) == pages
         assert f"{prefix}/LEASE" in keys
         assert kv.disk.stats()["bytes_written"] == pages * geom.page_bytes
-        for rid in data:
-            assert kv.reload(rid)
-            kv.check_integrity()
-        res = kv.synchronize(60)
-        kv.check_integrity()
-        assert all(r.ok for r in res), [r.reason for r in res]
+        _move_all(kv, data, kv.reload)
         for rid, d in data.items():
             assert kv.tier_of(rid) is Tier.DEVICE
             assert_same(kv, rid, d)
