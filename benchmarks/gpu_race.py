@@ -118,6 +118,17 @@ def _read_all(torch, kv, rid, compute):
     return out
 
 
+def _filled(torch, kv, rid, tokens, gen):
+    """Register ``rid`` with ``tokens`` tokens of random K/V written on every layer;
+    returns what was written."""
+    kv.ingest_request(rid)
+    assert kv.allocate(rid, tokens)
+    data = _random_kv(torch, kv.geometry, tokens, gen, kv.device)
+    for layer, (k, v) in enumerate(data):
+        kv.write(rid, layer, 0, k, v)
+    return data
+
+
 def _diff(torch, got, want) -> int:
     return sum(_mismatch(torch, gk, wk) + _mismatch(torch, gv, wv)
                for (gk, gv), (wk, wv) in zip(got, want, strict=True))
@@ -128,11 +139,7 @@ def probe_reload_into_freed_slots(torch, geom, device, compute, cycles, gen, tel
     tokens = pages * geom.page_tokens
     kv, told = _make_cache(torch, geom, device, pages, compute, tell_stream)
     try:
-        kv.ingest_request("new")
-        assert kv.allocate("new", tokens)
-        want = _random_kv(torch, geom, tokens, gen, device)
-        for layer, (k, v) in enumerate(want):
-            kv.write("new", layer, 0, k, v)
+        want = _filled(torch, kv, "new", tokens, gen)
         torch.cuda.synchronize(device)
         kv.offload("new")
         kv.synchronize(60)
@@ -165,11 +172,7 @@ def probe_offload_while_writing(torch, geom, device, compute, cycles, gen, tell_
     tokens = pages * geom.page_tokens
     kv, told = _make_cache(torch, geom, device, pages, compute, tell_stream)
     try:
-        kv.ingest_request("a")
-        assert kv.allocate("a", tokens)
-        before = _random_kv(torch, geom, tokens, gen, device)
-        for layer, (k, v) in enumerate(before):
-            kv.write("a", layer, 0, k, v)
+        _filled(torch, kv, "a", tokens, gen)
         want = _random_kv(torch, geom, tokens, gen, device)
         torch.cuda.synchronize(device)
         with torch.cuda.stream(compute):  # the engine's step, still writing the KV
