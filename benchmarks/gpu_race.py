@@ -129,9 +129,14 @@ def _filled(torch, kv, rid, tokens, gen):
     return data
 
 
-def _diff(torch, got, want) -> int:
-    return sum(_mismatch(torch, gk, wk) + _mismatch(torch, gv, wv)
-               for (gk, gv), (wk, wv) in zip(got, want, strict=True))
+def _read_back(torch, kv, rid, compute, want) -> int:
+    """Admit and read ``rid`` on ``compute``, check the cache, and count the
+    elements that differ from ``want``."""
+    got = _read_all(torch, kv, rid, compute)
+    bad = sum(_mismatch(torch, gk, wk) + _mismatch(torch, gv, wv)
+              for (gk, gv), (wk, wv) in zip(got, want, strict=True))
+    kv.check_integrity()
+    return bad
 
 
 def probe_reload_into_freed_slots(torch, geom, device, compute, cycles, gen, tell_stream):
@@ -157,10 +162,8 @@ def probe_reload_into_freed_slots(torch, geom, device, compute, cycles, gen, tel
         pending = not compute.query()
         kv.synchronize(60)
         torch.cuda.synchronize(device)  # let every queued write land before looking
-        got = _read_all(torch, kv, "new", compute)  # admitted: resident, has a page table
+        bad = _read_back(torch, kv, "new", compute, want)  # admitted: has a page table
         overlap = len(old_pages & set(kv.page_table("new")))
-        bad = _diff(torch, got, want)
-        kv.check_integrity()
         return Trial(bad == 0, bad, pending, overlap), told
     finally:
         torch.cuda.synchronize(device)
@@ -187,9 +190,7 @@ def probe_offload_while_writing(torch, geom, device, compute, cycles, gen, tell_
         compute.synchronize()
         assert kv.reload("a")
         kv.synchronize(60)
-        got = _read_all(torch, kv, "a", compute)
-        bad = _diff(torch, got, want)
-        kv.check_integrity()
+        bad = _read_back(torch, kv, "a", compute, want)
         return Trial(bad == 0, bad, pending, None), told
     finally:
         torch.cuda.synchronize(device)

@@ -550,13 +550,19 @@ def _file_contains(path: Path, needle: bytes) -> bool:
     return needle in path.read_bytes()
 
 
-def test_clear_removes_leftovers(tmp_path, gen):
+def _left_committed(tmp_path: Path, gen) -> torch.Tensor:
+    """A store that committed five random pages as request "old" and closed."""
     first = make(tmp_path, on_start="reattach")
     data = pages(gen, 5)
     extent = first.reserve("old", 5)
     first.write(extent, data)
     first.commit("old", extent, {"tokens": 20})
     first.close()
+    return data
+
+
+def test_clear_removes_leftovers(tmp_path, gen):
+    data = _left_committed(tmp_path, gen)
     slot_file = tmp_path / "disk" / SLOT_FILE_NAME
     assert (tmp_path / "disk" / MANIFEST_KEY).exists()
     assert _file_contains(slot_file, data[0].numpy().tobytes()[:64])
@@ -572,12 +578,7 @@ def test_clear_removes_leftovers(tmp_path, gen):
 
 @pytest.mark.parametrize("foreign", ["junk.bin", "c"])
 def test_clear_refuses_a_directory_holding_foreign_files(tmp_path, gen, foreign):
-    first = make(tmp_path, on_start="reattach")
-    data = pages(gen, 5)
-    extent = first.reserve("old", 5)
-    first.write(extent, data)
-    first.commit("old", extent, {"tokens": 20})
-    first.close()
+    _left_committed(tmp_path, gen)
     target = tmp_path / "disk" / foreign
     if foreign == "c":
         target.mkdir()

@@ -44,6 +44,17 @@ def _number(name: str, value: object, *, positive: bool) -> None:
         raise ValueError(f"StressConfig.{name} must be {bound}, got {value!r}")
 
 
+def _known(name: str, value: object, choices: tuple[str, ...], noun: str) -> None:
+    """A tuple of some of ``choices``; ValueError naming ``name`` and the unknown ones."""
+    if not isinstance(value, tuple):
+        raise ValueError(f"StressConfig.{name} must be a tuple, got {value!r}")
+    unknown = [k for k in value if k not in choices]
+    if unknown:
+        raise ValueError(
+            f"StressConfig.{name}: unknown {noun}(s) {unknown}; known: {', '.join(choices)}"
+        )
+
+
 def _fraction(name: str, value: object, *, upper_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"StressConfig.{name} must be a finite number, got {value!r}")
@@ -144,13 +155,7 @@ class StressConfig:
             _positive_int("steps", self.steps)
         if self.duration_s is not None:
             _number("duration_s", self.duration_s, positive=True)
-        if not isinstance(self.faults, tuple):
-            raise ValueError(f"StressConfig.faults must be a tuple, got {self.faults!r}")
-        unknown = [k for k in self.faults if k not in FAULT_KINDS]
-        if unknown:
-            raise ValueError(
-                f"StressConfig.faults: unknown kind(s) {unknown}; known: {', '.join(FAULT_KINDS)}"
-            )
+        _known("faults", self.faults, FAULT_KINDS, "kind")
         _fraction("fault_rate", self.fault_rate, upper_open=True)
         if self.faults and self.fault_rate == 0:
             raise ValueError("StressConfig.fault_rate must be > 0 when faults are armed")
@@ -184,13 +189,7 @@ class StressConfig:
             self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")
         ):
             raise ValueError(f"StressConfig.device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if not isinstance(self.paths, tuple):
-            raise ValueError(f"StressConfig.paths must be a tuple, got {self.paths!r}")
-        unknown = [p for p in self.paths if p not in PATHS]
-        if unknown:
-            raise ValueError(
-                f"StressConfig.paths: unknown path(s) {unknown}; known: {', '.join(PATHS)}"
-            )
+        _known("paths", self.paths, PATHS, "path")
         _fraction("reuse_rate", self.reuse_rate)
         _fraction("second_open_at", self.second_open_at)
         _positive_int("restarts", self.restarts)
