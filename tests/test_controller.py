@@ -1553,38 +1553,44 @@ def test_a_failed_offload_is_offloaded_again():
     assert fast.skipped() == 2
 
 
-@pytest.mark.parametrize("tier", [Tier.HOST, Tier.DISK])
-def test_room_freed_below_the_device_without_a_word_is_noticed(tier):
-    # the worker frees KV the controller never knew of; only the gauges show it
+def _room_below_comes_back(fill, free):
+    """A scenario: ``fill(w)`` fills the tier below the device, so three busy calls
+    offload nothing; ``free(w, what_fill_returned)`` makes room there; the next
+    call must offload the idle request."""
     def scenario(w):
-        w.res.add("other", 50_000, tier)  # fills the tier: nothing else fits below
+        held = fill(w)
         idle = w.rids[0]
         running = frozenset(w.rids[1:])
         out = _call(w, running, 3)
-        assert all(r.offloaded == () for r in out)
-        w.res.remove("other")
+        assert all(r.offloaded == () for r in out), "nothing fits below: nothing moves"
+        free(w, held)
         out += _call(w, running, 1)
-        assert out[-1].offloaded == (idle,)
+        assert out[-1].offloaded == (idle,)  # (not one that was just reloaded)
         return out
+
+    return scenario
+
+
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.DISK])
+def test_room_freed_below_the_device_without_a_word_is_noticed(tier):
+    # the worker frees KV the controller never knew of; only the gauges show it
+    def fill(w):
+        w.res.add("other", 50_000, tier)  # fills the tier: nothing else fits below
+        return "other"
 
     room = {"host": 50_000 if tier is Tier.HOST else 0,
             "disk": 50_000 if tier is Tier.DISK else 0}
+    scenario = _room_below_comes_back(fill, lambda w, other: w.res.remove(other))
     fast, _ = _twins(scenario, seed=10, resource_cls=RoomAware, **room)
     assert fast.skipped() == 2
 
 
 def test_a_removed_request_that_held_the_room_is_noticed():
-    def scenario(w):
-        holder = w.add("holder", 50_000, Tier.HOST)
-        idle = w.rids[0]
-        running = frozenset(w.rids[1:])
-        out = _call(w, running, 3)
+    def free(w, holder):
         w.res.remove(holder)
         w.ctl.remove_request(holder)
-        out += _call(w, running, 1)
-        assert out[-1].offloaded == (idle,)
-        return out
 
+    scenario = _room_below_comes_back(lambda w: w.add("holder", 50_000, Tier.HOST), free)
     fast, _ = _twins(scenario, seed=11, resource_cls=RoomAwareUnmetered, host=50_000, disk=0)
     assert fast.skipped() == 2
 
@@ -1602,55 +1608,40 @@ def test_a_new_request_is_a_candidate_at_once():
     assert fast.skipped() == 2
 
 
-def test_a_request_that_ran_while_idle_is_looked_at_again():
-    # it held nothing at the scan, then ran (touch) and grew: it may be a candidate now
+@pytest.mark.parametrize("how,seed", [("touched_after_the_scan", 13), ("grew_in_the_batch", 14)])
+def test_a_request_that_grew_unseen_is_looked_at_again(how, seed):
+    # it held nothing at the scan, then grew with nothing the controller is told (as a
+    # worker's step does): after it ran while idle, or while it was in the batch
     def scenario(w):
         quiet = w.add("quiet", 3_000)
         w.res.empty.add(quiet)
         running = frozenset(w.rids)
-        out = _call(w, running, 3)
-        w.ctl.touch(w.rids[0])  # a running one ran: changes nothing
-        out += _call(w, running, 1)
-        w.res.empty.discard(quiet)
-        w.ctl.touch(quiet)
-        out += _call(w, running, 1)
+        if how == "touched_after_the_scan":
+            out = _call(w, running, 3)
+            w.ctl.touch(w.rids[0])  # a running one ran: changes nothing
+            out += _call(w, running, 1)
+            w.res.empty.discard(quiet)
+            w.ctl.touch(quiet)
+        else:
+            out = _call(w, running, 2)
+            out += _call(w, running | {quiet}, 2)  # it joins the batch and grows there
+            w.res.empty.discard(quiet)
+        out += _call(w, running, 1)  # (and leaves the batch)
         assert out[-1].offloaded == (quiet,)
         return out
 
-    fast, _ = _twins(scenario, seed=13, resource_cls=Growing)
-    assert fast.skipped() == 3
-
-
-def test_a_request_that_joined_the_running_ones_is_looked_at_when_it_leaves():
-    def scenario(w):
-        quiet = w.add("quiet", 3_000)
-        w.res.empty.add(quiet)
-        running = frozenset(w.rids)
-        out = _call(w, running, 2)
-        out += _call(w, running | {quiet}, 2)  # it joins the batch and grows there
-        w.res.empty.discard(quiet)
-        out += _call(w, running, 1)  # and leaves it
-        assert out[-1].offloaded == (quiet,)
-        return out
-
-    fast, _ = _twins(scenario, seed=14, resource_cls=Growing)
+    fast, _ = _twins(scenario, seed=seed, resource_cls=Growing)
     assert fast.skipped() == 3
 
 
 def test_a_reload_that_frees_room_below_is_noticed():
     # no gauges, no completions to report: only the reload itself says it
-    def scenario(w):
-        holder = w.add("holder", 30_000, Tier.HOST)
-        idle = w.rids[0]
-        running = frozenset(w.rids[1:])
-        out = _call(w, running, 3)
+    def free(w, holder):
         w.pressure.set(0.4)
         assert w.ctl.request_reload(holder)  # back on the device; the host is empty
         w.pressure.set(0.9)
-        out += _call(w, running, 1)
-        assert out[-1].offloaded == (idle,)  # not the one just reloaded
-        return out
 
+    scenario = _room_below_comes_back(lambda w: w.add("holder", 30_000, Tier.HOST), free)
     fast, _ = _twins(scenario, seed=15, resource_cls=RoomAwareUnmetered, host=30_000,
                      disk=0, fill=0.5, scripted=True)
     assert fast.skipped() == 2
