@@ -11,6 +11,10 @@ the policy, and drives them in the order a step needs::
     tkv.remove("req-1")
     tkv.close()
 
+A worker that picks its own batch (a window, a token budget) calls ``poll()``
+once per step and ``ready(rid, step)`` per candidate (a ``Readiness``);
+``prepare`` is exactly that over a whole batch.
+
 The parts stay usable alone (the engine's ``Resource`` contract) for an engine
 that drives them itself.
 """
