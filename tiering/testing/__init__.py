@@ -220,6 +220,7 @@ class FakeTieredResource:
     remove_request = remove
 
     def requests(self) -> list[str]:
+        self._life.check_open("requests")
         return list(self._life.records)
 
     def state_of(self, rid: str) -> RequestState:

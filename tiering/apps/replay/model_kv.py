@@ -214,6 +214,7 @@ class ModeledKVCache:
         return rid in self._reqs
 
     def requests(self) -> list[str]:
+        self._life.check_open("requests")
         return list(self._reqs)
 
     def state_of(self, rid: str) -> RequestState:
