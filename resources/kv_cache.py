@@ -231,9 +231,6 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
     def _open(self, what: str) -> None:
         self._life.check_open(what)
 
-    def _req(self, rid: str, what: str = "call") -> RequestRecord:
-        return self._life.get(rid, what)
-
     def _pages_for(self, r: RequestRecord) -> int:
         """The request's own pages (mapped prefix blocks are the index's)."""
         return self.geometry.pages_for(r.num_tokens) - len(r.shared)
@@ -244,10 +241,9 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         """Register ``rid`` (idempotent). Ingesting it again with different
         overrides is an error: the first settings are the ones in force."""
         self._open("ingest_request")
-        if overrides is not None and not isinstance(overrides, ResourceReqConfig):
-            raise TypeError(f"overrides for {rid!r} must be a ResourceReqConfig or None")
         now = self._clock()
-        self._life.register(rid, overrides, lambda: RequestRecord(rid, overrides, now))
+        self._life.register(rid, overrides, lambda: RequestRecord(rid, overrides, now),
+                            ResourceReqConfig)
 
     def allocate(self, rid: str, num_tokens: int) -> bool:
         """Make room for ``num_tokens`` tokens in total (growing, never

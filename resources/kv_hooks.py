@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from resources.base import ADMIT_OK, AdmitOutcome, ResourceReqConfig, ResourceStep, StepContext
+from resources.base import AdmitOutcome, ResourceReqConfig, ResourceStep, StepContext
 from resources.engine_types import retention_offload_priority
+from tiering.core.lifecycle import LifecycleAnswers
 from tiering.errors import UnknownRequest
-from tiering.types import OFFLOADED_STATES, RELOADABLE_STATES, RequestState, Tier
+from tiering.types import OFFLOADED_STATES, RequestState, Tier
 
 NO_OVERRIDES = ResourceReqConfig()
 
 S = RequestState
 
 
-class KVEvictionHooks:
+class KVEvictionHooks(LifecycleAnswers):
     """What the cache answers: sizes, states, admission and the eviction
     questions (a part of ``PagedKVCache``)."""
 
@@ -56,27 +57,6 @@ class KVEvictionHooks:
         self._open("disk_used_bytes")
         return 0 if self.disk is None else self.disk.used_bytes()
 
-    def requests(self) -> list[str]:
-        self._open("requests")
-        return list(self._reqs)
-
-    def state_of(self, rid: str) -> RequestState:
-        return self._req(rid, "state_of").state
-
-    def tier_of(self, rid: str) -> Tier | None:
-        return self._req(rid, "tier_of").state.tier
-
-    def num_tokens(self, rid: str) -> int:
-        return self._req(rid, "num_tokens").num_tokens
-
-    def lost_reason(self, rid: str) -> str | None:
-        return self._req(rid, "lost_reason").lost_reason
-
-    def take_lost(self) -> list[tuple[str, str]]:
-        """(rid, reason) of requests lost since the last call."""
-        self._open("take_lost")
-        return self._life.take_lost()
-
     # -- step lifecycle (the engine's admit) -------------------------------------
 
     def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
@@ -92,10 +72,7 @@ class KVEvictionHooks:
         if r.state is S.RESIDENT:
             self._streams.wait_on_compute(r.ready_event)
             r.ready_event = None
-            return ADMIT_OK
-        if r.state is S.LOST:
-            return AdmitOutcome(False, f"lost: {r.lost_reason}")
-        return AdmitOutcome(False, r.state.value)
+        return AdmitOutcome(*self._life.admission(r))
 
     # -- eviction hooks -------------------------------------------------------------
 
@@ -150,13 +127,6 @@ class KVEvictionHooks:
             (self.get_offload_priority(r) for r in rids), dtype=np.float64, count=len(rids)
         )
 
-    def offload_destination(self, rid: str) -> Tier | None:
-        """Where an offload in flight is copying to: HOST, or DISK when the host was full."""
-        r = self._req(rid, "offload_destination")
-        if r.state is S.OFFLOADING:
-            return Tier.DISK if r.disk is not None else Tier.HOST
-        return r.state.tier
-
     def get_offload_priority(self, rid: str) -> float:
         """``retention_offload_priority`` of the request's retention: a request
         the serving layer wants kept is a poor victim; an expired retention
@@ -166,12 +136,6 @@ class KVEvictionHooks:
         return retention_offload_priority(
             o.retention_priority, o.retention_expiry_s, self._clock() - r.ingested_at
         )
-
-    def is_offloaded(self, rid: str) -> bool:
-        return self._req(rid, "is_offloaded").state in OFFLOADED_STATES
-
-    def can_reload(self, rid: str) -> bool:
-        return self._req(rid, "can_reload").state in RELOADABLE_STATES
 
     def reload_bytes(self, rid: str) -> int:
         r = self._req(rid, "reload_bytes")

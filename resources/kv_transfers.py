@@ -142,10 +142,6 @@ class KVTransfers:
         self._start(r, move, fut, S.RELOADING)
         return True
 
-    def drop(self, rid: str) -> None:
-        """Give up an offloaded request's KV (the worker will recompute it)."""
-        self._life.drop(self._req(rid, "drop"))
-
     def _start(self, r: RequestRecord, move: Move, fut: cf.Future, state: RequestState) -> None:
         if IN_FLIGHT[move] is not state:
             raise ValueError(f"_start: {move.value} runs in state {IN_FLIGHT[move].value}, "

@@ -22,13 +22,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from resources.base import ADMIT_OK, AdmitOutcome
+from resources.base import AdmitOutcome
 from tiering.core.lifecycle import (
     AT_REST,
     TIER_INDEX,
     Counters,
     Job,
     Lifecycle,
+    LifecycleAnswers,
     Op,
     PageLedger,
     PageRecord,
@@ -80,7 +81,7 @@ def _move(source: RequestState, dest: RequestState) -> Move:
     return _MOVES[(source, dest)]
 
 
-class FakeTieredResource:
+class FakeTieredResource(LifecycleAnswers):
     """A resource that keeps only byte counts per request and tier.
 
     Its records, transitions, guards and counters (``stats``) are the shared
@@ -203,15 +204,10 @@ class FakeTieredResource:
 
     def remove(self, rid: str) -> None:
         """The request finished: free whatever it holds."""
-        r = self._life.get(rid, "remove")
+        r = self._life.remove(rid)
         if r.job is not None:
             self._unreported.append(
                 TransferResult(rid, r.job.move, False, r.num_tokens, None, "removed"))
-        used = self.ledger.used
-        used[0] -= r.device
-        used[1] -= r.host
-        used[2] -= r.disk
-        self._life.forget(rid)
         del self.state[rid]
         del self.size[rid]
         del self._reclaimable_now[rid]
@@ -219,28 +215,9 @@ class FakeTieredResource:
 
     remove_request = remove
 
-    def requests(self) -> list[str]:
-        self._life.check_open("requests")
-        return list(self._life.records)
-
-    def state_of(self, rid: str) -> RequestState:
-        return self._life.get(rid, "state_of").state
-
-    def num_tokens(self, rid: str) -> int:
-        """The request's size in bytes (a fake page is one byte)."""
-        return self._life.get(rid, "num_tokens").num_tokens
-
     def admit(self, step, ctx) -> AdmitOutcome:
         """OK only when the request is resident and not moving."""
-        r = self._life.get(step.rid, "admit")
-        if r.state is _RESIDENT:
-            return ADMIT_OK
-        if r.state is RequestState.LOST:
-            return AdmitOutcome(False, f"lost: {r.lost_reason}")
-        return AdmitOutcome(False, r.state.value)
-
-    def take_lost(self) -> list[tuple[str, str]]:
-        return self._life.take_lost()
+        return AdmitOutcome(*self._life.admission(self._life.get(step.rid, "admit")))
 
     def close(self) -> None:
         """Every later call that looks a request up raises CacheClosed (idempotent)."""
@@ -361,10 +338,6 @@ class FakeTieredResource:
         self._move(rid, RequestState.OFFLOADING, AT_REST[move.destination])
         self.offloaded_rids.append(rid)
         return n
-
-    def offload_destination(self, rid: str) -> Tier | None:
-        r = self._life.get(rid, "offload_destination")
-        return r.job.move.destination if r.state is RequestState.OFFLOADING else r.state.tier
 
     def is_offloaded(self, rid: str) -> bool:
         self.calls["is_offloaded"] += 1

@@ -25,25 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from resources.base import ADMIT_OK, AdmitOutcome
+from resources.base import AdmitOutcome
 from resources.engine_types import ResourceReqConfig, retention_offload_priority
-from tiering.core.lifecycle import (
-    RELOAD_FROM,
-    Counters,
-    Job,
-    Lifecycle,
-    Op,
-    PageLedger,
-    PageRecord,
-    guard,
-    ledger_maps,
-    offload_move,
-    page_releasers,
-)
+from tiering.core import lifecycle as lc
+from tiering.core.lifecycle import Counters, LifecycleAnswers, Op, PageRecord, guard
 from tiering.errors import UnknownRequest
 from tiering.types import (
     OFFLOADED_STATES,
-    RELOADABLE_STATES,
     Move,
     RequestState,
     Tier,
@@ -56,13 +44,12 @@ LINKS = ("d2h", "h2d", "disk_write", "disk_read")
 
 # tier indices of the page counters (plain ints: this is the simulator's hot path)
 _DEV, _HOST, _DISK = 0, 1, 2
-_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 # the links a copy of cached blocks a tier down crosses
 _BLOCK_LINKS = {(Tier.DEVICE, Tier.HOST): ("d2h",), (Tier.DEVICE, Tier.DISK): ("d2h", "disk_write"),
                 (Tier.HOST, Tier.DISK): ("disk_write",)}
 
 
-def _removed(rid: str, move: Move, nbytes: int) -> TransferResult:
+def _removed(rid: str, move: Move, nbytes: int) -> TransferResult:  # reported by ``poll``
     return TransferResult(rid, move, False, nbytes, None, "request removed during the copy")
 
 
@@ -104,11 +91,11 @@ class ModelStats(Counters):
     FIELDS = Counters.FIELDS + (
         "prefix_loads_from_host", "prefix_loads_from_disk",
         *(f"bytes_{link}" for link in LINKS),
-        "max_device_pages", "max_host_pages", "max_disk_pages",
-    )
+        "max_device_pages", "max_host_pages", "max_disk_pages")
 
 
 NO_OVERRIDES = ResourceReqConfig()
+_PEAKS = ("max_device_pages", "max_host_pages", "max_disk_pages")
 
 # the links each move crosses
 _MOVE_LINKS = {
@@ -118,7 +105,7 @@ _MOVE_LINKS = {
 }
 
 
-class ModeledKVCache:
+class ModeledKVCache(LifecycleAnswers):
     """Byte-accounting stand-in for ``PagedKVCache`` (see the module docstring).
 
     ``page_bytes`` = ``bytes_per_token * page_tokens``; each tier holds a whole
@@ -162,13 +149,14 @@ class ModeledKVCache:
         self.rates = rates
         self.offload_to_disk_when_host_full = offload_to_disk_when_host_full
         self._clock = clock
-        self.ledger = PageLedger(device_pages, host_pages, disk_pages)
+        self.ledger = lc.PageLedger(device_pages, host_pages, disk_pages)
         self._used = self.ledger.used  # the same list: read directly on the hot path
         self._cap = self.ledger.cap
+        self._peak = [0, 0, 0]  # the most pages each tier held (``stats.max_*_pages``)
         self._blocks = [0, 0, 0]  # pages held by cached prefix blocks (``take_block_pages``)
         self._free_at = dict.fromkeys(LINKS, 0.0)
         self.stats = ModelStats()
-        self._life = Lifecycle("ModeledKVCache", self.stats, clock, page_releasers(self.ledger))
+        self._life = lc.Lifecycle("ModeledKVCache", self.stats, clock, lc.page_releasers(self.ledger))
         self._reqs: dict[str, PageRecord] = self._life.records
         # (done_at, seq, rid, move, nbytes), a heap; a job whose request was removed is
         # reported by the next poll as not ok, with state None
@@ -207,35 +195,14 @@ class ModeledKVCache:
 
     # -- records ----------------------------------------------------------------
 
-    def _req(self, rid: str, what: str = "call") -> PageRecord:
-        return self._life.get(rid, what)
-
     def __contains__(self, rid: object) -> bool:
         return rid in self._reqs
 
-    def requests(self) -> list[str]:
-        self._life.check_open("requests")
-        return list(self._reqs)
-
-    def state_of(self, rid: str) -> RequestState:
-        return self._req(rid).state
-
-    def tier_of(self, rid: str) -> Tier | None:
-        return self._req(rid).state.tier
-
-    def num_tokens(self, rid: str) -> int:
-        return self._req(rid).num_tokens
-
-    def take_lost(self) -> list[tuple[str, str]]:
-        """(rid, reason) of requests lost (dropped) since the last call."""
-        return self._life.take_lost()
-
     def ingest_request(self, rid: str, overrides: ResourceReqConfig | None = None) -> None:
         """Register ``rid`` with no KV yet (idempotent for identical overrides)."""
-        if overrides is not None and not isinstance(overrides, ResourceReqConfig):
-            raise TypeError(f"overrides for {rid!r} must be a ResourceReqConfig or None")
         now = self._clock()
-        self._life.register(rid, overrides, lambda: PageRecord(rid, overrides, now))
+        self._life.register(rid, overrides, lambda: PageRecord(rid, overrides, now),
+                            ResourceReqConfig)
 
     def allocate(self, rid: str, num_tokens: int) -> bool:
         """Grow ``rid`` to ``num_tokens`` tokens; False (nothing changed) if the device is short."""
@@ -256,21 +223,11 @@ class ModeledKVCache:
 
     def remove_request(self, rid: str) -> None:
         """Forget ``rid`` and free every page it holds (a transfer in flight is abandoned)."""
-        r = self._req(rid, "remove_request")
-        used = self._used
-        used[_DEV] -= r.device
-        used[_HOST] -= r.host
-        used[_DISK] -= r.disk
-        self._life.forget(rid)
+        self._life.remove(rid)
 
     def admit(self, step, ctx) -> AdmitOutcome:
         """OK only when the request's KV is resident (a reload lands at a ``poll``)."""
-        r = self._req(step.rid, "admit")
-        if r.state is S.RESIDENT:
-            return ADMIT_OK
-        if r.state is S.LOST:
-            return AdmitOutcome(False, f"lost: {r.lost_reason}")
-        return AdmitOutcome(False, r.state.value)
+        return AdmitOutcome(*self._life.admission(self._req(step.rid, "admit")))
 
     def close(self) -> None:
         """Every later call raises CacheClosed (idempotent); nothing runs in the background."""
@@ -280,7 +237,7 @@ class ModeledKVCache:
 
     def block_pages(self, tier: Tier) -> int:
         """Pages held in ``tier`` by cached prefix blocks (not by any request)."""
-        return self._blocks[_TIERS.index(tier)]
+        return self._blocks[lc.TIER_INDEX[tier]]
 
     def free_pages(self, tier: Tier) -> int:
         return self.ledger.free(tier)
@@ -289,7 +246,7 @@ class ModeledKVCache:
         """``n`` pages of ``tier`` now hold cached blocks; False (nothing changed) if short."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"take_block_pages: n must be an int >= 0, got {n!r}")
-        i = _TIERS.index(tier)
+        i = lc.TIER_INDEX[tier]
         if not self._take(i, n):
             return False
         self._blocks[i] += n
@@ -297,7 +254,7 @@ class ModeledKVCache:
 
     def give_block_pages(self, tier: Tier, n: int) -> None:
         """``n`` pages of ``tier`` held by cached blocks are free again."""
-        i = _TIERS.index(tier)
+        i = lc.TIER_INDEX[tier]
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._blocks[i]:
             raise ValueError(f"give_block_pages: n must be an int in [0, {self._blocks[i]}] "
                              f"for {tier.value}, got {n!r}")
@@ -323,13 +280,10 @@ class ModeledKVCache:
         if used > self._cap[tier]:
             return False
         self._used[tier] = used
-        st = self.stats
-        if tier == _DEV:
-            st.max_device_pages = max(st.max_device_pages, used)
-        elif tier == _HOST:
-            st.max_host_pages = max(st.max_host_pages, used)
-        else:
-            st.max_disk_pages = max(st.max_disk_pages, used)
+        peak = self._peak
+        if used > peak[tier]:
+            peak[tier] = used
+            setattr(self.stats, _PEAKS[tier], used)
         return True
 
     # -- transfers --------------------------------------------------------------------
@@ -350,7 +304,7 @@ class ModeledKVCache:
     def _start(self, r: PageRecord, move: Move, nbytes: int) -> None:
         done = self._occupy(_MOVE_LINKS[move], nbytes)
         self._seq += 1
-        self._life.begin(r, Job(move, self._clock(), self._seq))
+        self._life.begin(r, lc.Job(move, self._clock(), self._seq))
         heapq.heappush(self._jobs, (done, self._seq, r.rid, move, nbytes))
 
     def copy_in(self, nbytes: int, source: Tier) -> float:
@@ -455,24 +409,11 @@ class ModeledKVCache:
         return retention_offload_priority(o.retention_priority, o.retention_expiry_s,
                                           self._clock() - r.ingested_at)
 
-    def is_offloaded(self, rid: str) -> bool:
-        return self._req(rid).state in OFFLOADED_STATES
-
-    def can_reload(self, rid: str) -> bool:
-        return self._req(rid).state in RELOADABLE_STATES
-
     def reload_bytes(self, rid: str) -> int:
         r = self._req(rid)
         if r.state not in OFFLOADED_STATES:
             return 0
         return self.pages_for(r.num_tokens) * self.page_bytes
-
-    def offload_destination(self, rid: str) -> Tier | None:
-        """Where an offload in flight is copying to: HOST, or DISK when the host was full."""
-        r = self._req(rid, "offload_destination")
-        if r.state is S.OFFLOADING:
-            return r.job.move.destination
-        return r.state.tier
 
     def offload(self, rid: str) -> int:
         """Start moving a resident request to host, or to disk when the host is full (and
@@ -482,7 +423,7 @@ class ModeledKVCache:
         guard(r, Op.OFFLOAD)
         n = r.device
         used, cap = self._used, self._cap
-        move = offload_move(used[_HOST] + n <= cap[_HOST], used[_DISK] + n <= cap[_DISK],
+        move = lc.offload_move(used[_HOST] + n <= cap[_HOST], used[_DISK] + n <= cap[_DISK],
                             self.offload_to_disk_when_host_full) if n else None
         if move is None:
             if n:
@@ -520,20 +461,16 @@ class ModeledKVCache:
             self.stats.reload_refusals += 1
             return False
         r.device = n
-        self._start(r, RELOAD_FROM[r.state.tier], n * self.page_bytes)
+        self._start(r, lc.RELOAD_FROM[r.state.tier], n * self.page_bytes)
         return True
-
-    def drop(self, rid: str) -> None:
-        """Give up an offloaded request's KV (it will be recomputed); it becomes LOST."""
-        self._life.drop(self._req(rid, "drop"))
 
     # -- integrity ------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         """Page counters equal what the records (and cached blocks) hold; no tier over
         capacity; each record holds exactly what its state allows (``Lifecycle.check``)."""
-        used, cap = ledger_maps(self.ledger)
-        extra = dict(zip(_TIERS, self._blocks, strict=True))
+        used, cap = lc.ledger_maps(self.ledger)
+        extra = dict(zip(lc.TIERS, self._blocks, strict=True))
         problems = self._life.check(lambda r: self.pages_for(r.num_tokens), used=used,
                                     capacity=cap, extra=extra)
         if problems:

@@ -1,38 +1,29 @@
-"""One tensor-free request state machine, shared by every KV backend.
+"""The machine of the request lifecycle: every change of a record, and the shared answers.
 
-``PagedKVCache`` (threads, CUDA and zarr copies), the replay's
-``ModeledKVCache`` (simulated link time) and ``tiering.testing``'s
-``FakeTieredResource`` (instant, or completed when a test says) keep their
-requests in a ``Lifecycle``. It owns what they must agree on:
-
-- the request records (state, pages held per tier, the move in flight);
-- the legal transitions (``tiering.types.check_transition``) and the one table
-  of which tiers each state holds (``HOLDS``);
-- the guard messages (``UnknownRequest``, ``CacheClosed``, ``IllegalTransition``);
-- the counters (``Counters``: one set of names);
-- the move choice (``offload_move``: host, or disk when the host is full and
-  that is allowed);
-- begin / land / survive / cancel / lose of a move, each returning a
-  ``TransferResult``;
-- ``check`` of the records against the per-tier page ledger.
-
-What differs between the backends is the mover behind the machine: what a
-tier's pages *are* (slot lists and disk extents, or plain counts) and how a
-copy runs. A backend gives the machine one release function per tier (a typed
-``Tier -> handler`` table) and its records say what they hold (``held``).
-Nothing here imports torch or touches bytes.
+See the package docstring; the tables it follows are in ``tables``.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from tiering.errors import CacheClosed, IllegalTransition, UnknownRequest
+from tiering.core.lifecycle.tables import (
+    AT_REST,
+    FAILURE_COUNTERS,
+    IN_FLIGHT,
+    MOVE_COUNTERS,
+    TIER_INDEX,
+    TIERS,
+    Counters,
+    Op,
+    guard,
+    holds,
+)
+from tiering.errors import CacheClosed, UnknownRequest
 from tiering.types import (
     CANCELLED,
+    OFFLOADED_STATES,
     RELOADABLE_STATES,
     Move,
     RequestState,
@@ -42,218 +33,8 @@ from tiering.types import (
 )
 
 S = RequestState
-
-#: Index of each tier in a ``held()`` triple and a ``PageLedger``.
-TIER_INDEX = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
-TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
-
-#: The state a request rests in on each tier.
-AT_REST = {Tier.DEVICE: S.RESIDENT, Tier.HOST: S.ON_HOST, Tier.DISK: S.ON_DISK}
-#: The state a request is in while each move runs.
-IN_FLIGHT = {
-    Move.OFFLOAD_TO_HOST: S.OFFLOADING,
-    Move.OFFLOAD_TO_DISK: S.OFFLOADING,
-    Move.DEMOTE: S.DEMOTING,
-    Move.RELOAD_FROM_HOST: S.RELOADING,
-    Move.RELOAD_FROM_DISK: S.RELOADING,
-}
-#: The reload that brings a request back from each lower tier.
-RELOAD_FROM = {Tier.HOST: Move.RELOAD_FROM_HOST, Tier.DISK: Move.RELOAD_FROM_DISK}
-
-_D, _H, _K = Tier.DEVICE, Tier.HOST, Tier.DISK
-
-#: THE table of which tiers a request in each state holds pages in (the one
-#: copy; every backend's integrity check reads it). In flight, a request holds
-#: its source and its destination; which pair is the move's to say.
-HOLDS: dict[RequestState, frozenset[frozenset[Tier]]] = {
-    S.RESIDENT: frozenset({frozenset({_D})}),
-    S.OFFLOADING: frozenset({frozenset({_D, _H}), frozenset({_D, _K})}),
-    S.ON_HOST: frozenset({frozenset({_H})}),
-    S.DEMOTING: frozenset({frozenset({_H, _K})}),
-    S.ON_DISK: frozenset({frozenset({_K})}),
-    S.RELOADING: frozenset({frozenset({_D, _H}), frozenset({_D, _K})}),
-    S.LOST: frozenset({frozenset()}),
-}
-
-
-def holds(state: RequestState, move: Move | None) -> frozenset[frozenset[Tier]]:
-    """The sets of tiers a request in ``state`` may hold pages in; with ``move``
-    in flight (and ``state`` its in-flight state), exactly its source and destination."""
-    if move is not None and IN_FLIGHT[move] is state:
-        return frozenset({frozenset({move.source, move.destination})})
-    return HOLDS[state]
-
-
-class Op(enum.Enum):
-    """A request operation whose state is guarded."""
-
-    OFFLOAD = "offload"
-    DEMOTE = "demote"
-    RELOAD = "reload"
-    DROP = "drop"
-    ALLOCATE = "allocate"
-
-
-#: The states each operation accepts, and the message naming the rule.
-GUARDS: dict[Op, tuple[frozenset[RequestState], str]] = {
-    Op.OFFLOAD: (frozenset({S.RESIDENT}), "offload: request {rid!r} is {state}; only a resident request offloads"),
-    Op.DEMOTE: (frozenset({S.ON_HOST}), "demote: request {rid!r} is {state}; only an on-host request demotes"),
-    Op.RELOAD: (RELOADABLE_STATES, "reload: request {rid!r} is {state}; only an offloaded request reloads"),
-    Op.DROP: (RELOADABLE_STATES, "drop: request {rid!r} is {state}; only an offloaded request is dropped"),
-    Op.ALLOCATE: (frozenset({S.RESIDENT}), "request {rid!r} is {state}; allocate needs it resident"),
-}
-
-
-def guard(r: Record, op: Op) -> None:
-    """Raise IllegalTransition (naming the request and its state) unless ``op`` is legal now."""
-    allowed, message = GUARDS[op]
-    if r.state not in allowed:
-        raise IllegalTransition(message.format(rid=r.rid, state=r.state.value))
-
-
-def offload_move(host_room: bool, disk_room: bool, to_disk_when_host_full: bool) -> Move | None:
-    """Where an offload goes: the host when it has room, else the disk when that
-    is allowed and has room; None when neither (the offload is refused)."""
-    if host_room:
-        return Move.OFFLOAD_TO_HOST
-    if disk_room and to_disk_when_host_full:
-        return Move.OFFLOAD_TO_DISK
-    return None
-
-
-# -- counters ---------------------------------------------------------------------------
-
-#: What a landed move counts: (moves field, bytes field).
-MOVE_COUNTERS: dict[Move, tuple[str, str]] = {
-    Move.OFFLOAD_TO_HOST: ("offloads_to_host", "bytes_device_to_host"),
-    Move.OFFLOAD_TO_DISK: ("offloads_to_disk", "bytes_device_to_disk"),
-    Move.DEMOTE: ("demotions", "bytes_host_to_disk"),
-    Move.RELOAD_FROM_HOST: ("reloads_from_host", "bytes_host_to_device"),
-    Move.RELOAD_FROM_DISK: ("reloads_from_disk", "bytes_disk_to_device"),
-}
-#: What a failed move counts.
-FAILURE_COUNTERS: dict[Move, str] = {
-    Move.OFFLOAD_TO_HOST: "offload_failures",
-    Move.OFFLOAD_TO_DISK: "offload_failures",
-    Move.DEMOTE: "demote_failures",
-    Move.RELOAD_FROM_HOST: "reload_failures",
-    Move.RELOAD_FROM_DISK: "reload_failures",
-}
 _RELOADS = frozenset({Move.RELOAD_FROM_HOST, Move.RELOAD_FROM_DISK})
 _OFFLOADS = frozenset({Move.OFFLOAD_TO_HOST, Move.OFFLOAD_TO_DISK})
-
-
-class Counters:
-    """Counters of moves and faults, one set of names for every backend.
-
-    Plain numbers; ``as_dict`` for reports. A backend with more to count
-    extends ``FIELDS`` in a subclass (``KVStats``, ``ModelStats``)."""
-
-    FIELDS: tuple[str, ...] = (
-        "offloads_to_host", "offloads_to_disk", "demotions", "reloads_from_host",
-        "reloads_from_disk", "bytes_device_to_host", "bytes_device_to_disk",
-        "bytes_host_to_disk", "bytes_host_to_device", "bytes_disk_to_device",
-        "offload_refusals", "reload_refusals", "demote_refusals_disk_full",
-        "offload_failures", "demote_failures", "reload_failures", "lost", "dropped",
-        "offloads_cancelled", "reload_stall_s_total",
-    )
-
-    def __init__(self) -> None:
-        for f in self.FIELDS:
-            setattr(self, f, 0)
-
-    def as_dict(self) -> dict[str, float]:
-        return {f: getattr(self, f) for f in self.FIELDS}
-
-
-# -- records and the ledger ----------------------------------------------------------------
-
-
-class Job(NamedTuple):
-    """A move in flight: what it is, when it started, and the mover's handle
-    (a future, a sequence number, or None)."""
-
-    move: Move
-    started: float
-    handle: Any = None
-
-
-@dataclass(eq=False, slots=True)
-class Record:
-    """One request. ``job`` is the move in flight (``.move``, ``.started``), or None.
-    Subclasses say what they hold per tier (``held``) and how many pages a full
-    copy needs (``need``)."""
-
-    rid: str
-    overrides: Any
-    ingested_at: float
-    num_tokens: int = 0
-    state: RequestState = S.RESIDENT
-    job: Any = None
-    lost_reason: str | None = None
-
-    def held(self) -> tuple[int, int, int]:  # pragma: no cover - every backend overrides
-        raise NotImplementedError
-
-
-@dataclass(eq=False, slots=True)
-class PageRecord(Record):
-    """A record whose holdings are page counts (the model's and the fake's)."""
-
-    device: int = 0
-    host: int = 0
-    disk: int = 0
-
-    def held(self) -> tuple[int, int, int]:
-        return (self.device, self.host, self.disk)
-
-
-class PageLedger:
-    """Pages used per tier against a capacity (``used`` and ``cap`` are lists
-    indexed by ``TIER_INDEX``, read directly on hot paths)."""
-
-    __slots__ = ("cap", "used")
-
-    def __init__(self, device: int, host: int, disk: int) -> None:
-        for name, v in (("device", device), ("host", host), ("disk", disk)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"PageLedger: {name} capacity must be an int >= 0, got {v!r}")
-        self.cap = [device, host, disk]
-        self.used = [0, 0, 0]
-
-    def free(self, tier: Tier) -> int:
-        i = TIER_INDEX[tier]
-        return self.cap[i] - self.used[i]
-
-    def take(self, i: int, n: int, force: bool = False) -> bool:
-        """Take ``n`` pages of tier ``i``; False (nothing changed) if short, unless ``force``."""
-        used = self.used[i] + n
-        if used > self.cap[i] and not force:
-            return False
-        self.used[i] = used
-        return True
-
-    def give(self, i: int, n: int) -> None:
-        self.used[i] -= n
-
-
-def page_releasers(ledger: PageLedger) -> dict[Tier, Callable[[PageRecord], None]]:
-    """The release table of a ``PageRecord`` backend: give a tier's pages back to ``ledger``."""
-    used = ledger.used
-
-    def device(r: PageRecord) -> None:
-        used[0] -= r.device
-        r.device = 0
-
-    def host(r: PageRecord) -> None:
-        used[1] -= r.host
-        r.host = 0
-
-    def disk(r: PageRecord) -> None:
-        used[2] -= r.disk
-        r.disk = 0
-
-    return {Tier.DEVICE: device, Tier.HOST: host, Tier.DISK: disk}
 
 
 # -- the machine ------------------------------------------------------------------------------
@@ -307,12 +88,18 @@ class Lifecycle:
         except (KeyError, TypeError):
             raise UnknownRequest(f"unknown request {rid!r}") from None
 
-    def register(self, rid: str, overrides: Any, make: Callable[[], Any]) -> bool:
+    def register(self, rid: str, overrides: Any, make: Callable[[], Any],
+                 overrides_type: type | None = None) -> bool:
         """Add ``make()`` as the record of ``rid``; True when new. Idempotent for the
-        same overrides; different ones are refused with ValueError (nothing changes)."""
+        same overrides; different ones are refused with ValueError (nothing changes).
+        ``overrides_type``: what ``overrides`` must be when not None (else TypeError)."""
         self.check_open("ingest_request")
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request id must be a non-empty str, got {rid!r}")
+        if overrides_type is not None and overrides is not None \
+                and not isinstance(overrides, overrides_type):
+            raise TypeError(
+                f"overrides for {rid!r} must be a {overrides_type.__name__} or None")
         r = self.records.get(rid)
         if r is not None:
             if r.overrides != overrides:
@@ -328,6 +115,22 @@ class Lifecycle:
         """Drop the record of ``rid`` (its holdings are the backend's to give back first)."""
         del self.records[rid]
         self.inflight.pop(rid, None)
+
+    def remove(self, rid: str) -> Any:
+        """Give back everything ``rid`` holds (a move in flight is abandoned) and drop it."""
+        r = self.get(rid, "remove_request")
+        self._release_all(r)
+        self.forget(rid)
+        return r
+
+    @staticmethod
+    def admission(r: Any) -> tuple[bool, str]:
+        """(ok, reason) of the engine's ``admit``: only a resident request's step runs."""
+        if r.state is S.RESIDENT:
+            return True, ""
+        if r.state is S.LOST:
+            return False, f"lost: {r.lost_reason}"
+        return False, r.state.value
 
     # -- transitions -------------------------------------------------------------
 
@@ -485,8 +288,50 @@ class Lifecycle:
         return {rid: r.state for rid, r in self.records.items()}
 
 
-def ledger_maps(ledger: PageLedger, tiers: Iterable[Tier] = TIERS) -> tuple[dict, dict]:
-    """(used, capacity) of ``ledger`` as tier maps, for ``Lifecycle.check``."""
-    used = {t: ledger.used[TIER_INDEX[t]] for t in tiers}
-    cap = {t: ledger.cap[TIER_INDEX[t]] for t in tiers}
-    return used, cap
+class LifecycleAnswers:
+    """What every backend answers the same way, read off its ``Lifecycle`` (``_life``).
+
+    A backend mixes this in (before any base class with default hooks) and
+    sets ``_life``; an unknown request raises ``UnknownRequest``, a closed
+    backend ``CacheClosed``."""
+
+    _life: Lifecycle
+
+    def _req(self, rid: str, what: str = "call") -> Any:
+        return self._life.get(rid, what)
+
+    def requests(self) -> list[str]:
+        self._life.check_open("requests")
+        return list(self._life.records)
+
+    def state_of(self, rid: str) -> RequestState:
+        return self._req(rid, "state_of").state
+
+    def tier_of(self, rid: str) -> Tier | None:
+        return self._req(rid, "tier_of").state.tier
+
+    def num_tokens(self, rid: str) -> int:
+        return self._req(rid, "num_tokens").num_tokens
+
+    def lost_reason(self, rid: str) -> str | None:
+        return self._req(rid, "lost_reason").lost_reason
+
+    def is_offloaded(self, rid: str) -> bool:
+        return self._req(rid, "is_offloaded").state in OFFLOADED_STATES
+
+    def can_reload(self, rid: str) -> bool:
+        return self._req(rid, "can_reload").state in RELOADABLE_STATES
+
+    def offload_destination(self, rid: str) -> Tier | None:
+        """Where an offload in flight is copying to: HOST, or DISK when the host was full."""
+        r = self._req(rid, "offload_destination")
+        return r.job.move.destination if r.state is S.OFFLOADING else r.state.tier
+
+    def take_lost(self) -> list[tuple[str, str]]:
+        """(rid, reason) of requests lost since the last call."""
+        self._life.check_open("take_lost")
+        return self._life.take_lost()
+
+    def drop(self, rid: str) -> None:
+        """Give up an offloaded request's KV (it will be recomputed): LOST, "dropped"."""
+        self._life.drop(self._req(rid, "drop"))
