@@ -36,6 +36,7 @@ from tiering.core.lifecycle import (
     guard,
     ledger_maps,
     offload_move,
+    page_release_all,
     page_releasers,
 )
 from tiering.errors import UnknownRequest
@@ -134,7 +135,8 @@ class FakeTieredResource(LifecycleAnswers):
                                  max(0, self.disk_capacity))
         self.stats = Counters()
         self._life = Lifecycle("FakeTieredResource", self.stats, self._clock,
-                               page_releasers(self.ledger))
+                               page_releasers(self.ledger),
+                               release_all=page_release_all(self.ledger))
         self.state: dict[str, RequestState] = {}  # mirror of the records' states
         self.size: dict[str, int] = {}  # mirror of the records' sizes (bytes)
         # rid -> what get_offload_priority answers: 0.0 from add() until a test sets it

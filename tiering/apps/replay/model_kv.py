@@ -156,7 +156,9 @@ class ModeledKVCache(LifecycleAnswers):
         self._blocks = [0, 0, 0]  # pages held by cached prefix blocks (``take_block_pages``)
         self._free_at = dict.fromkeys(LINKS, 0.0)
         self.stats = ModelStats()
-        self._life = lc.Lifecycle("ModeledKVCache", self.stats, clock, lc.page_releasers(self.ledger))
+        self._life = lc.Lifecycle("ModeledKVCache", self.stats, clock,
+                                  lc.page_releasers(self.ledger),
+                                  release_all=lc.page_release_all(self.ledger))
         self._reqs: dict[str, PageRecord] = self._life.records
         # (done_at, seq, rid, move, nbytes), a heap; a job whose request was removed is
         # reported by the next poll as not ok, with state None
@@ -206,11 +208,12 @@ class ModeledKVCache(LifecycleAnswers):
 
     def allocate(self, rid: str, num_tokens: int) -> bool:
         """Grow ``rid`` to ``num_tokens`` tokens; False (nothing changed) if the device is short."""
-        r = self._req(rid, "allocate")
+        r = self._life.get(rid, "allocate")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"allocate({rid!r}): num_tokens must be an int >= 0, "
                              f"got {num_tokens!r}")
-        guard(r, Op.ALLOCATE)
+        if r.state is not S.RESIDENT:  # the hot path asks once, the guard says why
+            guard(r, Op.ALLOCATE)
         if num_tokens <= r.num_tokens:
             return True
         extra = self.pages_for(num_tokens) - r.device
@@ -240,7 +243,8 @@ class ModeledKVCache(LifecycleAnswers):
         return self._blocks[lc.TIER_INDEX[tier]]
 
     def free_pages(self, tier: Tier) -> int:
-        return self.ledger.free(tier)
+        i = lc.TIER_INDEX[tier]
+        return self._cap[i] - self._used[i]
 
     def take_block_pages(self, tier: Tier, n: int) -> bool:
         """``n`` pages of ``tier`` now hold cached blocks; False (nothing changed) if short."""

@@ -44,11 +44,13 @@ from tiering.core.lifecycle.tables import (
     holds,
     ledger_maps,
     offload_move,
+    page_release_all,
     page_releasers,
 )
 
 __all__ = [
     "AT_REST", "FAILURE_COUNTERS", "GUARDS", "HOLDS", "IN_FLIGHT", "MOVE_COUNTERS", "RELOAD_FROM",
     "TIER_INDEX", "TIERS", "Counters", "Job", "Lifecycle", "LifecycleAnswers", "Op", "PageLedger",
-    "PageRecord", "Record", "guard", "holds", "ledger_maps", "offload_move", "page_releasers",
+    "PageRecord", "Record", "guard", "holds", "ledger_maps", "offload_move", "page_release_all",
+    "page_releasers",
 ]

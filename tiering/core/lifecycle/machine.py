@@ -305,26 +305,26 @@ class LifecycleAnswers:
         return list(self._life.records)
 
     def state_of(self, rid: str) -> RequestState:
-        return self._req(rid, "state_of").state
+        return self._life.get(rid, "state_of").state
 
     def tier_of(self, rid: str) -> Tier | None:
-        return self._req(rid, "tier_of").state.tier
+        return self._life.get(rid, "tier_of").state.tier
 
     def num_tokens(self, rid: str) -> int:
-        return self._req(rid, "num_tokens").num_tokens
+        return self._life.get(rid, "num_tokens").num_tokens
 
     def lost_reason(self, rid: str) -> str | None:
-        return self._req(rid, "lost_reason").lost_reason
+        return self._life.get(rid, "lost_reason").lost_reason
 
     def is_offloaded(self, rid: str) -> bool:
-        return self._req(rid, "is_offloaded").state in OFFLOADED_STATES
+        return self._life.get(rid, "is_offloaded").state in OFFLOADED_STATES
 
     def can_reload(self, rid: str) -> bool:
-        return self._req(rid, "can_reload").state in RELOADABLE_STATES
+        return self._life.get(rid, "can_reload").state in RELOADABLE_STATES
 
     def offload_destination(self, rid: str) -> Tier | None:
         """Where an offload in flight is copying to: HOST, or DISK when the host was full."""
-        r = self._req(rid, "offload_destination")
+        r = self._life.get(rid, "offload_destination")
         return r.job.move.destination if r.state is S.OFFLOADING else r.state.tier
 
     def take_lost(self) -> list[tuple[str, str]]:
@@ -334,4 +334,4 @@ class LifecycleAnswers:
 
     def drop(self, rid: str) -> None:
         """Give up an offloaded request's KV (it will be recomputed): LOST, "dropped"."""
-        self._life.drop(self._req(rid, "drop"))
+        self._life.drop(self._life.get(rid, "drop"))

@@ -227,6 +227,19 @@ def page_releasers(ledger: PageLedger) -> dict[Tier, Callable[[PageRecord], None
     return {Tier.DEVICE: device, Tier.HOST: host, Tier.DISK: disk}
 
 
+def page_release_all(ledger: PageLedger) -> Callable[[PageRecord], None]:
+    """Give every tier's pages of a ``PageRecord`` back to ``ledger`` at once."""
+    used = ledger.used
+
+    def release_all(r: PageRecord) -> None:
+        used[0] -= r.device
+        used[1] -= r.host
+        used[2] -= r.disk
+        r.device = r.host = r.disk = 0
+
+    return release_all
+
+
 def ledger_maps(ledger: PageLedger, tiers: Iterable[Tier] = TIERS) -> tuple[dict, dict]:
     """(used, capacity) of ``ledger`` as tier maps, for ``Lifecycle.check``."""
     used = {t: ledger.used[TIER_INDEX[t]] for t in tiers}
