@@ -19,17 +19,6 @@ from tiering.apps.replay.simulator import SimClock
 from tiering.control.controller import ControllerConfig
 from tiering.control.protocols import TieredCache
 from tiering.core import lifecycle as lc
-from tiering.core.lifecycle import (
-    HOLDS,
-    Counters,
-    Job,
-    Lifecycle,
-    Op,
-    PageLedger,
-    PageRecord,
-    offload_move,
-    page_releasers,
-)
 from tiering.core.pools import PoolIntegrityError
 from tiering.disk import DiskConfig
 from tiering.errors import CacheClosed, IllegalTransition, UnknownRequest
@@ -43,14 +32,14 @@ PB = GEOM.page_bytes
 
 
 def machine(device=8, host=4, disk=4):
-    ledger = PageLedger(device, host, disk)
+    ledger = lc.PageLedger(device, host, disk)
     clock = FakeClock()
-    life = Lifecycle("test", Counters(), clock, page_releasers(ledger))
+    life = lc.Lifecycle("test", lc.Counters(), clock, lc.page_releasers(ledger))
     return life, ledger, clock
 
 
 def resident(life, ledger, rid, n, clock):
-    life.register(rid, None, lambda: PageRecord(rid, None, clock(), n))
+    life.register(rid, None, lambda: lc.PageRecord(rid, None, clock(), n))
     r = life.records[rid]
     assert ledger.take(0, n)
     r.device = n
@@ -66,8 +55,8 @@ def check(life, ledger):
 
 
 def test_one_holdings_table_covers_every_state():
-    assert set(HOLDS) == set(RequestState)
-    for state, sets in HOLDS.items():
+    assert set(lc.HOLDS) == set(RequestState)
+    for state, sets in lc.HOLDS.items():
         sizes = {len(s) for s in sets}
         assert sizes == ({2} if state.in_flight else {0} if state is S.LOST else {1}), state
         if not state.in_flight and state is not S.LOST:
@@ -77,11 +66,11 @@ def test_one_holdings_table_covers_every_state():
 
 
 def test_offload_choice():
-    assert offload_move(True, True, True) is Move.OFFLOAD_TO_HOST
-    assert offload_move(True, False, False) is Move.OFFLOAD_TO_HOST
-    assert offload_move(False, True, True) is Move.OFFLOAD_TO_DISK
-    assert offload_move(False, True, False) is None
-    assert offload_move(False, False, True) is None
+    assert lc.offload_move(True, True, True) is Move.OFFLOAD_TO_HOST
+    assert lc.offload_move(True, False, False) is Move.OFFLOAD_TO_HOST
+    assert lc.offload_move(False, True, True) is Move.OFFLOAD_TO_DISK
+    assert lc.offload_move(False, True, False) is None
+    assert lc.offload_move(False, False, True) is None
 
 
 def test_a_move_lands_counts_and_frees_its_source():
@@ -91,7 +80,7 @@ def test_a_move_lands_counts_and_frees_its_source():
     r = resident(life, ledger, "a", n, clock)
     assert ledger.take(1, n)
     r.host = n
-    life.begin(r, Job(Move.OFFLOAD_TO_HOST, clock()))
+    life.begin(r, lc.Job(Move.OFFLOAD_TO_HOST, clock()))
     assert r.state is S.OFFLOADING and list(life.inflight) == ["a"]
     assert check(life, ledger) == []
     clock.advance(2.5)
@@ -104,7 +93,7 @@ def test_a_move_lands_counts_and_frees_its_source():
     # a reload's stall is counted from its start
     assert ledger.take(0, n)
     r.device = n
-    life.begin(r, Job(Move.RELOAD_FROM_HOST, clock()))
+    life.begin(r, lc.Job(Move.RELOAD_FROM_HOST, clock()))
     clock.advance(1.25)
     life.land(r, life.end(r).move, n * PB, 1000.0 + 2.5)
     assert c.reload_stall_s_total == pytest.approx(1.25) and c.reloads_from_host == 1
@@ -116,14 +105,14 @@ def test_a_failed_move_stays_at_its_source_and_a_cancelled_one_is_taken_back():
     r = resident(life, ledger, "a", 3, clock)
     assert ledger.take(2, 3)
     r.disk = 3
-    life.begin(r, Job(Move.OFFLOAD_TO_DISK, clock()))
+    life.begin(r, lc.Job(Move.OFFLOAD_TO_DISK, clock()))
     life.end(r)
     res = life.survive(r, Move.OFFLOAD_TO_DISK, "EIO")
     assert res == TransferResult("a", Move.OFFLOAD_TO_DISK, False, 0, S.RESIDENT, "EIO")
     assert r.held() == (3, 0, 0) and life.counters.offload_failures == 1
     assert ledger.take(1, 3)
     r.host = 3
-    life.begin(r, Job(Move.OFFLOAD_TO_HOST, clock()))
+    life.begin(r, lc.Job(Move.OFFLOAD_TO_HOST, clock()))
     res = life.cancel(r)
     assert res == TransferResult("a", Move.OFFLOAD_TO_HOST, False, 0, S.RESIDENT, CANCELLED)
     assert life.counters.offloads_cancelled == 1 and ledger.used == [3, 0, 0]
@@ -133,7 +122,7 @@ def test_a_failed_move_stays_at_its_source_and_a_cancelled_one_is_taken_back():
 def test_guards_name_the_request_and_change_nothing():
     life, ledger, clock = machine()
     r = resident(life, ledger, "a", 2, clock)
-    for op in (Op.DEMOTE, Op.RELOAD, Op.DROP):
+    for op in (lc.Op.DEMOTE, lc.Op.RELOAD, lc.Op.DROP):
         with pytest.raises(IllegalTransition, match=f"{op.value}: request 'a' is resident"):
             lc.guard(r, op)
     with pytest.raises(IllegalTransition, match="'a' is resident; it cannot become on_disk"):
@@ -142,12 +131,12 @@ def test_guards_name_the_request_and_change_nothing():
     with pytest.raises(UnknownRequest, match="'nope'"):
         life.get("nope")
     with pytest.raises(ValueError, match="different overrides"):
-        life.register("a", "other", lambda: PageRecord("a", "other", 0.0))
+        life.register("a", "other", lambda: lc.PageRecord("a", "other", 0.0))
     assert life.records["a"] is r
     with pytest.raises(ValueError, match="non-empty str"):
-        life.register("", None, lambda: PageRecord("", None, 0.0))
+        life.register("", None, lambda: lc.PageRecord("", None, 0.0))
     with pytest.raises(ValueError, match=r"tier\(s\) \['disk'\]"):
-        Lifecycle("x", Counters(), clock, {Tier.DEVICE: print, Tier.HOST: print})
+        lc.Lifecycle("x", lc.Counters(), clock, {Tier.DEVICE: print, Tier.HOST: print})
     life.closed = True
     with pytest.raises(CacheClosed, match="state_of"):
         life.get("a", "state_of")
@@ -222,7 +211,7 @@ def test_every_backend_counts_under_the_same_names(tmp_path):
     try:
         for kv in (real, _model(), FakeTieredResource(100, 100, 100)):
             names = set(kv.stats.as_dict())
-            assert set(Counters.FIELDS) <= names, type(kv).__name__
+            assert set(lc.Counters.FIELDS) <= names, type(kv).__name__
             assert isinstance(kv, TieredCache), type(kv).__name__
     finally:
         real.close()

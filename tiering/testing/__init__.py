@@ -41,8 +41,6 @@ from tiering.core.lifecycle import (
 )
 from tiering.errors import UnknownRequest
 from tiering.types import (
-    OFFLOADED_STATES,
-    RELOADABLE_STATES,
     Move,
     RequestState,
     Tier,
@@ -343,11 +341,11 @@ class FakeTieredResource(LifecycleAnswers):
 
     def is_offloaded(self, rid: str) -> bool:
         self.calls["is_offloaded"] += 1
-        return self.state[rid] in OFFLOADED_STATES
+        return super().is_offloaded(rid)
 
     def can_reload(self, rid: str) -> bool:
         self.calls["can_reload"] += 1
-        return self.state[rid] in RELOADABLE_STATES
+        return super().can_reload(rid)
 
     def reload_bytes(self, rid: str) -> int:
         self.calls["reload_bytes"] += 1
