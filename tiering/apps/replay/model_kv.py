@@ -44,6 +44,7 @@ LINKS = ("d2h", "h2d", "disk_write", "disk_read")
 
 # tier indices of the page counters (plain ints: this is the simulator's hot path)
 _DEV, _HOST, _DISK = 0, 1, 2
+_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)  # ``_TIERS.index(tier)``: faster than a dict here
 # the links a copy of cached blocks a tier down crosses
 _BLOCK_LINKS = {(Tier.DEVICE, Tier.HOST): ("d2h",), (Tier.DEVICE, Tier.DISK): ("d2h", "disk_write"),
                 (Tier.HOST, Tier.DISK): ("disk_write",)}
@@ -240,17 +241,17 @@ class ModeledKVCache(LifecycleAnswers):
 
     def block_pages(self, tier: Tier) -> int:
         """Pages held in ``tier`` by cached prefix blocks (not by any request)."""
-        return self._blocks[lc.TIER_INDEX[tier]]
+        return self._blocks[_TIERS.index(tier)]
 
     def free_pages(self, tier: Tier) -> int:
-        i = lc.TIER_INDEX[tier]
+        i = _TIERS.index(tier)
         return self._cap[i] - self._used[i]
 
     def take_block_pages(self, tier: Tier, n: int) -> bool:
         """``n`` pages of ``tier`` now hold cached blocks; False (nothing changed) if short."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"take_block_pages: n must be an int >= 0, got {n!r}")
-        i = lc.TIER_INDEX[tier]
+        i = _TIERS.index(tier)
         if not self._take(i, n):
             return False
         self._blocks[i] += n
@@ -258,7 +259,7 @@ class ModeledKVCache(LifecycleAnswers):
 
     def give_block_pages(self, tier: Tier, n: int) -> None:
         """``n`` pages of ``tier`` held by cached blocks are free again."""
-        i = lc.TIER_INDEX[tier]
+        i = _TIERS.index(tier)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._blocks[i]:
             raise ValueError(f"give_block_pages: n must be an int in [0, {self._blocks[i]}] "
                              f"for {tier.value}, got {n!r}")
@@ -383,7 +384,11 @@ class ModeledKVCache(LifecycleAnswers):
         n = r.device
         if r.state is not S.RESIDENT or not n:
             return 0
-        return n * self.page_bytes if n <= self._room_below() else 0
+        used, cap = self._used, self._cap
+        if used[_HOST] + n <= cap[_HOST] or (
+                self.offload_to_disk_when_host_full and used[_DISK] + n <= cap[_DISK]):
+            return n * self.page_bytes
+        return 0
 
     def reclaimable_many(self, rids: Sequence[str]) -> np.ndarray:
         """``reclaimable`` of each of ``rids`` (int64), in one call; changes nothing."""
