@@ -82,6 +82,7 @@ def test_a_move_lands_counts_and_frees_its_source():
     r.host = n
     life.begin(r, lc.Job(Move.OFFLOAD_TO_HOST, clock()))
     assert r.state is S.OFFLOADING and list(life.inflight) == ["a"]
+    assert (life.reserved(Tier.HOST), life.reserved(Tier.DEVICE)) == (n, 0)
     assert check(life, ledger) == []
     clock.advance(2.5)
     job = life.end(r)
@@ -288,3 +289,21 @@ def test_the_model_and_the_fake_run_behind_the_front_door(which):
     tkv.close()
     with pytest.raises(CacheClosed):
         kv.requests()
+
+
+def test_the_fakes_new_calls_refuse_bad_input_and_change_nothing():
+    kv = FakeTieredResource(100, 100, 100)
+    kv.ingest_request("a")
+    for bad in (-1, 2.5, True, "3"):
+        with pytest.raises(ValueError, match="nbytes must be an int >= 0"):
+            kv.allocate("a", bad)
+    assert kv.num_tokens("a") == 0 and kv.device_used == 0
+    assert kv.allocate("a", 60) and not kv.allocate("a", 101)
+    assert kv.device_used == 60
+    kv.ingest_request("a")  # idempotent
+    with pytest.raises(ValueError, match="different overrides"):
+        kv.ingest_request("a", "other")
+    with pytest.raises(UnknownRequest, match="'zz'"):
+        kv.allocate("zz", 1)
+    kv.check_integrity()
+

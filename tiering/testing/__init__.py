@@ -191,6 +191,8 @@ class FakeTieredResource(LifecycleAnswers):
     def allocate(self, rid: str, nbytes: int) -> bool:
         """Grow a resident request to ``nbytes``; False (nothing changed) if the device is short."""
         r = self._life.get(rid, "allocate")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"allocate({rid!r}): nbytes must be an int >= 0, got {nbytes!r}")
         guard(r, Op.ALLOCATE)
         extra = nbytes - r.num_tokens
         if extra > 0:
