@@ -3,8 +3,15 @@
 Ownership:
 - ``PagePool`` objects own the device and host slots, their free lists and
   byte ledgers; ``DiskPageStore`` owns the disk chunks and its ledger.
-- This class owns the per-request records (state, slot lists, checksums) and
-  is the only thing that changes them, always on the caller's thread.
+- This class owns the per-request records (state, slot lists, checksums),
+  kept in its ``Lifecycle`` (``tiering.core.lifecycle``: the one request state
+  machine it shares with the replay's model and the test fake), and is the
+  only thing that changes them, always on the caller's thread.
+- It is split by job: ``kv_hooks`` (the answers, admission), ``kv_transfers``
+  (starting moves, applying their outcomes), ``kv_moves`` (the byte copies on
+  worker threads), ``kv_data`` (page tables, reads, writes) and
+  ``kv_prefix_api`` (prefix reuse); this module builds, registers, removes,
+  checks and tears down.
 - Worker threads only copy bytes and compute checksums; they return results
   that ``poll`` applies. So no lock guards the records.
 
