@@ -220,11 +220,9 @@ class _Worker:
             # the host cascade is the worker's (below), through the policy: the
             # controller's own, least recently used, never triggers at host_high = 1
             ctl_cfg = dataclasses.replace(cfg, host_high=1.0, host_low=min(cfg.host_low, 0.99))
-            from tiering.tiered import TieredKV  # the front door over the modelled cache
-
-            self.tkv = TieredKV.around(kv, policy=self.ctl_policy, pressure=PoolPressure(kv),
-                                       controller=ctl_cfg, clock=clock)
-            self.ctl = self.tkv.controller
+            self.ctl = EvictionController(
+                {"kv": kv}, self.ctl_policy, PoolPressure(kv), ctl_cfg, clock=clock,
+            )
         self.reuse = sim.prefix_reuse
         if self.reuse and not (hasattr(kv, "copy_in") and hasattr(kv, "take_block_pages")):
             raise ValueError("prefix_reuse needs a KV backend with copy_in() and block pages "
