@@ -16,13 +16,36 @@ The contracts, as functions a user runs on their own code:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter
 from typing import NamedTuple
 
 import numpy as np
 
-from tiering.types import Move, RequestState, Tier, TransferResult
+from resources.base import AdmitOutcome
+from tiering.core.lifecycle import (
+    AT_REST,
+    TIER_INDEX,
+    Counters,
+    Job,
+    Lifecycle,
+    LifecycleAnswers,
+    Op,
+    PageLedger,
+    PageRecord,
+    guard,
+    ledger_maps,
+    offload_move,
+    page_release_all,
+    page_releasers,
+)
+from tiering.errors import UnknownRequest
+from tiering.types import (
+    Move,
+    RequestState,
+    Tier,
+    TransferResult,
+)
 
 
 class FakeClock:
@@ -57,8 +80,13 @@ def _move(source: RequestState, dest: RequestState) -> Move:
     return _MOVES[(source, dest)]
 
 
-class FakeTieredResource:
+class FakeTieredResource(LifecycleAnswers):
     """A resource that keeps only byte counts per request and tier.
+
+    Its records, transitions, guards and counters (``stats``) are the shared
+    ``tiering.core.lifecycle.Lifecycle``'s, with a page of one byte: only the
+    mover differs from the real cache (no bytes move; a transfer is instant, or
+    waits for ``poll`` or the test).
 
     ``async_transfers``: offloads, demotions and reloads stay in flight (both
     tiers held) until completed; ``complete_on_poll`` makes ``poll`` complete
@@ -72,7 +100,9 @@ class FakeTieredResource:
     previous ``poll``, whether it completed them itself or the test did
     (``complete_transfers``, ``fail_transfer``), or the request was removed
     while it ran (``state`` None), as a resource whose completions are
-    applied only in its ``poll`` would.
+    applied only in its ``poll`` would. ``state`` and ``size`` are read-only
+    mirrors of the records (plain dicts, for fast lookups; ``check_integrity``
+    compares them).
     """
 
     def __init__(
@@ -85,6 +115,8 @@ class FakeTieredResource:
         async_transfers: bool = False,
         complete_on_poll: bool = True,
         enforce_device_capacity: bool = True,
+        offload_to_disk_when_host_full: bool = True,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if device_capacity <= 0:
             raise ValueError(f"device_capacity must be > 0, got {device_capacity!r}")
@@ -95,15 +127,18 @@ class FakeTieredResource:
         self.async_transfers = async_transfers
         self.complete_on_poll = complete_on_poll
         self.enforce_device_capacity = enforce_device_capacity
-        self.state: dict[str, RequestState] = {}
-        self.size: dict[str, int] = {}
+        self.offload_to_disk_when_host_full = bool(offload_to_disk_when_host_full)
+        self._clock = clock if clock is not None else FakeClock()
+        self.ledger = PageLedger(self._device_capacity, max(0, self._host_capacity),
+                                 max(0, self.disk_capacity))
+        self.stats = Counters()
+        self._life = Lifecycle("FakeTieredResource", self.stats, self._clock,
+                               page_releasers(self.ledger),
+                               release_all=page_release_all(self.ledger))
+        self.state: dict[str, RequestState] = {}  # mirror of the records' states
+        self.size: dict[str, int] = {}  # mirror of the records' sizes (bytes)
         # rid -> what get_offload_priority answers: 0.0 from add() until a test sets it
         self.priorities: dict[str, float] = {}
-        # in-flight rid -> (state it left, state it will reach); both tiers are held
-        self._dest: dict[str, tuple[RequestState, RequestState]] = {}
-        self.device_used = 0
-        self.host_used = 0
-        self.disk_used = 0
         self.max_device_used = 0
         self.max_device_used_by_reload = 0  # device bytes in use right after any reload
         self.calls: Counter[str] = Counter()
@@ -114,6 +149,20 @@ class FakeTieredResource:
         # so that reclaimable_many is one dict lookup a request
         self._reclaimable_now: dict[str, int] = {}
 
+    # -- byte gauges (the ledger's) ---------------------------------------------------
+
+    @property
+    def device_used(self) -> int:
+        return self.ledger.used[0]
+
+    @property
+    def host_used(self) -> int:
+        return self.ledger.used[1]
+
+    @property
+    def disk_used(self) -> int:
+        return self.ledger.used[2]
+
     # -- set-up -------------------------------------------------------------------
 
     def add(self, rid: str, nbytes: int, tier: Tier = Tier.DEVICE) -> None:
@@ -122,75 +171,84 @@ class FakeTieredResource:
             raise ValueError(f"request {rid!r} already exists")
         if nbytes <= 0:
             raise ValueError(f"request {rid!r}: nbytes must be > 0, got {nbytes!r}")
-        if tier is Tier.DEVICE:
-            if self.device_used + nbytes > self._device_capacity:
-                raise ValueError(f"request {rid!r} does not fit on the device")
-            self.device_used += nbytes
-            self.max_device_used = max(self.max_device_used, self.device_used)
-            state = _RESIDENT
-        elif tier is Tier.HOST:
-            if self.host_used + nbytes > self._host_capacity:
-                raise ValueError(f"request {rid!r} does not fit on the host")
-            self.host_used += nbytes
-            state = _ON_HOST
-        else:
-            if self.disk_used + nbytes > self.disk_capacity:
-                raise ValueError(f"request {rid!r} does not fit on disk")
-            self.disk_used += nbytes
-            state = _ON_DISK
-        self.size[rid] = nbytes
+        i = TIER_INDEX[tier]
+        if not self.ledger.take(i, nbytes):
+            raise ValueError(f"request {rid!r} does not fit on {'the ' if i < 2 else ''}"
+                             f"{tier.value}")
+        r = PageRecord(rid, None, self._clock(), nbytes, AT_REST[tier])
+        setattr(r, tier.value, nbytes)
+        self._life.records[rid] = r
         self.priorities[rid] = 0.0
-        self._set_state(rid, state)
+        self._sync(r)
+
+    def ingest_request(self, rid: str, overrides: object = None) -> None:
+        """Register ``rid`` resident with no bytes yet (idempotent; ``allocate`` grows it)."""
+        now = self._clock()
+        if self._life.register(rid, overrides, lambda: PageRecord(rid, overrides, now)):
+            self.priorities[rid] = 0.0
+            self._sync(self._life.records[rid])
+
+    def allocate(self, rid: str, nbytes: int) -> bool:
+        """Grow a resident request to ``nbytes``; False (nothing changed) if the device is short."""
+        r = self._life.get(rid, "allocate")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"allocate({rid!r}): nbytes must be an int >= 0, got {nbytes!r}")
+        guard(r, Op.ALLOCATE)
+        extra = nbytes - r.num_tokens
+        if extra > 0:
+            if not self.ledger.take(0, extra):
+                return False
+            r.device += extra
+            r.num_tokens = nbytes
+            self._note_device()
+            self._sync(r)
+        return True
 
     def remove(self, rid: str) -> None:
         """The request finished: free whatever it holds."""
-        if rid in self._dest:
-            source, dest = self._dest.pop(rid)
-            self._free(rid, source)
-            self._free(rid, dest)
+        r = self._life.remove(rid)
+        if r.job is not None:
             self._unreported.append(
-                TransferResult(rid, _move(source, dest), False, self.size[rid], None, "removed"))
-        else:
-            self._free(rid, self.state[rid])
+                TransferResult(rid, r.job.move, False, r.num_tokens, None, "removed"))
         del self.state[rid]
         del self.size[rid]
         del self._reclaimable_now[rid]
         del self.priorities[rid]
 
-    def _set_state(self, rid: str, state: RequestState) -> None:
-        self.state[rid] = state
-        self._reclaimable_now[rid] = self.size[rid] if state is _RESIDENT else 0
+    remove_request = remove
 
-    def _free(self, rid: str, state: RequestState) -> None:
-        tier = state.tier
-        n = self.size[rid]
-        if tier is Tier.DEVICE:
-            self.device_used -= n
-        elif tier is Tier.HOST:
-            self.host_used -= n
-        elif tier is Tier.DISK:
-            self.disk_used -= n
+    def admit(self, step, ctx) -> AdmitOutcome:
+        """OK only when the request is resident and not moving."""
+        return AdmitOutcome(*self._life.admission(self._life.get(step.rid, "admit")))
 
-    def _take(self, rid: str, state: RequestState) -> None:
-        tier = state.tier
-        n = self.size[rid]
-        if tier is Tier.DEVICE:
-            self.device_used += n
-            self.max_device_used = max(self.max_device_used, self.device_used)
-        elif tier is Tier.HOST:
-            self.host_used += n
-        elif tier is Tier.DISK:
-            self.disk_used += n
+    def close(self) -> None:
+        """Every later call that looks a request up raises CacheClosed (idempotent)."""
+        self._life.closed = True
+
+    def _sync(self, r: PageRecord) -> None:
+        rid = r.rid
+        self.state[rid] = r.state
+        self.size[rid] = r.num_tokens
+        self._reclaimable_now[rid] = r.num_tokens if r.state is _RESIDENT else 0
+
+    def _note_device(self) -> None:
+        self.max_device_used = max(self.max_device_used, self.ledger.used[0])
 
     def _move(self, rid: str, in_flight: RequestState, dest: RequestState) -> None:
         """Reserve the destination; free the source now or when the transfer completes."""
-        self._take(rid, dest)
-        if self.async_transfers:
-            self._dest[rid] = (self.state[rid], dest)
-            self._set_state(rid, in_flight)
-        else:
-            self._free(rid, self.state[rid])
-            self._set_state(rid, dest)
+        r = self._life.records[rid]
+        move = _move(r.state, dest)
+        n = r.num_tokens
+        tier = move.destination
+        self.ledger.take(TIER_INDEX[tier], n, force=True)
+        setattr(r, tier.value, n)
+        if tier is Tier.DEVICE:
+            self._note_device()
+        self._life.begin(r, Job(move, self._clock()))
+        if not self.async_transfers:
+            self._life.end(r)
+            self._life.land(r, move, n)
+        self._sync(r)
 
     def complete_transfers(self, rids: Iterable[str] | None = None) -> int:
         """Complete in-flight transfers (all, or those named); returns how many."""
@@ -199,25 +257,26 @@ class FakeTieredResource:
         return len(done)
 
     def _complete(self, rids: Iterable[str] | None) -> list[TransferResult]:
-        chosen = list(self._dest) if rids is None else [r for r in rids if r in self._dest]
+        inflight = self._life.inflight
+        chosen = list(inflight) if rids is None else [r for r in rids if r in inflight]
         out = []
         for rid in chosen:
-            source, dest = self._dest.pop(rid)
-            self._free(rid, source)
-            self._set_state(rid, dest)
-            out.append(TransferResult(rid, _move(source, dest), True, self.size[rid], dest))
+            r = inflight[rid]
+            job = self._life.end(r)
+            out.append(self._life.land(r, job.move, r.num_tokens))
+            self._sync(r)
         return out
 
     def fail_transfer(self, rid: str, reason: str = "injected failure") -> None:
         """An in-flight transfer fails: the request goes back to where it came from."""
-        source, dest = self._dest.pop(rid)
-        self._free(rid, dest)
-        self._set_state(rid, source)
-        self._unreported.append(
-            TransferResult(rid, _move(source, dest), False, self.size[rid], source, reason))
+        r = self._life.inflight[rid]
+        job = self._life.end(r)
+        res = self._life.survive(r, job.move, reason)
+        self._sync(r)
+        self._unreported.append(res._replace(nbytes=r.num_tokens))
 
     def in_flight(self) -> tuple[str, ...]:
-        return tuple(self._dest)
+        return tuple(self._life.inflight)
 
     # -- the eviction hooks -------------------------------------------------------
 
@@ -233,13 +292,16 @@ class FakeTieredResource:
     def host_capacity_bytes(self) -> int:
         return self._host_capacity
 
+    def device_used_bytes(self) -> int:
+        return self.ledger.used[0]
+
     def host_used_bytes(self) -> int:
         self.calls["host_used_bytes"] += 1
-        return self.host_used
+        return self.ledger.used[1]
 
     def disk_used_bytes(self) -> int:
         self.calls["disk_used_bytes"] += 1
-        return self.disk_used
+        return self.ledger.used[2]
 
     def reclaimable(self, rid: str) -> int:
         self.calls["reclaimable"] += 1
@@ -258,31 +320,34 @@ class FakeTieredResource:
     def get_offload_priority(self, rid: str) -> float:
         self.calls["get_offload_priority"] += 1
         if rid not in self.state:
-            raise KeyError(f"unknown request {rid!r}")
+            raise UnknownRequest(f"unknown request {rid!r}")
         return self.priorities.get(rid, 0.0)
 
     def offload(self, rid: str) -> int:
         self.calls["offload"] += 1
-        state = self.state[rid]
-        if state is not _RESIDENT:
-            raise ValueError(f"request {rid!r} is {state.value}; cannot offload")
-        n = self.size[rid]
-        if self.host_used + n <= self._host_capacity:
-            self._move(rid, RequestState.OFFLOADING, _ON_HOST)
-        elif self.disk_used + n <= self.disk_capacity:
-            self._move(rid, RequestState.OFFLOADING, _ON_DISK)
-        else:
+        r = self._life.get(rid, "offload")
+        guard(r, Op.OFFLOAD)
+        n = r.num_tokens
+        if n == 0:
             return 0
+        led = self.ledger
+        move = offload_move(led.used[1] + n <= self._host_capacity,
+                            led.used[2] + n <= self.disk_capacity,
+                            self.offload_to_disk_when_host_full)
+        if move is None:
+            self.stats.offload_refusals += 1
+            return 0
+        self._move(rid, RequestState.OFFLOADING, AT_REST[move.destination])
         self.offloaded_rids.append(rid)
         return n
 
     def is_offloaded(self, rid: str) -> bool:
         self.calls["is_offloaded"] += 1
-        return self.state[rid] in (_ON_HOST, _ON_DISK)
+        return super().is_offloaded(rid)
 
     def can_reload(self, rid: str) -> bool:
         self.calls["can_reload"] += 1
-        return self.state[rid] in (_ON_HOST, _ON_DISK)
+        return super().can_reload(rid)
 
     def reload_bytes(self, rid: str) -> int:
         self.calls["reload_bytes"] += 1
@@ -290,11 +355,11 @@ class FakeTieredResource:
 
     def reload(self, rid: str) -> bool:
         self.calls["reload"] += 1
-        state = self.state[rid]
-        if state not in (_ON_HOST, _ON_DISK):
-            raise ValueError(f"request {rid!r} is {state.value}; cannot reload")
-        n = self.size[rid]
-        if self.enforce_device_capacity and self.device_used + n > self._device_capacity:
+        r = self._life.get(rid, "reload")
+        guard(r, Op.RELOAD)
+        n = r.num_tokens
+        if self.enforce_device_capacity and self.ledger.used[0] + n > self._device_capacity:
+            self.stats.reload_refusals += 1
             return False
         self._move(rid, RequestState.RELOADING, _RESIDENT)
         self.max_device_used_by_reload = max(self.max_device_used_by_reload, self.device_used)
@@ -306,21 +371,19 @@ class FakeTieredResource:
 
     def demote(self, rid: str) -> bool:
         self.calls["demote"] += 1
-        state = self.state[rid]
-        if state is not _ON_HOST:
-            raise ValueError(f"request {rid!r} is {state.value}; cannot demote")
-        if self.disk_used + self.size[rid] > self.disk_capacity:
+        r = self._life.get(rid, "demote")
+        guard(r, Op.DEMOTE)
+        if self.ledger.used[2] + r.num_tokens > self.disk_capacity:
+            self.stats.demote_refusals_disk_full += 1
             return False
         self._move(rid, RequestState.DEMOTING, _ON_DISK)
         return True
 
     def drop(self, rid: str) -> None:
         self.calls["drop"] += 1
-        state = self.state[rid]
-        if state not in (_ON_HOST, _ON_DISK):
-            raise ValueError(f"request {rid!r} is {state.value}; cannot drop")
-        self._free(rid, state)
-        self._set_state(rid, RequestState.LOST)
+        r = self._life.get(rid, "drop")
+        self._life.drop(r)
+        self._sync(r)
 
     def poll(self) -> list[TransferResult]:
         """Complete every transfer in flight (when ``complete_on_poll``); returns a record
@@ -329,28 +392,30 @@ class FakeTieredResource:
         done = self._unreported
         if done:
             self._unreported = []
-        if self._dest and self.async_transfers and self.complete_on_poll:
+        if self._life.inflight and self.async_transfers and self.complete_on_poll:
             done += self._complete(None)
         return done
 
     # -- checking -----------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Byte counters equal what the request states say is held."""
-        used = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
-        for rid, state in self.state.items():
-            held = self._dest.get(rid, (state,))
-            for s in held:
-                if s.tier is not None:
-                    used[s.tier] += self.size[rid]
-        got = {Tier.DEVICE: self.device_used, Tier.HOST: self.host_used, Tier.DISK: self.disk_used}
-        if used != got:
-            raise AssertionError(f"byte ledger mismatch: states say {used}, counters say {got}")
-        answers = {r: self.size[r] if s is _RESIDENT else 0 for r, s in self.state.items()}
+        """The shared machine's check (holdings per state, byte ledger, in-flight
+        table), the mirrors against the records, and host and disk within capacity."""
+        used, cap = ledger_maps(self.ledger, (Tier.HOST, Tier.DISK))
+        used[Tier.DEVICE] = self.ledger.used[0]
+        if self.enforce_device_capacity:
+            cap[Tier.DEVICE] = self._device_capacity
+        problems = self._life.check(lambda r: r.num_tokens, used=used, capacity=cap)
+        records = self._life.records
+        if self.state != {rid: r.state for rid, r in records.items()}:
+            problems.append("the state mirror disagrees with the records")
+        if self.size != {rid: r.num_tokens for rid, r in records.items()}:
+            problems.append("the size mirror disagrees with the records")
+        answers = {rid: r.num_tokens if r.state is _RESIDENT else 0 for rid, r in records.items()}
         if answers != self._reclaimable_now:
-            raise AssertionError("reclaimable_many would disagree with the request states")
-        if self.host_used > self._host_capacity or self.disk_used > self.disk_capacity:
-            raise AssertionError("host or disk over capacity")
+            problems.append("reclaimable_many would disagree with the request states")
+        if problems:
+            raise AssertionError("FakeTieredResource integrity: " + "; ".join(problems[:20]))
 
 
 def _look_up_all(mapping: dict, keys: Sequence[str], dtype: type) -> np.ndarray:

@@ -21,21 +21,21 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
+from resources.base import AdmitOutcome
 from resources.engine_types import ResourceReqConfig, retention_offload_priority
+from tiering.core import lifecycle as lc
+from tiering.core.lifecycle import Counters, LifecycleAnswers, Op, PageRecord, guard
 from tiering.errors import UnknownRequest
 from tiering.types import (
     OFFLOADED_STATES,
-    RELOADABLE_STATES,
-    IllegalTransition,
     Move,
     RequestState,
     Tier,
     TransferResult,
-    check_transition,
 )
 
 S = RequestState
@@ -44,13 +44,13 @@ LINKS = ("d2h", "h2d", "disk_write", "disk_read")
 
 # tier indices of the page counters (plain ints: this is the simulator's hot path)
 _DEV, _HOST, _DISK = 0, 1, 2
-_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)  # ``_TIERS.index(tier)``: faster than a dict here
 # the links a copy of cached blocks a tier down crosses
 _BLOCK_LINKS = {(Tier.DEVICE, Tier.HOST): ("d2h",), (Tier.DEVICE, Tier.DISK): ("d2h", "disk_write"),
                 (Tier.HOST, Tier.DISK): ("disk_write",)}
 
 
-def _removed(rid: str, move: Move, nbytes: int) -> TransferResult:
+def _removed(rid: str, move: Move, nbytes: int) -> TransferResult:  # reported by ``poll``
     return TransferResult(rid, move, False, nbytes, None, "request removed during the copy")
 
 
@@ -85,58 +85,37 @@ class LinkRates:
         return cls(math.inf, math.inf, math.inf, math.inf)
 
 
-@dataclass(slots=True)
-class ModelStats:
-    """Counters of moves, by tier and by link (the real cache's names where they exist)."""
+class ModelStats(Counters):
+    """The shared counters (``tiering.core.lifecycle.Counters``), plus bytes per
+    link, prefix loads and the most pages each tier held."""
 
-    offloads_to_host: int = 0
-    offloads_to_disk: int = 0
-    demotions: int = 0
-    reloads_from_host: int = 0
-    reloads_from_disk: int = 0
-    prefix_loads_from_host: int = 0
-    prefix_loads_from_disk: int = 0
-    offload_refusals: int = 0
-    reload_refusals: int = 0
-    demote_refusals_disk_full: int = 0
-    dropped: int = 0
-    bytes_d2h: int = 0
-    bytes_h2d: int = 0
-    bytes_disk_write: int = 0
-    bytes_disk_read: int = 0
-    reload_stall_s_total: float = 0.0
-    max_device_pages: int = 0
-    max_host_pages: int = 0
-    max_disk_pages: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    FIELDS = Counters.FIELDS + (
+        "prefix_loads_from_host", "prefix_loads_from_disk",
+        *(f"bytes_{link}" for link in LINKS),
+        "max_device_pages", "max_host_pages", "max_disk_pages")
 
 
-@dataclass(slots=True)
-class _Rec:
-    rid: str
-    retention: float | None
-    expiry_s: float | None
-    ingested_at: float
-    tokens: int = 0
-    state: RequestState = S.RESIDENT
-    tier: Tier | None = Tier.DEVICE  # state.tier, kept alongside it
-    device: int = 0  # pages held in each tier (both ends while in flight)
-    host: int = 0
-    disk: int = 0
-    job: int = 0  # sequence number of the transfer in flight, 0 when none
-    job_kind: str = ""
-    job_started: float = 0.0
+NO_OVERRIDES = ResourceReqConfig()
+_PEAKS = ("max_device_pages", "max_host_pages", "max_disk_pages")
+
+# the links each move crosses
+_MOVE_LINKS = {
+    Move.OFFLOAD_TO_HOST: ("d2h",), Move.OFFLOAD_TO_DISK: ("d2h", "disk_write"),
+    Move.DEMOTE: ("disk_write",), Move.RELOAD_FROM_HOST: ("h2d",),
+    Move.RELOAD_FROM_DISK: ("disk_read", "h2d"),
+}
 
 
-class ModeledKVCache:
+class ModeledKVCache(LifecycleAnswers):
     """Byte-accounting stand-in for ``PagedKVCache`` (see the module docstring).
 
     ``page_bytes`` = ``bytes_per_token * page_tokens``; each tier holds a whole
     number of pages (``host_pages`` and ``disk_pages`` may be 0: no such tier).
-    ``offload`` goes to the host, or straight to disk when the host is full.
-    Not thread-safe; driven from the simulator's loop only.
+    ``offload`` goes to the host, or straight to disk when the host is full and
+    ``offload_to_disk_when_host_full`` (as the real cache decides,
+    ``tiering.core.lifecycle.offload_move``). The records, transitions and
+    counters are the shared ``Lifecycle``'s. Not thread-safe; driven from the
+    simulator's loop only.
     """
 
     def __init__(
@@ -148,6 +127,8 @@ class ModeledKVCache:
         disk_pages: int,
         rates: LinkRates,
         clock: Callable[[], float],
+        *,
+        offload_to_disk_when_host_full: bool = True,
     ) -> None:
         for name, v, low in (
             ("bytes_per_token", bytes_per_token, 1), ("page_tokens", page_tokens, 1),
@@ -158,24 +139,33 @@ class ModeledKVCache:
                 raise ValueError(f"ModeledKVCache.{name} must be an int >= {low}, got {v!r}")
         if not isinstance(rates, LinkRates):
             raise TypeError(f"rates must be LinkRates, got {type(rates).__name__}")
+        if not isinstance(offload_to_disk_when_host_full, bool):
+            raise TypeError("ModeledKVCache.offload_to_disk_when_host_full must be a bool, "
+                            f"got {offload_to_disk_when_host_full!r}")
         self.page_tokens = page_tokens
         self.page_bytes = bytes_per_token * page_tokens
         self.device_pages = device_pages
         self.host_pages = host_pages
         self.disk_pages = disk_pages
         self.rates = rates
+        self.offload_to_disk_when_host_full = offload_to_disk_when_host_full
         self._clock = clock
-        self._used = [0, 0, 0]
+        self.ledger = lc.PageLedger(device_pages, host_pages, disk_pages)
+        self._used = self.ledger.used  # the same list: read directly on the hot path
+        self._cap = self.ledger.cap
+        self._peak = [0, 0, 0]  # the most pages each tier held (``stats.max_*_pages``)
         self._blocks = [0, 0, 0]  # pages held by cached prefix blocks (``take_block_pages``)
-        self._cap = [device_pages, host_pages, disk_pages]
         self._free_at = dict.fromkeys(LINKS, 0.0)
-        self._reqs: dict[str, _Rec] = {}
+        self.stats = ModelStats()
+        self._life = lc.Lifecycle("ModeledKVCache", self.stats, clock,
+                                  lc.page_releasers(self.ledger),
+                                  release_all=lc.page_release_all(self.ledger))
+        self._reqs: dict[str, PageRecord] = self._life.records
         # (done_at, seq, rid, move, nbytes), a heap; a job whose request was removed is
         # reported by the next poll as not ok, with state None
         self._jobs: list[tuple[float, int, str, Move, int]] = []
         self._abandoned: list[TransferResult] = []
         self._seq = 0
-        self.stats = ModelStats()
 
     # -- sizes ------------------------------------------------------------------
 
@@ -208,64 +198,44 @@ class ModeledKVCache:
 
     # -- records ----------------------------------------------------------------
 
-    def _req(self, rid: str) -> _Rec:
-        try:
-            return self._reqs[rid]
-        except KeyError:
-            raise UnknownRequest(f"unknown request {rid!r}") from None
-
     def __contains__(self, rid: object) -> bool:
         return rid in self._reqs
 
-    def state_of(self, rid: str) -> RequestState:
-        return self._req(rid).state
-
-    def tier_of(self, rid: str) -> Tier | None:
-        return self._req(rid).tier
-
-    def num_tokens(self, rid: str) -> int:
-        return self._req(rid).tokens
-
     def ingest_request(self, rid: str, overrides: ResourceReqConfig | None = None) -> None:
         """Register ``rid`` with no KV yet (idempotent for identical overrides)."""
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request id must be a non-empty str, got {rid!r}")
-        if overrides is not None and not isinstance(overrides, ResourceReqConfig):
-            raise TypeError(f"overrides for {rid!r} must be a ResourceReqConfig or None")
-        retention = overrides.retention_priority if overrides is not None else None
-        expiry = overrides.retention_expiry_s if overrides is not None else None
-        r = self._reqs.get(rid)
-        if r is not None:
-            if (r.retention, r.expiry_s) != (retention, expiry):
-                raise ValueError(f"request {rid!r} was already ingested with other overrides")
-            return
-        self._reqs[rid] = _Rec(rid, retention, expiry, self._clock())
+        now = self._clock()
+        self._life.register(rid, overrides, lambda: PageRecord(rid, overrides, now),
+                            ResourceReqConfig)
 
     def allocate(self, rid: str, num_tokens: int) -> bool:
         """Grow ``rid`` to ``num_tokens`` tokens; False (nothing changed) if the device is short."""
-        r = self._req(rid)
+        r = self._life.get(rid, "allocate")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"allocate({rid!r}): num_tokens must be an int >= 0, "
                              f"got {num_tokens!r}")
-        if r.state is not S.RESIDENT:
-            raise IllegalTransition(f"request {rid!r} is {r.state.value}; allocate needs it resident")
-        if num_tokens <= r.tokens:
+        if r.state is not S.RESIDENT:  # the hot path asks once, the guard says why
+            guard(r, Op.ALLOCATE)
+        if num_tokens <= r.num_tokens:
             return True
         extra = self.pages_for(num_tokens) - r.device
         if extra > 0:
             if not self._take(_DEV, extra):
                 return False
             r.device += extra
-        r.tokens = num_tokens
+        r.num_tokens = num_tokens
         return True
 
     def remove_request(self, rid: str) -> None:
         """Forget ``rid`` and free every page it holds (a transfer in flight is abandoned)."""
-        r = self._req(rid)
-        self._give(_DEV, r.device)
-        self._give(_HOST, r.host)
-        self._give(_DISK, r.disk)
-        del self._reqs[rid]
+        self._life.remove(rid)
+
+    def admit(self, step, ctx) -> AdmitOutcome:
+        """OK only when the request's KV is resident (a reload lands at a ``poll``)."""
+        return AdmitOutcome(*self._life.admission(self._req(step.rid, "admit")))
+
+    def close(self) -> None:
+        """Every later call raises CacheClosed (idempotent); nothing runs in the background."""
+        self._life.closed = True
 
     # -- cached prefix blocks --------------------------------------------------------
 
@@ -293,7 +263,7 @@ class ModeledKVCache:
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._blocks[i]:
             raise ValueError(f"give_block_pages: n must be an int in [0, {self._blocks[i]}] "
                              f"for {tier.value}, got {n!r}")
-        self._give(i, n)
+        self._used[i] -= n
         self._blocks[i] -= n
 
     def move_block_pages(self, src: Tier, dst: Tier, n: int) -> bool:
@@ -310,27 +280,16 @@ class ModeledKVCache:
         self._occupy(links, n * self.page_bytes)
         return True
 
-    # -- page counters --------------------------------------------------------------
-
-    def _can_take(self, tier: int, n: int) -> bool:
-        return self._used[tier] + n <= self._cap[tier]
-
     def _take(self, tier: int, n: int) -> bool:
         used = self._used[tier] + n
         if used > self._cap[tier]:
             return False
         self._used[tier] = used
-        st = self.stats
-        if tier == _DEV:
-            st.max_device_pages = max(st.max_device_pages, used)
-        elif tier == _HOST:
-            st.max_host_pages = max(st.max_host_pages, used)
-        else:
-            st.max_disk_pages = max(st.max_disk_pages, used)
+        peak = self._peak
+        if used > peak[tier]:
+            peak[tier] = used
+            setattr(self.stats, _PEAKS[tier], used)
         return True
-
-    def _give(self, tier: int, n: int) -> None:
-        self._used[tier] -= n
 
     # -- transfers --------------------------------------------------------------------
 
@@ -347,21 +306,11 @@ class ModeledKVCache:
             setattr(self.stats, f"bytes_{name}", getattr(self.stats, f"bytes_{name}") + nbytes)
         return done
 
-    def _start(self, r: _Rec, kind: str, links: tuple[str, ...], nbytes: int,
-               state: RequestState) -> None:
-        check_transition(r.rid, r.state, state)
-        done = self._occupy(links, nbytes)
+    def _start(self, r: PageRecord, move: Move, nbytes: int) -> None:
+        done = self._occupy(_MOVE_LINKS[move], nbytes)
         self._seq += 1
-        self._set(r, state)
-        r.job = self._seq
-        r.job_kind = kind
-        r.job_started = self._clock()
-        heapq.heappush(self._jobs, (done, self._seq, r.rid, Move(kind), nbytes))
-
-    @staticmethod
-    def _set(r: _Rec, state: RequestState) -> None:
-        r.state = state
-        r.tier = state.tier
+        self._life.begin(r, lc.Job(move, self._clock(), self._seq))
+        heapq.heappush(self._jobs, (done, self._seq, r.rid, move, nbytes))
 
     def copy_in(self, nbytes: int, source: Tier) -> float:
         """A copy of ``nbytes`` from ``source`` (HOST or DISK) into pages the caller
@@ -374,20 +323,23 @@ class ModeledKVCache:
             return self._occupy(("disk_read", "h2d"), nbytes)
         raise ValueError(f"copy_in: source must be HOST or DISK, got {source!r}")
 
+    def _current(self, rid: str, seq: int) -> PageRecord | None:
+        r = self._reqs.get(rid)
+        return r if r is not None and r.job is not None and r.job.handle == seq else None
+
     def next_completion(self) -> float | None:
         """Clock time at which the earliest transfer in flight completes (None: none)."""
         jobs = self._jobs
         while jobs:
             _, seq, rid, move, nbytes = jobs[0]
-            r = self._reqs.get(rid)
-            if r is not None and r.job == seq:
+            if self._current(rid, seq) is not None:
                 return jobs[0][0]
             heapq.heappop(jobs)  # its request was removed: the next poll reports it
             self._abandoned.append(_removed(rid, move, nbytes))
         return None
 
     def in_flight(self) -> int:
-        return sum(1 for r in self._reqs.values() if r.job)
+        return len(self._life.inflight)
 
     def poll(self) -> list[TransferResult]:
         """Apply every transfer whose completion time has come; one ``TransferResult`` per
@@ -400,54 +352,30 @@ class ModeledKVCache:
             return []
         self._abandoned = []
         now = self._clock()
+        life = self._life
         while jobs and jobs[0][0] <= now:
             finished_at, seq, rid, move, nbytes = heapq.heappop(jobs)
-            r = self._reqs.get(rid)
-            if r is None or r.job != seq:
+            r = self._current(rid, seq)
+            if r is None:
                 out.append(_removed(rid, move, nbytes))
                 continue
-            r.job = 0
-            getattr(self, f"_done_{r.job_kind}")(r, finished_at)
-            out.append(TransferResult(rid, move, True, nbytes, r.state))
+            job = life.end(r)
+            out.append(life.land(r, move, nbytes, job.started, finished_at))
         return out
-
-    def _done_offload_host(self, r: _Rec, at: float) -> None:
-        self._give(_DEV, r.device)
-        r.device = 0
-        self._set(r, S.ON_HOST)
-        self.stats.offloads_to_host += 1
-
-    def _done_offload_disk(self, r: _Rec, at: float) -> None:
-        self._give(_DEV, r.device)
-        r.device = 0
-        self._set(r, S.ON_DISK)
-        self.stats.offloads_to_disk += 1
-
-    def _done_demote(self, r: _Rec, at: float) -> None:
-        self._give(_HOST, r.host)
-        r.host = 0
-        self._set(r, S.ON_DISK)
-        self.stats.demotions += 1
-
-    def _done_reload_host(self, r: _Rec, at: float) -> None:
-        self._give(_HOST, r.host)
-        r.host = 0
-        self._set(r, S.RESIDENT)
-        self.stats.reloads_from_host += 1
-        self.stats.reload_stall_s_total += at - r.job_started
-
-    def _done_reload_disk(self, r: _Rec, at: float) -> None:
-        self._give(_DISK, r.disk)
-        r.disk = 0
-        self._set(r, S.RESIDENT)
-        self.stats.reloads_from_disk += 1
-        self.stats.reload_stall_s_total += at - r.job_started
 
     # -- eviction hooks ----------------------------------------------------------------
 
     @property
     def supports_eviction(self) -> bool:
         return True
+
+    def _room_below(self) -> int:
+        """The most pages an offload could take now (host, or disk where allowed)."""
+        used, cap = self._used, self._cap
+        room = cap[_HOST] - used[_HOST]
+        if self.offload_to_disk_when_host_full:
+            room = max(room, cap[_DISK] - used[_DISK])
+        return room
 
     def reclaimable(self, rid: str) -> int:
         r = self._reqs.get(rid)
@@ -457,17 +385,15 @@ class ModeledKVCache:
         if r.state is not S.RESIDENT or not n:
             return 0
         used, cap = self._used, self._cap
-        if used[_HOST] + n <= cap[_HOST] or used[_DISK] + n <= cap[_DISK]:
+        if used[_HOST] + n <= cap[_HOST] or (
+                self.offload_to_disk_when_host_full and used[_DISK] + n <= cap[_DISK]):
             return n * self.page_bytes
         return 0
 
     def reclaimable_many(self, rids: Sequence[str]) -> np.ndarray:
         """``reclaimable`` of each of ``rids`` (int64), in one call; changes nothing."""
         reqs = self._reqs
-        used, cap = self._used, self._cap
-        host_free = cap[_HOST] - used[_HOST]
-        disk_free = cap[_DISK] - used[_DISK]
-        room = max(host_free, disk_free)
+        room = self._room_below()
         page_bytes = self.page_bytes
         resident = S.RESIDENT
         out = np.zeros(len(rids), dtype=np.int64)
@@ -488,124 +414,73 @@ class ModeledKVCache:
     def get_offload_priority(self, rid: str) -> float:
         """The real cache's rule (``retention_offload_priority``)."""
         r = self._req(rid)
-        return retention_offload_priority(r.retention, r.expiry_s, self._clock() - r.ingested_at)
-
-    def is_offloaded(self, rid: str) -> bool:
-        return self._req(rid).state in OFFLOADED_STATES
-
-    def can_reload(self, rid: str) -> bool:
-        return self._req(rid).state in RELOADABLE_STATES
+        o = r.overrides or NO_OVERRIDES
+        return retention_offload_priority(o.retention_priority, o.retention_expiry_s,
+                                          self._clock() - r.ingested_at)
 
     def reload_bytes(self, rid: str) -> int:
         r = self._req(rid)
         if r.state not in OFFLOADED_STATES:
             return 0
-        return self.pages_for(r.tokens) * self.page_bytes
+        return self.pages_for(r.num_tokens) * self.page_bytes
 
     def offload(self, rid: str) -> int:
-        """Start moving a resident request to host, or to disk when the host is full.
-        Returns the device bytes it will free; 0 (nothing changed) when neither has room."""
-        r = self._req(rid)
-        if r.state is not S.RESIDENT:
-            raise IllegalTransition(
-                f"offload: request {rid!r} is {r.state.value}; only a resident request offloads"
-            )
+        """Start moving a resident request to host, or to disk when the host is full (and
+        that is allowed). Returns the device bytes it will free; 0 (nothing changed) when
+        no tier below has room or the request holds no pages."""
+        r = self._req(rid, "offload")
+        guard(r, Op.OFFLOAD)
         n = r.device
-        nbytes = n * self.page_bytes
-        if self._take(_HOST, n):
+        used, cap = self._used, self._cap
+        move = lc.offload_move(used[_HOST] + n <= cap[_HOST], used[_DISK] + n <= cap[_DISK],
+                            self.offload_to_disk_when_host_full) if n else None
+        if move is None:
+            if n:
+                self.stats.offload_refusals += 1
+            return 0
+        if move is Move.OFFLOAD_TO_HOST:
+            self._take(_HOST, n)
             r.host = n
-            self._start(r, "offload_host", ("d2h",), nbytes, S.OFFLOADING)
-            return nbytes
-        if self._take(_DISK, n):
+        else:
+            self._take(_DISK, n)
             r.disk = n
-            self._start(r, "offload_disk", ("d2h", "disk_write"), nbytes, S.OFFLOADING)
-            return nbytes
-        self.stats.offload_refusals += 1
-        return 0
+        nbytes = n * self.page_bytes
+        self._start(r, move, nbytes)
+        return nbytes
 
     def demote(self, rid: str) -> bool:
         """Start moving an on-host request to disk; False (nothing changed) if it does not fit."""
-        r = self._req(rid)
-        if r.state is not S.ON_HOST:
-            raise IllegalTransition(
-                f"demote: request {rid!r} is {r.state.value}; only an on-host request demotes"
-            )
+        r = self._req(rid, "demote")
+        guard(r, Op.DEMOTE)
+        if not r.host:
+            return False
         if not self._take(_DISK, r.host):
             self.stats.demote_refusals_disk_full += 1
             return False
         r.disk = r.host
-        self._start(r, "demote", ("disk_write",), r.host * self.page_bytes, S.DEMOTING)
+        self._start(r, Move.DEMOTE, r.host * self.page_bytes)
         return True
 
     def reload(self, rid: str) -> bool:
         """Start bringing an offloaded request back; False (nothing changed) if it does not fit."""
-        r = self._req(rid)
-        if r.state not in (S.ON_HOST, S.ON_DISK):
-            raise IllegalTransition(
-                f"reload: request {rid!r} is {r.state.value}; only an offloaded request reloads"
-            )
-        n = self.pages_for(r.tokens)
+        r = self._req(rid, "reload")
+        guard(r, Op.RELOAD)
+        n = self.pages_for(r.num_tokens)
         if not self._take(_DEV, n):
             self.stats.reload_refusals += 1
             return False
         r.device = n
-        if r.state is S.ON_HOST:
-            self._start(r, "reload_host", ("h2d",), n * self.page_bytes, S.RELOADING)
-        else:
-            self._start(r, "reload_disk", ("disk_read", "h2d"), n * self.page_bytes, S.RELOADING)
+        self._start(r, lc.RELOAD_FROM[r.state.tier], n * self.page_bytes)
         return True
-
-    def drop(self, rid: str) -> None:
-        """Give up an offloaded request's KV (it will be recomputed); it becomes LOST."""
-        r = self._req(rid)
-        if r.state not in (S.ON_HOST, S.ON_DISK):
-            raise IllegalTransition(
-                f"drop: request {rid!r} is {r.state.value}; only an offloaded request is dropped"
-            )
-        self._give(_HOST, r.host)
-        self._give(_DISK, r.disk)
-        r.host = r.disk = 0
-        self._set(r, S.LOST)
-        self.stats.dropped += 1
 
     # -- integrity ------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Page counters equal what the records hold; no tier over capacity; each
-        record holds exactly what its state allows."""
-        held = list(self._blocks)
-        problems = []
-        for rid, r in self._reqs.items():
-            held[_DEV] += r.device
-            held[_HOST] += r.host
-            held[_DISK] += r.disk
-            if r.tier is not r.state.tier:
-                problems.append(f"{rid}: tier {r.tier} does not match state {r.state.value}")
-            need = self.pages_for(r.tokens)
-            has = tuple(n > 0 for n in (r.device, r.host, r.disk))
-            allowed = {
-                S.RESIDENT: {(True, False, False)},
-                S.OFFLOADING: {(True, True, False), (True, False, True)},
-                S.ON_HOST: {(False, True, False)},
-                S.DEMOTING: {(False, True, True)},
-                S.ON_DISK: {(False, False, True)},
-                S.RELOADING: {(True, True, False), (True, False, True)},
-                S.LOST: {(False, False, False)},
-            }[r.state]
-            if need == 0 or r.state is S.LOST:
-                allowed = allowed | {(False, False, False)}
-            if has not in allowed:
-                problems.append(f"{rid}: state {r.state.value} holds device/host/disk {has}")
-            for name, n in (("device", r.device), ("host", r.host), ("disk", r.disk)):
-                if n and n != need:
-                    problems.append(f"{rid}: {n} {name} pages for {r.tokens} tokens")
-            if r.state.in_flight != bool(r.job):
-                problems.append(f"{rid}: state {r.state.value} but job={r.job}")
-        for i, tier in enumerate(_TIERS):
-            if held[i] != self._used[i]:
-                problems.append(f"{tier.value}: records hold {held[i]} pages, counter says "
-                                f"{self._used[i]}")
-            if not 0 <= self._used[i] <= self._cap[i]:
-                problems.append(f"{tier.value}: {self._used[i]} pages used of {self._cap[i]}")
+        """Page counters equal what the records (and cached blocks) hold; no tier over
+        capacity; each record holds exactly what its state allows (``Lifecycle.check``)."""
+        used, cap = lc.ledger_maps(self.ledger)
+        extra = dict(zip(lc.TIERS, self._blocks, strict=True))
+        problems = self._life.check(lambda r: self.pages_for(r.num_tokens), used=used,
+                                    capacity=cap, extra=extra)
         if problems:
             raise AssertionError("ModeledKVCache integrity: " + "; ".join(problems[:20]))

@@ -1,0 +1,144 @@
+"""The data plane of ``PagedKVCache``: reading and writing K/V through page tables.
+
+``KVDataPlane`` is the part of the cache an attention kernel talks to: the
+device page tables, one layer's K/V over all device pages, and token-range
+writes and reads of a resident request. It moves no request between tiers;
+a read or write of a request that is not resident raises (a reload that has
+finished is applied first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from resources.kv_records import RequestLost, RequestRecord
+from tiering.types import IllegalTransition, RequestState
+
+S = RequestState
+
+
+def check_int(what: str, name: str, value: Any, lo: int | None = 0) -> int:
+    """``value`` as an int (bool is not an int here), at least ``lo``; else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{what}: {name} must be >= {lo}, got {value}")
+    return value
+
+
+class KVDataPlane:
+    """Page tables, layer views, writes and reads (a part of ``PagedKVCache``)."""
+
+    def page_table(self, rid: str) -> list[int]:
+        """Device slots of the request, in token order. Only while it is resident."""
+        r = self._req(rid, "page_table")
+        if r.state is not S.RESIDENT:
+            raise IllegalTransition(f"request {rid!r} is {r.state.value}; it has no page table")
+        return list(r.shared) + list(r.device)
+
+    def device_page_table(self, rid: str) -> torch.Tensor:
+        """The request's device slots as a long tensor on the device (kept per
+        request, rebuilt only when its slots change; no host sync to use it)."""
+        return self._index(self._readable(rid, "device_page_table"))
+
+    def _index(self, r: RequestRecord) -> torch.Tensor:
+        if r.index is None or r.index.numel() != len(r.shared) + len(r.device):
+            r.index = torch.tensor(r.shared + r.device, dtype=torch.long).to(self.device)
+            self.stats.page_tables_built += 1
+        return r.index
+
+    def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer over all device pages, ``[pages, tokens, heads, dim]``
+        views (no copy) for attention kernels that take a page table."""
+        self._open("layer_view")
+        self._check_layer("layer_view", layer)
+        return self._dev[:, layer, 0], self._dev[:, layer, 1]
+
+    def _check_layer(self, what: str, layer: int) -> None:
+        check_int(what, "layer", layer, lo=None)
+        if not 0 <= layer < self.geometry.num_layers:
+            raise ValueError(f"{what}: layer {layer} out of range [0, {self.geometry.num_layers})")
+
+    def _token_pages(self, r: RequestRecord, start: int, n: int):
+        """(slot, offset in page, token index in the input, count) pieces of a token range."""
+        T = self.geometry.page_tokens
+        table = r.shared + r.device
+        pos, end = start, start + n
+        while pos < end:
+            page, off = divmod(pos, T)
+            take = min(T - off, end - pos)
+            yield table[page], off, pos - start, take
+            pos += take
+
+    def _check_kv(self, what: str, k: Any, v: Any) -> None:
+        g = self.geometry
+        want = (g.num_kv_heads, g.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != want:
+            raise ValueError(
+                f"{what}: k and v must both be [tokens, {want[0]}, {want[1]}],"
+                f" got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != g.dtype:
+                raise ValueError(f"{what}: {name}.dtype is {t.dtype}; the cache holds {g.dtype}")
+            if t.device.type != self.device.type or (
+                self.device.type == "cuda" and t.device.index != self.device.index
+            ):
+                raise ValueError(f"{what}: {name}.device is {t.device}; the cache is on {self.device}")
+
+    def write(self, rid: str, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V ``[tokens, heads, dim]`` of one layer at token ``start``.
+
+        ``k`` and ``v`` must already have the cache's dtype and device (nothing
+        is converted)."""
+        what = f"write({rid!r})"
+        r = self._req(rid, "write")
+        self._check_layer(what, layer)
+        check_int(what, "start", start)
+        self._check_kv(what, k, v)
+        n = k.shape[0]
+        if start + n > r.num_tokens:
+            raise ValueError(
+                f"{what}: tokens [{start}, {start + n}) are past the {r.num_tokens}"
+                " allocated tokens"
+            )
+        if start < len(r.shared) * self.geometry.page_tokens:
+            raise ValueError(
+                f"{what}: tokens from {start} fall in published page {start // self.geometry.page_tokens}"
+                f" (the first {len(r.shared) * self.geometry.page_tokens} tokens are published and immutable)"
+            )
+        r = self._readable(rid, "write")
+        for slot, off, i, take in self._token_pages(r, start, n):
+            self._dev[slot, layer, 0, off : off + take].copy_(k[i : i + take])
+            self._dev[slot, layer, 1, off : off + take].copy_(v[i : i + take])
+
+    def read(self, rid: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[num_tokens, heads, dim]`` of one layer (copies), gathered
+        through the request's device page table (no host sync)."""
+        self._req(rid, "read")
+        self._check_layer(f"read({rid!r})", layer)
+        r = self._readable(rid, "read")
+        g = self.geometry
+        pages = self._dev[:, layer].index_select(0, self._index(r))  # [p, 2, T, H, D]
+        k = pages[:, 0].reshape(-1, g.num_kv_heads, g.head_dim)[: r.num_tokens]
+        v = pages[:, 1].reshape(-1, g.num_kv_heads, g.head_dim)[: r.num_tokens]
+        return k, v
+
+    def _readable(self, rid: str, what: str) -> RequestRecord:
+        r = self._req(rid, what)
+        if r.state is S.LOST:
+            raise RequestLost(rid, r.lost_reason or "unknown")
+        if r.state is S.RELOADING:
+            self._finish_now(r)  # maybe the copy is done already
+        if r.state is not S.RESIDENT:
+            raise IllegalTransition(
+                f"{what}: request {rid!r} is {r.state.value}; it must be resident on the device"
+            )
+        self._streams.wait_on_compute(r.ready_event)
+        r.ready_event = None
+        return r
