@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     # the front door
     "TieredKV": "tiering.tiered",
     "TieredKVConfig": "tiering.tiered",
+    "Readiness": "tiering.tiered",
     "TieredCache": "tiering.control.protocols",
     # the parts
     "PagedKVCache": "resources.kv_cache",
