@@ -909,6 +909,8 @@ class PagedKVCache(Resource):
         applied (a removed request's finished copy has ``state=None``).
         Never raises for a fault in a transfer or its completion."""
         self._open("poll")
+        if self._prefix is not None:
+            self._prefix.poll_shared()  # the shared cold tier: finished fetches and publishes
         if self._prefix is not None and self._prefix.orphans:
             self._prefix.poll_orphans()
         done, self._unreported = self._unreported, []
@@ -1107,6 +1109,7 @@ class PagedKVCache(Resource):
         futs += [t.future for t in self._tombstones.values()]
         if self._prefix is not None:
             futs += [f for f, _ in self._prefix.orphans]
+            timeout = self._prefix.wait_shared(timeout)  # the shared tier's fetches and publishes
         _, pending = cf.wait(futs, timeout=timeout)
         done = self.poll()
         if pending:
@@ -1126,22 +1129,32 @@ class PagedKVCache(Resource):
     prefix_skip_safe = True  # a hit only skips tokens whose K/V the cache already holds
 
     def enable_prefix_cache(self, root, walks=None, *, policy: str = "lru",
-                            disk_batch_pages: int = 16) -> bool:
+                            disk_batch_pages: int = 16, shared=None,
+                            shared_refresh_s: float = 10.0) -> bool:
         """Open the block store under ``root`` (16 bytes, or a ``tiering.blocks.KeyRoot``).
 
         ``policy`` names the block retention policy of every tier
         (``policies.blocks.make_block_policy``); ``disk_batch_pages`` is how many
-        blocks one host -> disk write packs. Enabling twice with another root is
-        an error; with the same root it does nothing. ``walks`` is accepted for
-        the engine contract and not used (every walk's writes are keyed)."""
+        blocks one host -> disk write packs. ``shared`` (a
+        ``tiering.coldtier.SharedTierConfig``, ``SharedBlockStore`` or ``BlockQueue``)
+        adds the shared cold tier: published blocks are written there, and an
+        attach that misses locally fetches blocks other workers published
+        (``docs/coldtier.md``); its index of what exists is refreshed every
+        ``shared_refresh_s`` seconds of the cache's clock, from ``poll``. Enabling
+        twice with another root, or with a shared tier the first call did not
+        have, is an error; with the same root it does nothing. ``walks`` is
+        accepted for the engine contract and not used (every walk's writes are keyed)."""
         self._open("enable_prefix_cache")
         del walks
         key = as_root(root)
         if self._prefix is not None:
             if self._prefix.root != key:
                 raise ValueError("enable_prefix_cache: already enabled under another root")
+            if shared is not None and (self._prefix.shared is None or shared not in (
+                    self._prefix.shared.queue, self._prefix.shared.blocks)):
+                raise ValueError("enable_prefix_cache: already enabled; a shared tier is given at the first call")
             return True
-        self._prefix = PrefixCache(self, key, policy, disk_batch_pages)
+        self._prefix = PrefixCache(self, key, policy, disk_batch_pages, shared, shared_refresh_s)
         return True
 
     @property
@@ -1222,10 +1235,15 @@ class PagedKVCache(Resource):
         for t in Tier:
             out.setdefault(f"hit_tokens_{t.value}", 0)
             out[f"blocks_on_{t.value}"] = p.index.count(t)
+        for name in p.shared_counters():
+            out.setdefault(name, 0)
         return out
 
     def _reload_prefix(self, r: RequestRecord) -> bool:
         p = self._prefix
+        if p.fetch_pending(r):  # a block is still on its way from the shared tier: not yet
+            p.stats["shared_reload_waits"] += 1
+            return False
         k = len(r.prefix_load.positions)
         p.ensure_device(k)
         pages = self.device_pool.allocate(BLOCKS, k)
@@ -1248,8 +1266,9 @@ class PagedKVCache(Resource):
         work, r.load_work = r.load_work, None
         results = job.future.result() if exc is None else [f"read_failed: {_why(exc)}"] * len(work)
         kept, reason = p.finish_load(r, work, results)
-        positions = r.prefix_load.positions
+        positions, cut = r.prefix_load.positions, r.prefix_load.failed
         r.prefix_load = None
+        reason = reason or cut  # blocks cut before the load (a failed shared fetch)
         if kept < len(work):
             p.truncate(r, positions[kept], reason)
         self._set_state(r, S.RESIDENT)
@@ -1395,6 +1414,8 @@ class PagedKVCache(Resource):
         """Stop every worker, close the disk tier, then unregister the host slab
         (only once every worker has joined: a copy may still read it)."""
         self._closed = True
+        if self._prefix is not None:
+            self._prefix.close(timeout)  # the shared tier's queue, if the cache built it
         joined = all([ex.shutdown(timeout=timeout) for ex in self._executors])
         if self.disk is not None:
             try:

@@ -1,0 +1,359 @@
+"""PagedKVCache's prefix cache on the shared cold tier.
+
+Two workers with the same root share published blocks through the object store: worker A
+publishes random KV, worker B (another process, or another cache with its own disk) attaches
+and reads it bitwise. The counters prove the shared path ran (``shared_fetched``, no local
+hit). Negative controls: another root finds nothing; a damaged object is refused and the
+request keeps only the blocks before it; a frozen server makes the fetch a miss without any
+call on the step path waiting. The first tests run against a real SeaweedFS server
+(``seaweed_fixture``); the rest use obstore's in-memory store with gates and faults, and a
+hypothesis state machine. ``check_integrity`` runs after every operation.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import numpy as np
+import obstore
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from obstore.store import MemoryStore
+from seaweed_fixture import _seaweed_shared, seaweed, seaweed_faults  # noqa: F401  (fixtures)
+
+from resources.base import ResourceStep, StepContext
+from resources.kv_cache import PagedKVCache
+from resources.kv_geometry import KVGeometry
+from tiering.blocks import KeyRoot
+from tiering.coldtier import (
+    BlockQueue,
+    BlockStatus,
+    BreakerConfig,
+    ColdTierConfig,
+    SharedBlockStore,
+    SharedTierConfig,
+    block_path,
+    frame,
+)
+from tiering.coldtier.frame import KIND_BLOCK
+from tiering.disk import DiskConfig
+from tiering.types import RequestState, Tier
+
+S = RequestState
+GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_tokens=4)
+T = GEOM.page_tokens
+GEOM_ID = GEOM.fingerprint().encode()
+
+
+def root(model: str = "m") -> KeyRoot:
+    return KeyRoot(GEOM.fingerprint(), model, page_tokens=T)
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(disk_dir=None, shared=None, model="m", device_pages=16, host_pages=8, **kw):
+    disk = None
+    if disk_dir is not None:
+        disk = DiskConfig(path=str(disk_dir), capacity_bytes=32 * GEOM.page_bytes,
+                          chunk_bytes=2 * GEOM.page_bytes)
+    kv = PagedKVCache(GEOM, "cpu", device_pages, host_pages, disk=disk, **kw)
+    assert kv.enable_prefix_cache(root(model), shared=shared)
+    kv.check_integrity()
+    return kv
+
+
+def fill(kv, rid, gen, n, start=0):
+    """Allocate ``n`` tokens from ``start``, write random K/V into every layer; returns it."""
+    assert kv.allocate(rid, start + n)
+    out = []
+    for layer in range(GEOM.num_layers):
+        k = torch.randn(n, GEOM.num_kv_heads, GEOM.head_dim, generator=gen).to(GEOM.dtype)
+        v = torch.randn(n, GEOM.num_kv_heads, GEOM.head_dim, generator=gen).to(GEOM.dtype)
+        kv.write(rid, layer, start, k, v)
+        out.append((k, v))
+    kv.check_integrity()
+    return out
+
+
+def assert_kv(kv, rid, want, ntok):
+    for layer, (k, v) in enumerate(want):
+        gk, gv = kv.read(rid, layer)
+        assert torch.equal(gk[:ntok], k[:ntok]) and torch.equal(gv[:ntok], v[:ntok])
+
+
+def publish_random(kv, gen, rid="a", n=13):
+    ids = torch.randint(0, 1000, (n,), generator=gen, dtype=torch.long)
+    kv.ingest_request(rid)
+    data = fill(kv, rid, gen, n)
+    assert kv.publish_prefix(rid, ids) == (n // T) * T
+    kv.check_integrity()
+    return ids, data
+
+
+def admit(kv, rid) -> bool:
+    return bool(kv.admit(ResourceStep(rid), StepContext()))
+
+
+def load(kv, rid, timeout=30.0):
+    """Sync until the request's fetches land, reload it, sync until it is resident."""
+    kv.synchronize(timeout)
+    kv.check_integrity()
+    if kv.is_offloaded(rid):
+        assert not admit(kv, rid)
+        assert kv.reload(rid)
+        kv.check_integrity()
+        kv.synchronize(timeout)
+        kv.check_integrity()
+    assert admit(kv, rid)
+
+
+def local_hits(st: dict) -> int:
+    return st["hit_tokens_device"] + st["hit_tokens_host"] + st["hit_tokens_disk"]
+
+
+# -- against the real server ------------------------------------------------------------------
+def _publisher(url, opts, seed, out):
+    """Worker A in its own process: publish random KV under the common root, send it back."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = make(shared=SharedTierConfig(url, opts))
+    try:
+        ids, data = publish_random(kv, gen, n=17)
+        kv.synchronize(60)
+        raw = [(k.view(torch.int16).numpy(), v.view(torch.int16).numpy()) for k, v in data]
+        out.put({"ids": ids.numpy(), "data": raw,
+                 "stats": kv.prefix_stats()})
+    finally:
+        kv.close()
+
+
+def test_two_worker_processes_share_a_prefix_bitwise(seaweed, tmp_path):  # noqa: F811
+    url, opts = seaweed.url(), seaweed.options()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_publisher, args=(url, opts, 11, out))
+    p.start()
+    try:
+        got, deadline = None, time.monotonic() + 180
+        while got is None and time.monotonic() < deadline:
+            try:
+                got = out.get(timeout=1)
+            except Exception:  # queue.Empty: keep waiting while the worker lives
+                if not p.is_alive():
+                    break
+        assert got is not None, "the publishing worker sent nothing"
+    finally:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+    assert p.exitcode == 0
+    assert got["stats"]["shared_published"] == 4 and got["stats"]["shared_publish_failed"] == 0
+    ids = torch.from_numpy(got["ids"])
+    data = [(torch.from_numpy(k).view(GEOM.dtype), torch.from_numpy(v).view(GEOM.dtype))
+            for k, v in got["data"]]
+
+    kv_b = make(tmp_path / "b", shared=SharedTierConfig(url, opts))
+    kv_c = make(tmp_path / "c", shared=SharedTierConfig(url, opts), model="other")  # another root
+    kv_n = make(tmp_path / "n")  # no shared tier
+    try:
+        for kv in (kv_b, kv_c, kv_n):
+            kv.synchronize(30)  # the first listing of the root's blocks lands
+            kv.check_integrity()
+        hit = kv_b.cached_prefix(ids)
+        assert (hit.tokens, hit.shared, hit.device + hit.host + hit.disk) == (16, 16, 0)
+        kv_b.ingest_request("b")
+        assert kv_b.attach_prefix("b", ids) == 16
+        kv_b.check_integrity()
+        assert kv_b.is_offloaded("b") and not admit(kv_b, "b")
+        load(kv_b, "b")
+        assert kv_b.num_tokens("b") == 16
+        assert_kv(kv_b, "b", data, 16)
+        st = kv_b.prefix_stats()
+        assert st["shared_fetched"] == 4 and st["hit_tokens_shared"] == 16
+        assert local_hits(st) == 0 and st.get("blocks_published", 0) == 0  # none was B's own
+        assert st["shared_lost"] == st["shared_unavailable"] == 0
+        # B goes on from the hit: its own tail, then it publishes; the shared blocks are known
+        fill(kv_b, "b", torch.Generator().manual_seed(5), 1, start=16)
+        kv_b.check_integrity()
+        # negative controls: another root, and no shared tier, find nothing for the same tokens
+        for kv in (kv_c, kv_n):
+            assert kv.cached_prefix(ids).tokens == 0
+            kv.ingest_request("x")
+            assert kv.attach_prefix("x", ids) == 0
+            kv.check_integrity()
+        assert kv_c.prefix_stats()["shared_fetched"] == 0
+        assert kv_c.prefix_stats()["shared_refreshes"] >= 1  # it did look
+    finally:
+        for kv in (kv_b, kv_c, kv_n):
+            kv.close()
+
+
+def test_two_caches_share_and_a_duplicate_is_harmless(seaweed, tmp_path):  # noqa: F811
+    gen = torch.Generator().manual_seed(21)
+    cfg = SharedTierConfig(seaweed.url(), seaweed.options())
+    kv_a, kv_b = make(tmp_path / "a", shared=cfg), make(tmp_path / "b", shared=cfg)
+    try:
+        kv_b.synchronize(30)  # B lists before A publishes: it knows nothing yet
+        ids, data = publish_random(kv_a, gen, n=9)
+        kv_a.synchronize(30)
+        assert kv_a.prefix_stats()["shared_published"] == 2
+        # B computed the same prefix itself (the same bytes): its publish finds them there
+        kv_b.ingest_request("same")
+        assert kv_b.allocate("same", 9)
+        for layer, (k, v) in enumerate(data):
+            kv_b.write("same", layer, 0, k, v)
+        kv_b.publish_prefix("same", ids)
+        kv_b.synchronize(30)
+        st = kv_b.prefix_stats()
+        assert st["shared_duplicates"] == 2 and st["shared_published"] == 0
+        # A's objects hold exactly A's pages, framed; B's duplicate changed none of them
+        for key in kv_a._prefix.keys(ids)[:2]:
+            raw = obstore.get(kv_a._prefix.shared.blocks.store, block_path(kv_a._prefix.root, key)).bytes()
+            assert raw == frame(KIND_BLOCK, key, kv_a._prefix.root, GEOM_ID, _page_bytes(data, key, kv_a, ids))
+    finally:
+        kv_a.close()
+        kv_b.close()
+
+
+def _page_bytes(data, key, kv, ids) -> bytes:
+    """The bytes of the page ``key`` names, built from the K/V written (what a page holds)."""
+    i = kv._prefix.keys(ids).index(key)
+    page = torch.empty(GEOM.page_shape, dtype=GEOM.dtype)
+    for layer, (k, v) in enumerate(data):
+        page[layer, 0] = k[i * T:(i + 1) * T].reshape(page[layer, 0].shape)
+        page[layer, 1] = v[i * T:(i + 1) * T].reshape(page[layer, 1].shape)
+    return page.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_damaged_shared_object_is_refused_and_recomputed(seaweed, tmp_path):  # noqa: F811
+    gen = torch.Generator().manual_seed(31)
+    cfg = SharedTierConfig(seaweed.url(), seaweed.options())
+    for damage in (False, True):  # the first pass is the control: nothing damaged, all hit
+        kv_a = make(tmp_path / f"a{damage}", shared=cfg, model=f"m{damage}")
+        kv_b = make(tmp_path / f"b{damage}", shared=cfg, model=f"m{damage}")
+        try:
+            ids, data = publish_random(kv_a, gen, n=13)
+            kv_a.synchronize(30)
+            keys = kv_a._prefix.keys(ids)
+            store, rt = kv_a._prefix.shared.blocks.store, kv_a._prefix.root
+            if damage:  # overwrite block 1 with the raw client: one payload byte changes
+                raw = bytearray(obstore.get(store, block_path(rt, keys[1])).bytes())
+                raw[len(raw) // 2] ^= 0x40
+                obstore.put(store, block_path(rt, keys[1]), bytes(raw))
+            kv_b._prefix._refresh()
+            kv_b.synchronize(30)
+            kv_b.ingest_request("b")
+            assert kv_b.attach_prefix("b", ids) == 12  # optimistic until fetched
+            load(kv_b, "b")
+            st = kv_b.prefix_stats()
+            valid = kv_b.num_tokens("b")
+            assert valid == (4 if damage else 12)
+            assert_kv(kv_b, "b", data, valid)
+            assert local_hits(st) == 0
+            if not damage:
+                assert st["shared_fetched"] == 3 and st["shared_lost"] == 0
+                continue
+            assert st["shared_fetched"] == 1 and st["shared_lost"] == 1
+            assert st["load_shared_lost"] == 1
+            # the refused object was deleted (it can be published again); block 2 was let go
+            with pytest.raises(FileNotFoundError):
+                obstore.head(store, block_path(rt, keys[1]))
+            assert keys[1] not in kv_b._prefix.index and keys[2] not in kv_b._prefix.index
+            # B recomputes the rest from the valid count: its own pages, its own bytes
+            kv_b.check_integrity()
+            assert kv_b.allocate("b", 13)
+            for layer, (k, v) in enumerate(data):
+                kv_b.write("b", layer, 4, k[4:13], v[4:13])
+            assert_kv(kv_b, "b", data, 13)
+            assert kv_b.publish_prefix("b", ids) == 12
+            kv_b.synchronize(30)
+            assert kv_b.prefix_stats()["shared_published"] == 1  # block 1 written again
+            kv_b.check_integrity()
+        finally:
+            kv_a.close()
+            kv_b.close()
+
+
+def test_frozen_server_mid_fetch_is_a_miss_and_no_step_waits(seaweed_faults, tmp_path):  # noqa: F811
+    srv = seaweed_faults
+    gen = torch.Generator().manual_seed(41)
+    url = srv.url()
+    kv_a = make(shared=SharedTierConfig(url, srv.options()))
+    clock = FakeClock()
+    cfg_b = SharedTierConfig(url, srv.options(timeout_s=1.5, max_retries=0),
+                             ColdTierConfig(io_threads=2, breaker=BreakerConfig(1, cooldown_s=5.0)))
+    kv_b = make(tmp_path / "b", shared=cfg_b, clock=clock)
+    try:
+        ids, data = publish_random(kv_a, gen, n=13)
+        kv_a.synchronize(30)
+        kv_b._prefix._refresh()
+        kv_b.synchronize(30)
+        assert kv_b.cached_prefix(ids).shared == 12
+        srv.freeze()
+        try:
+            slowest = 0.0
+
+            def timed(fn, *a):
+                nonlocal slowest
+                t0 = time.monotonic()
+                out = fn(*a)
+                slowest = max(slowest, time.monotonic() - t0)
+                return out
+
+            kv_b.ingest_request("b")
+            assert timed(kv_b.attach_prefix, "b", ids) == 12
+            deadline = time.monotonic() + 20
+            while kv_b._prefix.fetch_pending(kv_b._reqs["b"]) and time.monotonic() < deadline:
+                assert not timed(admit, kv_b, "b")
+                assert not timed(kv_b.reload, "b")  # not yet: the fetch is out
+                timed(kv_b.poll)
+                kv_b.check_integrity()
+                time.sleep(0.05)
+            assert not kv_b._prefix.fetch_pending(kv_b._reqs["b"])
+            assert slowest < 0.5, f"a step-path call took {slowest:.2f}s (client timeout 1.5s)"
+            st = kv_b.prefix_stats()
+            assert st["shared_fetched"] == 0 and st["shared_unavailable"] == 3
+            assert st["shared_reload_waits"] >= 1
+            assert kv_b._prefix.shared.blocks.breaker.stats().opened == 1
+            # the request keeps nothing of the prefix: it is a miss, recomputed from token 0
+            assert timed(kv_b.reload, "b")
+            kv_b.synchronize(10)
+            assert admit(kv_b, "b") and kv_b.num_tokens("b") == 0
+            kv_b.check_integrity()
+            # while the breaker is open, a lookup and an attach ask nothing of the store
+            assert kv_b.cached_prefix(ids).shared == 0
+            kv_b.ingest_request("b2")
+            assert timed(kv_b.attach_prefix, "b2", ids) == 0
+            assert slowest < 0.5
+            assert kv_b._prefix.shared.blocks.breaker.stats().opened == 1
+        finally:
+            srv.thaw()
+        # the blocks were left where they are: after the cooldown one trial fetch goes out (the
+        # request's other fetches are skipped, so it keeps one block) and closes the breaker
+        clock.t += 6
+        kv_b.ingest_request("b3")
+        assert kv_b.attach_prefix("b3", ids) == 12
+        load(kv_b, "b3")
+        assert kv_b.num_tokens("b3") == 4
+        assert kv_b.prefix_stats()["shared_fetched"] == 1
+        kv_b.ingest_request("b4")
+        assert kv_b.attach_prefix("b4", ids) == 12  # block 0 from the host now, 1 and 2 fetched
+        load(kv_b, "b4")
+        assert kv_b.num_tokens("b4") == 12
+        assert_kv(kv_b, "b4", data, 12)
+        st = kv_b.prefix_stats()
+        assert st["shared_fetched"] == 3 and st["hit_tokens_host"] == 4
+        assert kv_b._prefix.shared.blocks.breaker.stats().opened == 1
+    finally:
+        kv_a.close()
+        kv_b.close()
