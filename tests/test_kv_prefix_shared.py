@@ -16,11 +16,10 @@ import multiprocessing as mp
 import threading
 import time
 
-import numpy as np
 import obstore
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from obstore.store import MemoryStore
@@ -42,7 +41,7 @@ from tiering.coldtier import (
 )
 from tiering.coldtier.frame import KIND_BLOCK
 from tiering.disk import DiskConfig
-from tiering.types import RequestState, Tier
+from tiering.types import RequestState
 
 S = RequestState
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_tokens=4)
@@ -347,13 +346,335 @@ def test_frozen_server_mid_fetch_is_a_miss_and_no_step_waits(seaweed_faults, tmp
         assert kv_b.num_tokens("b3") == 4
         assert kv_b.prefix_stats()["shared_fetched"] == 1
         kv_b.ingest_request("b4")
-        assert kv_b.attach_prefix("b4", ids) == 12  # block 0 from the host now, 1 and 2 fetched
+        assert kv_b.attach_prefix("b4", ids) == 12  # block 0 is local now, 1 and 2 fetched
         load(kv_b, "b4")
         assert kv_b.num_tokens("b4") == 12
         assert_kv(kv_b, "b4", data, 12)
         st = kv_b.prefix_stats()
-        assert st["shared_fetched"] == 3 and st["hit_tokens_host"] == 4
+        assert st["shared_fetched"] == 3 and local_hits(st) == 4  # block 0: b3's, now local
         assert kv_b._prefix.shared.blocks.breaker.stats().opened == 1
     finally:
         kv_a.close()
         kv_b.close()
+
+
+# -- in memory: gates, faults, bad input, and a state machine ---------------------------------
+class GatedBlocks(SharedBlockStore):
+    """A block store whose fetches wait for ``gate`` (bounded), then fail as ``mode`` says."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.mode = "ok"  # "ok" | "unavailable"
+        self.fetches = 0
+
+    def fetch(self, key: bytes):
+        self.fetches += 1
+        assert self.gate.wait(10), "test gate never opened"
+        if self.mode == "unavailable":
+            from tiering.coldtier import BlockResult
+
+            return BlockResult("fetch", key, BlockStatus.UNAVAILABLE, reason="injected timeout")
+        return super().fetch(key)
+
+
+def pair(host_pages=8, device_pages=16, io_threads=1):
+    """Worker A and worker B on one in-memory store; B's fetches can be gated."""
+    mem = MemoryStore()
+    rt = root().key
+    cfg = ColdTierConfig(io_threads=io_threads)
+    a = make(shared=SharedBlockStore(mem, rt, GEOM_ID, config=cfg))
+    gated = GatedBlocks(mem, rt, GEOM_ID, config=cfg)
+    b = make(shared=gated, host_pages=host_pages, device_pages=device_pages)
+    return mem, a, b, gated
+
+
+def share(a, b, gen, n=13):
+    ids, data = publish_random(a, gen, n=n)
+    a.synchronize(10)
+    b._prefix._refresh()
+    b.synchronize(10)
+    return ids, data
+
+
+def test_reload_refuses_while_a_fetch_is_out_then_loads_bitwise():
+    gen = torch.Generator().manual_seed(51)
+    _, a, b, gated = pair()
+    try:
+        ids, data = share(a, b, gen)
+        gated.gate.clear()
+        b.ingest_request("b")
+        assert b.attach_prefix("b", ids) == 12
+        b.check_integrity()
+        for _ in range(3):
+            b.poll()
+            assert not admit(b, "b") and not b.reload("b")
+            b.check_integrity()
+        assert b.prefix_stats()["shared_reload_waits"] == 3
+        assert b.state_of("b") is S.ON_DISK and b.reload_bytes("b") == 3 * GEOM.page_bytes
+        gated.gate.set()
+        load(b, "b")
+        assert b.num_tokens("b") == 12
+        assert_kv(b, "b", data, 12)
+        st = b.prefix_stats()
+        assert st["shared_fetched"] == 3 and local_hits(st) == 0 and st["blocks_host_to_device"] == 3
+    finally:
+        gated.gate.set()
+        a.close()
+        b.close()
+
+
+def test_a_removed_requests_fetch_lands_as_a_host_block_or_is_adopted():
+    gen = torch.Generator().manual_seed(52)
+    _, a, b, gated = pair()
+    try:
+        ids, data = share(a, b, gen)
+        gated.gate.clear()
+        b.ingest_request("b")
+        assert b.attach_prefix("b", ids) == 12
+        b.remove_request("b")  # its fetches are let go, still in flight
+        b.check_integrity()
+        assert b.cached_prefix(ids).shared == 12  # let-go fetches can be taken up again
+        b.ingest_request("c")
+        assert b.attach_prefix("c", ids) == 12  # adopts the fetches in flight: no new request
+        assert b.prefix_stats()["shared_fetch_adopted"] == 3
+        b.remove_request("c")
+        b.check_integrity()
+        gated.gate.set()
+        b.synchronize(10)
+        b.check_integrity()
+        st = b.prefix_stats()
+        assert st["shared_prefetched"] == 3 and st["shared_fetched"] == 0
+        assert gated.fetches == 3  # one fetch per block, whoever waited for it
+        hit = b.cached_prefix(ids)
+        assert (hit.host, hit.shared) == (12, 0)  # now local host blocks
+        b.ingest_request("d")
+        assert b.attach_prefix("d", ids) == 12
+        load(b, "d")
+        assert_kv(b, "d", data, 12)
+        assert b.prefix_stats()["hit_tokens_host"] == 12 and gated.fetches == 3
+    finally:
+        gated.gate.set()
+        a.close()
+        b.close()
+
+
+def test_an_unavailable_fetch_keeps_the_blocks_before_it():
+    gen = torch.Generator().manual_seed(53)
+    for fail in (False, True):  # the control first: nothing fails, everything lands
+        _, a, b, gated = pair()
+        try:
+            ids, data = share(a, b, gen)
+            b.ingest_request("p")  # block 0 made local on B first: B's own copy of A's page
+            assert b.attach_prefix("p", ids[:5]) == 4
+            load(b, "p")
+            b.remove_request("p")
+            gated.mode = "unavailable" if fail else "ok"
+            b.ingest_request("b")
+            assert b.attach_prefix("b", ids) == 12  # block 0 local, 1 and 2 fetched
+            load(b, "b")
+            st = b.prefix_stats()
+            valid = b.num_tokens("b")
+            assert valid == (4 if fail else 12)
+            assert_kv(b, "b", data, valid)
+            assert st["shared_unavailable"] == (2 if fail else 0)
+            if fail:  # still known remotely: a miss now, a retry later
+                assert all(k in b._prefix.shared.known for k in b._prefix.keys(ids)[1:3])
+                assert st["load_shared_unavailable"] == 1
+        finally:
+            a.close()
+            b.close()
+
+
+def test_bad_shared_input_is_refused_and_changes_nothing():
+    mem = MemoryStore()
+    rt = root().key
+    with PagedKVCache(GEOM, "cpu", 4, 4) as kv:
+        bad = [
+            ("s3://bucket/p", "SharedTierConfig, SharedBlockStore or BlockQueue"),
+            (SharedBlockStore(mem, b"x" * 16, GEOM_ID), "another root"),
+            (SharedBlockStore(mem, rt, b"other-geometry"), "geometry"),
+            (BlockQueue(SharedBlockStore(mem, b"y" * 16, GEOM_ID)), "another root"),
+        ]
+        for shared, what in bad:
+            with pytest.raises(ValueError, match=what):
+                kv.enable_prefix_cache(root(), shared=shared)
+            assert not kv.prefix_enabled
+        with pytest.raises(ValueError, match="shared_refresh_s"):
+            kv.enable_prefix_cache(root(), shared=SharedBlockStore(mem, rt, GEOM_ID), shared_refresh_s=0)
+        assert not kv.prefix_enabled
+        assert kv.enable_prefix_cache(root())
+        with pytest.raises(ValueError, match="first call"):
+            kv.enable_prefix_cache(root(), shared=SharedBlockStore(mem, rt, GEOM_ID))
+        assert kv._prefix.shared is None
+        kv.check_integrity()
+    for kwargs, what in [({"url": "s3://bucket"}, "bucket root"), ({"url": "http://x/y"}, "s3"),
+                         ({"url": "s3://b/p", "storage_options": {"nope": 1}}, "nope"),
+                         ({"url": "s3://b/p", "storage_options": [1]}, "mapping"),
+                         ({"url": "s3://b/p", "tier": 3}, "ColdTierConfig")]:
+        with pytest.raises(ValueError, match=what):
+            SharedTierConfig(**kwargs)
+    opts = {"region": "us-east-1"}
+    cfg = SharedTierConfig("s3://b/p", opts)
+    opts["region"] = "changed"
+    assert cfg.storage_options["region"] == "us-east-1"  # copied read-only
+
+
+def test_a_passed_queue_is_the_callers_and_the_built_one_is_closed():
+    mem = MemoryStore()
+    rt = root().key
+    q = BlockQueue(SharedBlockStore(mem, rt, GEOM_ID))
+    kv = make(shared=q)
+    kv.close()
+    assert q.submit_refresh()  # still open: the caller's to close
+    q.close(5)
+    kv = make(shared=SharedBlockStore(mem, rt, GEOM_ID))
+    built = kv._prefix.shared.queue
+    kv.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        built.submit_refresh()
+
+
+def _page_for(key: bytes) -> torch.Tensor:
+    seed = int.from_bytes(key[:8], "little") >> 1
+    return torch.randn(GEOM.page_shape, generator=torch.Generator().manual_seed(seed)).to(GEOM.dtype)
+
+
+class SharedPrefixMachine(RuleBasedStateMachine):
+    """Worker A publishes, worker B attaches through the shared tier with its fetches gated,
+    failing or damaged objects; a page's bytes are a function of its key, so whatever B holds
+    resident must read back exactly those bytes."""
+
+    @initialize()
+    def setup(self) -> None:
+        self.mem, self.a, self.b, self.gated = pair(host_pages=4, device_pages=10, io_threads=2)
+        self.stems = [torch.randint(0, 50, (3 * T + 1,), generator=torch.Generator().manual_seed(s))
+                      for s in range(3)]
+        self.seq = 0
+        self.live: dict[str, torch.Tensor] = {}
+        for stem in range(3):  # every stem's pages are on the shared tier to begin with
+            self.a_publishes(stem, 3)
+        self.b.synchronize(10)
+
+    def _write_pages(self, kv, rid, ids, first_page):
+        keys = kv._prefix.keys(ids)
+        for i in range(first_page, len(keys)):
+            page = _page_for(keys[i])
+            for layer in range(GEOM.num_layers):
+                kv.write(rid, layer, i * T, page[layer, 0], page[layer, 1])
+
+    @rule(stem=st.integers(0, 2), pages=st.integers(1, 3))
+    def a_publishes(self, stem, pages):
+        ids = self.stems[stem][: pages * T + 1]
+        rid = f"a{self.seq}"
+        self.seq += 1
+        self.a.ingest_request(rid)
+        if not self.a.allocate(rid, len(ids)):
+            self.a.remove_request(rid)
+            return
+        self._write_pages(self.a, rid, ids, 0)
+        self.a.publish_prefix(rid, ids)
+        self.a.remove_request(rid)
+        self.a.synchronize(10)
+        self.b._prefix._refresh()
+
+    @rule(stem=st.integers(0, 2))
+    def b_attaches(self, stem):
+        ids = self.stems[stem]
+        rid = f"b{self.seq}"
+        self.seq += 1
+        self.b.ingest_request(rid)
+        self.b.attach_prefix(rid, ids)
+        self.live[rid] = ids
+
+    @rule()
+    def b_polls(self):
+        self.b.poll()
+
+    @rule()
+    def b_syncs(self):
+        self.gated.gate.set()
+        self.b.synchronize(10)
+
+    @rule(data=st.data())
+    def b_reloads(self, data):
+        offl = sorted(r for r in self.live if self.b.is_offloaded(r))
+        if offl:
+            self.b.reload(data.draw(st.sampled_from(offl)))
+
+    @rule(data=st.data())
+    def b_removes(self, data):
+        if self.live:
+            rid = data.draw(st.sampled_from(sorted(self.live)))
+            self.b.remove_request(rid)
+            del self.live[rid]
+
+    @rule(data=st.data())
+    def b_finishes(self, data):
+        """A resident request recomputes and publishes its full pages (B's own blocks)."""
+        res = sorted(r for r in self.live if self.b.state_of(r) is S.RESIDENT)
+        if not res:
+            return
+        rid = data.draw(st.sampled_from(res))
+        ids = self.live[rid]
+        have = self.b.num_tokens(rid)
+        if self.b.allocate(rid, len(ids)):
+            self._write_pages(self.b, rid, ids, have // T)
+            self.b.publish_prefix(rid, ids)
+
+    @rule(mode=st.sampled_from(["ok", "unavailable"]), gate=st.booleans())
+    def b_faults(self, mode, gate):
+        self.gated.mode = mode
+        (self.gated.gate.set if gate else self.gated.gate.clear)()
+
+    @rule(stem=st.integers(0, 2), page=st.integers(0, 2))
+    def damage_object(self, stem, page):
+        key = self.a._prefix.keys(self.stems[stem])[page]
+        path = block_path(self.a._prefix.root, key)
+        try:
+            raw = bytearray(obstore.get(self.mem, path).bytes())
+        except FileNotFoundError:
+            return
+        raw[-10] ^= 0x01
+        obstore.put(self.mem, path, bytes(raw))
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "b"):
+            return
+        self.a.check_integrity()
+        self.b.check_integrity()
+        for rid, ids in self.live.items():
+            if self.b.state_of(rid) is not S.RESIDENT or self.b._reqs[rid].prefix_load is not None:
+                continue
+            n = self.b.num_tokens(rid)
+            keys = self.b._prefix.keys(ids)
+            for layer in range(GEOM.num_layers):
+                k, v = self.b.read(rid, layer)
+                for i in range(n // T):
+                    page = _page_for(keys[i])
+                    assert torch.equal(k[i * T:(i + 1) * T], page[layer, 0]), (rid, i)
+                    assert torch.equal(v[i * T:(i + 1) * T], page[layer, 1]), (rid, i)
+
+    def teardown(self):
+        if not hasattr(self, "b"):
+            return
+        self.gated.gate.set()
+        self.b.synchronize(10)
+        self.b.check_integrity()
+        st = self.b.prefix_stats()
+        for name in ("shared_fetched", "shared_prefetched", "shared_lost", "shared_unavailable",
+                     "shared_reload_waits", "shared_fetch_adopted"):
+            event(f"{name} > 0: {st.get(name, 0) > 0}")
+        for rid in list(self.live):
+            self.b.remove_request(rid)
+        self.b.check_integrity()
+        assert not self.b._prefix.fetching
+        self.a.close()
+        self.b.close()
+
+
+TestSharedPrefixMachine = SharedPrefixMachine.TestCase
+TestSharedPrefixMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                            suppress_health_check=[HealthCheck.too_slow])
