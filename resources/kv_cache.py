@@ -1150,8 +1150,8 @@ class PagedKVCache(Resource):
         if self._prefix is not None:
             if self._prefix.root != key:
                 raise ValueError("enable_prefix_cache: already enabled under another root")
-            if shared is not None and (self._prefix.shared is None or shared not in (
-                    self._prefix.shared.queue, self._prefix.shared.blocks)):
+            if shared is not None and (self._prefix.shared is None
+                                       or not self._prefix.shared.same_source(shared)):
                 raise ValueError("enable_prefix_cache: already enabled; a shared tier is given at the first call")
             return True
         self._prefix = PrefixCache(self, key, policy, disk_batch_pages, shared, shared_refresh_s)
@@ -1205,8 +1205,10 @@ class PagedKVCache(Resource):
     def attach_prefix(self, rid: str, token_ids) -> int:
         """Give a freshly ingested request the longest cached prefix of ``token_ids``.
 
-        Device blocks are mapped by reference. Host and disk blocks are loaded
-        into fresh device pages: the request is then offloaded for those pages
+        Device blocks are mapped by reference. Host and disk blocks, and
+        blocks fetched from the shared cold tier (``reload`` refuses until
+        they have arrived), are loaded into fresh device pages: the request
+        is then offloaded for those pages
         (``is_offloaded`` True, ``admit`` not ready) until ``reload`` (the
         controller's admission) brings them in. The last token is never
         attached (its logits are needed). Returns the tokens attached; when a

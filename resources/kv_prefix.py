@@ -103,7 +103,8 @@ class _Fetch:
 class SharedLink:
     """A ``PrefixCache``'s handle on the shared cold tier: the queue, who owns it, the refresh timer."""
 
-    def __init__(self, queue, owned: bool, refresh_s: float, now: float) -> None:
+    def __init__(self, queue, owned: bool, refresh_s: float, now: float, source=None) -> None:
+        self.source = source  # what enable_prefix_cache was given
         self.queue = queue
         self.blocks = queue.blocks
         self.owned = owned
@@ -121,13 +122,13 @@ class SharedLink:
         if isinstance(shared, SharedTierConfig):
             store = open_s3_store(shared.url, shared.storage_options)
             blocks = SharedBlockStore(store, root, geometry, config=shared.tier, clock=clock)
-            return cls(BlockQueue(blocks), True, float(refresh_s), clock())
+            return cls(BlockQueue(blocks), True, float(refresh_s), clock(), shared)
         if isinstance(shared, SharedBlockStore):
             cls._check_ids(shared, root, geometry)
-            return cls(BlockQueue(shared), True, float(refresh_s), clock())
+            return cls(BlockQueue(shared), True, float(refresh_s), clock(), shared)
         if isinstance(shared, BlockQueue):
             cls._check_ids(shared.blocks, root, geometry)
-            return cls(shared, False, float(refresh_s), clock())
+            return cls(shared, False, float(refresh_s), clock(), shared)
         raise ValueError("enable_prefix_cache: shared must be a SharedTierConfig, SharedBlockStore or"
                          f" BlockQueue, got {type(shared).__name__}")
 
@@ -142,6 +143,9 @@ class SharedLink:
     @property
     def known(self):
         return self.blocks.known
+
+    def same_source(self, shared) -> bool:
+        return shared is self.source or (type(shared) is type(self.source) and shared == self.source)
 
     def close(self, timeout_s: float) -> None:
         if self.owned:

@@ -678,3 +678,20 @@ class SharedPrefixMachine(RuleBasedStateMachine):
 TestSharedPrefixMachine = SharedPrefixMachine.TestCase
 TestSharedPrefixMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_enabling_again_with_the_same_shared_tier_does_nothing():
+    mem = MemoryStore()
+    blocks = SharedBlockStore(mem, root().key, GEOM_ID)
+    kv = make(shared=blocks)
+    try:
+        link = kv._prefix.shared
+        assert kv.enable_prefix_cache(root(), shared=blocks)
+        assert kv.enable_prefix_cache(root())
+        assert kv._prefix.shared is link
+        with pytest.raises(ValueError, match="first call"):
+            kv.enable_prefix_cache(root(), shared=SharedBlockStore(mem, root().key, GEOM_ID))
+        assert kv._prefix.shared is link
+        kv.check_integrity()
+    finally:
+        kv.close()
