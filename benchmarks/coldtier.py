@@ -382,7 +382,11 @@ def kv_share(url: str | None, opts: dict, reqs: list[list[int]], *, max_blocks: 
             "hit_tokens_cross_worker": hits_shared, "hit_rate": (hits_local + hits_shared) / tokens,
             "mismatches": mismatches, "seconds": elapsed,
             "shared_published": sum(st.get("shared_published", 0) for st in stats),
-            "shared_fetched": sum(st.get("shared_fetched", 0) for st in stats)}
+            "shared_fetched": sum(st.get("shared_fetched", 0) for st in stats),
+            # publishes not written (queue full, store not answering): they lower the cross-worker hits
+            "shared_publish_refused": sum(st.get("shared_publish_refused", 0) for st in stats),
+            "shared_publish_failed": sum(st.get("shared_publish_failed", 0) for st in stats),
+            "shared_unavailable": sum(st.get("shared_unavailable", 0) for st in stats)}
 
 
 def table(rows: list[list[str]], headers: list[str]) -> str:
@@ -487,10 +491,11 @@ def main(argv: list[str] | None = None) -> int:
           f"at most {a.kv_max_blocks} blocks each (hit tokens; baseline: no shared tier, same run):")
     print(table([[k, str(v["tokens"]), str(v["hit_tokens_local"]), str(v["hit_tokens_cross_worker"]),
                   f"{v['hit_rate']:.3f}", f"{v['hit_rate'] / base['hit_rate']:.2f}"
-                  if base["hit_rate"] else "inf", str(v["mismatches"])]
+                  if base["hit_rate"] else "inf", str(v["mismatches"]),
+                  str(v["shared_publish_refused"] + v["shared_publish_failed"])]
                  for k, v in kv.items()],
                 ["workers", "tokens", "local hit tokens", "cross-worker hit tokens", "hit rate",
-                 "vs no shared tier", "mismatches"]))
+                 "vs no shared tier", "mismatches", "publishes not written"]))
     result = {"throughput": tp, "disk_tier_s3": disk, "hit_rate_real": real, "hit_rate_model": model,
               "kv_workers": kv,
               "trace": str(TRACE.relative_to(REPO)), "args": vars(a)}

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -181,6 +181,7 @@ class PrefixCache:
         self.orphans: list[tuple[Any, Any]] = []  # (future, load) of removed loaders
         self.stats: Counter[str] = Counter()
         self.fetching: dict[bytes, _Fetch] = {}  # blocks on their way from the shared tier
+        self.unpublished: OrderedDict[bytes, None] = OrderedDict()  # refused publishes, to retry
         self.shared: SharedLink | None = None
         if shared is not None:  # last: a store that cannot be reached leaves nothing behind
             self.shared = SharedLink.open(shared, root, cache.geometry.fingerprint().encode(),
@@ -487,6 +488,34 @@ class PrefixCache:
             self.stats["shared_publish_queued"] += 1
         else:
             self.stats["shared_publish_refused"] += 1
+            self._retry_later(key)
+
+    def _retry_later(self, key: bytes) -> None:
+        """Remember a refused publish (bounded: the oldest is forgotten first)."""
+        self.unpublished[key] = None
+        self.unpublished.move_to_end(key)
+        while len(self.unpublished) > self.shared.blocks.config.max_queued:
+            self.unpublished.popitem(last=False)
+            self.stats["shared_publish_given_up"] += 1
+
+    def _retry_publishes(self) -> None:
+        """Queue refused publishes again while the queue has room and the store answers. A
+        block no longer cached on the device or the host (or moving) is not retried."""
+        sh = self.shared
+        c = self.cache
+        room = sh.blocks.config.max_queued - sh.queue.in_flight
+        while self.unpublished and room > 0 and sh.blocks.breaker.would_allow():
+            key, _ = self.unpublished.popitem(last=False)
+            loc = self.index.location(key)
+            if loc is None or loc.moving_to is not None or loc.tier is Tier.DISK or key in sh.known:
+                continue
+            page = c._dev[loc.handle].cpu() if loc.tier is Tier.DEVICE else c._host[loc.handle]
+            if not sh.queue.submit_publish(key, page.contiguous().view(torch.uint8).numpy()):
+                self.unpublished[key] = None
+                self.unpublished.move_to_end(key, last=False)
+                return
+            room -= 1
+            self.stats["shared_publish_retried"] += 1
 
     def _attach_shared(self, r: RequestRecord, keys, start: int, limit: int,
                        positions: list, tiers: list) -> None:
@@ -524,7 +553,7 @@ class PrefixCache:
         "shared_published", "shared_duplicates", "shared_fetched", "shared_unavailable",
         "shared_lost", "shared_publish_failed", "shared_publish_refused", "shared_publish_known",
         "shared_prefetched", "hit_tokens_shared", "shared_reload_waits", "shared_bytes_written",
-        "shared_refreshes", "shared_refresh_failed",
+        "shared_refreshes", "shared_refresh_failed", "shared_publish_retried",
     )
 
     def shared_counters(self) -> tuple[str, ...]:
@@ -544,6 +573,8 @@ class PrefixCache:
             self._refresh()
         for res in sh.queue.poll():
             self._apply_shared(res)
+        if self.unpublished:
+            self._retry_publishes()
         if self.fetching:
             waiting = {id(f.req): f.req for f in self.fetching.values() if f.req is not None}
             for r in waiting.values():
@@ -838,6 +869,8 @@ class PrefixCache:
         except AssertionError as exc:
             problems.append(f"shared tier: {exc}")
         live = {id(r) for r in reqs}
+        if len(self.unpublished) > self.shared.blocks.config.max_queued:
+            problems.append(f"{len(self.unpublished)} publishes to retry, over max_queued")
         if len(self.fetching) > self.cache.host_pool.num_pages:
             problems.append(f"{len(self.fetching)} fetches, over the {self.cache.host_pool.num_pages} host pages")
         for key, f in self.fetching.items():

@@ -368,6 +368,12 @@ class GatedBlocks(SharedBlockStore):
         self.gate.set()
         self.mode = "ok"  # "ok" | "unavailable"
         self.fetches = 0
+        self.pub_gate = threading.Event()
+        self.pub_gate.set()
+
+    def publish(self, key: bytes, payload):
+        assert self.pub_gate.wait(10), "test publish gate never opened"
+        return super().publish(key, payload)
 
     def fetch(self, key: bytes):
         self.fetches += 1
@@ -379,13 +385,13 @@ class GatedBlocks(SharedBlockStore):
         return super().fetch(key)
 
 
-def pair(host_pages=8, device_pages=16, io_threads=1):
-    """Worker A and worker B on one in-memory store; B's fetches can be gated."""
+def pair(host_pages=8, device_pages=16, io_threads=1, max_queued=256):
+    """Worker A and worker B on one in-memory store; B's fetches and publishes can be gated."""
     mem = MemoryStore()
     rt = root().key
     cfg = ColdTierConfig(io_threads=io_threads)
     a = make(shared=SharedBlockStore(mem, rt, GEOM_ID, config=cfg))
-    gated = GatedBlocks(mem, rt, GEOM_ID, config=cfg)
+    gated = GatedBlocks(mem, rt, GEOM_ID, config=ColdTierConfig(io_threads=io_threads, max_queued=max_queued))
     b = make(shared=gated, host_pages=host_pages, device_pages=device_pages)
     return mem, a, b, gated
 
@@ -548,7 +554,7 @@ class SharedPrefixMachine(RuleBasedStateMachine):
 
     @initialize()
     def setup(self) -> None:
-        self.mem, self.a, self.b, self.gated = pair(host_pages=4, device_pages=10, io_threads=2)
+        self.mem, self.a, self.b, self.gated = pair(host_pages=4, device_pages=10, io_threads=2, max_queued=4)
         self.stems = [torch.randint(0, 50, (3 * T + 1,), generator=torch.Generator().manual_seed(s))
                       for s in range(3)]
         self.seq = 0
@@ -595,6 +601,7 @@ class SharedPrefixMachine(RuleBasedStateMachine):
     @rule()
     def b_syncs(self):
         self.gated.gate.set()
+        self.gated.pub_gate.set()
         self.b.synchronize(10)
 
     @rule(data=st.data())
@@ -623,10 +630,11 @@ class SharedPrefixMachine(RuleBasedStateMachine):
             self._write_pages(self.b, rid, ids, have // T)
             self.b.publish_prefix(rid, ids)
 
-    @rule(mode=st.sampled_from(["ok", "unavailable"]), gate=st.booleans())
-    def b_faults(self, mode, gate):
+    @rule(mode=st.sampled_from(["ok", "unavailable"]), gate=st.booleans(), pub=st.booleans())
+    def b_faults(self, mode, gate, pub):
         self.gated.mode = mode
         (self.gated.gate.set if gate else self.gated.gate.clear)()
+        (self.gated.pub_gate.set if pub else self.gated.pub_gate.clear)()
 
     @rule(stem=st.integers(0, 2), page=st.integers(0, 2))
     def damage_object(self, stem, page):
@@ -661,11 +669,12 @@ class SharedPrefixMachine(RuleBasedStateMachine):
         if not hasattr(self, "b"):
             return
         self.gated.gate.set()
+        self.gated.pub_gate.set()
         self.b.synchronize(10)
         self.b.check_integrity()
         st = self.b.prefix_stats()
         for name in ("shared_fetched", "shared_prefetched", "shared_lost", "shared_unavailable",
-                     "shared_reload_waits", "shared_fetch_adopted"):
+                     "shared_reload_waits", "shared_fetch_adopted", "shared_publish_retried"):
             event(f"{name} > 0: {st.get(name, 0) > 0}")
         for rid in list(self.live):
             self.b.remove_request(rid)
@@ -676,7 +685,7 @@ class SharedPrefixMachine(RuleBasedStateMachine):
 
 
 TestSharedPrefixMachine = SharedPrefixMachine.TestCase
-TestSharedPrefixMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+TestSharedPrefixMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -694,4 +703,53 @@ def test_enabling_again_with_the_same_shared_tier_does_nothing():
         assert kv._prefix.shared is link
         kv.check_integrity()
     finally:
+        kv.close()
+
+
+def test_publishes_refused_by_a_full_queue_are_retried_from_poll():
+    gen = torch.Generator().manual_seed(54)
+    mem = MemoryStore()
+    gated = GatedBlocks(mem, root().key, GEOM_ID, config=ColdTierConfig(io_threads=1, max_queued=3))
+    kv = make(shared=gated)
+    try:
+        gated.pub_gate.clear()
+        ids, _ = publish_random(kv, gen, n=21)  # 5 blocks: 3 queued, 2 refused
+        st = kv.prefix_stats()
+        assert st["shared_publish_queued"] == 3 and st["shared_publish_refused"] == 2
+        assert len(kv._prefix.unpublished) == 2
+        kv.poll()  # no room yet: nothing retried, nothing lost
+        assert kv.prefix_stats()["shared_publish_retried"] == 0 and len(kv._prefix.unpublished) == 2
+        kv.check_integrity()
+        gated.pub_gate.set()
+        for _ in range(5):
+            kv.synchronize(10)
+            kv.check_integrity()
+        st = kv.prefix_stats()
+        assert st["shared_publish_retried"] == 2 and st["shared_published"] == 5
+        assert not kv._prefix.unpublished
+        keys = kv._prefix.keys(ids)
+        for key in keys:  # every block is on the store, framed with its own bytes
+            assert obstore.head(mem, block_path(root().key, key))["size"] == gated.object_size(key, GEOM.page_bytes)
+        # a refused block that left the local cache before its retry is not written
+        gated.pub_gate.clear()
+        ids2, _ = publish_random(kv, gen, rid="b", n=21)
+        keys2 = kv._prefix.keys(ids2)
+        assert len(kv._prefix.unpublished) == 2
+        kv.remove_request("b")
+        late = list(kv._prefix.unpublished)
+        for key in late:
+            kv._prefix._drop(key, "evicted")
+        kv.check_integrity()
+        gated.pub_gate.set()
+        for _ in range(3):
+            kv.synchronize(10)
+        for key in keys2:
+            if key in late:
+                with pytest.raises(FileNotFoundError):
+                    obstore.head(mem, block_path(root().key, key))
+            else:
+                obstore.head(mem, block_path(root().key, key))
+        kv.check_integrity()
+    finally:
+        gated.pub_gate.set()
         kv.close()
