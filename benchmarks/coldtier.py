@@ -39,7 +39,9 @@ come from ``prefix_stats``: ``hit_tokens_shared`` (cross-worker, through the sto
 local tiers. Every attached page is compared bitwise with the bytes its key names. The
 baseline is the same two caches with no shared tier (each sees only its own blocks), in the
 same run. Each worker lists the store every ``--refresh-every`` of its requests (the cache's
-clock advances one second a request).
+clock advances one second a request). After each request the worker waits for its publishes
+to land (a stand-in for the model's compute between requests), so the figure measures sharing,
+not how fast the store absorbs writes.
 
 Usage: ``python benchmarks/coldtier.py --out coldtier.json [--quick]``
        (``--endpoint URL --key K --secret S`` uses a running store instead of starting one).
@@ -370,6 +372,7 @@ def kv_share(url: str | None, opts: dict, reqs: list[list[int]], *, max_blocks: 
                     kv.write(rid, layer, p * T, page[layer, 0], page[layer, 1])
             kv.publish_prefix(rid, ids)
             kv.remove_request(rid)
+            kv.synchronize(60)  # its publishes land: a stand-in for the model's time between requests
             tokens += len(keys) * T
         elapsed = time.perf_counter() - t0
         for kv in caches:

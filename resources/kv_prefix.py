@@ -598,6 +598,8 @@ class PrefixCache:
             st[name.get(res.status, "shared_publish_failed")] += 1
             if res.status is B.WRITTEN:
                 st["shared_bytes_written"] += res.nbytes
+            elif res.status is not B.DUPLICATE:
+                self._retry_later(res.key)  # not written (timeout, 5xx, breaker open): later
             return
         if res.op == "refresh":
             st["shared_refreshes" if res.status is B.LISTED else "shared_refresh_failed"] += 1
