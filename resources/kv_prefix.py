@@ -554,6 +554,8 @@ class PrefixCache:
         "shared_lost", "shared_publish_failed", "shared_publish_refused", "shared_publish_known",
         "shared_prefetched", "hit_tokens_shared", "shared_reload_waits", "shared_bytes_written",
         "shared_refreshes", "shared_refresh_failed", "shared_publish_retried",
+        "shared_publish_given_up", "shared_fetch_adopted", "load_shared_unavailable",
+        "load_shared_lost",
     )
 
     def shared_counters(self) -> tuple[str, ...]:
