@@ -263,7 +263,13 @@ class PrefixCache:
         c = self.cache
         page = self.index.location(key).handle
         slot = None
-        if c.host_pool.free_pages > 0 or self.ensure_host(1):
+        room = c.host_pool.free_pages > 0 or self.ensure_host(1)
+        if key not in self.index:
+            # making room on the host dropped an ancestor of this block (a host victim takes
+            # its descendants with it), and this block with it: its page is free already
+            self.stats["dropped_with_ancestor"] += 1
+            return
+        if room:
             got = c.host_pool.allocate(BLOCKS, 1)
             slot = got[0] if got else None
         if slot is None:
