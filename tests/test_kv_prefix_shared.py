@@ -117,6 +117,15 @@ def load(kv, rid, timeout=30.0):
     assert admit(kv, rid)
 
 
+def relist(kv) -> None:
+    """List the shared tier now and wait for it (after any listing still out: a listing
+    already queued would refuse a second one and might have run before the last writes)."""
+    kv.synchronize(30)
+    kv._prefix._refresh()
+    kv.synchronize(30)
+    kv.check_integrity()
+
+
 def local_hits(st: dict) -> int:
     return st["hit_tokens_device"] + st["hit_tokens_host"] + st["hit_tokens_disk"]
 
@@ -249,8 +258,7 @@ def test_damaged_shared_object_is_refused_and_recomputed(seaweed, tmp_path):  # 
                 raw = bytearray(obstore.get(store, block_path(rt, keys[1])).bytes())
                 raw[len(raw) // 2] ^= 0x40
                 obstore.put(store, block_path(rt, keys[1]), bytes(raw))
-            kv_b._prefix._refresh()
-            kv_b.synchronize(30)
+            relist(kv_b)
             kv_b.ingest_request("b")
             assert kv_b.attach_prefix("b", ids) == 12  # optimistic until fetched
             load(kv_b, "b")
@@ -295,8 +303,7 @@ def test_frozen_server_mid_fetch_is_a_miss_and_no_step_waits(seaweed_faults, tmp
     try:
         ids, data = publish_random(kv_a, gen, n=13)
         kv_a.synchronize(30)
-        kv_b._prefix._refresh()
-        kv_b.synchronize(30)
+        relist(kv_b)
         assert kv_b.cached_prefix(ids).shared == 12
         srv.freeze()
         try:
@@ -399,8 +406,7 @@ def pair(host_pages=8, device_pages=16, io_threads=1, max_queued=256):
 def share(a, b, gen, n=13):
     ids, data = publish_random(a, gen, n=n)
     a.synchronize(10)
-    b._prefix._refresh()
-    b.synchronize(10)
+    relist(b)
     return ids, data
 
 
@@ -714,6 +720,7 @@ def test_publishes_refused_by_a_full_queue_are_retried_from_poll():
     gated = GatedBlocks(mem, root().key, GEOM_ID, config=ColdTierConfig(io_threads=1, max_queued=3))
     kv = make(shared=gated)
     try:
+        kv.synchronize(10)  # the first listing is done: the queue is empty
         gated.pub_gate.clear()
         ids, _ = publish_random(kv, gen, n=21)  # 5 blocks: 3 queued, 2 refused
         st = kv.prefix_stats()
