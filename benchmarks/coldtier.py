@@ -29,6 +29,20 @@ many requests in flight (``io_threads``). The tier stores each page as a zarr ch
 + crc32c) plus a 44-byte binding record, so it makes two PUTs per page where the raw baseline
 makes one; every read checks both, and the pages read back are compared bitwise.
 
+Part 4, two ``PagedKVCache`` workers sharing prefixes through the store
+(``enable_prefix_cache(root, shared=SharedTierConfig(...))``): the first ``--kv-requests``
+requests of the trace (each block is ``page_tokens`` tokens derived from its hash id, at most
+``--kv-max-blocks`` blocks a request), round-robin over two caches with the same root. A
+request attaches what it can (local blocks, and blocks the other worker published, fetched
+from the server), loads them, writes its other pages, publishes and is removed. Its hit tokens
+come from ``prefix_stats``: ``hit_tokens_shared`` (cross-worker, through the store) and the
+local tiers. Every attached page is compared bitwise with the bytes its key names. The
+baseline is the same two caches with no shared tier (each sees only its own blocks), in the
+same run. Each worker lists the store every ``--refresh-every`` of its requests (the cache's
+clock advances one second a request). After each request the worker waits for its publishes
+to land (a stand-in for the model's compute between requests), so the figure measures sharing,
+not how fast the store absorbs writes.
+
 Usage: ``python benchmarks/coldtier.py --out coldtier.json [--quick]``
        (``--endpoint URL --key K --secret S`` uses a running store instead of starting one).
 """
@@ -219,6 +233,16 @@ def load_trace(limit: int | None = None) -> list[list[bytes]]:
     return out
 
 
+def load_hash_ids(limit: int) -> list[list[int]]:
+    out = []
+    with open(TRACE) as f:
+        for line in f:
+            out.append([int(h) for h in json.loads(line)["hash_ids"]])
+            if len(out) >= limit:
+                break
+    return out
+
+
 def payload_of(key: bytes, size: int) -> bytes:
     return hashlib.shake_256(key).digest(size)  # random-looking, fixed by the key
 
@@ -276,6 +300,98 @@ def model_hit_rate(reqs: list[list[bytes]], capacity: int, workers: int, shared:
     return hits / total
 
 
+# -- part 4: two PagedKVCache workers sharing prefixes --------------------------------------
+def kv_share(url: str | None, opts: dict, reqs: list[list[int]], *, max_blocks: int,
+             refresh_every: int) -> dict:
+    """Two caches with one root, requests round-robin; ``url`` None: no shared tier."""
+    import torch
+
+    from resources.base import ResourceStep, StepContext
+    from resources.kv_cache import PagedKVCache
+    from resources.kv_geometry import KVGeometry
+    from tiering.blocks import KeyRoot
+    from tiering.coldtier import SharedTierConfig
+
+    g = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=16, page_tokens=4)
+    T = g.page_tokens
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self) -> float:
+            return self.t
+
+    def page_of(key: bytes) -> torch.Tensor:  # random-looking bytes fixed by the key
+        raw = bytearray(hashlib.shake_256(key).digest(g.page_bytes))
+        return torch.frombuffer(raw, dtype=torch.int16).view(g.dtype).reshape(g.page_shape)
+
+    root = KeyRoot(g.fingerprint(), "bench", page_tokens=T)
+    clocks = [Clock(), Clock()]
+    pages = max_blocks + 2
+    caches = [PagedKVCache(g, "cpu", device_pages=pages, host_pages=4 * pages, clock=c) for c in clocks]
+    try:
+        for kv in caches:
+            shared = SharedTierConfig(url, opts) if url is not None else None
+            kv.enable_prefix_cache(root, shared=shared, shared_refresh_s=float(refresh_every))
+            kv.synchronize(60)
+        tokens = hits_shared = hits_local = mismatches = 0
+        t0 = time.perf_counter()
+        for i, hids in enumerate(reqs):
+            w = i % 2
+            kv, clocks[w].t = caches[w], clocks[w].t + 1.0
+            ids = [int(h) * T + j for h in hids[:max_blocks] for j in range(T)] + [0]
+            rid = f"r{i}"
+            kv.poll()
+            before = kv.prefix_stats()
+            kv.ingest_request(rid)
+            kv.attach_prefix(rid, ids)
+            if kv.is_offloaded(rid):
+                kv.synchronize(60)
+                if not kv.reload(rid):
+                    raise RuntimeError(f"{rid}: the device could not take its prefix")
+                kv.synchronize(60)
+            if not kv.admit(ResourceStep(rid), StepContext()):
+                raise RuntimeError(f"{rid}: not admitted after its load")
+            after = kv.prefix_stats()
+            got = kv.num_tokens(rid)
+            local = sum(after[f"hit_tokens_{t}"] - before[f"hit_tokens_{t}"] for t in ("device", "host", "disk"))
+            hits_local += min(local, got)  # local blocks come first; the rest came from the store
+            hits_shared += got - min(local, got)
+            keys = kv._prefix.keys(ids)
+            for layer in range(g.num_layers):
+                k, v = kv.read(rid, layer)
+                for p in range(got // T):
+                    want = page_of(keys[p])[layer]
+                    mismatches += not (torch.equal(k[p * T:(p + 1) * T].view(torch.int16), want[0].view(torch.int16))
+                                       and torch.equal(v[p * T:(p + 1) * T].view(torch.int16), want[1].view(torch.int16)))
+            if not kv.allocate(rid, len(ids)):
+                raise RuntimeError(f"{rid}: no device room for its own pages")
+            for p in range(got // T, len(keys)):
+                page = page_of(keys[p])
+                for layer in range(g.num_layers):
+                    kv.write(rid, layer, p * T, page[layer, 0], page[layer, 1])
+            kv.publish_prefix(rid, ids)
+            kv.remove_request(rid)
+            kv.synchronize(60)  # its publishes land: a stand-in for the model's time between requests
+            tokens += len(keys) * T
+        elapsed = time.perf_counter() - t0
+        for kv in caches:
+            kv.synchronize(60)
+        stats = [kv.prefix_stats() for kv in caches]
+    finally:
+        for kv in caches:
+            kv.close()
+    return {"requests": len(reqs), "tokens": tokens, "hit_tokens_local": hits_local,
+            "hit_tokens_cross_worker": hits_shared, "hit_rate": (hits_local + hits_shared) / tokens,
+            "mismatches": mismatches, "seconds": elapsed,
+            "shared_published": sum(st.get("shared_published", 0) for st in stats),
+            "shared_fetched": sum(st.get("shared_fetched", 0) for st in stats),
+            # publishes not written (queue full, store not answering): they lower the cross-worker hits
+            "shared_publish_refused": sum(st.get("shared_publish_refused", 0) for st in stats),
+            "shared_publish_failed": sum(st.get("shared_publish_failed", 0) for st in stats),
+            "shared_unavailable": sum(st.get("shared_unavailable", 0) for st in stats)}
+
+
 def table(rows: list[list[str]], headers: list[str]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
     line = lambda r: "| " + " | ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=True)) + " |"  # noqa: E731
@@ -296,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-requests", type=int, default=8)
     ap.add_argument("--disk-pages", type=int, default=16)
     ap.add_argument("--disk-page-kib", type=int, default=256)
+    ap.add_argument("--kv-requests", type=int, default=300)
+    ap.add_argument("--kv-max-blocks", type=int, default=48)
     ap.add_argument("--endpoint")
     ap.add_argument("--key")
     ap.add_argument("--secret")
@@ -303,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.blocks, a.block_mib, a.repeats, a.trace_requests = 6, 1.0, 1, 120
-        a.disk_requests, a.disk_pages = 2, 4
+        a.disk_requests, a.disk_pages, a.kv_requests = 2, 4, 60
     server = None
     if a.endpoint:
         opts = options(a.endpoint, a.key or "", a.secret or "")
@@ -330,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
         head_distinct = len({k for r in head for k in r})
         for name, shared in (("shared", True), ("private", False)):
             real[name]["model_no_lag"] = model_hit_rate(head, head_distinct * 4, 4, shared)
+        hids = load_hash_ids(a.kv_requests)
+        kv = {"two, shared tier": kv_share(f"s3://{a.bucket}/{run}/kv", opts, hids,
+                                           max_blocks=a.kv_max_blocks, refresh_every=a.refresh_every),
+              "two, no shared tier": kv_share(None, opts, hids, max_blocks=a.kv_max_blocks,
+                                              refresh_every=a.refresh_every)}
         distinct = len({k for r in reqs for k in r})
         model = []
         for frac in (0.02, 0.05, 0.1, 0.25, 1.0):
@@ -366,7 +489,18 @@ def main(argv: list[str] | None = None) -> int:
     print(table([[f"{r['capacity_fraction']:.2f}", str(r["capacity_blocks"]), f"{r['shared']:.3f}",
                   f"{r['private']:.3f}", f"{r['shared'] / r['private']:.2f}" if r["private"] else "inf"]
                  for r in model], ["capacity/distinct", "blocks", "shared", "4 private", "shared/private"]))
+    base = kv["two, no shared tier"]
+    print(f"\ntwo PagedKVCache workers, first {base['requests']} requests round-robin, "
+          f"at most {a.kv_max_blocks} blocks each (hit tokens; baseline: no shared tier, same run):")
+    print(table([[k, str(v["tokens"]), str(v["hit_tokens_local"]), str(v["hit_tokens_cross_worker"]),
+                  f"{v['hit_rate']:.3f}", f"{v['hit_rate'] / base['hit_rate']:.2f}"
+                  if base["hit_rate"] else "inf", str(v["mismatches"]),
+                  str(v["shared_publish_refused"] + v["shared_publish_failed"])]
+                 for k, v in kv.items()],
+                ["workers", "tokens", "local hit tokens", "cross-worker hit tokens", "hit rate",
+                 "vs no shared tier", "mismatches", "publishes not written"]))
     result = {"throughput": tp, "disk_tier_s3": disk, "hit_rate_real": real, "hit_rate_model": model,
+              "kv_workers": kv,
               "trace": str(TRACE.relative_to(REPO)), "args": vars(a)}
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {a.out}")

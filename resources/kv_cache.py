@@ -343,15 +343,12 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         log.error("request %r lost: %s", r.rid, reason)
         r.checksum = None
 
-    def _disk_call(self, call: Callable[[Any], Any] | str, extent) -> bool:
+    def _disk_call(self, call: Callable[[Any], Any], extent) -> bool:
         """``disk.release`` / ``disk.uncommit`` on the step path: a fault is logged, never raised.
 
         The ledger changes before the manifest is rewritten, so a failed
         rewrite leaves the chunks quarantined until the next good one. ``call``
-        is the bound method (the names "release" / "uncommit" are still taken
-        from ``resources.kv_prefix``)."""
-        if isinstance(call, str):
-            call = {"release": self.disk.release, "uncommit": self.disk.uncommit}[call]
+        is the bound method (``self.disk.release`` or ``self.disk.uncommit``)."""
         try:
             call(extent)
             return True
@@ -443,6 +440,8 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         """Stop every worker, close the disk tier, then unregister the host slab
         (only once every worker has joined: a copy may still read it)."""
         self._closed = True
+        if self._prefix is not None:
+            self._prefix.close(timeout)  # the shared tier's queue, if the cache built it
         joined = all([ex.shutdown(timeout=timeout) for ex in self._executors])
         if self.disk is not None:
             try:

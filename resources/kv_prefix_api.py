@@ -33,22 +33,32 @@ class KVPrefixReuse:
     prefix_skip_safe = True  # a hit only skips tokens whose K/V the cache already holds
 
     def enable_prefix_cache(self, root, walks=None, *, policy: str = "lru",
-                            disk_batch_pages: int = 16) -> bool:
+                            disk_batch_pages: int = 16, shared=None,
+                            shared_refresh_s: float = 10.0) -> bool:
         """Open the block store under ``root`` (16 bytes, or a ``tiering.blocks.KeyRoot``).
 
         ``policy`` names the block retention policy of every tier
         (``policies.blocks.make_block_policy``); ``disk_batch_pages`` is how many
-        blocks one host -> disk write packs. Enabling twice with another root is
-        an error; with the same root it does nothing. ``walks`` is accepted for
-        the engine contract and not used (every walk's writes are keyed)."""
+        blocks one host -> disk write packs. ``shared`` (a
+        ``tiering.coldtier.SharedTierConfig``, ``SharedBlockStore`` or ``BlockQueue``)
+        adds the shared cold tier: published blocks are written there, and an
+        attach that misses locally fetches blocks other workers published
+        (``docs/coldtier.md``); its index of what exists is refreshed every
+        ``shared_refresh_s`` seconds of the cache's clock, from ``poll``. Enabling
+        twice with another root, or with a shared tier the first call did not
+        have, is an error; with the same root it does nothing. ``walks`` is
+        accepted for the engine contract and not used (every walk's writes are keyed)."""
         self._open("enable_prefix_cache")
         del walks
         key = as_root(root)
         if self._prefix is not None:
             if self._prefix.root != key:
                 raise ValueError("enable_prefix_cache: already enabled under another root")
+            if shared is not None and (self._prefix.shared is None
+                                       or not self._prefix.shared.same_source(shared)):
+                raise ValueError("enable_prefix_cache: already enabled; a shared tier is given at the first call")
             return True
-        self._prefix = PrefixCache(self, key, policy, disk_batch_pages)
+        self._prefix = PrefixCache(self, key, policy, disk_batch_pages, shared, shared_refresh_s)
         return True
 
     @property
@@ -99,8 +109,10 @@ class KVPrefixReuse:
     def attach_prefix(self, rid: str, token_ids) -> int:
         """Give a freshly ingested request the longest cached prefix of ``token_ids``.
 
-        Device blocks are mapped by reference. Host and disk blocks are loaded
-        into fresh device pages: the request is then offloaded for those pages
+        Device blocks are mapped by reference. Host and disk blocks, and
+        blocks fetched from the shared cold tier (``reload`` refuses until
+        they have arrived), are loaded into fresh device pages: the request
+        is then offloaded for those pages
         (``is_offloaded`` True, ``admit`` not ready) until ``reload`` (the
         controller's admission) brings them in. The last token is never
         attached (its logits are needed). Returns the tokens attached; when a
@@ -129,10 +141,15 @@ class KVPrefixReuse:
         for t in Tier:
             out.setdefault(f"hit_tokens_{t.value}", 0)
             out[f"blocks_on_{t.value}"] = p.index.count(t)
+        for name in p.shared_counters():
+            out.setdefault(name, 0)
         return out
 
     def _reload_prefix(self, r: RequestRecord) -> bool:
         p = self._prefix
+        if p.fetch_pending(r):  # a block is still on its way from the shared tier: not yet
+            p.stats["shared_reload_waits"] += 1
+            return False
         k = len(r.prefix_load.positions)
         p.ensure_device(k)
         pages = self.device_pool.allocate(BLOCKS, k)
@@ -155,8 +172,9 @@ class KVPrefixReuse:
         work, r.load_work = r.load_work, None
         results = job.future.result() if exc is None else [f"read_failed: {_why(exc)}"] * len(work)
         kept, reason = p.finish_load(r, work, results)
-        positions = r.prefix_load.positions
+        positions, cut = r.prefix_load.positions, r.prefix_load.failed
         r.prefix_load = None
+        reason = reason or cut  # blocks cut before the load (a failed shared fetch)
         if kept < len(work):
             p.truncate(r, positions[kept], reason)
         self._set_state(r, S.RESIDENT)

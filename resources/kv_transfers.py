@@ -165,6 +165,8 @@ class KVTransfers:
         applied (a removed request's finished copy has ``state=None``).
         Never raises for a fault in a transfer or its completion."""
         self._open("poll")
+        if self._prefix is not None:
+            self._prefix.poll_shared()  # the shared cold tier: finished fetches and publishes
         if self._prefix is not None and self._prefix.orphans:
             self._prefix.poll_orphans()
         done, self._unreported = self._unreported, []
@@ -302,6 +304,7 @@ class KVTransfers:
         futs += [t.future for t in self._tombstones.values()]
         if self._prefix is not None:
             futs += [f for f, _ in self._prefix.orphans]
+            timeout = self._prefix.wait_shared(timeout)  # the shared tier's fetches and publishes
         _, pending = cf.wait(futs, timeout=timeout)
         done = self.poll()
         if pending:

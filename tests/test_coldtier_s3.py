@@ -3,15 +3,21 @@ sweeper, the step-path queue, and zarr over the same store."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
+import time
 import uuid
 
 import numpy as np
 import obstore
 import pytest
+import torch
+from conftest import assert_same, fill
 from seaweed_fixture import _seaweed_shared, seaweed  # noqa: F401  (fixtures)
+from zarr.storage import WrapperStore
 
+from resources.kv_cache import PagedKVCache
 from tiering.coldtier import (
     BlockQueue,
     BlockStatus,
@@ -28,6 +34,9 @@ from tiering.coldtier import (
     open_zarr_store,
 )
 from tiering.coldtier.lease import Lease
+from tiering.disk import DiskConfig
+from tiering.disk.manifest import MANIFEST_KEY
+from tiering.types import Tier
 
 
 class FakeClock:
@@ -300,3 +309,85 @@ def test_held_zarr_prefix_is_exclusive(seaweed):  # noqa: F811
                          renew=False)
     assert np.array_equal(zarr.open_array(b.zarr_store, path="kv")[:], data)
     b.close()
+
+
+# -- the disk tier's manifest on s3:// in reattach mode: off the step path ---------------------
+class _ManifestGate(WrapperStore):
+    """Holds every manifest write until ``gate`` opens (bounded), counting the ones it held."""
+
+    def __init__(self, store, gate: threading.Event) -> None:
+        super().__init__(store)
+        self.gate = gate
+        self.held = 0
+
+    def _with_store(self, store):
+        return _ManifestGate(store, self.gate)
+
+    async def set(self, key, value) -> None:
+        if key.split("/")[-1] == MANIFEST_KEY and not self.gate.is_set():
+            self.held += 1
+            await asyncio.to_thread(self.gate.wait, 20)
+        await self._store.set(key, value)
+
+
+def test_reattach_manifest_write_on_s3_never_holds_the_step_path(seaweed, geom):  # noqa: F811
+    url = seaweed.url() + "/w0"
+    cfg = DiskConfig(path=url, capacity_bytes=1 << 20, on_start="reattach", io_timeout_s=5.0,
+                     storage_options=seaweed.options(timeout_s=5.0))
+    gen = torch.Generator().manual_seed(61)
+    gate = threading.Event()
+    gate.set()  # the start-up write goes through
+    wrappers = []
+    kv = PagedKVCache(geom, device_pages=16, host_pages=16, disk=cfg,
+                      disk_wrap_store=lambda s: wrappers.append(_ManifestGate(s, gate)) or wrappers[-1])
+    try:
+        data = {rid: fill(kv, rid, gen, n) for rid, n in (("keep", 9), ("gone", 5), ("late", 7))}
+        for rid in data:
+            assert kv.offload(rid) > 0
+        kv.synchronize(30)
+        for rid in ("keep", "gone"):  # committed, and listed by a manifest on the store
+            assert kv.demote(rid)
+        kv.synchronize(30)
+        assert getattr(kv.disk, "wait_manifest", lambda t: True)(30)  # (synchronous writes: done)
+        gate.clear()  # from now on the store holds every manifest write
+        assert kv.demote("late")
+        kv._reqs["late"].job.future.result(30)  # the chunks are written; the commit is next
+        slowest = 0.0
+        deadline = time.monotonic() + 20
+        while kv.tier_of("late") is not Tier.DISK and time.monotonic() < deadline:
+            t0 = time.monotonic()
+            for res in kv.poll():  # applies the demote: its commit asks for a manifest write
+                assert res.ok, res.reason
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.02)
+        assert kv.tier_of("late") is Tier.DISK
+        t0 = time.monotonic()
+        kv.remove_request("gone")  # a release of a listed extent: another manifest write
+        slowest = max(slowest, time.monotonic() - t0)
+        kv.check_integrity()
+        assert slowest < 0.5, f"a step-path call took {slowest:.2f}s while the manifest write was held"
+        assert wrappers[0].held >= 1 and kv.disk.stats()["manifest_pending"]
+        assert kv.disk.stats()["manifest_async"]
+        # "gone" is still listed by the manifest on the store: its chunks are not reusable yet
+        assert kv.disk.stats()["quarantined_chunks"] == geom.pages_for(5)
+        gate.set()
+        assert kv.disk.wait_manifest(30)
+        st = kv.disk.stats()
+        assert not st["manifest_pending"] and not st["manifest_dirty"]
+        assert st["quarantined_chunks"] == 0  # the new manifest no longer lists them
+        kv.check_integrity()
+    finally:
+        gate.set()
+        kv.close()
+    # what the background writes recorded survives a restart: "late" too, "gone" not
+    kv2 = PagedKVCache(geom, device_pages=16, host_pages=16, disk=cfg)
+    try:
+        assert sorted(kv2.requests()) == ["keep", "late"]
+        for rid in ("keep", "late"):
+            assert kv2.tier_of(rid) is Tier.DISK and kv2.reload(rid)
+        kv2.synchronize(30)
+        kv2.check_integrity()
+        for rid in ("keep", "late"):
+            assert_same(kv2, rid, data[rid])
+    finally:
+        kv2.close()

@@ -398,3 +398,25 @@ def test_engine_hooks_resolve_apply_and_extend():
     finally:
         plain.close()
 
+
+
+def test_making_host_room_that_drops_the_victims_parent_frees_its_page():
+    """A device victim whose parent is the host's only victim: moving the child down first
+    makes room on the host, which drops the parent and the child with it. The allocation
+    goes on with the freed page (it used to fail inside the index)."""
+    gen = torch.Generator().manual_seed(3)
+    with make(device_pages=4, host_pages=1) as kv:
+        ids, data = published(kv, gen, "a", 9)  # blocks 0 and 1 on the device
+        kv.remove_request("a")
+        kv.ingest_request("big")
+        fill(kv, "big", gen, 12)  # block 0 (older) moves to the host; block 1 stays
+        keys = kv._prefix.keys(ids)
+        assert kv._prefix.index.location(keys[0]).tier is Tier.HOST
+        assert kv._prefix.index.location(keys[1]).tier is Tier.DEVICE
+        kv.remove_request("big")
+        kv.ingest_request("big2")
+        want = fill(kv, "big2", gen, 16)  # needs every device page: block 1 must go
+        assert keys[0] not in kv._prefix.index and keys[1] not in kv._prefix.index
+        assert kv.prefix_stats()["dropped_with_ancestor"] == 1
+        assert_prefix(kv, "big2", want, 16)
+        kv.check_integrity()

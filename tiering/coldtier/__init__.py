@@ -18,6 +18,7 @@ from .blocks import (
     ColdTierConfig,
     KnownBlocks,
     SharedBlockStore,
+    SharedTierConfig,
     block_path,
 )
 from .breaker import BreakerConfig, BreakerState, CircuitBreaker
@@ -33,7 +34,7 @@ __all__ = [
     "BlockQueue", "BlockResult", "BlockStatus", "BreakerConfig", "BreakerState", "CircuitBreaker",
     "ColdTierConfig", "ColdTierError", "ColdTierUnavailable", "FrameRefused", "HitLog",
     "KnownBlocks", "Lease", "LeaseConfig", "LeaseHeld", "LeaseInfo", "LeaseKeeper", "LeaseLost",
-    "HeldPrefix", "LeasedZarrStore", "PrefixLeaseLost", "PrivatePrefix", "S3Location", "SharedBlockStore",
+    "HeldPrefix", "LeasedZarrStore", "PrefixLeaseLost", "PrivatePrefix", "S3Location", "SharedBlockStore", "SharedTierConfig",
     "StoreNotAnswering", "SweepResult", "Sweeper", "SweeperConfig", "hold_zarr_prefix",
     "block_path", "frame", "open_s3_store", "open_zarr_store", "parse_s3_url", "probe", "unframe",
 ]

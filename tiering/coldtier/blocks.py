@@ -22,18 +22,20 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from ._io import Fault, classify, short
 from .breaker import BreakerConfig, CircuitBreaker
 from .frame import KIND_BLOCK, FrameRefused, frame, framed_size, unframe
+from .s3 import check_storage_options, parse_s3_url
 
 __all__ = ["BlockQueue", "BlockResult", "BlockStatus", "ColdTierConfig", "KnownBlocks",
-           "SharedBlockStore", "block_path"]
+           "SharedBlockStore", "SharedTierConfig", "block_path"]
 
 
 class BlockStatus(str, Enum):
@@ -73,6 +75,29 @@ class ColdTierConfig:
                 raise ValueError(f"ColdTierConfig.{name} must be an int >= 1, got {v!r}")
         if not isinstance(self.breaker, BreakerConfig):
             raise ValueError(f"ColdTierConfig.breaker must be a BreakerConfig, got {type(self.breaker).__name__}")
+
+
+@dataclass(frozen=True)
+class SharedTierConfig:
+    """Where a worker's shared block tier lives: ``s3://bucket/prefix`` plus ``storage_options``
+    (the names of :func:`~tiering.coldtier.open_s3_store`), and its :class:`ColdTierConfig`.
+    Checked here with no I/O; the store is opened (and probed) by whoever builds from it."""
+
+    url: str
+    storage_options: Mapping[str, Any] | None = None
+    tier: ColdTierConfig = field(default_factory=ColdTierConfig)
+
+    def __post_init__(self) -> None:
+        loc = parse_s3_url(self.url)
+        if not loc.prefix:
+            raise ValueError(f"SharedTierConfig.url {self.url!r} names a bucket root; give a prefix")
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise ValueError("SharedTierConfig.storage_options must be a mapping, got "
+                             f"{type(self.storage_options).__name__}")
+        check_storage_options(self.storage_options)
+        object.__setattr__(self, "storage_options", MappingProxyType(dict(self.storage_options or {})))
+        if not isinstance(self.tier, ColdTierConfig):
+            raise ValueError(f"SharedTierConfig.tier must be a ColdTierConfig, got {type(self.tier).__name__}")
 
 
 def block_path(root: bytes, key: bytes) -> str:
@@ -335,6 +360,19 @@ class BlockQueue:
     def in_flight(self) -> int:
         with self._lock:
             return len(self._pending)
+
+    def outstanding(self, op: str, key: bytes) -> bool:
+        """Whether a request (op, key) is queued, running, or finished but not yet polled."""
+        with self._lock:
+            if (op, key) in self._pending:
+                return True
+            return any(r.op == op and r.key == key for r in self._done)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait (bounded by ``timeout_s``) until nothing is queued or running; results stay for
+        ``poll``. True when idle. For ``synchronize``-style calls, never the step path."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._pending, timeout=max(0.0, timeout_s))
 
     def drain(self, timeout_s: float) -> list[BlockResult]:
         """Wait (bounded by ``timeout_s``) until nothing is queued, then poll. For tests,

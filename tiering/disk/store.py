@@ -111,6 +111,20 @@ If anything is off the whole store is cleared and the reason logged. Since
 ``commit`` is only accepted for a completely written extent, a crash in the
 middle of a write leaves nothing committed, and the next start clears it.
 
+Manifest off the step path. On an ``s3://`` path (a network store) the
+manifest rewrites that ``commit``, ``uncommit``, ``release``, ``forget`` and
+``retry_manifest`` ask for are not done by the caller: they set a flag (a
+queue bounded at one pending write, since a write always lists the ledger's
+current entries, so requests coalesce) and a flusher thread writes the
+manifest, retrying a failed write with a growing pause (at most 5 s).
+``commit`` then returns as soon as the entry is in the ledger: the entry
+survives a restart once the next write lands (``manifest_pending`` in
+``stats()``; ``wait_manifest(timeout)`` waits for it), and a crash before
+that restarts as if the commit had not happened. Chunks stay quarantined
+until a manifest that no longer lists them is written, exactly as for a
+synchronous write. ``close`` does the last write (bounded) before letting
+go of the prefix. The start-up write stays synchronous.
+
 Manifest faults. A manifest write that fails (ENOSPC, EROFS, EIO, ...) is an
 I/O fault like any other. ``commit`` raises ``DiskIOError`` and records
 nothing. ``release``, ``uncommit`` and ``forget`` never raise for it: they
@@ -278,6 +292,13 @@ class DiskPageStore:
         self._manifest_lock = threading.Lock()
         self._reattached: dict[str, tuple[DiskExtent, dict[str, Any]]] = {}
         self._manifest_dirty = False  # a manifest write failed; the next one retries it
+        # the background flusher of a network store's manifest (see the module docstring)
+        self._flush_cv = threading.Condition(threading.Lock())
+        self._flush_wanted: str | None = None  # why the next write is wanted (None: not)
+        self._flush_data = False
+        self._flush_busy = False
+        self._flush_stop = False
+        self._flusher: threading.Thread | None = None
 
         self._geometry = ArrayGeometry(
             rows=self.capacity_pages,
@@ -552,6 +573,9 @@ class DiskPageStore:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"commit of {owner!r}: meta is not JSON-serialisable: {exc}") from exc
         previous = self._ledger.commit(owner, extent, meta_dict)
+        if self._flusher is not None:  # a network store: written by the flusher, not here
+            self._want_manifest(f"committing {owner!r}", flush_data=True)
+            return
         if self._persistent:
             try:
                 self._persist_manifest(f"committing {owner!r}", flush_data=True)
@@ -602,6 +626,8 @@ class DiskPageStore:
                 "timeouts": c.timeouts,
                 "manifest_faults": c.manifest_faults,
                 "manifest_dirty": self._manifest_dirty,
+                "manifest_pending": self._flush_wanted is not None or self._flush_busy,
+                "manifest_async": self._flusher is not None,
                 "faults": c.write_faults + c.read_faults + c.manifest_faults,
                 "fault_errnos": dict(c.errnos),
                 "extents": counts["extents"],
@@ -623,6 +649,7 @@ class DiskPageStore:
         """Stop accepting work; wait (bounded) for in-flight I/O; close a store we opened."""
         if not self._ledger.close():
             return
+        self._stop_flusher(2 * self.config.io_timeout_s)
         if not self.wait_idle(self.config.io_timeout_s):
             log.warning("disk store closed with I/O still in flight; its file stays open")
             return
@@ -797,6 +824,7 @@ class DiskPageStore:
                     self._reattached[owner] = (extent, dict(entry.meta))
                 self._persist_manifest("recording the new generation epoch at start-up")
                 log.info("disk store %s: reattached %d entries", where, len(manifest.entries))
+                self._start_flusher()
                 return
         new_id = self._new_store_id()
         if not isinstance(new_id, bytes) or len(new_id) != 16:
@@ -808,10 +836,90 @@ class DiskPageStore:
             raise DiskIOError(
                 exc.errno or errno.EIO, f"disk store {where}: cannot start: {exc}"
             ) from exc
+        if self._persistent:
+            self._start_flusher()
+
+    # ------------------------------------------------------------------ the manifest flusher
+
+    FLUSH_RETRY_S = (0.05, 5.0)  # the pause after a failed background write: first, at most
+
+    def _start_flusher(self) -> None:
+        """On a network store (an ``s3://`` path), manifest writes leave the caller's thread."""
+        if self._backend.hold is None:
+            return
+        self._flusher = threading.Thread(target=self._flush_loop, name="tiering-manifest", daemon=True)
+        self._flusher.start()
+
+    def _want_manifest(self, why: str, *, flush_data: bool = False) -> None:
+        with self._flush_cv:
+            self._flush_wanted = why if self._flush_wanted is None else self._flush_wanted
+            self._flush_data = self._flush_data or flush_data
+            self._flush_cv.notify_all()
+
+    def _flush_loop(self) -> None:
+        pause = self.FLUSH_RETRY_S[0]
+        cv = self._flush_cv
+        while True:
+            with cv:
+                cv.wait_for(lambda: self._flush_wanted is not None or self._flush_stop, timeout=1.0)
+                if self._flush_wanted is None:
+                    if self._flush_stop:
+                        return
+                    continue
+                why, flush = self._flush_wanted, self._flush_data
+                self._flush_wanted, self._flush_data, self._flush_busy = None, False, True
+            ok = False
+            try:
+                self._persist_manifest(why, flush_data=flush)
+                ok = True
+            except DiskIOError as exc:
+                log.warning("disk store %s: %s; will retry", self._backend.where, exc)
+            except Exception:  # a bug: keep the flusher alive, retry later
+                log.exception("disk store %s: manifest write (%s) failed", self._backend.where, why)
+            with cv:
+                self._flush_busy = False
+                if not ok:
+                    self._flush_wanted = self._flush_wanted or why
+                    self._flush_data = self._flush_data or flush
+                cv.notify_all()
+                if ok:
+                    pause = self.FLUSH_RETRY_S[0]
+                    continue
+                if self._flush_stop:
+                    return  # closing: the last try failed; the manifest stays dirty
+                cv.wait_for(lambda: self._flush_stop, timeout=pause)
+                pause = min(self.FLUSH_RETRY_S[1], pause * 2)
+
+    def wait_manifest(self, timeout: float) -> bool:
+        """Wait (bounded) until no manifest write is pending or running; True when the
+        manifest on the store is current (always True where writes are synchronous)."""
+        if self._flusher is None:
+            return not self._manifest_dirty
+        with self._flush_cv:
+            self._flush_cv.wait_for(lambda: self._flush_wanted is None and not self._flush_busy,
+                                    timeout=max(0.0, timeout))
+            return self._flush_wanted is None and not self._flush_busy and not self._manifest_dirty
+
+    def _stop_flusher(self, timeout: float) -> None:
+        """The last write of the manifest (bounded), then the flusher ends."""
+        t = self._flusher
+        if t is None:
+            return
+        with self._flush_cv:
+            self._flush_stop = True
+            self._flush_cv.notify_all()
+        t.join(timeout)
+        if t.is_alive():
+            log.warning("disk store %s: the manifest flusher did not finish within %.1fs",
+                        self._backend.where, timeout)
 
     def _persist_quietly(self, why: str) -> bool:
-        """``_persist_manifest`` for paths that must not raise: log and retry later."""
+        """``_persist_manifest`` for paths that must not raise: log and retry later. On a
+        network store the write is handed to the flusher (True: asked for, not yet written)."""
         if not self._persistent:
+            return True
+        if self._flusher is not None:
+            self._want_manifest(why)
             return True
         try:
             self._persist_manifest(why)
