@@ -25,19 +25,21 @@ import enum
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from policies import make_policy
 from policies.base import Policy
 from resources.base import ResourceReqConfig, ResourceStep, StepContext
-from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
 from tiering.control.controller import ControllerConfig, EvictionController, EvictionReport
 from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.control.protocols import TieredCache
-from tiering.disk.config import DiskConfig
 from tiering.errors import UnknownRequest
 from tiering.types import RequestState
+
+if TYPE_CHECKING:  # pragma: no cover - imported where a TieredKV builds its own cache
+    from resources.kv_cache import PagedKVCache
+    from tiering.disk.config import DiskConfig
 
 
 def _check_pages(name: str, value: object) -> None:
@@ -75,6 +77,9 @@ class TieredKVConfig:
             )
         _check_pages("device_pages", self.device_pages)
         _check_pages("host_pages", self.host_pages)
+        if self.disk is not None:
+            from tiering.disk.config import DiskConfig  # zarr: loaded only for a config with a disk
+
         if self.disk is not None and not isinstance(self.disk, DiskConfig):
             raise TypeError(
                 f"TieredKVConfig.disk must be a DiskConfig or None, got {type(self.disk).__name__}"
@@ -168,6 +173,8 @@ class TieredKV:
         if not isinstance(config, TieredKVConfig):
             raise TypeError(f"TieredKV needs a TieredKVConfig, got {type(config).__name__}")
         policy = _resolve_policy(config.policy, policy_registry)
+        from resources.kv_cache import PagedKVCache  # paid only by a TieredKV that builds one
+
         kv = PagedKVCache(
             config.geometry, device=config.device, device_pages=config.device_pages,
             host_pages=config.host_pages, disk=config.disk, verify=config.verify,
