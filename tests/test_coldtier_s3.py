@@ -352,20 +352,17 @@ def test_reattach_manifest_write_on_s3_never_holds_the_step_path(seaweed, geom):
         gate.clear()  # from now on the store holds every manifest write
         assert kv.demote("late")
         kv._reqs["late"].job.future.result(30)  # the chunks are written; the commit is next
-        slowest = 0.0
+        # the gate holds a manifest write for up to 20 s, past the 5 s I/O timeout: a step-path
+        # call that waited on it would time out, failing the demote's commit or the release
         deadline = time.monotonic() + 20
         while kv.tier_of("late") is not Tier.DISK and time.monotonic() < deadline:
-            t0 = time.monotonic()
             for res in kv.poll():  # applies the demote: its commit asks for a manifest write
                 assert res.ok, res.reason
-            slowest = max(slowest, time.monotonic() - t0)
             time.sleep(0.02)
         assert kv.tier_of("late") is Tier.DISK
-        t0 = time.monotonic()
         kv.remove_request("gone")  # a release of a listed extent: another manifest write
-        slowest = max(slowest, time.monotonic() - t0)
+        assert kv.stats.disk_release_faults == 0 and kv.stats.commit_failures == 0
         kv.check_integrity()
-        assert slowest < 0.5, f"a step-path call took {slowest:.2f}s while the manifest write was held"
         assert wrappers[0].held >= 1 and kv.disk.stats()["manifest_pending"]
         assert kv.disk.stats()["manifest_async"]
         # "gone" is still listed by the manifest on the store: its chunks are not reusable yet
