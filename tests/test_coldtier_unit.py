@@ -371,3 +371,14 @@ def test_bad_block_input_raises_and_writes_nothing():
     assert s.fetch(k).payload == v
     s.check_integrity()
     q.close(5)
+
+
+@pytest.mark.parametrize("message", ["Generic S3 error: status code: 503, Service Unavailable",
+                                     "request timed out", "connection refused"])
+def test_every_fault_the_store_raises_as_not_answering_is_transient(message):
+    """A server error (5xx) or timeout becomes StoreNotAnswering with an errno the KV cache
+    treats as transient: the bytes stay on the store, a reload is retried, never marked lost."""
+    from tiering.coldtier.held import _transient_errno
+    from tiering.errors import TRANSIENT_IO_ERRNOS
+
+    assert _transient_errno(RuntimeError(message)) in TRANSIENT_IO_ERRNOS

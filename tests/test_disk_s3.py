@@ -305,24 +305,21 @@ def test_frozen_server_mid_demote_keeps_requests_on_host(seaweed_faults, geom): 
         breaker = kv.disk._backend.hold.breaker
         srv.freeze()
         try:
-            slowest = 0.0
-            t0 = time.monotonic()
             for rid in rids:
                 assert kv.demote(rid)
-            slowest = time.monotonic() - t0
+            # the store cannot answer before the client's 1.5 s timeout: had a demote (or the
+            # poll) waited on it, the copies queued before would have settled by now
+            first = kv.poll()
+            assert first == [] and kv.in_flight() == len(rids), "a step-path call waited on the store"
             results = []
             deadline = time.monotonic() + 30
             while len(results) < len(rids) and time.monotonic() < deadline:
-                t = time.monotonic()
                 results += kv.poll()
-                slowest = max(slowest, time.monotonic() - t)
                 kv.check_integrity()
                 time.sleep(0.02)
-            waited = time.monotonic() - t0
         finally:
             srv.thaw()
         assert len(results) == len(rids), "demotes did not settle while the server was frozen"
-        assert slowest < 0.5, f"a step-path call took {slowest:.3f} s (the client timeout is 1.5 s)"
         assert all(not r.ok and r.state is RequestState.ON_HOST for r in results)
         assert all(kv.tier_of(rid) is Tier.HOST for rid in rids)
         timed_out = [r for r in results if r.reason.startswith(f"DiskIOError: [Errno {errno.ETIMEDOUT}]")]
@@ -332,7 +329,6 @@ def test_frozen_server_mid_demote_keeps_requests_on_host(seaweed_faults, geom): 
         assert 1 <= len(timed_out) <= 2 and len(timed_out) + len(skipped) == len(rids), \
             [r.reason for r in results]
         assert breaker.stats().opened == 1
-        assert waited < 3 * 1.5 + 2, f"settling took {waited:.1f} s: requests waited one by one"
         # after the cooldown a trial closes the breaker and the same requests demote and reload
         time.sleep(breaker.config.cooldown_s + 0.1)
         assert kv.demote(rids[0])  # the one trial request a half-open breaker lets through

@@ -151,20 +151,23 @@ def test_read_fault_loses_only_that_request(kv, tmp_path, kind):
     del a
 
 
-def test_a_read_that_times_out_leaves_the_request_on_disk_for_a_retry(kv, tmp_path):
-    """A store that did not answer (ETIMEDOUT) has lost nothing: the reload
-    fails, the request stays on disk, and the next reload brings back the
-    same bytes. Only a failed check or a missing chunk means lost."""
+@pytest.mark.parametrize("kind, code", [("etimedout_read", errno.ETIMEDOUT),
+                                        ("eremoteio_read", errno.EREMOTEIO)])
+def test_a_read_that_times_out_leaves_the_request_on_disk_for_a_retry(kv, tmp_path, kind, code):
+    """A store that did not answer (ETIMEDOUT), or answered with a server
+    error (EREMOTEIO: a 5xx), has lost nothing: the reload fails, the request
+    stays on disk, and the next reload brings back the same bytes. Only a
+    failed check or a missing chunk means lost."""
     plan = FaultPlan(seed=3)
     cache = make(kv, tmp_path, plan=plan)
     gen = torch.Generator().manual_seed(17)
     a = fill(cache, "a", gen, 8)
     to_disk(cache, "a")
-    plan.arm("etimedout_read", next_n=1)
+    plan.arm(kind, next_n=1)
     assert cache.reload("a")
     (done,) = cache.synchronize(10)
-    assert not done.ok and f"Errno {errno.ETIMEDOUT}" in done.reason and done.state is S.ON_DISK
-    assert plan.injected["etimedout_read"] == 1
+    assert not done.ok and f"Errno {code}" in done.reason and done.state is S.ON_DISK
+    assert plan.injected[kind] == 1
     assert cache.state_of("a") is S.ON_DISK and cache.take_lost() == []
     cache.check_integrity()
     assert cache.reload("a")

@@ -27,7 +27,7 @@ import errno as _errno
 #: was, so a reload that fails with one of these leaves the request on disk.
 TRANSIENT_IO_ERRNOS = frozenset({
     _errno.ETIMEDOUT, _errno.ECONNREFUSED, _errno.ECONNRESET, _errno.EAGAIN,
-    _errno.EHOSTUNREACH, _errno.ENETUNREACH, _errno.ENOLCK,
+    _errno.EHOSTUNREACH, _errno.ENETUNREACH, _errno.ENOLCK, _errno.EREMOTEIO,
 })
 
 __all__ = [
@@ -196,7 +196,8 @@ class PrefixLeaseLost(OSError):
 
 
 class StoreNotAnswering(OSError):
-    """The object store did not answer (errno ETIMEDOUT, ECONNREFUSED, EIO), or the breaker is
+    """The object store did not answer (errno ETIMEDOUT, ECONNREFUSED; EREMOTEIO for a server
+    error), or the breaker is
     open after it stopped answering (errno EAGAIN: no request was made)."""
 
 

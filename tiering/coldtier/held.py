@@ -16,7 +16,7 @@ it returns, :class:`LeasedZarrStore`, wraps ``zarr.storage.ObjectStore`` so that
   one client timeout per I/O thread, not one per queued write. After the cooldown one request
   is the trial; the others wait for its outcome (at most the client timeout) and go on if it
   succeeded. Other transient faults are
-  raised as :class:`StoreNotAnswering` with errno ``ETIMEDOUT``, ``ECONNREFUSED`` or ``EIO``;
+  raised as :class:`StoreNotAnswering` with errno ``ETIMEDOUT``, ``ECONNREFUSED`` or ``EREMOTEIO``;
 - the lease object is invisible: listings leave it out, a clear keeps it, and a write or
   delete of its key is refused (``PermissionError``). A clear therefore removes exactly what
   is under the prefix except the lease, never anything outside the prefix.
@@ -54,7 +54,7 @@ def _transient_errno(exc: BaseException) -> int:
         return errno.ETIMEDOUT
     if "connection refused" in text or "connect" in text:
         return errno.ECONNREFUSED
-    return errno.EIO
+    return errno.EREMOTEIO  # it answered, with a server error (5xx) or refused credentials
 
 
 def _from_the_store(exc: BaseException) -> bool:

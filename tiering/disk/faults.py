@@ -45,8 +45,9 @@ from tiering.disk.manifest import MANIFEST_KEY
 
 WRITE_KINDS = ("enospc_write", "eio_write")
 READ_KINDS = ("eio_read", "corrupt")
-#: a read that times out (a store that stopped answering): transient, the data stays
-TRANSIENT_KINDS = ("etimedout_read",)
+#: a read that times out, or that the store answers with a server error (5xx): transient,
+#: the data stays
+TRANSIENT_KINDS = ("etimedout_read", "eremoteio_read")
 MANIFEST_KINDS = ("enospc_manifest", "erofs_manifest", "eio_manifest")
 FAULT_KINDS = (*WRITE_KINDS, *READ_KINDS, "slow")  # the data path's kinds
 ALL_KINDS = (*FAULT_KINDS, *MANIFEST_KINDS, *TRANSIENT_KINDS)  # what ``arm`` accepts and ``injected`` counts
@@ -208,9 +209,10 @@ class FaultyStore(WrapperStore[Store]):
             return await self._store.get(key, prototype, byte_range)
         failing, slow = self.plan.draw("get")
         await self._maybe_slow(slow)
-        if failing in ("eio_read", "etimedout_read"):
+        if failing in ("eio_read", *TRANSIENT_KINDS):
             self.plan.record(failing)
-            code = errno.EIO if failing == "eio_read" else errno.ETIMEDOUT
+            code = {"eio_read": errno.EIO, "etimedout_read": errno.ETIMEDOUT,
+                    "eremoteio_read": errno.EREMOTEIO}[failing]
             raise OSError(code, f"injected fault {failing}: {os.strerror(code)}", key)
         value = await self._store.get(key, prototype, byte_range)
         if failing == "corrupt" and value is not None and len(value) > 0:
