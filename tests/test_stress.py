@@ -359,10 +359,26 @@ def test_a_copy_that_failed_before_its_request_was_removed_is_reported(tmp_path)
 
 
 def test_removal_with_copies_in_flight_under_faults(tmp_path):
-    # a real (short) slow disk keeps disk copies running while their requests leave
-    config = small_config(FAULT_KINDS, seed=21, steps=600, paths=("remove_in_flight",),
-                          cancel_rate=0.5, fault_rate=0.2, slow_seconds=0.01)
-    report = run_stress(config, tmp_path, sleep=time.sleep)
+    # a real (short) slow disk keeps disk copies running while their requests leave; which
+    # copies are in flight when a request leaves depends on the copy threads' speed, so a
+    # state no run caught is looked for again with the next seed (at most three runs)
+    seen: dict[str, int] = {}
+    failed = 0
+    for seed in (21, 22, 23):
+        config = small_config(FAULT_KINDS, seed=seed, steps=600, paths=("remove_in_flight",),
+                              cancel_rate=0.5, fault_rate=0.2, slow_seconds=0.01)
+        report = run_stress(config, tmp_path / f"seed{seed}", sleep=time.sleep)
+        _assert_removal_run_clean(report)
+        for state, n in report["removal_in_flight"]["by_state"].items():
+            seen[state] = seen.get(state, 0) + n
+        failed += report["removal_in_flight"]["copies_failed"]
+        if all(seen.values()) and failed:
+            break
+    assert set(seen) == {"offloading", "demoting", "reloading"} and all(seen.values()), seen
+    assert failed > 0, "no fault struck a copy of a request already removed"
+
+
+def _assert_removal_run_clean(report) -> None:
     assert report["errors"] == [] and report["data_errors"] == 0, report["data_error_examples"]
     assert report["integrity_violations"] == 0, report["integrity_examples"]
     assert report["integrity_checks"] > report["operations"]
@@ -375,9 +391,8 @@ def test_removal_with_copies_in_flight_under_faults(tmp_path):
     for family in (("enospc_write", "eio_write"), ("eio_read", "corrupt"), ("copy",), ("slow",)):
         assert sum(injected[k] for k in family) > 0, (family, injected)
     removal = report["removal_in_flight"]
-    assert all(n > 0 for n in removal["by_state"].values()), removal
-    # faults struck copies of requests already removed, and were tied to their kind
-    assert removal["copies_failed"] > 0, removal
+    assert removal["removed"] > 0, removal
+    # faults that struck copies of requests already removed were tied to their kind
     assert sum(removal["faults_on_removed"].values()) == removal["copies_failed"]
     assert report["ok"] is True
 
