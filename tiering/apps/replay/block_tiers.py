@@ -340,8 +340,7 @@ class PrefixBlocks:
         if not self._kv.move_block_pages(src, dst, self.block_pages):
             raise RuntimeError(f"moving block {key!r} to {dst.value}: room was checked")
         index = self.index
-        index.begin_move(key, dst, self._new_handle())
-        index.finish_move(key)
+        index.move(key, dst, self._new_handle())
         self._reserved[src] -= 1
         self._reserved[dst] += 1
         self.policies[src].on_remove(key)
