@@ -12,7 +12,10 @@ exact ``repr``. Two counters say only how the loop got there (``fast_steps``,
 subprocess importing from ``DIR``) and compares: the exit status is 1 and the
 differing configurations are named when any digest differs.
 
-Usage: ``python benchmarks/replay_identity.py --out ids.json [--before DIR] [--quick]``
+``--against FILE`` compares with the runs of an earlier ``--out`` file instead.
+
+Usage: ``python benchmarks/replay_identity.py --out ids.json [--before DIR | --against FILE]
+[--quick] [--only SUBSTRING]``
 (``--quick``: the synthetic part and one short trace run only).
 """
 
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--before", type=Path, default=None)
+    p.add_argument("--against", type=Path, default=None,
+                   help="compare with the runs of an earlier --out file instead of --before")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default=None, help="only configurations whose name has this")
     p.add_argument("--root", type=Path, default=None, help=argparse.SUPPRESS)
@@ -186,10 +191,14 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(cmd, cwd=args.before, check=True, timeout=7200)
             before = json.loads(out.read_text())["runs"]
         print("after (this checkout):", flush=True)
+    elif args.against is not None:
+        before = json.loads(args.against.read_text())["runs"]
     runs = _matrix(args.quick, args.only)
     doc = {"runs": runs}
     status = 0
     if before is not None:
+        if args.only:
+            before = {n: v for n, v in before.items() if n in runs}
         differ = [n for n in runs if n in before and before[n]["digest"] != runs[n]["digest"]]
         missing = sorted(set(before) ^ set(runs))
         doc["before"] = before

@@ -148,6 +148,14 @@ class PrefixBlocks:
         lent = sum(1 for k, t in zip(keys, tiers, strict=False) if t is Tier.DEVICE and not get(k).refs)
         return PrefixPeek(keys, d, tiers, reused, lent * self.block_pages)
 
+    def lends(self, hash_ids: Sequence[Hashable], n_in: int) -> bool:
+        """Whether ``peek(hash_ids, n_in)`` finds blocks to reuse (``lend`` would map
+        some); changes nothing."""
+        if n_in <= 1:
+            return False
+        n = n_in // self.block_tokens
+        return n > 0 and hash_ids[0] in self.index
+
     # -- a request's blocks ----------------------------------------------------------
 
     def lend(self, peek: PrefixPeek) -> list[Hashable]:

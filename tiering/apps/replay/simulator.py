@@ -825,13 +825,23 @@ class _Worker:
         kv = self.kv
         rid = r.rid
         prefixes = self.prefixes
+        # the whole prompt (or, without tiering, the whole final KV) is allocated now, so
+        # a prefilling request never has to grow
+        tokens = r.n_in + r.n_out if self.mode == "no-tiering" else r.target
+        if prefixes is not None:
+            need = self._pages(tokens)
+            free = self._free_pages()
+            if free < need and free + prefixes.device_pages < need:
+                # even every cached device block would not make room (lending the
+                # matched ones moves pages from one figure to the other): refused with
+                # nothing changed, as lend, make_room and unlend would leave it
+                if r.hash_ids and prefixes.lends(r.hash_ids, r.n_in):
+                    prefixes.changes += 2  # what lend and unlend count
+                return None
         peek = None
         if prefixes is not None and r.hash_ids:
             peek = prefixes.peek(r.hash_ids, r.n_in)
         reused = peek.reused if peek is not None else 0
-        # the whole prompt (or, without tiering, the whole final KV) is allocated now, so
-        # a prefilling request never has to grow
-        tokens = r.n_in + r.n_out if self.mode == "no-tiering" else r.target
         mapped = prefixes.lend(peek) if peek is not None and peek.blocks else []
         if not self._make_room(self._pages(tokens)):
             if mapped:
