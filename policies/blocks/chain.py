@@ -170,7 +170,7 @@ class ChainOdds(BlockPolicy):
         self._dens_at = 0
         self._refresh()
         self._cend: list[tuple] = [()] * len(self._lists)  # class -> its two ends, cached
-        self._cend_key: tuple[int, int] | None = None  # (request count, table age) of _cend
+        self._cend_t = self._cend_d = -1  # the request count and table age of _cend
         self._dirty: set[int] = set()  # classes changed since _cend was computed
         self._lows = [(_INF, c, None) for c in range(len(self._lists))]  # (density, class, key)
         self._front: dict[int, tuple[int, list]] = {}  # class -> (oldest read, its blocks by depth)
@@ -312,8 +312,8 @@ class ChainOdds(BlockPolicy):
             return self._ends_memo
         dens, now, top = self._dens, self._t, _BUCKETS - 1
         cend, lists = self._cend, self._lists
-        if self._cend_key != (now, self._dens_at):
-            self._cend_key = (now, self._dens_at)
+        if self._cend_t != now or self._cend_d != self._dens_at:
+            self._cend_t, self._cend_d = now, self._dens_at
             dirty = range(len(lists))
         else:
             dirty = self._dirty
@@ -339,7 +339,10 @@ class ChainOdds(BlockPolicy):
                 group.sort()
                 stack = front[cls] = (t0, [g[2] for g in group])
             keys = stack[1]
-            while keys and (keys[-1] not in lst or lst[keys[-1]][0] != t0):
+            while keys:
+                e = lst.get(keys[-1])
+                if e is not None and e[0] == t0:
+                    break
                 keys.pop()
             k = keys[-1] if keys else first
             k2 = next(reversed(lst))
@@ -349,7 +352,8 @@ class ChainOdds(BlockPolicy):
             low = old if old[0] <= young[0] else young
             cend[cls] = (low, old, young)
             lows[cls] = (low[0], cls, low[1])
-        self._dirty = set()
+        if dirty:
+            self._dirty = set()
         m = min(lows)  # (density, class, key): ties go to the first class
         best = None if m[2] is None else (m[0], m[2])
         self._ends_memo, self._ends_at = best, self._version

@@ -137,6 +137,13 @@ class BlockIndex:
     def get(self, key: Hashable) -> BlockInfo | None:
         return self._info(key) if key in self._tier else None
 
+    def depth(self, key: Hashable) -> int:
+        """The block's depth in its chain (0 for a chain's first block)."""
+        d = self._depth.get(key)
+        if d is None:
+            raise ValueError(f"depth: block {key!r} is not in the index")
+        return d
+
     def location(self, key: Hashable) -> BlockLocation | None:
         tier = self._tier.get(key)
         if tier is None:
@@ -454,7 +461,7 @@ class BlockIndex:
         resumed once per key refused, at most ``len(policy)`` times.
         """
         gen = policy.victims(now)
-        where = self._tier
+        where, refs, dest, below = self._tier, self._refs, self._dest, self._below
         try:
             for _ in range(len(policy) + 1):
                 k = next(gen, None)
@@ -465,7 +472,8 @@ class BlockIndex:
                     raise RuntimeError(
                         f"policy {policy.name!r} offered block {k!r}, which is not in the index"
                     )
-                if (tier is None or t is tier) and self.evictable(k):
+                # evictable(k), inline
+                if (tier is None or t is tier) and not (k in refs or k in dest or k in below):
                     return k
             return None
         finally:

@@ -105,6 +105,9 @@ class PrefixBlocks:
             for t in _TIERS
         }
         self.policy_name = policy
+        # per tier, the tiers below it that have any room at all, with their policies
+        self._down = {t: tuple((d, self.policies[d]) for d in _BELOW[t] if self.capacity_blocks[d])
+                      for t in _TIERS}
         self.index = BlockIndex()
         self._handle = 0
         self._reserved = dict.fromkeys(_TIERS, 0)  # blocks holding their own pages, per tier
@@ -330,15 +333,15 @@ class PrefixBlocks:
 
     def _evict_one(self, tier: Tier, move: bool) -> bool:
         now = self._clock()
-        key = self.index.choose_victim(self.policies[tier], now, tier=tier)
+        index = self.index
+        key = index.choose_victim(self.policies[tier], now, tier=tier)
         if key is None:
             return False
         if move:
-            kv = self._kv
-            for dst in _BELOW[tier]:
-                if self.capacity_blocks[dst] and kv.free_pages(dst) >= self.block_pages and (
-                    self.policies[dst].admit(key, self.index.get(key).depth, now)
-                ):
+            free = self._kv.free_pages
+            bp = self.block_pages
+            for dst, dst_policy in self._down[tier]:
+                if free(dst) >= bp and dst_policy.admit(key, index.depth(key), now):
                     self._move_down(key, tier, dst, now)
                     return True
         self._drop(key, "evicted")
@@ -349,15 +352,18 @@ class PrefixBlocks:
             raise RuntimeError(f"moving block {key!r} to {dst.value}: room was checked")
         index = self.index
         index.move(key, dst, self._new_handle())
-        self._reserved[src] -= 1
-        self._reserved[dst] += 1
-        self.policies[src].on_remove(key)
-        self.policies[dst].on_insert(index.get(key), now)
+        reserved = self._reserved
+        reserved[src] -= 1
+        reserved[dst] += 1
+        policies = self.policies
+        policies[src].on_remove(key)
+        policies[dst].on_insert(index.get(key), now)
         if dst is Tier.HOST:
             self._moved_host += 1
+            self.events.append(("block-host", key))
         else:
             self._moved_disk += 1
-        self.events.append((f"block-{dst.value}", key))
+            self.events.append(("block-disk", key))
         self.changes += 1
 
     def _drop(self, key: Hashable, reason: str, counted: bool = True) -> list[Dropped]:

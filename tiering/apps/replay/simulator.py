@@ -546,7 +546,8 @@ class _Worker:
         events = self.prefixes.events
         if events:
             k, now = self.k, self.clock.now
-            self.decisions.extend(Decision(k, now, kind, str(key)) for kind, key in events)
+            new = tuple.__new__  # Decision(...) without its Python-level __new__
+            self.decisions.extend(new(Decision, (k, now, kind, str(key))) for kind, key in events)
             events.clear()
 
     def _still_quiet(self) -> bool:
