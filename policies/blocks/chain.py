@@ -173,6 +173,7 @@ class ChainOdds(BlockPolicy):
         self._cend_t = self._cend_d = -1  # the request count and table age of _cend
         self._dirty: set[int] = set()  # classes changed since _cend was computed
         self._lows = [(_INF, c, None) for c in range(len(self._lists))]  # (density, class, key)
+        self._best = self._lows[0]  # the lowest of _lows, as of the last _ends
         self._front: dict[int, tuple[int, list]] = {}  # class -> (oldest read, its blocks by depth)
         self._version = 0  # bumped by every change to what is tracked
         self._ends_at = -1
@@ -315,14 +316,22 @@ class ChainOdds(BlockPolicy):
         if self._cend_t != now or self._cend_d != self._dens_at:
             self._cend_t, self._cend_d = now, self._dens_at
             dirty = range(len(lists))
+            full = True
         else:
             dirty = self._dirty
+            full = False
         front, lows = self._front, self._lows
+        best = self._best  # (density, class, key) of the lowest class, kept across calls
         for cls in dirty:
             lst = lists[cls]
             if not lst:
                 cend[cls] = ()
-                lows[cls] = (_INF, cls, None)
+                e = lows[cls] = (_INF, cls, None)
+                if not full:
+                    if e[0] < best[0] or (e[0] == best[0] and cls < best[1]):
+                        best = e
+                    elif best[1] == cls:
+                        full = True  # the lowest class went up: look at them all
                 continue
             row = dens[cls]
             first = next(iter(lst))
@@ -351,10 +360,17 @@ class ChainOdds(BlockPolicy):
             young = (row[b_young if b_young < top else top], k2)
             low = old if old[0] <= young[0] else young
             cend[cls] = (low, old, young)
-            lows[cls] = (low[0], cls, low[1])
+            e = lows[cls] = (low[0], cls, low[1])
+            if not full:
+                if e[0] < best[0] or (e[0] == best[0] and cls < best[1]):
+                    best = e
+                elif best[1] == cls:
+                    full = True  # the lowest class went up: look at them all
         if dirty:
             self._dirty = set()
-        m = min(lows)  # (density, class, key): ties go to the first class
+        if full:
+            best = min(lows)  # (density, class, key): ties go to the first class
+        self._best = m = best
         best = None if m[2] is None else (m[0], m[2])
         self._ends_memo, self._ends_at = best, self._version
         return best

@@ -63,6 +63,7 @@ class Dropped(NamedTuple):
 
 
 _NONE = object()  # "no entry", where None may be a value
+_new = tuple.__new__
 
 
 def _check_tier(tier: object, what: str) -> Tier:
@@ -123,7 +124,7 @@ class BlockIndex:
 
     def _info(self, key: Hashable) -> BlockInfo:
         kids = self._kids.get(key, _NONE)
-        return BlockInfo(
+        return _new(BlockInfo, (  # BlockInfo(...) without its Python-level __new__
             key,
             self._parent[key],
             self._depth[key],
@@ -132,7 +133,7 @@ class BlockIndex:
             self._first[key],
             self._last[key],
             0 if kids is _NONE else (len(kids) if isinstance(kids, set) else 1),
-        )
+        ))
 
     def get(self, key: Hashable) -> BlockInfo | None:
         return self._info(key) if key in self._tier else None
@@ -150,8 +151,8 @@ class BlockIndex:
             return None
         dest = self._dest.get(key)
         if dest is None:
-            return BlockLocation(tier, self._handle[key])
-        return BlockLocation(tier, self._handle[key], dest[0], dest[1])
+            return _new(BlockLocation, (tier, self._handle[key], None, None))
+        return _new(BlockLocation, (tier, self._handle[key], dest[0], dest[1]))
 
     def keys(self, tier: Tier | None = None) -> Iterator[Hashable]:
         for k, t in self._tier.items():
