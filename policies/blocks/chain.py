@@ -234,31 +234,42 @@ class ChainOdds(BlockPolicy):
         elif branch and self.branch_classes:
             first = self._branch_cls + turn - 1
         hist = self._hist
-        prev = None
+        top = _BUCKETS - 1
+        to_end = ghost.move_to_end
+        prev = pr = None  # the previous key and its ghost record
         for k in keys:
             rec = ghost.get(k)
-            if prev is not None:
+            if pr is not None:
                 seen = children.get(prev)
                 if seen is None:
-                    children[prev] = seen = {k}
-                elif isinstance(seen, set) and k not in seen:
-                    seen.add(k)
-                    if len(seen) >= shared:
-                        children[prev] = seen = shared
-                pr = ghost[prev]
-                pr[3] = seen if isinstance(seen, int) else len(seen)
-                pr[0] = 0 if pr[3] >= shared else (first if pr[4] == 1 else base + pr[4])
+                    children[prev] = {k}
+                    n = 1
+                elif seen.__class__ is int:
+                    n = seen
+                else:
+                    if k not in seen:
+                        seen.add(k)
+                        if len(seen) >= shared:
+                            children[prev] = shared
+                            seen = shared
+                    n = seen if seen.__class__ is int else len(seen)
+                pr[3] = n
+                pr[0] = 0 if n >= shared else (first if pr[4] == 1 else base + pr[4])
             if rec is None:
                 rec = [first, t, turn, 0, 1, False]
                 ghost[k] = rec
             else:
-                if rec[1] < t:
-                    hist[rec[0]].add_reuse(t - rec[1])
-                ghost.move_to_end(k)
+                if rec[1] < t:  # _Hist.add_reuse, inline
+                    h = hist[rec[0]]
+                    b = (t - rec[1]).bit_length()
+                    h.gaps[b if b < top else top] += 1.0
+                    h.reused += 1.0
+                to_end(k)
                 rec[1] = t
-                rec[4] = r = min(rec[4] + 1, R)
+                r = rec[4] + 1
+                rec[4] = r = r if r < R else R
                 rec[0] = 0 if rec[3] >= shared else base + r
-            prev = k
+            prev, pr = k, rec
         if len(keys) >= 2:
             ghost[keys[-2]][5] = True
         if prev is not None:
