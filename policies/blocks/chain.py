@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
+from heapq import heapify, heappop, heappush
 from operator import itemgetter
 
 from policies.blocks.base import BlockInfo, BlockPolicy
@@ -174,7 +175,11 @@ class ChainOdds(BlockPolicy):
         self._dirty: set[int] = set()  # classes changed since _cend was computed
         self._lows = [(_INF, c, None) for c in range(len(self._lists))]  # (density, class, key)
         self._best = self._lows[0]  # the lowest of _lows, as of the last _ends
-        self._front: dict[int, tuple[int, list]] = {}  # class -> (oldest read, its blocks by depth)
+        # class -> its oldest read's blocks as _ends last saw them: (that read, a heap of
+        # (-depth, seq, key), key -> seq, blocks tracked at that read since, as (-depth,
+        # seq, key)); see _ends
+        self._front: dict[int, tuple[int, list, dict, list]] = {}
+        self._seq = 0  # numbers every _track, so a list's order is its entries' seq order
         self._version = 0  # bumped by every change to what is tracked
         self._ends_at = -1
         self._ends_memo: tuple | None = None
@@ -297,7 +302,12 @@ class ChainOdds(BlockPolicy):
             self._dirty.add(old)
         self._dirty.add(cls)
         self._meta[key] = cls
-        self._lists[cls][key] = (self._t, depth)
+        self._seq = seq = self._seq + 1
+        t = self._t
+        self._lists[cls][key] = (t, depth, seq)
+        front = self._front.get(cls)
+        if front is not None and front[0] == t:  # it joins the class's oldest read
+            front[3].append((-depth, seq, key))
         self._version += 1
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
@@ -308,7 +318,7 @@ class ChainOdds(BlockPolicy):
 
     def on_remove(self, key: Hashable) -> None:
         cls = self._meta.pop(key)
-        last, _ = self._lists[cls].pop(key)
+        last = self._lists[cls].pop(key)[0]
         self._dirty.add(cls)
         self._version += 1
         age = self._t - last
@@ -348,23 +358,35 @@ class ChainOdds(BlockPolicy):
             first = next(iter(lst))
             t0 = lst[first][0]
             stack = front.get(cls)
-            if stack is None or stack[0] != t0 or t0 >= now:
-                # the oldest request's blocks, deepest (then earliest) last; a request
-                # that is over gains no blocks, so the stack only shrinks until it is used up
-                group = []
-                for pos, (k2, (t2, d2)) in enumerate(lst.items()):
+            if stack is None or stack[0] != t0:
+                # the oldest read's blocks, deepest (then earliest) first
+                heap = []
+                for k2, (t2, d2, q2) in lst.items():
                     if t2 != t0:
                         break
-                    group.append((d2, -pos, k2))
-                group.sort()
-                stack = front[cls] = (t0, [g[2] for g in group])
-            keys = stack[1]
-            while keys:
-                e = lst.get(keys[-1])
-                if e is not None and e[0] == t0:
+                    heap.append((-d2, q2, k2))
+                heapify(heap)
+                stack = front[cls] = (t0, heap, {e[2]: e[1] for e in heap}, [])
+            else:
+                heap, seen, added = stack[1], stack[2], stack[3]
+                if added:
+                    if t0 >= now:
+                        # the read is still going on: what it added since counts, as if
+                        # the list were read again (a block tracked again moves to its
+                        # new place); once the read is over its blocks stay as last seen
+                        for e in added:
+                            seen[e[2]] = e[1]
+                            heappush(heap, e)
+                    added.clear()
+            heap, seen = stack[1], stack[2]
+            while heap:
+                _, q, k = heap[0]
+                e = lst.get(k)
+                if e is not None and e[0] == t0 and seen.get(k) == q:
                     break
-                keys.pop()
-            k = keys[-1] if keys else first
+                heappop(heap)
+            else:
+                k = first
             k2 = next(reversed(lst))
             b_old, b_young = (now - t0).bit_length(), (now - lst[k2][0]).bit_length()
             old = (row[b_old if b_old < top else top], k)
@@ -431,8 +453,8 @@ class ChainOdds(BlockPolicy):
             if not lst:
                 continue
             it = iter(lst.items())
-            k, (t0, d0) = next(it)
-            for k2, (t2, d2) in it:
+            k, (t0, d0, _) = next(it)
+            for k2, (t2, d2, _) in it:
                 if t2 != t0:
                     break
                 if d2 > d0:
@@ -450,7 +472,7 @@ class ChainOdds(BlockPolicy):
         total = 0
         for cls, lst in enumerate(self._lists):
             last = -1
-            for k, (t, _) in lst.items():
+            for k, (t, _, _) in lst.items():
                 if self._meta.get(k) != cls:
                     raise AssertionError(
                         f"chain: block {k!r} is listed in class {cls}, recorded as {self._meta.get(k)}"
