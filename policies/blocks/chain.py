@@ -311,10 +311,9 @@ class ChainOdds(BlockPolicy):
         self._version += 1
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
-        self._track(info.key, info.depth)
+        self._track(info[0], info[2])  # key, depth
 
-    def on_hit(self, info: BlockInfo, now: float) -> None:
-        self._track(info.key, info.depth)
+    on_hit = on_insert  # a hit re-tracks the block exactly as an insert does
 
     def on_remove(self, key: Hashable) -> None:
         cls = self._meta.pop(key)

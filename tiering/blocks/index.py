@@ -464,10 +464,9 @@ class BlockIndex:
         gen = policy.victims(now)
         where, refs, dest, below = self._tier, self._refs, self._dest, self._below
         try:
-            for _ in range(len(policy) + 1):
-                k = next(gen, None)
-                if k is None:
-                    return None
+            k = next(gen, None)  # nearly always the one taken
+            n = -1  # keys still to try after the first: len(policy), counted at a refusal
+            while k is not None:
                 t = where.get(k)
                 if t is None:
                     raise RuntimeError(
@@ -476,6 +475,12 @@ class BlockIndex:
                 # evictable(k), inline
                 if (tier is None or t is tier) and not (k in refs or k in dest or k in below):
                     return k
+                if n < 0:
+                    n = len(policy)
+                if n == 0:
+                    return None
+                n -= 1
+                k = next(gen, None)
             return None
         finally:
             gen.close()

@@ -372,7 +372,8 @@ class PrefixBlocks:
         if not self._kv.move_block_pages(src.tier, to, self.block_pages):
             raise RuntimeError(f"moving block {key!r} to {to.value}: room was checked")
         index = self.index
-        index.move(key, to, self._new_handle())
+        self._handle = handle = self._handle + 1  # _new_handle
+        index.move(key, to, handle)
         src.held -= 1
         dst.held += 1
         src.policy.on_remove(key)

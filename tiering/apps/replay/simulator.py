@@ -57,6 +57,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 from policies import PolicyRegistry
@@ -546,8 +547,10 @@ class _Worker:
         events = self.prefixes.events
         if events:
             k, now = self.k, self.clock.now
-            new = tuple.__new__  # Decision(...) without its Python-level __new__
-            self.decisions.extend(new(Decision, (k, now, kind, str(key))) for kind, key in events)
+            # Decision(k, now, kind, str(key)) for each, built in C (no per-event bytecode)
+            kinds, keys = zip(*events, strict=True)
+            self.decisions.extend(map(tuple.__new__, repeat(Decision), zip(
+                repeat(k), repeat(now), kinds, map(str, keys))))
             events.clear()
 
     def _still_quiet(self) -> bool:
