@@ -197,10 +197,12 @@ class ChainOdds(BlockPolicy):
     def _expire(self) -> None:
         ghost, cut = self._ghost, self._t - self.horizon
         hist, children = self._hist, self._children
-        while ghost:
-            k, rec = next(iter(ghost.items()))
+        gone = []
+        for k, rec in ghost.items():  # oldest read first
             if rec[1] > cut:
                 break
+            gone.append((k, rec))
+        for k, rec in gone:
             del ghost[k]
             hist[rec[0]].add_never()
             children.pop(k, None)
