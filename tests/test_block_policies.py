@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import OrderedDict
 from pathlib import Path
@@ -252,3 +253,121 @@ def test_chain_classes_a_branch_apart_from_an_extension():
     assert q._ghost[9][0] == 1 + q.max_reads  # turn 2, first read, no branch class
     p.check_integrity()
     q.check_integrity()
+
+
+# -- the kept lowest end and the heap of the oldest read change no choice ---------------------
+
+
+class _Recording(ChainOdds):
+    """ChainOdds that records every block it is told left its tier, in order."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.removed: list = []
+        self.victims_seen = 0
+
+    def on_remove(self, key):
+        self.removed.append(key)
+        super().on_remove(key)
+
+    def victims(self, now):
+        self.victims_seen += 1
+        return super().victims(now)
+
+
+class _Resorting(_Recording):
+    """The reference: the lowest end found by a minimum over every class on every call,
+    and the oldest read's blocks sorted again whenever that read is still going on
+    (what ChainOdds did before it kept them in a heap). Same records, own caches."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self._stacks: dict = {}
+        self._key = None
+
+    def _ends(self):
+        if self._ends_at == self._version:
+            return self._ends_memo
+        dens, now, top = self._dens, self._t, 17
+        cend, lists = self._cend, self._lists
+        if self._key != (now, self._dens_at):
+            self._key = (now, self._dens_at)
+            dirty = range(len(lists))
+        else:
+            dirty = self._dirty
+        lows = self._lows
+        for cls in dirty:
+            lst = lists[cls]
+            if not lst:
+                cend[cls] = ()
+                lows[cls] = (math.inf, cls, None)
+                continue
+            row = dens[cls]
+            first = next(iter(lst))
+            t0 = lst[first][0]
+            stack = self._stacks.get(cls)
+            if stack is None or stack[0] != t0 or t0 >= now:
+                group = []
+                for pos, (k2, (t2, d2, _)) in enumerate(lst.items()):
+                    if t2 != t0:
+                        break
+                    group.append((d2, -pos, k2))
+                group.sort()
+                stack = self._stacks[cls] = (t0, [g[2] for g in group])
+            keys = stack[1]
+            while keys and (keys[-1] not in lst or lst[keys[-1]][0] != t0):
+                keys.pop()
+            k = keys[-1] if keys else first
+            k2 = next(reversed(lst))
+            b_old, b_young = (now - t0).bit_length(), (now - lst[k2][0]).bit_length()
+            old = (row[min(b_old, top)], k)
+            young = (row[min(b_young, top)], k2)
+            low = old if old[0] <= young[0] else young
+            cend[cls] = (low, old, young)
+            lows[cls] = (low[0], cls, low[1])
+        self._dirty = set()
+        m = min(lows)
+        best = None if m[2] is None else (m[0], m[2])
+        self._ends_memo, self._ends_at = best, self._version
+        return best
+
+
+class _ForgetsLateBlocks(_Recording):
+    """A broken heap: blocks tracked after the oldest read's heap was built never join it
+    (the negative control: the comparison below must see the difference)."""
+
+    def _track(self, key, depth):
+        super()._track(key, depth)
+        for front in self._front.values():
+            front[3].clear()
+
+
+@pytest.mark.parametrize(
+    "source,capacity,seed",
+    [("synth", 40, 5), ("synth", 300, 11), ("synth", 120, 23), ("mooncake", 100, 0),
+     ("mooncake", 500, 0)],
+)
+def test_chain_fast_ends_choose_exactly_what_a_full_recomputation_chooses(source, capacity, seed):
+    """Every block that leaves, in order, and every figure of the replay are those of the
+    reference that recomputes every class's ends and re-sorts the oldest read; a heap that
+    drops late blocks differs (so the comparison can fail)."""
+    chains = (synthetic_chains(800, seed=seed) if source == "synth"
+              else load_chains(TRACE, limit=600))
+    fast, ref = _Recording(capacity=capacity), _Resorting(capacity=capacity)
+    a = replay_blocks(chains, capacity, fast, check_every=50)
+    b = replay_blocks(chains, capacity, ref)
+    assert fast.removed == ref.removed and len(fast.removed) > 100
+    assert a[:-1] == b[:-1] and a.evicted > 0 and a.refused > 0
+    assert fast.victims_seen == ref.victims_seen > 100
+    fast.check_integrity()
+
+
+def test_chain_fast_ends_comparison_catches_a_heap_that_drops_late_blocks():
+    differs = 0
+    for seed in (5, 11, 23):
+        chains = synthetic_chains(800, seed=seed)
+        broken, ref = _ForgetsLateBlocks(capacity=40), _Resorting(capacity=40)
+        replay_blocks(chains, 40, broken)
+        replay_blocks(chains, 40, ref)
+        differs += broken.removed != ref.removed
+    assert differs > 0

@@ -832,16 +832,8 @@ class _Worker:
         # the whole prompt (or, without tiering, the whole final KV) is allocated now, so
         # a prefilling request never has to grow
         tokens = r.n_in + r.n_out if self.mode == "no-tiering" else r.target
-        if prefixes is not None:
-            need = self._pages(tokens)
-            free = self._free_pages()
-            if free < need and free + prefixes.device_pages < need:
-                # even every cached device block would not make room (lending the
-                # matched ones moves pages from one figure to the other): refused with
-                # nothing changed, as lend, make_room and unlend would leave it
-                if r.hash_ids and prefixes.lends(r.hash_ids, r.n_in):
-                    prefixes.changes += 2  # what lend and unlend count
-                return None
+        if prefixes is not None and self._hopeless(r, tokens):
+            return None
         peek = None
         if prefixes is not None and r.hash_ids:
             peek = prefixes.peek(r.hash_ids, r.n_in)
@@ -883,6 +875,21 @@ class _Worker:
         chunk = min(r.target - reused, budget)
         self._plan.append((r, chunk))
         return chunk
+
+    def _hopeless(self, r: _Req, tokens: int) -> bool:
+        """Whether admitting ``r`` with ``tokens`` would be refused even if every cached
+        device block made room (lending its matched blocks only moves pages from one
+        figure to the other). Then it is refused at once with nothing changed, just as
+        lend, a make_room that gives up before evicting and unlend would leave it, their
+        change count included. A test checks that runs are identical without it."""
+        need = self._pages(tokens)
+        free = self._free_pages()
+        prefixes = self.prefixes
+        if free >= need or free + prefixes.device_pages >= need:
+            return False
+        if r.hash_ids and prefixes.lends(r.hash_ids, r.n_in):
+            prefixes.changes += 2  # what lend and unlend count
+        return True
 
     def _count_lookup(self, r: _Req, peek) -> None:
         """Count one lookup: its tokens and blocks, and what each tier served (the block
