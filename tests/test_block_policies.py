@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 import random
@@ -270,9 +271,9 @@ class _Recording(ChainOdds):
         self.removed.append(key)
         super().on_remove(key)
 
-    def victims(self, now):
+    def victims_except(self, now, *busy):
         self.victims_seen += 1
-        return super().victims(now)
+        return super().victims_except(now, *busy)
 
 
 class _Resorting(_Recording):
@@ -371,3 +372,23 @@ def test_chain_fast_ends_comparison_catches_a_heap_that_drops_late_blocks():
         replay_blocks(chains, 40, ref)
         differs += broken.removed != ref.removed
     assert differs > 0
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_victims_except_is_victims_without_the_busy_keys(name):
+    """Every policy's victims_except yields what a caller refusing the keys in the
+    containers given would take from victims(), in the same order (ChainOdds skips them
+    inside its own walk). A policy may reorder itself as keys are refused (S3-FIFO), so
+    each side runs on its own copy."""
+    rng = random.Random(17)
+    chains = synthetic_chains(400, seed=3)
+    p = make_block_policy(name, capacity=80)
+    replay_blocks(chains, 80, p)
+    keys = list(copy.deepcopy(p).victims(0.0))
+    assert len(keys) == len(p) > 40
+    for _ in range(20):
+        busy = [set(rng.sample(keys, rng.randint(0, len(keys) // 2))) for _ in range(3)]
+        want = [k for k in copy.deepcopy(p).victims(0.0) if not any(k in c for c in busy)]
+        assert list(copy.deepcopy(p).victims_except(0.0, *busy)) == want
+    assert list(copy.deepcopy(p).victims_except(0.0, set(keys), set(), set())) == []
+    assert list(copy.deepcopy(p).victims_except(0.0, set(), set(), set())) == keys

@@ -56,6 +56,7 @@ from policies.blocks.base import BlockInfo, BlockPolicy
 __all__ = ["ChainOdds"]
 
 _first = itemgetter(0)
+_NOTHING: frozenset = frozenset()
 _INF = float("inf")
 _AGE = tuple([0.0] + [float(1 << (b - 1)) for b in range(1, 18)])  # youngest age of bucket b
 _MID = tuple([0.0] + [0.75 * (1 << b) for b in range(1, 18)])  # a typical gap in bucket b
@@ -420,17 +421,28 @@ class ChainOdds(BlockPolicy):
         return self._density(cls, self._t) > low[0]
 
     def victims(self, now: float) -> Iterator[Hashable]:
+        return self._victims(now, _NOTHING, _NOTHING, _NOTHING)
+
+    def victims_except(self, now: float, *busy) -> Iterator[Hashable]:
+        if len(busy) != 3:
+            return super().victims_except(now, *busy)
+        return self._victims(now, *busy)
+
+    def _victims(self, now: float, r, d, b) -> Iterator[Hashable]:
+        """The victims in order, without the keys in ``r``, ``d`` or ``b``."""
         low = self._ends()
         if low is None:
             return
         k0 = low[1]
-        yield k0  # nearly always taken: sort the rest only when it is not
+        if not (k0 in r or k0 in d or k0 in b):
+            yield k0  # nearly always taken: sort the rest only when it is not
         seen = {k0}
         ends = [e for c in self._cend if c for e in c[1:]]
         for _, k in sorted(ends, key=_first):
             if k not in seen:
                 seen.add(k)
-                yield k
+                if not (k in r or k in d or k in b):
+                    yield k
         # every end was refused (mapped by the request being served, which is the
         # youngest): walk each class from its young end, lowest density first
         ends = sorted(
@@ -442,7 +454,8 @@ class ChainOdds(BlockPolicy):
             for k in reversed(self._lists[cls]):
                 if k not in seen:
                     seen.add(k)
-                    yield k
+                    if not (k in r or k in d or k in b):
+                        yield k
 
     # -- checking --------------------------------------------------------------
 

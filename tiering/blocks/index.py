@@ -461,8 +461,9 @@ class BlockIndex:
         None when the policy offers nothing that may leave. The policy is
         resumed once per key refused, at most ``len(policy)`` times.
         """
-        gen = policy.victims(now)
         where, refs, dest, below = self._tier, self._refs, self._dest, self._below
+        # the policy skips the keys that may not leave; they are checked again below
+        gen = policy.victims_except(now, refs, dest, below)
         try:
             k = next(gen, None)  # nearly always the one taken
             n = -1  # keys still to try after the first: len(policy), counted at a refusal
