@@ -19,9 +19,11 @@ from policies.blocks import (
 )
 from policies.blocks.chain import ChainOdds
 from policies.blocks.generic import LRUBlocks
+from tiering.blocks import BlockIndex
 from tiering.blocks.replay import load_chains, replay_blocks
 from tiering.blocks.synth import synthetic_chains
 from tiering.testing.blocks import check_block_policy
+from tiering.types import Tier
 
 NAMES = default_block_registry().names
 
@@ -392,3 +394,91 @@ def test_victims_except_is_victims_without_the_busy_keys(name):
         assert list(copy.deepcopy(p).victims_except(0.0, *busy)) == want
     assert list(copy.deepcopy(p).victims_except(0.0, set(keys), set(), set())) == []
     assert list(copy.deepcopy(p).victims_except(0.0, set(), set(), set())) == keys
+
+
+# -- tiers sharing one ghost history ------------------------------------------------------
+
+
+def _tiers_run(share: bool, chains, caps=(60, 150, 400)):
+    """Three ChainOdds told the same requests, device first; each tier keeps its own
+    blocks (a miss is inserted on the device, the device's victim goes to the host, the
+    host's to disk). Returns what left each tier, in order, and the policies."""
+    pols = [_Recording(capacity=c) for c in caps]
+    if share:
+        assert ChainOdds.share_history(pols[0], pols[1:])
+    idx = [BlockIndex() for _ in caps]
+    handle = 0
+    for t, chain in enumerate(chains):
+        now = float(t)
+        for p in pols:
+            p.on_request(chain, now)
+        for depth, key in enumerate(chain):
+            for i, p in enumerate(pols):
+                if key in idx[i]:
+                    p.on_hit(idx[i].touch(key, now), now)
+            if key in idx[0] or not pols[0].admit(key, depth, now):
+                continue
+            carry = [key]
+            for i, p in enumerate(pols):
+                nxt = []
+                for k in carry:
+                    if k in idx[i]:
+                        continue
+                    if len(idx[i]) >= caps[i]:
+                        v = idx[i].choose_victim(p, now)
+                        if v is None:
+                            continue
+                        for gone in idx[i].drop(v):
+                            p.on_remove(gone.key)
+                        nxt.append(v)
+                    handle += 1
+                    idx[i].insert(k, None, Tier.DEVICE, handle, now)
+                    p.on_insert(idx[i].get(k), now)
+                carry = nxt
+    return [p.removed for p in pols], pols
+
+
+@pytest.mark.parametrize("seed", [3, 8])
+def test_tiers_sharing_one_history_decide_exactly_as_with_their_own(seed):
+    """The host and disk policies reading the device policy's ghost history make every
+    choice they made with their own copies (the history depends only on the requests),
+    with density tables from their own learned stay; and they really share it."""
+    chains = synthetic_chains(700, seed=seed)
+    own, own_pols = _tiers_run(False, chains)
+    shared, pols = _tiers_run(True, chains)
+    assert [len(r) for r in own] == [len(r) for r in shared] and min(map(len, own)) > 50
+    assert own == shared
+    assert pols[1]._ghost is pols[0]._ghost and own_pols[1]._ghost is not own_pols[0]._ghost
+    assert [p._stay for p in pols] == [p._stay for p in own_pols]
+    assert [p._dens for p in pols] == [p._dens for p in own_pols]
+    assert pols[1]._dens != pols[0]._dens  # each its own table
+    for p in pols:
+        p.check_integrity()
+
+
+def test_a_policy_sharing_history_must_be_told_each_request_after_its_leader():
+    lead, f = ChainOdds(capacity=10), ChainOdds(capacity=20)
+    assert lead.share_history([f])
+    with pytest.raises(RuntimeError, match="right after the policy that keeps it"):
+        f.on_request(["a", "b"], 0.0)  # before the leader
+    lead.on_request(["a", "b"], 0.0)
+    with pytest.raises(RuntimeError, match="same keys"):
+        f.on_request(["a", "c"], 0.0)
+    f.on_request(["a", "b"], 0.0)
+    assert f._t == lead._t == 1
+    lead.on_request(["a"], 1.0)
+    with pytest.raises(RuntimeError, match="was not told the last request"):
+        lead.on_request(["a"], 2.0)  # the follower missed request 2
+
+
+def test_share_history_refuses_what_it_cannot_share_exactly():
+    assert not ChainOdds(capacity=10).share_history([])
+    assert not ChainOdds(capacity=10).share_history([ChainOdds(capacity=10, horizon=64)])
+    assert not ChainOdds(capacity=10).share_history([LRUBlocks()])
+    used = ChainOdds(capacity=10)
+    used.on_request(["a"], 0.0)
+    assert not ChainOdds(capacity=10).share_history([used])
+    a, b = ChainOdds(capacity=10), ChainOdds(capacity=10)
+    assert not a.share_history([b, b]) and not a.share_history([a])
+    assert a._followers == () and b._leader is None  # nothing changed
+    assert a.share_history([b]) and not ChainOdds(capacity=10).share_history([b])

@@ -495,6 +495,37 @@ def test_hopeless_admissions_refused_at_once_change_nothing(monkeypatch, make_ro
     assert wrong.requests != full.requests or wrong.decisions != full.decisions
 
 
+@pytest.mark.parametrize("make_room", ["drop", "offload"])
+def test_tier_policies_sharing_one_history_change_nothing(monkeypatch, make_room):
+    """The block store lets its host and disk ChainOdds read the device one's ghost
+    history (share_history); with each keeping its own copy the run is identical, and
+    the sharing really happened."""
+    from policies.blocks.chain import ChainOdds
+
+    sim = dataclasses.replace(SIM, make_room=make_room, block_policy="chain")
+    real = ChainOdds.share_history
+    shared = []
+
+    def counting(self, others):
+        out = real(self, others)
+        shared.append(out)
+        return out
+
+    trace = _trace(25, 200)
+    spec = RunSpec("tiering", "lru", ControllerConfig(high=0.85, low=0.7))
+    with monkeypatch.context() as m:
+        m.setattr(ChainOdds, "share_history", counting)
+        one = simulate(trace, COST, spec, sim, kv_factory=_factory(300, 100, 800, []),
+                       check=True)
+    assert shared == [True]
+    with monkeypatch.context() as m:
+        m.setattr(ChainOdds, "share_history", lambda self, others: False)
+        own = simulate(trace, COST, spec, sim, kv_factory=_factory(300, 100, 800, []))
+    _same_run(one, own)
+    c = one.counters
+    assert c.block_moves_host > 20 and c.block_moves_disk > 5 and c.reused_blocks_host > 0
+
+
 @pytest.mark.parametrize("scale", [1.0, 6.0])
 @pytest.mark.parametrize("make_room", ["drop", "offload"])
 def test_fast_forward_changes_nothing(monkeypatch, scale, make_room):

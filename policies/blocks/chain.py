@@ -186,6 +186,40 @@ class ChainOdds(BlockPolicy):
         self._ends_memo: tuple | None = None
         self._turn = 1  # the current request's turn
         self._cls = 1
+        # history shared with other tiers' policies (share_history): the ones this one
+        # advances, or the one that advances this one and the keys it was last told
+        self._followers: tuple[ChainOdds, ...] = ()
+        self._leader: ChainOdds | None = None
+        self._told: Sequence[Hashable] | None = None
+
+    def share_history(self, others: Sequence[BlockPolicy]) -> bool:
+        """Let ``others`` (the other tiers' policies of one store, told the same requests
+        in the same order, each right after this one) read this policy's ghost history
+        instead of keeping identical copies: it depends only on the requests, so this one
+        keeps it for all and sets each one's request count, turn and class, and its
+        density table (from its own learned stay) at the moment it would. Each of them
+        must then be told every request right after this one, with the same keys
+        (``on_request`` raises otherwise). False (nothing shared) unless all are fresh,
+        distinct policies of one class that learns as ChainOdds does, with the same
+        parameters."""
+        params = ("horizon", "max_turn", "max_reads", "length_classes", "branch_classes",
+                  "shared_children")
+        group = (self, *others)
+        if not others or len({id(p) for p in group}) != len(group) or any(
+            type(p) is not type(self) for p in group
+        ) or any(  # a subclass that learns differently keeps its own history
+            getattr(type(self), m) is not getattr(ChainOdds, m)
+            for m in ("on_request", "_expire", "_refresh", "_refresh_at")
+        ) or any(
+            p._t or p._ghost or p._meta or p._followers or p._leader is not None
+            for p in group
+        ) or any(getattr(p, a) != getattr(self, a) for p in others for a in params):
+            return False
+        for p in others:
+            p._leader = self
+            p._ghost, p._children, p._hist = self._ghost, self._children, self._hist
+        self._followers = tuple(others)
+        return True
 
     def __len__(self) -> int:
         return len(self._meta)
@@ -209,12 +243,22 @@ class ChainOdds(BlockPolicy):
             children.pop(k, None)
 
     def on_request(self, keys: Sequence[Hashable], now: float) -> None:
+        if self._leader is not None:
+            told = self._told
+            if told is None or (told is not keys and list(told) != list(keys)):
+                raise RuntimeError(
+                    "chain: this policy shares its history (share_history) and must be told "
+                    "each request right after the policy that keeps it, with the same keys")
+            self._told = None  # the leader did this request's work
+            return
         self._t += 1
         self._version += 1
         t = self._t
         self._expire()
         if t - self._dens_at >= 16:  # the density table, refreshed every 16 requests
             self._refresh()
+            for f in self._followers:
+                f._refresh_at(t)
         ghost, children, shared = self._ghost, self._children, self.shared_children
         # the deepest known block decides the turn
         turn = 1
@@ -286,12 +330,23 @@ class ChainOdds(BlockPolicy):
             if last[3] == 0:
                 last[0] = self._tail_cls
         self._cls = first
+        for f in self._followers:
+            if f._told is not None:
+                raise RuntimeError(
+                    "chain: a policy sharing this one's history was not told the last request")
+            f._t, f._turn, f._cls, f._told = t, turn, first, keys
+            f._version += 1
 
     # -- ordering --------------------------------------------------------------
 
     def _refresh(self) -> None:
         self._dens = [h.densities(self._stay) for h in self._hist]
         self._dens_at = self._t
+
+    def _refresh_at(self, t: int) -> None:
+        """The density table, as this policy's own on_request would refresh it at ``t``."""
+        self._dens = [h.densities(self._stay) for h in self._hist]
+        self._dens_at = t
 
     def _density(self, cls: int, last: int) -> float:
         return self._dens[cls][min((self._t - last).bit_length(), _BUCKETS - 1)]

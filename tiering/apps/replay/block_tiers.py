@@ -117,6 +117,11 @@ class PrefixBlocks:
             for t in _TIERS
         }
         self.policy_name = policy
+        # every tier's policy is told the same requests in the same order (commit, device
+        # first): policies that learn only from them may keep one history between them
+        share = getattr(self.policies[Tier.DEVICE], "share_history", None)
+        self.shared_history = bool(share and share([self.policies[Tier.HOST],
+                                                    self.policies[Tier.DISK]]))
         # per tier: its policy, the blocks holding their own pages there, the tiers below
         # it that have any room at all (what the eviction path reads, without a dict by Tier)
         self._st = {t: _TierState(t, self.policies[t]) for t in _TIERS}
