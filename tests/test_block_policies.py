@@ -482,3 +482,56 @@ def test_share_history_refuses_what_it_cannot_share_exactly():
     assert not a.share_history([b, b]) and not a.share_history([a])
     assert a._followers == () and b._leader is None  # nothing changed
     assert a.share_history([b]) and not ChainOdds(capacity=10).share_history([b])
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_on_insert_key_is_on_insert(name):
+    """Told of inserts by key and depth (the snapshot built only if the policy asks),
+    every policy ends in the same state as when told with snapshots: the same victims in
+    the same order, the same admissions."""
+    chains = synthetic_chains(300, seed=9)
+    index = BlockIndex()
+    a, b = make_block_policy(name, capacity=50), make_block_policy(name, capacity=50)
+    h = 0
+    for t, chain in enumerate(chains):
+        now = float(t)
+        a.on_request(chain, now)
+        b.on_request(chain, now)
+        parent = None
+        for depth, key in enumerate(chain):
+            if key not in index:
+                assert a.admit(key, depth, now) == b.admit(key, depth, now)
+                if len(index) >= 50:
+                    v = index.choose_victim(a, now)
+                    assert v == index.choose_victim(b, now)
+                    for gone in index.drop(v):
+                        a.on_remove(gone.key)
+                        b.on_remove(gone.key)
+                h += 1
+                if not index.insert(key, parent, Tier.DEVICE, h, now):
+                    break
+                a.on_insert(index.get(key), now)
+                b.on_insert_key(key, index.depth(key), index.get, now)
+            else:
+                info = index.touch(key, now)
+                a.on_hit(info, now)
+                b.on_hit(info, now)
+            parent = key
+    assert list(copy.deepcopy(a).victims(1e9)) == list(copy.deepcopy(b).victims(1e9))
+    assert len(a) == len(b) > 30
+
+
+def test_on_insert_key_honours_a_subclass_own_on_insert():
+    seen = []
+
+    class Counting(ChainOdds):
+        def on_insert(self, info, now):
+            seen.append(info.key)
+            super().on_insert(info, now)
+
+    index = BlockIndex()
+    index.insert("a", None, Tier.DEVICE, 1, 0.0)
+    p = Counting(capacity=4)
+    p.on_request(["a"], 0.0)
+    p.on_insert_key("a", 0, index.get, 0.0)
+    assert seen == ["a"] and "a" in p

@@ -373,6 +373,12 @@ class ChainOdds(BlockPolicy):
 
     on_hit = on_insert  # a hit re-tracks the block exactly as an insert does
 
+    def on_insert_key(self, key, depth, get, now) -> None:
+        if type(self).on_insert is not ChainOdds.on_insert:  # a subclass's own on_insert
+            self.on_insert(get(key), now)
+        else:
+            self._track(key, depth)
+
     def on_remove(self, key: Hashable) -> None:
         cls = self._meta.pop(key)
         last = self._lists[cls].pop(key)[0]

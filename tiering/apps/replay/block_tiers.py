@@ -231,7 +231,7 @@ class PrefixBlocks:
             index.finish_move(k)
             self._unreserve(loc.tier)
             self.policies[loc.tier].on_remove(k)
-            self.policies[Tier.DEVICE].on_insert(index.get(k), now)
+            self.policies[Tier.DEVICE].on_insert_key(k, index.depth(k), index.get, now)
             self._loaded += 1
         self.changes += 1
 
@@ -266,7 +266,7 @@ class PrefixBlocks:
             if not index.insert(k, parent, Tier.DEVICE, self._new_handle(), now):
                 break
             self._reserve(k, Tier.DEVICE)
-            dev.on_insert(index.get(k), now)
+            dev.on_insert_key(k, index.depth(k), index.get, now)
             added += 1
             parent = k
         if added:
@@ -382,7 +382,7 @@ class PrefixBlocks:
         src.held -= 1
         dst.held += 1
         src.policy.on_remove(key)
-        dst.policy.on_insert(index.get(key), now)
+        dst.policy.on_insert_key(key, index.depth(key), index.get, now)
         if to is Tier.HOST:
             self._moved_host += 1
             self.events.append(("block-host", key))
