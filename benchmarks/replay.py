@@ -96,17 +96,30 @@ def main(argv: list[str] | None = None) -> int:
         }
     headers = ("case", "requests", "wall s", "req/s", "x raw", "simulated s", "steps",
                "fast steps")
+    speedup = None
     if before is not None:
         print(f"before ({args.before}):")
-        brows = [(case, r.get("requests", len(trace)), r["wall_s"],
+        old = before["results"]
+        order = [c for c in results if c in old] + [c for c in old if c not in results]
+        brows = [(_label(case), r.get("requests", len(trace)), r["wall_s"],
                   r.get("requests_per_s", r.get("requests", 0) / r["wall_s"]),
                   r.get("ratio_to_raw", 1.0), r.get("simulated_s", 0.0), r.get("steps", 0),
-                  r.get("fast_steps", 0)) for case, r in before["results"].items()]
+                  r.get("fast_steps", 0)) for case, r in ((c, old[c]) for c in order)]
         print(table(brows, headers))
         print("after (this checkout):")
     print(table(rows, headers))
+    if before is not None:
+        old = before["results"]
+        speedup = {c: old[c]["wall_s"] / results[c]["wall_s"]
+                   for c in results if c in old and c != "raw"}
+        print("before -> after (each against its own raw load):")
+        print(table([(_label(c), old[c]["wall_s"], results[c]["wall_s"],
+                      old[c].get("ratio_to_raw", 0.0), results[c]["ratio_to_raw"], speedup[c])
+                     for c in speedup],
+                    ("case", "before s", "after s", "before x raw", "after x raw", "speed-up")))
     write_json(args.out, {
         "before": before,
+        "speedup": speedup,
         "benchmark": "replay",
         "trace": str(args.trace),
         "model": args.model,
@@ -117,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     })
     return 0
+
+
+def _label(case: str) -> str:
+    return "raw load+iterate" if case == "raw" else f"replay {case}"
 
 
 def _run_before(args: argparse.Namespace, argv: list[str]) -> dict:

@@ -141,6 +141,27 @@ class IndexMachine(RuleBasedStateMachine):
         self.allocated.add(h)
         self.dest_of[key] = h
 
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), dst=st.sampled_from(TIERS))
+    def move_at_once(self, data, dst):
+        """``move``: begin_move and finish_move in one call, with the same refusals."""
+        key = data.draw(st.sampled_from(self._keys()))
+        parent, tier, refs, moving = self.model[key]
+        h = self._handle(dst)
+        bad = moving is not None or dst is tier or (tier is Tier.DEVICE and self._busy_below(key))
+        if bad:
+            before = {k: self.index.location(k) for k in self.model}
+            with pytest.raises(ValueError):
+                self.index.move(key, dst, h[1])
+            assert {k: self.index.location(k) for k in self.model} == before
+            return
+        freed = self.index.move(key, dst, h[1])
+        assert (freed.tier, freed.handle) == self.handle_of[key]
+        self.allocated.discard(self.handle_of[key])
+        self.allocated.add(h)
+        self.handle_of[key] = h
+        self.model[key][1] = dst
+
     @precondition(lambda self: any(v[3] for v in self.model.values()))
     @rule(data=st.data(), ok=st.booleans())
     def end_move(self, data, ok):
@@ -206,6 +227,9 @@ class IndexMachine(RuleBasedStateMachine):
         assert held == self.allocated, "a handle leaked or was freed twice"
         for t in TIERS:
             assert self.index.count(t) == sum(1 for v in self.model.values() if v[1] is t)
+        # evictable is O(1) from the held-children counts; the model walks the subtree
+        for k in self.model:
+            assert self.index.evictable(k) == (not self._busy_below(k)), k
 
 
 TestIndexMachine = IndexMachine.TestCase
@@ -284,3 +308,54 @@ def test_check_integrity_catches_a_corrupted_record():
     index._kids["b"] = {"zz"}  # a child that is not cached
     with pytest.raises(AssertionError, match="child"):
         index.check_integrity()
+
+
+def test_evictable_follows_a_deep_chain_mapped_and_released_in_any_order():
+    """The held-children counts walk up only while a block's held state changes: map a
+    chain root first, release it leaf first or root first, and every block's
+    evictability is the subtree's; a corrupted count is caught."""
+    index = BlockIndex()
+    keys = [f"k{i}" for i in range(30)]
+    _chain(index, keys)
+    assert index.insert("side", "k10", Tier.DEVICE, 99, 0.0)  # a branch off the chain
+    for k in keys[:20]:
+        index.acquire(k)
+    index.check_integrity()
+    assert [index.evictable(k) for k in keys] == [False] * 20 + [True] * 10
+    assert index.evictable("side")
+    index.release("k0")  # k0 is still held by k1..k19 below it
+    assert not index.evictable("k0")
+    for k in reversed(keys[1:20]):
+        index.release(k)
+        index.check_integrity()
+    assert all(index.evictable(k) for k in keys)
+    index.begin_move("side", Tier.HOST, 7)  # a move in flight holds the chain above it
+    assert not index.evictable("k0") and not index.evictable("k10")
+    assert index.evictable("k11")
+    index.finish_move("side")
+    index.check_integrity()
+    assert index.evictable("k0")
+    index.acquire("k29")
+    index._below.pop("k28")  # negative control: a lost count must be seen
+    with pytest.raises(AssertionError, match="held-children"):
+        index.check_integrity()
+
+
+def test_move_at_once_is_refused_like_begin_move_and_changes_nothing():
+    index = BlockIndex()
+    _chain(index, ["a", "b"])
+    index.acquire("b")
+    with pytest.raises(ValueError, match="mapped"):
+        index.move("a", Tier.HOST, 5)
+    with pytest.raises(ValueError, match="already on device"):
+        index.move("b", Tier.DEVICE, 5)
+    with pytest.raises(ValueError, match="not in the index"):
+        index.move("zz", Tier.HOST, 5)
+    index.check_integrity()
+    assert index.location("a") == (Tier.DEVICE, 0, None, None)
+    index.release("b")
+    assert index.move("b", Tier.HOST, 5) == (Tier.DEVICE, 1, None, None)
+    assert index.location("b") == (Tier.HOST, 5, None, None)
+    with pytest.raises(ValueError, match="handle 5 already holds block 'b'"):
+        index.move("a", Tier.HOST, 5)
+    index.check_integrity()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import heapq
+import math
 import random
 from collections import OrderedDict
 from pathlib import Path
@@ -17,9 +19,11 @@ from policies.blocks import (
 )
 from policies.blocks.chain import ChainOdds
 from policies.blocks.generic import LRUBlocks
+from tiering.blocks import BlockIndex
 from tiering.blocks.replay import load_chains, replay_blocks
 from tiering.blocks.synth import synthetic_chains
 from tiering.testing.blocks import check_block_policy
+from tiering.types import Tier
 
 NAMES = default_block_registry().names
 
@@ -252,3 +256,282 @@ def test_chain_classes_a_branch_apart_from_an_extension():
     assert q._ghost[9][0] == 1 + q.max_reads  # turn 2, first read, no branch class
     p.check_integrity()
     q.check_integrity()
+
+
+# -- the kept lowest end and the heap of the oldest read change no choice ---------------------
+
+
+class _Recording(ChainOdds):
+    """ChainOdds that records every block it is told left its tier, in order."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.removed: list = []
+        self.victims_seen = 0
+
+    def on_remove(self, key):
+        self.removed.append(key)
+        super().on_remove(key)
+
+    def victims_except(self, now, *busy):
+        self.victims_seen += 1
+        return super().victims_except(now, *busy)
+
+
+class _Resorting(_Recording):
+    """The reference: the lowest end found by a minimum over every class on every call,
+    and the oldest read's blocks sorted again whenever that read is still going on
+    (what ChainOdds did before it kept them in a heap). Same records, own caches."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self._stacks: dict = {}
+        self._key = None
+
+    def _ends(self):
+        if self._ends_at == self._version:
+            return self._ends_memo
+        dens, now, top = self._dens, self._t, 17
+        cend, lists = self._cend, self._lists
+        if self._key != (now, self._dens_at):
+            self._key = (now, self._dens_at)
+            dirty = range(len(lists))
+        else:
+            dirty = self._dirty
+        lows = self._lows
+        for cls in dirty:
+            lst = lists[cls]
+            if not lst:
+                cend[cls] = ()
+                lows[cls] = (math.inf, cls, None)
+                continue
+            row = dens[cls]
+            first = next(iter(lst))
+            t0 = lst[first][0]
+            stack = self._stacks.get(cls)
+            if stack is None or stack[0] != t0 or t0 >= now:
+                group = []
+                for pos, (k2, (t2, d2, _)) in enumerate(lst.items()):
+                    if t2 != t0:
+                        break
+                    group.append((d2, -pos, k2))
+                group.sort()
+                stack = self._stacks[cls] = (t0, [g[2] for g in group])
+            keys = stack[1]
+            while keys and (keys[-1] not in lst or lst[keys[-1]][0] != t0):
+                keys.pop()
+            k = keys[-1] if keys else first
+            k2 = next(reversed(lst))
+            b_old, b_young = (now - t0).bit_length(), (now - lst[k2][0]).bit_length()
+            old = (row[min(b_old, top)], k)
+            young = (row[min(b_young, top)], k2)
+            low = old if old[0] <= young[0] else young
+            cend[cls] = (low, old, young)
+            lows[cls] = (low[0], cls, low[1])
+        self._dirty = set()
+        m = min(lows)
+        best = None if m[2] is None else (m[0], m[2])
+        self._ends_memo, self._ends_at = best, self._version
+        return best
+
+
+class _ForgetsLateBlocks(_Recording):
+    """A broken heap: blocks tracked after the oldest read's heap was built never join it
+    (the negative control: the comparison below must see the difference)."""
+
+    def _track(self, key, depth):
+        super()._track(key, depth)
+        for front in self._front.values():
+            front[3].clear()
+
+
+@pytest.mark.parametrize(
+    "source,capacity,seed",
+    [("synth", 40, 5), ("synth", 300, 11), ("synth", 120, 23), ("mooncake", 100, 0),
+     ("mooncake", 500, 0)],
+)
+def test_chain_fast_ends_choose_exactly_what_a_full_recomputation_chooses(source, capacity, seed):
+    """Every block that leaves, in order, and every figure of the replay are those of the
+    reference that recomputes every class's ends and re-sorts the oldest read; a heap that
+    drops late blocks differs (so the comparison can fail)."""
+    chains = (synthetic_chains(800, seed=seed) if source == "synth"
+              else load_chains(TRACE, limit=600))
+    fast, ref = _Recording(capacity=capacity), _Resorting(capacity=capacity)
+    a = replay_blocks(chains, capacity, fast, check_every=50)
+    b = replay_blocks(chains, capacity, ref)
+    assert fast.removed == ref.removed and len(fast.removed) > 100
+    assert a[:-1] == b[:-1] and a.evicted > 0 and a.refused > 0
+    assert fast.victims_seen == ref.victims_seen > 100
+    fast.check_integrity()
+
+
+def test_chain_fast_ends_comparison_catches_a_heap_that_drops_late_blocks():
+    differs = 0
+    for seed in (5, 11, 23):
+        chains = synthetic_chains(800, seed=seed)
+        broken, ref = _ForgetsLateBlocks(capacity=40), _Resorting(capacity=40)
+        replay_blocks(chains, 40, broken)
+        replay_blocks(chains, 40, ref)
+        differs += broken.removed != ref.removed
+    assert differs > 0
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_victims_except_is_victims_without_the_busy_keys(name):
+    """Every policy's victims_except yields what a caller refusing the keys in the
+    containers given would take from victims(), in the same order (ChainOdds skips them
+    inside its own walk). A policy may reorder itself as keys are refused (S3-FIFO), so
+    each side runs on its own copy."""
+    rng = random.Random(17)
+    chains = synthetic_chains(400, seed=3)
+    p = make_block_policy(name, capacity=80)
+    replay_blocks(chains, 80, p)
+    keys = list(copy.deepcopy(p).victims(0.0))
+    assert len(keys) == len(p) > 40
+    for _ in range(20):
+        busy = [set(rng.sample(keys, rng.randint(0, len(keys) // 2))) for _ in range(3)]
+        want = [k for k in copy.deepcopy(p).victims(0.0) if not any(k in c for c in busy)]
+        assert list(copy.deepcopy(p).victims_except(0.0, *busy)) == want
+    assert list(copy.deepcopy(p).victims_except(0.0, set(keys), set(), set())) == []
+    assert list(copy.deepcopy(p).victims_except(0.0, set(), set(), set())) == keys
+
+
+# -- tiers sharing one ghost history ------------------------------------------------------
+
+
+def _tiers_run(share: bool, chains, caps=(60, 150, 400)):
+    """Three ChainOdds told the same requests, device first; each tier keeps its own
+    blocks (a miss is inserted on the device, the device's victim goes to the host, the
+    host's to disk). Returns what left each tier, in order, and the policies."""
+    pols = [_Recording(capacity=c) for c in caps]
+    if share:
+        assert ChainOdds.share_history(pols[0], pols[1:])
+    idx = [BlockIndex() for _ in caps]
+    handle = 0
+    for t, chain in enumerate(chains):
+        now = float(t)
+        for p in pols:
+            p.on_request(chain, now)
+        for depth, key in enumerate(chain):
+            for i, p in enumerate(pols):
+                if key in idx[i]:
+                    p.on_hit(idx[i].touch(key, now), now)
+            if key in idx[0] or not pols[0].admit(key, depth, now):
+                continue
+            carry = [key]
+            for i, p in enumerate(pols):
+                nxt = []
+                for k in carry:
+                    if k in idx[i]:
+                        continue
+                    if len(idx[i]) >= caps[i]:
+                        v = idx[i].choose_victim(p, now)
+                        if v is None:
+                            continue
+                        for gone in idx[i].drop(v):
+                            p.on_remove(gone.key)
+                        nxt.append(v)
+                    handle += 1
+                    idx[i].insert(k, None, Tier.DEVICE, handle, now)
+                    p.on_insert(idx[i].get(k), now)
+                carry = nxt
+    return [p.removed for p in pols], pols
+
+
+@pytest.mark.parametrize("seed", [3, 8])
+def test_tiers_sharing_one_history_decide_exactly_as_with_their_own(seed):
+    """The host and disk policies reading the device policy's ghost history make every
+    choice they made with their own copies (the history depends only on the requests),
+    with density tables from their own learned stay; and they really share it."""
+    chains = synthetic_chains(700, seed=seed)
+    own, own_pols = _tiers_run(False, chains)
+    shared, pols = _tiers_run(True, chains)
+    assert [len(r) for r in own] == [len(r) for r in shared] and min(map(len, own)) > 50
+    assert own == shared
+    assert pols[1]._ghost is pols[0]._ghost and own_pols[1]._ghost is not own_pols[0]._ghost
+    assert [p._stay for p in pols] == [p._stay for p in own_pols]
+    assert [p._dens for p in pols] == [p._dens for p in own_pols]
+    assert pols[1]._dens != pols[0]._dens  # each its own table
+    for p in pols:
+        p.check_integrity()
+
+
+def test_a_policy_sharing_history_must_be_told_each_request_after_its_leader():
+    lead, f = ChainOdds(capacity=10), ChainOdds(capacity=20)
+    assert lead.share_history([f])
+    with pytest.raises(RuntimeError, match="right after the policy that keeps it"):
+        f.on_request(["a", "b"], 0.0)  # before the leader
+    lead.on_request(["a", "b"], 0.0)
+    with pytest.raises(RuntimeError, match="same keys"):
+        f.on_request(["a", "c"], 0.0)
+    f.on_request(["a", "b"], 0.0)
+    assert f._t == lead._t == 1
+    lead.on_request(["a"], 1.0)
+    with pytest.raises(RuntimeError, match="was not told the last request"):
+        lead.on_request(["a"], 2.0)  # the follower missed request 2
+
+
+def test_share_history_refuses_what_it_cannot_share_exactly():
+    assert not ChainOdds(capacity=10).share_history([])
+    assert not ChainOdds(capacity=10).share_history([ChainOdds(capacity=10, horizon=64)])
+    assert not ChainOdds(capacity=10).share_history([LRUBlocks()])
+    used = ChainOdds(capacity=10)
+    used.on_request(["a"], 0.0)
+    assert not ChainOdds(capacity=10).share_history([used])
+    a, b = ChainOdds(capacity=10), ChainOdds(capacity=10)
+    assert not a.share_history([b, b]) and not a.share_history([a])
+    assert a._followers == () and b._leader is None  # nothing changed
+    assert a.share_history([b]) and not ChainOdds(capacity=10).share_history([b])
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_on_insert_key_is_on_insert(name):
+    """Told of inserts by key and depth (the snapshot built only if the policy asks),
+    every policy ends in the same state as when told with snapshots: the same victims in
+    the same order, the same admissions."""
+    chains = synthetic_chains(300, seed=9)
+    index = BlockIndex()
+    a, b = make_block_policy(name, capacity=50), make_block_policy(name, capacity=50)
+    h = 0
+    for t, chain in enumerate(chains):
+        now = float(t)
+        a.on_request(chain, now)
+        b.on_request(chain, now)
+        parent = None
+        for depth, key in enumerate(chain):
+            if key not in index:
+                assert a.admit(key, depth, now) == b.admit(key, depth, now)
+                if len(index) >= 50:
+                    v = index.choose_victim(a, now)
+                    assert v == index.choose_victim(b, now)
+                    for gone in index.drop(v):
+                        a.on_remove(gone.key)
+                        b.on_remove(gone.key)
+                h += 1
+                if not index.insert(key, parent, Tier.DEVICE, h, now):
+                    break
+                a.on_insert(index.get(key), now)
+                b.on_insert_key(key, index.depth(key), index.get, now)
+            else:
+                info = index.touch(key, now)
+                a.on_hit(info, now)
+                b.on_hit(info, now)
+            parent = key
+    assert list(copy.deepcopy(a).victims(1e9)) == list(copy.deepcopy(b).victims(1e9))
+    assert len(a) == len(b) > 30
+
+
+def test_on_insert_key_honours_a_subclass_own_on_insert():
+    seen = []
+
+    class Counting(ChainOdds):
+        def on_insert(self, info, now):
+            seen.append(info.key)
+            super().on_insert(info, now)
+
+    index = BlockIndex()
+    index.insert("a", None, Tier.DEVICE, 1, 0.0)
+    p = Counting(capacity=4)
+    p.on_request(["a"], 0.0)
+    p.on_insert_key("a", 0, index.get, 0.0)
+    assert seen == ["a"] and "a" in p

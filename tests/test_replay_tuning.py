@@ -448,6 +448,84 @@ def test_quiet_safe_points_change_nothing_when_the_worker_offloads(monkeypatch, 
         assert skipping.decisions == every.decisions and skipping.requests == every.requests
 
 
+def _same_run(a, b) -> None:
+    assert a.requests == b.requests and a.decisions == b.decisions
+    assert a.counters == b.counters and a.timeline == b.timeline
+    assert a.makespan_s == b.makespan_s and a.kv_stats == b.kv_stats
+    assert a.controller_stats == b.controller_stats
+
+
+@pytest.mark.parametrize("make_room", ["drop", "offload"])
+def test_hopeless_admissions_refused_at_once_change_nothing(monkeypatch, make_room):
+    """An admission that even every cached device block could not make room for is
+    refused before its prefix is looked up and lent; without the shortcut (lend,
+    make_room, unlend every time) the run is identical, counters and timeline included,
+    and the shortcut really ran. A shortcut that ignores the cached blocks' pages (the
+    negative control) changes the run."""
+    from tiering.apps.replay import simulator
+
+    sim = dataclasses.replace(SIM, make_room=make_room)
+    real = simulator._Worker._hopeless
+    taken = []
+
+    def counting(self, r, tokens):
+        out = real(self, r, tokens)
+        taken.append(out)
+        return out
+
+    trace = _trace(7, 200)
+    for mode, policy, pages in (("tiering", "lru", (300, 100, 800)),
+                                ("tiering", "cost", (300, 100, 800)),
+                                ("recompute", "lru", (300, 0, 0))):
+        spec = RunSpec(mode, policy, ControllerConfig(high=0.85, low=0.7))
+        taken.clear()
+        with monkeypatch.context() as m:
+            m.setattr(simulator._Worker, "_hopeless", counting)
+            quick = simulate(trace, COST, spec, sim, kv_factory=_factory(*pages, []),
+                             check=True)
+        assert sum(taken) > 20, "the shortcut never ran"
+        with monkeypatch.context() as m:
+            m.setattr(simulator._Worker, "_hopeless", lambda self, r, tokens: False)
+            full = simulate(trace, COST, spec, sim, kv_factory=_factory(*pages, []))
+        _same_run(quick, full)
+    with monkeypatch.context() as m:  # negative control
+        m.setattr(simulator._Worker, "_hopeless",
+                  lambda self, r, tokens: self._free_pages() < self._pages(tokens))
+        wrong = simulate(trace, COST, spec, sim, kv_factory=_factory(*pages, []))
+    assert wrong.requests != full.requests or wrong.decisions != full.decisions
+
+
+@pytest.mark.parametrize("make_room", ["drop", "offload"])
+def test_tier_policies_sharing_one_history_change_nothing(monkeypatch, make_room):
+    """The block store lets its host and disk ChainOdds read the device one's ghost
+    history (share_history); with each keeping its own copy the run is identical, and
+    the sharing really happened."""
+    from policies.blocks.chain import ChainOdds
+
+    sim = dataclasses.replace(SIM, make_room=make_room, block_policy="chain")
+    real = ChainOdds.share_history
+    shared = []
+
+    def counting(self, others):
+        out = real(self, others)
+        shared.append(out)
+        return out
+
+    trace = _trace(25, 200)
+    spec = RunSpec("tiering", "lru", ControllerConfig(high=0.85, low=0.7))
+    with monkeypatch.context() as m:
+        m.setattr(ChainOdds, "share_history", counting)
+        one = simulate(trace, COST, spec, sim, kv_factory=_factory(300, 100, 800, []),
+                       check=True)
+    assert shared == [True]
+    with monkeypatch.context() as m:
+        m.setattr(ChainOdds, "share_history", lambda self, others: False)
+        own = simulate(trace, COST, spec, sim, kv_factory=_factory(300, 100, 800, []))
+    _same_run(one, own)
+    c = one.counters
+    assert c.block_moves_host > 20 and c.block_moves_disk > 5 and c.reused_blocks_host > 0
+
+
 @pytest.mark.parametrize("scale", [1.0, 6.0])
 @pytest.mark.parametrize("make_room", ["drop", "offload"])
 def test_fast_forward_changes_nothing(monkeypatch, scale, make_room):

@@ -25,7 +25,7 @@ Protocol (checked for every registered policy by
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 from typing import NamedTuple
 
 __all__ = ["BlockInfo", "BlockPolicy"]
@@ -72,6 +72,26 @@ class BlockPolicy(ABC):
     @abstractmethod
     def victims(self, now: float) -> Iterator[Hashable]:
         """Tracked keys, best victim first (see the module's protocol)."""
+
+    def on_insert_key(self, key: Hashable, depth: int, get: Callable[[Hashable], BlockInfo],
+                      now: float) -> None:
+        """``on_insert`` for a caller that has not built the block's snapshot: ``get(key)``
+        builds it. The default builds it and calls ``on_insert``; a policy that reads only
+        the key and depth may skip it (it must then behave exactly as ``on_insert``)."""
+        self.on_insert(get(key), now)
+
+    def victims_except(self, now: float, *busy: Container) -> Iterator[Hashable]:
+        """``victims(now)`` without the keys in any of ``busy`` (containers of keys the
+        caller would refuse, e.g. mapped or moving blocks), in the same order. At most
+        ``len(self) + 1`` keys of ``victims`` are looked at, as a caller bounds its
+        search. Subclasses may skip those keys more cheaply; the order must not change."""
+        left = len(self) + 1
+        for k in self.victims(now):
+            if left <= 0:
+                return
+            left -= 1
+            if not any(k in c for c in busy):
+                yield k
 
     @abstractmethod
     def __len__(self) -> int:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
+from heapq import heapify, heappop, heappush
 from operator import itemgetter
 
 from policies.blocks.base import BlockInfo, BlockPolicy
@@ -55,6 +56,7 @@ from policies.blocks.base import BlockInfo, BlockPolicy
 __all__ = ["ChainOdds"]
 
 _first = itemgetter(0)
+_NOTHING: frozenset = frozenset()
 _INF = float("inf")
 _AGE = tuple([0.0] + [float(1 << (b - 1)) for b in range(1, 18)])  # youngest age of bucket b
 _MID = tuple([0.0] + [0.75 * (1 << b) for b in range(1, 18)])  # a typical gap in bucket b
@@ -170,15 +172,54 @@ class ChainOdds(BlockPolicy):
         self._dens_at = 0
         self._refresh()
         self._cend: list[tuple] = [()] * len(self._lists)  # class -> its two ends, cached
-        self._cend_key: tuple[int, int] | None = None  # (request count, table age) of _cend
+        self._cend_t = self._cend_d = -1  # the request count and table age of _cend
         self._dirty: set[int] = set()  # classes changed since _cend was computed
         self._lows = [(_INF, c, None) for c in range(len(self._lists))]  # (density, class, key)
-        self._front: dict[int, tuple[int, list]] = {}  # class -> (oldest read, its blocks by depth)
+        self._best = self._lows[0]  # the lowest of _lows, as of the last _ends
+        # class -> its oldest read's blocks as _ends last saw them: (that read, a heap of
+        # (-depth, seq, key), key -> seq, blocks tracked at that read since, as (-depth,
+        # seq, key)); see _ends
+        self._front: dict[int, tuple[int, list, dict, list]] = {}
+        self._seq = 0  # numbers every _track, so a list's order is its entries' seq order
         self._version = 0  # bumped by every change to what is tracked
         self._ends_at = -1
         self._ends_memo: tuple | None = None
         self._turn = 1  # the current request's turn
         self._cls = 1
+        # history shared with other tiers' policies (share_history): the ones this one
+        # advances, or the one that advances this one and the keys it was last told
+        self._followers: tuple[ChainOdds, ...] = ()
+        self._leader: ChainOdds | None = None
+        self._told: Sequence[Hashable] | None = None
+
+    def share_history(self, others: Sequence[BlockPolicy]) -> bool:
+        """Let ``others`` (the other tiers' policies of one store, told the same requests
+        in the same order, each right after this one) read this policy's ghost history
+        instead of keeping identical copies: it depends only on the requests, so this one
+        keeps it for all and sets each one's request count, turn and class, and its
+        density table (from its own learned stay) at the moment it would. Each of them
+        must then be told every request right after this one, with the same keys
+        (``on_request`` raises otherwise). False (nothing shared) unless all are fresh,
+        distinct policies of one class that learns as ChainOdds does, with the same
+        parameters."""
+        params = ("horizon", "max_turn", "max_reads", "length_classes", "branch_classes",
+                  "shared_children")
+        group = (self, *others)
+        if not others or len({id(p) for p in group}) != len(group) or any(
+            type(p) is not type(self) for p in group
+        ) or any(  # a subclass that learns differently keeps its own history
+            getattr(type(self), m) is not getattr(ChainOdds, m)
+            for m in ("on_request", "_expire", "_refresh", "_refresh_at")
+        ) or any(
+            p._t or p._ghost or p._meta or p._followers or p._leader is not None
+            for p in group
+        ) or any(getattr(p, a) != getattr(self, a) for p in others for a in params):
+            return False
+        for p in others:
+            p._leader = self
+            p._ghost, p._children, p._hist = self._ghost, self._children, self._hist
+        self._followers = tuple(others)
+        return True
 
     def __len__(self) -> int:
         return len(self._meta)
@@ -191,21 +232,33 @@ class ChainOdds(BlockPolicy):
     def _expire(self) -> None:
         ghost, cut = self._ghost, self._t - self.horizon
         hist, children = self._hist, self._children
-        while ghost:
-            k, rec = next(iter(ghost.items()))
+        gone = []
+        for k, rec in ghost.items():  # oldest read first
             if rec[1] > cut:
                 break
+            gone.append((k, rec))
+        for k, rec in gone:
             del ghost[k]
             hist[rec[0]].add_never()
             children.pop(k, None)
 
     def on_request(self, keys: Sequence[Hashable], now: float) -> None:
+        if self._leader is not None:
+            told = self._told
+            if told is None or (told is not keys and list(told) != list(keys)):
+                raise RuntimeError(
+                    "chain: this policy shares its history (share_history) and must be told "
+                    "each request right after the policy that keeps it, with the same keys")
+            self._told = None  # the leader did this request's work
+            return
         self._t += 1
         self._version += 1
         t = self._t
         self._expire()
         if t - self._dens_at >= 16:  # the density table, refreshed every 16 requests
             self._refresh()
+            for f in self._followers:
+                f._refresh_at(t)
         ghost, children, shared = self._ghost, self._children, self.shared_children
         # the deepest known block decides the turn
         turn = 1
@@ -233,31 +286,42 @@ class ChainOdds(BlockPolicy):
         elif branch and self.branch_classes:
             first = self._branch_cls + turn - 1
         hist = self._hist
-        prev = None
+        top = _BUCKETS - 1
+        to_end = ghost.move_to_end
+        prev = pr = None  # the previous key and its ghost record
         for k in keys:
             rec = ghost.get(k)
-            if prev is not None:
+            if pr is not None:
                 seen = children.get(prev)
                 if seen is None:
-                    children[prev] = seen = {k}
-                elif isinstance(seen, set) and k not in seen:
-                    seen.add(k)
-                    if len(seen) >= shared:
-                        children[prev] = seen = shared
-                pr = ghost[prev]
-                pr[3] = seen if isinstance(seen, int) else len(seen)
-                pr[0] = 0 if pr[3] >= shared else (first if pr[4] == 1 else base + pr[4])
+                    children[prev] = {k}
+                    n = 1
+                elif seen.__class__ is int:
+                    n = seen
+                else:
+                    if k not in seen:
+                        seen.add(k)
+                        if len(seen) >= shared:
+                            children[prev] = shared
+                            seen = shared
+                    n = seen if seen.__class__ is int else len(seen)
+                pr[3] = n
+                pr[0] = 0 if n >= shared else (first if pr[4] == 1 else base + pr[4])
             if rec is None:
                 rec = [first, t, turn, 0, 1, False]
                 ghost[k] = rec
             else:
-                if rec[1] < t:
-                    hist[rec[0]].add_reuse(t - rec[1])
-                ghost.move_to_end(k)
+                if rec[1] < t:  # _Hist.add_reuse, inline
+                    h = hist[rec[0]]
+                    b = (t - rec[1]).bit_length()
+                    h.gaps[b if b < top else top] += 1.0
+                    h.reused += 1.0
+                to_end(k)
                 rec[1] = t
-                rec[4] = r = min(rec[4] + 1, R)
+                r = rec[4] + 1
+                rec[4] = r = r if r < R else R
                 rec[0] = 0 if rec[3] >= shared else base + r
-            prev = k
+            prev, pr = k, rec
         if len(keys) >= 2:
             ghost[keys[-2]][5] = True
         if prev is not None:
@@ -266,12 +330,23 @@ class ChainOdds(BlockPolicy):
             if last[3] == 0:
                 last[0] = self._tail_cls
         self._cls = first
+        for f in self._followers:
+            if f._told is not None:
+                raise RuntimeError(
+                    "chain: a policy sharing this one's history was not told the last request")
+            f._t, f._turn, f._cls, f._told = t, turn, first, keys
+            f._version += 1
 
     # -- ordering --------------------------------------------------------------
 
     def _refresh(self) -> None:
         self._dens = [h.densities(self._stay) for h in self._hist]
         self._dens_at = self._t
+
+    def _refresh_at(self, t: int) -> None:
+        """The density table, as this policy's own on_request would refresh it at ``t``."""
+        self._dens = [h.densities(self._stay) for h in self._hist]
+        self._dens_at = t
 
     def _density(self, cls: int, last: int) -> float:
         return self._dens[cls][min((self._t - last).bit_length(), _BUCKETS - 1)]
@@ -285,18 +360,28 @@ class ChainOdds(BlockPolicy):
             self._dirty.add(old)
         self._dirty.add(cls)
         self._meta[key] = cls
-        self._lists[cls][key] = (self._t, depth)
+        self._seq = seq = self._seq + 1
+        t = self._t
+        self._lists[cls][key] = (t, depth, seq)
+        front = self._front.get(cls)
+        if front is not None and front[0] == t:  # it joins the class's oldest read
+            front[3].append((-depth, seq, key))
         self._version += 1
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
-        self._track(info.key, info.depth)
+        self._track(info[0], info[2])  # key, depth
 
-    def on_hit(self, info: BlockInfo, now: float) -> None:
-        self._track(info.key, info.depth)
+    on_hit = on_insert  # a hit re-tracks the block exactly as an insert does
+
+    def on_insert_key(self, key, depth, get, now) -> None:
+        if type(self).on_insert is not ChainOdds.on_insert:  # a subclass's own on_insert
+            self.on_insert(get(key), now)
+        else:
+            self._track(key, depth)
 
     def on_remove(self, key: Hashable) -> None:
         cls = self._meta.pop(key)
-        last, _ = self._lists[cls].pop(key)
+        last = self._lists[cls].pop(key)[0]
         self._dirty.add(cls)
         self._version += 1
         age = self._t - last
@@ -312,45 +397,76 @@ class ChainOdds(BlockPolicy):
             return self._ends_memo
         dens, now, top = self._dens, self._t, _BUCKETS - 1
         cend, lists = self._cend, self._lists
-        if self._cend_key != (now, self._dens_at):
-            self._cend_key = (now, self._dens_at)
+        if self._cend_t != now or self._cend_d != self._dens_at:
+            self._cend_t, self._cend_d = now, self._dens_at
             dirty = range(len(lists))
+            full = True
         else:
             dirty = self._dirty
+            full = False
         front, lows = self._front, self._lows
+        best = self._best  # (density, class, key) of the lowest class, kept across calls
         for cls in dirty:
             lst = lists[cls]
             if not lst:
                 cend[cls] = ()
-                lows[cls] = (_INF, cls, None)
+                e = lows[cls] = (_INF, cls, None)
+                if not full:
+                    if e[0] < best[0] or (e[0] == best[0] and cls < best[1]):
+                        best = e
+                    elif best[1] == cls:
+                        full = True  # the lowest class went up: look at them all
                 continue
             row = dens[cls]
             first = next(iter(lst))
             t0 = lst[first][0]
             stack = front.get(cls)
-            if stack is None or stack[0] != t0 or t0 >= now:
-                # the oldest request's blocks, deepest (then earliest) last; a request
-                # that is over gains no blocks, so the stack only shrinks until it is used up
-                group = []
-                for pos, (k2, (t2, d2)) in enumerate(lst.items()):
+            if stack is None or stack[0] != t0:
+                # the oldest read's blocks, deepest (then earliest) first
+                heap = []
+                for k2, (t2, d2, q2) in lst.items():
                     if t2 != t0:
                         break
-                    group.append((d2, -pos, k2))
-                group.sort()
-                stack = front[cls] = (t0, [g[2] for g in group])
-            keys = stack[1]
-            while keys and (keys[-1] not in lst or lst[keys[-1]][0] != t0):
-                keys.pop()
-            k = keys[-1] if keys else first
+                    heap.append((-d2, q2, k2))
+                heapify(heap)
+                stack = front[cls] = (t0, heap, {e[2]: e[1] for e in heap}, [])
+            else:
+                heap, seen, added = stack[1], stack[2], stack[3]
+                if added:
+                    if t0 >= now:
+                        # the read is still going on: what it added since counts, as if
+                        # the list were read again (a block tracked again moves to its
+                        # new place); once the read is over its blocks stay as last seen
+                        for e in added:
+                            seen[e[2]] = e[1]
+                            heappush(heap, e)
+                    added.clear()
+            heap, seen = stack[1], stack[2]
+            while heap:
+                _, q, k = heap[0]
+                e = lst.get(k)
+                if e is not None and e[0] == t0 and seen.get(k) == q:
+                    break
+                heappop(heap)
+            else:
+                k = first
             k2 = next(reversed(lst))
             b_old, b_young = (now - t0).bit_length(), (now - lst[k2][0]).bit_length()
             old = (row[b_old if b_old < top else top], k)
             young = (row[b_young if b_young < top else top], k2)
             low = old if old[0] <= young[0] else young
             cend[cls] = (low, old, young)
-            lows[cls] = (low[0], cls, low[1])
-        self._dirty = set()
-        m = min(lows)  # (density, class, key): ties go to the first class
+            e = lows[cls] = (low[0], cls, low[1])
+            if not full:
+                if e[0] < best[0] or (e[0] == best[0] and cls < best[1]):
+                    best = e
+                elif best[1] == cls:
+                    full = True  # the lowest class went up: look at them all
+        if dirty:
+            self._dirty = set()
+        if full:
+            best = min(lows)  # (density, class, key): ties go to the first class
+        self._best = m = best
         best = None if m[2] is None else (m[0], m[2])
         self._ends_memo, self._ends_at = best, self._version
         return best
@@ -366,17 +482,28 @@ class ChainOdds(BlockPolicy):
         return self._density(cls, self._t) > low[0]
 
     def victims(self, now: float) -> Iterator[Hashable]:
+        return self._victims(now, _NOTHING, _NOTHING, _NOTHING)
+
+    def victims_except(self, now: float, *busy) -> Iterator[Hashable]:
+        if len(busy) != 3:
+            return super().victims_except(now, *busy)
+        return self._victims(now, *busy)
+
+    def _victims(self, now: float, r, d, b) -> Iterator[Hashable]:
+        """The victims in order, without the keys in ``r``, ``d`` or ``b``."""
         low = self._ends()
         if low is None:
             return
         k0 = low[1]
-        yield k0  # nearly always taken: sort the rest only when it is not
+        if not (k0 in r or k0 in d or k0 in b):
+            yield k0  # nearly always taken: sort the rest only when it is not
         seen = {k0}
         ends = [e for c in self._cend if c for e in c[1:]]
         for _, k in sorted(ends, key=_first):
             if k not in seen:
                 seen.add(k)
-                yield k
+                if not (k in r or k in d or k in b):
+                    yield k
         # every end was refused (mapped by the request being served, which is the
         # youngest): walk each class from its young end, lowest density first
         ends = sorted(
@@ -388,7 +515,8 @@ class ChainOdds(BlockPolicy):
             for k in reversed(self._lists[cls]):
                 if k not in seen:
                     seen.add(k)
-                    yield k
+                    if not (k in r or k in d or k in b):
+                        yield k
 
     # -- checking --------------------------------------------------------------
 
@@ -400,8 +528,8 @@ class ChainOdds(BlockPolicy):
             if not lst:
                 continue
             it = iter(lst.items())
-            k, (t0, d0) = next(it)
-            for k2, (t2, d2) in it:
+            k, (t0, d0, _) = next(it)
+            for k2, (t2, d2, _) in it:
                 if t2 != t0:
                     break
                 if d2 > d0:
@@ -419,7 +547,7 @@ class ChainOdds(BlockPolicy):
         total = 0
         for cls, lst in enumerate(self._lists):
             last = -1
-            for k, (t, _) in lst.items():
+            for k, (t, _, _) in lst.items():
                 if self._meta.get(k) != cls:
                     raise AssertionError(
                         f"chain: block {k!r} is listed in class {cls}, recorded as {self._meta.get(k)}"

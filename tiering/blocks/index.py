@@ -63,6 +63,7 @@ class Dropped(NamedTuple):
 
 
 _NONE = object()  # "no entry", where None may be a value
+_new = tuple.__new__
 
 
 def _check_tier(tier: object, what: str) -> Tier:
@@ -92,6 +93,9 @@ class BlockIndex:
         self._kids: dict[Hashable, Hashable | set] = {}
         self._slots: dict[Tier, dict[Hashable, Hashable]] = {t: {} for t in Tier}  # handle -> key
         self._counts: dict[Tier, int] = {t: 0 for t in Tier}
+        # only blocks with a busy subtree below them: how many of their children are busy
+        # or have a busy block below (so ``evictable`` needs no subtree walk)
+        self._below: dict[Hashable, int] = {}
         self.dropped: Counter[str] = Counter()  # blocks dropped, by reason
 
     # -- reading ---------------------------------------------------------------
@@ -120,7 +124,7 @@ class BlockIndex:
 
     def _info(self, key: Hashable) -> BlockInfo:
         kids = self._kids.get(key, _NONE)
-        return BlockInfo(
+        return _new(BlockInfo, (  # BlockInfo(...) without its Python-level __new__
             key,
             self._parent[key],
             self._depth[key],
@@ -129,10 +133,17 @@ class BlockIndex:
             self._first[key],
             self._last[key],
             0 if kids is _NONE else (len(kids) if isinstance(kids, set) else 1),
-        )
+        ))
 
     def get(self, key: Hashable) -> BlockInfo | None:
         return self._info(key) if key in self._tier else None
+
+    def depth(self, key: Hashable) -> int:
+        """The block's depth in its chain (0 for a chain's first block)."""
+        d = self._depth.get(key)
+        if d is None:
+            raise ValueError(f"depth: block {key!r} is not in the index")
+        return d
 
     def location(self, key: Hashable) -> BlockLocation | None:
         tier = self._tier.get(key)
@@ -140,8 +151,8 @@ class BlockIndex:
             return None
         dest = self._dest.get(key)
         if dest is None:
-            return BlockLocation(tier, self._handle[key])
-        return BlockLocation(tier, self._handle[key], dest[0], dest[1])
+            return _new(BlockLocation, (tier, self._handle[key], None, None))
+        return _new(BlockLocation, (tier, self._handle[key], dest[0], dest[1]))
 
     def keys(self, tier: Tier | None = None) -> Iterator[Hashable]:
         for k, t in self._tier.items():
@@ -176,12 +187,47 @@ class BlockIndex:
         return key in self._refs or key in self._dest
 
     def evictable(self, key: Hashable) -> bool:
-        """Whether ``drop(key)`` would succeed: cached, unmapped, not moving, nor any descendant."""
-        if key not in self._tier or self._busy(key):
-            return False
-        if key not in self._kids:
-            return True
-        return not any(self._busy(d) for d in self._subtree(key))
+        """Whether ``drop(key)`` would succeed: cached, unmapped, not moving, nor any descendant.
+
+        O(1): ``_below`` says which blocks have a busy block below them.
+        """
+        return key in self._tier and not (
+            key in self._refs or key in self._dest or key in self._below
+        )
+
+    # A block is "held" when it or a block below it is busy (mapped or moving); ``_below``
+    # counts, per block, its held children. A change of a block's busy flag walks up only
+    # while it changes whether the block above is held, so mapping or releasing a chain
+    # root first costs O(1) per block.
+
+    def _now_busy(self, key: Hashable) -> None:
+        """``key`` has just become busy (it was not)."""
+        below, parent, refs, dest = self._below, self._parent, self._refs, self._dest
+        if key in below:
+            return  # it was held already
+        p = parent[key]
+        while p is not None:
+            n = below.get(p, 0)
+            below[p] = n + 1
+            if n or p in refs or p in dest:
+                return  # p was held already
+            p = parent[p]
+
+    def _now_idle(self, key: Hashable) -> None:
+        """``key`` has just stopped being busy."""
+        below, parent, refs, dest = self._below, self._parent, self._refs, self._dest
+        if key in below:
+            return  # still held by a block below it
+        p = parent[key]
+        while p is not None:
+            n = below[p] - 1
+            if n:
+                below[p] = n
+                return
+            del below[p]
+            if p in refs or p in dest:
+                return  # p is busy itself: still held
+            p = parent[p]
 
     # -- changing --------------------------------------------------------------
 
@@ -252,6 +298,8 @@ class BlockIndex:
             )
         n = self._refs.get(key, 0) + 1
         self._refs[key] = n
+        if n == 1 and dest is None:
+            self._now_busy(key)
         return n
 
     def release(self, key: Hashable) -> int:
@@ -262,6 +310,8 @@ class BlockIndex:
             raise ValueError(f"release: block {key!r} is not mapped by any request")
         if n == 1:
             del self._refs[key]
+            if key not in self._dest:
+                self._now_idle(key)
         else:
             self._refs[key] = n - 1
         return n - 1
@@ -288,6 +338,8 @@ class BlockIndex:
             )
         self._dest[key] = (dst, dst_handle)
         slots[dst_handle] = key
+        if key not in self._refs:
+            self._now_busy(key)
 
     def finish_move(self, key: Hashable) -> BlockLocation:
         """The copy landed: the block is at its destination. Returns the source to free."""
@@ -295,11 +347,44 @@ class BlockIndex:
         dest = self._dest.pop(key, None)
         if dest is None:
             raise ValueError(f"finish_move: block {key!r} is not moving")
+        if key not in self._refs:
+            self._now_idle(key)
         old = BlockLocation(self._tier[key], self._handle[key])
         del self._slots[old.tier][old.handle]
         self._counts[old.tier] -= 1
         self._tier[key], self._handle[key] = dest
         self._counts[dest[0]] += 1
+        return old
+
+    def move(self, key: Hashable, dst: Tier, dst_handle: Hashable) -> BlockLocation:
+        """``begin_move`` and ``finish_move`` at once (the copy is already done, or is the
+        caller's to make before it reads the destination): the same checks, the same
+        result; returns the source to free."""
+        self._check_known(key, "move")
+        _check_tier(dst, f"move of block {key!r}")
+        if key in self._dest:
+            raise ValueError(
+                f"begin_move: block {key!r} is already moving to {self._dest[key][0].value}"
+            )
+        tier = self._tier[key]
+        if dst is tier:
+            raise ValueError(f"begin_move: block {key!r} is already on {dst.value}")
+        if tier is Tier.DEVICE and not self.evictable(key):
+            raise ValueError(
+                f"begin_move: block {key!r} (or a block after it) is mapped by a live request or moving; it cannot leave the device"
+            )
+        slots = self._slots[dst]
+        if dst_handle in slots:
+            raise ValueError(
+                f"begin_move of block {key!r}: {dst.value} handle {dst_handle!r} already holds block {slots[dst_handle]!r}"
+            )
+        old = BlockLocation(tier, self._handle[key])
+        del self._slots[tier][old.handle]
+        slots[dst_handle] = key
+        self._counts[tier] -= 1
+        self._tier[key] = dst
+        self._handle[key] = dst_handle
+        self._counts[dst] += 1
         return old
 
     def fail_move(self, key: Hashable) -> BlockLocation:
@@ -309,6 +394,8 @@ class BlockIndex:
         if dest is None:
             raise ValueError(f"fail_move: block {key!r} is not moving")
         del self._slots[dest[0]][dest[1]]
+        if key not in self._refs:
+            self._now_idle(key)
         return BlockLocation(dest[0], dest[1])
 
     def _subtree(self, key: Hashable) -> Iterator[Hashable]:
@@ -332,15 +419,17 @@ class BlockIndex:
         """
         self._check_known(key, "drop")
         subtree = list(self._subtree(key))
-        for d in subtree:
-            if d in self._refs:
-                raise ValueError(
-                    f"drop of block {key!r}: block {d!r} is mapped by {self._refs[d]} request(s)"
-                )
-            if d in self._dest:
-                raise ValueError(
-                    f"drop of block {key!r}: block {d!r} is moving to {self._dest[d][0].value}"
-                )
+        if not self.evictable(key):
+            for d in subtree:
+                if d in self._refs:
+                    raise ValueError(
+                        f"drop of block {key!r}: block {d!r} is mapped by {self._refs[d]} request(s)"
+                    )
+                if d in self._dest:
+                    raise ValueError(
+                        f"drop of block {key!r}: block {d!r} is moving to {self._dest[d][0].value}"
+                    )
+            raise RuntimeError(f"drop of block {key!r}: held, but nothing below it is busy")
         parent = self._parent[key]
         if parent is not None:
             kids = self._kids[parent]
@@ -372,20 +461,27 @@ class BlockIndex:
         None when the policy offers nothing that may leave. The policy is
         resumed once per key refused, at most ``len(policy)`` times.
         """
-        gen = policy.victims(now)
-        where = self._tier
+        where, refs, dest, below = self._tier, self._refs, self._dest, self._below
+        # the policy skips the keys that may not leave; they are checked again below
+        gen = policy.victims_except(now, refs, dest, below)
         try:
-            for _ in range(len(policy) + 1):
-                k = next(gen, None)
-                if k is None:
-                    return None
+            k = next(gen, None)  # nearly always the one taken
+            n = -1  # keys still to try after the first: len(policy), counted at a refusal
+            while k is not None:
                 t = where.get(k)
                 if t is None:
                     raise RuntimeError(
                         f"policy {policy.name!r} offered block {k!r}, which is not in the index"
                     )
-                if (tier is None or t is tier) and self.evictable(k):
+                # evictable(k), inline
+                if (tier is None or t is tier) and not (k in refs or k in dest or k in below):
                     return k
+                if n < 0:
+                    n = len(policy)
+                if n == 0:
+                    return None
+                n -= 1
+                k = next(gen, None)
             return None
         finally:
             gen.close()
@@ -443,6 +539,21 @@ class BlockIndex:
                 assert c in keys and self._parent[c] == p, (
                     f"block {p!r}: child {c!r} is not its child"
                 )
+        held: set[Hashable] = set()  # busy blocks and every block above one
+        for k in (*self._refs, *self._dest):
+            x = k
+            while x is not None and x not in held:
+                held.add(x)
+                x = self._parent[x]
+        below: dict[Hashable, int] = {}
+        for k in held:
+            p = self._parent[k]
+            if p is not None:
+                below[p] = below.get(p, 0) + 1
+        assert below == self._below, (
+            "held-children counts are wrong for blocks "
+            f"{sorted(map(repr, set(below.items()) ^ set(self._below.items())))[:3]}"
+        )
         flat = {(t, h): k for t, slots in self._slots.items() for h, k in slots.items()}
         assert handles == flat, "the handle map does not equal the blocks' locations"
         assert counts == self._counts, f"tier counts {self._counts} != {counts}"

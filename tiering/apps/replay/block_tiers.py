@@ -66,6 +66,18 @@ class PrefixPeek(NamedTuple):
     lent_pages: int
 
 
+class _TierState:
+    """One tier of the store, as the eviction path reads it."""
+
+    __slots__ = ("down", "held", "policy", "tier")
+
+    def __init__(self, tier: Tier, policy: Any) -> None:
+        self.tier = tier
+        self.policy = policy
+        self.held = 0  # blocks holding their own pages in this tier
+        self.down: tuple[_TierState, ...] = ()  # the tiers below with any room, nearest first
+
+
 class BlockCounters(NamedTuple):
     moved_host: int  # device -> host
     moved_disk: int  # device or host -> disk
@@ -105,9 +117,18 @@ class PrefixBlocks:
             for t in _TIERS
         }
         self.policy_name = policy
+        # every tier's policy is told the same requests in the same order (commit, device
+        # first): policies that learn only from them may keep one history between them
+        share = getattr(self.policies[Tier.DEVICE], "share_history", None)
+        self.shared_history = bool(share and share([self.policies[Tier.HOST],
+                                                    self.policies[Tier.DISK]]))
+        # per tier: its policy, the blocks holding their own pages there, the tiers below
+        # it that have any room at all (what the eviction path reads, without a dict by Tier)
+        self._st = {t: _TierState(t, self.policies[t]) for t in _TIERS}
+        for t in _TIERS:
+            self._st[t].down = tuple(self._st[d] for d in _BELOW[t] if self.capacity_blocks[d])
         self.index = BlockIndex()
         self._handle = 0
-        self._reserved = dict.fromkeys(_TIERS, 0)  # blocks holding their own pages, per tier
         self.changes = 0  # bumped whenever a block comes, goes, moves or is (un)mapped
         self._moved_host = self._moved_disk = self._loaded = self._dropped = self._refused = 0
         self.events: list[tuple[str, Hashable]] = []  # (kind, key) of moves down and drops
@@ -123,7 +144,7 @@ class PrefixBlocks:
     def device_pages(self) -> int:
         """Device pages held by unmapped cached blocks (what dropping all of them frees
         at most)."""
-        return self._reserved[Tier.DEVICE] * self.block_pages
+        return self._st[Tier.DEVICE].held * self.block_pages
 
     def __len__(self) -> int:
         return len(self.index)
@@ -147,6 +168,14 @@ class PrefixBlocks:
         get = self.index.get
         lent = sum(1 for k, t in zip(keys, tiers, strict=False) if t is Tier.DEVICE and not get(k).refs)
         return PrefixPeek(keys, d, tiers, reused, lent * self.block_pages)
+
+    def lends(self, hash_ids: Sequence[Hashable], n_in: int) -> bool:
+        """Whether ``peek(hash_ids, n_in)`` finds blocks to reuse (``lend`` would map
+        some); changes nothing."""
+        if n_in <= 1:
+            return False
+        n = n_in // self.block_tokens
+        return n > 0 and hash_ids[0] in self.index
 
     # -- a request's blocks ----------------------------------------------------------
 
@@ -202,7 +231,7 @@ class PrefixBlocks:
             index.finish_move(k)
             self._unreserve(loc.tier)
             self.policies[loc.tier].on_remove(k)
-            self.policies[Tier.DEVICE].on_insert(index.get(k), now)
+            self.policies[Tier.DEVICE].on_insert_key(k, index.depth(k), index.get, now)
             self._loaded += 1
         self.changes += 1
 
@@ -237,7 +266,7 @@ class PrefixBlocks:
             if not index.insert(k, parent, Tier.DEVICE, self._new_handle(), now):
                 break
             self._reserve(k, Tier.DEVICE)
-            dev.on_insert(index.get(k), now)
+            dev.on_insert_key(k, index.depth(k), index.get, now)
             added += 1
             parent = k
         if added:
@@ -257,15 +286,17 @@ class PrefixBlocks:
             return True
         if free + self.device_pages < need_pages:
             return False
+        dev = self._st[Tier.DEVICE]
         while free_pages() < need_pages:
-            if not self._evict_one(Tier.DEVICE, move):
+            if not self._evict_one(dev, move):
                 return False
         return True
 
     def drop_all_device(self) -> bool:
         """Drop every cached device block that may leave; False if none could."""
         any_ = False
-        while self._reserved[Tier.DEVICE] and self._evict_one(Tier.DEVICE, False):
+        dev = self._st[Tier.DEVICE]
+        while dev.held and self._evict_one(dev, False):
             any_ = True
         return any_
 
@@ -273,8 +304,9 @@ class PrefixBlocks:
         """While ``over()``: move the device policy's victim down (or drop it). Returns
         the blocks that left the device."""
         n = 0
-        while self._reserved[Tier.DEVICE] and over():
-            if not self._evict_one(Tier.DEVICE, True):
+        dev = self._st[Tier.DEVICE]
+        while dev.held and over():
+            if not self._evict_one(dev, True):
                 break
             n += 1
         return n
@@ -289,7 +321,8 @@ class PrefixBlocks:
         for tier in (Tier.HOST, Tier.DISK):
             total = {Tier.HOST: kv.host_capacity_bytes,
                      Tier.DISK: getattr(kv, "disk_capacity_bytes", 0)}[tier] // kv.page_bytes
-            if not total or not self._reserved[tier]:
+            st = self._st[tier]
+            if not total or not st.held:
                 continue
 
             def used(tier=tier, total=total) -> int:
@@ -297,8 +330,8 @@ class PrefixBlocks:
 
             if used() <= high * total:
                 continue
-            while self._reserved[tier] and used() > low * total:
-                if not self._evict_one(tier, True):
+            while st.held and used() > low * total:
+                if not self._evict_one(st, True):
                     break
                 n += 1
         return n
@@ -314,43 +347,48 @@ class PrefixBlocks:
             # the request that mapped it has just freed at least as much
             raise RuntimeError(f"block {key!r}: no {tier.value} page for it once unmapped "
                                "(block pages were miscounted)")
-        self._reserved[tier] += 1
+        self._st[tier].held += 1
 
     def _unreserve(self, tier: Tier) -> None:
         self._kv.give_block_pages(tier, self.block_pages)
-        self._reserved[tier] -= 1
+        self._st[tier].held -= 1
 
-    def _evict_one(self, tier: Tier, move: bool) -> bool:
+    def _evict_one(self, st: _TierState, move: bool) -> bool:
+        """One victim of ``st``'s policy leaves: down a tier (``move``, where one admits
+        it and has room) or dropped. False if the policy offers nothing that may leave."""
         now = self._clock()
-        key = self.index.choose_victim(self.policies[tier], now, tier=tier)
+        index = self.index
+        tier = st.tier
+        key = index.choose_victim(st.policy, now, tier=tier)
         if key is None:
             return False
         if move:
-            kv = self._kv
-            for dst in _BELOW[tier]:
-                if self.capacity_blocks[dst] and kv.free_pages(dst) >= self.block_pages and (
-                    self.policies[dst].admit(key, self.index.get(key).depth, now)
-                ):
-                    self._move_down(key, tier, dst, now)
+            free = self._kv.free_pages
+            bp = self.block_pages
+            for dst in st.down:
+                if free(dst.tier) >= bp and dst.policy.admit(key, index.depth(key), now):
+                    self._move_down(key, st, dst, now)
                     return True
         self._drop(key, "evicted")
         return True
 
-    def _move_down(self, key: Hashable, src: Tier, dst: Tier, now: float) -> None:
-        if not self._kv.move_block_pages(src, dst, self.block_pages):
-            raise RuntimeError(f"moving block {key!r} to {dst.value}: room was checked")
+    def _move_down(self, key: Hashable, src: _TierState, dst: _TierState, now: float) -> None:
+        to = dst.tier
+        if not self._kv.move_block_pages(src.tier, to, self.block_pages):
+            raise RuntimeError(f"moving block {key!r} to {to.value}: room was checked")
         index = self.index
-        index.begin_move(key, dst, self._new_handle())
-        index.finish_move(key)
-        self._reserved[src] -= 1
-        self._reserved[dst] += 1
-        self.policies[src].on_remove(key)
-        self.policies[dst].on_insert(index.get(key), now)
-        if dst is Tier.HOST:
+        self._handle = handle = self._handle + 1  # _new_handle
+        index.move(key, to, handle)
+        src.held -= 1
+        dst.held += 1
+        src.policy.on_remove(key)
+        dst.policy.on_insert_key(key, index.depth(key), index.get, now)
+        if to is Tier.HOST:
             self._moved_host += 1
+            self.events.append(("block-host", key))
         else:
             self._moved_disk += 1
-        self.events.append((f"block-{dst.value}", key))
+            self.events.append(("block-disk", key))
         self.changes += 1
 
     def _drop(self, key: Hashable, reason: str, counted: bool = True) -> list[Dropped]:
@@ -385,7 +423,8 @@ class PrefixBlocks:
             if loc.tier is not Tier.DEVICE or not info.refs:
                 held[loc.tier] += 1
             assert k in self.policies[loc.tier], f"block {k!r} missing from its tier's policy"
-        assert held == self._reserved, f"blocks holding pages {held} != counted {self._reserved}"
+        counted = {t: self._st[t].held for t in _TIERS}
+        assert held == counted, f"blocks holding pages {held} != counted {counted}"
         kv = self._kv
         if hasattr(kv, "block_pages"):
             for t in _TIERS:

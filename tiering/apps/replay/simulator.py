@@ -57,6 +57,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 from policies import PolicyRegistry
@@ -546,7 +547,10 @@ class _Worker:
         events = self.prefixes.events
         if events:
             k, now = self.k, self.clock.now
-            self.decisions.extend(Decision(k, now, kind, str(key)) for kind, key in events)
+            # Decision(k, now, kind, str(key)) for each, built in C (no per-event bytecode)
+            kinds, keys = zip(*events, strict=True)
+            self.decisions.extend(map(tuple.__new__, repeat(Decision), zip(
+                repeat(k), repeat(now), kinds, map(str, keys))))
             events.clear()
 
     def _still_quiet(self) -> bool:
@@ -825,13 +829,15 @@ class _Worker:
         kv = self.kv
         rid = r.rid
         prefixes = self.prefixes
+        # the whole prompt (or, without tiering, the whole final KV) is allocated now, so
+        # a prefilling request never has to grow
+        tokens = r.n_in + r.n_out if self.mode == "no-tiering" else r.target
+        if prefixes is not None and self._hopeless(r, tokens):
+            return None
         peek = None
         if prefixes is not None and r.hash_ids:
             peek = prefixes.peek(r.hash_ids, r.n_in)
         reused = peek.reused if peek is not None else 0
-        # the whole prompt (or, without tiering, the whole final KV) is allocated now, so
-        # a prefilling request never has to grow
-        tokens = r.n_in + r.n_out if self.mode == "no-tiering" else r.target
         mapped = prefixes.lend(peek) if peek is not None and peek.blocks else []
         if not self._make_room(self._pages(tokens)):
             if mapped:
@@ -869,6 +875,21 @@ class _Worker:
         chunk = min(r.target - reused, budget)
         self._plan.append((r, chunk))
         return chunk
+
+    def _hopeless(self, r: _Req, tokens: int) -> bool:
+        """Whether admitting ``r`` with ``tokens`` would be refused even if every cached
+        device block made room (lending its matched blocks only moves pages from one
+        figure to the other). Then it is refused at once with nothing changed, just as
+        lend, a make_room that gives up before evicting and unlend would leave it, their
+        change count included. A test checks that runs are identical without it."""
+        need = self._pages(tokens)
+        free = self._free_pages()
+        prefixes = self.prefixes
+        if free >= need or free + prefixes.device_pages >= need:
+            return False
+        if r.hash_ids and prefixes.lends(r.hash_ids, r.n_in):
+            prefixes.changes += 2  # what lend and unlend count
+        return True
 
     def _count_lookup(self, r: _Req, peek) -> None:
         """Count one lookup: its tokens and blocks, and what each tier served (the block
