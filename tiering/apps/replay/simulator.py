@@ -72,6 +72,7 @@ from tiering.apps.replay.retention import CostFilled, ReloadCosts, Retention
 from tiering.apps.replay.traces import TraceRequest
 from tiering.control.controller import EvictionController
 from tiering.control.pressure import PoolPressure
+from tiering.tiered import TieredKV
 from tiering.types import RequestState, Tier
 
 # phases of a simulated request
@@ -221,9 +222,11 @@ class _Worker:
             # the host cascade is the worker's (below), through the policy: the
             # controller's own, least recently used, never triggers at host_high = 1
             ctl_cfg = dataclasses.replace(cfg, host_high=1.0, host_low=min(cfg.host_low, 0.99))
-            self.ctl = EvictionController(
-                {"kv": kv}, self.ctl_policy, PoolPressure(kv), ctl_cfg, clock=clock,
-            )
+            # assembled by the front door over the modelled cache; the worker then drives the
+            # controller it owns directly, at the points of the modelled step
+            self.tkv = TieredKV.around(kv, policy=self.ctl_policy, pressure=PoolPressure(kv),
+                                       controller=ctl_cfg, clock=clock)
+            self.ctl = self.tkv.controller
         self.reuse = sim.prefix_reuse
         if self.reuse and not (hasattr(kv, "copy_in") and hasattr(kv, "take_block_pages")):
             raise ValueError("prefix_reuse needs a KV backend with copy_in() and block pages "
