@@ -142,7 +142,7 @@ import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 import google_crc32c
@@ -153,6 +153,7 @@ from zarr.abc.store import Store
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
+from tiering.core.counters import counter_record
 from tiering.disk.array import CODECS
 from tiering.disk.backend import ArrayGeometry, PageBackend, StartRefused
 from tiering.disk.config import DiskConfig
@@ -226,18 +227,14 @@ def _check_binding_record(chunk: int, record: bytes, expected: bytes, dest: np.n
         )
 
 
-@dataclass
-class _Counters:
-    writes: int = 0
-    reads: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    write_faults: int = 0
-    read_faults: int = 0
-    corruptions: int = 0
-    timeouts: int = 0
-    manifest_faults: int = 0
-    errnos: dict[str, int] = field(default_factory=dict)
+_Counters = counter_record(
+    "_Counters",
+    "writes reads bytes_written bytes_read write_faults read_faults corruptions timeouts"
+    " manifest_faults",
+    doc="What the store did and what failed; ``errnos`` counts faults by errno name.",
+    module=__name__,
+    extra=[("errnos", dict[str, int], field(default_factory=dict))],
+)
 
 
 class DiskPageStore:
