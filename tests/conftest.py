@@ -83,6 +83,25 @@ def assert_same(kv, rid: str, data) -> None:
         assert torch.equal(v2, v), f"{rid} layer {layer}: V differs"
 
 
+def write_random(kv, rid: str, gen: torch.Generator, n: int, start: int = 0):
+    """Allocate ``n`` tokens from ``start`` (the request exists) and write random K/V into
+    every layer there; checks integrity and returns what was written."""
+    assert kv.allocate(rid, start + n)
+    data = random_kv(gen, kv.geometry, n)
+    for layer, (k, v) in enumerate(data):
+        kv.write(rid, layer, start, k, v)
+    kv.check_integrity()
+    return data
+
+
+def assert_leading(kv, rid: str, want, ntok: int) -> None:
+    """The first ``ntok`` tokens of ``rid`` hold ``want`` bit for bit in every layer."""
+    for layer, (k, v) in enumerate(want):
+        gk, gv = kv.read(rid, layer)
+        assert torch.equal(gk[:ntok], k[:ntok]), f"{rid} layer {layer}: K differs"
+        assert torch.equal(gv[:ntok], v[:ntok]), f"{rid} layer {layer}: V differs"
+
+
 def reload_all_and_check(kv, data) -> None:
     """Reload every request of ``data`` (all offloaded), checking integrity
     throughout, and compare their KV bit for bit."""
