@@ -7,7 +7,7 @@ import torch
 
 from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
-from tiering.types import Tier
+from tiering.types import RequestState, Tier
 
 
 def _cuda_ok() -> bool:
@@ -66,13 +66,18 @@ def random_kv(gen: torch.Generator, geometry: KVGeometry, tokens: int):
     ]
 
 
+def write_layers(kv, rid: str, data, start: int = 0) -> None:
+    """Write ``data`` (a (k, v) pair per layer) into ``rid`` from token ``start``."""
+    for layer, (k, v) in enumerate(data):
+        kv.write(rid, layer, start, k, v)
+
+
 def fill(kv, rid: str, gen: torch.Generator, tokens: int):
     """Ingest, allocate and write random KV for ``rid``; returns what was written."""
     kv.ingest_request(rid, None)
     assert kv.allocate(rid, tokens)
     data = random_kv(gen, kv.geometry, tokens)
-    for layer, (k, v) in enumerate(data):
-        kv.write(rid, layer, 0, k, v)
+    write_layers(kv, rid, data)
     return data
 
 
@@ -88,8 +93,7 @@ def write_random(kv, rid: str, gen: torch.Generator, n: int, start: int = 0):
     every layer there; checks integrity and returns what was written."""
     assert kv.allocate(rid, start + n)
     data = random_kv(gen, kv.geometry, n)
-    for layer, (k, v) in enumerate(data):
-        kv.write(rid, layer, start, k, v)
+    write_layers(kv, rid, data, start)
     kv.check_integrity()
     return data
 
@@ -100,6 +104,14 @@ def assert_leading(kv, rid: str, want, ntok: int) -> None:
         gk, gv = kv.read(rid, layer)
         assert torch.equal(gk[:ntok], k[:ntok]), f"{rid} layer {layer}: K differs"
         assert torch.equal(gv[:ntok], v[:ntok]), f"{rid} layer {layer}: V differs"
+
+
+def offload_resident(kv, rid: str) -> None:
+    """Offload a RESIDENT request: it frees what ``reclaimable`` promised and is then
+    OFFLOADING (still RESIDENT when nothing was reclaimable)."""
+    expect = kv.reclaimable(rid)
+    assert kv.offload(rid) == expect
+    assert kv.state_of(rid) is (RequestState.OFFLOADING if expect else RequestState.RESIDENT)
 
 
 def reload_all_and_check(kv, data) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same, random_kv
+from conftest import assert_same, random_kv, write_layers
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -74,8 +74,7 @@ class RealBackend:
         ok = self.kv.allocate(rid, tokens)
         if ok:
             d = random_kv(self.gen, GEOM, tokens)
-            for layer, (k, v) in enumerate(d):
-                self.kv.write(rid, layer, 0, k, v)
+            write_layers(self.kv, rid, d)
             self.data[rid] = d
         return ok
 
