@@ -86,8 +86,13 @@ class ChunkIOPart:
         rows = self.format.rows(arr, count, what, writable=reading)
         state = self._ledger.begin(extent, kind, positions)
         try:
-            make_jobs = self._read_jobs if reading else self._write_jobs
-            jobs = make_jobs(extent, state, positions, rows)
+            batches = self._batches(extent, positions, rows)
+            direct = self._backend.direct
+            if direct is not None:
+                chunk_io = direct.read_chunk if reading else direct.write_chunk
+                jobs = self._direct_jobs(chunk_io, state, batches)
+            else:
+                jobs = (self._read_jobs if reading else self._write_jobs)(state, batches)
         except BaseException:
             self._ledger.finish(extent, state)
             raise
@@ -148,12 +153,9 @@ class ChunkIOPart:
         return [(one_direct, (batch,)) for batch in batches]
 
     def _write_jobs(
-        self, extent: DiskExtent, state: ExtentState, positions: range, rows: np.ndarray
+        self, state: ExtentState, batches: list[list[tuple[int, np.ndarray]]]
     ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
-        direct = self._backend.direct
-        batches = self._batches(extent, positions, rows)
-        if direct is not None:
-            return self._direct_jobs(direct.write_chunk, state, batches)
+        """One job per slot through zarr's pipeline, then its binding."""
         array = self._require_array()
         backend = self._backend
         slots = backend.slots
@@ -169,12 +171,9 @@ class ChunkIOPart:
         return [(one, pair) for batch in batches for pair in batch]
 
     def _read_jobs(
-        self, extent: DiskExtent, state: ExtentState, positions: range, rows: np.ndarray
+        self, state: ExtentState, batches: list[list[tuple[int, np.ndarray]]]
     ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
-        direct = self._backend.direct
-        batches = self._batches(extent, positions, rows)
-        if direct is not None:
-            return self._direct_jobs(direct.read_chunk, state, batches)
+        """One job per slot through zarr's pipeline, then its binding's check."""
         prototype = default_buffer_prototype()
         array = self._require_array()
         backend = self._backend
