@@ -127,6 +127,22 @@ def reload_all_and_check(kv, data) -> None:
         assert_same(kv, rid, d)
 
 
+class ReclaimsNothing:
+    """A mixin for a ``FakeTieredResource`` subclass: requests for which ``holds_nothing``
+    says True answer 0 to ``reclaimable`` and ``reclaimable_many``, whatever they hold."""
+
+    def holds_nothing(self, rid: str) -> bool:
+        raise NotImplementedError
+
+    def reclaimable(self, rid: str) -> int:
+        return 0 if self.holds_nothing(rid) else super().reclaimable(rid)
+
+    def reclaimable_many(self, rids):
+        out = super().reclaimable_many(rids)
+        out[[i for i, r in enumerate(rids) if self.holds_nothing(r)]] = 0
+        return out
+
+
 def disk_lock_held(root) -> bool:
     """Whether some open file description holds the disk tier's lock on ``root`` now."""
     import fcntl

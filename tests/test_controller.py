@@ -8,6 +8,7 @@ from operator import attrgetter
 
 import numpy as np
 import pytest
+from conftest import ReclaimsNothing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -1335,7 +1336,7 @@ class RoomAwareUnmetered(RoomAware):
     disk_used_bytes = None
 
 
-class Growing(Unmetered):
+class Growing(ReclaimsNothing, Unmetered):
     """Requests in ``empty`` hold no device pages yet (``reclaimable`` 0 while resident);
     the test makes one grow with nothing the controller is told, as a worker's step does."""
 
@@ -1343,13 +1344,8 @@ class Growing(Unmetered):
         super().__init__(*args, **kwargs)
         self.empty: set[str] = set()
 
-    def reclaimable(self, rid: str) -> int:
-        return 0 if rid in self.empty else super().reclaimable(rid)
-
-    def reclaimable_many(self, rids):
-        told = super().reclaimable_many(rids)
-        told[[i for i, r in enumerate(rids) if r in self.empty]] = 0
-        return told
+    def holds_nothing(self, rid: str) -> bool:
+        return rid in self.empty
 
 
 class NoPoll(FakeTieredResource):
