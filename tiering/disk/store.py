@@ -155,13 +155,13 @@ import numpy as np
 import torch
 from zarr.abc.store import Store
 
-from tiering.disk.array import CODECS
+from tiering.disk.array import CODECS  # noqa: F401 (re-exported)
 from tiering.disk.backend import ArrayGeometry, PageBackend
 from tiering.disk.config import DiskConfig
 from tiering.disk.ledger import (
     ChunkLedger,
     DiskExtent,
-    DiskIntegrityError,
+    DiskIntegrityError,  # noqa: F401 (re-exported)
     check_owner,
 )
 from tiering.disk.lock import DiskPathInUseError
@@ -170,17 +170,14 @@ from tiering.disk.store_io import ChunkIOPart
 from tiering.disk.store_manifest import ManifestPart
 from tiering.disk.store_start import StartPart, _random_store_id
 from tiering.disk.store_stats import StatsPart, _Counters
-from tiering.errors import DiskCorruptionError, DiskIOError
+from tiering.errors import (
+    DiskCorruptionError,  # noqa: F401 (re-exported)
+    DiskIOError,
+)
 
-__all__ = [
-    "CODECS",
-    "DiskConfig",
-    "DiskCorruptionError",
-    "DiskExtent",
-    "DiskIOError",
-    "DiskIntegrityError",
-    "DiskPageStore",
-]
+# The module's own name; CODECS, DiskConfig, DiskExtent and the errors stay importable
+# from here (older imports), and ``tiering.disk`` lists the package's public names.
+__all__ = ["DiskPageStore"]
 
 log = logging.getLogger(__name__)
 
