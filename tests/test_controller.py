@@ -1,4 +1,8 @@
-"""The eviction controller: watermarks, victims, admission, anti-starvation, cascade, stats."""
+"""The eviction controller: watermarks, victims, admission, anti-starvation, cascade, stats.
+
+Size: about 1900 lines on purpose: every controller behaviour test with the fakes and
+state machines they share (split by topic, each file would re-declare the same fakes).
+"""
 
 from __future__ import annotations
 

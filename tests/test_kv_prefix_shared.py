@@ -8,6 +8,9 @@ request keeps only the blocks before it; a frozen server makes the fetch a miss 
 call on the step path waiting. The first tests run against a real SeaweedFS server
 (``seaweed_fixture``); the rest use obstore's in-memory store with gates and faults, and a
 hypothesis state machine. ``check_integrity`` runs after every operation.
+
+Size: over 700 lines: every shared-tier behaviour shares the gated store, ``pair`` and
+``share`` helpers defined here.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Victim-ranking policies: one shared contract, then each policy's own behaviour."""
+"""Victim-ranking policies: one shared contract, then each policy's own behaviour.
+
+Size: over 700 lines: the shared contract runs over every policy, then each policy's own
+cases; they share the batch builders defined here.
+"""
 
 from __future__ import annotations
 
