@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
 
 from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
@@ -141,6 +143,21 @@ class ReclaimsNothing:
         out = super().reclaimable_many(rids)
         out[[i for i, r in enumerate(rids) if self.holds_nothing(r)]] = 0
         return out
+
+
+def rule_on_one_of(pool):
+    """Make ``step(self, rid)`` a hypothesis rule on one id drawn from ``pool(self)`` (a
+    sequence, drawn in its order), enabled while the pool is not empty."""
+
+    def decorate(step):
+        def rule_body(self, data):
+            return step(self, data.draw(st.sampled_from(pool(self))))
+
+        rule_body.__name__ = rule_body.__qualname__ = step.__name__
+        rule_body.__doc__ = step.__doc__
+        return precondition(lambda self: bool(pool(self)))(rule(data=st.data())(rule_body))
+
+    return decorate
 
 
 def disk_lock_held(root) -> bool:
