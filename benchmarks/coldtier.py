@@ -45,6 +45,8 @@ not how fast the store absorbs writes.
 
 Usage: ``python benchmarks/coldtier.py --out coldtier.json [--quick]``
        (``--endpoint URL --key K --secret S`` uses a running store instead of starting one).
+
+Size: a little over 500 lines: the four parts share one server, one client and one report.
 """
 
 from __future__ import annotations
@@ -398,6 +400,13 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
 
 
+def vs_raw(rows: list[tuple[str, float, float, float, tuple[float, float]]]) -> str:
+    """A table of (operation, tier MB/s, raw MB/s, median ratio, (lowest, highest) ratio)."""
+    return table([[op, f"{tier:.0f}", f"{raw:.0f}", f"{ratio:.2f} ({lo:.2f}-{hi:.2f})"]
+                  for op, tier, raw, ratio, (lo, hi) in rows],
+                 ["operation", "tier MB/s", "raw MB/s", "ratio"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -466,21 +475,21 @@ def main(argv: list[str] | None = None) -> int:
     m = tp["median"]
     print(f"throughput: {tp['blocks']} blocks of {tp['block_bytes'] / (1 << 20):.1f} MiB, "
           f"{tp['threads']} in flight, {a.repeats} passes (medians; ratio range in brackets)")
-    print(table([
-        ["demote / raw PUT", f"{m['demote_MBps']:.0f}", f"{m['raw_put_MBps']:.0f}",
-         f"{m['demote_over_put']:.2f} ({tp['min_demote_over_put']:.2f}-{tp['max_demote_over_put']:.2f})"],
-        ["reload / raw GET", f"{m['reload_MBps']:.0f}", f"{m['raw_get_MBps']:.0f}",
-         f"{m['reload_over_get']:.2f} ({tp['min_reload_over_get']:.2f}-{tp['max_reload_over_get']:.2f})"],
-    ], ["operation", "tier MB/s", "raw MB/s", "ratio"]))
+    print(vs_raw([
+        ("demote / raw PUT", m["demote_MBps"], m["raw_put_MBps"], m["demote_over_put"],
+         (tp["min_demote_over_put"], tp["max_demote_over_put"])),
+        ("reload / raw GET", m["reload_MBps"], m["raw_get_MBps"], m["reload_over_get"],
+         (tp["min_reload_over_get"], tp["max_reload_over_get"])),
+    ]))
     d = disk["median"]
     print(f"\ndisk tier on s3://: {disk['requests']} requests of {disk['pages']} pages of "
           f"{disk['page_bytes'] >> 10} KiB, {disk['threads']} in flight, {a.repeats} passes")
-    print(table([
-        ["write / raw PUT", f"{d['write_MBps']:.0f}", f"{d['raw_put_MBps']:.0f}",
-         f"{d['write_over_put']:.2f} ({disk['range_write_over_put'][0]:.2f}-{disk['range_write_over_put'][1]:.2f})"],
-        ["read / raw GET", f"{d['read_MBps']:.0f}", f"{d['raw_get_MBps']:.0f}",
-         f"{d['read_over_get']:.2f} ({disk['range_read_over_get'][0]:.2f}-{disk['range_read_over_get'][1]:.2f})"],
-    ], ["operation", "tier MB/s", "raw MB/s", "ratio"]))
+    print(vs_raw([
+        ("write / raw PUT", d["write_MBps"], d["raw_put_MBps"], d["write_over_put"],
+         disk["range_write_over_put"]),
+        ("read / raw GET", d["read_MBps"], d["raw_get_MBps"], d["read_over_get"],
+         disk["range_read_over_get"]),
+    ]))
     print(f"\ncross-worker hit rate, real server, first {len(head)} requests, 4 workers round-robin:")
     print(table([[k, str(v["blocks"]), str(v["hits"]), f"{v['hit_rate']:.3f}",
                   f"{v['model_no_lag']:.3f}", str(v["mismatches"])] for k, v in real.items()],

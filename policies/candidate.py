@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 
@@ -108,6 +109,21 @@ def _unchecked_record(
     _SET_COST(record, cost)
     _SET_RES(record, resource)
     return record
+
+
+class _Column:
+    """A read-only column of a ``CandidateBatch``: ``batch.name`` is ``batch._column("_name")``."""
+
+    __slots__ = ("name", "slot")
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, batch: Any, owner: type | None = None) -> Any:
+        return self if batch is None else batch._column(self.slot)
+
+    def __set__(self, batch: Any, value: Any) -> None:
+        raise AttributeError(f"CandidateBatch.{self.name} is read-only")
 
 
 class CandidateBatch:
@@ -255,29 +271,13 @@ class CandidateBatch:
             setattr(self, slot, value)
         return value
 
-    @property
-    def rids(self) -> np.ndarray:
-        return self._column("_rids")
-
-    @property
-    def resources(self) -> np.ndarray:
-        return self._column("_resources")
-
-    @property
-    def reclaimable(self) -> np.ndarray | None:
-        return self._column("_reclaimable")
-
-    @property
-    def last_used(self) -> np.ndarray:
-        return self._column("_last_used")
-
-    @property
-    def priority(self) -> np.ndarray:
-        return self._column("_priority")
-
-    @property
-    def reload_cost_s(self) -> np.ndarray:
-        return self._column("_reload_cost_s")
+    # read-only columns, gathered on first use (``reclaimable`` is None when not asked)
+    rids = _Column()
+    resources = _Column()
+    reclaimable = _Column()
+    last_used = _Column()
+    priority = _Column()
+    reload_cost_s = _Column()
 
     @property
     def tier(self) -> Tier:

@@ -39,17 +39,18 @@ class KVEvictionHooks(LifecycleAnswers):
         """Device bytes held, not counting cached prefix blocks no request maps
         (the cache frees those itself when it needs the room)."""
         self._open("device_used_bytes")
-        used = self.device_pool.used_bytes
-        if self._prefix is not None:
-            used -= self._prefix.unmapped(Tier.DEVICE) * self.geometry.page_bytes
-        return used
+        return self._held_bytes(Tier.DEVICE, self.device_pool)
 
     def host_used_bytes(self) -> int:
         """Host bytes held, not counting cached prefix blocks no request maps."""
         self._open("host_used_bytes")
-        used = self.host_pool.used_bytes
+        return self._held_bytes(Tier.HOST, self.host_pool)
+
+    def _held_bytes(self, tier: Tier, pool) -> int:
+        """``pool``'s used bytes less the prefix blocks on ``tier`` that no request maps."""
+        used = pool.used_bytes
         if self._prefix is not None:
-            used -= self._prefix.unmapped(Tier.HOST) * self.geometry.page_bytes
+            used -= self._prefix.unmapped(tier) * self.geometry.page_bytes
         return used
 
     def disk_used_bytes(self) -> int:

@@ -7,6 +7,13 @@ the device and host pools those pages belong to the owner ``BLOCKS``; on disk
 blocks are packed, a batch of them per extent, and an extent is released when
 its last block leaves.
 
+Layout: ``PrefixCache`` is one class written in three modules, because its parts
+share one owner's state (the index, the policies, the crc table, the stats) and
+every rule below spans them: this module (set-up, publish / lookup / attach, loads,
+integrity), ``kv_prefix_moves`` (``TierMovesPart``: making room, dropping) and
+``kv_prefix_shared`` (``SharedTierPart`` and ``SharedLink``: the shared cold tier).
+Its small types are in ``kv_prefix_types``; every name stays importable from here.
+
 Rules (``check_integrity`` proves them together with the cache's own check):
 
 - A request maps a run of *leading* blocks: ``RequestRecord.blocks`` (keys) and
@@ -35,20 +42,20 @@ Rules (``check_integrity`` proves them together with the cache's own check):
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from policies.blocks import make_block_policy
+from resources.kv_prefix_moves import TierMovesPart
+from resources.kv_prefix_shared import SharedLink, SharedTierPart, _Fetch
+from resources.kv_prefix_types import BLOCKS, PrefixHit, PrefixLoad, crc_page
 from tiering.blocks import BlockIndex, KeyRoot, block_keys
 from tiering.blocks.keys import KEY_BYTES
 from tiering.core.transfer import coalesce, copy_runs
-from tiering.disk.crc import crc32c_extend
 from tiering.errors import CorruptBlock
 from tiering.types import Tier
 
@@ -58,107 +65,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("tiering.kv_prefix")
 
-#: Pool owner of every device or host page the block index holds.
-BLOCKS = ("prefix-blocks",)
-_DISK_OWNER = "prefix-blocks"
+__all__ = ["BLOCKS", "PrefixCache", "PrefixHit", "PrefixLoad", "SharedLink", "as_root", "crc_page"]
 
 
-class PrefixHit(NamedTuple):
-    """What ``cached_prefix`` found: leading tokens cached, and how many on each tier
-    (``shared``: known to exist on the shared cold tier, fetched by an attach)."""
-
-    tokens: int
-    device: int
-    host: int
-    disk: int
-    shared: int = 0
-
-
-class PrefixLoad(NamedTuple):
-    """A pending load of an attached request: block positions and their source tiers
-    (a block fetched from the shared tier is marked DISK until it lands on the host);
-    ``failed``: why blocks were cut from it before the load ran (a failed fetch)."""
-
-    positions: tuple[int, ...]
-    tiers: tuple[Tier, ...]
-    failed: str | None = None
-
-
-@dataclass
-class _Fetch:
-    """A block being fetched from the shared tier (not in the index until it lands).
-
-    ``req`` maps it at ``pos`` (``shared`` -1); None once that request let it
-    go (removed, cut), until the result arrives. ``payload`` / ``failed``: the
-    result, kept until the blocks before it have landed."""
-
-    key: bytes
-    parent: bytes | None
-    req: Any
-    pos: int
-    payload: bytes | None = None
-    failed: str | None = None
-
-
-class SharedLink:
-    """A ``PrefixCache``'s handle on the shared cold tier: the queue, who owns it, the refresh timer."""
-
-    def __init__(self, queue, owned: bool, refresh_s: float, now: float, source=None) -> None:
-        self.source = source  # what enable_prefix_cache was given
-        self.queue = queue
-        self.blocks = queue.blocks
-        self.owned = owned
-        self.refresh_s = refresh_s
-        self.next_refresh = now
-
-    @classmethod
-    def open(cls, shared, root: bytes, geometry: bytes, clock, refresh_s) -> SharedLink:
-        """From a ``SharedTierConfig`` (the store is opened and probed now: ``ColdTierUnavailable``
-        if it cannot be reached), a ``SharedBlockStore`` or a ``BlockQueue``."""
-        from tiering.coldtier import BlockQueue, SharedBlockStore, SharedTierConfig, open_s3_store
-
-        if isinstance(refresh_s, bool) or not isinstance(refresh_s, (int, float)) or not refresh_s > 0:
-            raise ValueError(f"enable_prefix_cache: shared_refresh_s must be a number > 0, got {refresh_s!r}")
-        if isinstance(shared, SharedTierConfig):
-            store = open_s3_store(shared.url, shared.storage_options)
-            blocks = SharedBlockStore(store, root, geometry, config=shared.tier, clock=clock)
-            return cls(BlockQueue(blocks), True, float(refresh_s), clock(), shared)
-        if isinstance(shared, SharedBlockStore):
-            cls._check_ids(shared, root, geometry)
-            return cls(BlockQueue(shared), True, float(refresh_s), clock(), shared)
-        if isinstance(shared, BlockQueue):
-            cls._check_ids(shared.blocks, root, geometry)
-            return cls(shared, False, float(refresh_s), clock(), shared)
-        raise ValueError("enable_prefix_cache: shared must be a SharedTierConfig, SharedBlockStore or"
-                         f" BlockQueue, got {type(shared).__name__}")
-
-    @staticmethod
-    def _check_ids(blocks, root: bytes, geometry: bytes) -> None:
-        if blocks.root != root:
-            raise ValueError("enable_prefix_cache: the shared block store is under another root")
-        if blocks.geometry != geometry:
-            raise ValueError(f"enable_prefix_cache: the shared block store is for geometry"
-                             f" {blocks.geometry!r}, the cache's is {geometry!r}")
-
-    @property
-    def known(self):
-        return self.blocks.known
-
-    def same_source(self, shared) -> bool:
-        return shared is self.source or (type(shared) is type(self.source) and shared == self.source)
-
-    def close(self, timeout_s: float) -> None:
-        if self.owned:
-            self.queue.close(timeout_s)
-
-
-def crc_page(t: torch.Tensor) -> int:
-    """crc32c of one page's bytes (a CPU tensor)."""
-    arr = t.contiguous().view(torch.uint8).numpy()
-    return crc32c_extend(0, arr)
-
-
-class PrefixCache:
+class PrefixCache(TierMovesPart, SharedTierPart):
     """The block store of one ``PagedKVCache`` (see the module docstring)."""
 
     def __init__(self, cache: PagedKVCache, root: bytes, policy: str = "lru",
@@ -203,156 +113,7 @@ class PrefixCache:
     def _insert_policy(self, key: Hashable, tier: Tier) -> None:
         self.policies[tier].on_insert(self.index.get(key), self._now())
 
-    def _free_location(self, tier: Tier, handle: Hashable) -> None:
-        c = self.cache
-        if tier is Tier.DEVICE:
-            c.device_pool.release(BLOCKS, [handle])
-        elif tier is Tier.HOST:
-            c.host_pool.release(BLOCKS, [handle])
-        else:
-            ext_id, _ = handle
-            entry = self.extents[ext_id]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self.extents[ext_id]
-                c._disk_call(c.disk.release, entry[0])
-
-    def _drop(self, key: Hashable, reason: str) -> int:
-        """Drop ``key`` and its descendants; frees what they held. Returns blocks dropped."""
-        try:
-            gone = self.index.drop(key, reason)
-        except ValueError as exc:
-            log.error("could not drop block %s: %s", key.hex() if isinstance(key, bytes) else key, exc)
-            return 0
-        for d in gone:
-            self.policies[d.tier].on_remove(d.key)
-            self.crc.pop(d.key, None)
-            self._free_location(d.tier, d.handle)
-        self.stats[f"dropped_{reason}"] += 1
-        return len(gone)
-
-    def unmapped(self, tier: Tier) -> int:
-        """Blocks on ``tier`` no live request maps and that are not moving (space the cache can free)."""
-        return self.index.idle_count(tier)
-
-    # -- making room (caller's thread) -----------------------------------------------
-
-    def ensure_device(self, n: int) -> bool:
-        """Move unmapped device blocks down until the device pool has ``n`` free pages."""
-        pool = self.cache.device_pool
-        if n > pool.num_pages:
-            return False
-        while pool.free_pages < n:
-            key = self.index.choose_victim(self.policies[Tier.DEVICE], self._now(), Tier.DEVICE)
-            if key is None:
-                return False
-            self._move_device_block_down(key)
-        return True
-
-    def ensure_host(self, n: int) -> bool:
-        """Move unmapped host blocks to disk (or drop them) until the host pool has ``n`` free pages."""
-        pool = self.cache.host_pool
-        if n > pool.num_pages:
-            return False
-        while pool.free_pages < n:
-            if not self._host_blocks_down(n - pool.free_pages):
-                return False
-        return True
-
-    def _move_device_block_down(self, key: Hashable) -> None:
-        c = self.cache
-        page = self.index.location(key).handle
-        slot = None
-        room = c.host_pool.free_pages > 0 or self.ensure_host(1)
-        if key not in self.index:
-            # making room on the host dropped an ancestor of this block (a host victim takes
-            # its descendants with it), and this block with it: its page is free already
-            self.stats["dropped_with_ancestor"] += 1
-            return
-        if room:
-            got = c.host_pool.allocate(BLOCKS, 1)
-            slot = got[0] if got else None
-        if slot is None:
-            self._drop(key, "evicted")  # nowhere below: the bottom tier for this block
-            return
-        self.index.begin_move(key, Tier.HOST, slot)
-        try:
-            c._host[slot].copy_(c._dev[page])
-            if c.device.type == "cuda":  # pragma: no cover - needs a GPU
-                torch.cuda.current_stream(c.device).synchronize()
-        except Exception as exc:
-            log.error("block demotion device->host failed: %s", exc)
-            self.index.fail_move(key)
-            c.host_pool.release(BLOCKS, [slot])
-            self._drop(key, "evicted")
-            return
-        old = self.index.finish_move(key)
-        self.policies[Tier.DEVICE].on_remove(key)
-        self._insert_policy(key, Tier.HOST)
-        self._free_location(old.tier, old.handle)
-        self.stats["blocks_device_to_host"] += 1
-
-    def _host_blocks_down(self, want: int) -> bool:
-        """Move up to a batch of unmapped host blocks to disk in one write; drop them when
-        there is no disk or it is full. False when there is nothing to move."""
-        c = self.cache
-        pol = self.policies[Tier.HOST]
-        if c.disk is None:
-            key = self.index.choose_victim(pol, self._now(), Tier.HOST)
-            if key is None:
-                return False
-            self._drop(key, "evicted")
-            return True
-        batch = max(want, min(self.disk_batch_pages, self.index.count(Tier.HOST)))
-        extent = c.disk.reserve(_DISK_OWNER, batch)
-        while extent is None:
-            # the bottom tier: its retention policy's victim leaves
-            key = self.index.choose_victim(self.policies[Tier.DISK], self._now(), Tier.DISK)
-            if key is None:
-                break
-            self._drop(key, "evicted")
-            extent = c.disk.reserve(_DISK_OWNER, batch)
-        if extent is None:
-            key = self.index.choose_victim(pol, self._now(), Tier.HOST)
-            if key is None:
-                return False
-            self._drop(key, "evicted")
-            return True
-        ext_id = self._extent_ids = self._extent_ids + 1
-        chosen: list[tuple[Hashable, int]] = []
-        for i in range(batch):
-            key = self.index.choose_victim(pol, self._now(), Tier.HOST)
-            if key is None:
-                break
-            self.index.begin_move(key, Tier.DISK, (ext_id, i))
-            chosen.append((key, self.index.location(key).handle))
-        if not chosen:
-            c._disk_call(c.disk.release, extent)
-            return False
-        slots = [s for _, s in chosen]
-        try:
-            pages = c._host[torch.tensor(slots, dtype=torch.long)]
-            if len(chosen) < batch:  # a write covers whole chunks of the extent
-                pad = torch.zeros((batch - len(chosen), *pages.shape[1:]), dtype=pages.dtype)
-                pages = torch.cat([pages, pad])
-            c.disk.write(extent, pages.contiguous(), first_page=0)
-        except Exception as exc:
-            log.error("block demotion host->disk failed, dropping %d blocks: %s", len(chosen), exc)
-            for key, _ in chosen:
-                self.index.fail_move(key)
-            c._disk_call(c.disk.release, extent)
-            for key, _ in chosen:
-                self._drop(key, "evicted")
-            return True
-        self.extents[ext_id] = [extent, len(chosen)]
-        for key, _slot in chosen:
-            old = self.index.finish_move(key)
-            pol.on_remove(key)
-            self._insert_policy(key, Tier.DISK)
-            self._free_location(old.tier, old.handle)
-        self.stats["blocks_host_to_disk"] += len(chosen)
-        self.stats["disk_block_writes"] += 1
-        return True
+    # -- making room, dropping (caller's thread): TierMovesPart, resources.kv_prefix_moves
 
     # -- publish / lookup / attach ----------------------------------------------------
 
@@ -472,238 +233,7 @@ class PrefixCache:
         r.blocks, r.shared = [], []
         r.prefix_load = None
 
-    # -- the shared cold tier ------------------------------------------------------------
-
-    def _refresh(self) -> None:
-        sh = self.shared
-        if sh.queue.submit_refresh():
-            self.stats["shared_refreshes_queued"] += 1
-        sh.next_refresh = self._now() + sh.refresh_s
-
-    def _publish_shared(self, key: bytes, page: torch.Tensor) -> None:
-        """Queue the write of a freshly published block (bytes copied now, written by the
-        queue's threads). Refused when the block is known to exist there (no write needed),
-        the queue is full or the store is not answering: then it is not written by this worker."""
-        sh = self.shared
-        if sh is None:
-            return
-        if key in sh.known:
-            self.stats["shared_publish_known"] += 1
-            return
-        if sh.queue.submit_publish(key, page.contiguous().view(torch.uint8).numpy()):
-            self.stats["shared_publish_queued"] += 1
-        else:
-            self.stats["shared_publish_refused"] += 1
-            self._retry_later(key)
-
-    def _retry_later(self, key: bytes) -> None:
-        """Remember a refused publish (bounded: the oldest is forgotten first)."""
-        self.unpublished[key] = None
-        self.unpublished.move_to_end(key)
-        while len(self.unpublished) > self.shared.blocks.config.max_queued:
-            self.unpublished.popitem(last=False)
-            self.stats["shared_publish_given_up"] += 1
-
-    def _retry_publishes(self) -> None:
-        """Queue refused publishes again while the queue has room and the store answers. A
-        block no longer cached on the device or the host (or moving) is not retried."""
-        sh = self.shared
-        c = self.cache
-        room = sh.blocks.config.max_queued - sh.queue.in_flight
-        while self.unpublished and room > 0 and sh.blocks.breaker.would_allow():
-            key, _ = self.unpublished.popitem(last=False)
-            loc = self.index.location(key)
-            if loc is None or loc.moving_to is not None or loc.tier is Tier.DISK or key in sh.known:
-                continue
-            page = c._dev[loc.handle].cpu() if loc.tier is Tier.DEVICE else c._host[loc.handle]
-            if not sh.queue.submit_publish(key, page.contiguous().view(torch.uint8).numpy()):
-                self.unpublished[key] = None
-                self.unpublished.move_to_end(key, last=False)
-                return
-            room -= 1
-            self.stats["shared_publish_retried"] += 1
-
-    def _attach_shared(self, r: RequestRecord, keys, start: int, limit: int,
-                       positions: list, tiers: list) -> None:
-        """Map blocks ``keys[start:limit]`` known to exist on the shared tier as pending
-        fetches (asks the local cache only; each fetch is queued, never waited for)."""
-        sh = self.shared
-        T = self.cache.geometry.page_tokens
-        cap = self.cache.host_pool.num_pages  # each lands in a host page
-        for i in range(start, limit):
-            key = keys[i]
-            if key in self.index:
-                break
-            f = self.fetching.get(key)
-            if f is not None:
-                if f.req is not None:
-                    break  # another request is fetching it
-                f.req, f.pos = r, i  # a let-go fetch still in flight: adopt it
-                self.stats["shared_fetch_adopted"] += 1
-            else:
-                if len(self.fetching) >= cap or key not in sh.known:
-                    break
-                if not sh.queue.submit_fetch(key):
-                    self.stats["shared_fetch_refused"] += 1
-                    break
-                self.fetching[key] = _Fetch(key, keys[i - 1] if i else None, r, i)
-                self.stats["shared_fetches_queued"] += 1
-            r.shared.append(-1)
-            r.blocks.append(key)
-            positions.append(i)
-            tiers.append(Tier.DISK)
-            self.stats["hit_tokens_shared"] += T
-
-    #: counters ``prefix_stats`` always shows when the shared tier is on
-    SHARED_COUNTERS = (
-        "shared_published", "shared_duplicates", "shared_fetched", "shared_unavailable",
-        "shared_lost", "shared_publish_failed", "shared_publish_refused", "shared_publish_known",
-        "shared_prefetched", "hit_tokens_shared", "shared_reload_waits", "shared_bytes_written",
-        "shared_refreshes", "shared_refresh_failed", "shared_publish_retried",
-        "shared_publish_given_up", "shared_fetch_adopted", "load_shared_unavailable",
-        "load_shared_lost",
-    )
-
-    def shared_counters(self) -> tuple[str, ...]:
-        return self.SHARED_COUNTERS if self.shared is not None else ()
-
-    def fetch_pending(self, r: RequestRecord) -> bool:
-        """Whether a block of ``r`` is still on its way from the shared tier."""
-        return any(f.req is r for f in self.fetching.values()) if self.fetching else False
-
-    def poll_shared(self) -> None:
-        """The step path: apply finished publishes and fetches, land arrived blocks, run the
-        refresh timer. Never waits; never raises for a store fault."""
-        sh = self.shared
-        if sh is None:
-            return
-        if self._now() >= sh.next_refresh:
-            self._refresh()
-        for res in sh.queue.poll():
-            self._apply_shared(res)
-        if self.unpublished:
-            self._retry_publishes()
-        if self.fetching:
-            waiting = {id(f.req): f.req for f in self.fetching.values() if f.req is not None}
-            for r in waiting.values():
-                self._land_fetches(r)
-
-    def wait_shared(self, timeout: float) -> float:
-        """Wait (bounded) for the shared tier's queue to go idle; returns what is left of ``timeout``."""
-        sh = self.shared
-        if sh is None:
-            return timeout
-        t0 = time.monotonic()  # a real-time budget, whatever the cache's clock
-        sh.queue.wait_idle(timeout)
-        return max(0.0, timeout - (time.monotonic() - t0))
-
-    def _apply_shared(self, res) -> None:
-        from tiering.coldtier import BlockStatus as B
-
-        st = self.stats
-        if res.op == "publish":
-            name = {B.WRITTEN: "shared_published", B.DUPLICATE: "shared_duplicates"}
-            st[name.get(res.status, "shared_publish_failed")] += 1
-            if res.status is B.WRITTEN:
-                st["shared_bytes_written"] += res.nbytes
-            elif res.status is not B.DUPLICATE:
-                self._retry_later(res.key)  # not written (timeout, 5xx, breaker open): later
-            return
-        if res.op == "refresh":
-            st["shared_refreshes" if res.status is B.LISTED else "shared_refresh_failed"] += 1
-            return
-        if res.op != "fetch":
-            return
-        f = self.fetching.get(res.key)
-        if f is None:  # nothing waits for it (cannot happen: every fetch is recorded)
-            st["shared_fetch_stray"] += 1
-            return
-        if res.status is B.HIT:
-            if len(res.payload) != self.cache.geometry.page_bytes:
-                f.failed = f"lost: {len(res.payload)} bytes, a page is {self.cache.geometry.page_bytes}"
-                st["shared_lost"] += 1
-            else:
-                f.payload = res.payload
-        elif res.status is B.LOST:
-            f.failed = f"lost: {res.reason}"
-            st["shared_lost"] += 1
-        else:
-            f.failed = f"unavailable: {res.reason}"
-            st["shared_unavailable"] += 1
-        if f.req is None:
-            self._settle(f)
-
-    def _land_fetches(self, r: RequestRecord) -> None:
-        """Land ``r``'s arrived fetches in chain order; at a failed one, cut ``r`` there."""
-        for pos in r.prefix_load.positions:
-            f = self.fetching.get(r.blocks[pos])
-            if f is None or f.req is not r:
-                continue  # a local block, or one landed already
-            if f.failed is not None:
-                self._cut(r, pos, f.failed)
-                return
-            if f.payload is None:
-                return  # later blocks wait for this one (a block needs its parent)
-            if not self._land(f, mapped=True):
-                self._cut(r, pos, "unavailable: no host page to land it in")
-                return
-
-    def _land(self, f: _Fetch, mapped: bool) -> bool:
-        """Put an arrived block on the host tier, in the index (mapped by its request or not)."""
-        c = self.cache
-        if c.host_pool.free_pages < 1 and not (mapped and self.ensure_host(1)):
-            return False
-        if f.parent is not None and f.parent not in self.index:
-            return False
-        slot = c.host_pool.allocate(BLOCKS, 1)[0]
-        dst = c._host[slot].view(torch.uint8).reshape(-1)
-        dst.numpy()[:] = np.frombuffer(f.payload, dtype=np.uint8)
-        crc = crc_page(c._host[slot])
-        if not self.index.insert(f.key, f.parent, Tier.HOST, slot, self._now()):
-            c.host_pool.release(BLOCKS, [slot])
-            return False
-        if mapped:
-            self.index.acquire(f.key)
-        self.crc[f.key] = crc
-        self._insert_policy(f.key, Tier.HOST)
-        del self.fetching[f.key]
-        self.stats["shared_fetched" if mapped else "shared_prefetched"] += 1
-        return True
-
-    def _settle(self, f: _Fetch) -> None:
-        """A let-go fetch's result: keep the block as an unmapped host block when there is a
-        free page and its parent is cached, else forget it."""
-        if f.payload is not None and self._land(f, mapped=False):
-            return
-        self.fetching.pop(f.key, None)
-
-    def _let_go(self, r: RequestRecord, key: bytes) -> bool:
-        """``r`` stops waiting for ``key``'s fetch (True), or ``key`` is not one of its fetches."""
-        f = self.fetching.get(key)
-        if f is None or f.req is not r:
-            return False
-        f.req = None
-        if f.payload is not None or f.failed is not None:
-            self._settle(f)
-        return True
-
-    def _cut(self, r: RequestRecord, pos: int, reason: str) -> None:
-        """Before its load: ``r`` keeps blocks before ``pos`` (a fetch failed; it recomputes the rest)."""
-        for key in r.blocks[pos:]:
-            if not self._let_go(r, key):
-                self.index.release(key)
-        r.blocks, r.shared = r.blocks[:pos], r.shared[:pos]
-        r.num_tokens = pos * self.cache.geometry.page_tokens
-        r.index = None
-        pl = r.prefix_load
-        keep = [j for j, p in enumerate(pl.positions) if p < pos]
-        r.prefix_load = PrefixLoad(tuple(pl.positions[j] for j in keep), tuple(pl.tiers[j] for j in keep),
-                                   pl.failed or reason)
-        self.stats[f"load_shared_{reason.split(':', 1)[0]}"] += 1
-
-    def close(self, timeout_s: float) -> None:
-        if self.shared is not None:
-            self.shared.close(timeout_s)
+    # -- the shared cold tier: SharedTierPart, resources.kv_prefix_shared -------------------
 
     # -- loads (host/disk blocks into fresh device pages) -----------------------------
 
@@ -868,36 +398,6 @@ class PrefixCache:
         problems += self._check_shared(reqs)
         return problems
 
-    def _check_shared(self, reqs) -> list[str]:
-        problems = []
-        if self.shared is None:
-            if self.fetching:
-                problems.append("fetches recorded with no shared tier")
-            return problems
-        try:
-            self.shared.queue.check_integrity()
-        except AssertionError as exc:
-            problems.append(f"shared tier: {exc}")
-        live = {id(r) for r in reqs}
-        if len(self.unpublished) > self.shared.blocks.config.max_queued:
-            problems.append(f"{len(self.unpublished)} publishes to retry, over max_queued")
-        if len(self.fetching) > self.cache.host_pool.num_pages:
-            problems.append(f"{len(self.fetching)} fetches, over the {self.cache.host_pool.num_pages} host pages")
-        for key, f in self.fetching.items():
-            if f.key != key:
-                problems.append(f"fetch of {key.hex()} records key {f.key.hex()}")
-            if key in self.index:
-                problems.append(f"block {key.hex()} is both cached and being fetched")
-            if f.req is not None:
-                if id(f.req) not in live:
-                    problems.append(f"block {key.hex()} is fetched for a request the cache does not hold")
-                elif f.pos >= len(f.req.blocks) or f.req.blocks[f.pos] != key:
-                    problems.append(f"block {key.hex()} is fetched for {f.req.rid} at {f.pos}, not mapped there")
-            elif f.payload is not None or f.failed is not None:
-                problems.append(f"let-go fetch of {key.hex()} holds a result it did not settle")
-            if f.payload is None and f.failed is None and not self.shared.queue.outstanding("fetch", key):
-                problems.append(f"fetch of {key.hex()} waits for a result the queue does not hold")
-        return problems
 
     def pages_on(self, tier: Tier) -> list[int]:
         """Pages of ``tier`` the index holds (locations and move destinations)."""

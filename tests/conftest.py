@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
 
 from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
-from tiering.types import Tier
+from tiering.types import RequestState, Tier
 
 
 def _cuda_ok() -> bool:
@@ -66,13 +68,18 @@ def random_kv(gen: torch.Generator, geometry: KVGeometry, tokens: int):
     ]
 
 
+def write_layers(kv, rid: str, data, start: int = 0) -> None:
+    """Write ``data`` (a (k, v) pair per layer) into ``rid`` from token ``start``."""
+    for layer, (k, v) in enumerate(data):
+        kv.write(rid, layer, start, k, v)
+
+
 def fill(kv, rid: str, gen: torch.Generator, tokens: int):
     """Ingest, allocate and write random KV for ``rid``; returns what was written."""
     kv.ingest_request(rid, None)
     assert kv.allocate(rid, tokens)
     data = random_kv(gen, kv.geometry, tokens)
-    for layer, (k, v) in enumerate(data):
-        kv.write(rid, layer, 0, k, v)
+    write_layers(kv, rid, data)
     return data
 
 
@@ -81,6 +88,32 @@ def assert_same(kv, rid: str, data) -> None:
         k2, v2 = kv.read(rid, layer)
         assert torch.equal(k2, k), f"{rid} layer {layer}: K differs"
         assert torch.equal(v2, v), f"{rid} layer {layer}: V differs"
+
+
+def write_random(kv, rid: str, gen: torch.Generator, n: int, start: int = 0):
+    """Allocate ``n`` tokens from ``start`` (the request exists) and write random K/V into
+    every layer there; checks integrity and returns what was written."""
+    assert kv.allocate(rid, start + n)
+    data = random_kv(gen, kv.geometry, n)
+    write_layers(kv, rid, data, start)
+    kv.check_integrity()
+    return data
+
+
+def assert_leading(kv, rid: str, want, ntok: int) -> None:
+    """The first ``ntok`` tokens of ``rid`` hold ``want`` bit for bit in every layer."""
+    for layer, (k, v) in enumerate(want):
+        gk, gv = kv.read(rid, layer)
+        assert torch.equal(gk[:ntok], k[:ntok]), f"{rid} layer {layer}: K differs"
+        assert torch.equal(gv[:ntok], v[:ntok]), f"{rid} layer {layer}: V differs"
+
+
+def offload_resident(kv, rid: str) -> None:
+    """Offload a RESIDENT request: it frees what ``reclaimable`` promised and is then
+    OFFLOADING (still RESIDENT when nothing was reclaimable)."""
+    expect = kv.reclaimable(rid)
+    assert kv.offload(rid) == expect
+    assert kv.state_of(rid) is (RequestState.OFFLOADING if expect else RequestState.RESIDENT)
 
 
 def reload_all_and_check(kv, data) -> None:
@@ -94,6 +127,37 @@ def reload_all_and_check(kv, data) -> None:
     for rid, d in data.items():
         assert kv.tier_of(rid) is Tier.DEVICE
         assert_same(kv, rid, d)
+
+
+class ReclaimsNothing:
+    """A mixin for a ``FakeTieredResource`` subclass: requests for which ``holds_nothing``
+    says True answer 0 to ``reclaimable`` and ``reclaimable_many``, whatever they hold."""
+
+    def holds_nothing(self, rid: str) -> bool:
+        raise NotImplementedError
+
+    def reclaimable(self, rid: str) -> int:
+        return 0 if self.holds_nothing(rid) else super().reclaimable(rid)
+
+    def reclaimable_many(self, rids):
+        out = super().reclaimable_many(rids)
+        out[[i for i, r in enumerate(rids) if self.holds_nothing(r)]] = 0
+        return out
+
+
+def rule_on_one_of(pool):
+    """Make ``step(self, rid)`` a hypothesis rule on one id drawn from ``pool(self)`` (a
+    sequence, drawn in its order), enabled while the pool is not empty."""
+
+    def decorate(step):
+        def rule_body(self, data):
+            return step(self, data.draw(st.sampled_from(pool(self))))
+
+        rule_body.__name__ = rule_body.__qualname__ = step.__name__
+        rule_body.__doc__ = step.__doc__
+        return precondition(lambda self: bool(pool(self)))(rule(data=st.data())(rule_body))
+
+    return decorate
 
 
 def disk_lock_held(root) -> bool:

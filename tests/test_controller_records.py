@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import ReclaimsNothing
 
 from policies import make_policy
 from tiering.control.controller import ControllerConfig, EvictionController
@@ -20,7 +21,7 @@ from tiering.types import Move, RequestState, Tier, TransferResult
 S = RequestState
 
 
-class Stale(FakeTieredResource):
+class Stale(ReclaimsNothing, FakeTieredResource):
     """The fake whose ``tier_of`` and ``can_reload`` answer as of the moment a transfer
     started, until the test says otherwise: only ``poll()``'s records are current."""
 
@@ -39,13 +40,8 @@ class Stale(FakeTieredResource):
     def can_reload(self, rid):
         return self.frozen.get(rid, self.state[rid]) in (S.ON_HOST, S.ON_DISK)
 
-    def reclaimable(self, rid):
-        return 0 if rid in self.frozen else super().reclaimable(rid)
-
-    def reclaimable_many(self, rids):
-        out = super().reclaimable_many(rids)
-        out[[i for i, r in enumerate(rids) if r in self.frozen]] = 0
-        return out
+    def holds_nothing(self, rid):
+        return rid in self.frozen
 
 
 class Mute(Stale):

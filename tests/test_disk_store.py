@@ -1,4 +1,8 @@
-"""The disk tier's page store: round trips, the hard cap, faults, corruption, start-up."""
+"""The disk tier's page store: round trips, the hard cap, faults, corruption, start-up.
+
+Size: over 1100 lines on purpose: the store's whole contract (round trips, cap, faults,
+corruption, start-up) against the one ``make`` helper and fault plans they share.
+"""
 
 from __future__ import annotations
 
@@ -550,13 +554,14 @@ def _file_contains(path: Path, needle: bytes) -> bool:
     return needle in path.read_bytes()
 
 
-def _left_committed(tmp_path: Path, gen) -> torch.Tensor:
-    """A store that committed five random pages as request "old" and closed."""
-    first = make(tmp_path, on_start="reattach")
+def _left_committed(tmp_path: Path, gen, owner="old", meta=None, **kw) -> torch.Tensor:
+    """A store that committed five random pages as ``owner`` (``meta``, by default
+    ``{"tokens": 20}``) and closed; returns the pages."""
+    first = make(tmp_path, on_start="reattach", **kw)
     data = pages(gen, 5)
-    extent = first.reserve("old", 5)
+    extent = first.reserve(owner, 5)
     first.write(extent, data)
-    first.commit("old", extent, {"tokens": 20})
+    first.commit(owner, extent, {"tokens": 20} if meta is None else meta)
     first.close()
     return data
 
@@ -659,13 +664,8 @@ def test_forget_keeps_the_extent_but_drops_it_from_the_manifest(tmp_path, gen):
 
 
 def _committed_store(tmp_path, gen, **kw):
-    s = make(tmp_path, on_start="reattach", **kw)
-    data = pages(gen, 5)
-    e = s.reserve("a", 5)
-    s.write(e, data)
-    s.commit("a", e, {"n": 1})
-    s.close()
-    return data
+    """A store that committed five random pages as "a" with meta ``{"n": 1}`` and closed."""
+    return _left_committed(tmp_path, gen, "a", {"n": 1}, **kw)
 
 
 def test_mismatched_fingerprint_clears(tmp_path, gen, caplog):

@@ -34,6 +34,22 @@ class Gate:
         assert self.open.wait(10), "gate never opened"
 
 
+@pytest.fixture
+def gated(kv):
+    """``gated(**kw)``: a cache (from ``kv``) whose copies wait at a fresh ``Gate``, and
+    the gate; every gate is opened at teardown, before the caches are closed."""
+    gates = []
+
+    def make(**kw):
+        gate = Gate()
+        gates.append(gate)
+        return kv(copy_fault_hook=gate, **kw), gate
+
+    yield make
+    for gate in gates:
+        gate.open.set()
+
+
 def test_round_trip_many_requests(cache):
     gen = torch.Generator().manual_seed(1)
     data = {f"r{i}": fill(cache, f"r{i}", gen, 3 + 5 * i) for i in range(5)}
@@ -48,42 +64,38 @@ def test_round_trip_many_requests(cache):
     reload_all_and_check(cache, data)
 
 
-def test_interleaved_while_copies_in_flight(kv):
-    gate = Gate()
-    cache = kv(device_pages=24, host_pages=24, copy_fault_hook=gate)
-    try:
-        gen = torch.Generator().manual_seed(2)
-        a = fill(cache, "a", gen, 9)
-        b = fill(cache, "b", gen, 7)
-        c = fill(cache, "c", gen, 5)
+def test_interleaved_while_copies_in_flight(gated):
+    cache, gate = gated(device_pages=24, host_pages=24)
+    gen = torch.Generator().manual_seed(2)
+    a = fill(cache, "a", gen, 9)
+    b = fill(cache, "b", gen, 7)
+    c = fill(cache, "c", gen, 5)
+    cache.offload("a")
+    cache.offload("b")
+    assert gate.entered.acquire(timeout=10)
+    cache.check_integrity()
+    assert cache.state_of("a") is RequestState.OFFLOADING
+    # device slots of an offloading request are still held
+    assert cache.device_pool.used_pages == 3 + 2 + 2
+    with pytest.raises(IllegalTransition, match="'a' is offloading"):
         cache.offload("a")
-        cache.offload("b")
-        assert gate.entered.acquire(timeout=10)
-        cache.check_integrity()
-        assert cache.state_of("a") is RequestState.OFFLOADING
-        # device slots of an offloading request are still held
-        assert cache.device_pool.used_pages == 3 + 2 + 2
-        with pytest.raises(IllegalTransition, match="'a' is offloading"):
-            cache.offload("a")
-        with pytest.raises(IllegalTransition):
-            cache.read("a", 0)
-        assert not cache.admit(ResourceStep("a"), StepContext())
-        cache.remove_request("c")  # a resident request, nothing in flight
-        cache.remove_request("b")  # in flight or queued: its slots come back later
-        cache.check_integrity()
-        gate.open.set()
-        cache.synchronize(10)
-        cache.check_integrity()
-        assert cache.host_pool.used_pages == 3 and cache.device_pool.used_pages == 0
-        assert cache.reload("a")
-        cache.synchronize(10)
-        assert_same(cache, "a", a)
-        del b, c
-        cache.remove_request("a")
-        cache.check_integrity()
-        assert cache.device_pool.used_pages == 0 and cache.host_pool.used_pages == 0
-    finally:
-        gate.open.set()
+    with pytest.raises(IllegalTransition):
+        cache.read("a", 0)
+    assert not cache.admit(ResourceStep("a"), StepContext())
+    cache.remove_request("c")  # a resident request, nothing in flight
+    cache.remove_request("b")  # in flight or queued: its slots come back later
+    cache.check_integrity()
+    gate.open.set()
+    cache.synchronize(10)
+    cache.check_integrity()
+    assert cache.host_pool.used_pages == 3 and cache.device_pool.used_pages == 0
+    assert cache.reload("a")
+    cache.synchronize(10)
+    assert_same(cache, "a", a)
+    del b, c
+    cache.remove_request("a")
+    cache.check_integrity()
+    assert cache.device_pool.used_pages == 0 and cache.host_pool.used_pages == 0
 
 
 def test_reload_refused_when_device_full(kv):
@@ -200,27 +212,23 @@ def test_retention_priority_becomes_offload_priority(kv):
     assert cache.get_offload_priority("keep") == cache.get_offload_priority("plain")
 
 
-def test_admit_reports_not_ready_until_reload_lands(kv):
-    gate = Gate()
-    cache = kv(device_pages=8, host_pages=8, copy_fault_hook=gate)
-    try:
-        gen = torch.Generator().manual_seed(8)
-        a = fill(cache, "a", gen, 6)
-        gate.open.set()
-        cache.offload("a")
-        cache.synchronize(5)
-        gate.open.clear()
-        assert cache.reload("a")
-        assert gate.entered.acquire(timeout=10)
-        out = cache.admit(ResourceStep("a"), StepContext())
-        assert not out and out.reason == "reloading"
-        assert cache.is_offloaded("a") is False and cache.can_reload("a") is False
-        gate.open.set()
-        cache.synchronize(5)
-        assert cache.admit(ResourceStep("a"), StepContext())
-        assert_same(cache, "a", a)
-    finally:
-        gate.open.set()
+def test_admit_reports_not_ready_until_reload_lands(gated):
+    cache, gate = gated(device_pages=8, host_pages=8)
+    gen = torch.Generator().manual_seed(8)
+    a = fill(cache, "a", gen, 6)
+    gate.open.set()
+    cache.offload("a")
+    cache.synchronize(5)
+    gate.open.clear()
+    assert cache.reload("a")
+    assert gate.entered.acquire(timeout=10)
+    out = cache.admit(ResourceStep("a"), StepContext())
+    assert not out and out.reason == "reloading"
+    assert cache.is_offloaded("a") is False and cache.can_reload("a") is False
+    gate.open.set()
+    cache.synchronize(5)
+    assert cache.admit(ResourceStep("a"), StepContext())
+    assert_same(cache, "a", a)
 
 
 # -- bad input: a clear error, nothing changes ---------------------------------------
@@ -316,23 +324,19 @@ def test_cuda_device_refused_without_cuda(kv):
         kv(device="cuda:0")
 
 
-def test_synchronize_times_out_naming_what_is_in_flight(kv):
-    gate = Gate()
-    cache = kv(device_pages=8, host_pages=8, copy_fault_hook=gate)
-    try:
-        gen = torch.Generator().manual_seed(10)
-        fill(cache, "slow", gen, 6)
-        cache.offload("slow")
-        assert gate.entered.acquire(timeout=10)
-        with pytest.raises(TimeoutError, match="slow"):
-            cache.synchronize(timeout=0.05)
-        assert cache.state_of("slow") is RequestState.OFFLOADING
-        cache.check_integrity()
-        gate.open.set()
-        cache.synchronize(10)
-        assert cache.state_of("slow") is RequestState.ON_HOST
-    finally:
-        gate.open.set()
+def test_synchronize_times_out_naming_what_is_in_flight(gated):
+    cache, gate = gated(device_pages=8, host_pages=8)
+    gen = torch.Generator().manual_seed(10)
+    fill(cache, "slow", gen, 6)
+    cache.offload("slow")
+    assert gate.entered.acquire(timeout=10)
+    with pytest.raises(TimeoutError, match="slow"):
+        cache.synchronize(timeout=0.05)
+    assert cache.state_of("slow") is RequestState.OFFLOADING
+    cache.check_integrity()
+    gate.open.set()
+    cache.synchronize(10)
+    assert cache.state_of("slow") is RequestState.ON_HOST
 
 
 def test_layer_view_through_the_page_table_matches_read(cache):
@@ -350,28 +354,24 @@ def test_layer_view_through_the_page_table_matches_read(cache):
         cache.layer_view(5)
 
 
-def test_admit_cancels_an_offload_that_has_not_started(kv):
-    gate = Gate()
-    cache = kv(device_pages=8, host_pages=8, copy_workers=1, copy_fault_hook=gate)
-    try:
-        gen = torch.Generator().manual_seed(22)
-        fill(cache, "a", gen, 4)
-        b = fill(cache, "b", gen, 6)
-        cache.offload("a")
-        assert gate.entered.acquire(timeout=10)  # a's copy holds the only worker
-        cache.offload("b")  # queued behind it
-        assert cache.host_pool.used_pages == 1 + 2
-        assert cache.admit(ResourceStep("b"), StepContext())
-        assert cache.state_of("b") is RequestState.RESIDENT
-        assert cache.stats.offloads_cancelled == 1
-        assert cache.host_pool.used_pages == 1
-        cache.check_integrity()
-        out = cache.admit(ResourceStep("a"), StepContext())  # running copy: not cancelled
-        assert not out and out.reason == "offloading"
-        gate.open.set()
-        cache.synchronize(10)
-        assert cache.state_of("a") is RequestState.ON_HOST
-        assert_same(cache, "b", b)
-        cache.check_integrity()
-    finally:
-        gate.open.set()
+def test_admit_cancels_an_offload_that_has_not_started(gated):
+    cache, gate = gated(device_pages=8, host_pages=8, copy_workers=1)
+    gen = torch.Generator().manual_seed(22)
+    fill(cache, "a", gen, 4)
+    b = fill(cache, "b", gen, 6)
+    cache.offload("a")
+    assert gate.entered.acquire(timeout=10)  # a's copy holds the only worker
+    cache.offload("b")  # queued behind it
+    assert cache.host_pool.used_pages == 1 + 2
+    assert cache.admit(ResourceStep("b"), StepContext())
+    assert cache.state_of("b") is RequestState.RESIDENT
+    assert cache.stats.offloads_cancelled == 1
+    assert cache.host_pool.used_pages == 1
+    cache.check_integrity()
+    out = cache.admit(ResourceStep("a"), StepContext())  # running copy: not cancelled
+    assert not out and out.reason == "offloading"
+    gate.open.set()
+    cache.synchronize(10)
+    assert cache.state_of("a") is RequestState.ON_HOST
+    assert_same(cache, "b", b)
+    cache.check_integrity()

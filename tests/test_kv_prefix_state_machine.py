@@ -15,9 +15,10 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from conftest import rule_on_one_of
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from resources.base import ResourceStep, StepContext
 from resources.kv_cache import PagedKVCache
@@ -109,10 +110,8 @@ class PrefixMachine(RuleBasedStateMachine):
             del self.ids[rid]
             self.expected.pop(rid, None)
 
-    @precondition(lambda self: self.pending)
-    @rule(data=st.data())
-    def load(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.pending)))
+    @rule_on_one_of(lambda self: sorted(self.pending))
+    def load(self, rid):
         kv = self.kv
         if not kv.reload(rid):
             return
@@ -125,10 +124,8 @@ class PrefixMachine(RuleBasedStateMachine):
             del self.ids[rid]
             self.expected.pop(rid, None)
 
-    @precondition(lambda self: self.expected)
-    @rule(data=st.data())
-    def remove(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.expected)))
+    @rule_on_one_of(lambda self: sorted(self.expected))
+    def remove(self, rid):
         self.kv.remove_request(rid)
         self.pending.discard(rid)
         del self.expected[rid], self.ids[rid]
@@ -148,10 +145,8 @@ class PrefixMachine(RuleBasedStateMachine):
         kv.check_integrity()
         kv.remove_request("filler")
 
-    @precondition(lambda self: self._resident())
-    @rule(data=st.data())
-    def offload_one(self, data):
-        rid = data.draw(st.sampled_from(self._resident()))
+    @rule_on_one_of(lambda self: self._resident())
+    def offload_one(self, rid):
         if self.kv.offload(rid):
             self.kv.synchronize(10)
 
@@ -175,10 +170,8 @@ class PrefixMachine(RuleBasedStateMachine):
         else:
             p.crc[key] ^= 1
 
-    @precondition(lambda self: self._resident())
-    @rule(data=st.data())
-    def write_into_shared_page_raises(self, data):
-        rid = data.draw(st.sampled_from(self._resident()))
+    @rule_on_one_of(lambda self: self._resident())
+    def write_into_shared_page_raises(self, rid):
         r = self.kv._reqs[rid]
         if not r.shared:
             return

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from conftest import assert_same, random_kv
+from conftest import assert_same, offload_resident, random_kv, write_layers
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -73,8 +73,7 @@ class ReuseLifecycle(RuleBasedStateMachine):
             return
         d = random_kv(self.gen, GEOM, tokens)
         if tokens:
-            for layer, (k, v) in enumerate(d):
-                self.kv.write(rid, layer, 0, k, v)
+            write_layers(self.kv, rid, d)
         self.data[rid] = d
 
     @precondition(lambda self: self.data)
@@ -83,9 +82,7 @@ class ReuseLifecycle(RuleBasedStateMachine):
         rid = sorted(self.data)[i % len(self.data)]
         if self.kv.state_of(rid) is not S.RESIDENT:
             return
-        expect = self.kv.reclaimable(rid)
-        assert self.kv.offload(rid) == expect
-        assert self.kv.state_of(rid) is (S.OFFLOADING if expect else S.RESIDENT)
+        offload_resident(self.kv, rid)
 
     @precondition(lambda self: self.data)
     @rule(i=st.integers(0, 100))

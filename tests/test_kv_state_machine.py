@@ -8,7 +8,7 @@ cache reports at that moment, and checks integrity after every step.
 from __future__ import annotations
 
 import torch
-from conftest import assert_same, random_kv
+from conftest import assert_same, offload_resident, random_kv, write_layers
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -48,8 +48,7 @@ class Lifecycle(RuleBasedStateMachine):
             self.kv.remove_request(rid)
             return
         d = random_kv(self.gen, GEOM, tokens)
-        for layer, (k, v) in enumerate(d):
-            self.kv.write(rid, layer, 0, k, v)
+        write_layers(self.kv, rid, d)
         self.data[rid] = d
 
     @precondition(lambda self: self.data)
@@ -65,9 +64,7 @@ class Lifecycle(RuleBasedStateMachine):
             else:
                 raise AssertionError(f"offload of {state} {rid} accepted")
             return
-        expect = self.kv.reclaimable(rid)
-        assert self.kv.offload(rid) == expect
-        assert self.kv.state_of(rid) is (S.OFFLOADING if expect else S.RESIDENT)
+        offload_resident(self.kv, rid)
 
     @precondition(lambda self: self.data)
     @rule(i=st.integers(0, 100))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same, random_kv
+from conftest import assert_same, random_kv, write_layers
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -53,6 +53,18 @@ def pages(tokens: int) -> int:
     return -(-tokens // PT)
 
 
+def on_a_request(step):
+    """A rule on one request the spec holds, drawn by index once any exist:
+    ``step(self, rid)``."""
+
+    def rule_body(self, i):
+        return step(self, self.pick(i))
+
+    rule_body.__name__ = rule_body.__qualname__ = step.__name__
+    rule_body.__doc__ = step.__doc__
+    return precondition(lambda self: self.spec.state)(rule(i=st.integers(0, 99))(rule_body))
+
+
 # -- the backends ---------------------------------------------------------------------------
 
 
@@ -74,8 +86,7 @@ class RealBackend:
         ok = self.kv.allocate(rid, tokens)
         if ok:
             d = random_kv(self.gen, GEOM, tokens)
-            for layer, (k, v) in enumerate(d):
-                self.kv.write(rid, layer, 0, k, v)
+            write_layers(self.kv, rid, d)
             self.data[rid] = d
         return ok
 
@@ -265,10 +276,8 @@ class AcrossBackends(RuleBasedStateMachine):
         if not expect:
             self.kv.remove_request(rid)
 
-    @precondition(lambda self: self.spec.state)
-    @rule(i=st.integers(0, 99))
-    def offload(self, i):
-        rid = self.pick(i)
+    @on_a_request
+    def offload(self, rid):
         if self.spec.state[rid] is not S.RESIDENT:
             return self.refused(self.kv.offload, rid)
         n = self.spec.pages[rid]
@@ -280,10 +289,8 @@ class AcrossBackends(RuleBasedStateMachine):
             self.spec.start(rid, Tier.DEVICE, dst)
             assert self.kv.offload_destination(rid) is dst
 
-    @precondition(lambda self: self.spec.state)
-    @rule(i=st.integers(0, 99))
-    def demote(self, i):
-        rid = self.pick(i)
+    @on_a_request
+    def demote(self, rid):
         if self.spec.state[rid] is not S.ON_HOST:
             return self.refused(self.kv.demote, rid)
         fits = self.spec.free(Tier.DISK) >= self.spec.pages[rid]
@@ -293,10 +300,8 @@ class AcrossBackends(RuleBasedStateMachine):
         else:
             self.spec.counts["demote_refusals_disk_full"] += 1
 
-    @precondition(lambda self: self.spec.state)
-    @rule(i=st.integers(0, 99))
-    def reload(self, i):
-        rid = self.pick(i)
+    @on_a_request
+    def reload(self, rid):
         src = {S.ON_HOST: Tier.HOST, S.ON_DISK: Tier.DISK}.get(self.spec.state[rid])
         if src is None:
             return self.refused(self.kv.reload, rid)
@@ -307,10 +312,8 @@ class AcrossBackends(RuleBasedStateMachine):
         else:
             self.spec.counts["reload_refusals"] += 1
 
-    @precondition(lambda self: self.spec.state)
-    @rule(i=st.integers(0, 99))
-    def drop(self, i):
-        rid = self.pick(i)
+    @on_a_request
+    def drop(self, rid):
         if self.spec.state[rid] not in (S.ON_HOST, S.ON_DISK):
             return self.refused(self.kv.drop, rid)
         self.kv.drop(rid)

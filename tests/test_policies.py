@@ -1,4 +1,8 @@
-"""Victim-ranking policies: one shared contract, then each policy's own behaviour."""
+"""Victim-ranking policies: one shared contract, then each policy's own behaviour.
+
+Size: over 700 lines: the shared contract runs over every policy, then each policy's own
+cases; they share the batch builders defined here.
+"""
 
 from __future__ import annotations
 
@@ -752,3 +756,14 @@ def test_a_registry_of_another_kind_names_its_kind_and_checks_its_product():
         grown.with_policy("w", Widget)
     with pytest.raises(ValueError, match="a widget policy name must be a non-empty str"):
         WidgetRegistry({"": Widget})
+
+
+def test_batch_columns_read_back_and_are_read_only():
+    rng = random.Random(43)
+    batch = _random_batch(rng, 7)
+    for name in ("rids", "resources", "reclaimable", "last_used", "priority", "reload_cost_s"):
+        before = np.array(getattr(batch, name), copy=True)
+        assert len(before) == 7
+        with pytest.raises(AttributeError, match=f"CandidateBatch.{name} is read-only"):
+            setattr(batch, name, None)
+        assert np.array_equal(getattr(batch, name), before)  # nothing changed

@@ -1,4 +1,7 @@
-"""The stress harness: real cache, controller and disk tier under pressure and faults."""
+"""The stress harness: real cache, controller and disk tier under pressure and faults.
+
+Size: over 500 lines: the harness's scenarios share one report checker (``assert_clean``).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """The vLLM backend's engine-independent core, without vLLM: config, the manager on
 the block index and block policies, host -> disk cascade, checked promotion, the
-worker-side mover and the import rule."""
+worker-side mover and the import rule.
+
+Size: over 700 lines: the manager's behaviours share the ``make`` / ``store`` / ``key``
+helpers defined here.
+"""
 
 from __future__ import annotations
 

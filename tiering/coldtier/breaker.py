@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
 
+from tiering.core.validate import check_fields
+
 __all__ = ["BreakerConfig", "BreakerState", "BreakerStats", "CircuitBreaker"]
 
 
@@ -29,10 +31,7 @@ class BreakerConfig:
     cooldown_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.failure_threshold, int) or self.failure_threshold < 1:
-            raise ValueError(f"BreakerConfig.failure_threshold must be an int >= 1, got {self.failure_threshold!r}")
-        if not (isinstance(self.cooldown_s, (int, float)) and self.cooldown_s > 0):
-            raise ValueError(f"BreakerConfig.cooldown_s must be > 0, got {self.cooldown_s!r}")
+        check_fields(self, ints={"failure_threshold": 1}, numbers=("cooldown_s",))
 
 
 class BreakerStats(NamedTuple):

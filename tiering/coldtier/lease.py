@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from tiering.core.validate import check_fields
+
 from ._io import Fault, classify, short
 from .errors import ColdTierUnavailable, LeaseHeld
 
@@ -37,12 +39,7 @@ class LeaseConfig:
     safety_s: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("ttl_s", "renew_every_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"LeaseConfig.{name} must be > 0, got {v!r}")
-        if not (isinstance(self.safety_s, (int, float)) and 0 <= self.safety_s):
-            raise ValueError(f"LeaseConfig.safety_s must be >= 0, got {self.safety_s!r}")
+        check_fields(self, numbers=("ttl_s", "renew_every_s"), zero_ok=("safety_s",))
         if self.renew_every_s + self.safety_s >= self.ttl_s:
             raise ValueError(
                 f"LeaseConfig: renew_every_s ({self.renew_every_s}) + safety_s ({self.safety_s}) "

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from tiering.core.validate import check_int, check_number
+
 from ._io import Fault, classify
 from .errors import ColdTierUnavailable, LeaseHeld
 from .lease import Lease, LeaseConfig
@@ -41,10 +43,8 @@ class SweeperConfig:
     low_fraction: float = 0.9
 
     def __post_init__(self) -> None:
-        if not isinstance(self.cap_bytes, int) or self.cap_bytes < 1:
-            raise ValueError(f"SweeperConfig.cap_bytes must be an int >= 1, got {self.cap_bytes!r}")
-        if not (isinstance(self.low_fraction, (int, float)) and 0 < self.low_fraction <= 1):
-            raise ValueError(f"SweeperConfig.low_fraction must be in (0, 1], got {self.low_fraction!r}")
+        check_int("SweeperConfig", "cap_bytes", self.cap_bytes, 1)
+        check_number("SweeperConfig", "low_fraction", self.low_fraction, maximum=1)
 
 
 class SweepResult(NamedTuple):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiering.core.validate import check_fields
 from tiering.errors import StagingTimeout  # noqa: F401 (re-exported from its old home)
 
 
@@ -30,13 +31,7 @@ class StagingConfig:
     timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("buffers", "pages"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"StagingConfig.{name} must be an int >= 1, got {v!r}")
-        t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            raise ValueError(f"StagingConfig.timeout_s must be a number > 0, got {t!r}")
+        check_fields(self, ints={"buffers": 1, "pages": 1}, numbers=("timeout_s",))
 
 
 class StagingRing:

@@ -1,5 +1,14 @@
 """The disk tier's page store: KV pages in one zarr array, under a hard byte cap.
 
+Modules. ``DiskPageStore`` is one class written in five modules, because its parts
+share one owner's state (the ledger, the backend, the counters, the manifest lock)
+and the rules below span them: this module (set-up, the public reserve / write /
+read / commit / release API, close), ``store_io`` (``ChunkIOPart``: chunk jobs,
+bindings, timeouts, faults), ``store_manifest`` (``ManifestPart``: manifest writes
+and the flusher), ``store_start`` (``StartPart``: reattach or clear at start) and
+``store_stats`` (``StatsPart``: counters, ``stats``, ``check_integrity``). Every
+name stays importable from here.
+
 Layout. Pages live as rows of a single zarr v3 array of shape
 ``[capacity_pages, page_elems]``, chunked by single rows ``[1, page_elems]``:
 every page has its own chunk, its slot. A page's bytes are stored
@@ -135,112 +144,45 @@ reusable), and the next manifest write (or ``retry_manifest()``) retries.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import json
 import logging
-import os
 import threading
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import torch
-import zarr
 from zarr.abc.store import Store
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
 
-from tiering.disk.array import CODECS
-from tiering.disk.backend import ArrayGeometry, PageBackend, StartRefused
+from tiering.disk.array import CODECS  # noqa: F401 (re-exported)
+from tiering.disk.backend import ArrayGeometry, PageBackend
 from tiering.disk.config import DiskConfig
-from tiering.disk.crc import crc32c_bytes, crc32c_extend
 from tiering.disk.ledger import (
     ChunkLedger,
     DiskExtent,
-    DiskIntegrityError,
-    ExtentState,
-    check_extent,
+    DiskIntegrityError,  # noqa: F401 (re-exported)
     check_owner,
 )
 from tiering.disk.lock import DiskPathInUseError
-from tiering.disk.manifest import Manifest, ManifestEntry, decode_manifest, encode_manifest
 from tiering.disk.pages import PageFormat
-from tiering.disk.slotfile import ChunkChecksumError, describe_binding, make_binding
-from tiering.errors import DiskCorruptionError, DiskIOError
+from tiering.disk.store_io import ChunkIOPart
+from tiering.disk.store_manifest import ManifestPart
+from tiering.disk.store_start import StartPart, _random_store_id
+from tiering.disk.store_stats import StatsPart, _Counters
+from tiering.errors import (
+    DiskCorruptionError,  # noqa: F401 (re-exported)
+    DiskIOError,
+)
 
-__all__ = [
-    "CODECS",
-    "DiskConfig",
-    "DiskCorruptionError",
-    "DiskExtent",
-    "DiskIOError",
-    "DiskIntegrityError",
-    "DiskPageStore",
-]
+# The module's own name; CODECS, DiskConfig, DiskExtent and the errors stay importable
+# from here (older imports), and ``tiering.disk`` lists the package's public names.
+__all__ = ["DiskPageStore"]
 
 log = logging.getLogger(__name__)
-GENERATION_EPOCH_BITS = 32  # each reattached run hands out generations from a new epoch
 
 
-def _random_store_id() -> bytes:
-    return os.urandom(16)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _leading(pages: object, name: str) -> int:
-    """The page count of a batch (its leading dimension); ValueError naming ``name``."""
-    shape = getattr(pages, "shape", None)
-    if not isinstance(pages, (torch.Tensor, np.ndarray)) or shape is None or len(shape) < 1:
-        raise ValueError(
-            f"{name} must be a torch.Tensor or numpy.ndarray of pages, got {type(pages).__name__}"
-        )
-    return int(shape[0])
-
-
-def _binding_record(binding: bytes, data_crc: int) -> bytes:
-    """The zarr path's binding record: the binding, the crc32c of the chunk's page bytes,
-    and a crc32c of both."""
-    body = binding + crc32c_bytes(data_crc)
-    return body + crc32c_bytes(google_crc32c.value(body))
-
-
-def _check_binding_record(chunk: int, record: bytes, expected: bytes, dest: np.ndarray) -> None:
-    n = len(expected)
-    body, vouch = record[: n + 4], record[n + 4 :]
-    if len(record) != n + 8 or crc32c_bytes(google_crc32c.value(body)) != vouch:
-        raise ChunkChecksumError(f"chunk {chunk}: its binding record is damaged")
-    if body[:n] != expected:
-        raise ChunkChecksumError(
-            f"chunk {chunk}: the chunk is bound to {describe_binding(body[:n])}, "
-            f"not to {describe_binding(expected)} (misplaced, stale or foreign)"
-        )
-    if body[n:] != crc32c_bytes(crc32c_extend(0, dest)):
-        raise ChunkChecksumError(
-            f"chunk {chunk}: its pages are not the ones its binding record vouches for"
-        )
-
-
-@dataclass
-class _Counters:
-    writes: int = 0
-    reads: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    write_faults: int = 0
-    read_faults: int = 0
-    corruptions: int = 0
-    timeouts: int = 0
-    manifest_faults: int = 0
-    errnos: dict[str, int] = field(default_factory=dict)
-
-
-class DiskPageStore:
+class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
     """Fixed-size KV pages on disk, in whole-chunk extents, under a hard byte cap.
 
     ``page_shape`` is one page's shape; ``dtype`` its element type (torch or
@@ -407,20 +349,7 @@ class DiskPageStore:
         (nothing changes) and DiskIOError on an I/O fault (the chunks of the
         range are then unwritten; the extent stays reserved).
         """
-        check_extent(extent)
-        count = _leading(pages, "pages")
-        positions = self._positions(extent, first_page, count)
-        rows = self.format.rows(pages, count, "pages", writable=False)
-        state = self._ledger.begin(extent, "write", positions)
-        try:
-            jobs = self._write_jobs(extent, state, positions, rows)
-        except BaseException:
-            self._ledger.finish(extent, state)
-            raise
-        self._run_io(extent, state, jobs, "write")
-        with self._stats_lock:
-            self._counters.writes += 1
-            self._counters.bytes_written += count * self.page_bytes
+        self._transfer("write", extent, pages, first_page)
 
     def read(
         self, extent: DiskExtent, out: torch.Tensor | np.ndarray, *, first_page: int = 0
@@ -437,20 +366,7 @@ class DiskPageStore:
         are unspecified and must not be used (on the direct path the bytes land
         in ``out`` before their checks).
         """
-        check_extent(extent)
-        count = _leading(out, "out")
-        positions = self._positions(extent, first_page, count)
-        rows = self.format.rows(out, count, "out", writable=True)
-        state = self._ledger.begin(extent, "read", positions)
-        try:
-            jobs = self._read_jobs(extent, state, positions, rows)
-        except BaseException:
-            self._ledger.finish(extent, state)
-            raise
-        self._run_io(extent, state, jobs, "read")
-        with self._stats_lock:
-            self._counters.reads += 1
-            self._counters.bytes_read += count * self.page_bytes
+        self._transfer("read", extent, out, first_page)
 
     @property
     def direct_io(self) -> bool:
@@ -461,101 +377,6 @@ class DiskPageStore:
     def store_id(self) -> str:
         """This store's identity (hex): made at a clear, kept by a reattach."""
         return self._store_id.hex()
-
-    def _positions(self, extent: DiskExtent, first_page: object, count: int) -> range:
-        """The page positions ``[first_page, first_page + count)``; ValueError naming
-        what is wrong unless the range is non-empty and inside the extent."""
-        if not _is_int(first_page) or first_page < 0:
-            raise ValueError(f"first_page must be an int >= 0, got {first_page!r}")
-        first = int(first_page)
-        end = first + count
-        if count < 1 or end > extent.num_pages:
-            raise ValueError(
-                f"pages [{first}, {end}) are not inside the extent of {extent.num_pages} pages"
-            )
-        return range(first, end)
-
-    def _binding(self, state: ExtentState, chunk: int) -> bytes:
-        return make_binding(self._store_id, chunk, state.generation, state.owner)
-
-    def _batches(
-        self, extent: DiskExtent, positions: range, rows: np.ndarray
-    ) -> list[list[tuple[int, np.ndarray]]]:
-        """(slot, that page's row) pairs, grouped into runs of adjacent slots of at most
-        ``pages_per_chunk`` pages: one job moves a run, in slot order."""
-        batches: list[list[tuple[int, np.ndarray]]] = []
-        previous = -2
-        for i, pos in enumerate(positions):
-            slot = extent.chunks[pos]
-            if slot != previous + 1 or len(batches[-1]) >= self.pages_per_chunk:
-                batches.append([])
-            batches[-1].append((slot, rows[i : i + 1]))
-            previous = slot
-        return batches
-
-    def _direct_jobs(
-        self, chunk_io: Callable[..., None], state: ExtentState,
-        batches: list[list[tuple[int, np.ndarray]]],
-    ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
-        """One job per batch of adjacent slots on the slot file's direct path:
-        ``chunk_io`` (``write_chunk`` or ``read_chunk``) per slot, off the loop."""
-
-        def run(batch: list[tuple[int, np.ndarray]]) -> None:
-            for slot, row in batch:
-                chunk_io(slot, row, 0, self._binding(state, slot))
-
-        async def one_direct(batch: list[tuple[int, np.ndarray]]) -> None:
-            await asyncio.to_thread(run, batch)
-
-        return [(one_direct, (batch,)) for batch in batches]
-
-    def _write_jobs(
-        self, extent: DiskExtent, state: ExtentState, positions: range, rows: np.ndarray
-    ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
-        direct = self._backend.direct
-        batches = self._batches(extent, positions, rows)
-        if direct is not None:
-            return self._direct_jobs(direct.write_chunk, state, batches)
-        array = self._require_array()
-        backend = self._backend
-        slots = backend.slots
-
-        async def one(slot: int, row: np.ndarray) -> None:
-            binding = self._binding(state, slot)
-            await array.setitem((slice(slot, slot + 1), slice(None)), row)
-            if slots is not None:
-                await asyncio.to_thread(slots.bind_slot, slot, binding)
-            else:
-                await backend.write_binding(slot, _binding_record(binding, crc32c_extend(0, row)))
-
-        return [(one, pair) for batch in batches for pair in batch]
-
-    def _read_jobs(
-        self, extent: DiskExtent, state: ExtentState, positions: range, rows: np.ndarray
-    ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
-        direct = self._backend.direct
-        batches = self._batches(extent, positions, rows)
-        if direct is not None:
-            return self._direct_jobs(direct.read_chunk, state, batches)
-        prototype = default_buffer_prototype()
-        array = self._require_array()
-        backend = self._backend
-        slots = backend.slots
-
-        async def one(slot: int, dest: np.ndarray) -> None:
-            out_buf = prototype.nd_buffer.from_numpy_array(dest)
-            selection = (slice(slot, slot + 1), slice(None))
-            await array.get_orthogonal_selection(selection, out=out_buf, prototype=prototype)
-            binding = self._binding(state, slot)
-            if slots is not None:
-                await asyncio.to_thread(slots.check_slot_binding, slot, binding)
-                return
-            record = await backend.read_binding(slot)
-            if record is None:
-                raise OSError(errno.ENODATA, f"chunk {slot} has no binding record")
-            _check_binding_record(slot, record, binding, dest)
-
-        return [(one, pair) for batch in batches for pair in batch]
 
     # ------------------------------------------------------------------ manifest
 
@@ -597,46 +418,7 @@ class DiskPageStore:
         """Entries adopted at start-up (owner -> (extent, meta)); empty after a clear."""
         return {owner: (ext, dict(meta)) for owner, (ext, meta) in self._reattached.items()}
 
-    # ------------------------------------------------------------------ checks, stats, life cycle
-
-    def check_integrity(self) -> None:
-        """Raise DiskIntegrityError unless every chunk is free, held by exactly one live
-        extent, or quarantined; the ledger equals the reserved chunks times the chunk
-        size and stays under the cap; every committed entry names a live, written
-        extent of the same owner."""
-        self._ledger.check()
-        ledger = self.used_bytes()
-        if ledger > self.capacity_bytes:
-            raise DiskIntegrityError(f"ledger {ledger} bytes exceeds the cap {self.capacity_bytes}")
-
-    def stats(self) -> dict[str, Any]:
-        """Counters and occupancy, as a fresh dict."""
-        counts = self._ledger.counts()
-        with self._stats_lock:
-            c = self._counters
-            return {
-                "writes": c.writes,
-                "reads": c.reads,
-                "bytes_written": c.bytes_written,
-                "bytes_read": c.bytes_read,
-                "refusals": counts["refusals"],
-                "write_faults": c.write_faults,
-                "read_faults": c.read_faults,
-                "corruptions": c.corruptions,
-                "timeouts": c.timeouts,
-                "manifest_faults": c.manifest_faults,
-                "manifest_dirty": self._manifest_dirty,
-                "manifest_pending": self._flush_wanted is not None or self._flush_busy,
-                "manifest_async": self._flusher is not None,
-                "faults": c.write_faults + c.read_faults + c.manifest_faults,
-                "fault_errnos": dict(c.errnos),
-                "extents": counts["extents"],
-                "committed": counts["committed"],
-                "quarantined_chunks": counts["quarantined_chunks"],
-                "in_flight": counts["in_flight"],
-                "used_bytes": counts["used_chunks"] * self.chunk_alloc_bytes,
-                "capacity_bytes": self.capacity_bytes,
-            }
+    # ------------------------------------------------------------------ life cycle (stats, checks: StatsPart)
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no read or write (timed-out ones included) is still running.
@@ -661,302 +443,8 @@ class DiskPageStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ internals: I/O
+    # ------------------------------------------------------------------ internals
 
     @property
     def _persistent(self) -> bool:
         return self.config.on_start == "reattach"
-
-    def _require_array(self) -> zarr.AsyncArray[Any]:
-        assert self._backend.array is not None
-        return self._backend.array
-
-    def _run_io(
-        self,
-        extent: DiskExtent,
-        state: ExtentState,
-        jobs: list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]],
-        what: str,
-    ) -> None:
-        """Run per-chunk coroutines on zarr's loop, at most ``io_threads`` at a time,
-        wait for every one of them, and turn failures into DiskIOError. The ledger
-        hears ``finish`` exactly once, when the last chunk's I/O has ended."""
-        started = threading.Event()
-        finished = threading.Event()
-        once = threading.Lock()
-        limit = self.config.io_threads
-
-        def finish_once(ok: bool) -> None:
-            with once:
-                if finished.is_set():
-                    return
-                finished.set()
-            self._ledger.finish(extent, state, wrote=ok and what == "write")
-
-        async def run_all() -> list[BaseException | None]:
-            started.set()
-            ok = False
-            try:
-                sem = asyncio.Semaphore(limit)
-                failed = False
-
-                async def guarded(
-                    fn: Callable[..., Awaitable[None]], args: tuple[Any, ...]
-                ) -> None:
-                    nonlocal failed
-                    async with sem:
-                        if failed:  # fail fast: a job that has not started is skipped
-                            return
-                        try:
-                            await fn(*args)
-                        except BaseException:
-                            failed = True
-                            raise
-
-                results = await asyncio.gather(
-                    *(guarded(fn, args) for fn, args in jobs), return_exceptions=True
-                )
-                ok = not any(isinstance(r, BaseException) for r in results)
-                return results
-            finally:
-                finish_once(ok)
-
-        coro = run_all()
-        try:
-            results = sync(coro, timeout=self.config.io_timeout_s)
-        except TimeoutError as exc:
-            if finished.is_set():
-                raise self._fault(what, extent, exc) from exc
-            self._ledger.mark_timed_out(state)
-            with self._stats_lock:
-                self._counters.timeouts += 1
-            raise self._fault(
-                what,
-                extent,
-                OSError(errno.ETIMEDOUT, f"no answer within {self.config.io_timeout_s} s"),
-            ) from exc
-        except BaseException:
-            if not started.is_set():  # never scheduled: nothing runs, so settle it here
-                coro.close()
-                finish_once(False)
-            raise
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise self._fault(what, extent, errors[0], count=len(errors)) from errors[0]
-
-    def _fault(
-        self, what: str, extent: DiskExtent, exc: BaseException, count: int = 1
-    ) -> DiskIOError:
-        """Classify one failed operation, count it, and build the error to raise."""
-        where = f"{what} of extent {extent.chunks}"
-        more = f" (and {count - 1} more chunk errors)" if count > 1 else ""
-        if isinstance(exc, OSError):  # store faults, missing chunks, timeouts
-            code = exc.errno if exc.errno is not None else errno.EIO
-            err: DiskIOError = DiskIOError(code, f"{where} failed: {exc}{more}")
-        elif what == "read" and isinstance(exc, (ValueError, RuntimeError)):
-            err = DiskCorruptionError(
-                errno.EBADMSG, f"{where}: stored chunk is corrupt: {exc}{more}"
-            )
-        else:
-            err = DiskIOError(errno.EIO, f"{where} failed: {exc!r}{more}")
-        with self._stats_lock:
-            c = self._counters
-            if isinstance(err, DiskCorruptionError):
-                c.corruptions += 1
-            if what == "write":
-                c.write_faults += 1
-            else:
-                c.read_faults += 1
-            name = errno.errorcode.get(err.errno or errno.EIO, str(err.errno))
-            c.errnos[name] = c.errnos.get(name, 0) + 1
-        return err
-
-    # ------------------------------------------------------------------ internals: start-up
-
-    def _layout(self) -> dict[str, Any]:
-        return {
-            "page_shape": list(self.page_shape),
-            "dtype": self.format.dtype_name,
-            "page_bytes": self.page_bytes,
-            "storage_dtype": str(self.format.storage_dtype),
-            "pages_per_slot": 1,
-            "capacity_pages": self.capacity_pages,
-            "codec": self.config.codec,
-            # where chunk bindings live: a block in the slot (direct path) or a record
-            "binding": "slot-block" if self._backend.slots is not None else "record",
-        }
-
-    def _decode(self, raw: bytes, store_id: str) -> Manifest:
-        return decode_manifest(
-            raw,
-            fingerprint=self.fingerprint,
-            layout=self._layout(),
-            capacity_chunks=self.capacity_pages,
-            pages_per_chunk=1,
-            store_id=store_id,
-        )
-
-    def _start(self) -> None:
-        where = self._backend.where
-        if self.config.on_start == "reattach":
-            try:
-                store_id, manifest = self._backend.reattach(self._geometry, self._decode)
-                self._store_id = bytes.fromhex(store_id)
-                if len(self._store_id) != 16:
-                    raise StartRefused(f"store identity {store_id!r} is not 16 bytes")
-            except (StartRefused, ValueError) as exc:
-                level = (
-                    logging.INFO
-                    if isinstance(exc, StartRefused) and exc.nothing_there
-                    else logging.WARNING
-                )
-                log.log(level, "disk store %s: not reattaching, clearing it: %s", where, exc)
-            else:
-                # A new epoch of generations: the last run may have handed out ones its
-                # manifest never recorded, and none of them may come back.
-                self._ledger.start_generations_at(
-                    ((manifest.next_generation >> GENERATION_EPOCH_BITS) + 1)
-                    << GENERATION_EPOCH_BITS
-                )
-                for owner, entry in manifest.entries.items():
-                    extent = DiskExtent(tuple(entry.chunks), entry.num_pages, entry.generation)
-                    self._ledger.adopt(owner, extent, dict(entry.meta))
-                    self._reattached[owner] = (extent, dict(entry.meta))
-                self._persist_manifest("recording the new generation epoch at start-up")
-                log.info("disk store %s: reattached %d entries", where, len(manifest.entries))
-                self._start_flusher()
-                return
-        new_id = self._new_store_id()
-        if not isinstance(new_id, bytes) or len(new_id) != 16:
-            raise ValueError(f"new_store_id must return 16 bytes, got {new_id!r}")
-        self._store_id = new_id
-        try:
-            self._backend.clear_and_create(self._geometry, new_id.hex())
-        except OSError as exc:
-            raise DiskIOError(
-                exc.errno or errno.EIO, f"disk store {where}: cannot start: {exc}"
-            ) from exc
-        if self._persistent:
-            self._start_flusher()
-
-    # ------------------------------------------------------------------ the manifest flusher
-
-    FLUSH_RETRY_S = (0.05, 5.0)  # the pause after a failed background write: first, at most
-
-    def _start_flusher(self) -> None:
-        """On a network store (an ``s3://`` path), manifest writes leave the caller's thread."""
-        if self._backend.hold is None:
-            return
-        self._flusher = threading.Thread(target=self._flush_loop, name="tiering-manifest", daemon=True)
-        self._flusher.start()
-
-    def _want_manifest(self, why: str, *, flush_data: bool = False) -> None:
-        with self._flush_cv:
-            self._flush_wanted = why if self._flush_wanted is None else self._flush_wanted
-            self._flush_data = self._flush_data or flush_data
-            self._flush_cv.notify_all()
-
-    def _flush_loop(self) -> None:
-        pause = self.FLUSH_RETRY_S[0]
-        cv = self._flush_cv
-        while True:
-            with cv:
-                cv.wait_for(lambda: self._flush_wanted is not None or self._flush_stop, timeout=1.0)
-                if self._flush_wanted is None:
-                    if self._flush_stop:
-                        return
-                    continue
-                why, flush = self._flush_wanted, self._flush_data
-                self._flush_wanted, self._flush_data, self._flush_busy = None, False, True
-            ok = False
-            try:
-                self._persist_manifest(why, flush_data=flush)
-                ok = True
-            except DiskIOError as exc:
-                log.warning("disk store %s: %s; will retry", self._backend.where, exc)
-            except Exception:  # a bug: keep the flusher alive, retry later
-                log.exception("disk store %s: manifest write (%s) failed", self._backend.where, why)
-            with cv:
-                self._flush_busy = False
-                if not ok:
-                    self._flush_wanted = self._flush_wanted or why
-                    self._flush_data = self._flush_data or flush
-                cv.notify_all()
-                if ok:
-                    pause = self.FLUSH_RETRY_S[0]
-                    continue
-                if self._flush_stop:
-                    return  # closing: the last try failed; the manifest stays dirty
-                cv.wait_for(lambda: self._flush_stop, timeout=pause)
-                pause = min(self.FLUSH_RETRY_S[1], pause * 2)
-
-    def wait_manifest(self, timeout: float) -> bool:
-        """Wait (bounded) until no manifest write is pending or running; True when the
-        manifest on the store is current (always True where writes are synchronous)."""
-        if self._flusher is None:
-            return not self._manifest_dirty
-        with self._flush_cv:
-            self._flush_cv.wait_for(lambda: self._flush_wanted is None and not self._flush_busy,
-                                    timeout=max(0.0, timeout))
-            return self._flush_wanted is None and not self._flush_busy and not self._manifest_dirty
-
-    def _stop_flusher(self, timeout: float) -> None:
-        """The last write of the manifest (bounded), then the flusher ends."""
-        t = self._flusher
-        if t is None:
-            return
-        with self._flush_cv:
-            self._flush_stop = True
-            self._flush_cv.notify_all()
-        t.join(timeout)
-        if t.is_alive():
-            log.warning("disk store %s: the manifest flusher did not finish within %.1fs",
-                        self._backend.where, timeout)
-
-    def _persist_quietly(self, why: str) -> bool:
-        """``_persist_manifest`` for paths that must not raise: log and retry later. On a
-        network store the write is handed to the flusher (True: asked for, not yet written)."""
-        if not self._persistent:
-            return True
-        if self._flusher is not None:
-            self._want_manifest(why)
-            return True
-        try:
-            self._persist_manifest(why)
-        except DiskIOError as exc:
-            log.warning("disk store %s: %s; will retry", self._backend.where, exc)
-            return False
-        return True
-
-    def _persist_manifest(self, why: str, *, flush_data: bool = False) -> None:
-        """Write the manifest from the committed entries; the ledger then frees released
-        chunks that were waiting for the old manifest to stop listing them. On failure
-        the manifest is marked dirty (every later manifest write retries it) and the
-        entries it tried to list count as possibly on disk."""
-        with self._manifest_lock:
-            committed = self._ledger.committed()
-            entries = {
-                owner: ManifestEntry(ext.chunks, ext.num_pages, meta, ext.generation)
-                for owner, (ext, meta) in committed.items()
-            }
-            body = encode_manifest(
-                self.fingerprint,
-                self._layout(),
-                entries,
-                store_id=self.store_id,
-                next_generation=self._ledger.next_generation,
-            )
-            try:
-                self._backend.write_manifest(body, flush_data=flush_data)
-            except OSError as exc:
-                self._manifest_dirty = True
-                self._ledger.manifest_failed(committed)
-                with self._stats_lock:
-                    self._counters.manifest_faults += 1
-                code = exc.errno or errno.EIO
-                name = errno.errorcode.get(code, str(code))
-                with self._stats_lock:
-                    self._counters.errnos[name] = self._counters.errnos.get(name, 0) + 1
-                raise DiskIOError(code, f"manifest write ({why}) failed: {exc}") from exc
-            self._manifest_dirty = False
-            self._ledger.manifest_written(committed)

@@ -6,10 +6,11 @@ the caches of a run (``sum_disk_stats``)."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from resources.kv_cache import PagedKVCache
+from tiering.core.counters import counter_record
 from tiering.types import TransferResult
 
 
@@ -49,42 +50,28 @@ class RecordingKVCache(PagedKVCache):
         return out
 
 
-@dataclass
-class HarnessCounts:
-    """What the harness did and saw (plain integers)."""
+HarnessCounts = counter_record(
+    "HarnessCounts",
+    """steps operations integrity_checks integrity_violations data_errors arrivals finished
+    cancelled drained recomputed reads_verified reloads_verified reload_requests
+    removed_in_flight removed_offloading removed_demoting removed_reloading
+    removed_copies_failed reused reused_while_in_flight reused_reads_verified restarts
+    reattached reattach_verified reattach_lost_to_faults restart_recomputed
+    second_open_discarded waits steps_at_high""",
+    doc="""What the harness did and saw (plain integers). Where a name does not say it all:
 
-    steps: int = 0
-    operations: int = 0
-    integrity_checks: int = 0
-    integrity_violations: int = 0
-    data_errors: int = 0
-    arrivals: int = 0
-    finished: int = 0
-    cancelled: int = 0
-    drained: int = 0
-    recomputed: int = 0
-    reads_verified: int = 0
-    reloads_verified: int = 0
-    reload_requests: int = 0
-    removed_in_flight: int = 0
-    removed_offloading: int = 0
-    removed_demoting: int = 0
-    removed_reloading: int = 0
-    removed_copies_failed: int = 0  # removed requests' copies that ended in a fault
-    reused: int = 0  # arrivals under an id used before
-    reused_while_in_flight: int = 0  # ... while the old request's copy still ran
-    reused_reads_verified: int = 0
-    restarts: int = 0
-    reattached: int = 0  # requests that came back at a restart
-    reattach_verified: int = 0  # ... and were read back bit for bit
-    reattach_lost_to_faults: int = 0  # ... or lost by an injected read fault first
-    restart_recomputed: int = 0  # requests the restart took (device, host) and recomputed
-    second_open_discarded: int = 0  # on-disk requests dropped after a tolerated second open
-    waits: int = 0
-    steps_at_high: int = 0  # steps that began their eviction pass at the reload ceiling or above
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    ``removed_copies_failed``: removed requests' copies that ended in a fault.
+    ``reused``: arrivals under an id used before.
+    ``reused_while_in_flight``: ... while the old request's copy still ran.
+    ``reattached``: requests that came back at a restart.
+    ``reattach_verified``: ... and were read back bit for bit.
+    ``reattach_lost_to_faults``: ... or lost by an injected read fault first.
+    ``restart_recomputed``: requests the restart took (device, host) and recomputed.
+    ``second_open_discarded``: on-disk requests dropped after a tolerated second open.
+    ``steps_at_high``: steps that began their eviction pass at the reload ceiling or above.
+    """,
+    module=__name__,
+)
 
 
 #: Disk-tier counters that add up over the caches of a run.

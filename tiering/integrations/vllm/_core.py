@@ -40,7 +40,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from enum import Enum
 from itertools import islice
 from typing import Any, NamedTuple
@@ -49,6 +48,7 @@ import torch
 
 from policies.blocks import BlockPolicy, make_block_policy
 from tiering.blocks import BlockIndex
+from tiering.core.counters import counter_record
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.core.pools import PagePool
 from tiering.disk import DiskCorruptionError, DiskIOError, DiskPageStore
@@ -141,31 +141,28 @@ class StoreDecision(NamedTuple):
     evicted: list[bytes]  # keys that are gone from every tier
 
 
-@dataclass
-class Counters:
-    lookups: int = 0
-    host_hits: int = 0
-    pending_answers: int = 0
-    stores_started: int = 0
-    stores_completed: int = 0
-    stores_failed: int = 0
-    stores_refused: int = 0  # no host slot could be freed: prepare_store answered None
-    stores_not_admitted: int = 0  # the retention policy refused the block (not stored)
-    loads_from_host: int = 0  # blocks handed to vLLM whose bytes were stored into host
-    loads_from_disk: int = 0  # blocks handed to vLLM whose bytes were promoted from disk
-    promotions_started: int = 0
-    promotions_ok: int = 0
-    promotions_failed: int = 0  # failed their check or I/O: dropped, recomputed
-    promotions_deferred: int = 0  # no host slot could be freed yet: lookup said pending
-    promotions_unused: int = 0  # promoted, then left host before any load
-    demotions_started: int = 0
-    demotions_ok: int = 0
-    demotions_failed: int = 0
-    demotions_not_admitted: int = 0  # the disk policy refused the block
-    host_evictions: int = 0
-    disk_evictions: int = 0
-    dropped: int = 0  # blocks gone from every tier (orphaned descendants included)
-    drops_deferred: int = 0  # a damaged block waited (answering miss) for a busy descendant
+Counters = counter_record(
+    "Counters",
+    """lookups host_hits pending_answers stores_started stores_completed stores_failed
+    stores_refused stores_not_admitted loads_from_host loads_from_disk promotions_started
+    promotions_ok promotions_failed promotions_deferred promotions_unused demotions_started
+    demotions_ok demotions_failed demotions_not_admitted host_evictions disk_evictions dropped
+    drops_deferred""",
+    doc="""What the manager did, as plain integers. Where a name does not say it all:
+
+    ``stores_refused``: no host slot could be freed: prepare_store answered None.
+    ``stores_not_admitted``: the retention policy refused the block (not stored).
+    ``loads_from_host``: blocks handed to vLLM whose bytes were stored into host.
+    ``loads_from_disk``: blocks handed to vLLM whose bytes were promoted from disk.
+    ``promotions_failed``: failed their check or I/O: dropped, recomputed.
+    ``promotions_deferred``: no host slot could be freed yet: lookup said pending.
+    ``promotions_unused``: promoted, then left host before any load.
+    ``demotions_not_admitted``: the disk policy refused the block.
+    ``dropped``: blocks gone from every tier (orphaned descendants included).
+    ``drops_deferred``: a damaged block waited (answering miss) for a busy descendant.
+    """,
+    module=__name__,
+)
 
 
 class Event(NamedTuple):

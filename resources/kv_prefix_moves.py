@@ -1,0 +1,174 @@
+"""The prefix cache's moves down the tiers: making room and dropping blocks.
+
+``TierMovesPart`` holds the methods of ``PrefixCache`` (``resources.kv_prefix``)
+that free a block's location, drop a block with its descendants, and move unmapped
+blocks down (device -> host -> disk) when the cache needs room, on the caller's
+thread. It is a part of that one class, not an object of its own: it reads and
+writes ``PrefixCache``'s state (``index``, ``policies``, ``crc``, ``extents``,
+``stats``), set up in ``PrefixCache.__init__``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+
+import torch
+
+from resources.kv_prefix_types import BLOCKS, DISK_OWNER
+from tiering.types import Tier
+
+log = logging.getLogger("tiering.kv_prefix")
+
+
+class TierMovesPart:
+    """``PrefixCache``'s methods for moving blocks down and dropping them (module docstring)."""
+
+    def _free_location(self, tier: Tier, handle: Hashable) -> None:
+        c = self.cache
+        if tier is Tier.DEVICE:
+            c.device_pool.release(BLOCKS, [handle])
+        elif tier is Tier.HOST:
+            c.host_pool.release(BLOCKS, [handle])
+        else:
+            ext_id, _ = handle
+            entry = self.extents[ext_id]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.extents[ext_id]
+                c._disk_call(c.disk.release, entry[0])
+
+    def _drop(self, key: Hashable, reason: str) -> int:
+        """Drop ``key`` and its descendants; frees what they held. Returns blocks dropped."""
+        try:
+            gone = self.index.drop(key, reason)
+        except ValueError as exc:
+            log.error("could not drop block %s: %s", key.hex() if isinstance(key, bytes) else key, exc)
+            return 0
+        for d in gone:
+            self.policies[d.tier].on_remove(d.key)
+            self.crc.pop(d.key, None)
+            self._free_location(d.tier, d.handle)
+        self.stats[f"dropped_{reason}"] += 1
+        return len(gone)
+
+    def unmapped(self, tier: Tier) -> int:
+        """Blocks on ``tier`` no live request maps and that are not moving (space the cache can free)."""
+        return self.index.idle_count(tier)
+
+    def ensure_device(self, n: int) -> bool:
+        """Move unmapped device blocks down until the device pool has ``n`` free pages."""
+        pool = self.cache.device_pool
+        if n > pool.num_pages:
+            return False
+        while pool.free_pages < n:
+            key = self.index.choose_victim(self.policies[Tier.DEVICE], self._now(), Tier.DEVICE)
+            if key is None:
+                return False
+            self._move_device_block_down(key)
+        return True
+
+    def ensure_host(self, n: int) -> bool:
+        """Move unmapped host blocks to disk (or drop them) until the host pool has ``n`` free pages."""
+        pool = self.cache.host_pool
+        if n > pool.num_pages:
+            return False
+        while pool.free_pages < n:
+            if not self._host_blocks_down(n - pool.free_pages):
+                return False
+        return True
+
+    def _move_device_block_down(self, key: Hashable) -> None:
+        c = self.cache
+        page = self.index.location(key).handle
+        slot = None
+        room = c.host_pool.free_pages > 0 or self.ensure_host(1)
+        if key not in self.index:
+            # making room on the host dropped an ancestor of this block (a host victim takes
+            # its descendants with it), and this block with it: its page is free already
+            self.stats["dropped_with_ancestor"] += 1
+            return
+        if room:
+            got = c.host_pool.allocate(BLOCKS, 1)
+            slot = got[0] if got else None
+        if slot is None:
+            self._drop(key, "evicted")  # nowhere below: the bottom tier for this block
+            return
+        self.index.begin_move(key, Tier.HOST, slot)
+        try:
+            c._host[slot].copy_(c._dev[page])
+            if c.device.type == "cuda":  # pragma: no cover - needs a GPU
+                torch.cuda.current_stream(c.device).synchronize()
+        except Exception as exc:
+            log.error("block demotion device->host failed: %s", exc)
+            self.index.fail_move(key)
+            c.host_pool.release(BLOCKS, [slot])
+            self._drop(key, "evicted")
+            return
+        old = self.index.finish_move(key)
+        self.policies[Tier.DEVICE].on_remove(key)
+        self._insert_policy(key, Tier.HOST)
+        self._free_location(old.tier, old.handle)
+        self.stats["blocks_device_to_host"] += 1
+
+    def _host_blocks_down(self, want: int) -> bool:
+        """Move up to a batch of unmapped host blocks to disk in one write; drop them when
+        there is no disk or it is full. False when there is nothing to move."""
+        c = self.cache
+        pol = self.policies[Tier.HOST]
+        if c.disk is None:
+            key = self.index.choose_victim(pol, self._now(), Tier.HOST)
+            if key is None:
+                return False
+            self._drop(key, "evicted")
+            return True
+        batch = max(want, min(self.disk_batch_pages, self.index.count(Tier.HOST)))
+        extent = c.disk.reserve(DISK_OWNER, batch)
+        while extent is None:
+            # the bottom tier: its retention policy's victim leaves
+            key = self.index.choose_victim(self.policies[Tier.DISK], self._now(), Tier.DISK)
+            if key is None:
+                break
+            self._drop(key, "evicted")
+            extent = c.disk.reserve(DISK_OWNER, batch)
+        if extent is None:
+            key = self.index.choose_victim(pol, self._now(), Tier.HOST)
+            if key is None:
+                return False
+            self._drop(key, "evicted")
+            return True
+        ext_id = self._extent_ids = self._extent_ids + 1
+        chosen: list[tuple[Hashable, int]] = []
+        for i in range(batch):
+            key = self.index.choose_victim(pol, self._now(), Tier.HOST)
+            if key is None:
+                break
+            self.index.begin_move(key, Tier.DISK, (ext_id, i))
+            chosen.append((key, self.index.location(key).handle))
+        if not chosen:
+            c._disk_call(c.disk.release, extent)
+            return False
+        slots = [s for _, s in chosen]
+        try:
+            pages = c._host[torch.tensor(slots, dtype=torch.long)]
+            if len(chosen) < batch:  # a write covers whole chunks of the extent
+                pad = torch.zeros((batch - len(chosen), *pages.shape[1:]), dtype=pages.dtype)
+                pages = torch.cat([pages, pad])
+            c.disk.write(extent, pages.contiguous(), first_page=0)
+        except Exception as exc:
+            log.error("block demotion host->disk failed, dropping %d blocks: %s", len(chosen), exc)
+            for key, _ in chosen:
+                self.index.fail_move(key)
+            c._disk_call(c.disk.release, extent)
+            for key, _ in chosen:
+                self._drop(key, "evicted")
+            return True
+        self.extents[ext_id] = [extent, len(chosen)]
+        for key, _slot in chosen:
+            old = self.index.finish_move(key)
+            pol.on_remove(key)
+            self._insert_policy(key, Tier.DISK)
+            self._free_location(old.tier, old.handle)
+        self.stats["blocks_host_to_disk"] += len(chosen)
+        self.stats["disk_block_writes"] += 1
+        return True

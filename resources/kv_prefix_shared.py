@@ -1,0 +1,359 @@
+"""The prefix cache's shared cold tier: the link, the fetches in flight, publishes.
+
+``SharedLink`` is a ``PrefixCache``'s handle on the ``BlockQueue``; ``SharedTierPart``
+holds the methods of ``PrefixCache`` (``resources.kv_prefix``) that publish blocks
+there, map blocks known to exist there as pending fetches, land them as host blocks
+and check that bookkeeping. It is a part of that one class, not an object of its
+own: it reads and writes ``PrefixCache``'s state (``shared``, ``fetching``,
+``unpublished``, ``index``, ``stats``), set up in ``PrefixCache.__init__``; the rules
+are in ``resources.kv_prefix``'s module docstring.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from resources.kv_prefix_types import BLOCKS, PrefixLoad, crc_page
+from tiering.types import Tier
+
+if TYPE_CHECKING:  # pragma: no cover
+    from resources.kv_records import RequestRecord
+
+
+@dataclass
+class _Fetch:
+    """A block being fetched from the shared tier (not in the index until it lands).
+
+    ``req`` maps it at ``pos`` (``shared`` -1); None once that request let it
+    go (removed, cut), until the result arrives. ``payload`` / ``failed``: the
+    result, kept until the blocks before it have landed."""
+
+    key: bytes
+    parent: bytes | None
+    req: Any
+    pos: int
+    payload: bytes | None = None
+    failed: str | None = None
+
+
+class SharedLink:
+    """A ``PrefixCache``'s handle on the shared cold tier: the queue, who owns it, the refresh timer."""
+
+    def __init__(self, queue, owned: bool, refresh_s: float, now: float, source=None) -> None:
+        self.source = source  # what enable_prefix_cache was given
+        self.queue = queue
+        self.blocks = queue.blocks
+        self.owned = owned
+        self.refresh_s = refresh_s
+        self.next_refresh = now
+
+    @classmethod
+    def open(cls, shared, root: bytes, geometry: bytes, clock, refresh_s) -> SharedLink:
+        """From a ``SharedTierConfig`` (the store is opened and probed now: ``ColdTierUnavailable``
+        if it cannot be reached), a ``SharedBlockStore`` or a ``BlockQueue``."""
+        from tiering.coldtier import BlockQueue, SharedBlockStore, SharedTierConfig, open_s3_store
+
+        if isinstance(refresh_s, bool) or not isinstance(refresh_s, (int, float)) or not refresh_s > 0:
+            raise ValueError(f"enable_prefix_cache: shared_refresh_s must be a number > 0, got {refresh_s!r}")
+        if isinstance(shared, SharedTierConfig):
+            store = open_s3_store(shared.url, shared.storage_options)
+            blocks = SharedBlockStore(store, root, geometry, config=shared.tier, clock=clock)
+            return cls(BlockQueue(blocks), True, float(refresh_s), clock(), shared)
+        if isinstance(shared, SharedBlockStore):
+            cls._check_ids(shared, root, geometry)
+            return cls(BlockQueue(shared), True, float(refresh_s), clock(), shared)
+        if isinstance(shared, BlockQueue):
+            cls._check_ids(shared.blocks, root, geometry)
+            return cls(shared, False, float(refresh_s), clock(), shared)
+        raise ValueError("enable_prefix_cache: shared must be a SharedTierConfig, SharedBlockStore or"
+                         f" BlockQueue, got {type(shared).__name__}")
+
+    @staticmethod
+    def _check_ids(blocks, root: bytes, geometry: bytes) -> None:
+        if blocks.root != root:
+            raise ValueError("enable_prefix_cache: the shared block store is under another root")
+        if blocks.geometry != geometry:
+            raise ValueError(f"enable_prefix_cache: the shared block store is for geometry"
+                             f" {blocks.geometry!r}, the cache's is {geometry!r}")
+
+    @property
+    def known(self):
+        return self.blocks.known
+
+    def same_source(self, shared) -> bool:
+        return shared is self.source or (type(shared) is type(self.source) and shared == self.source)
+
+    def close(self, timeout_s: float) -> None:
+        if self.owned:
+            self.queue.close(timeout_s)
+
+
+class SharedTierPart:
+    """``PrefixCache``'s methods for the shared cold tier (see the module docstring)."""
+
+    def _refresh(self) -> None:
+        sh = self.shared
+        if sh.queue.submit_refresh():
+            self.stats["shared_refreshes_queued"] += 1
+        sh.next_refresh = self._now() + sh.refresh_s
+
+    def _publish_shared(self, key: bytes, page: torch.Tensor) -> None:
+        """Queue the write of a freshly published block (bytes copied now, written by the
+        queue's threads). Refused when the block is known to exist there (no write needed),
+        the queue is full or the store is not answering: then it is not written by this worker."""
+        sh = self.shared
+        if sh is None:
+            return
+        if key in sh.known:
+            self.stats["shared_publish_known"] += 1
+            return
+        if sh.queue.submit_publish(key, page.contiguous().view(torch.uint8).numpy()):
+            self.stats["shared_publish_queued"] += 1
+        else:
+            self.stats["shared_publish_refused"] += 1
+            self._retry_later(key)
+
+    def _retry_later(self, key: bytes) -> None:
+        """Remember a refused publish (bounded: the oldest is forgotten first)."""
+        self.unpublished[key] = None
+        self.unpublished.move_to_end(key)
+        while len(self.unpublished) > self.shared.blocks.config.max_queued:
+            self.unpublished.popitem(last=False)
+            self.stats["shared_publish_given_up"] += 1
+
+    def _retry_publishes(self) -> None:
+        """Queue refused publishes again while the queue has room and the store answers. A
+        block no longer cached on the device or the host (or moving) is not retried."""
+        sh = self.shared
+        c = self.cache
+        room = sh.blocks.config.max_queued - sh.queue.in_flight
+        while self.unpublished and room > 0 and sh.blocks.breaker.would_allow():
+            key, _ = self.unpublished.popitem(last=False)
+            loc = self.index.location(key)
+            if loc is None or loc.moving_to is not None or loc.tier is Tier.DISK or key in sh.known:
+                continue
+            page = c._dev[loc.handle].cpu() if loc.tier is Tier.DEVICE else c._host[loc.handle]
+            if not sh.queue.submit_publish(key, page.contiguous().view(torch.uint8).numpy()):
+                self.unpublished[key] = None
+                self.unpublished.move_to_end(key, last=False)
+                return
+            room -= 1
+            self.stats["shared_publish_retried"] += 1
+
+    def _attach_shared(self, r: RequestRecord, keys, start: int, limit: int,
+                       positions: list, tiers: list) -> None:
+        """Map blocks ``keys[start:limit]`` known to exist on the shared tier as pending
+        fetches (asks the local cache only; each fetch is queued, never waited for)."""
+        sh = self.shared
+        T = self.cache.geometry.page_tokens
+        cap = self.cache.host_pool.num_pages  # each lands in a host page
+        for i in range(start, limit):
+            key = keys[i]
+            if key in self.index:
+                break
+            f = self.fetching.get(key)
+            if f is not None:
+                if f.req is not None:
+                    break  # another request is fetching it
+                f.req, f.pos = r, i  # a let-go fetch still in flight: adopt it
+                self.stats["shared_fetch_adopted"] += 1
+            else:
+                if len(self.fetching) >= cap or key not in sh.known:
+                    break
+                if not sh.queue.submit_fetch(key):
+                    self.stats["shared_fetch_refused"] += 1
+                    break
+                self.fetching[key] = _Fetch(key, keys[i - 1] if i else None, r, i)
+                self.stats["shared_fetches_queued"] += 1
+            r.shared.append(-1)
+            r.blocks.append(key)
+            positions.append(i)
+            tiers.append(Tier.DISK)
+            self.stats["hit_tokens_shared"] += T
+
+    #: counters ``prefix_stats`` always shows when the shared tier is on
+    SHARED_COUNTERS = (
+        "shared_published", "shared_duplicates", "shared_fetched", "shared_unavailable",
+        "shared_lost", "shared_publish_failed", "shared_publish_refused", "shared_publish_known",
+        "shared_prefetched", "hit_tokens_shared", "shared_reload_waits", "shared_bytes_written",
+        "shared_refreshes", "shared_refresh_failed", "shared_publish_retried",
+        "shared_publish_given_up", "shared_fetch_adopted", "load_shared_unavailable",
+        "load_shared_lost",
+    )
+
+    def shared_counters(self) -> tuple[str, ...]:
+        return self.SHARED_COUNTERS if self.shared is not None else ()
+
+    def fetch_pending(self, r: RequestRecord) -> bool:
+        """Whether a block of ``r`` is still on its way from the shared tier."""
+        return any(f.req is r for f in self.fetching.values()) if self.fetching else False
+
+    def poll_shared(self) -> None:
+        """The step path: apply finished publishes and fetches, land arrived blocks, run the
+        refresh timer. Never waits; never raises for a store fault."""
+        sh = self.shared
+        if sh is None:
+            return
+        if self._now() >= sh.next_refresh:
+            self._refresh()
+        for res in sh.queue.poll():
+            self._apply_shared(res)
+        if self.unpublished:
+            self._retry_publishes()
+        if self.fetching:
+            waiting = {id(f.req): f.req for f in self.fetching.values() if f.req is not None}
+            for r in waiting.values():
+                self._land_fetches(r)
+
+    def wait_shared(self, timeout: float) -> float:
+        """Wait (bounded) for the shared tier's queue to go idle; returns what is left of ``timeout``."""
+        sh = self.shared
+        if sh is None:
+            return timeout
+        t0 = time.monotonic()  # a real-time budget, whatever the cache's clock
+        sh.queue.wait_idle(timeout)
+        return max(0.0, timeout - (time.monotonic() - t0))
+
+    def _apply_shared(self, res) -> None:
+        from tiering.coldtier import BlockStatus as B
+
+        st = self.stats
+        if res.op == "publish":
+            name = {B.WRITTEN: "shared_published", B.DUPLICATE: "shared_duplicates"}
+            st[name.get(res.status, "shared_publish_failed")] += 1
+            if res.status is B.WRITTEN:
+                st["shared_bytes_written"] += res.nbytes
+            elif res.status is not B.DUPLICATE:
+                self._retry_later(res.key)  # not written (timeout, 5xx, breaker open): later
+            return
+        if res.op == "refresh":
+            st["shared_refreshes" if res.status is B.LISTED else "shared_refresh_failed"] += 1
+            return
+        if res.op != "fetch":
+            return
+        f = self.fetching.get(res.key)
+        if f is None:  # nothing waits for it (cannot happen: every fetch is recorded)
+            st["shared_fetch_stray"] += 1
+            return
+        if res.status is B.HIT:
+            if len(res.payload) != self.cache.geometry.page_bytes:
+                f.failed = f"lost: {len(res.payload)} bytes, a page is {self.cache.geometry.page_bytes}"
+                st["shared_lost"] += 1
+            else:
+                f.payload = res.payload
+        elif res.status is B.LOST:
+            f.failed = f"lost: {res.reason}"
+            st["shared_lost"] += 1
+        else:
+            f.failed = f"unavailable: {res.reason}"
+            st["shared_unavailable"] += 1
+        if f.req is None:
+            self._settle(f)
+
+    def _land_fetches(self, r: RequestRecord) -> None:
+        """Land ``r``'s arrived fetches in chain order; at a failed one, cut ``r`` there."""
+        for pos in r.prefix_load.positions:
+            f = self.fetching.get(r.blocks[pos])
+            if f is None or f.req is not r:
+                continue  # a local block, or one landed already
+            if f.failed is not None:
+                self._cut(r, pos, f.failed)
+                return
+            if f.payload is None:
+                return  # later blocks wait for this one (a block needs its parent)
+            if not self._land(f, mapped=True):
+                self._cut(r, pos, "unavailable: no host page to land it in")
+                return
+
+    def _land(self, f: _Fetch, mapped: bool) -> bool:
+        """Put an arrived block on the host tier, in the index (mapped by its request or not)."""
+        c = self.cache
+        if c.host_pool.free_pages < 1 and not (mapped and self.ensure_host(1)):
+            return False
+        if f.parent is not None and f.parent not in self.index:
+            return False
+        slot = c.host_pool.allocate(BLOCKS, 1)[0]
+        dst = c._host[slot].view(torch.uint8).reshape(-1)
+        dst.numpy()[:] = np.frombuffer(f.payload, dtype=np.uint8)
+        crc = crc_page(c._host[slot])
+        if not self.index.insert(f.key, f.parent, Tier.HOST, slot, self._now()):
+            c.host_pool.release(BLOCKS, [slot])
+            return False
+        if mapped:
+            self.index.acquire(f.key)
+        self.crc[f.key] = crc
+        self._insert_policy(f.key, Tier.HOST)
+        del self.fetching[f.key]
+        self.stats["shared_fetched" if mapped else "shared_prefetched"] += 1
+        return True
+
+    def _settle(self, f: _Fetch) -> None:
+        """A let-go fetch's result: keep the block as an unmapped host block when there is a
+        free page and its parent is cached, else forget it."""
+        if f.payload is not None and self._land(f, mapped=False):
+            return
+        self.fetching.pop(f.key, None)
+
+    def _let_go(self, r: RequestRecord, key: bytes) -> bool:
+        """``r`` stops waiting for ``key``'s fetch (True), or ``key`` is not one of its fetches."""
+        f = self.fetching.get(key)
+        if f is None or f.req is not r:
+            return False
+        f.req = None
+        if f.payload is not None or f.failed is not None:
+            self._settle(f)
+        return True
+
+    def _cut(self, r: RequestRecord, pos: int, reason: str) -> None:
+        """Before its load: ``r`` keeps blocks before ``pos`` (a fetch failed; it recomputes the rest)."""
+        for key in r.blocks[pos:]:
+            if not self._let_go(r, key):
+                self.index.release(key)
+        r.blocks, r.shared = r.blocks[:pos], r.shared[:pos]
+        r.num_tokens = pos * self.cache.geometry.page_tokens
+        r.index = None
+        pl = r.prefix_load
+        keep = [j for j, p in enumerate(pl.positions) if p < pos]
+        r.prefix_load = PrefixLoad(tuple(pl.positions[j] for j in keep), tuple(pl.tiers[j] for j in keep),
+                                   pl.failed or reason)
+        self.stats[f"load_shared_{reason.split(':', 1)[0]}"] += 1
+
+    def close(self, timeout_s: float) -> None:
+        if self.shared is not None:
+            self.shared.close(timeout_s)
+
+    def _check_shared(self, reqs) -> list[str]:
+        problems = []
+        if self.shared is None:
+            if self.fetching:
+                problems.append("fetches recorded with no shared tier")
+            return problems
+        try:
+            self.shared.queue.check_integrity()
+        except AssertionError as exc:
+            problems.append(f"shared tier: {exc}")
+        live = {id(r) for r in reqs}
+        if len(self.unpublished) > self.shared.blocks.config.max_queued:
+            problems.append(f"{len(self.unpublished)} publishes to retry, over max_queued")
+        if len(self.fetching) > self.cache.host_pool.num_pages:
+            problems.append(f"{len(self.fetching)} fetches, over the {self.cache.host_pool.num_pages} host pages")
+        for key, f in self.fetching.items():
+            if f.key != key:
+                problems.append(f"fetch of {key.hex()} records key {f.key.hex()}")
+            if key in self.index:
+                problems.append(f"block {key.hex()} is both cached and being fetched")
+            if f.req is not None:
+                if id(f.req) not in live:
+                    problems.append(f"block {key.hex()} is fetched for a request the cache does not hold")
+                elif f.pos >= len(f.req.blocks) or f.req.blocks[f.pos] != key:
+                    problems.append(f"block {key.hex()} is fetched for {f.req.rid} at {f.pos}, not mapped there")
+            elif f.payload is not None or f.failed is not None:
+                problems.append(f"let-go fetch of {key.hex()} holds a result it did not settle")
+            if f.payload is None and f.failed is None and not self.shared.queue.outstanding("fetch", key):
+                problems.append(f"fetch of {key.hex()} waits for a result the queue does not hold")
+        return problems

@@ -1,0 +1,56 @@
+"""One set of checks for configuration fields (the look-alike ``__post_init__`` checks).
+
+Each raises ValueError naming the record and the field (``"StagingConfig.pages must be
+an int >= 1, got 0"``) and changes nothing. A bool is never taken for a number, and NaN
+never passes a bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+
+def is_int(value: object) -> bool:
+    """An ``int`` that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An ``int`` or ``float`` that is not a bool (NaN and infinities included)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(owner: str, name: str, value: object, minimum: int) -> None:
+    """``value`` (the field ``owner.name``) is an int >= ``minimum``."""
+    if not is_int(value) or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def check_number(owner: str, name: str, value: object, *, zero_ok: bool = False,
+                 maximum: float = math.inf) -> None:
+    """``value`` (the field ``owner.name``) is a number > 0 (>= 0 with ``zero_ok``), at most
+    ``maximum`` when one is given."""
+    low_ok = is_number(value) and (value >= 0 if zero_ok else value > 0)
+    if not (low_ok and value <= maximum):
+        bound = ">= 0" if zero_ok else "> 0"
+        top = "" if maximum == math.inf else f" and <= {maximum}"
+        raise ValueError(f"{owner}.{name} must be a number {bound}{top}, got {value!r}")
+
+
+def check_fields(
+    record: object,
+    *,
+    ints: Mapping[str, int] | None = None,
+    numbers: Sequence[str] = (),
+    zero_ok: Sequence[str] = (),
+) -> None:
+    """Check fields of ``record`` (named after its type): ``ints`` maps an int field to its
+    minimum; ``numbers`` must be > 0, ``zero_ok`` >= 0. The first bad field raises."""
+    owner = type(record).__name__
+    for name, minimum in (ints or {}).items():
+        check_int(owner, name, getattr(record, name), minimum)
+    for name in numbers:
+        check_number(owner, name, getattr(record, name))
+    for name in zero_ok:
+        check_number(owner, name, getattr(record, name), zero_ok=True)

@@ -1,0 +1,299 @@
+"""Chunk I/O of ``DiskPageStore``: ranges of pages to and from their slots.
+
+``ChunkIOPart`` holds the store's methods that check a range, group its slots into jobs
+(the slot file's direct path or zarr's pipeline, with the chunk bindings), run them on
+zarr's loop under the I/O timeout and turn failures into counted ``DiskIOError`` /
+``DiskCorruptionError``. It is a part of that one class, not an object of its own: it
+reads and writes the state ``DiskPageStore.__init__`` sets up, and the contract is in
+``tiering.disk.store``'s module docstring. Split out so each file stays readable; the
+state stays in one owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import torch
+import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+
+from tiering.disk.crc import crc32c_bytes, crc32c_extend
+from tiering.disk.ledger import (
+    DiskExtent,
+    ExtentState,
+    check_extent,
+)
+from tiering.disk.slotfile import ChunkChecksumError, describe_binding, make_binding
+from tiering.errors import DiskCorruptionError, DiskIOError
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _leading(pages: object, name: str) -> int:
+    """The page count of a batch (its leading dimension); ValueError naming ``name``."""
+    shape = getattr(pages, "shape", None)
+    if not isinstance(pages, (torch.Tensor, np.ndarray)) or shape is None or len(shape) < 1:
+        raise ValueError(
+            f"{name} must be a torch.Tensor or numpy.ndarray of pages, got {type(pages).__name__}"
+        )
+    return int(shape[0])
+
+
+def _binding_record(binding: bytes, data_crc: int) -> bytes:
+    """The zarr path's binding record: the binding, the crc32c of the chunk's page bytes,
+    and a crc32c of both."""
+    body = binding + crc32c_bytes(data_crc)
+    return body + crc32c_bytes(google_crc32c.value(body))
+
+
+def _check_binding_record(chunk: int, record: bytes, expected: bytes, dest: np.ndarray) -> None:
+    n = len(expected)
+    body, vouch = record[: n + 4], record[n + 4 :]
+    if len(record) != n + 8 or crc32c_bytes(google_crc32c.value(body)) != vouch:
+        raise ChunkChecksumError(f"chunk {chunk}: its binding record is damaged")
+    if body[:n] != expected:
+        raise ChunkChecksumError(
+            f"chunk {chunk}: the chunk is bound to {describe_binding(body[:n])}, "
+            f"not to {describe_binding(expected)} (misplaced, stale or foreign)"
+        )
+    if body[n:] != crc32c_bytes(crc32c_extend(0, dest)):
+        raise ChunkChecksumError(
+            f"chunk {chunk}: its pages are not the ones its binding record vouches for"
+        )
+
+
+class ChunkIOPart:
+    """``DiskPageStore``'s chunk I/O (see the module docstring)."""
+
+    def _transfer(
+        self, kind: str, extent: DiskExtent, arr: torch.Tensor | np.ndarray, first_page: object
+    ) -> None:
+        """One synchronous ``write`` (from ``arr``) or ``read`` (into ``arr``) of a range."""
+        check_extent(extent)
+        reading = kind == "read"
+        what = "out" if reading else "pages"
+        count = _leading(arr, what)
+        positions = self._positions(extent, first_page, count)
+        rows = self.format.rows(arr, count, what, writable=reading)
+        state = self._ledger.begin(extent, kind, positions)
+        try:
+            batches = self._batches(extent, positions, rows)
+            direct = self._backend.direct
+            if direct is not None:
+                chunk_io = direct.read_chunk if reading else direct.write_chunk
+                jobs = self._direct_jobs(chunk_io, state, batches)
+            else:
+                jobs = (self._read_jobs if reading else self._write_jobs)(state, batches)
+        except BaseException:
+            self._ledger.finish(extent, state)
+            raise
+        self._run_io(extent, state, jobs, kind)
+        with self._stats_lock:
+            if reading:
+                self._counters.reads += 1
+                self._counters.bytes_read += count * self.page_bytes
+            else:
+                self._counters.writes += 1
+                self._counters.bytes_written += count * self.page_bytes
+
+    def _positions(self, extent: DiskExtent, first_page: object, count: int) -> range:
+        """The page positions ``[first_page, first_page + count)``; ValueError naming
+        what is wrong unless the range is non-empty and inside the extent."""
+        if not _is_int(first_page) or first_page < 0:
+            raise ValueError(f"first_page must be an int >= 0, got {first_page!r}")
+        first = int(first_page)
+        end = first + count
+        if count < 1 or end > extent.num_pages:
+            raise ValueError(
+                f"pages [{first}, {end}) are not inside the extent of {extent.num_pages} pages"
+            )
+        return range(first, end)
+
+    def _binding(self, state: ExtentState, chunk: int) -> bytes:
+        return make_binding(self._store_id, chunk, state.generation, state.owner)
+
+    def _batches(
+        self, extent: DiskExtent, positions: range, rows: np.ndarray
+    ) -> list[list[tuple[int, np.ndarray]]]:
+        """(slot, that page's row) pairs, grouped into runs of adjacent slots of at most
+        ``pages_per_chunk`` pages: one job moves a run, in slot order."""
+        batches: list[list[tuple[int, np.ndarray]]] = []
+        previous = -2
+        for i, pos in enumerate(positions):
+            slot = extent.chunks[pos]
+            if slot != previous + 1 or len(batches[-1]) >= self.pages_per_chunk:
+                batches.append([])
+            batches[-1].append((slot, rows[i : i + 1]))
+            previous = slot
+        return batches
+
+    def _direct_jobs(
+        self, chunk_io: Callable[..., None], state: ExtentState,
+        batches: list[list[tuple[int, np.ndarray]]],
+    ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
+        """One job per batch of adjacent slots on the slot file's direct path:
+        ``chunk_io`` (``write_chunk`` or ``read_chunk``) per slot, off the loop."""
+
+        def run(batch: list[tuple[int, np.ndarray]]) -> None:
+            for slot, row in batch:
+                chunk_io(slot, row, 0, self._binding(state, slot))
+
+        async def one_direct(batch: list[tuple[int, np.ndarray]]) -> None:
+            await asyncio.to_thread(run, batch)
+
+        return [(one_direct, (batch,)) for batch in batches]
+
+    def _write_jobs(
+        self, state: ExtentState, batches: list[list[tuple[int, np.ndarray]]]
+    ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
+        """One job per slot through zarr's pipeline, then its binding."""
+        array = self._require_array()
+        backend = self._backend
+        slots = backend.slots
+
+        async def one(slot: int, row: np.ndarray) -> None:
+            binding = self._binding(state, slot)
+            await array.setitem((slice(slot, slot + 1), slice(None)), row)
+            if slots is not None:
+                await asyncio.to_thread(slots.bind_slot, slot, binding)
+            else:
+                await backend.write_binding(slot, _binding_record(binding, crc32c_extend(0, row)))
+
+        return [(one, pair) for batch in batches for pair in batch]
+
+    def _read_jobs(
+        self, state: ExtentState, batches: list[list[tuple[int, np.ndarray]]]
+    ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
+        """One job per slot through zarr's pipeline, then its binding's check."""
+        prototype = default_buffer_prototype()
+        array = self._require_array()
+        backend = self._backend
+        slots = backend.slots
+
+        async def one(slot: int, dest: np.ndarray) -> None:
+            out_buf = prototype.nd_buffer.from_numpy_array(dest)
+            selection = (slice(slot, slot + 1), slice(None))
+            await array.get_orthogonal_selection(selection, out=out_buf, prototype=prototype)
+            binding = self._binding(state, slot)
+            if slots is not None:
+                await asyncio.to_thread(slots.check_slot_binding, slot, binding)
+                return
+            record = await backend.read_binding(slot)
+            if record is None:
+                raise OSError(errno.ENODATA, f"chunk {slot} has no binding record")
+            _check_binding_record(slot, record, binding, dest)
+
+        return [(one, pair) for batch in batches for pair in batch]
+
+    def _require_array(self) -> zarr.AsyncArray[Any]:
+        assert self._backend.array is not None
+        return self._backend.array
+
+    def _run_io(
+        self,
+        extent: DiskExtent,
+        state: ExtentState,
+        jobs: list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]],
+        what: str,
+    ) -> None:
+        """Run per-chunk coroutines on zarr's loop, at most ``io_threads`` at a time,
+        wait for every one of them, and turn failures into DiskIOError. The ledger
+        hears ``finish`` exactly once, when the last chunk's I/O has ended."""
+        started = threading.Event()
+        finished = threading.Event()
+        once = threading.Lock()
+        limit = self.config.io_threads
+
+        def finish_once(ok: bool) -> None:
+            with once:
+                if finished.is_set():
+                    return
+                finished.set()
+            self._ledger.finish(extent, state, wrote=ok and what == "write")
+
+        async def run_all() -> list[BaseException | None]:
+            started.set()
+            ok = False
+            try:
+                sem = asyncio.Semaphore(limit)
+                failed = False
+
+                async def guarded(
+                    fn: Callable[..., Awaitable[None]], args: tuple[Any, ...]
+                ) -> None:
+                    nonlocal failed
+                    async with sem:
+                        if failed:  # fail fast: a job that has not started is skipped
+                            return
+                        try:
+                            await fn(*args)
+                        except BaseException:
+                            failed = True
+                            raise
+
+                results = await asyncio.gather(
+                    *(guarded(fn, args) for fn, args in jobs), return_exceptions=True
+                )
+                ok = not any(isinstance(r, BaseException) for r in results)
+                return results
+            finally:
+                finish_once(ok)
+
+        coro = run_all()
+        try:
+            results = sync(coro, timeout=self.config.io_timeout_s)
+        except TimeoutError as exc:
+            if finished.is_set():
+                raise self._fault(what, extent, exc) from exc
+            self._ledger.mark_timed_out(state)
+            with self._stats_lock:
+                self._counters.timeouts += 1
+            raise self._fault(
+                what,
+                extent,
+                OSError(errno.ETIMEDOUT, f"no answer within {self.config.io_timeout_s} s"),
+            ) from exc
+        except BaseException:
+            if not started.is_set():  # never scheduled: nothing runs, so settle it here
+                coro.close()
+                finish_once(False)
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise self._fault(what, extent, errors[0], count=len(errors)) from errors[0]
+
+    def _fault(
+        self, what: str, extent: DiskExtent, exc: BaseException, count: int = 1
+    ) -> DiskIOError:
+        """Classify one failed operation, count it, and build the error to raise."""
+        where = f"{what} of extent {extent.chunks}"
+        more = f" (and {count - 1} more chunk errors)" if count > 1 else ""
+        if isinstance(exc, OSError):  # store faults, missing chunks, timeouts
+            code = exc.errno if exc.errno is not None else errno.EIO
+            err: DiskIOError = DiskIOError(code, f"{where} failed: {exc}{more}")
+        elif what == "read" and isinstance(exc, (ValueError, RuntimeError)):
+            err = DiskCorruptionError(
+                errno.EBADMSG, f"{where}: stored chunk is corrupt: {exc}{more}"
+            )
+        else:
+            err = DiskIOError(errno.EIO, f"{where} failed: {exc!r}{more}")
+        with self._stats_lock:
+            c = self._counters
+            if isinstance(err, DiskCorruptionError):
+                c.corruptions += 1
+            if what == "write":
+                c.write_faults += 1
+            else:
+                c.read_faults += 1
+            name = errno.errorcode.get(err.errno or errno.EIO, str(err.errno))
+            c.errnos[name] = c.errnos.get(name, 0) + 1
+        return err
