@@ -42,6 +42,11 @@ What it tracks:
   cached choice with a recomputation.
   Ages are counted in requests (``on_request`` calls), so nothing depends on
   the caller's clock.
+
+Size: ``ChainOdds`` is over 400 lines because its ghost history, class lists
+and the incremental caches of its class ends are one state that every hook
+updates together (``check_integrity`` recomputes the caches from the lists);
+the learned densities (``_Stay``) are their own class.
 """
 
 from __future__ import annotations

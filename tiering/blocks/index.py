@@ -20,6 +20,11 @@ Rules it enforces (``check_integrity`` proves them):
 - Bad input (a duplicate key, an unknown key, a handle already used, a release
   below zero) raises ``ValueError`` naming the block and changes nothing. A
   parent that has gone is an expected shortage: ``insert`` returns False.
+
+Size: ``BlockIndex`` is over 400 lines because it is the one table of where
+each block is, who maps it and what is held below it; the held-children counts
+that make ``evictable`` O(1) must change in the same calls as the locations
+(``check_integrity`` rebuilds them from scratch).
 """
 
 from __future__ import annotations

@@ -48,6 +48,12 @@ the trace has block ids and ``prefix_reuse`` is on); a later request reuses the
 longest cached prefix block by block from whichever tier holds each block: from
 the device at no cost, from host or disk at the cost of the copy
 (``copy_in``), which the request waits for instead of prefilling those tokens.
+
+Size: ``_Worker`` is over 800 lines because it is the one owner of a modelled
+step's state (the queues, the batch, the running set, the page budget, the
+fast-forward and quiet-point bookkeeping) and its steps read that state in the
+hot loop; the parts that need no such state live beside it (``block_tiers``,
+``model_kv``, ``retention``, ``results``, ``config``).
 """
 
 from __future__ import annotations
