@@ -321,26 +321,32 @@ class BlockIndex:
             self._refs[key] = n - 1
         return n - 1
 
-    def begin_move(self, key: Hashable, dst: Tier, dst_handle: Hashable) -> None:
-        """Reserve ``(dst, dst_handle)`` for a copy of the block; it stays readable at its source."""
-        self._check_known(key, "begin_move")
-        _check_tier(dst, f"begin_move of block {key!r}")
+    def _check_move(self, key: Hashable, dst: Tier, dst_handle: Hashable, what: str):
+        """The checks of a move of ``key`` to ``(dst, dst_handle)``; its tier and the
+        destination's slots when it may go."""
+        self._check_known(key, what)
+        _check_tier(dst, f"{what} of block {key!r}")
         if key in self._dest:
             raise ValueError(
-                f"begin_move: block {key!r} is already moving to {self._dest[key][0].value}"
+                f"{what}: block {key!r} is already moving to {self._dest[key][0].value}"
             )
         tier = self._tier[key]
         if dst is tier:
-            raise ValueError(f"begin_move: block {key!r} is already on {dst.value}")
+            raise ValueError(f"{what}: block {key!r} is already on {dst.value}")
         if tier is Tier.DEVICE and not self.evictable(key):
             raise ValueError(
-                f"begin_move: block {key!r} (or a block after it) is mapped by a live request or moving; it cannot leave the device"
+                f"{what}: block {key!r} (or a block after it) is mapped by a live request or moving; it cannot leave the device"
             )
         slots = self._slots[dst]
         if dst_handle in slots:
             raise ValueError(
-                f"begin_move of block {key!r}: {dst.value} handle {dst_handle!r} already holds block {slots[dst_handle]!r}"
+                f"{what} of block {key!r}: {dst.value} handle {dst_handle!r} already holds block {slots[dst_handle]!r}"
             )
+        return tier, slots
+
+    def begin_move(self, key: Hashable, dst: Tier, dst_handle: Hashable) -> None:
+        """Reserve ``(dst, dst_handle)`` for a copy of the block; it stays readable at its source."""
+        _, slots = self._check_move(key, dst, dst_handle, "begin_move")
         self._dest[key] = (dst, dst_handle)
         slots[dst_handle] = key
         if key not in self._refs:
@@ -365,24 +371,7 @@ class BlockIndex:
         """``begin_move`` and ``finish_move`` at once (the copy is already done, or is the
         caller's to make before it reads the destination): the same checks, the same
         result; returns the source to free."""
-        self._check_known(key, "move")
-        _check_tier(dst, f"move of block {key!r}")
-        if key in self._dest:
-            raise ValueError(
-                f"begin_move: block {key!r} is already moving to {self._dest[key][0].value}"
-            )
-        tier = self._tier[key]
-        if dst is tier:
-            raise ValueError(f"begin_move: block {key!r} is already on {dst.value}")
-        if tier is Tier.DEVICE and not self.evictable(key):
-            raise ValueError(
-                f"begin_move: block {key!r} (or a block after it) is mapped by a live request or moving; it cannot leave the device"
-            )
-        slots = self._slots[dst]
-        if dst_handle in slots:
-            raise ValueError(
-                f"begin_move of block {key!r}: {dst.value} handle {dst_handle!r} already holds block {slots[dst_handle]!r}"
-            )
+        tier, slots = self._check_move(key, dst, dst_handle, "move")
         old = BlockLocation(tier, self._handle[key])
         del self._slots[tier][old.handle]
         slots[dst_handle] = key
