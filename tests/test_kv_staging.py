@@ -114,15 +114,17 @@ def test_a_staging_timeout_fails_the_reload_and_keeps_the_request(geom, tmp_path
 
 
 def test_a_failed_piece_returns_every_buffer(geom, tmp_path, closing):
-    kv, store = make(geom, tmp_path, staging=StagingConfig(buffers=2, pages=2))
     calls = []
+    faults = [True]  # the copy fault hook injects while this holds True
 
     def hook(kind):
+        if not faults[0]:
+            return
         calls.append(kind)
         if kind == "h2d" and calls.count("h2d") == 2:
             raise RuntimeError("injected copy fault")
 
-    kv._fault = hook
+    kv, store = make(geom, tmp_path, staging=StagingConfig(buffers=2, pages=2), copy_fault_hook=hook)
     closing(kv)
     data = fill(kv, "a", torch.Generator().manual_seed(53), 27)
     assert kv.offload("a")
@@ -132,7 +134,7 @@ def test_a_failed_piece_returns_every_buffer(geom, tmp_path, closing):
     assert not done.ok and done.state is S.ON_DISK and "injected" in done.reason
     assert kv._ring.free_count() == 2
     kv.check_integrity()
-    kv._fault = lambda kind: None
+    faults[0] = False  # no more faults: the same reload now lands
     assert kv.reload("a")
     kv.synchronize(10)
     assert_same(kv, "a", data)
