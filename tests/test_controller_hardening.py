@@ -290,12 +290,17 @@ def _real(kv, tmp_path, *, plan: FaultPlan | None = None, device_pages=16, host_
               disk_wrap_store=wrap)
 
 
+def _lru_controller(cache, config: ControllerConfig):
+    """An LRU controller over ``cache`` alone, on a fake clock; returns both."""
+    clock = FakeClock()
+    return EvictionController({"kv": cache}, make_policy("lru"), PoolPressure(cache), config,
+                              clock=clock), clock
+
+
 def test_real_cache_a_removed_request_is_skipped(kv, geom, tmp_path):
     cache = _real(kv, tmp_path)
     gen = torch.Generator().manual_seed(11)
-    clock = FakeClock()
-    ctl = EvictionController({"kv": cache}, make_policy("lru"), PoolPressure(cache),
-                             ControllerConfig(high=0.8, low=0.4), clock=clock)
+    ctl, clock = _lru_controller(cache, ControllerConfig(high=0.8, low=0.4))
     data = {}
     for i in range(4):
         rid = f"q{i}"
@@ -336,9 +341,7 @@ def test_real_cache_the_cascade_skips_what_the_worker_demotes(kv, geom, tmp_path
     cache = _real(kv, tmp_path, plan=plan, host_pages=12)
     closing.call(gate.set)  # before the cache is closed: its held writes go on
     gen = torch.Generator().manual_seed(12)
-    clock = FakeClock()
-    ctl = EvictionController({"kv": cache}, make_policy("lru"), PoolPressure(cache),
-                             ControllerConfig(host_high=0.6, host_low=0.3), clock=clock)
+    ctl, clock = _lru_controller(cache, ControllerConfig(host_high=0.6, host_low=0.3))
     data = {}
     for i in range(3):
         rid = f"c{i}"
@@ -372,9 +375,7 @@ def test_real_cache_the_cascade_skips_what_the_worker_demotes(kv, geom, tmp_path
 def test_real_cache_a_waiting_reload_of_a_removed_request_strands_no_other(kv, geom, tmp_path):
     cache = _real(kv, tmp_path)
     gen = torch.Generator().manual_seed(13)
-    clock = FakeClock()
-    ctl = EvictionController({"kv": cache}, make_policy("lru"), PoolPressure(cache),
-                             ControllerConfig(), clock=clock)
+    ctl, clock = _lru_controller(cache, ControllerConfig())
     pages = 4 * geom.page_tokens
     data = {}
     for rid in ("q0", "q1", "q2", "q3"):

@@ -371,6 +371,16 @@ def pair(host_pages=8, device_pages=16, io_threads=1, max_queued=256):
     return mem, a, b, gated
 
 
+def closed_pair(closing):
+    """``pair()`` for one test: both workers are closed at its end by ``closing``, after B's
+    gate is opened (a held fetch would otherwise keep B's close waiting)."""
+    mem, a, b, gated = pair()
+    closing(a)
+    closing(b)
+    closing.call(gated.gate.set)
+    return mem, a, b, gated
+
+
 def share(a, b, gen, n=13):
     ids, data = publish_random(a, gen, n=n)
     a.synchronize(10)
@@ -389,10 +399,7 @@ def attach_with_fetches_held(a, b, gated, gen):
 
 def test_reload_refuses_while_a_fetch_is_out_then_loads_bitwise(closing):
     gen = torch.Generator().manual_seed(51)
-    _, a, b, gated = pair()
-    closing(a)
-    closing(b)
-    closing.call(gated.gate.set)
+    _, a, b, gated = closed_pair(closing)
     ids, data = attach_with_fetches_held(a, b, gated, gen)
     b.check_integrity()
     for _ in range(3):
@@ -411,10 +418,7 @@ def test_reload_refuses_while_a_fetch_is_out_then_loads_bitwise(closing):
 
 def test_a_removed_requests_fetch_lands_as_a_host_block_or_is_adopted(closing):
     gen = torch.Generator().manual_seed(52)
-    _, a, b, gated = pair()
-    closing(a)
-    closing(b)
-    closing.call(gated.gate.set)
+    _, a, b, gated = closed_pair(closing)
     ids, data = attach_with_fetches_held(a, b, gated, gen)
     b.remove_request("b")  # its fetches are let go, still in flight
     b.check_integrity()
@@ -442,9 +446,7 @@ def test_a_removed_requests_fetch_lands_as_a_host_block_or_is_adopted(closing):
 def test_an_unavailable_fetch_keeps_the_blocks_before_it(closing):
     gen = torch.Generator().manual_seed(53)
     for fail in (False, True):  # the control first: nothing fails, everything lands
-        _, a, b, gated = pair()
-        closing(a)
-        closing(b)
+        _, a, b, gated = closed_pair(closing)
         ids, data = share(a, b, gen)
         b.ingest_request("p")  # block 0 made local on B first: B's own copy of A's page
         assert b.attach_prefix("p", ids[:5]) == 4
