@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import strategies as st
@@ -33,27 +35,62 @@ def geom() -> KVGeometry:
     return KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_tokens=4, dtype=torch.bfloat16)
 
 
-@pytest.fixture
-def kv(geom):
-    """A factory of ``PagedKVCache``: ``kv(device_pages=4, host_pages=8, ...)``.
+@contextlib.contextmanager
+def closing_scope():
+    """What the ``closing`` fixture yields, usable alone: ``close_at_end(obj)`` returns ``obj``
+    and calls ``obj.close()`` when the scope ends; ``close_at_end.call(fn, *args)`` calls
+    ``fn`` then. They run last in, first out, each even when an earlier one raised; an error
+    raised by any of them is raised when the scope ends."""
+    with contextlib.ExitStack() as stack:
 
-    The geometry defaults to the ``geom`` fixture (``kv.geometry``; pass
-    ``geometry=`` for another). Every cache it made is closed at the end of the test, whatever
-    the test did (closing twice is harmless), so no test needs
-    ``try/finally: kv.close()``.
+        def close_at_end(obj):
+            stack.callback(obj.close)
+            return obj
+
+        close_at_end.call = stack.callback
+        yield close_at_end
+
+
+@pytest.fixture
+def closing():
+    """Closes what a test built, whatever the test did: ``closing(obj)`` returns ``obj`` and
+    calls ``obj.close()`` at the end of the test; ``closing.call(fn, *args)`` calls ``fn`` then.
+
+    Last in, first out (see ``closing_scope``): register a gate's ``set`` after the cache
+    whose copies wait on it, and the gate is opened before the cache is closed. A test that
+    must close mid-test (it checks what a close does, or restarts on the same directory)
+    closes explicitly; the second close at the end must then be harmless, as it is for every
+    cache of this project.
     """
+    with closing_scope() as close_at_end:
+        yield close_at_end
+
+
+def cache_factory(geom: KVGeometry, closing):
+    """What the ``kv`` fixture returns: ``make(geometry=None, **kwargs)`` builds a
+    ``PagedKVCache`` (on ``geom`` unless told) that ``closing`` closes at its end."""
     made: list[PagedKVCache] = []
 
     def make(geometry: KVGeometry | None = None, **kwargs) -> PagedKVCache:
-        cache = PagedKVCache(geom if geometry is None else geometry, **kwargs)
+        cache = closing(PagedKVCache(geom if geometry is None else geometry, **kwargs))
         made.append(cache)
         return cache
 
     make.geometry = geom  # the default geometry
     make.made = made  # every cache made so far
-    yield make
-    for cache in reversed(made):
-        cache.close()
+    return make
+
+
+@pytest.fixture
+def kv(geom, closing):
+    """A factory of ``PagedKVCache``: ``kv(device_pages=4, host_pages=8, ...)``.
+
+    The geometry defaults to the ``geom`` fixture (``kv.geometry``; pass
+    ``geometry=`` for another). Every cache it made is closed at the end of the test (by
+    ``closing``), whatever the test did (closing twice is harmless), so no test needs
+    ``try/finally: kv.close()``.
+    """
+    return cache_factory(geom, closing)
 
 
 def random_kv(gen: torch.Generator, geometry: KVGeometry, tokens: int):

@@ -289,22 +289,20 @@ def test_wrong_credentials_raise_unavailable_at_start(seaweed):  # noqa: F811
         open_s3_store(seaweed.url(), seaweed.options(secret="wrong"), timeout_s=5.0)
 
 
-def test_held_zarr_prefix_is_exclusive(seaweed):  # noqa: F811
+def test_held_zarr_prefix_is_exclusive(seaweed, closing):  # noqa: F811
     import zarr
 
     from tiering.coldtier import hold_zarr_prefix
 
     url = seaweed.url()
     cfg = LeaseConfig(ttl_s=30, renew_every_s=10, safety_s=2)
-    a = hold_zarr_prefix(url, seaweed.options(), owner="disk-a", lease_config=cfg, timeout_s=5.0)
-    try:
-        with pytest.raises(LeaseHeld, match="disk-a"):
-            hold_zarr_prefix(url, seaweed.options(), owner="disk-b", lease_config=cfg, timeout_s=5.0)
-        data = np.random.default_rng(16).standard_normal((8, 8)).astype(np.float32)
-        arr = zarr.create_array(a.zarr_store, name="kv", shape=data.shape, chunks=(4, 8), dtype=data.dtype)
-        arr[:] = data
-    finally:
-        a.close()
+    a = closing(hold_zarr_prefix(url, seaweed.options(), owner="disk-a", lease_config=cfg, timeout_s=5.0))
+    with pytest.raises(LeaseHeld, match="disk-a"):
+        hold_zarr_prefix(url, seaweed.options(), owner="disk-b", lease_config=cfg, timeout_s=5.0)
+    data = np.random.default_rng(16).standard_normal((8, 8)).astype(np.float32)
+    arr = zarr.create_array(a.zarr_store, name="kv", shape=data.shape, chunks=(4, 8), dtype=data.dtype)
+    arr[:] = data
+    a.close()
     b = hold_zarr_prefix(url, seaweed.options(), owner="disk-b", lease_config=cfg, timeout_s=5.0,
                          renew=False)
     assert np.array_equal(zarr.open_array(b.zarr_store, path="kv")[:], data)
@@ -330,7 +328,7 @@ class _ManifestGate(WrapperStore):
         await self._store.set(key, value)
 
 
-def test_reattach_manifest_write_on_s3_never_holds_the_step_path(seaweed, geom):  # noqa: F811
+def test_reattach_manifest_write_on_s3_never_holds_the_step_path(seaweed, geom, closing):  # noqa: F811
     url = seaweed.url() + "/w0"
     cfg = DiskConfig(path=url, capacity_bytes=1 << 20, on_start="reattach", io_timeout_s=5.0,
                      storage_options=seaweed.options(timeout_s=5.0))
@@ -340,51 +338,48 @@ def test_reattach_manifest_write_on_s3_never_holds_the_step_path(seaweed, geom):
     wrappers = []
     kv = PagedKVCache(geom, device_pages=16, host_pages=16, disk=cfg,
                       disk_wrap_store=lambda s: wrappers.append(_ManifestGate(s, gate)) or wrappers[-1])
-    try:
-        data = {rid: fill(kv, rid, gen, n) for rid, n in (("keep", 9), ("gone", 5), ("late", 7))}
-        for rid in data:
-            assert kv.offload(rid) > 0
-        kv.synchronize(30)
-        for rid in ("keep", "gone"):  # committed, and listed by a manifest on the store
-            assert kv.demote(rid)
-        kv.synchronize(30)
-        assert getattr(kv.disk, "wait_manifest", lambda t: True)(30)  # (synchronous writes: done)
-        gate.clear()  # from now on the store holds every manifest write
-        assert kv.demote("late")
-        kv._reqs["late"].job.future.result(30)  # the chunks are written; the commit is next
-        # the gate holds a manifest write for up to 20 s, past the 5 s I/O timeout: a step-path
-        # call that waited on it would time out, failing the demote's commit or the release
-        deadline = time.monotonic() + 20
-        while kv.tier_of("late") is not Tier.DISK and time.monotonic() < deadline:
-            for res in kv.poll():  # applies the demote: its commit asks for a manifest write
-                assert res.ok, res.reason
-            time.sleep(0.02)
-        assert kv.tier_of("late") is Tier.DISK
-        kv.remove_request("gone")  # a release of a listed extent: another manifest write
-        assert kv.stats.disk_release_faults == 0 and kv.stats.commit_failures == 0
-        kv.check_integrity()
-        assert wrappers[0].held >= 1 and kv.disk.stats()["manifest_pending"]
-        assert kv.disk.stats()["manifest_async"]
-        # "gone" is still listed by the manifest on the store: its chunks are not reusable yet
-        assert kv.disk.stats()["quarantined_chunks"] == geom.pages_for(5)
-        gate.set()
-        assert kv.disk.wait_manifest(30)
-        st = kv.disk.stats()
-        assert not st["manifest_pending"] and not st["manifest_dirty"]
-        assert st["quarantined_chunks"] == 0  # the new manifest no longer lists them
-        kv.check_integrity()
-    finally:
-        gate.set()
-        kv.close()
+    closing(kv)
+    closing.call(gate.set)
+    data = {rid: fill(kv, rid, gen, n) for rid, n in (("keep", 9), ("gone", 5), ("late", 7))}
+    for rid in data:
+        assert kv.offload(rid) > 0
+    kv.synchronize(30)
+    for rid in ("keep", "gone"):  # committed, and listed by a manifest on the store
+        assert kv.demote(rid)
+    kv.synchronize(30)
+    assert getattr(kv.disk, "wait_manifest", lambda t: True)(30)  # (synchronous writes: done)
+    gate.clear()  # from now on the store holds every manifest write
+    assert kv.demote("late")
+    kv._reqs["late"].job.future.result(30)  # the chunks are written; the commit is next
+    # the gate holds a manifest write for up to 20 s, past the 5 s I/O timeout: a step-path
+    # call that waited on it would time out, failing the demote's commit or the release
+    deadline = time.monotonic() + 20
+    while kv.tier_of("late") is not Tier.DISK and time.monotonic() < deadline:
+        for res in kv.poll():  # applies the demote: its commit asks for a manifest write
+            assert res.ok, res.reason
+        time.sleep(0.02)
+    assert kv.tier_of("late") is Tier.DISK
+    kv.remove_request("gone")  # a release of a listed extent: another manifest write
+    assert kv.stats.disk_release_faults == 0 and kv.stats.commit_failures == 0
+    kv.check_integrity()
+    assert wrappers[0].held >= 1 and kv.disk.stats()["manifest_pending"]
+    assert kv.disk.stats()["manifest_async"]
+    # "gone" is still listed by the manifest on the store: its chunks are not reusable yet
+    assert kv.disk.stats()["quarantined_chunks"] == geom.pages_for(5)
+    gate.set()
+    assert kv.disk.wait_manifest(30)
+    st = kv.disk.stats()
+    assert not st["manifest_pending"] and not st["manifest_dirty"]
+    assert st["quarantined_chunks"] == 0  # the new manifest no longer lists them
+    kv.check_integrity()
+    gate.set()
+    kv.close()
     # what the background writes recorded survives a restart: "late" too, "gone" not
-    kv2 = PagedKVCache(geom, device_pages=16, host_pages=16, disk=cfg)
-    try:
-        assert sorted(kv2.requests()) == ["keep", "late"]
-        for rid in ("keep", "late"):
-            assert kv2.tier_of(rid) is Tier.DISK and kv2.reload(rid)
-        kv2.synchronize(30)
-        kv2.check_integrity()
-        for rid in ("keep", "late"):
-            assert_same(kv2, rid, data[rid])
-    finally:
-        kv2.close()
+    kv2 = closing(PagedKVCache(geom, device_pages=16, host_pages=16, disk=cfg))
+    assert sorted(kv2.requests()) == ["keep", "late"]
+    for rid in ("keep", "late"):
+        assert kv2.tier_of(rid) is Tier.DISK and kv2.reload(rid)
+    kv2.synchronize(30)
+    kv2.check_integrity()
+    for rid in ("keep", "late"):
+        assert_same(kv2, rid, data[rid])

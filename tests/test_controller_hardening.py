@@ -290,12 +290,17 @@ def _real(kv, tmp_path, *, plan: FaultPlan | None = None, device_pages=16, host_
               disk_wrap_store=wrap)
 
 
+def _lru_controller(cache, config: ControllerConfig):
+    """An LRU controller over ``cache`` alone, on a fake clock; returns both."""
+    clock = FakeClock()
+    return EvictionController({"kv": cache}, make_policy("lru"), PoolPressure(cache), config,
+                              clock=clock), clock
+
+
 def test_real_cache_a_removed_request_is_skipped(kv, geom, tmp_path):
     cache = _real(kv, tmp_path)
     gen = torch.Generator().manual_seed(11)
-    clock = FakeClock()
-    ctl = EvictionController({"kv": cache}, make_policy("lru"), PoolPressure(cache),
-                             ControllerConfig(high=0.8, low=0.4), clock=clock)
+    ctl, clock = _lru_controller(cache, ControllerConfig(high=0.8, low=0.4))
     data = {}
     for i in range(4):
         rid = f"q{i}"
@@ -330,53 +335,47 @@ def test_real_cache_a_removed_request_is_skipped(kv, geom, tmp_path):
     ctl.check_integrity()
 
 
-def test_real_cache_the_cascade_skips_what_the_worker_demotes(kv, geom, tmp_path):
+def test_real_cache_the_cascade_skips_what_the_worker_demotes(kv, geom, tmp_path, closing):
     gate = threading.Event()
     plan = _gate_plan(gate)
     cache = _real(kv, tmp_path, plan=plan, host_pages=12)
+    closing.call(gate.set)  # before the cache is closed: its held writes go on
     gen = torch.Generator().manual_seed(12)
-    clock = FakeClock()
-    ctl = EvictionController({"kv": cache}, make_policy("lru"), PoolPressure(cache),
-                             ControllerConfig(host_high=0.6, host_low=0.3), clock=clock)
+    ctl, clock = _lru_controller(cache, ControllerConfig(host_high=0.6, host_low=0.3))
     data = {}
-    try:
-        for i in range(3):
-            rid = f"c{i}"
-            data[rid] = fill(cache, rid, gen, 4 * geom.page_tokens)
-            ctl.add_request(rid)
-            clock.advance(0.5)
-            assert cache.offload(rid) > 0
-        cache.synchronize(10)
-        assert all(cache.state_of(r) is S.ON_HOST for r in data)
-        plan.arm("slow", next_n=1_000)  # every disk write waits at the gate
-        assert cache.demote("c0")  # the worker demotes the coldest itself
-        assert cache.state_of("c0") is S.DEMOTING
-        report = ctl.evict_if_needed(())  # must not raise
-        assert "c0" not in report.demoted
-        assert report.demoted  # host over host_high without c0: the next coldest goes
-        gate.set()
-        cache.synchronize(10)
-        ctl.evict_if_needed(())
-        assert cache.state_of("c0") is S.ON_DISK
-        assert ctl.stats()["demotions_in_flight"] == 0
-        cache.check_integrity()
-        ctl.check_integrity()
-        for rid in data:
-            if cache.is_offloaded(rid):
-                assert cache.reload(rid)
-        cache.synchronize(10)
-        for rid in data:
-            assert_same(cache, rid, data[rid])
-    finally:
-        gate.set()
+    for i in range(3):
+        rid = f"c{i}"
+        data[rid] = fill(cache, rid, gen, 4 * geom.page_tokens)
+        ctl.add_request(rid)
+        clock.advance(0.5)
+        assert cache.offload(rid) > 0
+    cache.synchronize(10)
+    assert all(cache.state_of(r) is S.ON_HOST for r in data)
+    plan.arm("slow", next_n=1_000)  # every disk write waits at the gate
+    assert cache.demote("c0")  # the worker demotes the coldest itself
+    assert cache.state_of("c0") is S.DEMOTING
+    report = ctl.evict_if_needed(())  # must not raise
+    assert "c0" not in report.demoted
+    assert report.demoted  # host over host_high without c0: the next coldest goes
+    gate.set()
+    cache.synchronize(10)
+    ctl.evict_if_needed(())
+    assert cache.state_of("c0") is S.ON_DISK
+    assert ctl.stats()["demotions_in_flight"] == 0
+    cache.check_integrity()
+    ctl.check_integrity()
+    for rid in data:
+        if cache.is_offloaded(rid):
+            assert cache.reload(rid)
+    cache.synchronize(10)
+    for rid in data:
+        assert_same(cache, rid, data[rid])
 
 
 def test_real_cache_a_waiting_reload_of_a_removed_request_strands_no_other(kv, geom, tmp_path):
     cache = _real(kv, tmp_path)
     gen = torch.Generator().manual_seed(13)
-    clock = FakeClock()
-    ctl = EvictionController({"kv": cache}, make_policy("lru"), PoolPressure(cache),
-                             ControllerConfig(), clock=clock)
+    ctl, clock = _lru_controller(cache, ControllerConfig())
     pages = 4 * geom.page_tokens
     data = {}
     for rid in ("q0", "q1", "q2", "q3"):

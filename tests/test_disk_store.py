@@ -223,10 +223,9 @@ def test_reserve_prefers_one_adjacent_run(store):
     ops=st.lists(st.tuples(st.booleans(), st.integers(1, 30), st.integers(0, 1000)), max_size=60)
 )
 def test_cap_never_exceeded_under_random_reserve_release(tmp_path_factory, ops):
-    s = make(tmp_path_factory.mktemp("cap"), capacity_chunks=12, store=MemoryStore())
-    live: list[DiskExtent] = []
-    refusals = 0
-    try:
+    with make(tmp_path_factory.mktemp("cap"), capacity_chunks=12, store=MemoryStore()) as s:
+        live: list[DiskExtent] = []
+        refusals = 0
         for do_reserve, n, pick in ops:
             if do_reserve or not live:
                 could = s.can_reserve(n)
@@ -245,8 +244,6 @@ def test_cap_never_exceeded_under_random_reserve_release(tmp_path_factory, ops):
             held = [c for e in live for c in e.chunks]
             assert len(held) == len(set(held))
         assert s.stats()["refusals"] == refusals
-    finally:
-        s.close()
 
 
 def test_check_integrity_reports_a_broken_ledger(store):

@@ -9,34 +9,30 @@ import pytest
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 
 
-def test_reload_runs_before_writes_queued_earlier():
+def test_reload_runs_before_writes_queued_earlier(closing):
     ex = PriorityExecutor(1, "t")
     gate = threading.Event()
     order: list[str] = []
-    try:
-        blocker = ex.submit(WRITE, gate.wait, 10)
-        futs = [ex.submit(WRITE, order.append, f"w{i}") for i in range(3)]
-        futs.append(ex.submit(OFFLOAD, order.append, "o"))
-        futs.append(ex.submit(RELOAD, order.append, "r"))
-        gate.set()
-        blocker.result(10)
-        for f in futs:
-            f.result(10)
-        assert order == ["r", "o", "w0", "w1", "w2"]
-    finally:
-        gate.set()
-        ex.shutdown(5)
+    closing.call(ex.shutdown, 5)
+    closing.call(gate.set)
+    blocker = ex.submit(WRITE, gate.wait, 10)
+    futs = [ex.submit(WRITE, order.append, f"w{i}") for i in range(3)]
+    futs.append(ex.submit(OFFLOAD, order.append, "o"))
+    futs.append(ex.submit(RELOAD, order.append, "r"))
+    gate.set()
+    blocker.result(10)
+    for f in futs:
+        f.result(10)
+    assert order == ["r", "o", "w0", "w1", "w2"]
 
 
-def test_exceptions_reach_the_future_and_workers_survive():
+def test_exceptions_reach_the_future_and_workers_survive(closing):
     ex = PriorityExecutor(2, "t")
-    try:
-        bad = ex.submit(RELOAD, lambda: 1 / 0)
-        with pytest.raises(ZeroDivisionError):
-            bad.result(5)
-        assert ex.submit(RELOAD, lambda: 7).result(5) == 7
-    finally:
-        ex.shutdown(5)
+    closing.call(ex.shutdown, 5)
+    bad = ex.submit(RELOAD, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        bad.result(5)
+    assert ex.submit(RELOAD, lambda: 7).result(5) == 7
 
 
 def test_submit_after_shutdown_is_refused():
@@ -48,14 +44,12 @@ def test_submit_after_shutdown_is_refused():
         PriorityExecutor(0, "t")
 
 
-def test_shutdown_says_whether_every_worker_joined():
+def test_shutdown_says_whether_every_worker_joined(closing):
     ex = PriorityExecutor(1, "t")
     gate = threading.Event()
-    try:
-        ex.submit(RELOAD, gate.wait, 10)
-        assert ex.shutdown(0.05) is False  # the worker is still in its job
-        gate.set()
-        assert ex.shutdown(5) is True  # a second call waits again, and reports
-    finally:
-        gate.set()
-        ex.shutdown(5)
+    closing.call(ex.shutdown, 5)
+    closing.call(gate.set)
+    ex.submit(RELOAD, gate.wait, 10)
+    assert ex.shutdown(0.05) is False  # the worker is still in its job
+    gate.set()
+    assert ex.shutdown(5) is True  # a second call waits again, and reports

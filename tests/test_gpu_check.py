@@ -92,13 +92,10 @@ def test_bad_arguments_are_refused_with_a_message_and_write_nothing(tmp_path, ar
     assert not (tmp_path / "OUT").exists()
 
 
-def test_a_malformed_requirement_list_is_named():
+def test_a_malformed_requirement_list_is_named(monkeypatch):
+    monkeypatch.setenv("GPU_CHECK_REQUIRE", "json=json,zarr")
     with pytest.raises(SystemExit, match="'zarr' is not MODULE=DIST"):
-        os.environ["GPU_CHECK_REQUIRE"] = "json=json,zarr"
-        try:
-            gpu_check.required()
-        finally:
-            del os.environ["GPU_CHECK_REQUIRE"]
+        gpu_check.required()
 
 
 def test_no_python_is_refused(tmp_path):

@@ -115,7 +115,7 @@ def test_build_resource_builds_a_kv_cache(geom):
 # -- the vocabulary: where a request in each state is reported --------------------------
 
 
-def test_a_request_in_flight_is_reported_at_the_faster_of_its_two_tiers(kv):
+def test_a_request_in_flight_is_reported_at_the_faster_of_its_two_tiers(kv, closing):
     import threading
 
     import torch
@@ -145,20 +145,19 @@ def test_a_request_in_flight_is_reported_at_the_faster_of_its_two_tiers(kv):
         assert go.wait(10)
 
     cache = kv(device_pages=8, host_pages=8, copy_fault_hook=hold)
-    try:
-        fill(cache, "a", torch.Generator().manual_seed(5), 8)
-        cache.offload("a")
-        assert entered.acquire(timeout=10)
-        assert cache.state_of("a") is S.OFFLOADING and cache.tier_of("a") is Tier.DEVICE
-        go.set()
-        cache.synchronize(10)
-        go.clear()
-        assert cache.reload("a")
-        assert entered.acquire(timeout=10)
-        assert cache.state_of("a") is S.RELOADING and cache.tier_of("a") is Tier.DEVICE
-        cache.check_integrity()
-    finally:
-        go.set()
+    closing.call(go.set)  # before the cache is closed: its held copy goes on
+    fill(cache, "a", torch.Generator().manual_seed(5), 8)
+    cache.offload("a")
+    assert entered.acquire(timeout=10)
+    assert cache.state_of("a") is S.OFFLOADING and cache.tier_of("a") is Tier.DEVICE
+    go.set()
+    cache.synchronize(10)
+    go.clear()
+    assert cache.reload("a")
+    assert entered.acquire(timeout=10)
+    assert cache.state_of("a") is S.RELOADING and cache.tier_of("a") is Tier.DEVICE
+    cache.check_integrity()
+    go.set()
     cache.synchronize(10)
     assert cache.tier_of("a") is Tier.DEVICE
     cache.check_integrity()

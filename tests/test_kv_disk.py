@@ -265,7 +265,7 @@ def test_reclaimable_many_matches_one_by_one(kv, tmp_path):
         cache.reclaimable_many(["m5", "ghost"])
 
 
-def test_poll_counts_buried_copies_and_disk_gauge(kv, tmp_path):
+def test_poll_counts_buried_copies_and_disk_gauge(kv, tmp_path, closing):
     import threading
 
     release = threading.Event()
@@ -276,27 +276,25 @@ def test_poll_counts_buried_copies_and_disk_gauge(kv, tmp_path):
         assert release.wait(10)
 
     cache = make(kv, tmp_path, copy_fault_hook=hold)
-    try:
-        gen = torch.Generator().manual_seed(20)
-        fill(cache, "a", gen, 8)
-        assert cache.offload("a") and entered.wait(10)
-        cache.remove_request("a")  # its copy is running: the slots wait for it
-        assert cache.host_used_bytes() > 0 and cache.device_used_bytes() > 0
-        assert cache.in_flight() == 1
-        cache.check_integrity()
-        release.set()
-        (done,) = cache.synchronize(10)  # the burial is reported, with no state: it is gone
-        assert done == TransferResult("a", Move.OFFLOAD_TO_HOST, True, 2 * cache.geometry.page_bytes, None)
-        assert cache.host_used_bytes() == 0 and cache.device_used_bytes() == 0
-        fill(cache, "b", gen, 8)
-        cache.offload("b")
-        cache.synchronize(10)
-        assert cache.demote("b")
-        cache.synchronize(10)
-        assert cache.disk_used_bytes() == cache.disk.used_bytes() > 0
-        cache.check_integrity()
-    finally:
-        release.set()
+    closing.call(release.set)  # before the cache is closed: its held copy goes on
+    gen = torch.Generator().manual_seed(20)
+    fill(cache, "a", gen, 8)
+    assert cache.offload("a") and entered.wait(10)
+    cache.remove_request("a")  # its copy is running: the slots wait for it
+    assert cache.host_used_bytes() > 0 and cache.device_used_bytes() > 0
+    assert cache.in_flight() == 1
+    cache.check_integrity()
+    release.set()
+    (done,) = cache.synchronize(10)  # the burial is reported, with no state: it is gone
+    assert done == TransferResult("a", Move.OFFLOAD_TO_HOST, True, 2 * cache.geometry.page_bytes, None)
+    assert cache.host_used_bytes() == 0 and cache.device_used_bytes() == 0
+    fill(cache, "b", gen, 8)
+    cache.offload("b")
+    cache.synchronize(10)
+    assert cache.demote("b")
+    cache.synchronize(10)
+    assert cache.disk_used_bytes() == cache.disk.used_bytes() > 0
+    cache.check_integrity()
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])

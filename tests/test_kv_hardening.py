@@ -56,84 +56,75 @@ def failing_commit(monkeypatch, kv, fail: threading.Event):
 
 
 @pytest.mark.parametrize("route", ["demote", "offload_disk"])
-def test_failed_commit_is_a_failed_write_and_never_escapes(geom, tmp_path, monkeypatch, route):
-    kv = make(geom, tmp_path, host_pages=8 if route == "demote" else 1)
+def test_failed_commit_is_a_failed_write_and_never_escapes(geom, tmp_path, monkeypatch, route, closing):
+    kv = closing(make(geom, tmp_path, host_pages=8 if route == "demote" else 1))
     fail = threading.Event()
-    try:
-        failing_commit(monkeypatch, kv, fail)
-        gen = torch.Generator().manual_seed(31)
-        data = fill(kv, "a", gen, 11)  # 3 pages: never fits a 1-page host tier
-        if route == "demote":
-            assert kv.offload("a")
-            assert [d.move for d in kv.synchronize(10)] == [Move.OFFLOAD_TO_HOST]
-            kv.check_integrity()
-            fail.set()
-            assert kv.demote("a")
-            (done,) = kv.synchronize(10)  # must not raise
-            assert done.move is Move.DEMOTE and not done.ok and done.state is S.ON_HOST
-            back = S.ON_HOST
-        else:
-            fail.set()
-            assert kv.offload("a")
-            (done,) = kv.synchronize(10)
-            assert done.move is Move.OFFLOAD_TO_DISK and not done.ok
-            assert done.state is S.RESIDENT
-            back = S.RESIDENT
-        assert "ENOSPC" in done.reason or "No space" in done.reason
-        kv.check_integrity()
-        assert kv.state_of("a") is back and kv.in_flight() == 0
-        assert kv.disk_used_bytes() == 0  # the destination was given back
-        assert kv.stats.commit_failures == 1
-        fail.clear()
-        if back is S.ON_HOST:
-            assert kv.reload("a")
-            kv.synchronize(10)
-        kv.check_integrity()
-        assert_same(kv, "a", data)  # the source was never freed
-    finally:
-        kv.close()
-
-
-def test_commit_failure_through_poll_does_not_raise(geom, tmp_path, monkeypatch):
-    kv = make(geom, tmp_path, host_pages=1)
-    fail = threading.Event()
-    fail.set()
-    try:
-        failing_commit(monkeypatch, kv, fail)
-        fill(kv, "a", torch.Generator().manual_seed(32), 9)
+    failing_commit(monkeypatch, kv, fail)
+    gen = torch.Generator().manual_seed(31)
+    data = fill(kv, "a", gen, 11)  # 3 pages: never fits a 1-page host tier
+    if route == "demote":
         assert kv.offload("a")
-        kv._reqs["a"].job.future.result(10)
-        out = kv.poll()
-        assert [(d.rid, d.ok, d.state) for d in out] == [("a", False, S.RESIDENT)]
+        assert [d.move for d in kv.synchronize(10)] == [Move.OFFLOAD_TO_HOST]
         kv.check_integrity()
-    finally:
-        kv.close()
-
-
-def test_an_unexpected_completion_error_is_contained(geom, tmp_path, monkeypatch):
-    """Whatever a completion handler raises, poll returns and the records agree."""
-    kv = make(geom, tmp_path, host_pages=1)
-    try:
-        fill(kv, "a", torch.Generator().manual_seed(33), 9)
-
-        def broken(*a, **k):
-            raise KeyError("a bug in a completion")
-
-        monkeypatch.setitem(kv._completions, Move.OFFLOAD_TO_DISK, broken)
+        fail.set()
+        assert kv.demote("a")
+        (done,) = kv.synchronize(10)  # must not raise
+        assert done.move is Move.DEMOTE and not done.ok and done.state is S.ON_HOST
+        back = S.ON_HOST
+    else:
+        fail.set()
         assert kv.offload("a")
         (done,) = kv.synchronize(10)
-        assert not done.ok and done.state is S.LOST and "a bug" in done.reason
-        assert kv.stats.completion_errors == 1
-        kv.check_integrity()
-        assert kv.device_used_bytes() == 0 and kv.disk_used_bytes() == 0
-    finally:
-        kv.close()
+        assert done.move is Move.OFFLOAD_TO_DISK and not done.ok
+        assert done.state is S.RESIDENT
+        back = S.RESIDENT
+    assert "ENOSPC" in done.reason or "No space" in done.reason
+    kv.check_integrity()
+    assert kv.state_of("a") is back and kv.in_flight() == 0
+    assert kv.disk_used_bytes() == 0  # the destination was given back
+    assert kv.stats.commit_failures == 1
+    fail.clear()
+    if back is S.ON_HOST:
+        assert kv.reload("a")
+        kv.synchronize(10)
+    kv.check_integrity()
+    assert_same(kv, "a", data)  # the source was never freed
+
+
+def test_commit_failure_through_poll_does_not_raise(geom, tmp_path, monkeypatch, closing):
+    kv = closing(make(geom, tmp_path, host_pages=1))
+    fail = threading.Event()
+    fail.set()
+    failing_commit(monkeypatch, kv, fail)
+    fill(kv, "a", torch.Generator().manual_seed(32), 9)
+    assert kv.offload("a")
+    kv._reqs["a"].job.future.result(10)
+    out = kv.poll()
+    assert [(d.rid, d.ok, d.state) for d in out] == [("a", False, S.RESIDENT)]
+    kv.check_integrity()
+
+
+def test_an_unexpected_completion_error_is_contained(geom, tmp_path, monkeypatch, closing):
+    """Whatever a completion handler raises, poll returns and the records agree."""
+    kv = closing(make(geom, tmp_path, host_pages=1))
+    fill(kv, "a", torch.Generator().manual_seed(33), 9)
+
+    def broken(*a, **k):
+        raise KeyError("a bug in a completion")
+
+    monkeypatch.setitem(kv._completions, Move.OFFLOAD_TO_DISK, broken)
+    assert kv.offload("a")
+    (done,) = kv.synchronize(10)
+    assert not done.ok and done.state is S.LOST and "a bug" in done.reason
+    assert kv.stats.completion_errors == 1
+    kv.check_integrity()
+    assert kv.device_used_bytes() == 0 and kv.disk_used_bytes() == 0
 
 
 # -- B: a reused id behaves exactly like a fresh one ---------------------------------------
 
 
-def test_reused_id_after_removal_mid_disk_reload(geom, tmp_path):
+def test_reused_id_after_removal_mid_disk_reload(geom, tmp_path, closing):
     release, entered = threading.Event(), threading.Event()
 
     def hold(kind):
@@ -141,81 +132,72 @@ def test_reused_id_after_removal_mid_disk_reload(geom, tmp_path):
             entered.set()
             assert release.wait(10)
 
-    kv = make(geom, tmp_path, host_pages=1, copy_fault_hook=hold)
-    try:
-        gen = torch.Generator().manual_seed(34)
-        fill(kv, "a", gen, 7)
-        assert kv.offload("a")  # 2 pages, host holds 1: straight to disk
-        kv.synchronize(10)
-        assert kv.state_of("a") is S.ON_DISK
-        assert kv.reload("a") and entered.wait(10)
-        kv.remove_request("a")  # its disk read is running
-        kv.check_integrity()
-        (tomb,) = kv._tombstones.values()
-        assert "a" not in tomb.key  # a fresh key, never the id
-        data = fill(kv, "a", gen, 7)
-        kv.check_integrity()
-        assert kv.offload("a")  # straight to disk again
-        release.set()
-        out = kv.synchronize(10)  # used to raise "already committed"
-        kv.check_integrity()
-        assert sorted((d.move, d.ok, d.state) for d in out if d.state is not None) == [
-            (Move.OFFLOAD_TO_DISK, True, S.ON_DISK)
-        ]
-        assert [d.state for d in out if d.move is Move.RELOAD_FROM_DISK] == [None]
-        assert kv.reload("a")
-        kv.synchronize(10)
-        kv.check_integrity()
-        assert_same(kv, "a", data)
-    finally:
-        release.set()
-        kv.close()
+    kv = closing(make(geom, tmp_path, host_pages=1, copy_fault_hook=hold))
+    closing.call(release.set)
+    gen = torch.Generator().manual_seed(34)
+    fill(kv, "a", gen, 7)
+    assert kv.offload("a")  # 2 pages, host holds 1: straight to disk
+    kv.synchronize(10)
+    assert kv.state_of("a") is S.ON_DISK
+    assert kv.reload("a") and entered.wait(10)
+    kv.remove_request("a")  # its disk read is running
+    kv.check_integrity()
+    (tomb,) = kv._tombstones.values()
+    assert "a" not in tomb.key  # a fresh key, never the id
+    data = fill(kv, "a", gen, 7)
+    kv.check_integrity()
+    assert kv.offload("a")  # straight to disk again
+    release.set()
+    out = kv.synchronize(10)  # used to raise "already committed"
+    kv.check_integrity()
+    assert sorted((d.move, d.ok, d.state) for d in out if d.state is not None) == [
+        (Move.OFFLOAD_TO_DISK, True, S.ON_DISK)
+    ]
+    assert [d.state for d in out if d.move is Move.RELOAD_FROM_DISK] == [None]
+    assert kv.reload("a")
+    kv.synchronize(10)
+    kv.check_integrity()
+    assert_same(kv, "a", data)
 
 
-def test_reused_id_after_removal_mid_offload_to_host(geom):
+def test_reused_id_after_removal_mid_offload_to_host(geom, closing):
     release, entered = threading.Event(), threading.Event()
 
     def hold(kind):
         entered.set()
         assert release.wait(10)
 
-    kv = PagedKVCache(geom, device_pages=8, host_pages=8, copy_fault_hook=hold)
-    try:
-        gen = torch.Generator().manual_seed(35)
-        fill(kv, "a", gen, 5)
-        assert kv.offload("a") and entered.wait(10)
-        kv.remove_request("a")
-        data = fill(kv, "a", gen, 6)
-        kv.check_integrity()
-        release.set()
-        out = kv.synchronize(10)
-        assert [(d.rid, d.state) for d in out] == [("a", None)]
-        assert kv.state_of("a") is S.RESIDENT  # the old copy's landing did not touch it
-        kv.check_integrity()
-        assert_same(kv, "a", data)
-    finally:
-        release.set()
-        kv.close()
+    kv = closing(PagedKVCache(geom, device_pages=8, host_pages=8, copy_fault_hook=hold))
+    closing.call(release.set)
+    gen = torch.Generator().manual_seed(35)
+    fill(kv, "a", gen, 5)
+    assert kv.offload("a") and entered.wait(10)
+    kv.remove_request("a")
+    data = fill(kv, "a", gen, 6)
+    kv.check_integrity()
+    release.set()
+    out = kv.synchronize(10)
+    assert [(d.rid, d.state) for d in out] == [("a", None)]
+    assert kv.state_of("a") is S.RESIDENT  # the old copy's landing did not touch it
+    kv.check_integrity()
+    assert_same(kv, "a", data)
 
 
 # -- C: an empty move changes nothing ------------------------------------------------------
 
 
-def test_empty_request_offload_changes_nothing(geom, tmp_path):
-    kv = make(geom, tmp_path)
-    try:
-        kv.ingest_request("e")
-        assert kv.allocate("e", 0)
-        before = snapshot(kv)
-        assert kv.offload("e") == 0
-        assert snapshot(kv) == before
-        assert kv.state_of("e") is S.RESIDENT
-        assert kv.reclaimable("e") == 0
-        kv.check_integrity()
-        assert kv.synchronize(5) == []
-        assert kv.admit(ResourceStep("e"), StepContext())
-    finally:
-        kv.close()
+def test_empty_request_offload_changes_nothing(geom, tmp_path, closing):
+    kv = closing(make(geom, tmp_path))
+    kv.ingest_request("e")
+    assert kv.allocate("e", 0)
+    before = snapshot(kv)
+    assert kv.offload("e") == 0
+    assert snapshot(kv) == before
+    assert kv.state_of("e") is S.RESIDENT
+    assert kv.reclaimable("e") == 0
+    kv.check_integrity()
+    assert kv.synchronize(5) == []
+    assert kv.admit(ResourceStep("e"), StepContext())
 
 
 # -- D: after close every call raises and changes nothing; a failed constructor leaves nothing
@@ -306,73 +288,64 @@ def test_a_constructor_that_fails_leaves_no_threads(geom, tmp_path):
         (lambda kv, k, v: kv.synchronize(True), "timeout"),
     ],
 )
-def test_bad_arguments_name_the_field_and_change_nothing(geom, call, match):
-    kv = PagedKVCache(geom, device_pages=8, host_pages=8)
-    try:
-        gen = torch.Generator().manual_seed(37)
-        data = fill(kv, "r", gen, 8)
-        k, v = random_kv(gen, geom, 3)[1]
-        before = snapshot(kv)
-        with pytest.raises(ValueError, match=match):
-            call(kv, k, v)
-        assert snapshot(kv) == before
-        kv.check_integrity()
-        assert_same(kv, "r", data)  # nothing written
-    finally:
-        kv.close()
+def test_bad_arguments_name_the_field_and_change_nothing(geom, call, match, closing):
+    kv = closing(PagedKVCache(geom, device_pages=8, host_pages=8))
+    gen = torch.Generator().manual_seed(37)
+    data = fill(kv, "r", gen, 8)
+    k, v = random_kv(gen, geom, 3)[1]
+    before = snapshot(kv)
+    with pytest.raises(ValueError, match=match):
+        call(kv, k, v)
+    assert snapshot(kv) == before
+    kv.check_integrity()
+    assert_same(kv, "r", data)  # nothing written
 
 
 # -- G: completion as data -----------------------------------------------------------------
 
 
-def test_poll_and_synchronize_return_transfer_records(geom, tmp_path):
-    kv = make(geom, tmp_path, host_pages=4)
+def test_poll_and_synchronize_return_transfer_records(geom, tmp_path, closing):
+    kv = closing(make(geom, tmp_path, host_pages=4))
     pb = geom.page_bytes
-    try:
-        gen = torch.Generator().manual_seed(38)
-        fill(kv, "a", gen, 5)  # 2 pages
-        fill(kv, "b", gen, 13)  # 4 pages: the host has 2 left after a
-        assert kv.offload("a") and kv.offload("b")
-        out = sorted(kv.synchronize(10))
-        assert out == [
-            TransferResult("a", Move.OFFLOAD_TO_HOST, True, 2 * pb, S.ON_HOST),
-            TransferResult("b", Move.OFFLOAD_TO_DISK, True, 4 * pb, S.ON_DISK),
-        ]
-        kv.check_integrity()
-        assert kv.demote("a")
-        assert kv.synchronize(10) == [TransferResult("a", Move.DEMOTE, True, 2 * pb, S.ON_DISK)]
-        assert kv.reload("a") and kv.reload("b")
-        out = sorted(kv.synchronize(10))
-        assert out == [
-            TransferResult("a", Move.RELOAD_FROM_DISK, True, 2 * pb, S.RESIDENT),
-            TransferResult("b", Move.RELOAD_FROM_DISK, True, 4 * pb, S.RESIDENT),
-        ]
-        assert kv.poll() == []  # each completion is reported once
-        kv.check_integrity()
-    finally:
-        kv.close()
+    gen = torch.Generator().manual_seed(38)
+    fill(kv, "a", gen, 5)  # 2 pages
+    fill(kv, "b", gen, 13)  # 4 pages: the host has 2 left after a
+    assert kv.offload("a") and kv.offload("b")
+    out = sorted(kv.synchronize(10))
+    assert out == [
+        TransferResult("a", Move.OFFLOAD_TO_HOST, True, 2 * pb, S.ON_HOST),
+        TransferResult("b", Move.OFFLOAD_TO_DISK, True, 4 * pb, S.ON_DISK),
+    ]
+    kv.check_integrity()
+    assert kv.demote("a")
+    assert kv.synchronize(10) == [TransferResult("a", Move.DEMOTE, True, 2 * pb, S.ON_DISK)]
+    assert kv.reload("a") and kv.reload("b")
+    out = sorted(kv.synchronize(10))
+    assert out == [
+        TransferResult("a", Move.RELOAD_FROM_DISK, True, 2 * pb, S.RESIDENT),
+        TransferResult("b", Move.RELOAD_FROM_DISK, True, 4 * pb, S.RESIDENT),
+    ]
+    assert kv.poll() == []  # each completion is reported once
+    kv.check_integrity()
 
 
-def test_a_completion_applied_by_admit_is_still_reported_by_poll(geom):
-    kv = PagedKVCache(geom, device_pages=8, host_pages=8)
-    try:
-        fill(kv, "a", torch.Generator().manual_seed(39), 5)
-        kv.offload("a")
-        kv.synchronize(10)
-        assert kv.reload("a")
-        kv._reqs["a"].job.future.result(10)
-        assert kv.admit(ResourceStep("a"), StepContext())  # applies the reload
-        assert [(d.move, d.state) for d in kv.poll()] == [(Move.RELOAD_FROM_HOST, S.RESIDENT)]
-        assert kv.poll() == []
-        kv.check_integrity()
-    finally:
-        kv.close()
+def test_a_completion_applied_by_admit_is_still_reported_by_poll(geom, closing):
+    kv = closing(PagedKVCache(geom, device_pages=8, host_pages=8))
+    fill(kv, "a", torch.Generator().manual_seed(39), 5)
+    kv.offload("a")
+    kv.synchronize(10)
+    assert kv.reload("a")
+    kv._reqs["a"].job.future.result(10)
+    assert kv.admit(ResourceStep("a"), StepContext())  # applies the reload
+    assert [(d.move, d.state) for d in kv.poll()] == [(Move.RELOAD_FROM_HOST, S.RESIDENT)]
+    assert kv.poll() == []
+    kv.check_integrity()
 
 
 # -- F12 (CPU): a reload does not queue behind a running offload ---------------------------
 
 
-def test_reload_is_not_queued_behind_running_offloads(geom):
+def test_reload_is_not_queued_behind_running_offloads(geom, closing):
     release = threading.Event()
     offloads_running = threading.Semaphore(0)
 
@@ -381,59 +354,53 @@ def test_reload_is_not_queued_behind_running_offloads(geom):
             offloads_running.release()
             assert release.wait(10)
 
-    kv = PagedKVCache(geom, device_pages=16, host_pages=16, copy_workers=1, copy_fault_hook=hook)
-    try:
-        gen = torch.Generator().manual_seed(40)
-        a = fill(kv, "a", gen, 6)
-        kv.offload("a")
-        release.set()
-        kv.synchronize(10)
-        assert offloads_running.acquire(timeout=1)  # a's own copy went through the hook
-        release.clear()
-        fill(kv, "b", gen, 6)
-        fill(kv, "c", gen, 6)
-        kv.offload("b")
-        kv.offload("c")
-        assert offloads_running.acquire(timeout=10)  # b's copy holds the only d2h worker
-        assert kv.reload("a")
-        (done,) = [kv._reqs["a"].job.future]
-        done.result(10)  # completes while the offloads are still blocked
-        assert kv.state_of("b") is S.OFFLOADING and kv.state_of("c") is S.OFFLOADING
-        out = kv.poll()
-        assert [(d.rid, d.move) for d in out] == [("a", Move.RELOAD_FROM_HOST)]
-        kv.check_integrity()
-        assert_same(kv, "a", a)
-        release.set()
-        kv.synchronize(10)
-        kv.check_integrity()
-    finally:
-        release.set()
-        kv.close()
+    kv = closing(PagedKVCache(geom, device_pages=16, host_pages=16, copy_workers=1, copy_fault_hook=hook))
+    closing.call(release.set)
+    gen = torch.Generator().manual_seed(40)
+    a = fill(kv, "a", gen, 6)
+    kv.offload("a")
+    release.set()
+    kv.synchronize(10)
+    assert offloads_running.acquire(timeout=1)  # a's own copy went through the hook
+    release.clear()
+    fill(kv, "b", gen, 6)
+    fill(kv, "c", gen, 6)
+    kv.offload("b")
+    kv.offload("c")
+    assert offloads_running.acquire(timeout=10)  # b's copy holds the only d2h worker
+    assert kv.reload("a")
+    (done,) = [kv._reqs["a"].job.future]
+    done.result(10)  # completes while the offloads are still blocked
+    assert kv.state_of("b") is S.OFFLOADING and kv.state_of("c") is S.OFFLOADING
+    out = kv.poll()
+    assert [(d.rid, d.move) for d in out] == [("a", Move.RELOAD_FROM_HOST)]
+    kv.check_integrity()
+    assert_same(kv, "a", a)
+    release.set()
+    kv.synchronize(10)
+    kv.check_integrity()
 
 
 # -- F18: the device page table is kept per request ---------------------------------------
 
 
-def test_read_reuses_the_device_page_table_until_slots_change(geom):
-    kv = PagedKVCache(geom, device_pages=16, host_pages=16)
-    try:
-        gen = torch.Generator().manual_seed(41)
-        data = fill(kv, "a", gen, 6)
-        assert_same(kv, "a", data)
-        built = kv.stats.page_tables_built
-        table = kv._reqs["a"].index
-        assert built == 1 and table.tolist() == kv.page_table("a")
-        assert_same(kv, "a", data)  # every layer again: no rebuild
-        assert kv.stats.page_tables_built == built and kv._reqs["a"].index is table
-        assert kv.allocate("a", 20)  # grows: the table must be rebuilt (negative control)
-        k, v = random_kv(gen, geom, 20)[0]
-        kv.write("a", 0, 0, k, v)
-        k2, v2 = kv.read("a", 0)
-        assert torch.equal(k2, k) and torch.equal(v2, v)
-        assert kv.stats.page_tables_built == built + 1
-        kv.check_integrity()
-    finally:
-        kv.close()
+def test_read_reuses_the_device_page_table_until_slots_change(geom, closing):
+    kv = closing(PagedKVCache(geom, device_pages=16, host_pages=16))
+    gen = torch.Generator().manual_seed(41)
+    data = fill(kv, "a", gen, 6)
+    assert_same(kv, "a", data)
+    built = kv.stats.page_tables_built
+    table = kv._reqs["a"].index
+    assert built == 1 and table.tolist() == kv.page_table("a")
+    assert_same(kv, "a", data)  # every layer again: no rebuild
+    assert kv.stats.page_tables_built == built and kv._reqs["a"].index is table
+    assert kv.allocate("a", 20)  # grows: the table must be rebuilt (negative control)
+    k, v = random_kv(gen, geom, 20)[0]
+    kv.write("a", 0, 0, k, v)
+    k2, v2 = kv.read("a", 0)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert kv.stats.page_tables_built == built + 1
+    kv.check_integrity()
 
 
 # -- F17: pinning reports how the slab was pinned; a failed register falls back ---------
@@ -526,32 +493,28 @@ def _second_offload_queued(geom, seed):
     return kv, gate
 
 
-def test_a_cancelled_offload_is_reported_as_a_record(geom):
+def test_a_cancelled_offload_is_reported_as_a_record(geom, closing):
     """An offload taken back by admit before its copy started is reported
     (ok=False, resident again): a controller that counted it as leaving the
     device would otherwise count it for good (the demo stalled on exactly that)."""
     kv, gate = _second_offload_queued(geom, 5)
-    try:
-        assert kv.admit(ResourceStep("b"), StepContext())  # wanted again: cancelled
-        recs = kv.poll()
-        assert [(d.rid, d.ok, d.state) for d in recs] == [("b", False, S.RESIDENT)]
-        assert "cancelled" in recs[0].reason
-        gate.set()
-        kv.synchronize(10)
-        kv.check_integrity()
-    finally:
-        gate.set()
-        kv.close()
+    closing(kv)
+    closing.call(gate.set)
+    assert kv.admit(ResourceStep("b"), StepContext())  # wanted again: cancelled
+    recs = kv.poll()
+    assert [(d.rid, d.ok, d.state) for d in recs] == [("b", False, S.RESIDENT)]
+    assert "cancelled" in recs[0].reason
+    gate.set()
+    kv.synchronize(10)
+    kv.check_integrity()
 
 
-def test_remove_reports_a_copy_it_cancelled(geom):
+def test_remove_reports_a_copy_it_cancelled(geom, closing):
     kv, gate = _second_offload_queued(geom, 6)
-    try:
-        kv.remove_request("b")  # its copy never started
-        assert [(d.rid, d.ok, d.state) for d in kv.poll()] == [("b", False, None)]
-        gate.set()
-        assert [(d.rid, d.ok) for d in kv.synchronize(10)] == [("a", True)]
-        kv.check_integrity()
-    finally:
-        gate.set()
-        kv.close()
+    closing(kv)
+    closing.call(gate.set)
+    kv.remove_request("b")  # its copy never started
+    assert [(d.rid, d.ok, d.state) for d in kv.poll()] == [("b", False, None)]
+    gate.set()
+    assert [(d.rid, d.ok) for d in kv.synchronize(10)] == [("a", True)]
+    kv.check_integrity()

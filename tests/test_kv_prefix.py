@@ -289,7 +289,7 @@ def test_offloading_a_request_with_shared_blocks_moves_only_its_own_pages():
         assert kv.stats.bytes_device_to_host == 2 * GEOM.page_bytes
 
 
-def test_bad_input_names_what_was_wrong_and_changes_nothing():
+def test_bad_input_names_what_was_wrong_and_changes_nothing(closing):
     gen = torch.Generator().manual_seed(11)
     with make() as kv:
         ids, _ = published(kv, gen)
@@ -300,13 +300,10 @@ def test_bad_input_names_what_was_wrong_and_changes_nothing():
             kv.attach_prefix("b", torch.tensor([1, -2, 3]))
         assert kv.num_tokens("b") == 0
         kv.check_integrity()
-    plain = PagedKVCache(GEOM, "cpu", 4, 4)
-    try:
-        plain.ingest_request("x")
-        with pytest.raises(RuntimeError, match="not enabled"):
-            plain.cached_prefix([1, 2, 3, 4])
-    finally:
-        plain.close()
+    plain = closing(PagedKVCache(GEOM, "cpu", 4, 4))
+    plain.ingest_request("x")
+    with pytest.raises(RuntimeError, match="not enabled"):
+        plain.cached_prefix([1, 2, 3, 4])
 
 
 def test_removing_a_loader_in_flight_leaks_nothing():
@@ -345,7 +342,7 @@ def test_negative_control_without_the_crc_check_corruption_would_be_served(monke
         assert not torch.equal(k[:16], data[0][0][:16])
 
 
-def test_engine_hooks_resolve_apply_and_extend():
+def test_engine_hooks_resolve_apply_and_extend(closing):
     """The seed's prefix hooks on the same machinery: resolve says how much, apply attaches,
     extend keys generated pages as they fill."""
     gen = torch.Generator().manual_seed(13)
@@ -371,12 +368,9 @@ def test_engine_hooks_resolve_apply_and_extend():
         k, _ = kv.read("b", 0)
         assert torch.equal(k[:10], data[0][0]) and torch.equal(k[10:12], more[0][0])
         kv.check_integrity()
-    plain = PagedKVCache(GEOM, "cpu", 4, 4)
-    try:
-        assert plain.resolve_cached_prefix("x", "n", "w", [1, 2, 3]) is None
-        assert not plain.keys_prefix_chains
-    finally:
-        plain.close()
+    plain = closing(PagedKVCache(GEOM, "cpu", 4, 4))
+    assert plain.resolve_cached_prefix("x", "n", "w", [1, 2, 3]) is None
+    assert not plain.keys_prefix_chains
 
 
 

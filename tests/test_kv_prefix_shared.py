@@ -119,18 +119,15 @@ def local_hits(st: dict) -> int:
 def _publisher(url, opts, seed, out):
     """Worker A in its own process: publish random KV under the common root, send it back."""
     gen = torch.Generator().manual_seed(seed)
-    kv = make(shared=SharedTierConfig(url, opts))
-    try:
+    with make(shared=SharedTierConfig(url, opts)) as kv:
         ids, data = publish_random(kv, gen, n=17)
         kv.synchronize(60)
         raw = [(k.view(torch.int16).numpy(), v.view(torch.int16).numpy()) for k, v in data]
         out.put({"ids": ids.numpy(), "data": raw,
                  "stats": kv.prefix_stats()})
-    finally:
-        kv.close()
 
 
-def test_two_worker_processes_share_a_prefix_bitwise(seaweed, tmp_path):  # noqa: F811
+def test_two_worker_processes_share_a_prefix_bitwise(seaweed, tmp_path, closing):  # noqa: F811
     url, opts = seaweed.url(), seaweed.options()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -155,67 +152,61 @@ def test_two_worker_processes_share_a_prefix_bitwise(seaweed, tmp_path):  # noqa
     data = [(torch.from_numpy(k).view(GEOM.dtype), torch.from_numpy(v).view(GEOM.dtype))
             for k, v in got["data"]]
 
-    kv_b = make(tmp_path / "b", shared=SharedTierConfig(url, opts))
-    kv_c = make(tmp_path / "c", shared=SharedTierConfig(url, opts), model="other")  # another root
-    kv_n = make(tmp_path / "n")  # no shared tier
-    try:
-        for kv in (kv_b, kv_c, kv_n):
-            kv.synchronize(30)  # the first listing of the root's blocks lands
-            kv.check_integrity()
-        hit = kv_b.cached_prefix(ids)
-        assert (hit.tokens, hit.shared, hit.device + hit.host + hit.disk) == (16, 16, 0)
-        kv_b.ingest_request("b")
-        assert kv_b.attach_prefix("b", ids) == 16
-        kv_b.check_integrity()
-        assert kv_b.is_offloaded("b") and not admit(kv_b, "b")
-        load(kv_b, "b")
-        assert kv_b.num_tokens("b") == 16
-        assert_leading(kv_b, "b", data, 16)
-        st = kv_b.prefix_stats()
-        assert st["shared_fetched"] == 4 and st["hit_tokens_shared"] == 16
-        assert local_hits(st) == 0 and st.get("blocks_published", 0) == 0  # none was B's own
-        assert st["shared_lost"] == st["shared_unavailable"] == 0
-        # B goes on from the hit: its own tail, then it publishes; the shared blocks are known
-        write_random(kv_b, "b", torch.Generator().manual_seed(5), 1, start=16)
-        kv_b.check_integrity()
-        # negative controls: another root, and no shared tier, find nothing for the same tokens
-        for kv in (kv_c, kv_n):
-            assert kv.cached_prefix(ids).tokens == 0
-            kv.ingest_request("x")
-            assert kv.attach_prefix("x", ids) == 0
-            kv.check_integrity()
-        assert kv_c.prefix_stats()["shared_fetched"] == 0
-        assert kv_c.prefix_stats()["shared_refreshes"] >= 1  # it did look
-    finally:
-        for kv in (kv_b, kv_c, kv_n):
-            kv.close()
+    kv_b = closing(make(tmp_path / "b", shared=SharedTierConfig(url, opts)))
+    kv_c = closing(make(tmp_path / "c", shared=SharedTierConfig(url, opts), model="other"))  # another root
+    kv_n = closing(make(tmp_path / "n"))  # no shared tier
+    for kv in (kv_b, kv_c, kv_n):
+        kv.synchronize(30)  # the first listing of the root's blocks lands
+        kv.check_integrity()
+    hit = kv_b.cached_prefix(ids)
+    assert (hit.tokens, hit.shared, hit.device + hit.host + hit.disk) == (16, 16, 0)
+    kv_b.ingest_request("b")
+    assert kv_b.attach_prefix("b", ids) == 16
+    kv_b.check_integrity()
+    assert kv_b.is_offloaded("b") and not admit(kv_b, "b")
+    load(kv_b, "b")
+    assert kv_b.num_tokens("b") == 16
+    assert_leading(kv_b, "b", data, 16)
+    st = kv_b.prefix_stats()
+    assert st["shared_fetched"] == 4 and st["hit_tokens_shared"] == 16
+    assert local_hits(st) == 0 and st.get("blocks_published", 0) == 0  # none was B's own
+    assert st["shared_lost"] == st["shared_unavailable"] == 0
+    # B goes on from the hit: its own tail, then it publishes; the shared blocks are known
+    write_random(kv_b, "b", torch.Generator().manual_seed(5), 1, start=16)
+    kv_b.check_integrity()
+    # negative controls: another root, and no shared tier, find nothing for the same tokens
+    for kv in (kv_c, kv_n):
+        assert kv.cached_prefix(ids).tokens == 0
+        kv.ingest_request("x")
+        assert kv.attach_prefix("x", ids) == 0
+        kv.check_integrity()
+    assert kv_c.prefix_stats()["shared_fetched"] == 0
+    assert kv_c.prefix_stats()["shared_refreshes"] >= 1  # it did look
 
 
-def test_two_caches_share_and_a_duplicate_is_harmless(seaweed, tmp_path):  # noqa: F811
+def test_two_caches_share_and_a_duplicate_is_harmless(seaweed, tmp_path, closing):  # noqa: F811
     gen = torch.Generator().manual_seed(21)
     cfg = SharedTierConfig(seaweed.url(), seaweed.options())
     kv_a, kv_b = make(tmp_path / "a", shared=cfg), make(tmp_path / "b", shared=cfg)
-    try:
-        kv_b.synchronize(30)  # B lists before A publishes: it knows nothing yet
-        ids, data = publish_random(kv_a, gen, n=9)
-        kv_a.synchronize(30)
-        assert kv_a.prefix_stats()["shared_published"] == 2
-        # B computed the same prefix itself (the same bytes): its publish finds them there
-        kv_b.ingest_request("same")
-        assert kv_b.allocate("same", 9)
-        for layer, (k, v) in enumerate(data):
-            kv_b.write("same", layer, 0, k, v)
-        kv_b.publish_prefix("same", ids)
-        kv_b.synchronize(30)
-        st = kv_b.prefix_stats()
-        assert st["shared_duplicates"] == 2 and st["shared_published"] == 0
-        # A's objects hold exactly A's pages, framed; B's duplicate changed none of them
-        for key in kv_a._prefix.keys(ids)[:2]:
-            raw = obstore.get(kv_a._prefix.shared.blocks.store, block_path(kv_a._prefix.root, key)).bytes()
-            assert raw == frame(KIND_BLOCK, key, kv_a._prefix.root, GEOM_ID, _page_bytes(data, key, kv_a, ids))
-    finally:
-        kv_a.close()
-        kv_b.close()
+    closing(kv_a)
+    closing(kv_b)
+    kv_b.synchronize(30)  # B lists before A publishes: it knows nothing yet
+    ids, data = publish_random(kv_a, gen, n=9)
+    kv_a.synchronize(30)
+    assert kv_a.prefix_stats()["shared_published"] == 2
+    # B computed the same prefix itself (the same bytes): its publish finds them there
+    kv_b.ingest_request("same")
+    assert kv_b.allocate("same", 9)
+    for layer, (k, v) in enumerate(data):
+        kv_b.write("same", layer, 0, k, v)
+    kv_b.publish_prefix("same", ids)
+    kv_b.synchronize(30)
+    st = kv_b.prefix_stats()
+    assert st["shared_duplicates"] == 2 and st["shared_published"] == 0
+    # A's objects hold exactly A's pages, framed; B's duplicate changed none of them
+    for key in kv_a._prefix.keys(ids)[:2]:
+        raw = obstore.get(kv_a._prefix.shared.blocks.store, block_path(kv_a._prefix.root, key)).bytes()
+        assert raw == frame(KIND_BLOCK, key, kv_a._prefix.root, GEOM_ID, _page_bytes(data, key, kv_a, ids))
 
 
 def _page_bytes(data, key, kv, ids) -> bytes:
@@ -232,9 +223,8 @@ def test_damaged_shared_object_is_refused_and_recomputed(seaweed, tmp_path):  # 
     gen = torch.Generator().manual_seed(31)
     cfg = SharedTierConfig(seaweed.url(), seaweed.options())
     for damage in (False, True):  # the first pass is the control: nothing damaged, all hit
-        kv_a = make(tmp_path / f"a{damage}", shared=cfg, model=f"m{damage}")
-        kv_b = make(tmp_path / f"b{damage}", shared=cfg, model=f"m{damage}")
-        try:
+        with (make(tmp_path / f"a{damage}", shared=cfg, model=f"m{damage}") as kv_a,
+              make(tmp_path / f"b{damage}", shared=cfg, model=f"m{damage}") as kv_b):
             ids, data = publish_random(kv_a, gen, n=13)
             kv_a.synchronize(30)
             keys = kv_a._prefix.keys(ids)
@@ -271,83 +261,76 @@ def test_damaged_shared_object_is_refused_and_recomputed(seaweed, tmp_path):  # 
             kv_b.synchronize(30)
             assert kv_b.prefix_stats()["shared_published"] == 1  # block 1 written again
             kv_b.check_integrity()
-        finally:
-            kv_a.close()
-            kv_b.close()
 
 
-def test_frozen_server_mid_fetch_is_a_miss_and_no_step_waits(seaweed_faults, tmp_path):  # noqa: F811
+def test_frozen_server_mid_fetch_is_a_miss_and_no_step_waits(seaweed_faults, tmp_path, closing):  # noqa: F811
     srv = seaweed_faults
     gen = torch.Generator().manual_seed(41)
     url = srv.url()
-    kv_a = make(shared=SharedTierConfig(url, srv.options()))
+    kv_a = closing(make(shared=SharedTierConfig(url, srv.options())))
     clock = FakeClock()
     cfg_b = SharedTierConfig(url, srv.options(timeout_s=1.5, max_retries=0),
                              ColdTierConfig(io_threads=2, breaker=BreakerConfig(1, cooldown_s=5.0)))
-    kv_b = make(tmp_path / "b", shared=cfg_b, clock=clock)
+    kv_b = closing(make(tmp_path / "b", shared=cfg_b, clock=clock))
+    ids, data = publish_random(kv_a, gen, n=13)
+    kv_a.synchronize(30)
+    relist(kv_b)
+    assert kv_b.cached_prefix(ids).shared == 12
+    srv.freeze()
     try:
-        ids, data = publish_random(kv_a, gen, n=13)
-        kv_a.synchronize(30)
-        relist(kv_b)
-        assert kv_b.cached_prefix(ids).shared == 12
-        srv.freeze()
-        try:
-            # the store cannot answer before the client's 1.5 s timeout: a step-path call that
-            # waited on it would return with the fetch settled. Each returns with it still out.
-            rec = kv_b._reqs
+        # the store cannot answer before the client's 1.5 s timeout: a step-path call that
+        # waited on it would return with the fetch settled. Each returns with it still out.
+        rec = kv_b._reqs
 
-            def out_after(fn, *a):
-                result = fn(*a)
-                assert kv_b._prefix.fetch_pending(rec["b"]), f"{fn.__name__} waited on the store"
-                return result
+        def out_after(fn, *a):
+            result = fn(*a)
+            assert kv_b._prefix.fetch_pending(rec["b"]), f"{fn.__name__} waited on the store"
+            return result
 
-            kv_b.ingest_request("b")
-            assert out_after(kv_b.attach_prefix, "b", ids) == 12
-            assert not out_after(admit, kv_b, "b")
-            assert not out_after(kv_b.reload, "b")  # not yet: the fetch is out
-            out_after(kv_b.poll)
-            deadline = time.monotonic() + 20
-            while kv_b._prefix.fetch_pending(rec["b"]) and time.monotonic() < deadline:
-                assert not admit(kv_b, "b")
-                kv_b.poll()
-                kv_b.check_integrity()
-                time.sleep(0.05)
-            assert not kv_b._prefix.fetch_pending(rec["b"])
-            st = kv_b.prefix_stats()
-            assert st["shared_fetched"] == 0 and st["shared_unavailable"] == 3
-            assert st["shared_reload_waits"] >= 1
-            assert kv_b._prefix.shared.blocks.breaker.stats().opened == 1
-            # the request keeps nothing of the prefix: it is a miss, recomputed from token 0
-            assert kv_b.reload("b")
-            kv_b.synchronize(10)
-            assert admit(kv_b, "b") and kv_b.num_tokens("b") == 0
+        kv_b.ingest_request("b")
+        assert out_after(kv_b.attach_prefix, "b", ids) == 12
+        assert not out_after(admit, kv_b, "b")
+        assert not out_after(kv_b.reload, "b")  # not yet: the fetch is out
+        out_after(kv_b.poll)
+        deadline = time.monotonic() + 20
+        while kv_b._prefix.fetch_pending(rec["b"]) and time.monotonic() < deadline:
+            assert not admit(kv_b, "b")
+            kv_b.poll()
             kv_b.check_integrity()
-            # while the breaker is open, a lookup and an attach ask nothing of the store
-            assert kv_b.cached_prefix(ids).shared == 0
-            kv_b.ingest_request("b2")
-            assert kv_b.attach_prefix("b2", ids) == 0
-            assert kv_b._prefix.shared.blocks.breaker.stats().opened == 1
-        finally:
-            srv.thaw()
-        # the blocks were left where they are: after the cooldown one trial fetch goes out (the
-        # request's other fetches are skipped, so it keeps one block) and closes the breaker
-        clock.t += 6
-        kv_b.ingest_request("b3")
-        assert kv_b.attach_prefix("b3", ids) == 12
-        load(kv_b, "b3")
-        assert kv_b.num_tokens("b3") == 4
-        assert kv_b.prefix_stats()["shared_fetched"] == 1
-        kv_b.ingest_request("b4")
-        assert kv_b.attach_prefix("b4", ids) == 12  # block 0 is local now, 1 and 2 fetched
-        load(kv_b, "b4")
-        assert kv_b.num_tokens("b4") == 12
-        assert_leading(kv_b, "b4", data, 12)
+            time.sleep(0.05)
+        assert not kv_b._prefix.fetch_pending(rec["b"])
         st = kv_b.prefix_stats()
-        assert st["shared_fetched"] == 3 and local_hits(st) == 4  # block 0: b3's, now local
+        assert st["shared_fetched"] == 0 and st["shared_unavailable"] == 3
+        assert st["shared_reload_waits"] >= 1
+        assert kv_b._prefix.shared.blocks.breaker.stats().opened == 1
+        # the request keeps nothing of the prefix: it is a miss, recomputed from token 0
+        assert kv_b.reload("b")
+        kv_b.synchronize(10)
+        assert admit(kv_b, "b") and kv_b.num_tokens("b") == 0
+        kv_b.check_integrity()
+        # while the breaker is open, a lookup and an attach ask nothing of the store
+        assert kv_b.cached_prefix(ids).shared == 0
+        kv_b.ingest_request("b2")
+        assert kv_b.attach_prefix("b2", ids) == 0
         assert kv_b._prefix.shared.blocks.breaker.stats().opened == 1
     finally:
-        kv_a.close()
-        kv_b.close()
+        srv.thaw()
+    # the blocks were left where they are: after the cooldown one trial fetch goes out (the
+    # request's other fetches are skipped, so it keeps one block) and closes the breaker
+    clock.t += 6
+    kv_b.ingest_request("b3")
+    assert kv_b.attach_prefix("b3", ids) == 12
+    load(kv_b, "b3")
+    assert kv_b.num_tokens("b3") == 4
+    assert kv_b.prefix_stats()["shared_fetched"] == 1
+    kv_b.ingest_request("b4")
+    assert kv_b.attach_prefix("b4", ids) == 12  # block 0 is local now, 1 and 2 fetched
+    load(kv_b, "b4")
+    assert kv_b.num_tokens("b4") == 12
+    assert_leading(kv_b, "b4", data, 12)
+    st = kv_b.prefix_stats()
+    assert st["shared_fetched"] == 3 and local_hits(st) == 4  # block 0: b3's, now local
+    assert kv_b._prefix.shared.blocks.breaker.stats().opened == 1
 
 
 # -- in memory: gates, faults, bad input, and a state machine ---------------------------------
@@ -388,6 +371,16 @@ def pair(host_pages=8, device_pages=16, io_threads=1, max_queued=256):
     return mem, a, b, gated
 
 
+def closed_pair(closing):
+    """``pair()`` for one test: both workers are closed at its end by ``closing``, after B's
+    gate is opened (a held fetch would otherwise keep B's close waiting)."""
+    mem, a, b, gated = pair()
+    closing(a)
+    closing(b)
+    closing.call(gated.gate.set)
+    return mem, a, b, gated
+
+
 def share(a, b, gen, n=13):
     ids, data = publish_random(a, gen, n=n)
     a.synchronize(10)
@@ -404,87 +397,75 @@ def attach_with_fetches_held(a, b, gated, gen):
     return ids, data
 
 
-def test_reload_refuses_while_a_fetch_is_out_then_loads_bitwise():
+def test_reload_refuses_while_a_fetch_is_out_then_loads_bitwise(closing):
     gen = torch.Generator().manual_seed(51)
-    _, a, b, gated = pair()
-    try:
-        ids, data = attach_with_fetches_held(a, b, gated, gen)
+    _, a, b, gated = closed_pair(closing)
+    ids, data = attach_with_fetches_held(a, b, gated, gen)
+    b.check_integrity()
+    for _ in range(3):
+        b.poll()
+        assert not admit(b, "b") and not b.reload("b")
         b.check_integrity()
-        for _ in range(3):
-            b.poll()
-            assert not admit(b, "b") and not b.reload("b")
-            b.check_integrity()
-        assert b.prefix_stats()["shared_reload_waits"] == 3
-        assert b.state_of("b") is S.ON_DISK and b.reload_bytes("b") == 3 * GEOM.page_bytes
-        gated.gate.set()
-        load(b, "b")
-        assert b.num_tokens("b") == 12
-        assert_leading(b, "b", data, 12)
-        st = b.prefix_stats()
-        assert st["shared_fetched"] == 3 and local_hits(st) == 0 and st["blocks_host_to_device"] == 3
-    finally:
-        gated.gate.set()
-        a.close()
-        b.close()
+    assert b.prefix_stats()["shared_reload_waits"] == 3
+    assert b.state_of("b") is S.ON_DISK and b.reload_bytes("b") == 3 * GEOM.page_bytes
+    gated.gate.set()
+    load(b, "b")
+    assert b.num_tokens("b") == 12
+    assert_leading(b, "b", data, 12)
+    st = b.prefix_stats()
+    assert st["shared_fetched"] == 3 and local_hits(st) == 0 and st["blocks_host_to_device"] == 3
 
 
-def test_a_removed_requests_fetch_lands_as_a_host_block_or_is_adopted():
+def test_a_removed_requests_fetch_lands_as_a_host_block_or_is_adopted(closing):
     gen = torch.Generator().manual_seed(52)
-    _, a, b, gated = pair()
-    try:
-        ids, data = attach_with_fetches_held(a, b, gated, gen)
-        b.remove_request("b")  # its fetches are let go, still in flight
-        b.check_integrity()
-        assert b.cached_prefix(ids).shared == 12  # let-go fetches can be taken up again
-        b.ingest_request("c")
-        assert b.attach_prefix("c", ids) == 12  # adopts the fetches in flight: no new request
-        assert b.prefix_stats()["shared_fetch_adopted"] == 3
-        b.remove_request("c")
-        b.check_integrity()
-        gated.gate.set()
-        b.synchronize(10)
-        b.check_integrity()
-        st = b.prefix_stats()
-        assert st["shared_prefetched"] == 3 and st["shared_fetched"] == 0
-        assert gated.fetches == 3  # one fetch per block, whoever waited for it
-        hit = b.cached_prefix(ids)
-        assert (hit.host, hit.shared) == (12, 0)  # now local host blocks
-        b.ingest_request("d")
-        assert b.attach_prefix("d", ids) == 12
-        load(b, "d")
-        assert_leading(b, "d", data, 12)
-        assert b.prefix_stats()["hit_tokens_host"] == 12 and gated.fetches == 3
-    finally:
-        gated.gate.set()
-        a.close()
-        b.close()
+    _, a, b, gated = closed_pair(closing)
+    ids, data = attach_with_fetches_held(a, b, gated, gen)
+    b.remove_request("b")  # its fetches are let go, still in flight
+    b.check_integrity()
+    assert b.cached_prefix(ids).shared == 12  # let-go fetches can be taken up again
+    b.ingest_request("c")
+    assert b.attach_prefix("c", ids) == 12  # adopts the fetches in flight: no new request
+    assert b.prefix_stats()["shared_fetch_adopted"] == 3
+    b.remove_request("c")
+    b.check_integrity()
+    gated.gate.set()
+    b.synchronize(10)
+    b.check_integrity()
+    st = b.prefix_stats()
+    assert st["shared_prefetched"] == 3 and st["shared_fetched"] == 0
+    assert gated.fetches == 3  # one fetch per block, whoever waited for it
+    hit = b.cached_prefix(ids)
+    assert (hit.host, hit.shared) == (12, 0)  # now local host blocks
+    b.ingest_request("d")
+    assert b.attach_prefix("d", ids) == 12
+    load(b, "d")
+    assert_leading(b, "d", data, 12)
+    assert b.prefix_stats()["hit_tokens_host"] == 12 and gated.fetches == 3
 
 
-def test_an_unavailable_fetch_keeps_the_blocks_before_it():
+def test_an_unavailable_fetch_keeps_the_blocks_before_it(closing):
     gen = torch.Generator().manual_seed(53)
     for fail in (False, True):  # the control first: nothing fails, everything lands
-        _, a, b, gated = pair()
-        try:
-            ids, data = share(a, b, gen)
-            b.ingest_request("p")  # block 0 made local on B first: B's own copy of A's page
-            assert b.attach_prefix("p", ids[:5]) == 4
-            load(b, "p")
-            b.remove_request("p")
-            gated.mode = "unavailable" if fail else "ok"
-            b.ingest_request("b")
-            assert b.attach_prefix("b", ids) == 12  # block 0 local, 1 and 2 fetched
-            load(b, "b")
-            st = b.prefix_stats()
-            valid = b.num_tokens("b")
-            assert valid == (4 if fail else 12)
-            assert_leading(b, "b", data, valid)
-            assert st["shared_unavailable"] == (2 if fail else 0)
-            if fail:  # still known remotely: a miss now, a retry later
-                assert all(k in b._prefix.shared.known for k in b._prefix.keys(ids)[1:3])
-                assert st["load_shared_unavailable"] == 1
-        finally:
-            a.close()
-            b.close()
+        _, a, b, gated = closed_pair(closing)
+        ids, data = share(a, b, gen)
+        b.ingest_request("p")  # block 0 made local on B first: B's own copy of A's page
+        assert b.attach_prefix("p", ids[:5]) == 4
+        load(b, "p")
+        b.remove_request("p")
+        gated.mode = "unavailable" if fail else "ok"
+        b.ingest_request("b")
+        assert b.attach_prefix("b", ids) == 12  # block 0 local, 1 and 2 fetched
+        load(b, "b")
+        st = b.prefix_stats()
+        valid = b.num_tokens("b")
+        assert valid == (4 if fail else 12)
+        assert_leading(b, "b", data, valid)
+        assert st["shared_unavailable"] == (2 if fail else 0)
+        if fail:  # still known remotely: a miss now, a retry later
+            assert all(k in b._prefix.shared.known for k in b._prefix.keys(ids)[1:3])
+            assert st["load_shared_unavailable"] == 1
+        a.close()
+        b.close()
 
 
 def test_bad_shared_input_is_refused_and_changes_nothing():
@@ -685,68 +666,62 @@ TestSharedPrefixMachine.settings = settings(max_examples=100, stateful_step_coun
                                             suppress_health_check=[HealthCheck.too_slow])
 
 
-def test_enabling_again_with_the_same_shared_tier_does_nothing():
+def test_enabling_again_with_the_same_shared_tier_does_nothing(closing):
     mem = MemoryStore()
     blocks = SharedBlockStore(mem, root().key, GEOM_ID)
-    kv = make(shared=blocks)
-    try:
-        link = kv._prefix.shared
-        assert kv.enable_prefix_cache(root(), shared=blocks)
-        assert kv.enable_prefix_cache(root())
-        assert kv._prefix.shared is link
-        with pytest.raises(ValueError, match="first call"):
-            kv.enable_prefix_cache(root(), shared=SharedBlockStore(mem, root().key, GEOM_ID))
-        assert kv._prefix.shared is link
-        kv.check_integrity()
-    finally:
-        kv.close()
+    kv = closing(make(shared=blocks))
+    link = kv._prefix.shared
+    assert kv.enable_prefix_cache(root(), shared=blocks)
+    assert kv.enable_prefix_cache(root())
+    assert kv._prefix.shared is link
+    with pytest.raises(ValueError, match="first call"):
+        kv.enable_prefix_cache(root(), shared=SharedBlockStore(mem, root().key, GEOM_ID))
+    assert kv._prefix.shared is link
+    kv.check_integrity()
 
 
-def test_publishes_refused_by_a_full_queue_are_retried_from_poll():
+def test_publishes_refused_by_a_full_queue_are_retried_from_poll(closing):
     gen = torch.Generator().manual_seed(54)
     mem = MemoryStore()
     gated = GatedBlocks(mem, root().key, GEOM_ID, config=ColdTierConfig(io_threads=1, max_queued=3))
-    kv = make(shared=gated)
-    try:
-        kv.synchronize(10)  # the first listing is done: the queue is empty
-        gated.pub_gate.clear()
-        ids, _ = publish_random(kv, gen, n=21)  # 5 blocks: 3 queued, 2 refused
-        st = kv.prefix_stats()
-        assert st["shared_publish_queued"] == 3 and st["shared_publish_refused"] == 2
-        assert len(kv._prefix.unpublished) == 2
-        kv.poll()  # no room yet: nothing retried, nothing lost
-        assert kv.prefix_stats()["shared_publish_retried"] == 0 and len(kv._prefix.unpublished) == 2
+    kv = closing(make(shared=gated))
+    closing.call(gated.pub_gate.set)
+    kv.synchronize(10)  # the first listing is done: the queue is empty
+    gated.pub_gate.clear()
+    ids, _ = publish_random(kv, gen, n=21)  # 5 blocks: 3 queued, 2 refused
+    st = kv.prefix_stats()
+    assert st["shared_publish_queued"] == 3 and st["shared_publish_refused"] == 2
+    assert len(kv._prefix.unpublished) == 2
+    kv.poll()  # no room yet: nothing retried, nothing lost
+    assert kv.prefix_stats()["shared_publish_retried"] == 0 and len(kv._prefix.unpublished) == 2
+    kv.check_integrity()
+    gated.pub_gate.set()
+    for _ in range(5):
+        kv.synchronize(10)
         kv.check_integrity()
-        gated.pub_gate.set()
-        for _ in range(5):
-            kv.synchronize(10)
-            kv.check_integrity()
-        st = kv.prefix_stats()
-        assert st["shared_publish_retried"] == 2 and st["shared_published"] == 5
-        assert not kv._prefix.unpublished
-        keys = kv._prefix.keys(ids)
-        for key in keys:  # every block is on the store, framed with its own bytes
-            assert obstore.head(mem, block_path(root().key, key))["size"] == gated.object_size(key, GEOM.page_bytes)
-        # a refused block that left the local cache before its retry is not written
-        gated.pub_gate.clear()
-        ids2, _ = publish_random(kv, gen, rid="b", n=21)
-        keys2 = kv._prefix.keys(ids2)
-        assert len(kv._prefix.unpublished) == 2
-        kv.remove_request("b")
-        late = list(kv._prefix.unpublished)
-        for key in late:
-            kv._prefix._drop(key, "evicted")
-        kv.check_integrity()
-        gated.pub_gate.set()
-        for _ in range(3):
-            kv.synchronize(10)
-        for key in keys2:
-            if key in late:
-                with pytest.raises(FileNotFoundError):
-                    obstore.head(mem, block_path(root().key, key))
-            else:
+    st = kv.prefix_stats()
+    assert st["shared_publish_retried"] == 2 and st["shared_published"] == 5
+    assert not kv._prefix.unpublished
+    keys = kv._prefix.keys(ids)
+    for key in keys:  # every block is on the store, framed with its own bytes
+        assert obstore.head(mem, block_path(root().key, key))["size"] == gated.object_size(key, GEOM.page_bytes)
+    # a refused block that left the local cache before its retry is not written
+    gated.pub_gate.clear()
+    ids2, _ = publish_random(kv, gen, rid="b", n=21)
+    keys2 = kv._prefix.keys(ids2)
+    assert len(kv._prefix.unpublished) == 2
+    kv.remove_request("b")
+    late = list(kv._prefix.unpublished)
+    for key in late:
+        kv._prefix._drop(key, "evicted")
+    kv.check_integrity()
+    gated.pub_gate.set()
+    for _ in range(3):
+        kv.synchronize(10)
+    for key in keys2:
+        if key in late:
+            with pytest.raises(FileNotFoundError):
                 obstore.head(mem, block_path(root().key, key))
-        kv.check_integrity()
-    finally:
-        gated.pub_gate.set()
-        kv.close()
+        else:
+            obstore.head(mem, block_path(root().key, key))
+    kv.check_integrity()

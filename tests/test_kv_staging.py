@@ -60,125 +60,117 @@ def make(geom, tmp_path, *, host_pages=1, device_pages=24, staging=None, stage=T
     return kv, store
 
 
-def test_a_large_request_moves_through_the_ring_piece_by_piece(geom, tmp_path):
+def test_a_large_request_moves_through_the_ring_piece_by_piece(geom, tmp_path, closing):
     kv, store = make(geom, tmp_path, staging=StagingConfig(buffers=2, pages=2))
-    try:
-        gen = torch.Generator().manual_seed(50)
-        data = fill(kv, "a", gen, 27)  # 7 pages; the host holds 1: straight to disk
-        assert kv.offload("a")
-        assert [(d.move, d.ok) for d in kv.synchronize(10)] == [(Move.OFFLOAD_TO_DISK, True)]
-        kv.check_integrity()
-        assert store.calls == [("write", 0, 2), ("write", 2, 2), ("write", 4, 2), ("write", 6, 1)]
-        store.calls.clear()
-        assert kv.reload("a")
-        (done,) = kv.synchronize(10)
-        assert done.ok and done.state is S.RESIDENT
-        assert store.calls == [("read", 0, 2), ("read", 2, 2), ("read", 4, 2), ("read", 6, 1)]
-        assert kv._ring.allocations == 2 and kv._ring.free_count() == 2  # reused, all back
-        kv.check_integrity()
-        assert_same(kv, "a", data)
-    finally:
-        kv.close()
+    closing(kv)
+    gen = torch.Generator().manual_seed(50)
+    data = fill(kv, "a", gen, 27)  # 7 pages; the host holds 1: straight to disk
+    assert kv.offload("a")
+    assert [(d.move, d.ok) for d in kv.synchronize(10)] == [(Move.OFFLOAD_TO_DISK, True)]
+    kv.check_integrity()
+    assert store.calls == [("write", 0, 2), ("write", 2, 2), ("write", 4, 2), ("write", 6, 1)]
+    store.calls.clear()
+    assert kv.reload("a")
+    (done,) = kv.synchronize(10)
+    assert done.ok and done.state is S.RESIDENT
+    assert store.calls == [("read", 0, 2), ("read", 2, 2), ("read", 4, 2), ("read", 6, 1)]
+    assert kv._ring.allocations == 2 and kv._ring.free_count() == 2  # reused, all back
+    kv.check_integrity()
+    assert_same(kv, "a", data)
 
 
-def test_one_buffer_large_enough_is_one_piece(geom, tmp_path):
+def test_one_buffer_large_enough_is_one_piece(geom, tmp_path, closing):
     """The negative control: the same move with a ring buffer of 16 pages is one piece."""
     kv, store = make(geom, tmp_path, staging=StagingConfig(buffers=2, pages=16))
-    try:
-        data = fill(kv, "a", torch.Generator().manual_seed(51), 27)
-        assert kv.offload("a")
-        kv.synchronize(10)
-        assert kv.reload("a")
-        kv.synchronize(10)
-        assert store.calls == [("write", 0, 7), ("read", 0, 7)]
-        assert_same(kv, "a", data)
-        kv.check_integrity()
-    finally:
-        kv.close()
+    closing(kv)
+    data = fill(kv, "a", torch.Generator().manual_seed(51), 27)
+    assert kv.offload("a")
+    kv.synchronize(10)
+    assert kv.reload("a")
+    kv.synchronize(10)
+    assert store.calls == [("write", 0, 7), ("read", 0, 7)]
+    assert_same(kv, "a", data)
+    kv.check_integrity()
 
 
-def test_a_staging_timeout_fails_the_reload_and_keeps_the_request(geom, tmp_path):
+def test_a_staging_timeout_fails_the_reload_and_keeps_the_request(geom, tmp_path, closing):
     kv, store = make(geom, tmp_path, staging=StagingConfig(buffers=1, pages=2, timeout_s=0.05))
-    try:
-        data = fill(kv, "a", torch.Generator().manual_seed(52), 9)
-        assert kv.offload("a")
-        kv.synchronize(10)
-        held = kv._ring.acquire(1)  # the only buffer is taken
-        assert held is not None
-        assert kv.reload("a")
-        (done,) = kv.synchronize(10)
-        assert not done.ok and done.state is S.ON_DISK and "staging buffer" in done.reason
-        assert kv.device_used_bytes() == 0
-        kv._ring.release(held)
-        kv.check_integrity()
-        assert kv.reload("a")
-        kv.synchronize(10)
-        assert_same(kv, "a", data)
-        kv.check_integrity()
-    finally:
-        kv.close()
+    closing(kv)
+    data = fill(kv, "a", torch.Generator().manual_seed(52), 9)
+    assert kv.offload("a")
+    kv.synchronize(10)
+    held = kv._ring.acquire(1)  # the only buffer is taken
+    assert held is not None
+    assert kv.reload("a")
+    (done,) = kv.synchronize(10)
+    assert not done.ok and done.state is S.ON_DISK and "staging buffer" in done.reason
+    assert kv.device_used_bytes() == 0
+    kv._ring.release(held)
+    kv.check_integrity()
+    assert kv.reload("a")
+    kv.synchronize(10)
+    assert_same(kv, "a", data)
+    kv.check_integrity()
 
 
-def test_a_failed_piece_returns_every_buffer(geom, tmp_path):
-    kv, store = make(geom, tmp_path, staging=StagingConfig(buffers=2, pages=2))
+def test_a_failed_piece_returns_every_buffer(geom, tmp_path, closing):
     calls = []
+    faults = [True]  # the copy fault hook injects while this holds True
 
     def hook(kind):
+        if not faults[0]:
+            return
         calls.append(kind)
         if kind == "h2d" and calls.count("h2d") == 2:
             raise RuntimeError("injected copy fault")
 
-    kv._fault = hook
-    try:
-        data = fill(kv, "a", torch.Generator().manual_seed(53), 27)
-        assert kv.offload("a")
-        kv.synchronize(10)
-        assert kv.reload("a")
-        (done,) = kv.synchronize(10)
-        assert not done.ok and done.state is S.ON_DISK and "injected" in done.reason
-        assert kv._ring.free_count() == 2
-        kv.check_integrity()
-        kv._fault = lambda kind: None
-        assert kv.reload("a")
-        kv.synchronize(10)
-        assert_same(kv, "a", data)
-    finally:
-        kv.close()
+    kv, store = make(geom, tmp_path, staging=StagingConfig(buffers=2, pages=2), copy_fault_hook=hook)
+    closing(kv)
+    data = fill(kv, "a", torch.Generator().manual_seed(53), 27)
+    assert kv.offload("a")
+    kv.synchronize(10)
+    assert kv.reload("a")
+    (done,) = kv.synchronize(10)
+    assert not done.ok and done.state is S.ON_DISK and "injected" in done.reason
+    assert kv._ring.free_count() == 2
+    kv.check_integrity()
+    faults[0] = False  # no more faults: the same reload now lands
+    assert kv.reload("a")
+    kv.synchronize(10)
+    assert_same(kv, "a", data)
 
 
-def test_cpu_disk_io_goes_straight_between_tier_and_disk(geom, tmp_path):
+def test_cpu_disk_io_goes_straight_between_tier_and_disk(geom, tmp_path, closing):
     """Without staging, each run of pages is read into / written from where it lies."""
     kv, store = make(geom, tmp_path, host_pages=8, stage=False)
-    try:
-        gen = torch.Generator().manual_seed(54)
-        fill(kv, "x", gen, 4)  # slot 0
-        a = fill(kv, "a", gen, 8)  # slots 1, 2
-        fill(kv, "y", gen, 4)  # slot 3
-        assert kv.allocate("a", 12)  # slot 4: a is [1, 2, 4]
-        extra = torch.randn(4, geom.num_kv_heads, geom.head_dim, generator=gen).to(geom.dtype)
-        for layer in range(geom.num_layers):
-            kv.write("a", layer, 8, extra, extra)
-        a = [(torch.cat([k, extra]), torch.cat([v, extra])) for k, v in a]
-        assert kv.page_table("a") == [1, 2, 4]
-        kv.offload("a")
-        kv.synchronize(10)
-        assert kv.demote("a")  # host slots are [0, 1, 2]: one run
-        kv.synchronize(10)
-        assert store.calls == [("write", 0, 3)]
-        kv.remove_request("x")
-        kv.remove_request("y")
-        fill(kv, "z", gen, 4)  # slot 0; the free slots are 1, 2, 3, ...
-        fill(kv, "w", gen, 4)  # slot 1
-        kv.remove_request("z")  # free: 0, 2, 3, ...
-        assert kv.reload("a")
-        kv.synchronize(10)
-        assert kv.page_table("a") == [0, 2, 3]
-        assert store.calls[1:] == [("read", 0, 1), ("read", 1, 2)]
-        assert kv._ring is None
-        assert_same(kv, "a", a)
-        kv.check_integrity()
-    finally:
-        kv.close()
+    closing(kv)
+    gen = torch.Generator().manual_seed(54)
+    fill(kv, "x", gen, 4)  # slot 0
+    a = fill(kv, "a", gen, 8)  # slots 1, 2
+    fill(kv, "y", gen, 4)  # slot 3
+    assert kv.allocate("a", 12)  # slot 4: a is [1, 2, 4]
+    extra = torch.randn(4, geom.num_kv_heads, geom.head_dim, generator=gen).to(geom.dtype)
+    for layer in range(geom.num_layers):
+        kv.write("a", layer, 8, extra, extra)
+    a = [(torch.cat([k, extra]), torch.cat([v, extra])) for k, v in a]
+    assert kv.page_table("a") == [1, 2, 4]
+    kv.offload("a")
+    kv.synchronize(10)
+    assert kv.demote("a")  # host slots are [0, 1, 2]: one run
+    kv.synchronize(10)
+    assert store.calls == [("write", 0, 3)]
+    kv.remove_request("x")
+    kv.remove_request("y")
+    fill(kv, "z", gen, 4)  # slot 0; the free slots are 1, 2, 3, ...
+    fill(kv, "w", gen, 4)  # slot 1
+    kv.remove_request("z")  # free: 0, 2, 3, ...
+    assert kv.reload("a")
+    kv.synchronize(10)
+    assert kv.page_table("a") == [0, 2, 3]
+    assert store.calls[1:] == [("read", 0, 1), ("read", 1, 2)]
+    assert kv._ring is None
+    assert_same(kv, "a", a)
+    kv.check_integrity()
 
 
 def test_ring_acquire_times_out_and_refuses_foreign_buffers(geom):
@@ -195,19 +187,17 @@ def test_ring_acquire_times_out_and_refuses_foreign_buffers(geom):
             StagingConfig(**bad)
 
 
-def test_the_real_store_moves_a_large_request_in_pieces(geom, tmp_path):
+def test_the_real_store_moves_a_large_request_in_pieces(geom, tmp_path, closing):
     page = geom.page_bytes
     cfg = DiskConfig(path=tmp_path / "disk", capacity_bytes=32 * page, chunk_bytes=2 * page)
     kv = PagedKVCache(geom, device_pages=24, host_pages=1, disk=cfg, verify=True,
                       staging=StagingConfig(buffers=2, pages=2), stage_disk_io=True)
-    try:
-        assert kv._ring is not None
-        data = fill(kv, "a", torch.Generator().manual_seed(55), 27)
-        assert kv.offload("a")
-        assert [d.ok for d in kv.synchronize(10)] == [True]
-        assert kv.reload("a")
-        assert [d.ok for d in kv.synchronize(10)] == [True]
-        assert_same(kv, "a", data)
-        kv.check_integrity()
-    finally:
-        kv.close()
+    closing(kv)
+    assert kv._ring is not None
+    data = fill(kv, "a", torch.Generator().manual_seed(55), 27)
+    assert kv.offload("a")
+    assert [d.ok for d in kv.synchronize(10)] == [True]
+    assert kv.reload("a")
+    assert [d.ok for d in kv.synchronize(10)] == [True]
+    assert_same(kv, "a", data)
+    kv.check_integrity()

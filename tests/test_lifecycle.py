@@ -177,45 +177,40 @@ def _model(to_disk: bool = True, clock=None):
 
 
 @pytest.mark.parametrize("to_disk", [True, False])
-def test_the_model_honours_offload_to_disk_when_host_full(tmp_path, to_disk):
+def test_the_model_honours_offload_to_disk_when_host_full(tmp_path, to_disk, closing):
     """The model decides as the real cache does (it used to ignore the option)."""
     rng = random.Random(17)
     tokens = rng.randint(5, 6)  # 3 pages; the host holds 2
     model = _model(to_disk)
     real = PagedKVCache(GEOM, device_pages=8, host_pages=2, offload_to_disk_when_host_full=to_disk,
                         disk=DiskConfig(path=tmp_path / "d", capacity_bytes=10 * PB, chunk_bytes=PB))
-    try:
-        model.ingest_request("a")
-        assert model.allocate("a", tokens)
-        fill(real, "a", torch.Generator().manual_seed(rng.randrange(1 << 30)), tokens)
-        for kv in (model, real):
-            want = 3 * PB if to_disk else 0
-            assert kv.reclaimable("a") == want
-            assert kv.reclaimable_many(["a"]).tolist() == [want]
-            assert kv.offload("a") == want
-            if to_disk:
-                assert kv.offload_destination("a") is Tier.DISK
-            else:
-                assert kv.state_of("a") is S.RESIDENT and kv.stats.offload_refusals == 1
-            kv.check_integrity()
-        real.synchronize(10)
-        model.poll()
-        assert model.state_of("a") is real.state_of("a")
-        assert model.stats.offloads_to_disk == real.stats.offloads_to_disk == int(to_disk)
-        assert model.stats.bytes_device_to_disk == real.stats.bytes_device_to_disk
-    finally:
-        real.close()
+    closing(real)
+    model.ingest_request("a")
+    assert model.allocate("a", tokens)
+    fill(real, "a", torch.Generator().manual_seed(rng.randrange(1 << 30)), tokens)
+    for kv in (model, real):
+        want = 3 * PB if to_disk else 0
+        assert kv.reclaimable("a") == want
+        assert kv.reclaimable_many(["a"]).tolist() == [want]
+        assert kv.offload("a") == want
+        if to_disk:
+            assert kv.offload_destination("a") is Tier.DISK
+        else:
+            assert kv.state_of("a") is S.RESIDENT and kv.stats.offload_refusals == 1
+        kv.check_integrity()
+    real.synchronize(10)
+    model.poll()
+    assert model.state_of("a") is real.state_of("a")
+    assert model.stats.offloads_to_disk == real.stats.offloads_to_disk == int(to_disk)
+    assert model.stats.bytes_device_to_disk == real.stats.bytes_device_to_disk
 
 
-def test_every_backend_counts_under_the_same_names(tmp_path):
-    real = PagedKVCache(GEOM, device_pages=4, host_pages=4)
-    try:
-        for kv in (real, _model(), FakeTieredResource(100, 100, 100)):
-            names = set(kv.stats.as_dict())
-            assert set(lc.Counters.FIELDS) <= names, type(kv).__name__
-            assert isinstance(kv, TieredCache), type(kv).__name__
-    finally:
-        real.close()
+def test_every_backend_counts_under_the_same_names(tmp_path, closing):
+    real = closing(PagedKVCache(GEOM, device_pages=4, host_pages=4))
+    for kv in (real, _model(), FakeTieredResource(100, 100, 100)):
+        names = set(kv.stats.as_dict())
+        assert set(lc.Counters.FIELDS) <= names, type(kv).__name__
+        assert isinstance(kv, TieredCache), type(kv).__name__
 
 
 def _corrupt_model():
@@ -245,13 +240,10 @@ def _corrupt_real():
     (_corrupt_fake, AssertionError, "host: records hold 0 pages, the ledger says 5"),
     (_corrupt_real, PoolIntegrityError, "a: state on_host holds"),
 ])
-def test_each_backends_integrity_check_is_the_machines(make, error, what):
-    kv = make()
-    try:
-        with pytest.raises(error, match=what):
-            kv.check_integrity()
-    finally:
-        kv.close()
+def test_each_backends_integrity_check_is_the_machines(make, error, what, closing):
+    kv = closing(make())
+    with pytest.raises(error, match=what):
+        kv.check_integrity()
 
 
 @pytest.mark.parametrize("which", ["model", "fake"])

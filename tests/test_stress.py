@@ -148,18 +148,17 @@ def test_without_failing_faults_requests_leave_in_the_middle_of_copies(tmp_path)
 
 
 def _serve_with_read(harness: StressHarness, read, steps: int) -> None:
-    """Run ``steps`` steps and the drain with the cache's ``read`` replaced by ``read``."""
+    """Run ``steps`` steps and the drain with the cache's ``read`` replaced by ``read``, then
+    close the harness (the test built it through ``closing``, should a step raise)."""
     harness.kv.read = read
-    try:
-        for _ in range(steps):
-            harness.step()
-        harness.drain()
-    finally:
-        harness.close()
+    for _ in range(steps):
+        harness.step()
+    harness.drain()
+    harness.close()
 
 
-def test_a_wrong_byte_is_reported_as_a_data_error(tmp_path):
-    harness = StressHarness(small_config(()), tmp_path)
+def test_a_wrong_byte_is_reported_as_a_data_error(tmp_path, closing):
+    harness = closing(StressHarness(small_config(()), tmp_path))
     real_read = harness.kv.read
     flipped = []
 
@@ -461,9 +460,9 @@ def test_reused_ids_behave_like_fresh_requests(tmp_path):
     assert reuse["reused_reads_verified"] > 0, reuse
 
 
-def test_a_reused_id_served_its_old_generation_is_a_data_error(tmp_path):
+def test_a_reused_id_served_its_old_generation_is_a_data_error(tmp_path, closing):
     config = small_config((), seed=9, paths=("remove_in_flight", "reuse_ids"), cancel_rate=0.3)
-    harness = StressHarness(config, tmp_path)
+    harness = closing(StressHarness(config, tmp_path))
     real_read = harness.kv.read
     served_stale = []
 
@@ -499,31 +498,29 @@ def test_reattach_restarts_bring_back_exactly_what_was_on_disk(tmp_path):
     assert r["recomputed_after_restart"] > 0  # device and host died with the old cache
 
 
-def test_a_committed_entry_left_behind_comes_back_stale_and_fails_the_run(tmp_path):
+def test_a_committed_entry_left_behind_comes_back_stale_and_fails_the_run(tmp_path, closing):
     config = small_config((), seed=13, steps=300, paths=("reattach",))
-    harness = StressHarness(config, tmp_path)
-    try:
-        left_behind = []
-        for _ in range(300):
-            harness.step()
-            disk = [rid for rid in harness.kv.requests()
-                    if harness.kv.state_of(rid) is RequestState.ON_DISK]
-            if len(disk) >= 2:
-                break
-        assert disk, "nothing reached the disk"
-        # the worker removes a request whose disk copy stays committed (a leak on disk)
-        victim = disk[0]
-        real_release = harness.kv.disk.release
-        harness.kv.disk.release = lambda extent: left_behind.append(extent)
-        harness._forget(harness._live[victim])
-        harness.kv.disk.release = real_release
-        assert left_behind
-        harness.restart()
-        assert any(victim in p and "not on disk" in p for p in harness.restart_problems), (
-            harness.restart_problems)
-        harness.drain()
-    finally:
-        harness.close()
+    harness = closing(StressHarness(config, tmp_path))
+    left_behind = []
+    for _ in range(300):
+        harness.step()
+        disk = [rid for rid in harness.kv.requests()
+                if harness.kv.state_of(rid) is RequestState.ON_DISK]
+        if len(disk) >= 2:
+            break
+    assert disk, "nothing reached the disk"
+    # the worker removes a request whose disk copy stays committed (a leak on disk)
+    victim = disk[0]
+    real_release = harness.kv.disk.release
+    harness.kv.disk.release = lambda extent: left_behind.append(extent)
+    harness._forget(harness._live[victim])
+    harness.kv.disk.release = real_release
+    assert left_behind
+    harness.restart()
+    assert any(victim in p and "not on disk" in p for p in harness.restart_problems), (
+        harness.restart_problems)
+    harness.drain()
+    harness.close()
     account = account_faults(
         injected=harness.faults.injected(), copy_injected=harness.faults.copy_plan.injected,
         slow_waits=0, kv_stats=harness.kv_stats(), disk_stats=harness.disk_stats(),
