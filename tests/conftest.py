@@ -6,8 +6,6 @@ import contextlib
 
 import pytest
 import torch
-from hypothesis import strategies as st
-from hypothesis.stateful import precondition, rule
 
 from resources.kv_cache import PagedKVCache
 from resources.kv_geometry import KVGeometry
@@ -184,7 +182,10 @@ class ReclaimsNothing:
 
 def rule_on_one_of(pool):
     """Make ``step(self, rid)`` a hypothesis rule on one id drawn from ``pool(self)`` (a
-    sequence, drawn in its order), enabled while the pool is not empty."""
+    sequence, drawn in its order), enabled while the pool is not empty. (hypothesis is
+    imported here: the vLLM environment loads this conftest without it.)"""
+    from hypothesis import strategies as st
+    from hypothesis.stateful import precondition, rule
 
     def decorate(step):
         def rule_body(self, data):
