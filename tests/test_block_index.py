@@ -125,13 +125,19 @@ class IndexMachine(RuleBasedStateMachine):
     def _busy_below(self, key):
         return any(self.model[k][2] or self.model[k][3] for k in self._subtree(key))
 
+    def _move_refused(self, key, dst):
+        """What the model says of a move of ``key`` to ``dst``: refused while it moves, to its
+        own tier, or off the device with a busy block at or below it."""
+        _, tier, _, moving = self.model[key]
+        return moving is not None or dst is tier or (tier is Tier.DEVICE and self._busy_below(key))
+
     @precondition(lambda self: self.model)
     @rule(data=st.data(), dst=st.sampled_from(TIERS))
     def begin_move(self, data, dst):
         key = data.draw(st.sampled_from(self._keys()))
         parent, tier, refs, moving = self.model[key]
         h = self._handle(dst)
-        bad = moving is not None or dst is tier or (tier is Tier.DEVICE and self._busy_below(key))
+        bad = self._move_refused(key, dst)
         if bad:
             with pytest.raises(ValueError):
                 self.index.begin_move(key, dst, h[1])
@@ -148,7 +154,7 @@ class IndexMachine(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(self._keys()))
         parent, tier, refs, moving = self.model[key]
         h = self._handle(dst)
-        bad = moving is not None or dst is tier or (tier is Tier.DEVICE and self._busy_below(key))
+        bad = self._move_refused(key, dst)
         if bad:
             before = {k: self.index.location(k) for k in self.model}
             with pytest.raises(ValueError):

@@ -31,6 +31,17 @@ COLORS = {"device": "#2b6cb0", "host": "#dd6b20", "disk": "#718096"}
 _MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*")
 
 
+
+def _save(plt, fig, path: str | Path, title: str, dpi: int) -> Path:
+    """Title (if any), lay out, write ``path`` and close the figure."""
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
 def _plt():
     import matplotlib
 
@@ -80,13 +91,7 @@ def plot_compare(labels: Sequence[str], rows: Sequence[Mapping], bounds: Sequenc
         ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
     left.legend(fontsize=7, loc="upper right")
-    if title:
-        fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return [out]
+    return [_save(plt, fig, path, title, dpi=110)]
 
 
 def plot_timeline(timelines: Mapping[str, Sequence[Sample]], capacities: Mapping[str, Mapping],
@@ -136,13 +141,7 @@ def plot_timeline(timelines: Mapping[str, Sequence[Sample]], capacities: Mapping
     axes[3].grid(True, alpha=0.3)
     axes[3].set_xlabel("simulated time (s)")
     axes[0].legend(fontsize=7, loc="upper left", ncol=3)
-    if title:
-        fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return [out]
+    return [_save(plt, fig, path, title, dpi=100)]
 
 
 SWEEP_PLOTS = (
@@ -186,11 +185,5 @@ def plot_sweep(rows: Sequence[Mapping], out_dir: str | Path, title: str = "") ->
             ax.grid(True, alpha=0.3, which="both")
         axes[0][0].set_ylabel(ylabel + (" (log)" if log else ""))
         axes[0][-1].legend(fontsize=8, loc="best")
-        if title:
-            fig.suptitle(title, fontsize=11)
-        fig.tight_layout()
-        path = Path(out_dir) / filename
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, Path(out_dir) / filename, title, dpi=110))
     return written
