@@ -19,6 +19,10 @@ class Tier(enum.Enum):
     HOST = "host"
     DISK = "disk"
 
+    # members are singletons compared by identity: hash them the same way, in C
+    # (Enum's own __hash__ is a Python call on every dict lookup)
+    __hash__ = object.__hash__
+
 
 class RequestState(enum.Enum):
     """The lifecycle of one request's KV cache.
@@ -35,6 +39,8 @@ class RequestState(enum.Enum):
     ON_DISK = "on_disk"
     RELOADING = "reloading"  # host/disk -> device copy in flight
     LOST = "lost"  # its bytes could not be kept; the reason is recorded
+
+    __hash__ = object.__hash__  # identity, in C (see Tier)
 
     @property
     def in_flight(self) -> bool:
@@ -112,6 +118,8 @@ class Move(enum.Enum):
     DEMOTE = "demote"
     RELOAD_FROM_HOST = "reload_host"
     RELOAD_FROM_DISK = "reload_disk"
+
+    __hash__ = object.__hash__  # identity, in C (see Tier)
 
     @property
     def source(self) -> Tier:

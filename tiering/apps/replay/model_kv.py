@@ -45,9 +45,10 @@ LINKS = ("d2h", "h2d", "disk_write", "disk_read")
 # tier indices of the page counters (plain ints: this is the simulator's hot path)
 _DEV, _HOST, _DISK = 0, 1, 2
 _TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)  # ``_TIERS.index(tier)``: faster than a dict here
-# the links a copy of cached blocks a tier down crosses
-_BLOCK_LINKS = {(Tier.DEVICE, Tier.HOST): ("d2h",), (Tier.DEVICE, Tier.DISK): ("d2h", "disk_write"),
-                (Tier.HOST, Tier.DISK): ("disk_write",)}
+# a copy of cached blocks a tier down: (source index, destination index, links it crosses)
+_BLOCK_MOVES = {(Tier.DEVICE, Tier.HOST): (_DEV, _HOST, ("d2h",)),
+                (Tier.DEVICE, Tier.DISK): (_DEV, _DISK, ("d2h", "disk_write")),
+                (Tier.HOST, Tier.DISK): (_HOST, _DISK, ("disk_write",))}
 
 
 def _removed(rid: str, move: Move, nbytes: int) -> TransferResult:  # reported by ``poll``
@@ -156,6 +157,8 @@ class ModeledKVCache(LifecycleAnswers):
         self._peak = [0, 0, 0]  # the most pages each tier held (``stats.max_*_pages``)
         self._blocks = [0, 0, 0]  # pages held by cached prefix blocks (``take_block_pages``)
         self._free_at = dict.fromkeys(LINKS, 0.0)
+        # links -> (rates, bandwidth, latency, byte counters): ``_occupy``'s constants
+        self._link_costs: dict[tuple[str, ...], tuple] = {}
         self.stats = ModelStats()
         self._life = lc.Lifecycle("ModeledKVCache", self.stats, clock,
                                   lc.page_releasers(self.ledger),
@@ -271,12 +274,19 @@ class ModeledKVCache(LifecycleAnswers):
         destination is taken and the source freed at once, and the copy occupies its links
         (so transfers started after it queue behind it). False (nothing changed) if ``dst``
         is short."""
-        links = _BLOCK_LINKS.get((src, dst))
-        if links is None:
+        move = _BLOCK_MOVES.get((src, dst))
+        if move is None:
             raise ValueError(f"move_block_pages: no move from {src!r} to {dst!r}")
-        if not self.take_block_pages(dst, n):
+        si, di, links = move
+        blocks = self._blocks
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= blocks[si]:
+            raise ValueError(f"move_block_pages: n must be an int in [0, {blocks[si]}] "
+                             f"for {src.value}, got {n!r}")
+        if not self._take(di, n):
             return False
-        self.give_block_pages(src, n)
+        blocks[di] += n
+        self._used[si] -= n
+        blocks[si] -= n
         self._occupy(links, n * self.page_bytes)
         return True
 
@@ -297,13 +307,25 @@ class ModeledKVCache(LifecycleAnswers):
         """Reserve ``links`` for a copy of ``nbytes``; return its completion time."""
         now = self._clock()
         rates = self.rates
-        rate = min(getattr(rates, name) for name in links)
-        latency = sum(getattr(rates, f"{name}_latency_s") for name in links)
-        start = max([now] + [self._free_at[name] for name in links])
-        done = start + latency + nbytes / rate
+        cost = self._link_costs.get(links)
+        if cost is None or cost[0] is not rates:  # per link set, while ``rates`` stays
+            cost = self._link_costs[links] = (
+                rates,
+                min(getattr(rates, name) for name in links),
+                sum(getattr(rates, f"{name}_latency_s") for name in links),
+                tuple(f"bytes_{name}" for name in links),
+            )
+        _, rate, latency, counted = cost
+        free_at = self._free_at
+        start = now
         for name in links:
-            self._free_at[name] = done
-            setattr(self.stats, f"bytes_{name}", getattr(self.stats, f"bytes_{name}") + nbytes)
+            if free_at[name] > start:
+                start = free_at[name]
+        done = start + latency + nbytes / rate
+        stats = self.stats
+        for name, attr in zip(links, counted, strict=True):
+            free_at[name] = done
+            setattr(stats, attr, getattr(stats, attr) + nbytes)
         return done
 
     def _start(self, r: PageRecord, move: Move, nbytes: int) -> None:

@@ -66,6 +66,8 @@ class Op(enum.Enum):
     DROP = "drop"
     ALLOCATE = "allocate"
 
+    __hash__ = object.__hash__  # identity, in C (see Tier)
+
 
 #: The states each operation accepts, and the message naming the rule.
 GUARDS: dict[Op, tuple[frozenset[RequestState], str]] = {
