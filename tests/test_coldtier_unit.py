@@ -382,3 +382,38 @@ def test_every_fault_the_store_raises_as_not_answering_is_transient(message):
     from tiering.errors import TRANSIENT_IO_ERRNOS
 
     assert _transient_errno(RuntimeError(message)) in TRANSIENT_IO_ERRNOS
+
+
+def test_the_holder_never_believes_its_lease_outlives_what_the_store_says():
+    """The holder's expiry is the one it wrote. It used to read the clock again after the
+    write, so a slow write (here 3 s, more than ``safety_s``) let the holder think the lease
+    held after the moment other workers saw it expire and could take it over."""
+    import json
+
+    import obstore
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import Lease
+
+    store = MemoryStore()
+    t = [100.0]
+    real_put = obstore.put
+
+    def slow_put(*a, **kw):  # every write takes 3 s of the injected clock
+        res = real_put(*a, **kw)
+        t[0] += 3.0
+        return res
+
+    cfg = LeaseConfig(ttl_s=30, renew_every_s=10, safety_s=2)
+    lease = Lease(store, "p/LEASE", "w0", config=cfg, clock=lambda: t[0])
+    import unittest.mock as mock
+
+    with mock.patch.object(obstore, "put", slow_put):
+        for op in (lease.acquire, lease.renew):
+            op()
+            stored = json.loads(bytes(obstore.get(store, "p/LEASE").bytes()))["expires_at"]
+            assert lease.info.expires_at == stored, (op.__name__, lease.info.expires_at, stored)
+            t[0] = stored - 0.5  # others may take it over in 0.5 s: the holder must not write
+            assert not lease.held
+            t[0] = stored - cfg.safety_s - 0.5
+            assert lease.held  # the control: well before the stored expiry it holds
