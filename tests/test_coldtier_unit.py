@@ -20,6 +20,7 @@ from tiering.coldtier import (
     FrameRefused,
     KnownBlocks,
     LeaseConfig,
+    SharedTierConfig,
     SweeperConfig,
     frame,
     open_s3_store,
@@ -141,6 +142,42 @@ def test_configs_validate():
         SweeperConfig(cap_bytes=0)
     with pytest.raises(ValueError, match="low_fraction"):
         SweeperConfig(cap_bytes=10, low_fraction=1.5)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("timeout_s", True), ("timeout_s", float("inf")), ("timeout_s", float("nan")),
+    ("connect_timeout_s", float("inf")), ("max_retries", True), ("max_retries", 1.5),
+    ("allow_http", "no"),
+])
+def test_a_bool_infinite_or_mistyped_storage_option_is_refused_by_name(name, value):
+    """These were taken: True as a 1 s timeout or 1 retry, an infinite timeout (which bounds
+    nothing and broke the client at open), "no" as allow_http=True."""
+    with pytest.raises(ValueError, match=f"storage_options\\['{name}'\\]"):
+        SharedTierConfig("s3://b/p", {name: value})
+    with pytest.raises(ValueError, match=f"storage_options\\['{name}'\\]"):
+        open_s3_store("s3://b/p", {name: value}, check=False)
+    SharedTierConfig("s3://b/p", {name: {"timeout_s": 3.0, "connect_timeout_s": 1,
+                                         "max_retries": 2, "allow_http": False}[name]})
+
+
+@pytest.mark.parametrize("kw", [{"timeout_s": float("nan")}, {"connect_timeout_s": float("inf")},
+                                {"max_retries": True}, {"timeout_s": 0}])
+def test_open_s3_store_refuses_bad_timeouts_given_as_arguments(kw):
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"open_s3_store: {name}"):
+        open_s3_store("s3://b/p", None, check=False, **kw)
+
+
+def test_an_endless_cooldown_or_lease_and_a_bool_capacity_are_refused():
+    """An infinite cooldown never tries the store again; an infinite ttl outlives a dead
+    holder for ever; KnownBlocks(True) was a capacity of one. All three used to be taken."""
+    with pytest.raises(ValueError, match="BreakerConfig.cooldown_s must be finite"):
+        BreakerConfig(cooldown_s=float("inf"))
+    with pytest.raises(ValueError, match="LeaseConfig.ttl_s must be finite"):
+        LeaseConfig(ttl_s=float("inf"))
+    with pytest.raises(ValueError, match="KnownBlocks capacity"):
+        KnownBlocks(True)
+    assert BreakerConfig(cooldown_s=1e9).cooldown_s == 1e9  # large but finite: fine
 
 
 # -- known-blocks cache -----------------------------------------------------------------------

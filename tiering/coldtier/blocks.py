@@ -108,7 +108,7 @@ class KnownBlocks:
     """A bounded LRU of block keys known to exist in the shared tier, with their object sizes."""
 
     def __init__(self, capacity: int) -> None:
-        if not isinstance(capacity, int) or capacity < 1:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"KnownBlocks capacity must be an int >= 1, got {capacity!r}")
         self.capacity = capacity
         self._lock = threading.Lock()

@@ -17,6 +17,7 @@ Workers compare ``expires_at`` from different hosts, so their clocks must agree 
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import threading
 import time
@@ -40,6 +41,8 @@ class LeaseConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, numbers=("ttl_s", "renew_every_s"), zero_ok=("safety_s",))
+        if not math.isfinite(self.ttl_s):  # a lease that never expires outlives a dead holder
+            raise ValueError(f"LeaseConfig.ttl_s must be finite, got {self.ttl_s!r}")
         if self.renew_every_s + self.safety_s >= self.ttl_s:
             raise ValueError(
                 f"LeaseConfig: renew_every_s ({self.renew_every_s}) + safety_s ({self.safety_s}) "
