@@ -410,6 +410,38 @@ def test_bad_block_input_raises_and_writes_nothing():
     q.close(5)
 
 
+def test_a_foreign_object_under_the_roots_prefix_is_not_taken_for_a_block():
+    """An empty or too-short object with a hex name under ``blocks/<root>/`` (left by another
+    tool, or truncated) used to enter the known cache with its size, and the next
+    check_integrity failed on a refresh that had been accepted."""
+    import obstore
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import BlockStatus, SharedBlockStore
+
+    rng = random.Random(9)
+    store = MemoryStore()
+    root = rng.randbytes(16)
+    s = SharedBlockStore(store, root, b"geom")
+    real = rng.randbytes(16)
+    assert s.publish(real, rng.randbytes(64)).status is BlockStatus.WRITTEN
+    prefix = f"blocks/{root.hex()}/"
+    for name, data in (("00ff", b""), ("abcd", rng.randbytes(8)), ("not-hex", rng.randbytes(99))):
+        obstore.put(store, prefix + name, data)
+    fresh = SharedBlockStore(store, root, b"geom")
+    assert fresh.refresh_index() == 1
+    assert fresh.known.keys() == [real]
+    fresh.check_integrity()
+    with pytest.raises(ValueError, match="size of block 00ff must be an int >= 1"):
+        fresh.known.add(bytes.fromhex("00ff"), 0)
+    with pytest.raises(ValueError, match="key must be non-empty bytes"):
+        fresh.known.add("00ff", 10)
+    assert fresh.known.keys() == [real]
+    fresh.known._d[b"x"] = 0  # the check sees a bad entry (negative control)
+    with pytest.raises(AssertionError, match="has size 0"):
+        fresh.check_integrity()
+
+
 @pytest.mark.parametrize("message", ["Generic S3 error: status code: 503, Service Unavailable",
                                      "request timed out", "connection refused"])
 def test_every_fault_the_store_raises_as_not_answering_is_transient(message):

@@ -115,6 +115,10 @@ class KnownBlocks:
         self._d: OrderedDict[bytes, int] = OrderedDict()
 
     def add(self, key: bytes, size: int) -> None:
+        if not isinstance(key, bytes) or not key:
+            raise ValueError(f"KnownBlocks.add: key must be non-empty bytes, got {key!r:.60}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"KnownBlocks.add: size of block {key.hex()} must be an int >= 1, got {size!r}")
         with self._lock:
             self._d[key] = size
             self._d.move_to_end(key)
@@ -143,7 +147,9 @@ class KnownBlocks:
     def check_integrity(self) -> None:
         with self._lock:
             assert len(self._d) <= self.capacity, f"{len(self._d)} entries over capacity {self.capacity}"
-            assert all(isinstance(k, bytes) and s > 0 for k, s in self._d.items())
+            for k, s in self._d.items():
+                assert isinstance(k, bytes) and k, f"known block key {k!r} is not non-empty bytes"
+                assert isinstance(s, int) and s > 0, f"known block {k.hex()} has size {s!r}"
 
 
 class SharedBlockStore:
@@ -248,7 +254,10 @@ class SharedBlockStore:
                         key = bytes.fromhex(name)
                     except ValueError:
                         continue
-                    seen.append((meta["last_modified"].timestamp(), key, int(meta["size"])))
+                    size = int(meta["size"])
+                    if not key or size < framed_size(key, self.root, self.geometry, 0):
+                        continue  # too short to be a block's frame: not one of ours
+                    seen.append((meta["last_modified"].timestamp(), key, size))
         except Exception as exc:
             if classify(exc) is not Fault.MISSING:
                 self.breaker.record_failure()
