@@ -442,6 +442,64 @@ def test_a_foreign_object_under_the_roots_prefix_is_not_taken_for_a_block():
         fresh.check_integrity()
 
 
+def _swept_store(rng, n=6, size=100):
+    import obstore
+    from obstore.store import MemoryStore
+
+    store = MemoryStore()
+    for i in range(n):
+        obstore.put(store, f"blocks/{'ab' * 16}/{i:032x}", rng.randbytes(size))
+    return store
+
+
+def test_a_sweep_whose_deletes_fail_reports_only_what_it_deleted():
+    """The record of a sweep whose delete failed used to say every victim's bytes were freed
+    (``bytes_deleted`` and ``total_after``) while ``deleted`` said 0."""
+    import unittest.mock as mock
+
+    import obstore
+
+    from tiering.coldtier import Sweeper
+
+    rng = random.Random(21)
+    store = _swept_store(rng)
+    real_delete = obstore.delete
+
+    def failing_delete(st, paths):
+        if any(str(p).startswith("blocks/") for p in ([paths] if isinstance(paths, str) else paths)):
+            raise OSError("Generic S3 error: status code: 503, Service Unavailable")
+        return real_delete(st, paths)
+
+    sw = Sweeper(store, "w0", SweeperConfig(cap_bytes=350, low_fraction=0.5), clock=FakeClock())
+    with mock.patch.object(obstore, "delete", failing_delete):
+        res = sw.sweep_once()
+    assert res == (600, 600, 0, 0, 0), res
+    assert len([m for c in obstore.list(store, prefix="blocks/") for m in c]) == 6
+    res = sw.sweep_once()  # the control: the same sweep with working deletes
+    assert res == (600, 100, 5, 500, 0), res
+    assert len([m for c in obstore.list(store, prefix="blocks/") for m in c]) == 1
+    sw.close()
+
+
+@pytest.mark.parametrize("report", [b"[1, 2]", b'"text"', b'{"ab/cd": "soon"}', b"\xff\xfe"])
+def test_a_damaged_hit_report_does_not_stop_the_sweeper(report):
+    """A hit report that is JSON but not an object (a list, a string) made every sweep give up
+    (None, as for a store fault) before the report was removed, so the sweeper was stuck for
+    good. A report with a non-number time or bytes that are not JSON were already skipped."""
+    import obstore
+
+    from tiering.coldtier import Sweeper
+
+    rng = random.Random(22)
+    store = _swept_store(rng)
+    obstore.put(store, "hits/w9/000000000001-ab", report)
+    sw = Sweeper(store, "w0", SweeperConfig(cap_bytes=350, low_fraction=0.5), clock=FakeClock())
+    res = sw.sweep_once()
+    assert res == (600, 100, 5, 500, 1), res
+    assert [m for c in obstore.list(store, prefix="hits/") for m in c] == []  # read and removed
+    sw.close()
+
+
 @pytest.mark.parametrize("message", ["Generic S3 error: status code: 503, Service Unavailable",
                                      "request timed out", "connection refused"])
 def test_every_fault_the_store_raises_as_not_answering_is_transient(message):
