@@ -500,6 +500,39 @@ def test_a_damaged_hit_report_does_not_stop_the_sweeper(report):
     sw.close()
 
 
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan"), "5", True])
+def test_every_wait_of_the_block_queue_is_bounded(bad):
+    """``drain(None)`` and ``close(None)`` waited with no bound (and ``drain(inf)``); NaN
+    was no bound either. A negative budget still means: do not wait."""
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import BlockQueue, BlockStatus, SharedBlockStore
+
+    rng = random.Random(23)
+    s = SharedBlockStore(MemoryStore(), rng.randbytes(16), b"g")
+    q = BlockQueue(s)
+    k, v = rng.randbytes(16), rng.randbytes(50)
+    assert q.submit_publish(k, v)
+    for call in (q.drain, q.wait_idle, q.close):
+        with pytest.raises(ValueError, match=f"BlockQueue.{call.__name__}: timeout_s must be a finite number"):
+            call(bad)
+    assert q.wait_idle(-1.0) in (True, False)  # an expired budget: answers at once
+    got = q.close(10)
+    assert [(r.key, r.status) for r in got] == [(k, BlockStatus.WRITTEN)]
+    assert s.fetch(k).payload == v
+
+
+def test_a_private_object_name_that_is_not_text_is_refused_by_name():
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import PrivatePrefix
+
+    p = PrivatePrefix(MemoryStore(), "w", "me")
+    for call in (lambda: p.put(5, b"x"), lambda: p.get(5), lambda: p.delete(b"a")):
+        with pytest.raises(ValueError, match="object name .* must be 1-200 characters"):
+            call()
+
+
 @pytest.mark.parametrize("message", ["Generic S3 error: status code: 503, Service Unavailable",
                                      "request timed out", "connection refused"])
 def test_every_fault_the_store_raises_as_not_answering_is_transient(message):

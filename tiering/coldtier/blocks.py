@@ -19,6 +19,7 @@ one timeout, after which queued requests are skipped at once until the cooldown'
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -98,6 +99,15 @@ class SharedTierConfig:
         object.__setattr__(self, "storage_options", MappingProxyType(dict(self.storage_options or {})))
         if not isinstance(self.tier, ColdTierConfig):
             raise ValueError(f"SharedTierConfig.tier must be a ColdTierConfig, got {type(self.tier).__name__}")
+
+
+def _check_wait(what: str, timeout_s: object) -> float:
+    """Every wait is bounded: ``timeout_s`` is a finite number (None or infinity would wait for
+    ever, NaN is no bound); a negative one is an expired budget: do not wait."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not math.isfinite(timeout_s):
+        raise ValueError(f"BlockQueue.{what}: timeout_s must be a finite number, got {timeout_s!r}")
+    return max(0.0, float(timeout_s))
 
 
 def block_path(root: bytes, key: bytes) -> str:
@@ -380,17 +390,20 @@ class BlockQueue:
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait (bounded by ``timeout_s``) until nothing is queued or running; results stay for
         ``poll``. True when idle. For ``synchronize``-style calls, never the step path."""
+        timeout_s = _check_wait("wait_idle", timeout_s)
         with self._changed:
-            return self._changed.wait_for(lambda: not self._pending, timeout=max(0.0, timeout_s))
+            return self._changed.wait_for(lambda: not self._pending, timeout=timeout_s)
 
     def drain(self, timeout_s: float) -> list[BlockResult]:
         """Wait (bounded by ``timeout_s``) until nothing is queued, then poll. For tests,
         shutdown and benchmarks; the step path uses poll."""
+        timeout_s = _check_wait("drain", timeout_s)
         with self._changed:
             self._changed.wait_for(lambda: not self._pending, timeout=timeout_s)
         return self.poll()
 
     def close(self, timeout_s: float = 30.0) -> list[BlockResult]:
+        _check_wait("close", timeout_s)
         res = self.drain(timeout_s)
         with self._lock:
             self._closed = True
