@@ -139,3 +139,13 @@ def test_tiering_replay_blocks_runs_the_block_replay(tmp_path):
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
     assert 0 < s["policies"]["lru"]["block_hit_rate"] <= s["belady_hit_rate"]
+
+
+def test_a_bool_capacity_is_refused_by_replay_and_belady():
+    """``True`` was taken as a capacity of one block."""
+    chains = synthetic_chains(20, 0)
+    with pytest.raises(ValueError, match="capacity_blocks must be an int >= 1, got True"):
+        replay_blocks(chains, True, LRUBlocks())
+    with pytest.raises(ValueError, match="capacity_blocks must be an int >= 1, got True"):
+        belady_hit_rate(chains, True)
+    assert replay_blocks(chains, 1, LRUBlocks()).capacity_blocks == 1  # the control

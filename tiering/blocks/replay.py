@@ -82,7 +82,7 @@ def replay_blocks(
 
     ``check_every=n`` runs ``BlockIndex.check_integrity`` after every n-th request (tests).
     """
-    if not isinstance(capacity_blocks, int) or capacity_blocks < 1:
+    if not isinstance(capacity_blocks, int) or isinstance(capacity_blocks, bool) or capacity_blocks < 1:
         raise ValueError(f"capacity_blocks must be an int >= 1, got {capacity_blocks!r}")
     t0 = time.perf_counter()
     index = BlockIndex()
