@@ -394,3 +394,40 @@ def test_making_host_room_that_drops_the_victims_parent_frees_its_page():
         assert kv.prefix_stats()["dropped_with_ancestor"] == 1
         assert_leading(kv, "big2", want, 16)
         kv.check_integrity()
+
+
+@pytest.mark.parametrize("kw, what", [
+    ({"shared_refresh_s": float("nan")}, "shared_refresh_s must be a finite number > 0, got nan"),
+    ({"shared_refresh_s": float("inf")}, "shared_refresh_s must be a finite number > 0, got inf"),
+    ({"shared_refresh_s": -1.0}, "shared_refresh_s must be a finite number > 0"),
+    ({"disk_batch_pages": 0}, "disk_batch_pages must be an int >= 1, got 0"),
+    ({"disk_batch_pages": True}, "disk_batch_pages must be an int >= 1, got True"),
+    ({"policy": "nope"}, "unknown block policy 'nope'"),
+])
+def test_bad_prefix_arguments_are_refused_on_every_call(closing, kw, what):
+    """A bad ``shared_refresh_s`` was taken without a shared tier, and on a second call every
+    argument was ignored, so ``disk_batch_pages=0`` or a NaN refresh came back True."""
+    kv = closing(PagedKVCache(GEOM, "cpu", 4, 4))
+    with pytest.raises(ValueError, match=what):
+        kv.enable_prefix_cache(root(), **kw)
+    assert not kv.prefix_enabled
+    assert kv.enable_prefix_cache(root())  # the control
+    with pytest.raises(ValueError, match=what):
+        kv.enable_prefix_cache(root(), **kw)
+    assert kv.prefix_enabled and kv._prefix.disk_batch_pages == 16
+    kv.check_integrity()
+
+
+def test_a_key_root_for_another_page_size_or_geometry_is_refused(closing):
+    """A root built for pages of 8 tokens (or another geometry) was taken by a cache whose pages
+    hold 4: its keys then named pages of another size under a root that says otherwise."""
+    kv = closing(PagedKVCache(GEOM, "cpu", 4, 4))
+    with pytest.raises(ValueError, match="root's page_tokens is 8, the cache's pages hold 4"):
+        kv.enable_prefix_cache(KeyRoot(GEOM.fingerprint(), "m", page_tokens=8))
+    other = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=16, page_tokens=T)
+    with pytest.raises(ValueError, match="root's geometry_fingerprint is"):
+        kv.enable_prefix_cache(KeyRoot(other.fingerprint(), "m", page_tokens=T))
+    assert not kv.prefix_enabled
+    assert kv.enable_prefix_cache(root())
+    assert kv.enable_prefix_cache(root().key)  # raw root bytes are the caller's to build
+    kv.check_integrity()
