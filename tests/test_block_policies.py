@@ -93,9 +93,44 @@ class _NoCapacityCheck(LRUBlocks):
         super().__init__(None)
 
 
-@pytest.mark.parametrize("bad", [_ForgetsRemovals, _EvictsNewest, _NoCapacityCheck])
-def test_contract_fails_broken_policies(bad):
-    with pytest.raises((AssertionError, RuntimeError, KeyError)):
+class _OffersGhosts(LRUBlocks):
+    """Broken: forgets a removed block but still offers it first."""
+
+    name = "ghosts"
+
+    def __init__(self, capacity):
+        super().__init__(capacity)
+        self._gone = []
+
+    def on_remove(self, key):
+        super().on_remove(key)
+        self._gone.append(key)
+
+    def victims(self, now):
+        yield from self._gone
+        yield from super().victims(now)
+
+
+class _CapacityTypeError(LRUBlocks):
+    """Broken: refuses capacity 0 with a TypeError that does not name it."""
+
+    def __init__(self, capacity):
+        if capacity < 1:
+            raise TypeError("bad")
+        super().__init__(capacity)
+
+
+@pytest.mark.parametrize("bad, rule", [
+    (_ForgetsRemovals, "policy and index disagree after an eviction"),
+    (_EvictsNewest, "victims did not offer every tracked block within len\\(policy\\) offers"),
+    (_NoCapacityCheck, "capacity=0 was accepted"),
+    (_OffersGhosts, "the policy broke the protocol: policy 'ghosts' offered block .*, which is not in the index"),
+    (_CapacityTypeError, "capacity=0 raised TypeError \\(bad\\), not a ValueError naming capacity"),
+])
+def test_contract_fails_broken_policies(bad, rule):
+    """Each broken policy fails the contract with an AssertionError naming the rule it
+    breaks (the test used to accept any of three exception types, whatever the reason)."""
+    with pytest.raises(AssertionError, match=rule):
         check_block_policy(bad)
 
 
