@@ -180,7 +180,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         if sh is not None and sh.blocks.breaker.would_allow():
             for key in keys[m.blocks:]:
                 f = self.fetching.get(key)
-                if (f is not None and f.req is not None) or key not in sh.known:
+                if (f is not None and f.req is not None) or not sh.known.peek(key):
                     break
                 remote += 1
         return PrefixHit((m.blocks + remote) * T, m.count(Tier.DEVICE) * T, m.count(Tier.HOST) * T,

@@ -725,3 +725,24 @@ def test_publishes_refused_by_a_full_queue_are_retried_from_poll(closing):
         else:
             obstore.head(mem, block_path(root().key, key))
     kv.check_integrity()
+
+
+def test_cached_prefix_does_not_reorder_the_known_blocks(closing):
+    """``cached_prefix`` changes nothing, the shared tier's known-blocks LRU included: it
+    used to count each block it looked at as a use, so a lookup decided which known blocks
+    the bounded cache forgets first."""
+    gen = torch.Generator().manual_seed(58)
+    _, a, b, gated = closed_pair(closing)
+    ids, _ = share(a, b, gen)
+    ids2, _ = publish_random(a, gen, rid="a2", n=9)
+    a.synchronize(10)
+    relist(b)
+    known = b._prefix.shared.known
+    before = known.keys()
+    assert len(before) == 5
+    assert b.cached_prefix(ids).shared == 12
+    assert known.keys() == before
+    b.check_integrity()
+    b.ingest_request("b")
+    assert b.attach_prefix("b", ids) == 12  # the control: an attach is a use, and reorders
+    assert known.keys() != before

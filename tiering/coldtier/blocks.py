@@ -146,6 +146,11 @@ class KnownBlocks:
                 return True
             return False
 
+    def peek(self, key: bytes) -> bool:
+        """Whether ``key`` is known, without counting it as a use (a read-only lookup)."""
+        with self._lock:
+            return key in self._d
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._d)
