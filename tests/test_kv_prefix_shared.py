@@ -746,3 +746,27 @@ def test_cached_prefix_does_not_reorder_the_known_blocks(closing):
     b.ingest_request("b")
     assert b.attach_prefix("b", ids) == 12  # the control: an attach is a use, and reorders
     assert known.keys() != before
+
+
+def test_a_queue_closed_under_the_cache_refuses_and_breaks_nothing(closing):
+    """A passed BlockQueue that its owner closed first made ``publish_prefix`` raise after the
+    block entered the index but before the cache took its page, crc and policy entry: the
+    cache failed check_integrity for good. Its submits are now refusals."""
+    gen = torch.Generator().manual_seed(59)
+    mem = MemoryStore()
+    q = BlockQueue(SharedBlockStore(mem, root().key, GEOM_ID))
+    clock = FakeClock()
+    kv = closing(make(shared=q, clock=clock))
+    q.close(5)
+    ids, data = publish_random(kv, gen, n=13)  # checks integrity
+    st = kv.prefix_stats()
+    assert st["blocks_published"] == 3 and st["shared_publish_refused"] == 3
+    clock.t += 60.0  # past the refresh timer: poll queues a listing and retries publishes
+    kv.poll()
+    kv.check_integrity()
+    kv.ingest_request("b")
+    assert kv.attach_prefix("b", ids) == 12  # the local blocks still serve
+    kv.check_integrity()
+    assert_leading(kv, "b", data, 12)
+    assert [m for c in obstore.list(mem) for m in c] == []  # nothing was written
+    assert q.closed and not q.submit_fetch(b"k" * 16) and not q.submit_refresh()

@@ -11,7 +11,8 @@ network round trip.
 
 :class:`SharedBlockStore` does the I/O synchronously and never raises for a store fault: it
 returns a result whose status says what happened. :class:`BlockQueue` is what the step path
-uses: ``submit_*`` only enqueue (False when refused), worker threads run the I/O with the
+uses: ``submit_*`` only enqueue (False when refused: a full queue, an open breaker, a
+closed queue), worker threads run the I/O with the
 client's timeouts, ``poll`` hands back finished results without waiting. A
 :class:`CircuitBreaker` in front of every request means a store that stopped answering costs
 one timeout, after which queued requests are skipped at once until the cooldown's trial succeeds.
@@ -355,7 +356,7 @@ class BlockQueue:
     def _submit(self, tag: tuple[str, bytes], fn) -> bool:
         with self._lock:
             if self._closed:
-                raise RuntimeError("BlockQueue is closed")
+                return False  # refused like a full queue: a caller's step path never raises
             if tag in self._pending or len(self._pending) >= self.blocks.config.max_queued:
                 return False
             if not self.blocks.breaker.would_allow():
@@ -379,6 +380,11 @@ class BlockQueue:
         with self._lock:
             out, self._done = self._done, []
         return out
+
+    @property
+    def closed(self) -> bool:
+        with self._lock:
+            return self._closed
 
     @property
     def in_flight(self) -> int:
