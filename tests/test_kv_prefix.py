@@ -431,3 +431,42 @@ def test_a_key_root_for_another_page_size_or_geometry_is_refused(closing):
     assert kv.enable_prefix_cache(root())
     assert kv.enable_prefix_cache(root().key)  # raw root bytes are the caller's to build
     kv.check_integrity()
+
+
+def test_a_failed_block_write_to_disk_drops_the_blocks_as_failed_and_leaks_nothing(tmp_path, monkeypatch,
+                                                                                  caplog):
+    """The host -> disk write of cached blocks fails: the blocks are dropped (their host
+    pages and the disk extent are freed, the index forgets them), counted under their own
+    reason rather than as evictions (each block once: the drop of a chain's first block used
+    to be followed by failed drops of the blocks it took with it, each logged as an error),
+    and a later attach recomputes instead of reading them."""
+    gen = torch.Generator().manual_seed(17)
+    with make(tmp_path, device_pages=8, host_pages=4) as kv:
+        ids, data = published(kv, gen)
+        kv.remove_request("a")
+        squeeze_device(kv, gen, "big")  # device -> host
+        kv.remove_request("big")
+        assert kv.cached_prefix(ids).host == 16
+        used = kv.disk.stats()["used_bytes"], kv.disk.stats()["extents"]
+
+        def broken(*a, **kw):
+            raise OSError("injected: disk write failed")
+
+        monkeypatch.setattr(kv.disk, "write", broken)
+        kv.ingest_request("h")
+        write_random(kv, "h", gen, 2)
+        assert kv.offload("h") > 0  # host room wanted: the blocks' write fails
+        kv.synchronize(10)
+        kv.check_integrity()
+        assert not [r for r in caplog.records if "could not drop" in r.getMessage()]
+        st = kv.prefix_stats()
+        assert st.get("blocks_host_to_disk", 0) == 0 and st["blocks_on_disk"] == 0
+        assert st["blocks_cached"] == 0 and st.get("dropped_evicted", 0) == 0
+        assert st.get("dropped_demote_failed", 0) >= 1
+        assert kv.host_pool.free_pages + len(kv._prefix.pages_on(Tier.HOST)) <= kv.host_pool.num_pages
+        assert kv._prefix.extents == {}
+        assert (kv.disk.stats()["used_bytes"], kv.disk.stats()["extents"]) == used  # extent freed
+        monkeypatch.undo()
+        kv.ingest_request("b")
+        assert kv.attach_prefix("b", ids) == 0  # a miss: recomputed, never read
+        kv.check_integrity()
