@@ -86,6 +86,30 @@ def test_frame_bad_input_names_the_field():
         frame(KIND_BLOCK, b"k", "r", b"", b"x")
 
 
+@pytest.mark.parametrize("kind", [300, -1, 3, True, 1.0])
+def test_a_frame_kind_that_is_not_one_of_the_two_is_refused_by_name(kind):
+    """300 and -1 raised a bare struct.error; 3 and True were written (True as a shared
+    block), and an object of kind 3 is one no reader accepts."""
+    data = frame(KIND_BLOCK, b"k", b"r", b"g", b"abc")
+    with pytest.raises(ValueError, match=f"frame kind must be 1 .* or 2 .*, got {kind!r}"):
+        frame(kind, b"k", b"r", b"g", b"abc")
+    with pytest.raises(ValueError, match="frame kind must be"):
+        unframe(kind, data, b"k", b"r", b"g")
+    assert bytes(unframe(KIND_BLOCK, data, b"k", b"r", b"g")) == b"abc"  # the control
+
+
+def test_a_frame_payload_that_is_not_a_contiguous_buffer_is_named():
+    import numpy as np
+
+    strided = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]
+    for bad in (strided, "text"):
+        with pytest.raises(TypeError, match="frame payload must be a contiguous bytes-like buffer"):
+            frame(KIND_BLOCK, b"k", b"r", b"g", bad)
+    whole = np.ascontiguousarray(strided)
+    assert bytes(unframe(KIND_BLOCK, frame(KIND_BLOCK, b"k", b"r", b"g", whole), b"k", b"r", b"g")) \
+        == whole.tobytes()
+
+
 # -- URL, options, start-up -------------------------------------------------------------------
 def test_parse_s3_url():
     assert parse_s3_url("s3://bucket/a/b/") == ("bucket", "a/b")
