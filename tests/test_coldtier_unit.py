@@ -434,6 +434,27 @@ def test_bad_block_input_raises_and_writes_nothing():
     q.close(5)
 
 
+@pytest.mark.parametrize("args, what", [
+    ((b"", b"g"), "root must be 1-1024 bytes"),
+    ((b"r" * 1025, b"g"), "root must be 1-1024 bytes"),
+    ((b"r", b"g" * 1025), "geometry at most 1024"),
+    ((b"r", b"g", {"config": {"io_threads": 2}}), "config must be a ColdTierConfig, got dict"),
+    ((b"r", b"g", {"breaker": object()}), "breaker must be a CircuitBreaker"),
+])
+def test_a_shared_block_store_that_could_never_work_is_refused_at_once(args, what):
+    """An empty root was taken: every request then failed on the path ``blocks//<key>``
+    and came back UNAVAILABLE, opening the breaker as if the store were down. A root or
+    geometry too long for a frame failed only at the first publish, a dict config with
+    an AttributeError."""
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import SharedBlockStore
+
+    *ids, kw = args if isinstance(args[-1], dict) else (*args, {})
+    with pytest.raises(ValueError, match=what):
+        SharedBlockStore(MemoryStore(), *ids, **kw)
+
+
 def test_a_foreign_object_under_the_roots_prefix_is_not_taken_for_a_block():
     """An empty or too-short object with a hex name under ``blocks/<root>/`` (left by another
     tool, or truncated) used to enter the known cache with its size, and the next

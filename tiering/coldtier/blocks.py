@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from ._io import Fault, classify, short
 from .breaker import BreakerConfig, CircuitBreaker
-from .frame import KIND_BLOCK, FrameRefused, frame, framed_size, unframe
+from .frame import KIND_BLOCK, MAX_ID_BYTES, FrameRefused, frame, framed_size, unframe
 from .s3 import check_storage_options, parse_s3_url
 
 __all__ = ["BlockQueue", "BlockResult", "BlockStatus", "ColdTierConfig", "KnownBlocks",
@@ -176,6 +176,15 @@ class SharedBlockStore:
                  on_hit: Callable[[bytes], None] | None = None) -> None:
         if not isinstance(root, bytes) or not isinstance(geometry, bytes):
             raise ValueError("SharedBlockStore root and geometry must be bytes")
+        if not root or len(root) > MAX_ID_BYTES or len(geometry) > MAX_ID_BYTES:
+            # an empty root names no prefix ("blocks//..."): every request would fail, and
+            # open the breaker, as if the store were down
+            raise ValueError(f"SharedBlockStore root must be 1-{MAX_ID_BYTES} bytes and geometry at"
+                             f" most {MAX_ID_BYTES}, got {len(root)} and {len(geometry)}")
+        if config is not None and not isinstance(config, ColdTierConfig):
+            raise ValueError(f"SharedBlockStore config must be a ColdTierConfig, got {type(config).__name__}")
+        if breaker is not None and not isinstance(breaker, CircuitBreaker):
+            raise ValueError(f"SharedBlockStore breaker must be a CircuitBreaker, got {type(breaker).__name__}")
         self.store = store
         self.root = root
         self.geometry = geometry
