@@ -455,6 +455,31 @@ def test_a_shared_block_store_that_could_never_work_is_refused_at_once(args, wha
         SharedBlockStore(MemoryStore(), *ids, **kw)
 
 
+def test_configs_and_records_of_the_wrong_type_are_refused_when_given():
+    """Each was taken and failed later, at first use, with an AttributeError (or, for a
+    string geometry, made every private object unreadable); a NaN hit time was recorded."""
+    import obstore
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import HitLog, Lease, PrivatePrefix, Sweeper
+
+    m = MemoryStore()
+    with pytest.raises(ValueError, match="Sweeper config must be a SweeperConfig, got dict"):
+        Sweeper(m, "w", {"cap_bytes": 5})
+    with pytest.raises(ValueError, match="lease config must be a LeaseConfig, got dict"):
+        Lease(m, "L", "o", config={"ttl_s": 3})
+    with pytest.raises(ValueError, match="PrivatePrefix geometry must be bytes, got str"):
+        PrivatePrefix(m, "p", "o", geometry="g")
+    log = HitLog("w")
+    for args in (("r", b"k", 1.0), (b"r", b"", 1.0), (b"r", b"k", float("nan")), (b"r", b"k", True)):
+        with pytest.raises(ValueError, match="HitLog.record"):
+            log.record(*args)
+    assert log.flush(m)  # nothing was recorded: nothing to write
+    assert [x for c in obstore.list(m) for x in c] == []
+    log.record(b"r", b"k", 5.0)  # the control
+    assert log.flush(m) and len([x for c in obstore.list(m) for x in c]) == 1
+
+
 def test_a_foreign_object_under_the_roots_prefix_is_not_taken_for_a_block():
     """An empty or too-short object with a hex name under ``blocks/<root>/`` (left by another
     tool, or truncated) used to enter the known cache with its size, and the next

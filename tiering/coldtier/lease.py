@@ -64,6 +64,8 @@ class Lease:
             raise ValueError(f"lease owner must be a non-empty str of at most 200 chars, got {owner!r}")
         if not isinstance(path, str) or not path or path.startswith("/"):
             raise ValueError(f"lease path must be a relative object path, got {path!r}")
+        if config is not None and not isinstance(config, LeaseConfig):
+            raise ValueError(f"lease config must be a LeaseConfig, got {type(config).__name__}")
         self.store = store
         self.path = path
         self.owner = owner

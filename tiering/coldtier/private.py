@@ -36,6 +36,8 @@ class PrivatePrefix:
     def __init__(self, store, name: str, owner: str, *, lease_config: LeaseConfig | None = None,
                  clock: Callable[[], float] = time.time, breaker: CircuitBreaker | None = None,
                  geometry: bytes = b"") -> None:
+        if not isinstance(geometry, bytes):
+            raise ValueError(f"PrivatePrefix geometry must be bytes, got {type(geometry).__name__}")
         self.store = store
         self.name = _check_name("private prefix", name)
         self.base = f"private/{name}/"

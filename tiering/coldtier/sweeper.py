@@ -69,6 +69,11 @@ class HitLog:
         self._seq = 0
 
     def record(self, root: bytes, key: bytes, at: float) -> None:
+        if not isinstance(root, bytes) or not isinstance(key, bytes) or not key:
+            raise ValueError(f"HitLog.record: root and key must be bytes (a non-empty key), got"
+                             f" {type(root).__name__} and {key!r:.40}")
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+            raise ValueError(f"HitLog.record: at must be a finite time, got {at!r}")
         with self._lock:
             self._hits[f"{root.hex()}/{key.hex()}"] = at
 
@@ -99,6 +104,8 @@ class HitLog:
 class Sweeper:
     def __init__(self, store, owner: str, config: SweeperConfig, *,
                  lease_config: LeaseConfig | None = None, clock: Callable[[], float] = time.time):
+        if not isinstance(config, SweeperConfig):
+            raise ValueError(f"Sweeper config must be a SweeperConfig, got {type(config).__name__}")
         self.store = store
         self.config = config
         self._clock = clock
