@@ -480,6 +480,36 @@ def test_configs_and_records_of_the_wrong_type_are_refused_when_given():
     assert log.flush(m) and len([x for c in obstore.list(m) for x in c]) == 1
 
 
+def test_refresh_index_limit_bounds_what_it_adds():
+    """``limit=0`` added up to the whole capacity (0 read as "no limit") and a negative
+    limit added all but the oldest few."""
+    import time as _time
+
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import SharedBlockStore
+
+    rng = random.Random(31)
+    m = MemoryStore()
+    root = rng.randbytes(16)
+    w = SharedBlockStore(m, root, b"g")
+    keys = []
+    for _ in range(5):
+        keys.append(rng.randbytes(16))
+        w.publish(keys[-1], rng.randbytes(40))
+        _time.sleep(0.002)  # distinct modification times: the listing orders by them
+    for limit, want in ((0, 0), (2, 2), (None, 5)):
+        r = SharedBlockStore(m, root, b"g")
+        assert r.refresh_index(limit) == 5
+        assert len(r.known) == want, (limit, len(r.known))
+        r.check_integrity()
+    r = SharedBlockStore(m, root, b"g")
+    for bad in (-2, True, 1.5):
+        with pytest.raises(ValueError, match="limit must be None or an int >= 0"):
+            r.refresh_index(bad)
+    assert len(r.known) == 0
+
+
 def test_a_foreign_object_under_the_roots_prefix_is_not_taken_for_a_block():
     """An empty or too-short object with a hex name under ``blocks/<root>/`` (left by another
     tool, or truncated) used to enter the known cache with its size, and the next

@@ -265,7 +265,10 @@ class SharedBlockStore:
 
     def refresh_index(self, limit: int | None = None) -> int | None:
         """List this root's prefix into the known cache (newest last); how many were seen, or None
-        when the store did not answer. Bounded by the cache's capacity unless ``limit`` is less."""
+        when the store did not answer. Bounded by the cache's capacity unless ``limit`` is less
+        (``limit=0``: list, but add nothing)."""
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+            raise ValueError(f"refresh_index: limit must be None or an int >= 0, got {limit!r}")
         if not self.breaker.allow():
             return None
         import obstore
@@ -289,8 +292,8 @@ class SharedBlockStore:
                 return None
         self.breaker.record_success()
         seen.sort()
-        cap = min(self.known.capacity, limit or self.known.capacity)
-        for _, key, size in seen[-cap:]:
+        cap = self.known.capacity if limit is None else min(self.known.capacity, limit)
+        for _, key, size in (seen[-cap:] if cap else ()):
             self.known.add(key, size)
         return len(seen)
 
