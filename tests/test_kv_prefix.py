@@ -470,3 +470,54 @@ def test_a_failed_block_write_to_disk_drops_the_blocks_as_failed_and_leaks_nothi
         kv.ingest_request("b")
         assert kv.attach_prefix("b", ids) == 0  # a miss: recomputed, never read
         kv.check_integrity()
+
+
+def _write_on(kv, rid, gen, n, device):
+    from conftest import random_kv
+
+    assert kv.allocate(rid, n)
+    data = random_kv(gen, kv.geometry, n)
+    for layer, (k, v) in enumerate(data):
+        kv.write(rid, layer, 0, k.to(device), v.to(device))
+    kv.check_integrity()
+    return data
+
+
+def _leading_on_cpu(kv, rid, want, ntok):
+    for layer, (k, v) in enumerate(want):
+        gk, gv = kv.read(rid, layer)
+        assert torch.equal(gk[:ntok].cpu(), k[:ntok]) and torch.equal(gv[:ntok].cpu(), v[:ntok]), layer
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_device_hit_shares_pages_and_a_host_hit_loads_bitwise(closing):
+    """The prefix cache on a CUDA device: the publish's crc copy, the device -> host move of
+    unmapped blocks and the host -> device load through the streams (their CPU paths are
+    what the other tests run). Skipped without a CUDA device."""
+    gen = torch.Generator().manual_seed(23)
+    kv = closing(PagedKVCache(GEOM, "cuda:0", 8, 8))
+    assert kv.enable_prefix_cache(root())
+    ids = tokens(gen, 18)
+    kv.ingest_request("a")
+    data = _write_on(kv, "a", gen, 18, "cuda:0")
+    assert kv.publish_prefix("a", ids) == 16
+    kv.check_integrity()
+    kv.ingest_request("d")
+    assert kv.attach_prefix("d", ids) == 16 and not kv.is_offloaded("d")
+    assert kv.page_table("d")[:4] == kv.page_table("a")[:4]  # shared, not copied
+    _leading_on_cpu(kv, "d", data, 16)
+    kv.remove_request("d")
+    kv.remove_request("a")
+    kv.ingest_request("big")  # fill the device: the unmapped blocks move to the host
+    _write_on(kv, "big", gen, (kv.device_pool.free_pages + kv._prefix.unmapped(Tier.DEVICE)) * T,
+              "cuda:0")
+    assert kv.prefix_stats()["blocks_device_to_host"] == 4
+    kv.remove_request("big")
+    kv.ingest_request("b")
+    assert kv.attach_prefix("b", ids) == 16 and kv.is_offloaded("b")
+    assert kv.reload("b")
+    kv.synchronize(30)
+    kv.check_integrity()
+    assert kv.state_of("b") is S.RESIDENT and kv.num_tokens("b") == 16
+    _leading_on_cpu(kv, "b", data, 16)
+    assert kv.prefix_stats()["blocks_host_to_device"] == 4
