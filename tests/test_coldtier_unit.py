@@ -130,6 +130,22 @@ def test_unknown_storage_option_is_named():
         open_s3_store("s3://b/p", {"client_kwargs": {"verify": False}})
 
 
+def test_shared_tier_config_keeps_a_read_only_copy_of_nested_options():
+    """The copy was shallow: changing the caller's ``client_kwargs`` dict afterwards changed
+    the checked config (here to an option the check refuses)."""
+    from tiering.coldtier import SharedTierConfig
+
+    inner = {"endpoint_url": "http://127.0.0.1:1"}
+    cfg = SharedTierConfig("s3://b/p", {"client_kwargs": inner, "region": "us-east-1"})
+    inner["verify"] = False
+    assert dict(cfg.storage_options["client_kwargs"]) == {"endpoint_url": "http://127.0.0.1:1"}
+    with pytest.raises(TypeError):
+        cfg.storage_options["client_kwargs"]["verify"] = False
+    with pytest.raises(TypeError):
+        cfg.storage_options["region"] = "x"
+    open_s3_store(cfg.url, cfg.storage_options, check=False)  # still opens as checked
+
+
 def _dead_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

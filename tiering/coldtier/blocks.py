@@ -97,7 +97,11 @@ class SharedTierConfig:
             raise ValueError("SharedTierConfig.storage_options must be a mapping, got "
                              f"{type(self.storage_options).__name__}")
         check_storage_options(self.storage_options)
-        object.__setattr__(self, "storage_options", MappingProxyType(dict(self.storage_options or {})))
+        # read-only all the way down: a nested mapping (client_kwargs) is copied too, so what
+        # was checked here is what the store is opened with
+        frozen = {k: MappingProxyType(dict(v)) if isinstance(v, Mapping) else v
+                  for k, v in dict(self.storage_options or {}).items()}
+        object.__setattr__(self, "storage_options", MappingProxyType(frozen))
         if not isinstance(self.tier, ColdTierConfig):
             raise ValueError(f"SharedTierConfig.tier must be a ColdTierConfig, got {type(self.tier).__name__}")
 
