@@ -158,7 +158,6 @@ class PrefixCache(TierMovesPart, SharedTierPart):
             crc = crc_page(page)
             if not self.index.insert(key, parent, Tier.DEVICE, own, now):
                 break
-            self._publish_shared(key, page)
             c.device_pool.transfer_ownership(r.rid, BLOCKS, [own])
             self.index.acquire(key)
             self.crc[key] = crc
@@ -168,6 +167,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
             r.shared.append(own)
             r.blocks.append(key)
             self.stats["blocks_published"] += 1
+            self._publish_shared(key, page)  # last: the block is whole in the cache first
         r.index = None
         return len(r.blocks)
 
@@ -180,7 +180,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         if sh is not None and sh.blocks.breaker.would_allow():
             for key in keys[m.blocks:]:
                 f = self.fetching.get(key)
-                if (f is not None and f.req is not None) or key not in sh.known:
+                if (f is not None and f.req is not None) or not sh.known.peek(key):
                     break
                 remote += 1
         return PrefixHit((m.blocks + remote) * T, m.count(Tier.DEVICE) * T, m.count(Tier.HOST) * T,

@@ -9,14 +9,17 @@ the cache always had, moved here verbatim.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import torch
 
+from policies.blocks import default_block_registry
 from resources.base import CachedPrefix
 from resources.kv_prefix import BLOCKS, PrefixCache, PrefixHit, as_root
 from resources.kv_records import RequestRecord
 from resources.kv_transfers import _why
+from tiering.blocks import KeyRoot
 from tiering.core.executor import RELOAD
 from tiering.types import IllegalTransition, Move, RequestState, Tier, TransferResult
 
@@ -51,6 +54,7 @@ class KVPrefixReuse:
         self._open("enable_prefix_cache")
         del walks
         key = as_root(root)
+        self._check_prefix_args(root, policy, disk_batch_pages, shared_refresh_s)
         if self._prefix is not None:
             if self._prefix.root != key:
                 raise ValueError("enable_prefix_cache: already enabled under another root")
@@ -60,6 +64,30 @@ class KVPrefixReuse:
             return True
         self._prefix = PrefixCache(self, key, policy, disk_batch_pages, shared, shared_refresh_s)
         return True
+
+    def _check_prefix_args(self, root, policy, disk_batch_pages, shared_refresh_s) -> None:
+        """enable_prefix_cache's arguments, checked before anything is built or compared (a
+        second call with bad arguments is refused too, not ignored)."""
+        g = self.geometry
+        if isinstance(root, KeyRoot):
+            if root.page_tokens != g.page_tokens:
+                raise ValueError(f"enable_prefix_cache: the root's page_tokens is {root.page_tokens},"
+                                 f" the cache's pages hold {g.page_tokens} tokens")
+            if root.geometry_fingerprint != g.fingerprint():
+                raise ValueError(f"enable_prefix_cache: the root's geometry_fingerprint is"
+                                 f" {root.geometry_fingerprint!r}, the cache's is {g.fingerprint()!r}")
+        registry = default_block_registry()
+        if not isinstance(policy, str) or policy not in registry:
+            raise ValueError(f"enable_prefix_cache: unknown block policy {policy!r};"
+                             f" known: {', '.join(registry.names)}")
+        if isinstance(disk_batch_pages, bool) or not isinstance(disk_batch_pages, int) \
+                or disk_batch_pages < 1:
+            raise ValueError(f"enable_prefix_cache: disk_batch_pages must be an int >= 1,"
+                             f" got {disk_batch_pages!r}")
+        if isinstance(shared_refresh_s, bool) or not isinstance(shared_refresh_s, (int, float)) \
+                or not 0 < shared_refresh_s < math.inf:
+            raise ValueError(f"enable_prefix_cache: shared_refresh_s must be a finite number > 0,"
+                             f" got {shared_refresh_s!r}")
 
     @property
     def prefix_enabled(self) -> bool:

@@ -103,7 +103,7 @@ class TierMovesPart:
             log.error("block demotion device->host failed: %s", exc)
             self.index.fail_move(key)
             c.host_pool.release(BLOCKS, [slot])
-            self._drop(key, "evicted")
+            self._drop(key, "demote_failed")
             return
         old = self.index.finish_move(key)
         self.policies[Tier.DEVICE].on_remove(key)
@@ -160,8 +160,9 @@ class TierMovesPart:
             for key, _ in chosen:
                 self.index.fail_move(key)
             c._disk_call(c.disk.release, extent)
-            for key, _ in chosen:
-                self._drop(key, "evicted")
+            for key, _ in chosen:  # ancestors first: a drop takes the chosen blocks below it
+                if key in self.index:
+                    self._drop(key, "demote_failed")
             return True
         self.extents[ext_id] = [extent, len(chosen)]
         for key, _slot in chosen:

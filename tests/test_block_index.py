@@ -365,3 +365,66 @@ def test_move_at_once_is_refused_like_begin_move_and_changes_nothing():
     with pytest.raises(ValueError, match="handle 5 already holds block 'b'"):
         index.move("a", Tier.HOST, 5)
     index.check_integrity()
+
+
+def _snapshot(index):
+    return (
+        {k: (index.location(k), index.get(k)) for k in index.keys()},
+        {t: index.count(t) for t in Tier},
+        dict(index.dropped),
+    )
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None, "3", True])
+def test_a_bad_clock_value_is_refused_by_name_and_changes_nothing(bad):
+    """A NaN, infinite, missing, text or bool ``now`` used to be stored as a use time, and
+    the next check_integrity failed ("bad use record") on a call that had been accepted."""
+    index = BlockIndex()
+    index.insert("a", None, Tier.DEVICE, 0, 5.0)
+    before = _snapshot(index)
+    with pytest.raises(ValueError, match=r"insert of block 'b': now must be a finite number"):
+        index.insert("b", "a", Tier.DEVICE, 1, bad)
+    with pytest.raises(ValueError, match=r"touch of block 'a': now must be a finite number"):
+        index.touch("a", bad)
+    assert _snapshot(index) == before
+    index.check_integrity()
+
+
+def test_a_touch_before_the_blocks_first_use_is_refused():
+    index = BlockIndex()
+    index.insert("a", None, Tier.DEVICE, 0, 5.0)
+    before = _snapshot(index)
+    with pytest.raises(ValueError, match=r"touch of block 'a': now 1.0 is before its first use 5.0"):
+        index.touch("a", 1.0)
+    assert _snapshot(index) == before
+    index.check_integrity()
+    import numpy as np
+
+    assert index.touch("a", 7).last_use == 7  # an int clock and a numpy float are numbers too
+    assert index.touch("a", np.float64(8.5)).hits == 2
+    index.check_integrity()
+
+
+def test_a_bad_tier_or_reason_is_refused_by_name_and_changes_nothing():
+    """A tier given as text used to make choose_victim answer None (nothing to evict) and
+    count raise a bare KeyError; a drop reason that is not text was counted as given."""
+    index = BlockIndex()
+    _chain(index, ["a", "b"])
+    policy = LRUBlocks()
+    for k in ("a", "b"):
+        policy.on_insert(index.get(k), 0.0)
+    before = _snapshot(index)
+    with pytest.raises(ValueError, match="choose_victim: tier must be a Tier, got 'device'"):
+        index.choose_victim(policy, 1.0, tier="device")
+    with pytest.raises(ValueError, match="count: tier must be a Tier"):
+        index.count("device")
+    with pytest.raises(ValueError, match="idle_count: tier must be a Tier"):
+        index.idle_count("host")
+    with pytest.raises(ValueError, match="keys: tier must be a Tier"):
+        index.keys("disk")
+    for bad in (5, "", None):
+        with pytest.raises(ValueError, match="drop of block 'a': reason must be a non-empty str"):
+            index.drop("a", bad)
+    assert _snapshot(index) == before
+    index.check_integrity()
+    assert index.choose_victim(policy, 1.0, tier=Tier.DEVICE) == "a"  # the control

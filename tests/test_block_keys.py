@@ -110,3 +110,38 @@ def test_bad_input_names_what_was_wrong(call, match):
 def test_float_tokens_are_refused():
     with pytest.raises(TypeError, match="integers"):
         block_keys(bytes(16), np.array([1.5, 2.0, 3.0, 4.0]), 4)
+
+
+@pytest.mark.parametrize(
+    "fps, match",
+    [
+        ({"kvx": b"1"}, None),  # a dict: used to unpack each name's characters ("too many values")
+        ([("kv", b"1")], None),  # a list: used to make the frozen root unhashable
+        ((("kv", b"1", b"2"),), "each entry must be a \\(name, fingerprint\\) pair"),
+        (("kv",), "each entry must be a \\(name, fingerprint\\) pair"),
+        ("kv", "must be \\(name, fingerprint\\) pairs, got str"),
+        (5, "must be \\(name, fingerprint\\) pairs, got int"),
+    ],
+)
+def test_keyroot_resource_fingerprints_are_pairs_or_a_mapping(fps, match):
+    if match is not None:
+        with pytest.raises((ValueError, TypeError), match=match):
+            _root(resource_fingerprints=fps)
+        return
+    r = _root(resource_fingerprints=fps)
+    want = _root(resource_fingerprints=(("kv" if "kv" in dict(fps) else "kvx", b"1"),))
+    assert r == want and r.key == want.key and hash(r) == hash(want)
+    assert isinstance(r.resource_fingerprints, tuple)
+    assert r.key != _root().key  # the fingerprint is part of the root (the control)
+
+
+def test_root_key_names_a_bad_resource_name_even_beside_none_or_other_types():
+    """Names of mixed types failed to sort with a bare TypeError; an empty name whose
+    fingerprint was None was taken silently."""
+    with pytest.raises(ValueError, match="a resource name must be a non-empty str, got 1"):
+        root_key("g", "m", {1: b"x", "a": b"y"})
+    with pytest.raises(ValueError, match="a resource name must be a non-empty str, got ''"):
+        root_key("g", "m", {"": None})
+    with pytest.raises(TypeError, match="must be a mapping of name to fingerprint, got int"):
+        root_key("g", "m", 7)
+    assert root_key("g", "m", [("a", b"y")]) == root_key("g", "m", {"a": b"y"})

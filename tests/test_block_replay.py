@@ -119,7 +119,8 @@ def test_cli_writes_summary(tmp_path):
     assert s["policy"] == "lru" and s["block_hit_rate"] == s["policies"]["lru"]["block_hit_rate"]
 
 
-@pytest.mark.parametrize("argv", [["--policy", "nope"], ["--capacity-blocks", "0"]])
+@pytest.mark.parametrize("argv", [["--policy", "nope"], ["--capacity-blocks", "0"],
+                                  ["--limit", "0"], ["--limit", "-2"]])
 def test_cli_rejects_bad_arguments(tmp_path, argv, capsys):
     base = {"--capacity-blocks": "10", "--policy": "lru"}
     for i in range(0, len(argv), 2):
@@ -139,3 +140,28 @@ def test_tiering_replay_blocks_runs_the_block_replay(tmp_path):
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
     assert 0 < s["policies"]["lru"]["block_hit_rate"] <= s["belady_hit_rate"]
+
+
+def test_a_bool_capacity_is_refused_by_replay_and_belady():
+    """``True`` was taken as a capacity of one block."""
+    chains = synthetic_chains(20, 0)
+    with pytest.raises(ValueError, match="capacity_blocks must be an int >= 1, got True"):
+        replay_blocks(chains, True, LRUBlocks())
+    with pytest.raises(ValueError, match="capacity_blocks must be an int >= 1, got True"):
+        belady_hit_rate(chains, True)
+    assert replay_blocks(chains, 1, LRUBlocks()).capacity_blocks == 1  # the control
+
+
+def test_load_chains_limit_zero_is_no_request_and_bad_ids_are_named(tmp_path):
+    """``limit=0`` used to return one request (the count was checked after appending), a
+    negative limit one too; a block id that is a list or text was loaded and failed later."""
+    assert load_chains(TRACE, limit=0) == []
+    assert len(load_chains(TRACE, limit=3)) == 3  # the control
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="limit must be None or an int >= 0"):
+            load_chains(TRACE, limit=bad)
+    for ids, shown in (([1, [2]], "\\[2\\]"), ([1, "2"], "'2'"), ([True], "True")):
+        path = tmp_path / "t.jsonl"
+        path.write_text(json.dumps({"hash_ids": [5, 6]}) + "\n" + json.dumps({"hash_ids": ids}) + "\n")
+        with pytest.raises(ValueError, match=f"t.jsonl:2: hash_ids holds {shown}, not an int"):
+            load_chains(path)

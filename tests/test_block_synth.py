@@ -53,3 +53,28 @@ def test_bad_config_names_the_field(kw, field):
 def test_bad_count():
     with pytest.raises(ValueError, match="n must be"):
         synthetic_chains(-1, seed=0)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [  # each was taken: NaN passed every bound check, inf overflowed later, a bool was a count
+        ({"cont_step": float("nan")}, "cont_step"),
+        ({"new_blocks_mean": float("nan")}, "new_blocks_mean"),
+        ({"gap_median": float("inf")}, "gap_median"),
+        ({"gap_sigma": float("nan")}, "gap_sigma"),
+        ({"system_prompts": True}, "system_prompts"),
+        ({"system_prompts": 2.5}, "system_prompts"),
+        ({"system_blocks": (1.5, 3)}, "system_blocks"),
+        ({"system_blocks": [1, 3]}, "system_blocks"),
+        ({"gap_sigma": "1"}, "gap_sigma"),
+    ],
+)
+def test_a_nan_infinite_or_mistyped_field_is_refused_by_name(kw, field):
+    with pytest.raises(ValueError, match=f"SynthConfig.{field}"):
+        SynthConfig(**kw)
+
+
+def test_a_bool_count_is_refused():
+    with pytest.raises(ValueError, match="n must be an int"):
+        synthetic_chains(True, seed=0)
+    assert len(synthetic_chains(1, seed=0)) == 1  # the control

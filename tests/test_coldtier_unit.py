@@ -20,6 +20,7 @@ from tiering.coldtier import (
     FrameRefused,
     KnownBlocks,
     LeaseConfig,
+    SharedTierConfig,
     SweeperConfig,
     frame,
     open_s3_store,
@@ -85,6 +86,30 @@ def test_frame_bad_input_names_the_field():
         frame(KIND_BLOCK, b"k", "r", b"", b"x")
 
 
+@pytest.mark.parametrize("kind", [300, -1, 3, True, 1.0])
+def test_a_frame_kind_that_is_not_one_of_the_two_is_refused_by_name(kind):
+    """300 and -1 raised a bare struct.error; 3 and True were written (True as a shared
+    block), and an object of kind 3 is one no reader accepts."""
+    data = frame(KIND_BLOCK, b"k", b"r", b"g", b"abc")
+    with pytest.raises(ValueError, match=f"frame kind must be 1 .* or 2 .*, got {kind!r}"):
+        frame(kind, b"k", b"r", b"g", b"abc")
+    with pytest.raises(ValueError, match="frame kind must be"):
+        unframe(kind, data, b"k", b"r", b"g")
+    assert bytes(unframe(KIND_BLOCK, data, b"k", b"r", b"g")) == b"abc"  # the control
+
+
+def test_a_frame_payload_that_is_not_a_contiguous_buffer_is_named():
+    import numpy as np
+
+    strided = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]
+    for bad in (strided, "text"):
+        with pytest.raises(TypeError, match="frame payload must be a contiguous bytes-like buffer"):
+            frame(KIND_BLOCK, b"k", b"r", b"g", bad)
+    whole = np.ascontiguousarray(strided)
+    assert bytes(unframe(KIND_BLOCK, frame(KIND_BLOCK, b"k", b"r", b"g", whole), b"k", b"r", b"g")) \
+        == whole.tobytes()
+
+
 # -- URL, options, start-up -------------------------------------------------------------------
 def test_parse_s3_url():
     assert parse_s3_url("s3://bucket/a/b/") == ("bucket", "a/b")
@@ -103,6 +128,22 @@ def test_unknown_storage_option_is_named():
         open_s3_store("s3://b/p", {"timeout_s": -1})
     with pytest.raises(ValueError, match=r"client_kwargs.*'verify'"):
         open_s3_store("s3://b/p", {"client_kwargs": {"verify": False}})
+
+
+def test_shared_tier_config_keeps_a_read_only_copy_of_nested_options():
+    """The copy was shallow: changing the caller's ``client_kwargs`` dict afterwards changed
+    the checked config (here to an option the check refuses)."""
+    from tiering.coldtier import SharedTierConfig
+
+    inner = {"endpoint_url": "http://127.0.0.1:1"}
+    cfg = SharedTierConfig("s3://b/p", {"client_kwargs": inner, "region": "us-east-1"})
+    inner["verify"] = False
+    assert dict(cfg.storage_options["client_kwargs"]) == {"endpoint_url": "http://127.0.0.1:1"}
+    with pytest.raises(TypeError):
+        cfg.storage_options["client_kwargs"]["verify"] = False
+    with pytest.raises(TypeError):
+        cfg.storage_options["region"] = "x"
+    open_s3_store(cfg.url, cfg.storage_options, check=False)  # still opens as checked
 
 
 def _dead_port() -> int:
@@ -141,6 +182,42 @@ def test_configs_validate():
         SweeperConfig(cap_bytes=0)
     with pytest.raises(ValueError, match="low_fraction"):
         SweeperConfig(cap_bytes=10, low_fraction=1.5)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("timeout_s", True), ("timeout_s", float("inf")), ("timeout_s", float("nan")),
+    ("connect_timeout_s", float("inf")), ("max_retries", True), ("max_retries", 1.5),
+    ("allow_http", "no"),
+])
+def test_a_bool_infinite_or_mistyped_storage_option_is_refused_by_name(name, value):
+    """These were taken: True as a 1 s timeout or 1 retry, an infinite timeout (which bounds
+    nothing and broke the client at open), "no" as allow_http=True."""
+    with pytest.raises(ValueError, match=f"storage_options\\['{name}'\\]"):
+        SharedTierConfig("s3://b/p", {name: value})
+    with pytest.raises(ValueError, match=f"storage_options\\['{name}'\\]"):
+        open_s3_store("s3://b/p", {name: value}, check=False)
+    SharedTierConfig("s3://b/p", {name: {"timeout_s": 3.0, "connect_timeout_s": 1,
+                                         "max_retries": 2, "allow_http": False}[name]})
+
+
+@pytest.mark.parametrize("kw", [{"timeout_s": float("nan")}, {"connect_timeout_s": float("inf")},
+                                {"max_retries": True}, {"timeout_s": 0}])
+def test_open_s3_store_refuses_bad_timeouts_given_as_arguments(kw):
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"open_s3_store: {name}"):
+        open_s3_store("s3://b/p", None, check=False, **kw)
+
+
+def test_an_endless_cooldown_or_lease_and_a_bool_capacity_are_refused():
+    """An infinite cooldown never tries the store again; an infinite ttl outlives a dead
+    holder for ever; KnownBlocks(True) was a capacity of one. All three used to be taken."""
+    with pytest.raises(ValueError, match="BreakerConfig.cooldown_s must be finite"):
+        BreakerConfig(cooldown_s=float("inf"))
+    with pytest.raises(ValueError, match="LeaseConfig.ttl_s must be finite"):
+        LeaseConfig(ttl_s=float("inf"))
+    with pytest.raises(ValueError, match="KnownBlocks capacity"):
+        KnownBlocks(True)
+    assert BreakerConfig(cooldown_s=1e9).cooldown_s == 1e9  # large but finite: fine
 
 
 # -- known-blocks cache -----------------------------------------------------------------------
@@ -373,6 +450,205 @@ def test_bad_block_input_raises_and_writes_nothing():
     q.close(5)
 
 
+@pytest.mark.parametrize("args, what", [
+    ((b"", b"g"), "root must be 1-1024 bytes"),
+    ((b"r" * 1025, b"g"), "root must be 1-1024 bytes"),
+    ((b"r", b"g" * 1025), "geometry at most 1024"),
+    ((b"r", b"g", {"config": {"io_threads": 2}}), "config must be a ColdTierConfig, got dict"),
+    ((b"r", b"g", {"breaker": object()}), "breaker must be a CircuitBreaker"),
+])
+def test_a_shared_block_store_that_could_never_work_is_refused_at_once(args, what):
+    """An empty root was taken: every request then failed on the path ``blocks//<key>``
+    and came back UNAVAILABLE, opening the breaker as if the store were down. A root or
+    geometry too long for a frame failed only at the first publish, a dict config with
+    an AttributeError."""
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import SharedBlockStore
+
+    *ids, kw = args if isinstance(args[-1], dict) else (*args, {})
+    with pytest.raises(ValueError, match=what):
+        SharedBlockStore(MemoryStore(), *ids, **kw)
+
+
+def test_configs_and_records_of_the_wrong_type_are_refused_when_given():
+    """Each was taken and failed later, at first use, with an AttributeError (or, for a
+    string geometry, made every private object unreadable); a NaN hit time was recorded."""
+    import obstore
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import HitLog, Lease, PrivatePrefix, Sweeper
+
+    m = MemoryStore()
+    with pytest.raises(ValueError, match="Sweeper config must be a SweeperConfig, got dict"):
+        Sweeper(m, "w", {"cap_bytes": 5})
+    with pytest.raises(ValueError, match="lease config must be a LeaseConfig, got dict"):
+        Lease(m, "L", "o", config={"ttl_s": 3})
+    with pytest.raises(ValueError, match="PrivatePrefix geometry must be bytes, got str"):
+        PrivatePrefix(m, "p", "o", geometry="g")
+    log = HitLog("w")
+    for args in (("r", b"k", 1.0), (b"r", b"", 1.0), (b"r", b"k", float("nan")), (b"r", b"k", True)):
+        with pytest.raises(ValueError, match="HitLog.record"):
+            log.record(*args)
+    assert log.flush(m)  # nothing was recorded: nothing to write
+    assert [x for c in obstore.list(m) for x in c] == []
+    log.record(b"r", b"k", 5.0)  # the control
+    assert log.flush(m) and len([x for c in obstore.list(m) for x in c]) == 1
+
+
+def test_refresh_index_limit_bounds_what_it_adds():
+    """``limit=0`` added up to the whole capacity (0 read as "no limit") and a negative
+    limit added all but the oldest few."""
+    import time as _time
+
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import SharedBlockStore
+
+    rng = random.Random(31)
+    m = MemoryStore()
+    root = rng.randbytes(16)
+    w = SharedBlockStore(m, root, b"g")
+    keys = []
+    for _ in range(5):
+        keys.append(rng.randbytes(16))
+        w.publish(keys[-1], rng.randbytes(40))
+        _time.sleep(0.002)  # distinct modification times: the listing orders by them
+    for limit, want in ((0, 0), (2, 2), (None, 5)):
+        r = SharedBlockStore(m, root, b"g")
+        assert r.refresh_index(limit) == 5
+        assert len(r.known) == want, (limit, len(r.known))
+        r.check_integrity()
+    r = SharedBlockStore(m, root, b"g")
+    for bad in (-2, True, 1.5):
+        with pytest.raises(ValueError, match="limit must be None or an int >= 0"):
+            r.refresh_index(bad)
+    assert len(r.known) == 0
+
+
+def test_a_foreign_object_under_the_roots_prefix_is_not_taken_for_a_block():
+    """An empty or too-short object with a hex name under ``blocks/<root>/`` (left by another
+    tool, or truncated) used to enter the known cache with its size, and the next
+    check_integrity failed on a refresh that had been accepted."""
+    import obstore
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import BlockStatus, SharedBlockStore
+
+    rng = random.Random(9)
+    store = MemoryStore()
+    root = rng.randbytes(16)
+    s = SharedBlockStore(store, root, b"geom")
+    real = rng.randbytes(16)
+    assert s.publish(real, rng.randbytes(64)).status is BlockStatus.WRITTEN
+    prefix = f"blocks/{root.hex()}/"
+    for name, data in (("00ff", b""), ("abcd", rng.randbytes(8)), ("not-hex", rng.randbytes(99))):
+        obstore.put(store, prefix + name, data)
+    fresh = SharedBlockStore(store, root, b"geom")
+    assert fresh.refresh_index() == 1
+    assert fresh.known.keys() == [real]
+    fresh.check_integrity()
+    with pytest.raises(ValueError, match="size of block 00ff must be an int >= 1"):
+        fresh.known.add(bytes.fromhex("00ff"), 0)
+    with pytest.raises(ValueError, match="key must be non-empty bytes"):
+        fresh.known.add("00ff", 10)
+    assert fresh.known.keys() == [real]
+    fresh.known._d[b"x"] = 0  # the check sees a bad entry (negative control)
+    with pytest.raises(AssertionError, match="has size 0"):
+        fresh.check_integrity()
+
+
+def _swept_store(rng, n=6, size=100):
+    import obstore
+    from obstore.store import MemoryStore
+
+    store = MemoryStore()
+    for i in range(n):
+        obstore.put(store, f"blocks/{'ab' * 16}/{i:032x}", rng.randbytes(size))
+    return store
+
+
+def test_a_sweep_whose_deletes_fail_reports_only_what_it_deleted():
+    """The record of a sweep whose delete failed used to say every victim's bytes were freed
+    (``bytes_deleted`` and ``total_after``) while ``deleted`` said 0."""
+    import unittest.mock as mock
+
+    import obstore
+
+    from tiering.coldtier import Sweeper
+
+    rng = random.Random(21)
+    store = _swept_store(rng)
+    real_delete = obstore.delete
+
+    def failing_delete(st, paths):
+        if any(str(p).startswith("blocks/") for p in ([paths] if isinstance(paths, str) else paths)):
+            raise OSError("Generic S3 error: status code: 503, Service Unavailable")
+        return real_delete(st, paths)
+
+    sw = Sweeper(store, "w0", SweeperConfig(cap_bytes=350, low_fraction=0.5), clock=FakeClock())
+    with mock.patch.object(obstore, "delete", failing_delete):
+        res = sw.sweep_once()
+    assert res == (600, 600, 0, 0, 0), res
+    assert len([m for c in obstore.list(store, prefix="blocks/") for m in c]) == 6
+    res = sw.sweep_once()  # the control: the same sweep with working deletes
+    assert res == (600, 100, 5, 500, 0), res
+    assert len([m for c in obstore.list(store, prefix="blocks/") for m in c]) == 1
+    sw.close()
+
+
+@pytest.mark.parametrize("report", [b"[1, 2]", b'"text"', b'{"ab/cd": "soon"}', b"\xff\xfe"])
+def test_a_damaged_hit_report_does_not_stop_the_sweeper(report):
+    """A hit report that is JSON but not an object (a list, a string) made every sweep give up
+    (None, as for a store fault) before the report was removed, so the sweeper was stuck for
+    good. A report with a non-number time or bytes that are not JSON were already skipped."""
+    import obstore
+
+    from tiering.coldtier import Sweeper
+
+    rng = random.Random(22)
+    store = _swept_store(rng)
+    obstore.put(store, "hits/w9/000000000001-ab", report)
+    sw = Sweeper(store, "w0", SweeperConfig(cap_bytes=350, low_fraction=0.5), clock=FakeClock())
+    res = sw.sweep_once()
+    assert res == (600, 100, 5, 500, 1), res
+    assert [m for c in obstore.list(store, prefix="hits/") for m in c] == []  # read and removed
+    sw.close()
+
+
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan"), "5", True])
+def test_every_wait_of_the_block_queue_is_bounded(bad):
+    """``drain(None)`` and ``close(None)`` waited with no bound (and ``drain(inf)``); NaN
+    was no bound either. A negative budget still means: do not wait."""
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import BlockQueue, BlockStatus, SharedBlockStore
+
+    rng = random.Random(23)
+    s = SharedBlockStore(MemoryStore(), rng.randbytes(16), b"g")
+    q = BlockQueue(s)
+    k, v = rng.randbytes(16), rng.randbytes(50)
+    assert q.submit_publish(k, v)
+    for call in (q.drain, q.wait_idle, q.close):
+        with pytest.raises(ValueError, match=f"BlockQueue.{call.__name__}: timeout_s must be a finite number"):
+            call(bad)
+    assert q.wait_idle(-1.0) in (True, False)  # an expired budget: answers at once
+    got = q.close(10)
+    assert [(r.key, r.status) for r in got] == [(k, BlockStatus.WRITTEN)]
+    assert s.fetch(k).payload == v
+
+
+def test_a_private_object_name_that_is_not_text_is_refused_by_name():
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import PrivatePrefix
+
+    p = PrivatePrefix(MemoryStore(), "w", "me")
+    for call in (lambda: p.put(5, b"x"), lambda: p.get(5), lambda: p.delete(b"a")):
+        with pytest.raises(ValueError, match="object name .* must be 1-200 characters"):
+            call()
+
+
 @pytest.mark.parametrize("message", ["Generic S3 error: status code: 503, Service Unavailable",
                                      "request timed out", "connection refused"])
 def test_every_fault_the_store_raises_as_not_answering_is_transient(message):
@@ -382,3 +658,38 @@ def test_every_fault_the_store_raises_as_not_answering_is_transient(message):
     from tiering.errors import TRANSIENT_IO_ERRNOS
 
     assert _transient_errno(RuntimeError(message)) in TRANSIENT_IO_ERRNOS
+
+
+def test_the_holder_never_believes_its_lease_outlives_what_the_store_says():
+    """The holder's expiry is the one it wrote. It used to read the clock again after the
+    write, so a slow write (here 3 s, more than ``safety_s``) let the holder think the lease
+    held after the moment other workers saw it expire and could take it over."""
+    import json
+
+    import obstore
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import Lease
+
+    store = MemoryStore()
+    t = [100.0]
+    real_put = obstore.put
+
+    def slow_put(*a, **kw):  # every write takes 3 s of the injected clock
+        res = real_put(*a, **kw)
+        t[0] += 3.0
+        return res
+
+    cfg = LeaseConfig(ttl_s=30, renew_every_s=10, safety_s=2)
+    lease = Lease(store, "p/LEASE", "w0", config=cfg, clock=lambda: t[0])
+    import unittest.mock as mock
+
+    with mock.patch.object(obstore, "put", slow_put):
+        for op in (lease.acquire, lease.renew):
+            op()
+            stored = json.loads(bytes(obstore.get(store, "p/LEASE").bytes()))["expires_at"]
+            assert lease.info.expires_at == stored, (op.__name__, lease.info.expires_at, stored)
+            t[0] = stored - 0.5  # others may take it over in 0.5 s: the holder must not write
+            assert not lease.held
+            t[0] = stored - cfg.safety_s - 0.5
+            assert lease.held  # the control: well before the stored expiry it holds

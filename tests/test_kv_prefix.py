@@ -394,3 +394,130 @@ def test_making_host_room_that_drops_the_victims_parent_frees_its_page():
         assert kv.prefix_stats()["dropped_with_ancestor"] == 1
         assert_leading(kv, "big2", want, 16)
         kv.check_integrity()
+
+
+@pytest.mark.parametrize("kw, what", [
+    ({"shared_refresh_s": float("nan")}, "shared_refresh_s must be a finite number > 0, got nan"),
+    ({"shared_refresh_s": float("inf")}, "shared_refresh_s must be a finite number > 0, got inf"),
+    ({"shared_refresh_s": -1.0}, "shared_refresh_s must be a finite number > 0"),
+    ({"disk_batch_pages": 0}, "disk_batch_pages must be an int >= 1, got 0"),
+    ({"disk_batch_pages": True}, "disk_batch_pages must be an int >= 1, got True"),
+    ({"policy": "nope"}, "unknown block policy 'nope'"),
+])
+def test_bad_prefix_arguments_are_refused_on_every_call(closing, kw, what):
+    """A bad ``shared_refresh_s`` was taken without a shared tier, and on a second call every
+    argument was ignored, so ``disk_batch_pages=0`` or a NaN refresh came back True."""
+    kv = closing(PagedKVCache(GEOM, "cpu", 4, 4))
+    with pytest.raises(ValueError, match=what):
+        kv.enable_prefix_cache(root(), **kw)
+    assert not kv.prefix_enabled
+    assert kv.enable_prefix_cache(root())  # the control
+    with pytest.raises(ValueError, match=what):
+        kv.enable_prefix_cache(root(), **kw)
+    assert kv.prefix_enabled and kv._prefix.disk_batch_pages == 16
+    kv.check_integrity()
+
+
+def test_a_key_root_for_another_page_size_or_geometry_is_refused(closing):
+    """A root built for pages of 8 tokens (or another geometry) was taken by a cache whose pages
+    hold 4: its keys then named pages of another size under a root that says otherwise."""
+    kv = closing(PagedKVCache(GEOM, "cpu", 4, 4))
+    with pytest.raises(ValueError, match="root's page_tokens is 8, the cache's pages hold 4"):
+        kv.enable_prefix_cache(KeyRoot(GEOM.fingerprint(), "m", page_tokens=8))
+    other = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=16, page_tokens=T)
+    with pytest.raises(ValueError, match="root's geometry_fingerprint is"):
+        kv.enable_prefix_cache(KeyRoot(other.fingerprint(), "m", page_tokens=T))
+    assert not kv.prefix_enabled
+    assert kv.enable_prefix_cache(root())
+    assert kv.enable_prefix_cache(root().key)  # raw root bytes are the caller's to build
+    kv.check_integrity()
+
+
+def test_a_failed_block_write_to_disk_drops_the_blocks_as_failed_and_leaks_nothing(tmp_path, monkeypatch,
+                                                                                  caplog):
+    """The host -> disk write of cached blocks fails: the blocks are dropped (their host
+    pages and the disk extent are freed, the index forgets them), counted under their own
+    reason rather than as evictions (each block once: the drop of a chain's first block used
+    to be followed by failed drops of the blocks it took with it, each logged as an error),
+    and a later attach recomputes instead of reading them."""
+    gen = torch.Generator().manual_seed(17)
+    with make(tmp_path, device_pages=8, host_pages=4) as kv:
+        ids, data = published(kv, gen)
+        kv.remove_request("a")
+        squeeze_device(kv, gen, "big")  # device -> host
+        kv.remove_request("big")
+        assert kv.cached_prefix(ids).host == 16
+        used = kv.disk.stats()["used_bytes"], kv.disk.stats()["extents"]
+
+        def broken(*a, **kw):
+            raise OSError("injected: disk write failed")
+
+        monkeypatch.setattr(kv.disk, "write", broken)
+        kv.ingest_request("h")
+        write_random(kv, "h", gen, 2)
+        assert kv.offload("h") > 0  # host room wanted: the blocks' write fails
+        kv.synchronize(10)
+        kv.check_integrity()
+        assert not [r for r in caplog.records if "could not drop" in r.getMessage()]
+        st = kv.prefix_stats()
+        assert st.get("blocks_host_to_disk", 0) == 0 and st["blocks_on_disk"] == 0
+        assert st["blocks_cached"] == 0 and st.get("dropped_evicted", 0) == 0
+        assert st.get("dropped_demote_failed", 0) >= 1
+        assert kv.host_pool.free_pages + len(kv._prefix.pages_on(Tier.HOST)) <= kv.host_pool.num_pages
+        assert kv._prefix.extents == {}
+        assert (kv.disk.stats()["used_bytes"], kv.disk.stats()["extents"]) == used  # extent freed
+        monkeypatch.undo()
+        kv.ingest_request("b")
+        assert kv.attach_prefix("b", ids) == 0  # a miss: recomputed, never read
+        kv.check_integrity()
+
+
+def _write_on(kv, rid, gen, n, device):
+    from conftest import random_kv
+
+    assert kv.allocate(rid, n)
+    data = random_kv(gen, kv.geometry, n)
+    for layer, (k, v) in enumerate(data):
+        kv.write(rid, layer, 0, k.to(device), v.to(device))
+    kv.check_integrity()
+    return data
+
+
+def _leading_on_cpu(kv, rid, want, ntok):
+    for layer, (k, v) in enumerate(want):
+        gk, gv = kv.read(rid, layer)
+        assert torch.equal(gk[:ntok].cpu(), k[:ntok]) and torch.equal(gv[:ntok].cpu(), v[:ntok]), layer
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_device_hit_shares_pages_and_a_host_hit_loads_bitwise(closing):
+    """The prefix cache on a CUDA device: the publish's crc copy, the device -> host move of
+    unmapped blocks and the host -> device load through the streams (their CPU paths are
+    what the other tests run). Skipped without a CUDA device."""
+    gen = torch.Generator().manual_seed(23)
+    kv = closing(PagedKVCache(GEOM, "cuda:0", 8, 8))
+    assert kv.enable_prefix_cache(root())
+    ids = tokens(gen, 18)
+    kv.ingest_request("a")
+    data = _write_on(kv, "a", gen, 18, "cuda:0")
+    assert kv.publish_prefix("a", ids) == 16
+    kv.check_integrity()
+    kv.ingest_request("d")
+    assert kv.attach_prefix("d", ids) == 16 and not kv.is_offloaded("d")
+    assert kv.page_table("d")[:4] == kv.page_table("a")[:4]  # shared, not copied
+    _leading_on_cpu(kv, "d", data, 16)
+    kv.remove_request("d")
+    kv.remove_request("a")
+    kv.ingest_request("big")  # fill the device: the unmapped blocks move to the host
+    _write_on(kv, "big", gen, (kv.device_pool.free_pages + kv._prefix.unmapped(Tier.DEVICE)) * T,
+              "cuda:0")
+    assert kv.prefix_stats()["blocks_device_to_host"] == 4
+    kv.remove_request("big")
+    kv.ingest_request("b")
+    assert kv.attach_prefix("b", ids) == 16 and kv.is_offloaded("b")
+    assert kv.reload("b")
+    kv.synchronize(30)
+    kv.check_integrity()
+    assert kv.state_of("b") is S.RESIDENT and kv.num_tokens("b") == 16
+    _leading_on_cpu(kv, "b", data, 16)
+    assert kv.prefix_stats()["blocks_host_to_device"] == 4

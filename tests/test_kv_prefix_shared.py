@@ -513,8 +513,8 @@ def test_a_passed_queue_is_the_callers_and_the_built_one_is_closed():
     kv = make(shared=SharedBlockStore(mem, rt, GEOM_ID))
     built = kv._prefix.shared.queue
     kv.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        built.submit_refresh()
+    assert built.closed and not built.submit_refresh()  # closed: a submit is refused
+    assert not q.submit_refresh() and q.closed  # the passed one, closed by its owner above
 
 
 def _page_for(key: bytes) -> torch.Tensor:
@@ -725,3 +725,48 @@ def test_publishes_refused_by_a_full_queue_are_retried_from_poll(closing):
         else:
             obstore.head(mem, block_path(root().key, key))
     kv.check_integrity()
+
+
+def test_cached_prefix_does_not_reorder_the_known_blocks(closing):
+    """``cached_prefix`` changes nothing, the shared tier's known-blocks LRU included: it
+    used to count each block it looked at as a use, so a lookup decided which known blocks
+    the bounded cache forgets first."""
+    gen = torch.Generator().manual_seed(58)
+    _, a, b, gated = closed_pair(closing)
+    ids, _ = share(a, b, gen)
+    ids2, _ = publish_random(a, gen, rid="a2", n=9)
+    a.synchronize(10)
+    relist(b)
+    known = b._prefix.shared.known
+    before = known.keys()
+    assert len(before) == 5
+    assert b.cached_prefix(ids).shared == 12
+    assert known.keys() == before
+    b.check_integrity()
+    b.ingest_request("b")
+    assert b.attach_prefix("b", ids) == 12  # the control: an attach is a use, and reorders
+    assert known.keys() != before
+
+
+def test_a_queue_closed_under_the_cache_refuses_and_breaks_nothing(closing):
+    """A passed BlockQueue that its owner closed first made ``publish_prefix`` raise after the
+    block entered the index but before the cache took its page, crc and policy entry: the
+    cache failed check_integrity for good. Its submits are now refusals."""
+    gen = torch.Generator().manual_seed(59)
+    mem = MemoryStore()
+    q = BlockQueue(SharedBlockStore(mem, root().key, GEOM_ID))
+    clock = FakeClock()
+    kv = closing(make(shared=q, clock=clock))
+    q.close(5)
+    ids, data = publish_random(kv, gen, n=13)  # checks integrity
+    st = kv.prefix_stats()
+    assert st["blocks_published"] == 3 and st["shared_publish_refused"] == 3
+    clock.t += 60.0  # past the refresh timer: poll queues a listing and retries publishes
+    kv.poll()
+    kv.check_integrity()
+    kv.ingest_request("b")
+    assert kv.attach_prefix("b", ids) == 12  # the local blocks still serve
+    kv.check_integrity()
+    assert_leading(kv, "b", data, 12)
+    assert [m for c in obstore.list(mem) for m in c] == []  # nothing was written
+    assert q.closed and not q.submit_fetch(b"k" * 16) and not q.submit_refresh()

@@ -14,6 +14,14 @@ from policies.blocks.base import BlockInfo, BlockPolicy
 __all__ = ["ARCBlocks", "LRUBlocks", "S3FIFOBlocks"]
 
 
+def _untracked(policy: BlockPolicy, event: str, key: Hashable) -> ValueError:
+    return ValueError(f"{policy.name}: {event} of block {key!r}, which the policy does not track")
+
+
+def _tracked(policy: BlockPolicy, key: Hashable) -> ValueError:
+    return ValueError(f"{policy.name}: on_insert of block {key!r}, which the policy already tracks")
+
+
 def _check_capacity(name: str, capacity: object) -> int:
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
         raise ValueError(f"{name}: capacity must be an int >= 1 (blocks), got {capacity!r}")
@@ -37,13 +45,21 @@ class LRUBlocks(BlockPolicy):
         return key in self._order
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
+        if info.key in self._order:
+            raise _tracked(self, info.key)
         self._order[info.key] = None
 
     def on_hit(self, info: BlockInfo, now: float) -> None:
-        self._order.move_to_end(info.key)
+        try:
+            self._order.move_to_end(info.key)
+        except KeyError:
+            raise _untracked(self, "on_hit", info.key) from None
 
     def on_remove(self, key: Hashable) -> None:
-        del self._order[key]
+        try:
+            del self._order[key]
+        except KeyError:
+            raise _untracked(self, "on_remove", key) from None
 
     def victims(self, now: float) -> Iterator[Hashable]:
         yield from self._order
@@ -75,6 +91,8 @@ class ARCBlocks(BlockPolicy):
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
         k, c = info.key, self.capacity
+        if k in self._t1 or k in self._t2:
+            raise _tracked(self, k)
         if k in self._b1:
             self.p = min(float(c), self.p + max(len(self._b2) / len(self._b1), 1.0))
             del self._b1[k]
@@ -92,17 +110,21 @@ class ARCBlocks(BlockPolicy):
         k = info.key
         if k in self._t1:
             del self._t1[k]
-        else:
+        elif k in self._t2:
             del self._t2[k]
+        else:
+            raise _untracked(self, "on_hit", k)
         self._t2[k] = None
 
     def on_remove(self, key: Hashable) -> None:
         if key in self._t1:
             del self._t1[key]
             self._b1[key] = None
-        else:
+        elif key in self._t2:
             del self._t2[key]
             self._b2[key] = None
+        else:
+            raise _untracked(self, "on_remove", key)
         self._trim()
 
     def _trim(self) -> None:
@@ -146,6 +168,8 @@ class S3FIFOBlocks(BlockPolicy):
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
         k = info.key
+        if k in self._s or k in self._m:
+            raise _tracked(self, k)
         if k in self._g:
             del self._g[k]
             self._m[k] = 0
@@ -155,7 +179,10 @@ class S3FIFOBlocks(BlockPolicy):
     def on_hit(self, info: BlockInfo, now: float) -> None:
         k = info.key
         q = self._s if k in self._s else self._m
-        q[k] = min(q[k] + 1, 3)
+        try:
+            q[k] = min(q[k] + 1, 3)
+        except KeyError:
+            raise _untracked(self, "on_hit", k) from None
 
     def on_remove(self, key: Hashable) -> None:
         if key in self._s:
@@ -164,7 +191,10 @@ class S3FIFOBlocks(BlockPolicy):
             while len(self._g) > self._ghost_cap:
                 self._g.popitem(last=False)
         else:
-            del self._m[key]
+            try:
+                del self._m[key]
+            except KeyError:
+                raise _untracked(self, "on_remove", key) from None
 
     def victims(self, now: float) -> Iterator[Hashable]:
         s, m = self._s, self._m

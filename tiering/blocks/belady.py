@@ -50,7 +50,7 @@ def next_uses(chains: Sequence[Sequence[Hashable]]) -> list[list[int]]:
 def belady_hit_rate(
     chains: Sequence[Sequence[Hashable]], capacity_blocks: int, prefix_ties: bool = True
 ) -> BeladyResult:
-    if not isinstance(capacity_blocks, int) or capacity_blocks < 1:
+    if not isinstance(capacity_blocks, int) or isinstance(capacity_blocks, bool) or capacity_blocks < 1:
         raise ValueError(f"capacity_blocks must be an int >= 1, got {capacity_blocks!r}")
     nu = next_uses(chains)
     cache: dict[Hashable, int] = {}

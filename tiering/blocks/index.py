@@ -29,8 +29,10 @@ that make ``evictable`` O(1) must change in the same calls as the locations
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator, Sequence
+from numbers import Real
 from typing import NamedTuple
 
 from policies.blocks.base import BlockInfo, BlockPolicy
@@ -77,6 +79,15 @@ def _check_tier(tier: object, what: str) -> Tier:
     return tier
 
 
+def _check_now(now: object, op: str, key: Hashable) -> None:
+    """``now`` must be a finite real number (not a bool): it is stored as a use time."""
+    t = type(now)
+    if (t is float or t is int) and now - now == 0:  # the common case; NaN and inf fail it
+        return
+    if isinstance(now, bool) or not isinstance(now, Real) or not math.isfinite(now):
+        raise ValueError(f"{op} of block {key!r}: now must be a finite number, got {now!r}")
+
+
 class BlockIndex:
     """Key -> location, reference counts and chain structure of cached KV blocks.
 
@@ -113,7 +124,7 @@ class BlockIndex:
 
     def count(self, tier: Tier) -> int:
         """Blocks whose current (source) location is ``tier``."""
-        return self._counts[tier]
+        return self._counts[_check_tier(tier, "count")]
 
     @property
     def moving(self) -> int:
@@ -122,6 +133,7 @@ class BlockIndex:
     def idle_count(self, tier: Tier) -> int:
         """Blocks whose location is ``tier`` that no request maps and that are not moving
         (cost: the mapped and moving blocks, not the whole index)."""
+        _check_tier(tier, "idle_count")
         where = self._tier
         busy = sum(1 for k in self._refs if where[k] is tier)
         busy += sum(1 for k in self._dest if where[k] is tier and k not in self._refs)
@@ -160,6 +172,11 @@ class BlockIndex:
         return _new(BlockLocation, (tier, self._handle[key], dest[0], dest[1]))
 
     def keys(self, tier: Tier | None = None) -> Iterator[Hashable]:
+        if tier is not None:
+            _check_tier(tier, "keys")
+        return self._keys(tier)
+
+    def _keys(self, tier: Tier | None) -> Iterator[Hashable]:
         for k, t in self._tier.items():
             if tier is None or t is tier:
                 yield k
@@ -252,6 +269,7 @@ class BlockIndex:
         if key is None:
             raise ValueError("insert: a block key must not be None")
         _check_tier(tier, f"insert of block {key!r}")
+        _check_now(now, "insert", key)
         slots = self._slots[tier]
         if handle in slots:
             raise ValueError(
@@ -285,6 +303,11 @@ class BlockIndex:
     def touch(self, key: Hashable, now: float) -> BlockInfo:
         """Record an access of a cached block (a hit); returns its new snapshot."""
         self._check_known(key, "touch")
+        _check_now(now, "touch", key)
+        if now < self._first[key]:
+            raise ValueError(
+                f"touch of block {key!r}: now {now!r} is before its first use {self._first[key]!r}"
+            )
         self._hits[key] += 1
         self._last[key] = now
         return self._info(key)
@@ -412,6 +435,8 @@ class BlockIndex:
         ``read_failed``); descendants are counted as ``orphaned``.
         """
         self._check_known(key, "drop")
+        if not isinstance(reason, str) or not reason:
+            raise ValueError(f"drop of block {key!r}: reason must be a non-empty str, got {reason!r}")
         subtree = list(self._subtree(key))
         if not self.evictable(key):
             for d in subtree:
@@ -455,6 +480,8 @@ class BlockIndex:
         None when the policy offers nothing that may leave. The policy is
         resumed once per key refused, at most ``len(policy)`` times.
         """
+        if tier is not None:
+            _check_tier(tier, "choose_victim")
         where, refs, dest, below = self._tier, self._refs, self._dest, self._below
         # the policy skips the keys that may not leave; they are checked again below
         gen = policy.victims_except(now, refs, dest, below)

@@ -54,13 +54,26 @@ def root_key(
     h = hashlib.blake2b(_ROOT_TAG, digest_size=KEY_BYTES)
     _field(h, geometry_fingerprint.encode())
     _field(h, model_id.encode())
-    fps = dict(resource_fingerprints or {})
+    if resource_fingerprints is not None and not isinstance(
+        resource_fingerprints, (Mapping, list, tuple)
+    ):
+        raise TypeError(
+            "root_key: resource_fingerprints must be a mapping of name to fingerprint, got "
+            f"{type(resource_fingerprints).__name__}"
+        )
+    try:
+        fps = dict(resource_fingerprints or {})
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"root_key: resource_fingerprints must be (name, fingerprint) pairs ({err})"
+        ) from err
+    for name in fps:  # before sorting: names of mixed types must be named, not fail to sort
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"root_key: a resource name must be a non-empty str, got {name!r}")
     for name in sorted(fps):
         fp = fps[name]
         if fp is None:
             continue
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"root_key: a resource name must be a non-empty str, got {name!r}")
         if not isinstance(fp, (bytes, bytearray)):
             raise TypeError(
                 f"root_key: fingerprint of resource {name!r} must be bytes or None, got {type(fp).__name__}"
@@ -87,7 +100,23 @@ class KeyRoot:
             or self.page_tokens < 1
         ):
             raise ValueError(f"KeyRoot.page_tokens must be an int >= 1, got {self.page_tokens!r}")
-        names = [n for n, _ in self.resource_fingerprints]
+        pairs = self.resource_fingerprints
+        if isinstance(pairs, Mapping):
+            pairs = tuple(pairs.items())
+        if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
+            raise TypeError(
+                "KeyRoot.resource_fingerprints must be (name, fingerprint) pairs, got "
+                f"{type(pairs).__name__}"
+            )
+        for pair in pairs:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(
+                    f"KeyRoot.resource_fingerprints: each entry must be a (name, fingerprint) pair, got {pair!r}"
+                )
+        # stored as a tuple of tuples, fingerprints as bytes, so the root is hashable and frozen
+        pairs = tuple((n, bytes(fp) if isinstance(fp, bytearray) else fp) for n, fp in pairs)
+        object.__setattr__(self, "resource_fingerprints", pairs)
+        names = [n for n, _ in pairs]
         if len(set(names)) != len(names):
             raise ValueError(f"KeyRoot.resource_fingerprints names a resource twice: {names}")
         fps = dict(self.resource_fingerprints)

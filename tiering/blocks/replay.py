@@ -50,8 +50,13 @@ class BlockReplayResult(NamedTuple):
 
 
 def load_chains(path: str | Path, limit: int | None = None) -> list[list[int]]:
-    """The ``hash_ids`` of every request of a Mooncake-style JSON-lines trace, in order."""
+    """The ``hash_ids`` of every request of a Mooncake-style JSON-lines trace, in order
+    (the first ``limit`` requests when given)."""
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+        raise ValueError(f"load_chains: limit must be None or an int >= 0, got {limit!r}")
     chains: list[list[int]] = []
+    if limit == 0:
+        return chains
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -66,6 +71,9 @@ def load_chains(path: str | Path, limit: int | None = None) -> list[list[int]]:
                 raise ValueError(
                     f"{path}:{lineno}: hash_ids must be a list, got {type(ids).__name__}"
                 )
+            for b in ids:
+                if type(b) is not int:  # a block id is an int (a list or text would not key)
+                    raise ValueError(f"{path}:{lineno}: hash_ids holds {b!r}, not an int")
             chains.append(ids)
             if limit is not None and len(chains) >= limit:
                 break
@@ -82,7 +90,7 @@ def replay_blocks(
 
     ``check_every=n`` runs ``BlockIndex.check_integrity`` after every n-th request (tests).
     """
-    if not isinstance(capacity_blocks, int) or capacity_blocks < 1:
+    if not isinstance(capacity_blocks, int) or isinstance(capacity_blocks, bool) or capacity_blocks < 1:
         raise ValueError(f"capacity_blocks must be an int >= 1, got {capacity_blocks!r}")
     t0 = time.perf_counter()
     index = BlockIndex()
@@ -187,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.capacity_blocks < 1:
         ap.error(f"--capacity-blocks must be >= 1, got {args.capacity_blocks}")
+    if args.limit is not None and args.limit < 1:
+        ap.error(f"--limit must be >= 1, got {args.limit}")
     names = registry.names if args.policy == "all" else (args.policy,)
     for n in names:
         if n not in registry:

@@ -23,6 +23,10 @@ from dataclasses import dataclass
 __all__ = ["SynthConfig", "synthetic_chains"]
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class SynthConfig:
     system_prompts: int = 4
@@ -36,6 +40,18 @@ class SynthConfig:
     gap_sigma: float = 0.9
 
     def __post_init__(self) -> None:
+        if not _is_int(self.system_prompts):
+            raise ValueError(f"SynthConfig.system_prompts must be an int, got {self.system_prompts!r}")
+        if not (isinstance(self.system_blocks, tuple) and len(self.system_blocks) == 2
+                and all(_is_int(v) for v in self.system_blocks)):
+            raise ValueError(
+                f"SynthConfig.system_blocks must be a (min, max) pair of ints, got {self.system_blocks!r}"
+            )
+        for name in ("one_off_fraction", "new_blocks_mean", "cont_first", "cont_step",
+                     "cont_max", "gap_median", "gap_sigma"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"SynthConfig.{name} must be a finite number, got {v!r}")
         if self.system_prompts < 1:
             raise ValueError(f"SynthConfig.system_prompts must be >= 1, got {self.system_prompts}")
         lo, hi = self.system_blocks
@@ -61,7 +77,7 @@ class SynthConfig:
 
 def synthetic_chains(n: int, seed: int, config: SynthConfig | None = None) -> list[list[int]]:
     """``n`` requests' chains of block ids."""
-    if not isinstance(n, int) or n < 0:
+    if not _is_int(n) or n < 0:
         raise ValueError(f"synthetic_chains: n must be an int >= 0, got {n!r}")
     cfg = config or SynthConfig()
     rng = random.Random(seed)

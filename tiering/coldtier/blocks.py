@@ -11,7 +11,8 @@ network round trip.
 
 :class:`SharedBlockStore` does the I/O synchronously and never raises for a store fault: it
 returns a result whose status says what happened. :class:`BlockQueue` is what the step path
-uses: ``submit_*`` only enqueue (False when refused), worker threads run the I/O with the
+uses: ``submit_*`` only enqueue (False when refused: a full queue, an open breaker, a
+closed queue), worker threads run the I/O with the
 client's timeouts, ``poll`` hands back finished results without waiting. A
 :class:`CircuitBreaker` in front of every request means a store that stopped answering costs
 one timeout, after which queued requests are skipped at once until the cooldown's trial succeeds.
@@ -19,6 +20,7 @@ one timeout, after which queued requests are skipped at once until the cooldown'
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -31,7 +33,7 @@ from typing import Any, NamedTuple
 
 from ._io import Fault, classify, short
 from .breaker import BreakerConfig, CircuitBreaker
-from .frame import KIND_BLOCK, FrameRefused, frame, framed_size, unframe
+from .frame import KIND_BLOCK, MAX_ID_BYTES, FrameRefused, frame, framed_size, unframe
 from .s3 import check_storage_options, parse_s3_url
 
 __all__ = ["BlockQueue", "BlockResult", "BlockStatus", "ColdTierConfig", "KnownBlocks",
@@ -95,9 +97,22 @@ class SharedTierConfig:
             raise ValueError("SharedTierConfig.storage_options must be a mapping, got "
                              f"{type(self.storage_options).__name__}")
         check_storage_options(self.storage_options)
-        object.__setattr__(self, "storage_options", MappingProxyType(dict(self.storage_options or {})))
+        # read-only all the way down: a nested mapping (client_kwargs) is copied too, so what
+        # was checked here is what the store is opened with
+        frozen = {k: MappingProxyType(dict(v)) if isinstance(v, Mapping) else v
+                  for k, v in dict(self.storage_options or {}).items()}
+        object.__setattr__(self, "storage_options", MappingProxyType(frozen))
         if not isinstance(self.tier, ColdTierConfig):
             raise ValueError(f"SharedTierConfig.tier must be a ColdTierConfig, got {type(self.tier).__name__}")
+
+
+def _check_wait(what: str, timeout_s: object) -> float:
+    """Every wait is bounded: ``timeout_s`` is a finite number (None or infinity would wait for
+    ever, NaN is no bound); a negative one is an expired budget: do not wait."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not math.isfinite(timeout_s):
+        raise ValueError(f"BlockQueue.{what}: timeout_s must be a finite number, got {timeout_s!r}")
+    return max(0.0, float(timeout_s))
 
 
 def block_path(root: bytes, key: bytes) -> str:
@@ -108,13 +123,17 @@ class KnownBlocks:
     """A bounded LRU of block keys known to exist in the shared tier, with their object sizes."""
 
     def __init__(self, capacity: int) -> None:
-        if not isinstance(capacity, int) or capacity < 1:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"KnownBlocks capacity must be an int >= 1, got {capacity!r}")
         self.capacity = capacity
         self._lock = threading.Lock()
         self._d: OrderedDict[bytes, int] = OrderedDict()
 
     def add(self, key: bytes, size: int) -> None:
+        if not isinstance(key, bytes) or not key:
+            raise ValueError(f"KnownBlocks.add: key must be non-empty bytes, got {key!r:.60}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"KnownBlocks.add: size of block {key.hex()} must be an int >= 1, got {size!r}")
         with self._lock:
             self._d[key] = size
             self._d.move_to_end(key)
@@ -132,6 +151,11 @@ class KnownBlocks:
                 return True
             return False
 
+    def peek(self, key: bytes) -> bool:
+        """Whether ``key`` is known, without counting it as a use (a read-only lookup)."""
+        with self._lock:
+            return key in self._d
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._d)
@@ -143,7 +167,9 @@ class KnownBlocks:
     def check_integrity(self) -> None:
         with self._lock:
             assert len(self._d) <= self.capacity, f"{len(self._d)} entries over capacity {self.capacity}"
-            assert all(isinstance(k, bytes) and s > 0 for k, s in self._d.items())
+            for k, s in self._d.items():
+                assert isinstance(k, bytes) and k, f"known block key {k!r} is not non-empty bytes"
+                assert isinstance(s, int) and s > 0, f"known block {k.hex()} has size {s!r}"
 
 
 class SharedBlockStore:
@@ -154,6 +180,15 @@ class SharedBlockStore:
                  on_hit: Callable[[bytes], None] | None = None) -> None:
         if not isinstance(root, bytes) or not isinstance(geometry, bytes):
             raise ValueError("SharedBlockStore root and geometry must be bytes")
+        if not root or len(root) > MAX_ID_BYTES or len(geometry) > MAX_ID_BYTES:
+            # an empty root names no prefix ("blocks//..."): every request would fail, and
+            # open the breaker, as if the store were down
+            raise ValueError(f"SharedBlockStore root must be 1-{MAX_ID_BYTES} bytes and geometry at"
+                             f" most {MAX_ID_BYTES}, got {len(root)} and {len(geometry)}")
+        if config is not None and not isinstance(config, ColdTierConfig):
+            raise ValueError(f"SharedBlockStore config must be a ColdTierConfig, got {type(config).__name__}")
+        if breaker is not None and not isinstance(breaker, CircuitBreaker):
+            raise ValueError(f"SharedBlockStore breaker must be a CircuitBreaker, got {type(breaker).__name__}")
         self.store = store
         self.root = root
         self.geometry = geometry
@@ -234,7 +269,10 @@ class SharedBlockStore:
 
     def refresh_index(self, limit: int | None = None) -> int | None:
         """List this root's prefix into the known cache (newest last); how many were seen, or None
-        when the store did not answer. Bounded by the cache's capacity unless ``limit`` is less."""
+        when the store did not answer. Bounded by the cache's capacity unless ``limit`` is less
+        (``limit=0``: list, but add nothing)."""
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+            raise ValueError(f"refresh_index: limit must be None or an int >= 0, got {limit!r}")
         if not self.breaker.allow():
             return None
         import obstore
@@ -248,15 +286,18 @@ class SharedBlockStore:
                         key = bytes.fromhex(name)
                     except ValueError:
                         continue
-                    seen.append((meta["last_modified"].timestamp(), key, int(meta["size"])))
+                    size = int(meta["size"])
+                    if not key or size < framed_size(key, self.root, self.geometry, 0):
+                        continue  # too short to be a block's frame: not one of ours
+                    seen.append((meta["last_modified"].timestamp(), key, size))
         except Exception as exc:
             if classify(exc) is not Fault.MISSING:
                 self.breaker.record_failure()
                 return None
         self.breaker.record_success()
         seen.sort()
-        cap = min(self.known.capacity, limit or self.known.capacity)
-        for _, key, size in seen[-cap:]:
+        cap = self.known.capacity if limit is None else min(self.known.capacity, limit)
+        for _, key, size in (seen[-cap:] if cap else ()):
             self.known.add(key, size)
         return len(seen)
 
@@ -331,7 +372,7 @@ class BlockQueue:
     def _submit(self, tag: tuple[str, bytes], fn) -> bool:
         with self._lock:
             if self._closed:
-                raise RuntimeError("BlockQueue is closed")
+                return False  # refused like a full queue: a caller's step path never raises
             if tag in self._pending or len(self._pending) >= self.blocks.config.max_queued:
                 return False
             if not self.blocks.breaker.would_allow():
@@ -357,6 +398,11 @@ class BlockQueue:
         return out
 
     @property
+    def closed(self) -> bool:
+        with self._lock:
+            return self._closed
+
+    @property
     def in_flight(self) -> int:
         with self._lock:
             return len(self._pending)
@@ -371,17 +417,20 @@ class BlockQueue:
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait (bounded by ``timeout_s``) until nothing is queued or running; results stay for
         ``poll``. True when idle. For ``synchronize``-style calls, never the step path."""
+        timeout_s = _check_wait("wait_idle", timeout_s)
         with self._changed:
-            return self._changed.wait_for(lambda: not self._pending, timeout=max(0.0, timeout_s))
+            return self._changed.wait_for(lambda: not self._pending, timeout=timeout_s)
 
     def drain(self, timeout_s: float) -> list[BlockResult]:
         """Wait (bounded by ``timeout_s``) until nothing is queued, then poll. For tests,
         shutdown and benchmarks; the step path uses poll."""
+        timeout_s = _check_wait("drain", timeout_s)
         with self._changed:
             self._changed.wait_for(lambda: not self._pending, timeout=timeout_s)
         return self.poll()
 
     def close(self, timeout_s: float = 30.0) -> list[BlockResult]:
+        _check_wait("close", timeout_s)
         res = self.drain(timeout_s)
         with self._lock:
             self._closed = True

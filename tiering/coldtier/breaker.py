@@ -8,6 +8,7 @@ through; its success closes the breaker, its failure opens it again for another 
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ class BreakerConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, ints={"failure_threshold": 1}, numbers=("cooldown_s",))
+        if not math.isfinite(self.cooldown_s):  # an endless cooldown never tries the store again
+            raise ValueError(f"BreakerConfig.cooldown_s must be finite, got {self.cooldown_s!r}")
 
 
 class BreakerStats(NamedTuple):

@@ -40,6 +40,12 @@ HEADER_BYTES = _HEAD.size
 MAX_ID_BYTES = 1024
 
 
+def _check_kind(kind: object) -> None:
+    if type(kind) is not int or kind not in (KIND_BLOCK, KIND_PRIVATE):
+        raise ValueError(f"frame kind must be {KIND_BLOCK} (shared block) or {KIND_PRIVATE}"
+                         f" (private object), got {kind!r}")
+
+
 def _check_ids(key: bytes, root: bytes, geometry: bytes) -> None:
     for name, v in (("key", key), ("root", root), ("geometry", geometry)):
         if not isinstance(v, (bytes, bytearray)):
@@ -56,8 +62,12 @@ def framed_size(key: bytes, root: bytes, geometry: bytes, payload_len: int) -> i
 
 def frame(kind: int, key: bytes, root: bytes, geometry: bytes, payload) -> bytes:
     """The object's bytes for ``payload`` (any contiguous buffer)."""
+    _check_kind(kind)
     _check_ids(key, root, geometry)
-    body = memoryview(payload).cast("B")
+    try:
+        body = memoryview(payload).cast("B")
+    except TypeError as err:
+        raise TypeError(f"frame payload must be a contiguous bytes-like buffer ({err})") from err
     head = _HEAD.pack(MAGIC, VERSION, kind, len(key), len(root), len(geometry), body.nbytes)
     out = bytearray(framed_size(key, root, geometry, body.nbytes))
     n = len(head)
@@ -74,6 +84,7 @@ def frame(kind: int, key: bytes, root: bytes, geometry: bytes, payload) -> bytes
 
 def unframe(kind: int, data, key: bytes, root: bytes, geometry: bytes) -> memoryview:
     """The payload of ``data`` if it is exactly the object for (kind, key, root, geometry)."""
+    _check_kind(kind)
     _check_ids(key, root, geometry)
     buf = memoryview(data).cast("B")
     if buf.nbytes < HEADER_BYTES + 4:

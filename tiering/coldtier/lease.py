@@ -17,6 +17,7 @@ Workers compare ``expires_at`` from different hosts, so their clocks must agree 
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import threading
 import time
@@ -40,6 +41,8 @@ class LeaseConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, numbers=("ttl_s", "renew_every_s"), zero_ok=("safety_s",))
+        if not math.isfinite(self.ttl_s):  # a lease that never expires outlives a dead holder
+            raise ValueError(f"LeaseConfig.ttl_s must be finite, got {self.ttl_s!r}")
         if self.renew_every_s + self.safety_s >= self.ttl_s:
             raise ValueError(
                 f"LeaseConfig: renew_every_s ({self.renew_every_s}) + safety_s ({self.safety_s}) "
@@ -61,6 +64,8 @@ class Lease:
             raise ValueError(f"lease owner must be a non-empty str of at most 200 chars, got {owner!r}")
         if not isinstance(path, str) or not path or path.startswith("/"):
             raise ValueError(f"lease path must be a relative object path, got {path!r}")
+        if config is not None and not isinstance(config, LeaseConfig):
+            raise ValueError(f"lease config must be a LeaseConfig, got {type(config).__name__}")
         self.store = store
         self.path = path
         self.owner = owner
@@ -91,10 +96,10 @@ class Lease:
 
         token = self._token_factory()
         for _attempt in range(3):
-            body = self._body(token)
+            body, expires = self._body(token)
             try:
                 res = obstore.put(self.store, self.path, body, mode="create")
-                return self._set(token, res)
+                return self._set(token, expires, res)
             except Exception as exc:
                 fault = classify(exc)
                 if fault not in (Fault.EXISTS, Fault.PRECONDITION):
@@ -106,9 +111,10 @@ class Lease:
                 raise LeaseHeld(
                     f"prefix lease {self.path} is held by {current.owner!r} until "
                     f"{current.expires_at:.3f} ({current.expires_at - self._clock():.1f} s from now)")
+            body, expires = self._body(token)
             try:
-                res = obstore.put(self.store, self.path, self._body(token), mode={"e_tag": current.e_tag})
-                return self._set(token, res)
+                res = obstore.put(self.store, self.path, body, mode={"e_tag": current.e_tag})
+                return self._set(token, expires, res)
             except Exception as exc:
                 if classify(exc) in (Fault.PRECONDITION, Fault.EXISTS):
                     raise LeaseHeld(f"prefix lease {self.path}: another worker took the expired lease "
@@ -125,15 +131,16 @@ class Lease:
             info = self._info
         if info is None:
             return False
+        body, expires = self._body(info.token)
         try:
-            res = obstore.put(self.store, self.path, self._body(info.token), mode={"e_tag": info.e_tag})
+            res = obstore.put(self.store, self.path, body, mode={"e_tag": info.e_tag})
         except Exception as exc:
             if classify(exc) in (Fault.PRECONDITION, Fault.MISSING, Fault.EXISTS):
                 with self._lock:
                     self._info = None
                     self.lost_reason = f"lease {self.path} was taken over"
             return False
-        self._set(info.token, res)
+        self._set(info.token, expires, res)
         return True
 
     def release(self) -> bool:
@@ -152,12 +159,14 @@ class Lease:
         return True
 
     # -- helpers ----------------------------------------------------------------------------
-    def _body(self, token: str) -> bytes:
-        return json.dumps({"owner": self.owner, "token": token,
-                           "expires_at": self._clock() + self.config.ttl_s}).encode()
+    def _body(self, token: str) -> tuple[bytes, float]:
+        """The lease object's bytes and the expiry they state. The holder keeps exactly that
+        expiry: one computed after the write would be later than what other workers read."""
+        expires = self._clock() + self.config.ttl_s
+        return json.dumps({"owner": self.owner, "token": token, "expires_at": expires}).encode(), expires
 
-    def _set(self, token: str, res) -> LeaseInfo:
-        info = LeaseInfo(self.owner, token, self._clock() + self.config.ttl_s, res.get("e_tag"))
+    def _set(self, token: str, expires: float, res) -> LeaseInfo:
+        info = LeaseInfo(self.owner, token, expires, res.get("e_tag"))
         with self._lock:
             self._info = info
             self.lost_reason = ""

@@ -36,6 +36,8 @@ class PrivatePrefix:
     def __init__(self, store, name: str, owner: str, *, lease_config: LeaseConfig | None = None,
                  clock: Callable[[], float] = time.time, breaker: CircuitBreaker | None = None,
                  geometry: bytes = b"") -> None:
+        if not isinstance(geometry, bytes):
+            raise ValueError(f"PrivatePrefix geometry must be bytes, got {type(geometry).__name__}")
         self.store = store
         self.name = _check_name("private prefix", name)
         self.base = f"private/{name}/"
@@ -56,8 +58,8 @@ class PrivatePrefix:
         return self.base + "obj/" + _check_name("object name", obj)
 
     def put(self, obj: str, payload) -> BlockResult:
-        key = obj.encode()
         path = self._path(obj)
+        key = obj.encode()
         data = frame(KIND_PRIVATE, key, self.base.encode(), self.geometry, payload)
         if not self.lease.held:
             return BlockResult("put", key, BlockStatus.SKIPPED, reason="lease not held")
@@ -74,8 +76,8 @@ class PrivatePrefix:
         return BlockResult("put", key, BlockStatus.WRITTEN, nbytes=len(data))
 
     def get(self, obj: str) -> BlockResult:
-        key = obj.encode()
         path = self._path(obj)
+        key = obj.encode()
         if not self.breaker.allow():
             return BlockResult("get", key, BlockStatus.SKIPPED, reason="store not answering")
         import obstore
@@ -96,8 +98,8 @@ class PrivatePrefix:
         return BlockResult("get", key, BlockStatus.HIT, payload=payload, nbytes=len(raw))
 
     def delete(self, obj: str) -> BlockResult:
-        key = obj.encode()
         path = self._path(obj)
+        key = obj.encode()
         if not self.lease.held:
             return BlockResult("delete", key, BlockStatus.SKIPPED, reason="lease not held")
         import obstore

@@ -70,6 +70,18 @@ def parse_s3_url(url: str) -> S3Location:
     return S3Location(parts.netloc, prefix)
 
 
+def _check_timeout(what: str, value: object) -> None:
+    """A client timeout: a finite number > 0 (not a bool; an infinite one bounds nothing)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not (0 < value < float("inf")):
+        raise ValueError(f"{what} must be a positive number, got {value!r}")
+
+
+def _check_retries(what: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+
+
 def _config(storage_options: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split storage_options into (obstore S3Config, our own knobs); ValueError on unknown names."""
     config: dict[str, Any] = {}
@@ -91,10 +103,12 @@ def _config(storage_options: Mapping[str, Any] | None) -> tuple[dict[str, Any], 
             known = sorted(set(_ALIASES) | _OURS | {"client_kwargs"})
             raise ValueError(f"storage_options[{name!r}] is not a known option (known: {known})")
     for num in ("timeout_s", "connect_timeout_s"):
-        if num in ours and not (isinstance(ours[num], (int, float)) and ours[num] > 0):
-            raise ValueError(f"storage_options[{num!r}] must be a positive number, got {ours[num]!r}")
-    if "max_retries" in ours and not (isinstance(ours["max_retries"], int) and ours["max_retries"] >= 0):
-        raise ValueError(f"storage_options['max_retries'] must be an int >= 0, got {ours['max_retries']!r}")
+        if num in ours:
+            _check_timeout(f"storage_options[{num!r}]", ours[num])
+    if "max_retries" in ours:
+        _check_retries("storage_options['max_retries']", ours["max_retries"])
+    if "allow_http" in ours and not isinstance(ours["allow_http"], bool):
+        raise ValueError(f"storage_options['allow_http'] must be a bool, got {ours['allow_http']!r}")
     return config, ours
 
 
@@ -122,11 +136,12 @@ def open_s3_store(
     """
     loc = parse_s3_url(url)
     config, ours = _config(storage_options)
+    _check_timeout("open_s3_store: timeout_s", timeout_s)
+    _check_timeout("open_s3_store: connect_timeout_s", connect_timeout_s)
+    _check_retries("open_s3_store: max_retries", max_retries)
     timeout_s = float(ours.get("timeout_s", timeout_s))
     connect_timeout_s = float(ours.get("connect_timeout_s", connect_timeout_s))
     max_retries = int(ours.get("max_retries", max_retries))
-    if timeout_s <= 0 or connect_timeout_s <= 0 or max_retries < 0:
-        raise ValueError("timeout_s and connect_timeout_s must be > 0 and max_retries >= 0")
     endpoint = str(config.get("endpoint", ""))
     allow_http = bool(ours.get("allow_http", endpoint.startswith("http://")))
     try:

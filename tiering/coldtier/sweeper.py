@@ -21,6 +21,7 @@ into a miss (status LOST, reason "missing"), never into wrong bytes.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import threading
 import time
@@ -68,6 +69,11 @@ class HitLog:
         self._seq = 0
 
     def record(self, root: bytes, key: bytes, at: float) -> None:
+        if not isinstance(root, bytes) or not isinstance(key, bytes) or not key:
+            raise ValueError(f"HitLog.record: root and key must be bytes (a non-empty key), got"
+                             f" {type(root).__name__} and {key!r:.40}")
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+            raise ValueError(f"HitLog.record: at must be a finite time, got {at!r}")
         with self._lock:
             self._hits[f"{root.hex()}/{key.hex()}"] = at
 
@@ -98,6 +104,8 @@ class HitLog:
 class Sweeper:
     def __init__(self, store, owner: str, config: SweeperConfig, *,
                  lease_config: LeaseConfig | None = None, clock: Callable[[], float] = time.time):
+        if not isinstance(config, SweeperConfig):
+            raise ValueError(f"Sweeper config must be a SweeperConfig, got {type(config).__name__}")
         self.store = store
         self.config = config
         self._clock = clock
@@ -143,17 +151,19 @@ class Sweeper:
             for _at, name, size in objects:
                 if total <= target:
                     break
-                victims.append(name)
+                victims.append((name, size))
                 total -= size
-                freed += size
             for i in range(0, len(victims), 500):
+                batch = victims[i : i + 500]
                 try:
-                    obstore.delete(self.store, victims[i : i + 500])
+                    obstore.delete(self.store, [name for name, _ in batch])
                 except Exception:
-                    return SweepResult(before, before - freed, deleted, freed, reports)
-            deleted = len(victims)
-            for name in victims:
-                self._recency.pop(name[len("blocks/"):], None)
+                    break  # the rest stay; the record counts only the batches that went
+                deleted += len(batch)
+                freed += sum(size for _, size in batch)
+                for name, _ in batch:
+                    self._recency.pop(name[len("blocks/"):], None)
+            total = before - freed
         return SweepResult(before, total, deleted, freed, reports)
 
     def _read_hits(self, obstore) -> int:
@@ -169,8 +179,10 @@ class Sweeper:
                     hits = {}
                 else:
                     raise
+            if not isinstance(hits, dict):
+                hits = {}  # a damaged or foreign report: nothing to learn from it
             for k, t in hits.items():
-                if isinstance(t, (int, float)):
+                if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
                     self._recency[k] = max(float(t), self._recency.get(k, 0.0))
         if names:
             obstore.delete(self.store, names)

@@ -3,7 +3,8 @@
     from tiering.testing.blocks import check_block_policy
     check_block_policy(lambda capacity: MyPolicy(capacity=capacity))
 
-It raises AssertionError (naming the rule broken) unless the policy:
+It raises AssertionError (naming the rule broken; also when the index refuses a block the
+policy offered, or a bad capacity raises something other than ValueError) unless the policy:
 
 - rejects a capacity below 1 with a ValueError that names ``capacity``;
 - keeps ``len(policy)`` equal to the blocks the index holds after every request
@@ -42,6 +43,10 @@ def _check_rejects_bad_capacity(factory: PolicyFactory) -> None:
             assert "capacity" in str(err), (
                 f"capacity={bad}: the error does not name capacity: {err}"
             )
+        except Exception as err:
+            raise AssertionError(
+                f"capacity={bad} raised {type(err).__name__} ({err}), not a ValueError naming capacity"
+            ) from err
         else:
             raise AssertionError(f"capacity={bad} was accepted")
 
@@ -107,6 +112,13 @@ def _check_victims(factory: PolicyFactory, seed: int) -> None:
 def check_block_policy(factory: PolicyFactory, seed: int = 0, requests: int = 600) -> None:
     """Run the whole contract on ``factory(capacity=...)``; raises AssertionError on a breach."""
     _check_rejects_bad_capacity(factory)
+    try:
+        _check_replays(factory, seed, requests)
+    except RuntimeError as err:  # the index refused what the policy offered (e.g. a block gone)
+        raise AssertionError(f"the policy broke the protocol: {err}") from err
+
+
+def _check_replays(factory: PolicyFactory, seed: int, requests: int) -> None:
     _check_victims(factory, seed)
     chains = synthetic_chains(requests, seed, SynthConfig(gap_median=40.0))
     for capacity in (1, 7, 120):
