@@ -374,18 +374,30 @@ class ChainOdds(BlockPolicy):
         self._version += 1
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
-        self._track(info[0], info[2])  # key, depth
+        key = info[0]
+        if key in self._meta:
+            raise ValueError(f"chain: on_insert of block {key!r}, which the policy already tracks")
+        self._track(key, info[2])  # key, depth
 
-    on_hit = on_insert  # a hit re-tracks the block exactly as an insert does
+    def on_hit(self, info: BlockInfo, now: float) -> None:
+        """A hit re-tracks the block exactly as an insert does."""
+        key = info[0]
+        if key not in self._meta:
+            raise ValueError(f"chain: on_hit of block {key!r}, which the policy does not track")
+        self._track(key, info[2])
 
     def on_insert_key(self, key, depth, get, now) -> None:
         if type(self).on_insert is not ChainOdds.on_insert:  # a subclass's own on_insert
             self.on_insert(get(key), now)
+        elif key in self._meta:
+            raise ValueError(f"chain: on_insert of block {key!r}, which the policy already tracks")
         else:
             self._track(key, depth)
 
     def on_remove(self, key: Hashable) -> None:
-        cls = self._meta.pop(key)
+        cls = self._meta.pop(key, None)
+        if cls is None:
+            raise ValueError(f"chain: on_remove of block {key!r}, which the policy does not track")
         last = self._lists[cls].pop(key)[0]
         self._dirty.add(cls)
         self._version += 1
@@ -438,13 +450,12 @@ class ChainOdds(BlockPolicy):
             else:
                 heap, seen, added = stack[1], stack[2], stack[3]
                 if added:
-                    if t0 >= now:
-                        # the read is still going on: what it added since counts, as if
-                        # the list were read again (a block tracked again moves to its
-                        # new place); once the read is over its blocks stay as last seen
-                        for e in added:
-                            seen[e[2]] = e[1]
-                            heappush(heap, e)
+                    # what the read added since counts, as if the list were read again
+                    # (a block tracked again moves to its new place), whether or not the
+                    # read is still going on
+                    for e in added:
+                        seen[e[2]] = e[1]
+                        heappush(heap, e)
                     added.clear()
             heap, seen = stack[1], stack[2]
             while heap:
