@@ -65,6 +65,7 @@ from tiering.core.pinning import HostRuntime, PinnedSlab, PinOutcome, pin_host_s
 from tiering.core.pools import PagePool, PoolIntegrityError
 from tiering.core.staging import StagingConfig, StagingRing
 from tiering.core.transfer import StreamSet, no_fault
+from tiering.core.validate import check_timeout
 from tiering.types import (
     CANCELLED,
     Move,
@@ -425,9 +426,12 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
     def cleanup(self, timeout: float = 30.0) -> None:
         """Finish (or, after ``timeout``, abandon) transfers and stop the worker
         threads; then close the disk tier and unpin the host slab. Calling it
-        again does nothing; every other call afterwards raises CacheClosed."""
+        again does nothing; every other call afterwards raises CacheClosed.
+        A ``timeout`` that is not a finite number >= 0 is refused (ValueError)
+        before anything closes."""
         if self._closed:
             return
+        timeout = check_timeout("cleanup", timeout)
         try:
             self.synchronize(timeout=timeout)
         except TimeoutError as exc:

@@ -53,3 +53,13 @@ def test_shutdown_says_whether_every_worker_joined(closing):
     assert ex.shutdown(0.05) is False  # the worker is still in its job
     gate.set()
     assert ex.shutdown(5) is True  # a second call waits again, and reports
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1, True])
+def test_shutdown_with_a_bad_timeout_is_refused_and_stops_nothing(timeout, closing):
+    ex = PriorityExecutor(1, "t")
+    closing.call(ex.shutdown, 5)
+    with pytest.raises(ValueError, match="PriorityExecutor.shutdown: timeout"):
+        ex.shutdown(timeout)
+    assert ex.submit(RELOAD, int, "41").result(timeout=5) == 41  # still taking jobs
+    assert ex.shutdown(5) is True

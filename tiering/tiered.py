@@ -34,6 +34,7 @@ from resources.kv_geometry import KVGeometry
 from tiering.control.controller import ControllerConfig, EvictionController, EvictionReport
 from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.control.protocols import TieredCache
+from tiering.core.validate import check_timeout
 from tiering.errors import UnknownRequest
 from tiering.types import RequestState
 
@@ -320,8 +321,10 @@ class TieredKV:
 
     def synchronize(self, timeout: float = 60.0) -> None:
         """Wait for every copy in flight (at most ``timeout`` seconds; then
-        TimeoutError naming what is still moving) and apply them all."""
+        TimeoutError naming what is still moving) and apply them all. A
+        ``timeout`` that is not a finite number >= 0 is a ValueError (nothing waited on)."""
         self._check_open()
+        timeout = check_timeout("TieredKV.synchronize", timeout)
         self.controller.synchronize(timeout)
 
     def take_lost(self) -> list[tuple[str, str]]:

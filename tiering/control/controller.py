@@ -22,6 +22,7 @@ from tiering.control.config import ControllerConfig, EvictionReport
 from tiering.control.eviction import DeviceEviction
 from tiering.control.request_table import RequestTable, ResourceHandle
 from tiering.control.stats import ControllerStats
+from tiering.core.validate import check_timeout
 from tiering.errors import UnknownRequest, UnknownRequestError
 from tiering.types import Move, TransferResult
 
@@ -249,7 +250,10 @@ class EvictionController:
 
         A worker that must wait for copies calls this, not a resource's own
         ``synchronize``, for the same reason as ``poll``. A resource's
-        TimeoutError is raised after what did finish has been settled."""
+        TimeoutError is raised after what did finish has been settled. A
+        ``timeout`` that is not a finite number >= 0 is refused (ValueError)
+        before any resource is waited on."""
+        timeout = check_timeout("EvictionController.synchronize", timeout)
         try:
             self._poll(wait=timeout)
         except BaseException:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from tiering.core.validate import check_timeout
+
 RELOAD = 0  # priorities, lower first
 OFFLOAD = 1
 WRITE = 2
@@ -66,7 +68,9 @@ class PriorityExecutor:
     def shutdown(self, timeout: float = 30.0) -> bool:
         """Finish queued jobs, then stop the workers (waiting at most ``timeout`` each).
 
-        Returns True when every worker has joined (also on a second call)."""
+        Returns True when every worker has joined (also on a second call). A
+        ``timeout`` that is not a finite number >= 0 is a ValueError (nothing stops)."""
+        timeout = check_timeout("PriorityExecutor.shutdown", timeout)
         with self._lock:
             if not self._closed:
                 self._closed = True
