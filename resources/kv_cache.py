@@ -129,6 +129,17 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
                         ("copy_workers", copy_workers), ("io_workers", io_workers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"PagedKVCache: {name} must be an int >= 1, got {v!r}")
+        for name, v in (("verify", verify),
+                        ("offload_to_disk_when_host_full", offload_to_disk_when_host_full)):
+            if not isinstance(v, bool):
+                raise ValueError(f"PagedKVCache: {name} must be a bool, got {v!r}")
+        if stage_disk_io is not None and not isinstance(stage_disk_io, bool):
+            raise ValueError(f"PagedKVCache: stage_disk_io must be a bool or None, got {stage_disk_io!r}")
+        for name, fn in (("clock", clock), ("copy_fault_hook", copy_fault_hook)):
+            if not callable(fn):
+                raise ValueError(f"PagedKVCache: {name} must be callable, got {fn!r}")
+        if disk_wrap_store is not None and not callable(disk_wrap_store):
+            raise ValueError(f"PagedKVCache: disk_wrap_store must be callable or None, got {disk_wrap_store!r}")
         self.stats = KVStats()
         self._life = Lifecycle(
             "PagedKVCache", self.stats, clock,

@@ -288,3 +288,136 @@ def test_around_takes_a_pressure_class_a_source_or_nothing_else(geom):
     kv = PagedKVCache(geom, device_pages=4, host_pages=4)
     with kv, pytest.raises(TypeError, match="pressure must be"):
         TieredKV.around(kv, pressure=3)
+
+
+# -- bad input at the front door: refused by name, nothing changed ----------------------
+
+
+def _front_state(tkv: TieredKV) -> tuple:
+    kv = tkv.kv
+    return (tkv.requests(), {rid: kv.state_of(rid) for rid in kv.requests()},
+            tkv.stats(), tkv.controller.pending_reloads())
+
+
+def _two_requests(tkv: TieredKV, gen: torch.Generator) -> dict:
+    data = {rid: _fill(tkv, rid, 6, gen) for rid in ("ab", "c")}
+    # "a" and "b" exist too, so a str taken for a batch of its characters would pass silently
+    for rid in ("a", "b"):
+        _fill(tkv, rid, 3, gen)
+    tkv.check_integrity()
+    return data
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda t: t.prepare("ab"), "batch must be a collection of request ids"),
+    (lambda t: t.prepare(b"ab"), "batch must be a collection of request ids"),
+    (lambda t: t.prepare(None), "batch must be a collection of request ids"),
+    (lambda t: t.prepare(["c", 5]), r"request ids must be str, got \[5\]"),
+    (lambda t: t.prepare([["c"]]), r"request ids must be str, got \[\['c'\]\]"),
+    (lambda t: t.prepare(["c", "ab", "c"]), r"names request\(s\) \['c'\] more than once"),
+    (lambda t: t.prepare(["c"], True), "step must be an int >= 0, got True"),
+    (lambda t: t.prepare(["c"], -1), "step must be an int >= 0, got -1"),
+    (lambda t: t.prepare(["c"], 2.0), "step must be an int >= 0, got 2.0"),
+    (lambda t: t.ready("c", float("nan")), "step must be an int >= 0, got nan"),
+    (lambda t: t.ready({}), r"request ids must be str, got \[\{\}\]"),
+    (lambda t: t.ready(7), r"request ids must be str, got \[7\]"),
+    (lambda t: t.after_step("ab"), "ran must be a collection of request ids"),
+    (lambda t: t.after_step(["c"], keep="ab"), "keep must be a collection of request ids"),
+    (lambda t: t.after_step(["c"], keep=[3]), r"keep ids must be str, got \[3\]"),
+    (lambda t: t.after_step([None]), r"request ids must be str, got \[None\]"),
+    (lambda t: t.remove(["c"]), r"request ids must be str"),
+    (lambda t: t.knows(["c"]), r"request ids must be str"),
+    (lambda t: t.synchronize(float("inf")), "timeout must be a finite number"),
+    (lambda t: t.controller.evict_if_needed("ab"), "running must be a collection"),
+    (lambda t: t.controller.plan_offload("ab", 1), "running must be a collection"),
+    (lambda t: t.controller.touch(["c"]), "touch: a request id is a str"),
+    (lambda t: t.controller.remove_request({}), "remove_request: a request id is a str"),
+    (lambda t: t.controller.request_reload(["c"]), "request_reload: a request id is a str"),
+    (lambda t: t.controller.add_request("c", ["kv"]), r"unknown resource \['kv'\]"),
+])
+def test_bad_input_is_refused_by_name_and_changes_nothing(geom, call, match):
+    gen = torch.Generator().manual_seed(41)
+    with TieredKV(_config(geom), clock=FakeClock()) as tkv:
+        data = _two_requests(tkv, gen)
+        before = _front_state(tkv)
+        with pytest.raises((TypeError, ValueError)) as err:
+            call(tkv)
+        assert err.match(match)
+        assert not isinstance(err.value, KeyError), "a malformed id is not an unknown one"
+        assert _front_state(tkv) == before
+        tkv.check_integrity()
+        for rid, layers in data.items():
+            for layer, (k, v) in enumerate(layers):
+                got_k, got_v = tkv.kv.read(rid, layer)
+                assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_a_str_keep_would_have_offloaded_the_request_it_names(geom):
+    """The negative control of the str checks: with keep as a list the request named
+    "ab" stays; the same call is what a str keep used to turn into {"a", "b"}."""
+    gen = torch.Generator().manual_seed(42)
+    clock = FakeClock()
+    with TieredKV(_config(geom), clock=clock) as tkv:
+        _two_requests(tkv, gen)  # 2 + 2 + 1 + 1 pages of 8: above high
+        report = tkv.after_step(["c"], keep=["ab"])
+        tkv.synchronize(timeout=10)
+        assert "ab" not in report.offloaded and not tkv.kv.is_offloaded("ab")
+        assert set(report.offloaded) <= {"a", "b"} and report.offloaded
+        tkv.check_integrity()
+
+
+def test_every_call_after_close_says_the_front_door_is_closed(geom):
+    gen = torch.Generator().manual_seed(43)
+    tkv = TieredKV(_config(geom))
+    _fill(tkv, "a", 5, gen)
+    tkv.after_step(["a"])
+    tkv.check_integrity()
+    final_kv, final_ctl = tkv.stats("kv"), tkv.stats("controller")
+    tkv.close()
+    calls = {
+        "add": lambda: tkv.add("b"), "remove": lambda: tkv.remove("a"),
+        "requests": tkv.requests, "knows": lambda: tkv.knows("a"),
+        "prepare": lambda: tkv.prepare(["a"]), "poll": tkv.poll,
+        "ready": lambda: tkv.ready("a"), "after_step": lambda: tkv.after_step(["a"]),
+        "synchronize": lambda: tkv.synchronize(1.0), "take_lost": tkv.take_lost,
+        "stats": tkv.stats, "check_integrity": tkv.check_integrity,
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError) as err:
+            call()
+        assert str(err.value) == "TieredKV is closed", name
+    # the two counter parts stay readable: the final figures of the closed cache
+    assert tkv.stats("kv") == final_kv
+    assert tkv.stats("controller")["live_requests"] == final_ctl["live_requests"] == 1
+    tkv.close()  # idempotent
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("verify", "no", "verify must be a bool"),
+    ("verify", 1, "verify must be a bool"),
+    ("offload_to_disk_when_host_full", "false", "offload_to_disk_when_host_full must be a bool"),
+    ("device", 0, "device must be a str or torch.device"),
+    ("cache_options", [("copy_workers", 1)], "cache_options must be a dict"),
+    ("cache_options", {"copy_wrokers": 1}, r"\['copy_wrokers'\] are not options of PagedKVCache"),
+])
+def test_config_refuses_mistyped_fields_by_name(geom, field, value, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        _config(geom, **{field: value})
+
+
+def test_config_takes_every_real_cache_option(geom):
+    cfg = _config(geom, cache_options={"copy_workers": 1, "io_workers": 1})
+    with TieredKV(cfg) as tkv:
+        tkv.add("a")
+        tkv.check_integrity()
+
+
+@pytest.mark.parametrize("name,value", [
+    ("verify", "no"), ("offload_to_disk_when_host_full", "false"), ("stage_disk_io", 1),
+    ("clock", 3.0), ("copy_fault_hook", "hook"), ("disk_wrap_store", 5),
+])
+def test_cache_refuses_mistyped_options_by_name(geom, name, value):
+    from resources.kv_cache import PagedKVCache
+
+    with pytest.raises(ValueError, match=f"PagedKVCache: {name} must be"):
+        PagedKVCache(geom, device_pages=4, host_pages=4, **{name: value})

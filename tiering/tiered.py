@@ -22,10 +22,13 @@ that drives them itself.
 from __future__ import annotations
 
 import enum
+import inspect
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from policies import make_policy
 from policies.base import Policy
@@ -34,7 +37,7 @@ from resources.kv_geometry import KVGeometry
 from tiering.control.controller import ControllerConfig, EvictionController, EvictionReport
 from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.control.protocols import TieredCache
-from tiering.core.validate import check_timeout
+from tiering.core.validate import check_timeout, is_int
 from tiering.errors import UnknownRequest
 from tiering.types import RequestState
 
@@ -78,6 +81,13 @@ class TieredKVConfig:
             )
         _check_pages("device_pages", self.device_pages)
         _check_pages("host_pages", self.host_pages)
+        if not isinstance(self.device, (str, torch.device)):
+            raise TypeError(
+                f"TieredKVConfig.device must be a str or torch.device, got {self.device!r}")
+        for name in ("verify", "offload_to_disk_when_host_full"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"TieredKVConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.disk is not None:
             from tiering.disk.config import DiskConfig  # zarr: loaded only for a config with a disk
 
@@ -93,12 +103,24 @@ class TieredKVConfig:
             raise TypeError("TieredKVConfig.controller must be a ControllerConfig")
         if not callable(self.pressure):
             raise TypeError("TieredKVConfig.pressure must be callable (cache -> PressureSource)")
+        if not isinstance(self.cache_options, Mapping):
+            raise TypeError(
+                f"TieredKVConfig.cache_options must be a dict, got {self.cache_options!r}")
         reserved = {"geometry", "device", "device_pages", "host_pages", "disk", "verify",
                     "offload_to_disk_when_host_full", "clock"}
         clash = reserved & set(self.cache_options)
         if clash:
             raise ValueError(
                 f"TieredKVConfig.cache_options must not repeat fields of the config: {sorted(clash)}"
+            )
+        from resources.kv_cache import PagedKVCache
+
+        known = set(inspect.signature(PagedKVCache).parameters) - reserved
+        unknown = sorted(set(self.cache_options) - known, key=repr)
+        if unknown:
+            raise ValueError(
+                f"TieredKVConfig.cache_options: {unknown} are not options of PagedKVCache; "
+                f"known: {sorted(known)}"
             )
 
 
@@ -252,6 +274,7 @@ class TieredKV:
     def remove(self, rid: str) -> None:
         """Forget a request everywhere and give back its slots."""
         self._check_open()
+        _check_ids((rid,), "remove", "request")
         if not self.controller.knows(rid):
             raise UnknownRequest(f"TieredKV.remove: unknown request {rid!r}")
         self.kv.remove_request(rid)
@@ -259,6 +282,7 @@ class TieredKV:
 
     def requests(self) -> list[str]:
         """The registered requests, sorted (the controller's table is the one list)."""
+        self._check_open()
         return self.controller.requests()
 
     # -- the step ---------------------------------------------------------------
@@ -271,7 +295,13 @@ class TieredKV:
         it fits) and is not ready this step; a lost one is not ready
         (``take_lost`` says why)."""
         self._check_open()
+        batch = _as_ids(batch, "prepare", "batch")
         self._check_batch(batch, "prepare")
+        _check_step(step, "prepare")
+        if len(set(batch)) < len(batch):
+            seen: set[str] = set()
+            twice = sorted({rid for rid in batch if rid in seen or seen.add(rid)})
+            raise ValueError(f"TieredKV.prepare: batch names request(s) {twice[:5]} more than once")
         self.controller.poll()
         return [rid for rid in batch if self._ready(rid, step) is Readiness.READY]
 
@@ -289,6 +319,7 @@ class TieredKV:
         gone. Does not poll: call ``poll`` once per step first."""
         self._check_open()
         self._check_batch((rid,), "ready")
+        _check_step(step, "ready")
         return self._ready(rid, step)
 
     def _ready(self, rid: str, step: int) -> Readiness:
@@ -303,15 +334,19 @@ class TieredKV:
         return Readiness.WAITING
 
     def knows(self, rid: str) -> bool:
-        """Whether ``rid`` is registered."""
+        """Whether ``rid`` (a str) is registered."""
+        self._check_open()
+        _check_ids((rid,), "knows", "request")
         return self.controller.knows(rid)
 
     def after_step(self, ran: Iterable[str], keep: Collection[str] = ()) -> EvictionReport:
         """Mark ``ran`` as used now and let the controller move KV at this safe
         point; ``ran`` and ``keep`` (requests about to run) are not offloaded."""
         self._check_open()
-        ran = list(ran)
+        ran = _as_ids(ran, "after_step", "ran")
         self._check_batch(ran, "after_step")
+        keep = _as_ids(keep, "after_step", "keep")
+        _check_ids(keep, "after_step", "keep")
         for rid in ran:
             self.controller.touch(rid)
         running = frozenset(ran).union(keep)
@@ -329,6 +364,7 @@ class TieredKV:
 
     def take_lost(self) -> list[tuple[str, str]]:
         """(rid, reason) of requests whose KV was lost since the last call."""
+        self._check_open()
         return self.kv.take_lost()
 
     # -- reports and lifecycle ---------------------------------------------------
@@ -336,10 +372,15 @@ class TieredKV:
     def stats(self, part: str | None = None) -> dict[str, float]:
         """The cache's move counters (``kv.*``), the controller's
         (``controller.*``), and the bytes per tier; ``part="kv"`` or
-        ``"controller"``: that part alone, its names without the prefix."""
+        ``"controller"``: that part alone, its names without the prefix.
+
+        After ``close`` the two parts stay readable (the final counters); the
+        whole dict, which reads the tiers' live bytes, raises like every other call."""
         if part is not None and part not in _STATS_PARTS:
             raise ValueError(f"TieredKV.stats: part must be one of {_STATS_PARTS} or None, "
                              f"got {part!r}")
+        if part is None:
+            self._check_open()
         kv_stats = getattr(self.kv, "stats", None)
         counters = kv_stats.as_dict() if kv_stats is not None else {}
         if part == "kv":
@@ -357,6 +398,7 @@ class TieredKV:
     def check_integrity(self) -> None:
         """The cache's own check, the controller's (table, ledgers, queue), and
         that the two know the same requests; AssertionError names what is wrong."""
+        self._check_open()
         self.kv.check_integrity()
         self.controller.check_integrity()
         in_cache, in_controller = set(self.kv.requests()), set(self.controller.requests())
@@ -385,7 +427,29 @@ class TieredKV:
             raise RuntimeError("TieredKV is closed")
 
     def _check_batch(self, batch: Sequence[str], what: str) -> None:
+        _check_ids(batch, what, "request")
         knows = self.controller.knows
         unknown = [rid for rid in batch if not knows(rid)]
         if unknown:
             raise UnknownRequest(f"TieredKV.{what}: unknown request(s) {unknown[:5]}")
+
+
+def _as_ids(ids: object, what: str, name: str) -> list[str]:
+    """``ids`` (a collection of request ids, not one str) as a list; TypeError naming
+    ``name`` otherwise."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise TypeError(
+            f"TieredKV.{what}: {name} must be a collection of request ids, got {ids!r}")
+    return list(ids)
+
+
+def _check_ids(ids: Sequence[object], what: str, name: str) -> None:
+    bad = [rid for rid in ids if not isinstance(rid, str)]
+    if bad:
+        raise TypeError(f"TieredKV.{what}: {name} ids must be str, got {bad[:5]!r}")
+
+
+def _check_step(step: object, what: str) -> int:
+    if not is_int(step) or step < 0:
+        raise ValueError(f"TieredKV.{what}: step must be an int >= 0, got {step!r}")
+    return step

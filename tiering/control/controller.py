@@ -141,7 +141,8 @@ class EvictionController:
         """
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request id must be a non-empty string, got {rid!r}")
-        if resource is not None and resource not in self._handles:
+        if resource is not None and (not isinstance(resource, str)
+                                     or resource not in self._handles):
             raise ValueError(
                 f"request {rid!r}: unknown resource {resource!r}; known: {sorted(self._handles)}"
             )
@@ -157,6 +158,7 @@ class EvictionController:
 
     def remove_request(self, rid: str) -> None:
         """Forget a request that finished; its waiting reload, if any, is cancelled."""
+        _check_rid(rid, "remove_request")
         names = self._table.names.get(rid)
         if names is None:
             raise UnknownRequest(f"unknown request {rid!r}")
@@ -170,11 +172,13 @@ class EvictionController:
         return sorted(self._table.names)
 
     def knows(self, rid: str) -> bool:
-        """Whether ``rid`` is registered."""
+        """Whether ``rid`` (a str) is registered."""
+        _check_rid(rid, "knows")
         return rid in self._table.names
 
     def touch(self, rid: str) -> None:
         """The request ran now."""
+        _check_rid(rid, "touch")
         table = self._table
         slot = table.slot.get(rid)
         if slot is None:
@@ -184,6 +188,7 @@ class EvictionController:
 
     def last_used(self, rid: str) -> float:
         """When the request last ran (``touch``), or was registered if it never has."""
+        _check_rid(rid, "last_used")
         slot = self._table.slot.get(rid)
         if slot is None:
             raise UnknownRequest(f"unknown request {rid!r}")
@@ -322,8 +327,10 @@ class EvictionController:
         from a resource or changed state under the controller is skipped and
         logged (``vanished_skips``). If the pass raises anyway (a resource
         breaking its contract, a bad pressure reading), no waiting reload is
-        lost and no finding of that pass is kept.
+        lost and no finding of that pass is kept. A ``running`` that is one str (not a
+        collection of them) or not a collection is a TypeError, before anything is done.
         """
+        _check_running(running, "evict_if_needed")
         try:
             return self._pass(running)
         except BaseException:
@@ -390,6 +397,7 @@ class EvictionController:
         one that could never fit under the admission limit; nothing changes
         then. A request already waiting stays where it is (False).
         """
+        _check_rid(rid, "request_reload")
         return self._admission.request(rid)
 
     def plan_offload(self, running: Collection[str], need_bytes: int) -> tuple[Candidate, ...]:
@@ -398,6 +406,7 @@ class EvictionController:
         Same candidates as ``evict_if_needed`` would consider, best first, as
         few as add up to ``need_bytes`` (all of them if they fall short).
         """
+        _check_running(running, "plan_offload")
         if isinstance(need_bytes, bool) or not isinstance(need_bytes, int) or need_bytes < 0:
             raise ValueError(f"need_bytes must be an int >= 0, got {need_bytes!r}")
         if need_bytes == 0:
@@ -426,6 +435,23 @@ class EvictionController:
         for name, rid in (*self._ledger.moving, *self._ledger.demoting):
             if name not in self._table.names.get(rid, ()):
                 raise AssertionError(f"in-flight move of {rid!r} on {name!r}: not registered")
+
+
+def _check_rid(rid: object, what: str) -> None:
+    if not isinstance(rid, str):
+        raise TypeError(f"EvictionController.{what}: a request id is a str, got {rid!r}")
+
+
+_RUNNING_TYPES = frozenset({frozenset, set, list, tuple, dict})  # the step path's own: no ABC check
+
+
+def _check_running(running: object, what: str) -> None:
+    if type(running) in _RUNNING_TYPES:
+        return
+    if isinstance(running, (str, bytes)) or not isinstance(running, Collection):
+        raise TypeError(
+            f"EvictionController.{what}: running must be a collection of request ids "
+            f"(a set, list or tuple), got {running!r}")
 
 
 def _priority_handle(policy: Policy, handles: Mapping[str, ResourceHandle]
