@@ -421,3 +421,37 @@ def test_cache_refuses_mistyped_options_by_name(geom, name, value):
 
     with pytest.raises(ValueError, match=f"PagedKVCache: {name} must be"):
         PagedKVCache(geom, device_pages=4, host_pages=4, **{name: value})
+
+
+def test_a_request_too_large_to_reload_is_never_offloaded_so_never_stranded(geom):
+    """Device 8 pages, high 0.7, headroom 0.02: a reload may need at most 5.44 pages. A
+    6-page request offloaded by the controller could never come back (prepare raised
+    every step); it is passed over, and a smaller idle one leaves instead."""
+    gen = torch.Generator().manual_seed(44)
+    clock = FakeClock()
+    with TieredKV(_config(geom), clock=clock) as tkv:
+        big = _fill(tkv, "big", 24, gen)  # 6 pages
+        _fill(tkv, "small", 4, gen)  # 1 page: 7 of 8 used, above high
+        tkv.check_integrity()
+        assert [c.rid for c in tkv.controller.plan_offload((), 1 << 30)] == ["small"]
+        report = tkv.after_step([])
+        tkv.synchronize(timeout=10)
+        tkv.check_integrity()
+        assert report.offloaded == ("small",)
+        assert not tkv.kv.is_offloaded("big")
+        for step in range(3):
+            clock.advance(1.0)
+            assert tkv.prepare(["big"], step) == ["big"]
+            tkv.after_step(["big"])
+            tkv.synchronize(timeout=10)
+            tkv.check_integrity()
+        for layer, (k, v) in enumerate(big):
+            got_k, got_v = tkv.kv.read("big", layer)
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)
+        # the negative control: offloaded behind the controller's back, it is stranded
+        tkv.remove("small")
+        assert tkv.kv.offload("big") > 0
+        tkv.synchronize(timeout=10)
+        with pytest.raises(ValueError, match="more than the admission limit"):
+            tkv.prepare(["big"])
+        tkv.check_integrity()

@@ -115,8 +115,11 @@ class EvictionController:
         self._stats = ControllerStats()
         self._table = RequestTable(h.name for h in self._evicting)  # the one membership table
         self._ledger = InFlightLedger(lag=2 if self._latest is not None else 1)
-        self._eviction = DeviceEviction(handles, policy, config, self._table, self._ledger,
-                                        self._stats, self._fresh_stamp, prio_handle)
+        self._eviction = DeviceEviction(
+            handles, policy, config, self._table, self._ledger, self._stats, self._fresh_stamp,
+            prio_handle,
+            reload_limit_bytes=(config.high - config.reload_headroom) * self._capacity,
+        )
         self._admission = ReloadAdmission(config, self._table, self._ledger, self._stats,
                                           self._members, self._sample, self._fresh_stamp,
                                           clock, self._capacity, reload_priority)
