@@ -455,3 +455,41 @@ def test_a_request_too_large_to_reload_is_never_offloaded_so_never_stranded(geom
         with pytest.raises(ValueError, match="more than the admission limit"):
             tkv.prepare(["big"])
         tkv.check_integrity()
+
+
+def test_close_stops_a_pressure_poller_the_front_door_built_and_not_one_handed_in(geom):
+    import threading
+
+    from resources.kv_cache import PagedKVCache
+    from tiering.control.pressure import PoolPressure, PressurePoller
+
+    built: list[PressurePoller] = []
+
+    def polled(kv):
+        poller = PressurePoller(PoolPressure(kv), interval_s=0.005)
+        poller.start()
+        built.append(poller)
+        return poller
+
+    tkv = TieredKV(_config(geom, pressure=polled))
+    tkv.add("a")
+    assert tkv.kv.allocate("a", 8)
+    tkv.check_integrity()
+    assert built[0].running
+    tkv.close()
+    assert not built[0].running, "the poller's thread outlived the TieredKV that built it"
+    assert "tiering-pressure-poller" not in {t.name for t in threading.enumerate()}
+    # through around, a callable's source is built (and stopped) the same way
+    with TieredKV.around(PagedKVCache(geom, device_pages=8, host_pages=8), pressure=polled):
+        assert built[1].running
+    assert not built[1].running
+    # the control: a started poller handed in as a source is the caller's, left running
+    kv = PagedKVCache(geom, device_pages=8, host_pages=8)
+    mine = PressurePoller(PoolPressure(kv), interval_s=0.005)
+    mine.start()
+    try:
+        with TieredKV.around(kv, pressure=mine) as tkv:
+            assert tkv.pressure is mine
+        assert mine.running
+    finally:
+        assert mine.stop(5)

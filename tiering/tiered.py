@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ from tiering.types import RequestState
 if TYPE_CHECKING:  # pragma: no cover - imported where a TieredKV builds its own cache
     from resources.kv_cache import PagedKVCache
     from tiering.disk.config import DiskConfig
+
+
+log = logging.getLogger("tiering.tiered")
 
 
 def _check_pages(name: str, value: object) -> None:
@@ -141,6 +145,20 @@ def _resolve_policy(policy: str | Policy, registry: Any) -> Policy:
 
 def _close_cache(kv: Any) -> None:
     kv.close()
+
+
+def _stop_source(source: Any) -> None:
+    """Stop a pressure source the front door built (a poller's thread): ``stop()``, else
+    ``close()``, where it has one. A failure is logged; the cache is closed regardless."""
+    for name in ("stop", "close"):
+        fn = getattr(source, name, None)
+        if callable(fn):
+            try:
+                fn()
+            except Exception as exc:
+                log.error("TieredKV.close: the pressure source's %s() failed: %s: %s",
+                          name, type(exc).__name__, exc)
+            return
 
 
 def _is_source(pressure: object) -> bool:
@@ -243,21 +261,27 @@ class TieredKV:
         self = cls.__new__(cls)
         self.config = None
         self._assemble(cache, _resolve_policy(policy, policy_registry), factory, controller,
-                       clock)
+                       clock, owns_pressure=not _is_source(pressure))
         return self
 
     def _assemble(self, kv: Any, policy: Policy, pressure: Callable[[Any], PressureSource],
-                  controller: ControllerConfig, clock: Callable[[], float]) -> None:
+                  controller: ControllerConfig, clock: Callable[[], float], *,
+                  owns_pressure: bool = True) -> None:
         self.policy = policy
         self.kv = kv
+        # a source the front door built is its to stop; one handed in is the caller's
+        self._owns_pressure = False
         try:
             self.pressure = pressure(kv)
+            self._owns_pressure = owns_pressure
             self.controller = EvictionController(
                 {"kv": kv}, policy, self.pressure, controller, clock=clock
             )
             for rid in kv.requests():  # reattached from disk by an earlier process
                 self.controller.add_request(rid)
         except BaseException:
+            if self._owns_pressure:
+                _stop_source(self.pressure)
             _close_cache(kv)
             raise
         self._running: frozenset[str] = frozenset()
@@ -410,11 +434,18 @@ class TieredKV:
             )
 
     def close(self) -> None:
-        """Finish or abandon transfers and stop every thread (idempotent)."""
+        """Finish or abandon transfers and stop every thread (idempotent): a pressure
+        source the front door built (from ``TieredKVConfig.pressure`` or a callable
+        given to ``around``) is stopped (``stop()``, else ``close()``) before the cache
+        closes; a source instance handed to ``around`` is the caller's and left running."""
         if self._closed:
             return
         self._closed = True
-        _close_cache(self.kv)
+        try:
+            if self._owns_pressure:  # first: a poller reads the cache until it stops
+                _stop_source(self.pressure)
+        finally:
+            _close_cache(self.kv)
 
     def __enter__(self) -> TieredKV:
         return self
