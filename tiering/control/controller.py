@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -66,8 +67,15 @@ class EvictionController:
             raise TypeError(f"config must be a ControllerConfig, got {type(config).__name__}")
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a policies.base.Policy, got {type(policy).__name__}")
+        if not isinstance(resources, Mapping):
+            raise TypeError(f"resources must be a mapping of name -> resource, got "
+                            f"{type(resources).__name__}")
         if not resources:
             raise ValueError("resources must name at least one resource")
+        if not callable(clock):
+            raise TypeError(f"clock must be callable, got {clock!r}")
+        if reload_priority is not None and not callable(reload_priority):
+            raise TypeError(f"reload_priority must be callable or None, got {reload_priority!r}")
         for name in resources:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"resource names must be non-empty strings, got {name!r}")
@@ -84,7 +92,9 @@ class EvictionController:
                     "device_capacity_bytes"
                 )
             device_capacity_bytes = sum(offered)
-        if isinstance(device_capacity_bytes, bool) or int(device_capacity_bytes) <= 0:
+        if (isinstance(device_capacity_bytes, bool)
+                or not isinstance(device_capacity_bytes, numbers.Integral)
+                or device_capacity_bytes <= 0):
             raise ValueError(
                 f"device_capacity_bytes must be a positive integer, got {device_capacity_bytes!r}"
             )
