@@ -493,3 +493,21 @@ def test_close_stops_a_pressure_poller_the_front_door_built_and_not_one_handed_i
         assert mine.running
     finally:
         assert mine.stop(5)
+
+
+def test_remove_mends_a_request_removed_behind_the_front_door(geom):
+    gen = torch.Generator().manual_seed(45)
+    with TieredKV(_config(geom)) as tkv:
+        _fill(tkv, "a", 6, gen)
+        kept = _fill(tkv, "b", 5, gen)
+        tkv.kv.remove_request("a")  # straight from the cache: the controller still has it
+        with pytest.raises(AssertionError, match=r"only in the controller \['a'\]"):
+            tkv.check_integrity()
+        tkv.remove("a")  # before: UnknownRequest from the cache, and "a" stuck for good
+        tkv.check_integrity()
+        assert tkv.requests() == ["b"] and not tkv.knows("a")
+        with pytest.raises(KeyError, match="'a'"):
+            tkv.remove("a")  # now unknown everywhere
+        for layer, (k, v) in enumerate(kept):
+            got_k, got_v = tkv.kv.read("b", layer)
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)

@@ -296,12 +296,18 @@ class TieredKV:
         self.controller.add_request(rid)  # idempotent
 
     def remove(self, rid: str) -> None:
-        """Forget a request everywhere and give back its slots."""
+        """Forget a request everywhere and give back its slots. One the cache no longer
+        knows (removed behind the front door, straight from ``tkv.kv``) is forgotten by
+        the controller too, which mends that disagreement (logged)."""
         self._check_open()
         _check_ids((rid,), "remove", "request")
         if not self.controller.knows(rid):
             raise UnknownRequest(f"TieredKV.remove: unknown request {rid!r}")
-        self.kv.remove_request(rid)
+        try:
+            self.kv.remove_request(rid)
+        except UnknownRequest:
+            log.warning("TieredKV.remove: %r was already gone from the cache (removed behind "
+                        "the front door); the controller forgets it too", rid)
         self.controller.remove_request(rid)
 
     def requests(self) -> list[str]:
