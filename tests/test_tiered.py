@@ -511,3 +511,17 @@ def test_remove_mends_a_request_removed_behind_the_front_door(geom):
         for layer, (k, v) in enumerate(kept):
             got_k, got_v = tkv.kv.read("b", layer)
             assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_a_bad_clock_is_refused_before_anything_is_built_or_closed(geom):
+    from resources.kv_cache import PagedKVCache
+
+    with pytest.raises(TypeError, match="TieredKV: clock must be callable"):
+        TieredKV(_config(geom), clock=5.0)
+    kv = PagedKVCache(geom, device_pages=4, host_pages=4)
+    with kv:
+        kv.ingest_request("a")
+        with pytest.raises(TypeError, match="around: clock must be callable"):
+            TieredKV.around(kv, clock="now")
+        assert kv.requests() == ["a"]  # still open: the refusal closed nothing
+        kv.check_integrity()

@@ -213,6 +213,8 @@ class TieredKV:
     ) -> None:
         if not isinstance(config, TieredKVConfig):
             raise TypeError(f"TieredKV needs a TieredKVConfig, got {type(config).__name__}")
+        if not callable(clock):
+            raise TypeError(f"TieredKV: clock must be callable, got {clock!r}")
         policy = _resolve_policy(config.policy, policy_registry)
         from resources.kv_cache import PagedKVCache  # paid only by a TieredKV that builds one
 
@@ -241,7 +243,12 @@ class TieredKV:
         fake). ``pressure``: a pressure source, a callable ``cache -> source``
         (a source class such as ``PoolPressure`` is one), or None for
         ``cache_pressure(cache)``. The ``TieredKV`` owns the cache
-        from then on: ``close()`` closes it."""
+        from then on: ``close()`` closes it. A refused argument (a cache without
+        the hooks, a controller, pressure or clock of the wrong kind) raises
+        before that and leaves the cache open; a failure while assembling (the
+        pressure factory or the controller raising) closes it."""
+        if not callable(clock):
+            raise TypeError(f"TieredKV.around: clock must be callable, got {clock!r}")
         missing = [m for m in _CACHE_METHODS if not callable(getattr(cache, m, None))]
         if missing:
             raise TypeError(
