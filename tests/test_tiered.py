@@ -525,3 +525,126 @@ def test_a_bad_clock_is_refused_before_anything_is_built_or_closed(geom):
             TieredKV.around(kv, clock="now")
         assert kv.requests() == ["a"]  # still open: the refusal closed nothing
         kv.check_integrity()
+
+
+# -- a state machine over the front door ----------------------------------------------
+
+
+def _front_machine(with_disk: bool):
+    """A worker loop with random arrivals, batches, removals, settles and time, over a real
+    cache (with a disk tier when ``with_disk``): every READY request reads back bit for bit
+    what was written into it, nothing is lost, and the front door's check holds after every
+    step. (hypothesis is imported here, as in conftest.)"""
+    import shutil
+    import tempfile
+
+    from hypothesis import HealthCheck, settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+    from resources.kv_geometry import KVGeometry
+    from tiering.disk import DiskConfig
+    from tiering.tiered import Readiness
+
+    geom = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, page_tokens=2,
+                      dtype=torch.float32)
+
+    class Front(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.clock = FakeClock()
+            self.dir = tempfile.mkdtemp() if with_disk else None
+            disk = DiskConfig(path=f"{self.dir}/disk", capacity_bytes=8 * geom.page_bytes,
+                              chunk_bytes=2 * geom.page_bytes) if with_disk else None
+            self.tkv = TieredKV(TieredKVConfig(
+                geometry=geom, device_pages=10, host_pages=6, disk=disk, verify=True,
+                controller=ControllerConfig(high=0.7, low=0.4, host_high=0.5, host_low=0.3,
+                                            min_residency_s=0.0, aging_s=2.0)),
+                clock=self.clock)
+            self.data: dict[str, list] = {}
+            self.gen = torch.Generator().manual_seed(46)
+            self.n = self.step_no = 0
+
+        def teardown(self):
+            self.tkv.close()
+            if self.dir is not None:
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+        def rids(self):
+            return sorted(self.data)
+
+        @rule(tokens=st.integers(1, 12))
+        def arrive(self, tokens):
+            rid = f"r{self.n}"
+            self.n += 1
+            self.tkv.add(rid)
+            kv = self.tkv.kv
+            before = kv.device_used_bytes()
+            if not kv.allocate(rid, tokens):
+                assert kv.device_used_bytes() == before  # refused: nothing taken
+                self.tkv.remove(rid)
+                return
+            layers = []
+            for layer in range(geom.num_layers):
+                k = torch.randn(tokens, 1, 4, generator=self.gen)
+                v = torch.randn(tokens, 1, 4, generator=self.gen)
+                kv.write(rid, layer, 0, k, v)
+                layers.append((k, v))
+            self.data[rid] = layers
+
+        @precondition(lambda self: self.data)
+        @rule(pick=st.sets(st.integers(0, 30), min_size=1, max_size=4), keep=st.booleans())
+        def step(self, pick, keep):
+            rids = self.rids()
+            batch = sorted({rids[i % len(rids)] for i in pick})
+            ready = self.tkv.prepare(batch, self.step_no)
+            self.step_no += 1
+            assert set(ready) <= set(batch)
+            for rid in ready:
+                assert self.tkv.kv.state_of(rid) is RequestState.RESIDENT
+                for layer, (k, v) in enumerate(self.data[rid]):
+                    got_k, got_v = self.tkv.kv.read(rid, layer)
+                    assert torch.equal(got_k, k) and torch.equal(got_v, v), rid
+            others = [rid for rid in rids if rid not in ready]
+            report = self.tkv.after_step(ready, keep=others[:1] if keep else ())
+            assert not set(report.offloaded) & set(ready), "a request that ran was offloaded"
+
+        @precondition(lambda self: self.data)
+        @rule(i=st.integers(0, 30))
+        def ask(self, i):
+            rid = self.rids()[i % len(self.data)]
+            self.tkv.poll()
+            got = self.tkv.ready(rid, self.step_no)
+            assert got is not Readiness.LOST
+            if got is Readiness.READY:
+                assert self.tkv.kv.state_of(rid) is RequestState.RESIDENT
+
+        @precondition(lambda self: self.data)
+        @rule(i=st.integers(0, 30))
+        def finish(self, i):
+            rid = self.rids()[i % len(self.data)]
+            self.tkv.remove(rid)
+            del self.data[rid]
+
+        @rule()
+        def settle(self):
+            self.tkv.synchronize(10)
+
+        @rule(dt=st.floats(0.1, 3.0))
+        def tick(self, dt):
+            self.clock.advance(dt)
+
+        @invariant()
+        def agrees(self):
+            self.tkv.check_integrity()
+            assert self.tkv.requests() == self.rids()
+            assert self.tkv.take_lost() == []
+
+    Front.TestCase.settings = settings(
+        max_examples=25, stateful_step_count=40, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])
+    return Front
+
+
+TestFrontDoorMachine = _front_machine(with_disk=False).TestCase
+TestFrontDoorMachineWithDisk = _front_machine(with_disk=True).TestCase
