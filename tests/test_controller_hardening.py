@@ -426,3 +426,19 @@ def test_controller_resources_must_be_a_mapping():
     ctl = EvictionController({"kv": res}, make_policy("lru"), ExactPressure(res),
                              device_capacity_bytes=1000)  # the control: a plain int is taken
     assert ctl.device_capacity_bytes == 1000
+
+
+@pytest.mark.parametrize("bad", ["0.5", None, True, float("nan"), -0.1, float("inf")])
+def test_a_pressure_reading_that_is_not_a_fraction_is_refused_naming_it(bad):
+    res = FakeTieredResource(1000, 1000, 1000)
+    res.add("a", 950)
+    source = ScriptedFraction(0.5)
+    ctl = EvictionController({"kv": res}, make_policy("lru"), source, clock=FakeClock())
+    ctl.add_request("a")
+    source.set(bad)
+    with pytest.raises(ValueError, match=r"pressure source returned .*expected a fraction"):
+        ctl.evict_if_needed(())
+    assert res.tier_of("a") is Tier.DEVICE  # nothing moved on a reading it refused
+    ctl.check_integrity()
+    source.set(0.5)  # the control: a fraction is taken
+    assert ctl.evict_if_needed(()).pressure_before == 0.5

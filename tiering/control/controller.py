@@ -228,7 +228,8 @@ class EvictionController:
             fraction = self._read()
             self._reads += 1
             self._stamp = self._reads
-        if not 0.0 <= fraction < math.inf:
+        if (isinstance(fraction, bool) or not isinstance(fraction, numbers.Real)
+                or not 0.0 <= fraction < math.inf):
             raise ValueError(f"pressure source returned {fraction!r}; expected a fraction >= 0")
         if self._ledger:
             self._ledger.expire(self._stamp)
