@@ -648,3 +648,21 @@ def _front_machine(with_disk: bool):
 
 TestFrontDoorMachine = _front_machine(with_disk=False).TestCase
 TestFrontDoorMachineWithDisk = _front_machine(with_disk=True).TestCase
+
+
+def test_around_refuses_a_cache_without_state_of_which_ready_needs(geom):
+    from resources.kv_cache import PagedKVCache
+
+    class NoStates:  # every hook but state_of, which ready() asks of a request not admitted
+        def __init__(self, kv):
+            self._kv = kv
+
+        def __getattr__(self, name):
+            if name == "state_of":
+                raise AttributeError(name)
+            return getattr(self._kv, name)
+
+    with PagedKVCache(geom, device_pages=4, host_pages=4) as kv:
+        with pytest.raises(TypeError, match=r"lacks \['state_of'\]"):
+            TieredKV.around(NoStates(kv))
+        kv.check_integrity()  # refused up front: the cache is still open
