@@ -153,6 +153,8 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         self.disk = None
         self.geometry = geometry
         self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):  # "meta" holds no bytes; others are untested
+            raise ValueError(f"PagedKVCache: device must be a CPU or CUDA device, got {device!r}")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} asked for but CUDA is not available")
         if self.device.type == "cuda" and self.device.index is None:

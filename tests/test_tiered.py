@@ -666,3 +666,13 @@ def test_around_refuses_a_cache_without_state_of_which_ready_needs(geom):
         with pytest.raises(TypeError, match=r"lacks \['state_of'\]"):
             TieredKV.around(NoStates(kv))
         kv.check_integrity()  # refused up front: the cache is still open
+
+
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")])
+def test_a_device_that_holds_no_bytes_is_refused(geom, device):
+    from resources.kv_cache import PagedKVCache
+
+    with pytest.raises(ValueError, match="device must be a CPU or CUDA device"):
+        PagedKVCache(geom, device=device, device_pages=4, host_pages=4)
+    with pytest.raises(ValueError, match="device must be a CPU or CUDA device"):
+        TieredKV(_config(geom, device=device))
