@@ -676,3 +676,28 @@ def test_a_device_that_holds_no_bytes_is_refused(geom, device):
         PagedKVCache(geom, device=device, device_pages=4, host_pages=4)
     with pytest.raises(ValueError, match="device must be a CPU or CUDA device"):
         TieredKV(_config(geom, device=device))
+
+
+def test_prepare_refuses_a_batch_with_a_request_that_can_never_reload_before_asking_any(geom):
+    gen = torch.Generator().manual_seed(47)
+    clock = FakeClock()
+    with TieredKV(_config(geom), clock=clock) as tkv:
+        _fill(tkv, "x", 4, gen)  # 1 page
+        _fill(tkv, "big", 24, gen)  # 6 pages: over the 5.44-page admission limit
+        for rid in ("x", "big"):  # offloaded behind the controller's back
+            assert tkv.kv.offload(rid) > 0
+        tkv.synchronize(timeout=10)
+        tkv.check_integrity()
+        before = _front_state(tkv)
+        with pytest.raises(ValueError, match="'big' needs .* more than the admission limit"):
+            tkv.prepare(["x", "big"])
+        assert _front_state(tkv) == before, "x was asked back by a refused prepare"
+        assert tkv.controller.pending_reloads() == () and tkv.kv.is_offloaded("x")
+        assert tkv.controller.reload_refusal("x") is None
+        assert isinstance(tkv.controller.reload_refusal("big"), ValueError)
+        tkv.check_integrity()
+        assert tkv.prepare(["x"]) == []  # the control: x alone is asked back
+        assert tkv.stats("controller")["reloads_started"] == 1
+        tkv.synchronize(timeout=10)
+        assert tkv.prepare(["x"]) == ["x"]
+        tkv.check_integrity()

@@ -340,6 +340,12 @@ class TieredKV:
             twice = sorted({rid for rid in batch if rid in seen or seen.add(rid)})
             raise ValueError(f"TieredKV.prepare: batch names request(s) {twice[:5]} more than once")
         self.controller.poll()
+        kv, controller = self.kv, self.controller
+        for rid in batch:  # a reload refused for good is raised before any request is asked
+            if kv.is_offloaded(rid):
+                err = controller.reload_refusal(rid)
+                if err is not None:
+                    raise err
         return [rid for rid in batch if self._ready(rid, step) is Readiness.READY]
 
     def poll(self) -> None:

@@ -414,6 +414,13 @@ class EvictionController:
         _check_rid(rid, "request_reload")
         return self._admission.request(rid)
 
+    def reload_refusal(self, rid: str) -> Exception | None:
+        """The error ``request_reload(rid)`` would raise now (an unknown request, one with
+        nothing offloaded, one that could never fit under the admission limit), or None
+        when it would start or queue it. Changes nothing."""
+        _check_rid(rid, "reload_refusal")
+        return self._admission.refusal(rid)
+
     def plan_offload(self, running: Collection[str], need_bytes: int) -> tuple[Candidate, ...]:
         """The victims the policy would offload now to free ``need_bytes``; moves nothing.
 
