@@ -701,3 +701,15 @@ def test_prepare_refuses_a_batch_with_a_request_that_can_never_reload_before_ask
         tkv.synchronize(timeout=10)
         assert tkv.prepare(["x"]) == ["x"]
         tkv.check_integrity()
+
+
+def test_config_cache_options_cannot_change_after_the_check(geom):
+    options = {"copy_workers": 1}
+    cfg = _config(geom, cache_options=options)
+    options["copy_wrokers"] = 3  # the caller's dict changes later: the config does not
+    assert dict(cfg.cache_options) == {"copy_workers": 1}
+    with pytest.raises(TypeError):
+        cfg.cache_options["io_workers"] = 0  # read-only
+    with TieredKV(cfg) as tkv:
+        tkv.add("a")
+        tkv.check_integrity()

@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -126,6 +127,8 @@ class TieredKVConfig:
                 f"TieredKVConfig.cache_options: {unknown} are not options of PagedKVCache; "
                 f"known: {sorted(known)}"
             )
+        # a read-only copy: the caller's dict may change later, this checked config may not
+        object.__setattr__(self, "cache_options", MappingProxyType(dict(self.cache_options)))
 
 
 _CACHE_METHODS = tuple(sorted({
