@@ -69,10 +69,12 @@ def test_configs_refuse_bad_fields_by_name(make, field):
 
 
 def test_configs_keep_their_defaults_valid():
-    StagingConfig()
-    LeaseConfig()
-    BreakerConfig()
-    SweeperConfig(cap_bytes=1 << 20)
+    staging = StagingConfig()
+    assert (staging.buffers, staging.pages, staging.timeout_s) == (4, 16, 10.0)
+    for cfg in (LeaseConfig(), BreakerConfig(), SweeperConfig(cap_bytes=1 << 20)):
+        # each default passes the record's own check again (a changed default that breaks
+        # its own bound raises here)
+        assert type(cfg)(**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}) == cfg
 
 
 def test_check_fields_names_the_record_and_the_first_bad_field():
