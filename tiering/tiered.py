@@ -204,7 +204,7 @@ class TieredKV:
     ``clock`` is shared by the cache and the controller (residency, ageing,
     retention expiry). Registering is one call: ``add`` is idempotent for the
     same settings and refuses different ones, like the cache's
-    ``ingest_request``.
+    ``ingest_request``. Not thread-safe: drive it from the worker's step thread.
     """
 
     def __init__(
