@@ -65,6 +65,7 @@ from tiering.core.pinning import HostRuntime, PinnedSlab, PinOutcome, pin_host_s
 from tiering.core.pools import PagePool, PoolIntegrityError
 from tiering.core.staging import StagingConfig, StagingRing
 from tiering.core.transfer import StreamSet, no_fault
+from tiering.core.validate import check_timeout
 from tiering.types import (
     CANCELLED,
     Move,
@@ -128,6 +129,17 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
                         ("copy_workers", copy_workers), ("io_workers", io_workers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"PagedKVCache: {name} must be an int >= 1, got {v!r}")
+        for name, v in (("verify", verify),
+                        ("offload_to_disk_when_host_full", offload_to_disk_when_host_full)):
+            if not isinstance(v, bool):
+                raise ValueError(f"PagedKVCache: {name} must be a bool, got {v!r}")
+        if stage_disk_io is not None and not isinstance(stage_disk_io, bool):
+            raise ValueError(f"PagedKVCache: stage_disk_io must be a bool or None, got {stage_disk_io!r}")
+        for name, fn in (("clock", clock), ("copy_fault_hook", copy_fault_hook)):
+            if not callable(fn):
+                raise ValueError(f"PagedKVCache: {name} must be callable, got {fn!r}")
+        if disk_wrap_store is not None and not callable(disk_wrap_store):
+            raise ValueError(f"PagedKVCache: disk_wrap_store must be callable or None, got {disk_wrap_store!r}")
         self.stats = KVStats()
         self._life = Lifecycle(
             "PagedKVCache", self.stats, clock,
@@ -141,6 +153,8 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         self.disk = None
         self.geometry = geometry
         self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):  # "meta" holds no bytes; others are untested
+            raise ValueError(f"PagedKVCache: device must be a CPU or CUDA device, got {device!r}")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} asked for but CUDA is not available")
         if self.device.type == "cuda" and self.device.index is None:
@@ -425,9 +439,12 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
     def cleanup(self, timeout: float = 30.0) -> None:
         """Finish (or, after ``timeout``, abandon) transfers and stop the worker
         threads; then close the disk tier and unpin the host slab. Calling it
-        again does nothing; every other call afterwards raises CacheClosed."""
+        again does nothing; every other call afterwards raises CacheClosed.
+        A ``timeout`` that is not a finite number >= 0 is refused (ValueError)
+        before anything closes."""
         if self._closed:
             return
+        timeout = check_timeout("cleanup", timeout)
         try:
             self.synchronize(timeout=timeout)
         except TimeoutError as exc:

@@ -21,6 +21,7 @@ from tiering.core.checksum import ChecksumMismatch
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.core.lifecycle import IN_FLIGHT, RELOAD_FROM, Op, guard, offload_move
 from tiering.core.staging import StagingTimeout
+from tiering.core.validate import check_timeout
 from tiering.errors import TRANSIENT_IO_ERRNOS
 from tiering.types import Move, RequestState, TransferResult
 
@@ -298,8 +299,7 @@ class KVTransfers:
         was applied (as ``poll``). Raises TimeoutError naming what is still in
         flight after ``timeout`` seconds (after applying what did finish)."""
         self._open("synchronize")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-            raise ValueError(f"synchronize: timeout must be a number of seconds >= 0, got {timeout!r}")
+        timeout = check_timeout("synchronize", timeout)
         futs = [r.job.future for r in self._inflight.values()]
         futs += [t.future for t in self._tombstones.values()]
         if self._prefix is not None:

@@ -701,12 +701,14 @@ def test_idle_path_does_no_per_request_work():
 def test_no_sample_yet_means_no_action():
     clock = FakeClock()
     res = FakeTieredResource(1000, 1000, 1000)
-    res.add("a", 950)
+    res.add("a", 860)  # under the 880-byte admission limit: a victim that may come back
+    res.add("c", 60)
     res.add("b", 40, Tier.HOST)
     lagging = LaggingPressure(ExactPressure(res))
     ctl = EvictionController({"kv": res}, OldestFirst(), lagging, clock=clock)
     ctl.add_request("a")
     ctl.add_request("b")
+    ctl.add_request("c")
     report = ctl.evict_if_needed(())
     assert report.offloaded == () and res.calls["reclaimable"] == 0
     assert ctl.request_reload("b") is False  # waits for a reading
@@ -1912,3 +1914,45 @@ ControllerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_controller_state_machine = ControllerMachine.TestCase
+
+
+@pytest.mark.parametrize("policy", ["lru", "largest", "cost"])
+def test_a_request_whose_reload_could_never_be_admitted_is_never_a_victim(policy):
+    """Admission limit (0.9 - 0.02) x 1000 = 880 bytes: a 900-byte request offloaded would
+    be refused by request_reload for good. Every policy, lazy or asking bytes up front,
+    passes it over (and plans without it); the smaller idle ones leave instead."""
+    clock = FakeClock()
+    res = FakeTieredResource(1000, 10_000, 10_000)
+    res.add("huge", 900)
+    res.add("s1", 40)
+    res.add("s2", 40)
+    ctl = EvictionController({"kv": res}, make_policy(policy), ExactPressure(res), clock=clock)
+    for rid in ("huge", "s1", "s2"):
+        ctl.add_request(rid)
+    clock.advance(5.0)
+    assert [c.rid for c in ctl.plan_offload((), 1 << 20)] and all(
+        c.rid != "huge" for c in ctl.plan_offload((), 1 << 20))
+    report = ctl.evict_if_needed(())
+    ctl.check_integrity()
+    assert "huge" not in report.offloaded and set(report.offloaded) <= {"s1", "s2"}
+    assert report.offloaded, "the small idle requests are still victims"
+    assert res.tier_of("huge") is Tier.DEVICE
+    # the control: an 880-byte one fits the limit exactly; with 40 more bytes the device is
+    # above high, and no order reaches low (750) without offloading it
+    res = FakeTieredResource(1000, 10_000, 10_000)
+    res.add("fits", 880)
+    res.add("s1", 40)
+    ctl = EvictionController({"kv": res}, make_policy(policy), ExactPressure(res), clock=clock)
+    for rid in ("fits", "s1"):
+        ctl.add_request(rid)
+    clock.advance(5.0)
+    report = ctl.evict_if_needed(())
+    ctl.check_integrity()
+    assert "fits" in report.offloaded
+    ctl.request_reload("fits")  # not refused: it may come back
+    if res.tier_of("s1") is Tier.DEVICE:  # s1 stayed: fits waits until s1 leaves
+        res.remove("s1")
+        ctl.remove_request("s1")
+        assert ctl.evict_if_needed(()).reloads_started == ("fits",)
+    assert res.tier_of("fits") is Tier.DEVICE
+    ctl.check_integrity()

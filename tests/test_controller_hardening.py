@@ -403,3 +403,42 @@ def test_real_cache_a_waiting_reload_of_a_removed_request_strands_no_other(kv, g
     ctl.remove_request("q0")
     cache.check_integrity()
     ctl.check_integrity()
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    ({"device_capacity_bytes": "100"}, ValueError, "device_capacity_bytes must be a positive integer"),
+    ({"device_capacity_bytes": 1.7}, ValueError, "device_capacity_bytes must be a positive integer"),
+    ({"device_capacity_bytes": float("nan")}, ValueError, "device_capacity_bytes must be"),
+    ({"device_capacity_bytes": True}, ValueError, "device_capacity_bytes must be"),
+    ({"clock": 3.0}, TypeError, "clock must be callable"),
+    ({"reload_priority": 5}, TypeError, "reload_priority must be callable"),
+])
+def test_controller_construction_refuses_mistyped_arguments_by_name(kw, err, match):
+    res = FakeTieredResource(1000, 1000, 1000)
+    with pytest.raises(err, match=match):
+        EvictionController({"kv": res}, make_policy("lru"), ExactPressure(res), **kw)
+
+
+def test_controller_resources_must_be_a_mapping():
+    res = FakeTieredResource(1000, 1000, 1000)
+    with pytest.raises(TypeError, match="resources must be a mapping"):
+        EvictionController([res], make_policy("lru"), ExactPressure(res))
+    ctl = EvictionController({"kv": res}, make_policy("lru"), ExactPressure(res),
+                             device_capacity_bytes=1000)  # the control: a plain int is taken
+    assert ctl.device_capacity_bytes == 1000
+
+
+@pytest.mark.parametrize("bad", ["0.5", None, True, float("nan"), -0.1, float("inf")])
+def test_a_pressure_reading_that_is_not_a_fraction_is_refused_naming_it(bad):
+    res = FakeTieredResource(1000, 1000, 1000)
+    res.add("a", 950)
+    source = ScriptedFraction(0.5)
+    ctl = EvictionController({"kv": res}, make_policy("lru"), source, clock=FakeClock())
+    ctl.add_request("a")
+    source.set(bad)
+    with pytest.raises(ValueError, match=r"pressure source returned .*expected a fraction"):
+        ctl.evict_if_needed(())
+    assert res.tier_of("a") is Tier.DEVICE  # nothing moved on a reading it refused
+    ctl.check_integrity()
+    source.set(0.5)  # the control: a fraction is taken
+    assert ctl.evict_if_needed(()).pressure_before == 0.5

@@ -53,3 +53,41 @@ def test_shutdown_says_whether_every_worker_joined(closing):
     assert ex.shutdown(0.05) is False  # the worker is still in its job
     gate.set()
     assert ex.shutdown(5) is True  # a second call waits again, and reports
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1, True])
+def test_shutdown_with_a_bad_timeout_is_refused_and_stops_nothing(timeout, closing):
+    ex = PriorityExecutor(1, "t")
+    closing.call(ex.shutdown, 5)
+    with pytest.raises(ValueError, match="PriorityExecutor.shutdown: timeout"):
+        ex.shutdown(timeout)
+    assert ex.submit(RELOAD, int, "41").result(timeout=5) == 41  # still taking jobs
+    assert ex.shutdown(5) is True
+
+
+@pytest.mark.parametrize("workers", [0, True, 2.0, "2", None])
+def test_workers_must_be_a_positive_int(workers):
+    with pytest.raises(ValueError, match=f"workers must be an int >= 1, got {workers!r}"):
+        PriorityExecutor(workers, "t")
+
+
+@pytest.mark.parametrize("priority,fn,match", [
+    ("high", int, "priority must be an int"),
+    (1.5, int, "priority must be an int"),
+    (None, int, "priority must be an int"),
+    (RELOAD, "not callable", "fn must be callable"),
+])
+def test_a_bad_submit_is_refused_and_leaves_the_queue_working(priority, fn, match, closing):
+    ex = PriorityExecutor(1, "t")
+    closing.call(ex.shutdown, 5)
+    gate = threading.Event()
+    closing.call(gate.set)
+    held = ex.submit(RELOAD, gate.wait, 10)  # the worker is busy: later jobs wait in the queue
+    queued = ex.submit(WRITE, int, "7")
+    with pytest.raises(ValueError, match=match):
+        ex.submit(priority, fn, "8")
+    gate.set()
+    assert held.result(timeout=5) is True
+    assert queued.result(timeout=5) == 7  # the queue's order was not poisoned
+    assert ex.submit(OFFLOAD, int, "9").result(timeout=5) == 9
+    assert ex.shutdown(5) is True

@@ -518,3 +518,58 @@ def test_remove_reports_a_copy_it_cancelled(geom, closing):
     gate.set()
     assert [(d.rid, d.ok) for d in kv.synchronize(10)] == [("a", True)]
     kv.check_integrity()
+
+
+# -- bad timeouts: refused before anything waits or closes ------------------------------
+
+
+BAD_TIMEOUTS = [float("nan"), float("inf"), -1.0, True, "5"]
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
+def test_close_with_a_bad_timeout_is_refused_and_the_cache_stays_open(geom, timeout, closing):
+    kv = closing(PagedKVCache(geom, device_pages=8, host_pages=8))
+    gen = torch.Generator().manual_seed(31)
+    data = fill(kv, "a", gen, 7)
+    kv.check_integrity()
+    before = snapshot(kv)
+    with pytest.raises(ValueError, match="cleanup: timeout must be a finite number"):
+        kv.close(timeout)
+    assert snapshot(kv) == before
+    kv.check_integrity()  # would raise CacheClosed had the refused call closed it
+    assert_same(kv, "a", data)
+    assert kv.offload("a") > 0  # the copy threads still run
+    kv.synchronize(10)
+    kv.check_integrity()
+    assert kv.state_of("a") is S.ON_HOST
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
+def test_synchronize_with_a_bad_timeout_is_refused_while_a_copy_is_in_flight(
+        geom, timeout, closing):
+    go, entered = threading.Event(), threading.Semaphore(0)
+
+    def hold(kind):
+        entered.release()
+        assert go.wait(10)
+
+    kv = closing(PagedKVCache(geom, device_pages=8, host_pages=8, copy_fault_hook=hold))
+    closing.call(go.set)  # before the cache is closed: its held copy goes on
+    gen = torch.Generator().manual_seed(32)
+    data = fill(kv, "a", gen, 9)
+    assert kv.offload("a") > 0
+    assert entered.acquire(timeout=10)
+    kv.check_integrity()
+    before = snapshot(kv)
+    with pytest.raises(ValueError, match="synchronize: timeout must be a finite number"):
+        kv.synchronize(timeout)
+    assert snapshot(kv) == before
+    kv.check_integrity()
+    go.set()
+    kv.synchronize(10)
+    kv.check_integrity()
+    assert kv.state_of("a") is S.ON_HOST
+    assert kv.reload("a")
+    kv.synchronize(10)
+    kv.check_integrity()
+    assert_same(kv, "a", data)

@@ -201,3 +201,23 @@ def test_the_real_store_moves_a_large_request_in_pieces(geom, tmp_path, closing)
     assert [d.ok for d in kv.synchronize(10)] == [True]
     assert_same(kv, "a", data)
     kv.check_integrity()
+
+
+def test_ring_refuses_a_second_release_so_two_jobs_never_share_a_buffer(geom):
+    ring = StagingRing(StagingConfig(buffers=2, pages=2), geom.page_shape, geom.dtype)
+    a = ring.acquire(1)
+    ring.release(a)
+    with pytest.raises(ValueError, match="not held"):
+        ring.release(a)  # before: the free queue held it twice
+    x, y = ring.acquire(1), ring.acquire(1)
+    assert x is not None and y is not None and x is not y, "one buffer handed out twice"
+    assert ring.acquire(0.02) is None
+    with pytest.raises(AssertionError, match="still held"):
+        ring.check_integrity()
+    ring.release(x)
+    ring.release(y)
+    ring.check_integrity()
+    for bad in (float("nan"), float("inf"), -1):
+        with pytest.raises(ValueError, match="StagingRing.acquire: timeout"):
+            ring.acquire(bad)
+    ring.check_integrity()

@@ -831,3 +831,16 @@ class DeviceSourceMachine(RuleBasedStateMachine):
 DeviceSourceMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
                                                  deadline=None)
 test_device_source_state_machine = DeviceSourceMachine.TestCase
+
+
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -1, True])
+def test_poller_stop_with_a_bad_timeout_is_refused_and_keeps_it_running(timeout, closing):
+    source = ScriptedPressure([0.25])
+    poller = PressurePoller(source, interval_s=0.01)
+    poller.start()
+    closing.call(poller.stop, 5)
+    with pytest.raises(ValueError, match="PressurePoller.stop: timeout"):
+        poller.stop(timeout)
+    assert poller.running
+    assert poller.stop(5) is True
+    assert not poller.running

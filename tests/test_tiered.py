@@ -288,3 +288,428 @@ def test_around_takes_a_pressure_class_a_source_or_nothing_else(geom):
     kv = PagedKVCache(geom, device_pages=4, host_pages=4)
     with kv, pytest.raises(TypeError, match="pressure must be"):
         TieredKV.around(kv, pressure=3)
+
+
+# -- bad input at the front door: refused by name, nothing changed ----------------------
+
+
+def _front_state(tkv: TieredKV) -> tuple:
+    kv = tkv.kv
+    return (tkv.requests(), {rid: kv.state_of(rid) for rid in kv.requests()},
+            tkv.stats(), tkv.controller.pending_reloads())
+
+
+def _two_requests(tkv: TieredKV, gen: torch.Generator) -> dict:
+    data = {rid: _fill(tkv, rid, 6, gen) for rid in ("ab", "c")}
+    # "a" and "b" exist too, so a str taken for a batch of its characters would pass silently
+    for rid in ("a", "b"):
+        _fill(tkv, rid, 3, gen)
+    tkv.check_integrity()
+    return data
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda t: t.prepare("ab"), "batch must be a collection of request ids"),
+    (lambda t: t.prepare(b"ab"), "batch must be a collection of request ids"),
+    (lambda t: t.prepare(None), "batch must be a collection of request ids"),
+    (lambda t: t.prepare(["c", 5]), r"request ids must be str, got \[5\]"),
+    (lambda t: t.prepare([["c"]]), r"request ids must be str, got \[\['c'\]\]"),
+    (lambda t: t.prepare(["c", "ab", "c"]), r"names request\(s\) \['c'\] more than once"),
+    (lambda t: t.prepare(["c"], True), "step must be an int >= 0, got True"),
+    (lambda t: t.prepare(["c"], -1), "step must be an int >= 0, got -1"),
+    (lambda t: t.prepare(["c"], 2.0), "step must be an int >= 0, got 2.0"),
+    (lambda t: t.ready("c", float("nan")), "step must be an int >= 0, got nan"),
+    (lambda t: t.ready({}), r"request ids must be str, got \[\{\}\]"),
+    (lambda t: t.ready(7), r"request ids must be str, got \[7\]"),
+    (lambda t: t.after_step("ab"), "ran must be a collection of request ids"),
+    (lambda t: t.after_step(["c"], keep="ab"), "keep must be a collection of request ids"),
+    (lambda t: t.after_step(["c"], keep=[3]), r"keep ids must be str, got \[3\]"),
+    (lambda t: t.after_step([None]), r"request ids must be str, got \[None\]"),
+    (lambda t: t.remove(["c"]), r"request ids must be str"),
+    (lambda t: t.knows(["c"]), r"request ids must be str"),
+    (lambda t: t.synchronize(float("inf")), "timeout must be a finite number"),
+    (lambda t: t.controller.evict_if_needed("ab"), "running must be a collection"),
+    (lambda t: t.controller.plan_offload("ab", 1), "running must be a collection"),
+    (lambda t: t.controller.touch(["c"]), "touch: a request id is a str"),
+    (lambda t: t.controller.remove_request({}), "remove_request: a request id is a str"),
+    (lambda t: t.controller.request_reload(["c"]), "request_reload: a request id is a str"),
+    (lambda t: t.controller.add_request("c", ["kv"]), r"unknown resource \['kv'\]"),
+])
+def test_bad_input_is_refused_by_name_and_changes_nothing(geom, call, match):
+    gen = torch.Generator().manual_seed(41)
+    with TieredKV(_config(geom), clock=FakeClock()) as tkv:
+        data = _two_requests(tkv, gen)
+        before = _front_state(tkv)
+        with pytest.raises((TypeError, ValueError)) as err:
+            call(tkv)
+        assert err.match(match)
+        assert not isinstance(err.value, KeyError), "a malformed id is not an unknown one"
+        assert _front_state(tkv) == before
+        tkv.check_integrity()
+        for rid, layers in data.items():
+            for layer, (k, v) in enumerate(layers):
+                got_k, got_v = tkv.kv.read(rid, layer)
+                assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_a_str_keep_would_have_offloaded_the_request_it_names(geom):
+    """The negative control of the str checks: with keep as a list the request named
+    "ab" stays; the same call is what a str keep used to turn into {"a", "b"}."""
+    gen = torch.Generator().manual_seed(42)
+    clock = FakeClock()
+    with TieredKV(_config(geom), clock=clock) as tkv:
+        _two_requests(tkv, gen)  # 2 + 2 + 1 + 1 pages of 8: above high
+        report = tkv.after_step(["c"], keep=["ab"])
+        tkv.synchronize(timeout=10)
+        assert "ab" not in report.offloaded and not tkv.kv.is_offloaded("ab")
+        assert set(report.offloaded) <= {"a", "b"} and report.offloaded
+        tkv.check_integrity()
+
+
+def test_every_call_after_close_says_the_front_door_is_closed(geom):
+    gen = torch.Generator().manual_seed(43)
+    tkv = TieredKV(_config(geom))
+    _fill(tkv, "a", 5, gen)
+    tkv.after_step(["a"])
+    tkv.check_integrity()
+    final_kv, final_ctl = tkv.stats("kv"), tkv.stats("controller")
+    tkv.close()
+    calls = {
+        "add": lambda: tkv.add("b"), "remove": lambda: tkv.remove("a"),
+        "requests": tkv.requests, "knows": lambda: tkv.knows("a"),
+        "prepare": lambda: tkv.prepare(["a"]), "poll": tkv.poll,
+        "ready": lambda: tkv.ready("a"), "after_step": lambda: tkv.after_step(["a"]),
+        "synchronize": lambda: tkv.synchronize(1.0), "take_lost": tkv.take_lost,
+        "stats": tkv.stats, "check_integrity": tkv.check_integrity,
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError) as err:
+            call()
+        assert str(err.value) == "TieredKV is closed", name
+    # the two counter parts stay readable: the final figures of the closed cache
+    assert tkv.stats("kv") == final_kv
+    assert tkv.stats("controller")["live_requests"] == final_ctl["live_requests"] == 1
+    tkv.close()  # idempotent
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("verify", "no", "verify must be a bool"),
+    ("verify", 1, "verify must be a bool"),
+    ("offload_to_disk_when_host_full", "false", "offload_to_disk_when_host_full must be a bool"),
+    ("device", 0, "device must be a str or torch.device"),
+    ("cache_options", [("copy_workers", 1)], "cache_options must be a dict"),
+    ("cache_options", {"copy_wrokers": 1}, r"\['copy_wrokers'\] are not options of PagedKVCache"),
+])
+def test_config_refuses_mistyped_fields_by_name(geom, field, value, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        _config(geom, **{field: value})
+
+
+def test_config_takes_every_real_cache_option(geom):
+    cfg = _config(geom, cache_options={"copy_workers": 1, "io_workers": 1})
+    with TieredKV(cfg) as tkv:
+        tkv.add("a")
+        tkv.check_integrity()
+
+
+@pytest.mark.parametrize("name,value", [
+    ("verify", "no"), ("offload_to_disk_when_host_full", "false"), ("stage_disk_io", 1),
+    ("clock", 3.0), ("copy_fault_hook", "hook"), ("disk_wrap_store", 5),
+])
+def test_cache_refuses_mistyped_options_by_name(geom, name, value):
+    from resources.kv_cache import PagedKVCache
+
+    with pytest.raises(ValueError, match=f"PagedKVCache: {name} must be"):
+        PagedKVCache(geom, device_pages=4, host_pages=4, **{name: value})
+
+
+def test_a_request_too_large_to_reload_is_never_offloaded_so_never_stranded(geom):
+    """Device 8 pages, high 0.7, headroom 0.02: a reload may need at most 5.44 pages. A
+    6-page request offloaded by the controller could never come back (prepare raised
+    every step); it is passed over, and a smaller idle one leaves instead."""
+    gen = torch.Generator().manual_seed(44)
+    clock = FakeClock()
+    with TieredKV(_config(geom), clock=clock) as tkv:
+        big = _fill(tkv, "big", 24, gen)  # 6 pages
+        _fill(tkv, "small", 4, gen)  # 1 page: 7 of 8 used, above high
+        tkv.check_integrity()
+        assert [c.rid for c in tkv.controller.plan_offload((), 1 << 30)] == ["small"]
+        report = tkv.after_step([])
+        tkv.synchronize(timeout=10)
+        tkv.check_integrity()
+        assert report.offloaded == ("small",)
+        assert not tkv.kv.is_offloaded("big")
+        for step in range(3):
+            clock.advance(1.0)
+            assert tkv.prepare(["big"], step) == ["big"]
+            tkv.after_step(["big"])
+            tkv.synchronize(timeout=10)
+            tkv.check_integrity()
+        for layer, (k, v) in enumerate(big):
+            got_k, got_v = tkv.kv.read("big", layer)
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)
+        # the negative control: offloaded behind the controller's back, it is stranded
+        tkv.remove("small")
+        assert tkv.kv.offload("big") > 0
+        tkv.synchronize(timeout=10)
+        with pytest.raises(ValueError, match="more than the admission limit"):
+            tkv.prepare(["big"])
+        tkv.check_integrity()
+
+
+def test_close_stops_a_pressure_poller_the_front_door_built_and_not_one_handed_in(geom):
+    import threading
+
+    from resources.kv_cache import PagedKVCache
+    from tiering.control.pressure import PoolPressure, PressurePoller
+
+    built: list[PressurePoller] = []
+
+    def polled(kv):
+        poller = PressurePoller(PoolPressure(kv), interval_s=0.005)
+        poller.start()
+        built.append(poller)
+        return poller
+
+    tkv = TieredKV(_config(geom, pressure=polled))
+    tkv.add("a")
+    assert tkv.kv.allocate("a", 8)
+    tkv.check_integrity()
+    assert built[0].running
+    tkv.close()
+    assert not built[0].running, "the poller's thread outlived the TieredKV that built it"
+    assert "tiering-pressure-poller" not in {t.name for t in threading.enumerate()}
+    # through around, a callable's source is built (and stopped) the same way
+    with TieredKV.around(PagedKVCache(geom, device_pages=8, host_pages=8), pressure=polled):
+        assert built[1].running
+    assert not built[1].running
+    # the control: a started poller handed in as a source is the caller's, left running
+    kv = PagedKVCache(geom, device_pages=8, host_pages=8)
+    mine = PressurePoller(PoolPressure(kv), interval_s=0.005)
+    mine.start()
+    try:
+        with TieredKV.around(kv, pressure=mine) as tkv:
+            assert tkv.pressure is mine
+        assert mine.running
+    finally:
+        assert mine.stop(5)
+
+
+def test_remove_mends_a_request_removed_behind_the_front_door(geom):
+    gen = torch.Generator().manual_seed(45)
+    with TieredKV(_config(geom)) as tkv:
+        _fill(tkv, "a", 6, gen)
+        kept = _fill(tkv, "b", 5, gen)
+        tkv.kv.remove_request("a")  # straight from the cache: the controller still has it
+        with pytest.raises(AssertionError, match=r"only in the controller \['a'\]"):
+            tkv.check_integrity()
+        tkv.remove("a")  # before: UnknownRequest from the cache, and "a" stuck for good
+        tkv.check_integrity()
+        assert tkv.requests() == ["b"] and not tkv.knows("a")
+        with pytest.raises(KeyError, match="'a'"):
+            tkv.remove("a")  # now unknown everywhere
+        for layer, (k, v) in enumerate(kept):
+            got_k, got_v = tkv.kv.read("b", layer)
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_a_bad_clock_is_refused_before_anything_is_built_or_closed(geom):
+    from resources.kv_cache import PagedKVCache
+
+    with pytest.raises(TypeError, match="TieredKV: clock must be callable"):
+        TieredKV(_config(geom), clock=5.0)
+    kv = PagedKVCache(geom, device_pages=4, host_pages=4)
+    with kv:
+        kv.ingest_request("a")
+        with pytest.raises(TypeError, match="around: clock must be callable"):
+            TieredKV.around(kv, clock="now")
+        assert kv.requests() == ["a"]  # still open: the refusal closed nothing
+        kv.check_integrity()
+
+
+# -- a state machine over the front door ----------------------------------------------
+
+
+def _front_machine(with_disk: bool):
+    """A worker loop with random arrivals, batches, removals, settles and time, over a real
+    cache (with a disk tier when ``with_disk``): every READY request reads back bit for bit
+    what was written into it, nothing is lost, and the front door's check holds after every
+    step. (hypothesis is imported here, as in conftest.)"""
+    import shutil
+    import tempfile
+
+    from hypothesis import HealthCheck, settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+    from resources.kv_geometry import KVGeometry
+    from tiering.disk import DiskConfig
+    from tiering.tiered import Readiness
+
+    geom = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, page_tokens=2,
+                      dtype=torch.float32)
+
+    class Front(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.clock = FakeClock()
+            self.dir = tempfile.mkdtemp() if with_disk else None
+            disk = DiskConfig(path=f"{self.dir}/disk", capacity_bytes=8 * geom.page_bytes,
+                              chunk_bytes=2 * geom.page_bytes) if with_disk else None
+            self.tkv = TieredKV(TieredKVConfig(
+                geometry=geom, device_pages=10, host_pages=6, disk=disk, verify=True,
+                controller=ControllerConfig(high=0.7, low=0.4, host_high=0.5, host_low=0.3,
+                                            min_residency_s=0.0, aging_s=2.0)),
+                clock=self.clock)
+            self.data: dict[str, list] = {}
+            self.gen = torch.Generator().manual_seed(46)
+            self.n = self.step_no = 0
+
+        def teardown(self):
+            self.tkv.close()
+            if self.dir is not None:
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+        def rids(self):
+            return sorted(self.data)
+
+        @rule(tokens=st.integers(1, 12))
+        def arrive(self, tokens):
+            rid = f"r{self.n}"
+            self.n += 1
+            self.tkv.add(rid)
+            kv = self.tkv.kv
+            before = kv.device_used_bytes()
+            if not kv.allocate(rid, tokens):
+                assert kv.device_used_bytes() == before  # refused: nothing taken
+                self.tkv.remove(rid)
+                return
+            layers = []
+            for layer in range(geom.num_layers):
+                k = torch.randn(tokens, 1, 4, generator=self.gen)
+                v = torch.randn(tokens, 1, 4, generator=self.gen)
+                kv.write(rid, layer, 0, k, v)
+                layers.append((k, v))
+            self.data[rid] = layers
+
+        @precondition(lambda self: self.data)
+        @rule(pick=st.sets(st.integers(0, 30), min_size=1, max_size=4), keep=st.booleans())
+        def step(self, pick, keep):
+            rids = self.rids()
+            batch = sorted({rids[i % len(rids)] for i in pick})
+            ready = self.tkv.prepare(batch, self.step_no)
+            self.step_no += 1
+            assert set(ready) <= set(batch)
+            for rid in ready:
+                assert self.tkv.kv.state_of(rid) is RequestState.RESIDENT
+                for layer, (k, v) in enumerate(self.data[rid]):
+                    got_k, got_v = self.tkv.kv.read(rid, layer)
+                    assert torch.equal(got_k, k) and torch.equal(got_v, v), rid
+            others = [rid for rid in rids if rid not in ready]
+            report = self.tkv.after_step(ready, keep=others[:1] if keep else ())
+            assert not set(report.offloaded) & set(ready), "a request that ran was offloaded"
+
+        @precondition(lambda self: self.data)
+        @rule(i=st.integers(0, 30))
+        def ask(self, i):
+            rid = self.rids()[i % len(self.data)]
+            self.tkv.poll()
+            got = self.tkv.ready(rid, self.step_no)
+            assert got is not Readiness.LOST
+            if got is Readiness.READY:
+                assert self.tkv.kv.state_of(rid) is RequestState.RESIDENT
+
+        @precondition(lambda self: self.data)
+        @rule(i=st.integers(0, 30))
+        def finish(self, i):
+            rid = self.rids()[i % len(self.data)]
+            self.tkv.remove(rid)
+            del self.data[rid]
+
+        @rule()
+        def settle(self):
+            self.tkv.synchronize(10)
+
+        @rule(dt=st.floats(0.1, 3.0))
+        def tick(self, dt):
+            self.clock.advance(dt)
+
+        @invariant()
+        def agrees(self):
+            self.tkv.check_integrity()
+            assert self.tkv.requests() == self.rids()
+            assert self.tkv.take_lost() == []
+
+    Front.TestCase.settings = settings(
+        max_examples=25, stateful_step_count=40, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])
+    return Front
+
+
+TestFrontDoorMachine = _front_machine(with_disk=False).TestCase
+TestFrontDoorMachineWithDisk = _front_machine(with_disk=True).TestCase
+
+
+def test_around_refuses_a_cache_without_state_of_which_ready_needs(geom):
+    from resources.kv_cache import PagedKVCache
+
+    class NoStates:  # every hook but state_of, which ready() asks of a request not admitted
+        def __init__(self, kv):
+            self._kv = kv
+
+        def __getattr__(self, name):
+            if name == "state_of":
+                raise AttributeError(name)
+            return getattr(self._kv, name)
+
+    with PagedKVCache(geom, device_pages=4, host_pages=4) as kv:
+        with pytest.raises(TypeError, match=r"lacks \['state_of'\]"):
+            TieredKV.around(NoStates(kv))
+        kv.check_integrity()  # refused up front: the cache is still open
+
+
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")])
+def test_a_device_that_holds_no_bytes_is_refused(geom, device):
+    from resources.kv_cache import PagedKVCache
+
+    with pytest.raises(ValueError, match="device must be a CPU or CUDA device"):
+        PagedKVCache(geom, device=device, device_pages=4, host_pages=4)
+    with pytest.raises(ValueError, match="device must be a CPU or CUDA device"):
+        TieredKV(_config(geom, device=device))
+
+
+def test_prepare_refuses_a_batch_with_a_request_that_can_never_reload_before_asking_any(geom):
+    gen = torch.Generator().manual_seed(47)
+    clock = FakeClock()
+    with TieredKV(_config(geom), clock=clock) as tkv:
+        _fill(tkv, "x", 4, gen)  # 1 page
+        _fill(tkv, "big", 24, gen)  # 6 pages: over the 5.44-page admission limit
+        for rid in ("x", "big"):  # offloaded behind the controller's back
+            assert tkv.kv.offload(rid) > 0
+        tkv.synchronize(timeout=10)
+        tkv.check_integrity()
+        before = _front_state(tkv)
+        with pytest.raises(ValueError, match="'big' needs .* more than the admission limit"):
+            tkv.prepare(["x", "big"])
+        assert _front_state(tkv) == before, "x was asked back by a refused prepare"
+        assert tkv.controller.pending_reloads() == () and tkv.kv.is_offloaded("x")
+        assert tkv.controller.reload_refusal("x") is None
+        assert isinstance(tkv.controller.reload_refusal("big"), ValueError)
+        tkv.check_integrity()
+        assert tkv.prepare(["x"]) == []  # the control: x alone is asked back
+        assert tkv.stats("controller")["reloads_started"] == 1
+        tkv.synchronize(timeout=10)
+        assert tkv.prepare(["x"]) == ["x"]
+        tkv.check_integrity()
+
+
+def test_config_cache_options_cannot_change_after_the_check(geom):
+    options = {"copy_workers": 1}
+    cfg = _config(geom, cache_options=options)
+    options["copy_wrokers"] = 3  # the caller's dict changes later: the config does not
+    assert dict(cfg.cache_options) == {"copy_workers": 1}
+    with pytest.raises(TypeError):
+        cfg.cache_options["io_workers"] = 0  # read-only
+    with TieredKV(cfg) as tkv:
+        tkv.add("a")
+        tkv.check_integrity()

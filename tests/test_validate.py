@@ -10,7 +10,7 @@ from tiering.coldtier.breaker import BreakerConfig
 from tiering.coldtier.lease import LeaseConfig
 from tiering.coldtier.sweeper import SweeperConfig
 from tiering.core.staging import StagingConfig
-from tiering.core.validate import check_fields, check_int, check_number
+from tiering.core.validate import check_fields, check_int, check_number, check_timeout
 
 
 @pytest.mark.parametrize("value", [1, 7, 2**40])
@@ -69,10 +69,12 @@ def test_configs_refuse_bad_fields_by_name(make, field):
 
 
 def test_configs_keep_their_defaults_valid():
-    StagingConfig()
-    LeaseConfig()
-    BreakerConfig()
-    SweeperConfig(cap_bytes=1 << 20)
+    staging = StagingConfig()
+    assert (staging.buffers, staging.pages, staging.timeout_s) == (4, 16, 10.0)
+    for cfg in (LeaseConfig(), BreakerConfig(), SweeperConfig(cap_bytes=1 << 20)):
+        # each default passes the record's own check again (a changed default that breaks
+        # its own bound raises here)
+        assert type(cfg)(**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}) == cfg
 
 
 def test_check_fields_names_the_record_and_the_first_bad_field():
@@ -88,3 +90,16 @@ def test_check_fields_names_the_record_and_the_first_bad_field():
         check_fields(Rec(), ints={"a": 1}, numbers=("a",), zero_ok=("c",))
     with pytest.raises(ValueError, match=r"^Rec\.b must be a number > 0, got 0$"):
         check_fields(Rec(), numbers=("b",))
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 1, 2.5, 3600])
+def test_check_timeout_accepts_finite_seconds(value):
+    assert check_timeout("thing.wait", value) == float(value)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1, -0.5, True, False, "1",
+                                   None, [1]])
+def test_check_timeout_refuses_unbounded_or_odd_waits_by_name(value):
+    with pytest.raises(ValueError, match=r"thing\.wait: timeout must be a finite number") as err:
+        check_timeout("thing.wait", value)
+    assert repr(value) in str(err.value)

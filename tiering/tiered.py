@@ -22,10 +22,15 @@ that drives them itself.
 from __future__ import annotations
 
 import enum
+import inspect
+import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from policies import make_policy
 from policies.base import Policy
@@ -34,12 +39,16 @@ from resources.kv_geometry import KVGeometry
 from tiering.control.controller import ControllerConfig, EvictionController, EvictionReport
 from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.control.protocols import TieredCache
+from tiering.core.validate import check_timeout, is_int
 from tiering.errors import UnknownRequest
 from tiering.types import RequestState
 
 if TYPE_CHECKING:  # pragma: no cover - imported where a TieredKV builds its own cache
     from resources.kv_cache import PagedKVCache
     from tiering.disk.config import DiskConfig
+
+
+log = logging.getLogger("tiering.tiered")
 
 
 def _check_pages(name: str, value: object) -> None:
@@ -77,6 +86,13 @@ class TieredKVConfig:
             )
         _check_pages("device_pages", self.device_pages)
         _check_pages("host_pages", self.host_pages)
+        if not isinstance(self.device, (str, torch.device)):
+            raise TypeError(
+                f"TieredKVConfig.device must be a str or torch.device, got {self.device!r}")
+        for name in ("verify", "offload_to_disk_when_host_full"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"TieredKVConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.disk is not None:
             from tiering.disk.config import DiskConfig  # zarr: loaded only for a config with a disk
 
@@ -92,6 +108,9 @@ class TieredKVConfig:
             raise TypeError("TieredKVConfig.controller must be a ControllerConfig")
         if not callable(self.pressure):
             raise TypeError("TieredKVConfig.pressure must be callable (cache -> PressureSource)")
+        if not isinstance(self.cache_options, Mapping):
+            raise TypeError(
+                f"TieredKVConfig.cache_options must be a dict, got {self.cache_options!r}")
         reserved = {"geometry", "device", "device_pages", "host_pages", "disk", "verify",
                     "offload_to_disk_when_host_full", "clock"}
         clash = reserved & set(self.cache_options)
@@ -99,6 +118,17 @@ class TieredKVConfig:
             raise ValueError(
                 f"TieredKVConfig.cache_options must not repeat fields of the config: {sorted(clash)}"
             )
+        from resources.kv_cache import PagedKVCache
+
+        known = set(inspect.signature(PagedKVCache).parameters) - reserved
+        unknown = sorted(set(self.cache_options) - known, key=repr)
+        if unknown:
+            raise ValueError(
+                f"TieredKVConfig.cache_options: {unknown} are not options of PagedKVCache; "
+                f"known: {sorted(known)}"
+            )
+        # a read-only copy: the caller's dict may change later, this checked config may not
+        object.__setattr__(self, "cache_options", MappingProxyType(dict(self.cache_options)))
 
 
 _CACHE_METHODS = tuple(sorted({
@@ -118,6 +148,20 @@ def _resolve_policy(policy: str | Policy, registry: Any) -> Policy:
 
 def _close_cache(kv: Any) -> None:
     kv.close()
+
+
+def _stop_source(source: Any) -> None:
+    """Stop a pressure source the front door built (a poller's thread): ``stop()``, else
+    ``close()``, where it has one. A failure is logged; the cache is closed regardless."""
+    for name in ("stop", "close"):
+        fn = getattr(source, name, None)
+        if callable(fn):
+            try:
+                fn()
+            except Exception as exc:
+                log.error("TieredKV.close: the pressure source's %s() failed: %s: %s",
+                          name, type(exc).__name__, exc)
+            return
 
 
 def _is_source(pressure: object) -> bool:
@@ -160,7 +204,7 @@ class TieredKV:
     ``clock`` is shared by the cache and the controller (residency, ageing,
     retention expiry). Registering is one call: ``add`` is idempotent for the
     same settings and refuses different ones, like the cache's
-    ``ingest_request``.
+    ``ingest_request``. Not thread-safe: drive it from the worker's step thread.
     """
 
     def __init__(
@@ -172,6 +216,8 @@ class TieredKV:
     ) -> None:
         if not isinstance(config, TieredKVConfig):
             raise TypeError(f"TieredKV needs a TieredKVConfig, got {type(config).__name__}")
+        if not callable(clock):
+            raise TypeError(f"TieredKV: clock must be callable, got {clock!r}")
         policy = _resolve_policy(config.policy, policy_registry)
         from resources.kv_cache import PagedKVCache  # paid only by a TieredKV that builds one
 
@@ -200,7 +246,12 @@ class TieredKV:
         fake). ``pressure``: a pressure source, a callable ``cache -> source``
         (a source class such as ``PoolPressure`` is one), or None for
         ``cache_pressure(cache)``. The ``TieredKV`` owns the cache
-        from then on: ``close()`` closes it."""
+        from then on: ``close()`` closes it. A refused argument (a cache without
+        the hooks, a controller, pressure or clock of the wrong kind) raises
+        before that and leaves the cache open; a failure while assembling (the
+        pressure factory or the controller raising) closes it."""
+        if not callable(clock):
+            raise TypeError(f"TieredKV.around: clock must be callable, got {clock!r}")
         missing = [m for m in _CACHE_METHODS if not callable(getattr(cache, m, None))]
         if missing:
             raise TypeError(
@@ -220,21 +271,27 @@ class TieredKV:
         self = cls.__new__(cls)
         self.config = None
         self._assemble(cache, _resolve_policy(policy, policy_registry), factory, controller,
-                       clock)
+                       clock, owns_pressure=not _is_source(pressure))
         return self
 
     def _assemble(self, kv: Any, policy: Policy, pressure: Callable[[Any], PressureSource],
-                  controller: ControllerConfig, clock: Callable[[], float]) -> None:
+                  controller: ControllerConfig, clock: Callable[[], float], *,
+                  owns_pressure: bool = True) -> None:
         self.policy = policy
         self.kv = kv
+        # a source the front door built is its to stop; one handed in is the caller's
+        self._owns_pressure = False
         try:
             self.pressure = pressure(kv)
+            self._owns_pressure = owns_pressure
             self.controller = EvictionController(
                 {"kv": kv}, policy, self.pressure, controller, clock=clock
             )
             for rid in kv.requests():  # reattached from disk by an earlier process
                 self.controller.add_request(rid)
         except BaseException:
+            if self._owns_pressure:
+                _stop_source(self.pressure)
             _close_cache(kv)
             raise
         self._running: frozenset[str] = frozenset()
@@ -249,15 +306,23 @@ class TieredKV:
         self.controller.add_request(rid)  # idempotent
 
     def remove(self, rid: str) -> None:
-        """Forget a request everywhere and give back its slots."""
+        """Forget a request everywhere and give back its slots. One the cache no longer
+        knows (removed behind the front door, straight from ``tkv.kv``) is forgotten by
+        the controller too, which mends that disagreement (logged)."""
         self._check_open()
+        _check_ids((rid,), "remove", "request")
         if not self.controller.knows(rid):
             raise UnknownRequest(f"TieredKV.remove: unknown request {rid!r}")
-        self.kv.remove_request(rid)
+        try:
+            self.kv.remove_request(rid)
+        except UnknownRequest:
+            log.warning("TieredKV.remove: %r was already gone from the cache (removed behind "
+                        "the front door); the controller forgets it too", rid)
         self.controller.remove_request(rid)
 
     def requests(self) -> list[str]:
         """The registered requests, sorted (the controller's table is the one list)."""
+        self._check_open()
         return self.controller.requests()
 
     # -- the step ---------------------------------------------------------------
@@ -270,8 +335,20 @@ class TieredKV:
         it fits) and is not ready this step; a lost one is not ready
         (``take_lost`` says why)."""
         self._check_open()
+        batch = _as_ids(batch, "prepare", "batch")
         self._check_batch(batch, "prepare")
+        _check_step(step, "prepare")
+        if len(set(batch)) < len(batch):
+            seen: set[str] = set()
+            twice = sorted({rid for rid in batch if rid in seen or seen.add(rid)})
+            raise ValueError(f"TieredKV.prepare: batch names request(s) {twice[:5]} more than once")
         self.controller.poll()
+        kv, controller = self.kv, self.controller
+        for rid in batch:  # a reload refused for good is raised before any request is asked
+            if kv.is_offloaded(rid):
+                err = controller.reload_refusal(rid)
+                if err is not None:
+                    raise err
         return [rid for rid in batch if self._ready(rid, step) is Readiness.READY]
 
     def poll(self) -> None:
@@ -288,6 +365,7 @@ class TieredKV:
         gone. Does not poll: call ``poll`` once per step first."""
         self._check_open()
         self._check_batch((rid,), "ready")
+        _check_step(step, "ready")
         return self._ready(rid, step)
 
     def _ready(self, rid: str, step: int) -> Readiness:
@@ -302,15 +380,19 @@ class TieredKV:
         return Readiness.WAITING
 
     def knows(self, rid: str) -> bool:
-        """Whether ``rid`` is registered."""
+        """Whether ``rid`` (a str) is registered."""
+        self._check_open()
+        _check_ids((rid,), "knows", "request")
         return self.controller.knows(rid)
 
     def after_step(self, ran: Iterable[str], keep: Collection[str] = ()) -> EvictionReport:
         """Mark ``ran`` as used now and let the controller move KV at this safe
         point; ``ran`` and ``keep`` (requests about to run) are not offloaded."""
         self._check_open()
-        ran = list(ran)
+        ran = _as_ids(ran, "after_step", "ran")
         self._check_batch(ran, "after_step")
+        keep = _as_ids(keep, "after_step", "keep")
+        _check_ids(keep, "after_step", "keep")
         for rid in ran:
             self.controller.touch(rid)
         running = frozenset(ran).union(keep)
@@ -320,12 +402,15 @@ class TieredKV:
 
     def synchronize(self, timeout: float = 60.0) -> None:
         """Wait for every copy in flight (at most ``timeout`` seconds; then
-        TimeoutError naming what is still moving) and apply them all."""
+        TimeoutError naming what is still moving) and apply them all. A
+        ``timeout`` that is not a finite number >= 0 is a ValueError (nothing waited on)."""
         self._check_open()
+        timeout = check_timeout("TieredKV.synchronize", timeout)
         self.controller.synchronize(timeout)
 
     def take_lost(self) -> list[tuple[str, str]]:
         """(rid, reason) of requests whose KV was lost since the last call."""
+        self._check_open()
         return self.kv.take_lost()
 
     # -- reports and lifecycle ---------------------------------------------------
@@ -333,10 +418,15 @@ class TieredKV:
     def stats(self, part: str | None = None) -> dict[str, float]:
         """The cache's move counters (``kv.*``), the controller's
         (``controller.*``), and the bytes per tier; ``part="kv"`` or
-        ``"controller"``: that part alone, its names without the prefix."""
+        ``"controller"``: that part alone, its names without the prefix.
+
+        After ``close`` the two parts stay readable (the final counters); the
+        whole dict, which reads the tiers' live bytes, raises like every other call."""
         if part is not None and part not in _STATS_PARTS:
             raise ValueError(f"TieredKV.stats: part must be one of {_STATS_PARTS} or None, "
                              f"got {part!r}")
+        if part is None:
+            self._check_open()
         kv_stats = getattr(self.kv, "stats", None)
         counters = kv_stats.as_dict() if kv_stats is not None else {}
         if part == "kv":
@@ -354,6 +444,7 @@ class TieredKV:
     def check_integrity(self) -> None:
         """The cache's own check, the controller's (table, ledgers, queue), and
         that the two know the same requests; AssertionError names what is wrong."""
+        self._check_open()
         self.kv.check_integrity()
         self.controller.check_integrity()
         in_cache, in_controller = set(self.kv.requests()), set(self.controller.requests())
@@ -365,11 +456,18 @@ class TieredKV:
             )
 
     def close(self) -> None:
-        """Finish or abandon transfers and stop every thread (idempotent)."""
+        """Finish or abandon transfers and stop every thread (idempotent): a pressure
+        source the front door built (from ``TieredKVConfig.pressure`` or a callable
+        given to ``around``) is stopped (``stop()``, else ``close()``) before the cache
+        closes; a source instance handed to ``around`` is the caller's and left running."""
         if self._closed:
             return
         self._closed = True
-        _close_cache(self.kv)
+        try:
+            if self._owns_pressure:  # first: a poller reads the cache until it stops
+                _stop_source(self.pressure)
+        finally:
+            _close_cache(self.kv)
 
     def __enter__(self) -> TieredKV:
         return self
@@ -382,7 +480,29 @@ class TieredKV:
             raise RuntimeError("TieredKV is closed")
 
     def _check_batch(self, batch: Sequence[str], what: str) -> None:
+        _check_ids(batch, what, "request")
         knows = self.controller.knows
         unknown = [rid for rid in batch if not knows(rid)]
         if unknown:
             raise UnknownRequest(f"TieredKV.{what}: unknown request(s) {unknown[:5]}")
+
+
+def _as_ids(ids: object, what: str, name: str) -> list[str]:
+    """``ids`` (a collection of request ids, not one str) as a list; TypeError naming
+    ``name`` otherwise."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise TypeError(
+            f"TieredKV.{what}: {name} must be a collection of request ids, got {ids!r}")
+    return list(ids)
+
+
+def _check_ids(ids: Sequence[object], what: str, name: str) -> None:
+    bad = [rid for rid in ids if not isinstance(rid, str)]
+    if bad:
+        raise TypeError(f"TieredKV.{what}: {name} ids must be str, got {bad[:5]!r}")
+
+
+def _check_step(step: object, what: str) -> int:
+    if not is_int(step) or step < 0:
+        raise ValueError(f"TieredKV.{what}: step must be an int >= 0, got {step!r}")
+    return step

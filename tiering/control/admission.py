@@ -314,23 +314,33 @@ class ReloadAdmission:
         self.queue = ReloadQueue(config.aging_s)
         self._head: WaitingReload | None = None  # the head found by the last queue pass
 
-    def request(self, rid: str) -> bool:
-        """``EvictionController.request_reload``: start now if it fits, else queue."""
+    def refusal(self, rid: str) -> Exception | None:
+        """The error ``request(rid)`` would raise (unknown, nothing offloaded, larger than
+        the admission limit), or None; asks the resources, changes nothing."""
         members = self._members(rid)
         if members is None:
-            raise UnknownRequest(f"unknown request {rid!r}")
-        queue = self.queue
-        if rid in queue:
-            return False
+            return UnknownRequest(f"unknown request {rid!r}")
+        if rid in self.queue:
+            return None
         parts = [h for h in members if h.is_offloaded(rid)]
         if not parts:
-            raise ValueError(f"request {rid!r} has nothing offloaded to reload")
+            return ValueError(f"request {rid!r} has nothing offloaded to reload")
         need = sum(h.reload_bytes(rid) for h in parts if h.reload_bytes is not None)
         if need > self.limit_bytes:
-            raise ValueError(
+            return ValueError(
                 f"request {rid!r} needs {need} bytes to reload, more than the admission "
                 f"limit of {int(self.limit_bytes)} bytes ((high - reload_headroom) x capacity)"
             )
+        return None
+
+    def request(self, rid: str) -> bool:
+        """``EvictionController.request_reload``: start now if it fits, else queue."""
+        err = self.refusal(rid)
+        if err is not None:
+            raise err
+        queue = self.queue
+        if rid in queue:
+            return False
         base = 0.0
         if self._reload_priority is not None:
             base = float(self._reload_priority(rid))

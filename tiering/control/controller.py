@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ from tiering.control.config import ControllerConfig, EvictionReport
 from tiering.control.eviction import DeviceEviction
 from tiering.control.request_table import RequestTable, ResourceHandle
 from tiering.control.stats import ControllerStats
+from tiering.core.validate import check_timeout
 from tiering.errors import UnknownRequest, UnknownRequestError
 from tiering.types import Move, TransferResult
 
@@ -65,8 +67,15 @@ class EvictionController:
             raise TypeError(f"config must be a ControllerConfig, got {type(config).__name__}")
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a policies.base.Policy, got {type(policy).__name__}")
+        if not isinstance(resources, Mapping):
+            raise TypeError(f"resources must be a mapping of name -> resource, got "
+                            f"{type(resources).__name__}")
         if not resources:
             raise ValueError("resources must name at least one resource")
+        if not callable(clock):
+            raise TypeError(f"clock must be callable, got {clock!r}")
+        if reload_priority is not None and not callable(reload_priority):
+            raise TypeError(f"reload_priority must be callable or None, got {reload_priority!r}")
         for name in resources:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"resource names must be non-empty strings, got {name!r}")
@@ -83,7 +92,9 @@ class EvictionController:
                     "device_capacity_bytes"
                 )
             device_capacity_bytes = sum(offered)
-        if isinstance(device_capacity_bytes, bool) or int(device_capacity_bytes) <= 0:
+        if (isinstance(device_capacity_bytes, bool)
+                or not isinstance(device_capacity_bytes, numbers.Integral)
+                or device_capacity_bytes <= 0):
             raise ValueError(
                 f"device_capacity_bytes must be a positive integer, got {device_capacity_bytes!r}"
             )
@@ -114,8 +125,11 @@ class EvictionController:
         self._stats = ControllerStats()
         self._table = RequestTable(h.name for h in self._evicting)  # the one membership table
         self._ledger = InFlightLedger(lag=2 if self._latest is not None else 1)
-        self._eviction = DeviceEviction(handles, policy, config, self._table, self._ledger,
-                                        self._stats, self._fresh_stamp, prio_handle)
+        self._eviction = DeviceEviction(
+            handles, policy, config, self._table, self._ledger, self._stats, self._fresh_stamp,
+            prio_handle,
+            reload_limit_bytes=(config.high - config.reload_headroom) * self._capacity,
+        )
         self._admission = ReloadAdmission(config, self._table, self._ledger, self._stats,
                                           self._members, self._sample, self._fresh_stamp,
                                           clock, self._capacity, reload_priority)
@@ -140,7 +154,8 @@ class EvictionController:
         """
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request id must be a non-empty string, got {rid!r}")
-        if resource is not None and resource not in self._handles:
+        if resource is not None and (not isinstance(resource, str)
+                                     or resource not in self._handles):
             raise ValueError(
                 f"request {rid!r}: unknown resource {resource!r}; known: {sorted(self._handles)}"
             )
@@ -156,6 +171,7 @@ class EvictionController:
 
     def remove_request(self, rid: str) -> None:
         """Forget a request that finished; its waiting reload, if any, is cancelled."""
+        _check_rid(rid, "remove_request")
         names = self._table.names.get(rid)
         if names is None:
             raise UnknownRequest(f"unknown request {rid!r}")
@@ -169,11 +185,13 @@ class EvictionController:
         return sorted(self._table.names)
 
     def knows(self, rid: str) -> bool:
-        """Whether ``rid`` is registered."""
+        """Whether ``rid`` (a str) is registered."""
+        _check_rid(rid, "knows")
         return rid in self._table.names
 
     def touch(self, rid: str) -> None:
         """The request ran now."""
+        _check_rid(rid, "touch")
         table = self._table
         slot = table.slot.get(rid)
         if slot is None:
@@ -183,6 +201,7 @@ class EvictionController:
 
     def last_used(self, rid: str) -> float:
         """When the request last ran (``touch``), or was registered if it never has."""
+        _check_rid(rid, "last_used")
         slot = self._table.slot.get(rid)
         if slot is None:
             raise UnknownRequest(f"unknown request {rid!r}")
@@ -209,7 +228,8 @@ class EvictionController:
             fraction = self._read()
             self._reads += 1
             self._stamp = self._reads
-        if not 0.0 <= fraction < math.inf:
+        if (isinstance(fraction, bool) or not isinstance(fraction, numbers.Real)
+                or not 0.0 <= fraction < math.inf):
             raise ValueError(f"pressure source returned {fraction!r}; expected a fraction >= 0")
         if self._ledger:
             self._ledger.expire(self._stamp)
@@ -249,7 +269,10 @@ class EvictionController:
 
         A worker that must wait for copies calls this, not a resource's own
         ``synchronize``, for the same reason as ``poll``. A resource's
-        TimeoutError is raised after what did finish has been settled."""
+        TimeoutError is raised after what did finish has been settled. A
+        ``timeout`` that is not a finite number >= 0 is refused (ValueError)
+        before any resource is waited on."""
+        timeout = check_timeout("EvictionController.synchronize", timeout)
         try:
             self._poll(wait=timeout)
         except BaseException:
@@ -318,8 +341,10 @@ class EvictionController:
         from a resource or changed state under the controller is skipped and
         logged (``vanished_skips``). If the pass raises anyway (a resource
         breaking its contract, a bad pressure reading), no waiting reload is
-        lost and no finding of that pass is kept.
+        lost and no finding of that pass is kept. A ``running`` that is one str (not a
+        collection of them) or not a collection is a TypeError, before anything is done.
         """
+        _check_running(running, "evict_if_needed")
         try:
             return self._pass(running)
         except BaseException:
@@ -386,7 +411,15 @@ class EvictionController:
         one that could never fit under the admission limit; nothing changes
         then. A request already waiting stays where it is (False).
         """
+        _check_rid(rid, "request_reload")
         return self._admission.request(rid)
+
+    def reload_refusal(self, rid: str) -> Exception | None:
+        """The error ``request_reload(rid)`` would raise now (an unknown request, one with
+        nothing offloaded, one that could never fit under the admission limit), or None
+        when it would start or queue it. Changes nothing."""
+        _check_rid(rid, "reload_refusal")
+        return self._admission.refusal(rid)
 
     def plan_offload(self, running: Collection[str], need_bytes: int) -> tuple[Candidate, ...]:
         """The victims the policy would offload now to free ``need_bytes``; moves nothing.
@@ -394,6 +427,7 @@ class EvictionController:
         Same candidates as ``evict_if_needed`` would consider, best first, as
         few as add up to ``need_bytes`` (all of them if they fall short).
         """
+        _check_running(running, "plan_offload")
         if isinstance(need_bytes, bool) or not isinstance(need_bytes, int) or need_bytes < 0:
             raise ValueError(f"need_bytes must be an int >= 0, got {need_bytes!r}")
         if need_bytes == 0:
@@ -422,6 +456,23 @@ class EvictionController:
         for name, rid in (*self._ledger.moving, *self._ledger.demoting):
             if name not in self._table.names.get(rid, ()):
                 raise AssertionError(f"in-flight move of {rid!r} on {name!r}: not registered")
+
+
+def _check_rid(rid: object, what: str) -> None:
+    if not isinstance(rid, str):
+        raise TypeError(f"EvictionController.{what}: a request id is a str, got {rid!r}")
+
+
+_RUNNING_TYPES = frozenset({frozenset, set, list, tuple, dict})  # the step path's own: no ABC check
+
+
+def _check_running(running: object, what: str) -> None:
+    if type(running) in _RUNNING_TYPES:
+        return
+    if isinstance(running, (str, bytes)) or not isinstance(running, Collection):
+        raise TypeError(
+            f"EvictionController.{what}: running must be a collection of request ids "
+            f"(a set, list or tuple), got {running!r}")
 
 
 def _priority_handle(policy: Policy, handles: Mapping[str, ResourceHandle]

@@ -73,7 +73,9 @@ class DeviceEviction:
     Shares the controller's request table, in-flight ledger and stats (the
     controller owns them). ``stamp()``: the newest pressure stamp there is now.
     ``reuse_scans``: keep a finding of nothing to offload (off: every call
-    over ``high`` scans; tests compare the two).
+    over ``high`` scans; tests compare the two). ``reload_limit_bytes``: the
+    admission limit; a request whose device bytes exceed it is never a victim
+    (once offloaded, its reload could never be admitted: it would be stranded).
     """
 
     def __init__(
@@ -86,8 +88,10 @@ class DeviceEviction:
         stats: ControllerStats,
         stamp: Callable[[], int],
         prio_handle: ResourceHandle | None,
+        reload_limit_bytes: float = float("inf"),
     ) -> None:
         self._handles = handles
+        self._limit = reload_limit_bytes
         self._evicting = tuple(h for h in handles.values() if h.evicts)
         self._policy = policy
         self._config = config
@@ -393,6 +397,7 @@ class DeviceEviction:
         cursor = OrderCursor(self._policy, batch, now)
         sizes = batch.reclaimable
         handles = self._handles
+        limit = self._limit  # a row above it could never be reloaded: never a victim
         mean = float(sizes.mean()) if sizes is not None and len(sizes) else None
         seen = 0
         while True:
@@ -401,8 +406,9 @@ class DeviceEviction:
                 return
             if sizes is not None:
                 for row, nbytes in zip(chunk.tolist(), sizes[chunk].tolist(), strict=True):
-                    seen += nbytes
-                    yield row, nbytes
+                    if nbytes <= limit:
+                        seen += nbytes
+                        yield row, nbytes
             else:
                 rids = batch.rids[chunk].tolist()
                 names = batch.resources[chunk]
@@ -412,7 +418,7 @@ class DeviceEviction:
                 ):
                     if nbytes is None:
                         nbytes = ask_one(self._stats, handles[name], rid)
-                    if nbytes > 0:
+                    if 0 < nbytes <= limit:
                         seen += nbytes
                         yield row, nbytes
             mean = seen / cursor.read if seen else None

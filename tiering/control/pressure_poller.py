@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from tiering.control.pressure_source import PressureSource, _check_fraction, logger
+from tiering.core.validate import check_timeout
 
 
 class PressureReading(NamedTuple):
@@ -106,7 +107,9 @@ class PressurePoller:
         thread.start()
 
     def stop(self, timeout: float = 5.0) -> bool:
-        """Stop the thread and wait up to ``timeout`` s; True when it has ended."""
+        """Stop the thread and wait up to ``timeout`` s; True when it has ended. A
+        ``timeout`` that is not a finite number >= 0 is a ValueError (nothing stops)."""
+        timeout = check_timeout("PressurePoller.stop", timeout)
         if self._stop_event is not None:
             self._stop_event.set()
         thread = self._thread

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from tiering.core.validate import check_timeout, is_int
+
 RELOAD = 0  # priorities, lower first
 OFFLOAD = 1
 WRITE = 2
@@ -27,8 +29,8 @@ class PriorityExecutor:
     """Runs submitted callables on ``workers`` daemon threads, lowest priority first."""
 
     def __init__(self, workers: int, name: str) -> None:
-        if workers < 1:
-            raise ValueError(f"{name}: workers must be >= 1, got {workers}")
+        if not is_int(workers) or workers < 1:
+            raise ValueError(f"{name}: workers must be an int >= 1, got {workers!r}")
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._closed = False
@@ -41,6 +43,13 @@ class PriorityExecutor:
             t.start()
 
     def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)`` at ``priority`` (an int, lower runs first); its Future.
+        A non-int priority (it would poison the queue's ordering) or a ``fn`` that is
+        not callable is a ValueError, and nothing is queued."""
+        if not is_int(priority):
+            raise ValueError(f"submit: priority must be an int, got {priority!r}")
+        if not callable(fn):
+            raise ValueError(f"submit: fn must be callable, got {fn!r}")
         with self._lock:
             if self._closed:
                 raise RuntimeError("executor is shut down")
@@ -66,7 +75,9 @@ class PriorityExecutor:
     def shutdown(self, timeout: float = 30.0) -> bool:
         """Finish queued jobs, then stop the workers (waiting at most ``timeout`` each).
 
-        Returns True when every worker has joined (also on a second call)."""
+        Returns True when every worker has joined (also on a second call). A
+        ``timeout`` that is not a finite number >= 0 is a ValueError (nothing stops)."""
+        timeout = check_timeout("PriorityExecutor.shutdown", timeout)
         with self._lock:
             if not self._closed:
                 self._closed = True

@@ -9,9 +9,15 @@ always equals the slots it counts.
 from __future__ import annotations
 
 import heapq
+import numbers
 from collections.abc import Hashable, Iterable
 
 from tiering.errors import PoolIntegrityError
+
+
+def is_int(value: object) -> bool:
+    """An integer (numpy's too: slots may come from index arrays), never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class PagePool:
@@ -24,10 +30,10 @@ class PagePool:
     """
 
     def __init__(self, name: str, num_pages: int, page_bytes: int) -> None:
-        if int(num_pages) < 1:
-            raise ValueError(f"{name} pool: num_pages must be >= 1, got {num_pages!r}")
-        if int(page_bytes) < 1:
-            raise ValueError(f"{name} pool: page_bytes must be >= 1, got {page_bytes!r}")
+        if not is_int(num_pages) or num_pages < 1:
+            raise ValueError(f"{name} pool: num_pages must be an int >= 1, got {num_pages!r}")
+        if not is_int(page_bytes) or page_bytes < 1:
+            raise ValueError(f"{name} pool: page_bytes must be an int >= 1, got {page_bytes!r}")
         self.name = name
         self.num_pages = int(num_pages)
         self.page_bytes = int(page_bytes)
@@ -56,14 +62,29 @@ class PagePool:
     # -- changing ---------------------------------------------------------------
 
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
+        self._check_count(n, "can_allocate")
+        return n <= len(self._free)
+
+    def _check_count(self, n: object, what: str) -> None:
+        if not is_int(n) or n < 0:
+            raise ValueError(f"{self.name} pool: {what} needs a page count (an int >= 0), "
+                             f"got {n!r}")
+
+    def _check_slots(self, owner: Hashable, slots: list, what: str) -> None:
+        """Every slot an int in range, none repeated (ValueError naming the first bad one)."""
+        for s in slots:
+            if not is_int(s) or not 0 <= s < self.num_pages:
+                raise ValueError(f"{self.name} pool: {what} of {owner!r}: slot {s!r} is not "
+                                 f"a slot index in [0, {self.num_pages})")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"{self.name} pool: {what} of {owner!r} repeats a slot")
 
     def allocate(self, owner: Hashable, n: int) -> list[int] | None:
         """Take ``n`` free slots for ``owner``; None (nothing changed) if short."""
         if owner is None:
             raise ValueError(f"{self.name} pool: owner must not be None")
-        if n < 0:
-            raise ValueError(f"{self.name} pool: cannot allocate {n} pages")
+        self._check_count(n, "allocate")
+        n = int(n)
         if n > len(self._free):
             return None
         slots = [heapq.heappop(self._free) for _ in range(n)]
@@ -76,11 +97,9 @@ class PagePool:
         """Give back slots held by ``owner``. Raises (changing nothing) if any
         slot is out of range, repeated, or not held by ``owner``."""
         slots = list(slots)
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"{self.name} pool: release of {owner!r} repeats a slot")
+        self._check_slots(owner, slots, "release")
+        slots = [int(s) for s in slots]
         for s in slots:
-            if not 0 <= s < self.num_pages:
-                raise ValueError(f"{self.name} pool: slot {s} out of range for {owner!r}")
             if self._owner[s] != owner:
                 raise ValueError(
                     f"{self.name} pool: slot {s} is held by {self._owner[s]!r}, not {owner!r}"
@@ -91,8 +110,13 @@ class PagePool:
         self._used_bytes -= len(slots) * self.page_bytes
 
     def transfer_ownership(self, old: Hashable, new: Hashable, slots: Iterable[int]) -> None:
-        """Re-label slots from one owner to another (e.g. to a tombstone)."""
+        """Re-label slots from one owner to another (e.g. to a tombstone). Raises
+        (changing nothing) if ``new`` is None, or any slot is out of range, repeated
+        or not held by ``old``."""
+        if new is None:
+            raise ValueError(f"{self.name} pool: slots of {old!r} cannot pass to owner None")
         slots = list(slots)
+        self._check_slots(old, slots, "transfer_ownership")
         for s in slots:
             if self._owner[s] != old:
                 raise ValueError(f"{self.name} pool: slot {s} is not held by {old!r}")

@@ -13,12 +13,13 @@ Buffers are handed out by a blocking queue: ``acquire(timeout)`` waits at most
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from tiering.core.validate import check_fields
+from tiering.core.validate import check_fields, check_timeout
 from tiering.errors import StagingTimeout  # noqa: F401 (re-exported from its old home)
 
 
@@ -51,6 +52,8 @@ class StagingRing:
         self.pages = config.pages
         self._all: list[torch.Tensor] = []
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        self._held: set[int] = set()  # indexes into _all of the buffers handed out
+        self._lock = threading.Lock()
         for _ in range(config.buffers):
             t = torch.empty((config.pages, *page_shape), dtype=dtype)
             if pin is not None:
@@ -60,15 +63,32 @@ class StagingRing:
         self.allocations = len(self._all)  # never grows: proves the ring is reused
 
     def acquire(self, timeout: float | None = None) -> torch.Tensor | None:
-        """A free buffer, or None after ``timeout`` (default: the config's) seconds."""
+        """A free buffer, or None after ``timeout`` (default: the config's) seconds;
+        a ``timeout`` that is not a finite number >= 0 is a ValueError."""
+        wait = self.config.timeout_s if timeout is None else check_timeout(
+            "StagingRing.acquire", timeout)
         try:
-            return self._free.get(timeout=self.config.timeout_s if timeout is None else timeout)
+            buf = self._free.get(timeout=wait)
         except queue.Empty:
             return None
+        with self._lock:
+            self._held.add(self._index(buf))
+        return buf
+
+    def _index(self, buf: torch.Tensor) -> int:
+        for i, b in enumerate(self._all):
+            if buf is b:
+                return i
+        raise ValueError("release: not a buffer of this ring")
 
     def release(self, buf: torch.Tensor) -> None:
-        if not any(buf is b for b in self._all):
-            raise ValueError("release: not a buffer of this ring")
+        """Give back a buffer ``acquire`` handed out. A foreign buffer, or one released
+        twice (two jobs would then share it), is a ValueError and changes nothing."""
+        i = self._index(buf)
+        with self._lock:
+            if i not in self._held:
+                raise ValueError(f"release: buffer {i} of this ring is not held (released twice)")
+            self._held.remove(i)
         self._free.put(buf)
 
     def free_count(self) -> int:
@@ -76,7 +96,9 @@ class StagingRing:
 
     def check_integrity(self) -> None:
         """Every buffer is free (call when no job runs)."""
-        if self._free.qsize() != len(self._all):
+        with self._lock:
+            held = len(self._held)
+        if self._free.qsize() != len(self._all) or held:
             raise AssertionError(
                 f"staging ring: {len(self._all) - self._free.qsize()} of {len(self._all)} buffers"
                 " still held with no job running"

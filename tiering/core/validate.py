@@ -54,3 +54,13 @@ def check_fields(
         check_number(owner, name, getattr(record, name))
     for name in zero_ok:
         check_number(owner, name, getattr(record, name), zero_ok=True)
+
+
+def check_timeout(what: str, timeout: object) -> float:
+    """``timeout`` as a finite number of seconds >= 0 (every wait is bounded: an infinite or
+    NaN one is refused, as is a bool); else ValueError naming ``what``. Called before
+    anything changes, so a refused call changes nothing."""
+    if not is_number(timeout) or not math.isfinite(timeout) or timeout < 0:
+        raise ValueError(
+            f"{what}: timeout must be a finite number of seconds >= 0, got {timeout!r}")
+    return float(timeout)

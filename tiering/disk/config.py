@@ -108,9 +108,10 @@ class DiskConfig:
         if (
             not isinstance(self.io_timeout_s, (int, float))
             or isinstance(self.io_timeout_s, bool)
-            or not self.io_timeout_s > 0
+            or not 0 < self.io_timeout_s < float("inf")
         ):
-            raise ValueError(f"DiskConfig.io_timeout_s must be > 0, got {self.io_timeout_s!r}")
+            raise ValueError(
+                f"DiskConfig.io_timeout_s must be a finite number > 0, got {self.io_timeout_s!r}")
         self._check_storage()
 
     def _check_storage(self) -> None:
