@@ -475,6 +475,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.pending: list[list[bytes]] = []
         self.loads: list[list[bytes]] = []
         self.damaged: set[bytes] = set()
+        self.flipped: set[tuple[bytes, int]] = set()  # (block, byte) flipped on disk
 
     @rule(ks=st.lists(st.integers(0, 9), min_size=1, max_size=3, unique=True),
           first_parent=st.none() | st.integers(0, 9), chained=st.booleans())
@@ -489,6 +490,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.m.slabs[0].tensor[s].copy_(page)
                 self.data[k] = page
                 self.damaged.discard(k)
+                self.flipped = {f for f in self.flipped if f[0] != k}
             self.pending.append(d.keys_to_store)
 
     @precondition(lambda self: self.pending)
@@ -525,6 +527,9 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         entry = cands[pick % len(cands)]
         k = bytes.fromhex(entry["key"])
+        if (k, at) in self.flipped:
+            return  # flipping the same byte again would undo the damage
+        self.flipped.add((k, at))
         path = os.path.join(self.m.disk_root, SLOT_FILE_NAME)
         with open(path, "r+b") as f:
             f.seek(entry["payload_offset"] + at)
