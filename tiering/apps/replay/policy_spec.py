@@ -26,6 +26,8 @@ from typing import Any
 
 from policies import Policy, PolicyRegistry, default_registry
 
+REPLAY_RESOURCE = "kv"  # the one resource of a replay (its KV cache)
+
 
 def parse_option(text: str) -> tuple[str, object]:
     """``"key=value"`` -> ``(key, value)``; ValueError naming the text if malformed."""
@@ -95,7 +97,8 @@ class PolicySpec:
     def build(self, registry: PolicyRegistry | None = None) -> Policy:
         """The policy this spec names, from ``registry`` (default: the built-ins).
 
-        ValueError or TypeError naming the policy when it cannot be built."""
+        ValueError or TypeError naming the policy when it cannot be built (whatever the
+        factory raised), or when it reads priorities of a resource other than ``kv``."""
         reg = registry if registry is not None else default_registry()
         kwargs = dict(self.options)
         name = self.name
@@ -107,11 +110,19 @@ class PolicySpec:
             raise ValueError(f"--policy: unknown policy {name!r}; known: {', '.join(reg.names)}"
                              " (or give a module:Class path)")
         if name == "priority" and "resource" not in kwargs:
-            kwargs["resource"] = "kv"
+            kwargs["resource"] = REPLAY_RESOURCE
         try:
-            return reg.make(name, **kwargs)
+            policy = reg.make(name, **kwargs)
         except (TypeError, ValueError) as err:
             raise type(err)(f"--policy {self.label}: {err}") from None
+        except Exception as err:  # user code: whatever it raises names the policy
+            raise ValueError(f"--policy {self.label}: building it raised "
+                             f"{type(err).__name__}: {err}") from err
+        wants = policy.needs_priority_from
+        if wants is not None and wants != REPLAY_RESOURCE:
+            raise ValueError(f"--policy {self.label}: it reads retention priorities of resource "
+                             f"{wants!r}; the replay's only resource is {REPLAY_RESOURCE!r}")
+        return policy
 
 
 def load_factory(path: str) -> Any:
@@ -125,8 +136,9 @@ def load_factory(path: str) -> Any:
         sys.path.append(cwd)
     try:
         module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"--policy: cannot import module {module_name!r} ({err})") from None
+    except Exception as err:  # ImportError, or whatever the module raised while importing
+        raise ValueError(f"--policy: cannot import module {module_name!r} "
+                         f"({type(err).__name__}: {err})") from None
     finally:
         if added:
             sys.path.remove(cwd)

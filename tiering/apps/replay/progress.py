@@ -39,6 +39,11 @@ class Progress:
             self._bar = tqdm(total=runs * requests, unit="req", file=self._stream,
                              desc="replay", dynamic_ncols=True)
 
+    @property
+    def running(self) -> str:
+        """The label of the run in progress (or that ran last); "" before the first."""
+        return self._label
+
     def _name(self) -> str:
         return f"{self._prefix}[{self._i + 1}/{self._runs} {self._label}]"
 

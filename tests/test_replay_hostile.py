@@ -1,0 +1,229 @@
+"""Trace replay under hostile use: user policies that fail, malformed trace lines, and the
+consistency of what a run writes (summary, per-request CSV, decisions log)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import conversation_trace
+
+from policies import LRU, Policy, register_policy
+from tiering.apps.replay import main as replay_main
+from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
+from tiering.apps.replay.policy_spec import PolicySpec
+from tiering.apps.replay.presets import StepCost, get_hardware, get_model
+from tiering.apps.replay.retention import PolicyFailed
+from tiering.apps.replay.simulator import RunSpec, SimConfig, simulate
+from tiering.control.controller import ControllerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+MOONCAKE = ROOT / "benchmarks" / "traces" / "mooncake" / "conversation_trace.jsonl"
+MODEL = get_model("llama-3.1-8b")
+SMALL = get_hardware("small")
+COST = StepCost(MODEL, SMALL)
+SIM = SimConfig(max_batch=16, max_step_tokens=1024, page_tokens=16, block_tokens=64)
+
+
+def _factory(made):
+    def factory(clock):
+        kv = ModeledKVCache(MODEL.kv_bytes_per_token, SIM.page_tokens, 300, 100, 800,
+                            LinkRates(2e9, 2e9, 5e8, 1e9, 1e-5, 1e-5, 1e-4, 1e-4), clock)
+        made.append(kv)
+        return kv
+
+    return factory
+
+
+def _simulate(policy_cls, seed=3, n=160):
+    made: list = []
+    registry = register_policy("mine", policy_cls)
+    spec = RunSpec("tiering", "mine", ControllerConfig(high=0.85, low=0.7))
+    res = simulate(conversation_trace(seed, n), COST, spec, SIM, kv_factory=_factory(made),
+                   registry=registry)
+    return res, made
+
+
+# -- user policies that fail while ordering ---------------------------------------------------
+
+
+class _Counting(LRU):
+    """LRU that counts the batches it ordered (per instance)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def sort_keys(self, batch, now):
+        self.calls += 1
+        return super().sort_keys(batch, now)
+
+
+class _Raises(Policy):
+    name = "raises"
+
+    def sort_keys(self, batch, now):
+        raise RuntimeError("boom from the policy")
+
+
+class _OutOfRange(Policy):
+    name = "out-of-range"
+
+    def order(self, batch, now, limit=None):
+        return np.array([len(batch) + 98, -1], dtype=np.int64)
+
+
+class _Twice(Policy):
+    name = "twice"
+
+    def order(self, batch, now, limit=None):
+        return np.zeros(len(batch) + 1, dtype=np.int64)
+
+
+class _Floats(Policy):
+    name = "floats"
+
+    def order(self, batch, now, limit=None):
+        return np.arange(len(batch), dtype=np.float64)
+
+
+class _AList(Policy):
+    name = "a-list"
+
+    def order(self, batch, now, limit=None):
+        return list(range(len(batch)))
+
+
+class _Empty(Policy):
+    name = "empty"
+
+    def order(self, batch, now, limit=None):
+        return np.empty(0, dtype=np.int64)
+
+
+class _RankNone(Policy):
+    name = "rank-none"
+
+    def rank(self, candidates, now):
+        return None
+
+
+BAD_POLICIES = [
+    (_Raises, "raised RuntimeError: boom from the policy"),
+    (_OutOfRange, "row indices outside"),
+    (_Twice, "row"),
+    (_Floats, "not a 1-D integer numpy array"),
+    (_AList, "returned list"),
+    (_Empty, "returned 0 row(s)"),
+    (_RankNone, "raised TypeError"),
+]
+
+
+def test_the_policies_below_are_asked_in_these_runs():
+    # the negative control: a policy that works is asked (so the failing ones are too)
+    holder: list = []
+
+    def make():
+        p = _Counting()
+        holder.append(p)
+        return p
+
+    res, made = _simulate(make)
+    assert holder[0].calls > 0
+    assert all(r.status == "finished" for r in res.requests)
+    made[0].check_integrity()
+
+
+@pytest.mark.parametrize(("cls", "message"), BAD_POLICIES, ids=[c.name for c, _ in BAD_POLICIES])
+def test_a_policy_that_fails_while_ordering_stops_the_run_naming_it(cls, message):
+    with pytest.raises(PolicyFailed) as info:
+        _simulate(cls)
+    text = str(info.value)
+    assert f"policy {cls.name!r}" in text and cls.__qualname__ in text
+    assert message in text and "device" in text
+
+
+def _write_module(tmp_path: Path, body: str) -> str:
+    name = f"user_policies_{uuid.uuid4().hex[:10]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    return name
+
+
+USER_MODULE = """
+    import numpy as np
+    from policies import Policy
+
+    class Raises(Policy):
+        name = "raises"
+        def sort_keys(self, batch, now):
+            raise RuntimeError("boom from the policy")
+
+    class Garbage(Policy):
+        name = "garbage"
+        def order(self, batch, now, limit=None):
+            return np.array([99, -1, 0, 0])
+
+    class InitRaises(Policy):
+        name = "init-raises"
+        def __init__(self):
+            raise RuntimeError("cannot build me")
+
+    class OtherResource(Policy):
+        name = "other-resource"
+        needs_priority_from = "gpu"
+        def sort_keys(self, batch, now):
+            return (batch.last_used,)
+"""
+
+
+def _replay(tmp_path, *args):
+    out = tmp_path / "never"
+    rc = replay_main([str(MOONCAKE), "--out", str(out), "--limit", "300", "--no-plots",
+                      "--time-scale", "0.5", *args])
+    return rc, out
+
+
+@pytest.mark.parametrize(("attr", "message"), [
+    ("Raises", "raised RuntimeError: boom from the policy"),
+    ("Garbage", "order returned row indices outside [0, 1)"),
+])
+def test_cli_a_policy_failing_mid_run_exits_2_naming_the_run(tmp_path, monkeypatch, capsys,
+                                                              attr, message):
+    monkeypatch.chdir(tmp_path)
+    module = _write_module(tmp_path, USER_MODULE)
+    rc, out = _replay(tmp_path, "--policy", f"lru,{module}:{attr}")
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"run '{module}:{attr}' stopped" in err and message in err
+    assert "Traceback" not in err
+    assert not out.exists()
+    sys.modules.pop(module, None)
+
+
+@pytest.mark.parametrize(("body", "attr", "message"), [
+    (USER_MODULE, "InitRaises", "building it raised RuntimeError: cannot build me"),
+    (USER_MODULE, "OtherResource", "retention priorities of resource 'gpu'"),
+    ("raise RuntimeError('import boom')\n", "X", "(RuntimeError: import boom)"),
+    ("def f(:\n", "X", "(SyntaxError: "),
+])
+def test_cli_a_policy_that_cannot_be_built_exits_2(tmp_path, monkeypatch, capsys, body, attr,
+                                                   message):
+    monkeypatch.chdir(tmp_path)
+    module = _write_module(tmp_path, body)
+    rc, out = _replay(tmp_path, "--policy", f"{module}:{attr}")
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and module in err
+    assert "Traceback" not in err
+    assert not out.exists()
+    sys.modules.pop(module, None)
+
+
+def test_policy_spec_build_names_whatever_the_factory_raised():
+    def factory():
+        raise KeyError("deep inside")
+
+    with pytest.raises(ValueError, match=r"--policy mine: building it raised KeyError"):
+        PolicySpec("mine").build(register_policy("mine", factory))
