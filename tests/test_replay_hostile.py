@@ -19,6 +19,7 @@ from tiering.apps.replay.policy_spec import PolicySpec
 from tiering.apps.replay.presets import StepCost, get_hardware, get_model
 from tiering.apps.replay.retention import PolicyFailed
 from tiering.apps.replay.simulator import RunSpec, SimConfig, simulate
+from tiering.apps.replay.traces import TraceFormatError, detect_format, load_trace
 from tiering.control.controller import ControllerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -227,3 +228,50 @@ def test_policy_spec_build_names_whatever_the_factory_raised():
 
     with pytest.raises(ValueError, match=r"--policy mine: building it raised KeyError"):
         PolicySpec("mine").build(register_policy("mine", factory))
+
+
+# -- trace lines that cannot be read: the file and line are named ------------------------------
+
+
+GOOD = '{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n'
+
+
+@pytest.mark.parametrize(("name", "data", "where", "what"), [
+    ("bad-byte.jsonl", GOOD.encode() + b'{"timestamp": 1, "x": "\xff"}\n', 2, "not UTF-8 text"),
+    ("binary.jsonl", b"\xff\xfe\x00\x01garbage\n", 1, "not UTF-8 text (byte 0xff"),
+    ("superscript.jsonl",
+     (GOOD + '{"timestamp": 1, "input_length": "\u00b2", "output_length": 3}\n').encode(),
+     2, "input_length must be an integer"),
+    ("bad-byte.csv", b"Timestamp,Model,Request tokens,Response tokens\n1,m,5,6\n2,m\xfe,5,6\n", 3,
+     "not UTF-8 text"),
+    ("quoted.csv", b'Timestamp,Model,Request tokens,Response tokens\n1,"m\nm",5,6\n2,m,x,6\n', 4,
+     "Request tokens must be an integer"),
+])
+def test_unreadable_trace_lines_name_file_and_line(tmp_path, name, data, where, what):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(TraceFormatError) as err:
+        load_trace(path)
+    assert f"{name}:{where}: " in str(err.value) and what in str(err.value)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
+    csv_path = tmp_path / "azure.csv"
+    csv_path.write_bytes(b"\xef\xbb\xbfTIMESTAMP,ContextTokens,GeneratedTokens\n"
+                         b"2023-11-16 18:15:46.6805900,374,44\n"
+                         b"2023-11-16 18:15:50.5052470,396,109\n")
+    assert detect_format(csv_path) == "azure"
+    reqs = load_trace(csv_path)
+    assert [(r.input_tokens, r.output_tokens) for r in reqs] == [(374, 44), (396, 109)]
+    assert reqs[1].arrival_s == pytest.approx(3.824657)
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + GOOD.encode())
+    assert load_trace(jsonl)[0].hash_ids == (1, 2)
+
+
+def test_a_directory_is_not_a_trace(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        load_trace(tmp_path)
+    out = tmp_path / "out"
+    assert replay_main([str(tmp_path), "--out", str(out)]) == 2
+    assert "is not a file" in capsys.readouterr().err and not out.exists()
