@@ -54,8 +54,9 @@ from tiering.apps.replay.progress import Progress
 from tiering.apps.replay.retention import PolicyFailed
 from tiering.apps.replay.seeds import aggregate, jitter
 from tiering.apps.replay.simulator import SimConfig
-from tiering.apps.replay.sweep import Grid, plot, run_grid, write_csv
+from tiering.apps.replay.sweep import BASELINES, Grid, plot, run_grid, write_csv
 from tiering.apps.replay.traces import FORMATS, load_trace
+from tiering.control.controller import ControllerConfig
 
 DEFAULT_WATERMARKS = ((0.9, 0.75),)
 SWEEP_WATERMARKS = ((0.9, 0.75), (0.95, 0.85), (0.8, 0.6))
@@ -146,6 +147,8 @@ def _policies(text: str | None, sweep: bool) -> tuple[str, ...]:
     names = tuple(t.strip() for t in text.split(",") if t.strip())
     if not names:
         raise ValueError("--policy: no policy named")
+    if "all" in names:
+        raise ValueError("--policy: 'all' stands alone (it names every built-in)")
     return names
 
 
@@ -158,9 +161,14 @@ def _watermarks(text: str | None, sweep: bool) -> tuple[tuple[float, float], ...
         try:
             if not sep:
                 raise ValueError
-            pairs.append((float(high), float(low)))
+            pair = (float(high), float(low))
         except ValueError:
             raise ValueError(f"--watermarks: {item!r} is not HIGH:LOW (e.g. 0.9:0.75)") from None
+        try:
+            ControllerConfig(high=pair[0], low=pair[1])
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"--watermarks: {item.strip()!r}: {err}") from None
+        pairs.append(pair)
     return tuple(pairs)
 
 
@@ -179,7 +187,25 @@ def _host_sizes(text: str | None, preset_bytes: int, sweep: bool) -> tuple[int, 
 def _run_key(row: dict, sweep: bool) -> str:
     if row["mode"] != "tiering" or not sweep:
         return row["label"]
-    return f"{row['policy']}@{row['high']:g}:{row['low']:g}@{row['host_gib']:g}GiB"
+    return _point_key(row["policy"], row["high"], row["low"], row["host_gib"])
+
+
+def _point_key(label: str, high: float, low: float, host_gib: float) -> str:
+    return f"{label}@{high:g}:{low:g}@{host_gib:g}GiB"
+
+
+def _check_unique_runs(grid: Grid, sweep: bool) -> None:
+    """summary.json, the table and the CSVs name each run by its key: two runs with one
+    key would overwrite each other, so a configuration that repeats one is refused."""
+    keys: dict[str, tuple] = {}
+    for label, (policy, high, low, host) in zip(grid.labels()[len(BASELINES):],
+                                                grid.points(), strict=True):
+        key = _point_key(label, high, low, host / GiB) if sweep else label
+        if key in keys:
+            raise ValueError(
+                f"--policy/--watermarks/--host-gib: run {key!r} is named twice "
+                f"({keys[key]} and {(policy, high, low, host)}: policy, high, low, host bytes)")
+        keys[key] = (policy, high, low, host)
 
 
 def _pct(v: float) -> str:
@@ -257,6 +283,7 @@ def _check(args: argparse.Namespace):
     limit = _count("--limit", args.limit) if args.limit is not None else None
     grid = Grid(policies, watermarks, hosts, policy_options=options,
                 device_bytes=hardware.device_kv_bytes, disk_bytes=hardware.disk_bytes)
+    _check_unique_runs(grid, args.sweep)
     if args.block_policy not in default_block_registry():
         raise ValueError(f"--block-policy: unknown block policy {args.block_policy!r}; known: "
                          f"{', '.join(default_block_registry().names)}")
@@ -267,6 +294,10 @@ def _check(args: argparse.Namespace):
         raise ValueError(f"--device-gib: {hardware.device_kv_bytes} bytes hold no KV page "
                          f"({page_bytes} bytes)")
     trace = load_trace(args.trace, args.format, limit)
+    last = max(t.arrival_s for t in trace) * time_scale
+    if not math.isfinite(last):
+        raise ValueError(f"--time-scale: {args.time_scale!r} puts the last arrival "
+                         f"({max(t.arrival_s for t in trace):g} s) at infinity")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory")

@@ -73,14 +73,17 @@ class PolicySpec:
         if isinstance(opts, Mapping):
             opts = tuple(opts.items())
         try:
-            pairs = tuple(sorted((str(k), v) for k, v in opts))
+            pairs = tuple(sorted(((str(k), v) for k, v in opts), key=lambda kv: kv[0]))
         except (TypeError, ValueError):
             raise ValueError(
                 f"PolicySpec.options must be a mapping or (key, value) pairs, got {opts!r}"
             ) from None
-        for k, _ in pairs:
+        for i, (k, _) in enumerate(pairs):
             if not k.isidentifier():
                 raise ValueError(f"PolicySpec.options: {k!r} is not a keyword name")
+            if i and pairs[i - 1][0] == k:
+                raise ValueError(f"--policy-option: {k!r} is given twice "
+                                 f"({pairs[i - 1][1]!r} and {pairs[i][1]!r})")
         object.__setattr__(self, "options", pairs)
 
     @property
