@@ -19,7 +19,8 @@ from tiering.apps.replay.policy_spec import PolicySpec
 from tiering.apps.replay.presets import StepCost, get_hardware, get_model
 from tiering.apps.replay.retention import PolicyFailed
 from tiering.apps.replay.simulator import RunSpec, SimConfig, simulate
-from tiering.apps.replay.traces import TraceFormatError, detect_format, load_trace
+from tiering.apps.replay.sweep import Grid, run_grid
+from tiering.apps.replay.traces import TraceFormatError, TraceRequest, detect_format, load_trace
 from tiering.control.controller import ControllerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -317,3 +318,59 @@ def test_simulate_refuses_a_time_scale_that_overflows_the_arrivals():
     trace = conversation_trace(1, 4)
     with pytest.raises(ValueError, match="time_scale"):
         simulate(trace, COST, RunSpec("no-tiering"), SIM, time_scale=1e308)
+
+
+# -- the Python API: arguments of the wrong kind are named, not taken -------------------------
+
+
+def _grid(**kw):
+    return Grid(**{"policies": ("lru",), "watermarks": ((0.9, 0.75),), "host_bytes": (0,),
+                   **kw})
+
+
+@pytest.mark.parametrize(("make", "error", "message"), [
+    (lambda: TraceRequest(True, 5, 3), ValueError, "arrival_s must be a finite number"),
+    (lambda: TraceRequest(0.0, 5, 3, ("a",)), ValueError, "hash_ids must be a tuple of ints"),
+    (lambda: TraceRequest(0.0, 5, 3, (4, -1)), ValueError, "hash_ids must be a tuple of ints"),
+    (lambda: TraceRequest(0.0, 5, 3, (True,)), ValueError, "hash_ids must be a tuple of ints"),
+    (lambda: SimConfig(prefix_reuse="no"), ValueError, "SimConfig.prefix_reuse must be a bool"),
+    (lambda: SMALL.with_sizes(host_bytes=1.7), ValueError, "host_bytes must be an int, got 1.7"),
+    (lambda: SMALL.with_host_bytes("5"), ValueError, "host_bytes must be an int, got '5'"),
+    (lambda: SMALL.with_sizes(device_kv_bytes=2.5e9), ValueError, "device_kv_bytes must be an int"),
+    (lambda: _grid(policies="lru"), ValueError, "Grid.policies must be a tuple"),
+    (lambda: _grid(policies=("lru", "lru")), ValueError, "Grid.policies holds a value twice"),
+    (lambda: _grid(host_bytes=(0, 0)), ValueError, "Grid.host_bytes holds a value twice"),
+    (lambda: _grid(watermarks=((0.9,),)), ValueError, "(high, low) pairs"),
+    (lambda: _grid(baselines="no"), ValueError, "Grid.baselines must be a bool"),
+    (lambda: PolicySpec("lru").build("registry"), TypeError, "registry must be a PolicyRegistry"),
+])
+def test_api_refuses_values_of_the_wrong_kind(make, error, message):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make()
+
+
+def test_grid_takes_lists_as_tuples():
+    g = Grid(["lru", "cost"], [(0.9, 0.75)], [0, 1 << 30], baselines=False)
+    assert g.policies == ("lru", "cost") and g.host_bytes == (0, 1 << 30)
+    assert g.labels() == ["lru", "cost", "lru", "cost"] and g.runs() == 4
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"model": "llama-3.1-8b"}, "model must be a ModelPreset"),
+    ({"hardware": "small"}, "hardware must be a HardwarePreset"),
+    ({"grid": ("lru",)}, "grid must be a Grid"),
+    ({"sim": {}}, "sim must be a SimConfig"),
+    ({"registry": {"lru": LRU}}, "registry must be a PolicyRegistry"),
+    ({"on_start": 5}, "on_start must be callable"),
+    ({"trace": [1, 2]}, "trace must hold TraceRequest records, got 1"),
+    ({"trace": "trace.jsonl"}, "trace must be a sequence of TraceRequest"),
+])
+def test_run_grid_names_an_argument_of_the_wrong_kind(kwargs, message):
+    started: list = []
+    args = {"trace": conversation_trace(2, 6), "model": MODEL, "hardware": SMALL,
+            "grid": _grid(host_bytes=(SMALL.host_bytes,)), "sim": SIM,
+            "on_run": started.append, **kwargs}
+    with pytest.raises(TypeError, match=message):
+        run_grid(args.pop("trace"), args.pop("model"), args.pop("hardware"), args.pop("grid"),
+                 args.pop("sim"), **args)
+    assert started == []  # refused before any run

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -54,7 +55,7 @@ from tiering.apps.replay.progress import Progress
 from tiering.apps.replay.retention import PolicyFailed
 from tiering.apps.replay.seeds import aggregate, jitter
 from tiering.apps.replay.simulator import SimConfig
-from tiering.apps.replay.sweep import BASELINES, Grid, plot, run_grid, write_csv
+from tiering.apps.replay.sweep import Grid, plot, run_grid, write_csv
 from tiering.apps.replay.traces import FORMATS, load_trace
 from tiering.control.controller import ControllerConfig
 
@@ -194,12 +195,12 @@ def _point_key(label: str, high: float, low: float, host_gib: float) -> str:
     return f"{label}@{high:g}:{low:g}@{host_gib:g}GiB"
 
 
-def _check_unique_runs(grid: Grid, sweep: bool) -> None:
+def _check_unique_runs(policies, options, watermarks, hosts, sweep: bool) -> None:
     """summary.json, the table and the CSVs name each run by its key: two runs with one
     key would overwrite each other, so a configuration that repeats one is refused."""
     keys: dict[str, tuple] = {}
-    for label, (policy, high, low, host) in zip(grid.labels()[len(BASELINES):],
-                                                grid.points(), strict=True):
+    for (high, low), host, policy in itertools.product(watermarks, hosts, policies):
+        label = PolicySpec(policy, options).label
         key = _point_key(label, high, low, host / GiB) if sweep else label
         if key in keys:
             raise ValueError(
@@ -281,9 +282,9 @@ def _check(args: argparse.Namespace):
     time_scale = _number("--time-scale", args.time_scale, minimum=0, strict=True)
     seeds = _count("--seeds", args.seeds)
     limit = _count("--limit", args.limit) if args.limit is not None else None
+    _check_unique_runs(policies, options, watermarks, hosts, args.sweep)
     grid = Grid(policies, watermarks, hosts, policy_options=options,
                 device_bytes=hardware.device_kv_bytes, disk_bytes=hardware.disk_bytes)
-    _check_unique_runs(grid, args.sweep)
     if args.block_policy not in default_block_registry():
         raise ValueError(f"--block-policy: unknown block policy {args.block_policy!r}; known: "
                          f"{', '.join(default_block_registry().names)}")

@@ -102,6 +102,8 @@ class PolicySpec:
 
         ValueError or TypeError naming the policy when it cannot be built (whatever the
         factory raised), or when it reads priorities of a resource other than ``kv``."""
+        if registry is not None and not isinstance(registry, PolicyRegistry):
+            raise TypeError(f"registry must be a PolicyRegistry or None, got {registry!r}")
         reg = registry if registry is not None else default_registry()
         kwargs = dict(self.options)
         name = self.name

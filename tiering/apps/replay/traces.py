@@ -52,7 +52,7 @@ class TraceRequest:
     hash_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.arrival_s, (int, float)) or not (
+        if isinstance(self.arrival_s, bool) or not isinstance(self.arrival_s, (int, float)) or not (
             math.isfinite(self.arrival_s) and self.arrival_s >= 0
         ):
             raise ValueError(f"TraceRequest.arrival_s must be a finite number >= 0, "
@@ -63,8 +63,11 @@ class TraceRequest:
         if not _is_int(self.output_tokens) or self.output_tokens < 0:
             raise ValueError(f"TraceRequest.output_tokens must be an int >= 0, "
                              f"got {self.output_tokens!r}")
-        if not isinstance(self.hash_ids, tuple):
-            raise ValueError(f"TraceRequest.hash_ids must be a tuple, got {self.hash_ids!r}")
+        if not isinstance(self.hash_ids, tuple) or not all(
+            _is_int(h) and h >= 0 for h in self.hash_ids
+        ):
+            raise ValueError(f"TraceRequest.hash_ids must be a tuple of ints >= 0, "
+                             f"got {self.hash_ids!r}")
 
 
 def _is_int(value: object) -> bool:
