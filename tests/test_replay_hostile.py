@@ -3,6 +3,8 @@ consistency of what a run writes (summary, per-request CSV, decisions log)."""
 
 from __future__ import annotations
 
+import csv
+import json
 import sys
 import textwrap
 import uuid
@@ -374,3 +376,53 @@ def test_run_grid_names_an_argument_of_the_wrong_kind(kwargs, message):
         run_grid(args.pop("trace"), args.pop("model"), args.pop("hardware"), args.pop("grid"),
                  args.pop("sim"), **args)
     assert started == []  # refused before any run
+
+
+# -- what a run writes agrees with itself ------------------------------------------------------
+
+
+def test_requests_csv_and_summary_agree(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = replay_main([str(MOONCAKE), "--out", str(out), "--limit", "400", "--hardware", "small",
+                      "--device-gib", "1", "--time-scale", "4", "--policy", "lru,cost",
+                      "--requests-csv", "--decisions", "--no-plots"])
+    assert rc == 0
+    capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())
+    with (out / "requests.csv").open() as f:
+        reqs = list(csv.DictReader(f))
+    with (out / "decisions.csv").open() as f:
+        decs = list(csv.DictReader(f))
+    assert set(summary["runs"]) == {r["run"] for r in reqs}
+    rejected_somewhere = False
+    for key, run in summary["runs"].items():
+        mine = [r for r in reqs if r["run"] == key]
+        assert len(mine) == run["requests"] == 400
+        assert sum(r["status"] == "finished" for r in mine) == run["finished"]
+        assert sum(r["status"] == "rejected" for r in mine) == run["rejected"]
+        rejected_somewhere |= run["rejected"] > 0
+        assert sum(int(r["reused_tokens"]) for r in mine) == run["reused_tokens"]
+        for tier in ("device", "host", "disk"):
+            assert run[f"token_hit_rate_{tier}"] <= run["token_hit_rate"] + 1e-12
+        assert sum(run[f"token_hit_rate_{t}"] for t in ("device", "host", "disk")) == \
+            pytest.approx(run["token_hit_rate"], abs=1e-12)
+        assert run["block_hit_rate"] <= summary["bounds"]["belady"]["block_hit_rate"] + 1e-12
+        kinds = [d["kind"] for d in decs if d["run"] == key]
+        assert kinds.count("offload") == run["offloads_to_host"] + run["offloads_to_disk"]
+        assert kinds.count("block-host") == run["block_moves_host"]
+        assert kinds.count("block-disk") == run["block_moves_disk"]
+    assert summary["bounds"]["infinite"]["block_hit_rate"] >= \
+        summary["bounds"]["belady"]["block_hit_rate"]
+    assert rejected_somewhere  # the 1 GiB device rejects the largest prompts
+
+
+@pytest.mark.xfail(strict=True, reason="block_tiers.py (not owned here): a drop logs one "
+                   "block-drop row for the victim while block_drops counts its cached "
+                   "descendants too; proposed fix in the report")
+def test_every_dropped_block_has_its_decision_row():
+    made: list = []
+    spec = RunSpec("tiering", "lru", ControllerConfig(high=0.85, low=0.7))
+    res = simulate(conversation_trace(7, 300), COST, spec, SIM, kv_factory=_factory(made))
+    drops = [d for d in res.decisions if d.kind == "block-drop"]
+    assert res.counters.block_drops > 0
+    assert len(drops) == res.counters.block_drops
