@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import select
 import sys
 import textwrap
 import uuid
@@ -19,6 +21,7 @@ from tiering.apps.replay import main as replay_main
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.apps.replay.policy_spec import PolicySpec
 from tiering.apps.replay.presets import StepCost, get_hardware, get_model
+from tiering.apps.replay.progress import Progress
 from tiering.apps.replay.retention import PolicyFailed
 from tiering.apps.replay.simulator import RunSpec, SimConfig, simulate
 from tiering.apps.replay.sweep import Grid, run_grid
@@ -426,3 +429,42 @@ def test_every_dropped_block_has_its_decision_row():
     drops = [d for d in res.decisions if d.kind == "block-drop"]
     assert res.counters.block_drops > 0
     assert len(drops) == res.counters.block_drops
+
+
+# -- progress on a terminal that cannot show a bar ----------------------------------------------
+
+
+def _progress_on_pty(columns: int) -> str:
+    fcntl = pytest.importorskip("fcntl")
+    termios = pytest.importorskip("termios")
+    import struct
+
+    master, slave = os.openpty()
+    try:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+        ticks = iter(range(100))
+        with open(slave, "w", closefd=False) as stream:
+            assert stream.isatty()
+            p = Progress(1, 10, stream=stream, clock=lambda: float(next(ticks)))
+            p.start(0, "lru")
+            p.advance(10)
+            p.finished({"finished": 9, "rejected": 1})
+            p.close()
+        chunks = []
+        while True:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if not ready:
+                break
+            chunks.append(os.read(master, 65536))
+        return b"".join(chunks).decode(errors="replace")
+    finally:
+        os.close(slave)
+        os.close(master)
+
+
+def test_progress_on_a_terminal_without_a_width_prints_plain_lines():
+    text = _progress_on_pty(0)
+    assert "replay [1/1 lru] started, 10 requests" in text
+    assert "replay [1/1 lru] done in 1.0 s: 9 finished, 1 rejected" in text
+    bar = _progress_on_pty(100)  # the control: a terminal with a width gets the bar
+    assert "replay [1/1 lru]" in bar and "%|" in bar and "started" not in bar
