@@ -468,3 +468,23 @@ def test_progress_on_a_terminal_without_a_width_prints_plain_lines():
     assert "replay [1/1 lru] done in 1.0 s: 9 finished, 1 rejected" in text
     bar = _progress_on_pty(100)  # the control: a terminal with a width gets the bar
     assert "replay [1/1 lru]" in bar and "%|" in bar and "started" not in bar
+
+
+def test_a_trace_without_block_ids_shows_no_bound_of_zero(tmp_path, capsys):
+    path = tmp_path / "azure.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.5052470,396,109\n")
+    assert replay_main([str(path), "--out", str(tmp_path / "out"), "--no-plots"]) == 0
+    bounds = [line.split() for line in capsys.readouterr().out.splitlines()
+              if line.strip().startswith("bound:")]
+    assert len(bounds) == 2 and all(b[-2:] == ["-", "-"] for b in bounds)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["bounds"]["belady"]["blocks"] == 0
+    # the control: a trace with block ids prints its bounds as figures
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text(GOOD + GOOD.replace('"timestamp": 0', '"timestamp": 60000'))
+    assert replay_main([str(mooncake), "--out", str(tmp_path / "out2"), "--no-plots"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.strip().startswith("bound:")]
+    # 512 of 1,200 prompt tokens, 1 of 2 full blocks
+    assert [r[-2:] for r in rows] == [["42.7", "50.0"], ["42.7", "50.0"]]

@@ -247,8 +247,10 @@ def format_table(keys: list[str], rows: list[dict], bounds: list[BoundResult] = 
         ])
     for b in bounds:
         cap = "inf" if math.isinf(b.capacity_blocks) else f"{b.capacity_blocks:,.0f} blocks"
+        # a trace without block ids has no bound to show (not a bound of 0)
+        tok, blk = (_pct(b.token_hit_rate), _pct(b.block_hit_rate)) if b.blocks else ("-", "-")
         lines.append([f"bound: {b.name} ({cap})", "", "", "", "", "", "", "", "", "", "",
-                      _pct(b.token_hit_rate), _pct(b.block_hit_rate)])
+                      tok, blk])
     widths = [max(len(x) for x in col) for col in zip(TABLE, *lines, strict=True)]
     out = ["  ".join(h.rjust(w) for h, w in zip(TABLE, widths, strict=True)),
            "  ".join("-" * w for w in widths)]

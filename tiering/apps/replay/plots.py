@@ -72,6 +72,8 @@ def plot_compare(labels: Sequence[str], rows: Sequence[Mapping], bounds: Sequenc
     if any(err):
         left.errorbar(x, bottom, yerr=err, fmt="none", ecolor="black", capsize=3)
     for b, style in zip(bounds, ("--", ":"), strict=False):
+        if not b.blocks:  # a trace without block ids: nothing to bound
+            continue
         left.axhline(b.token_hit_rate, color="black", linestyle=style,
                      label=f"{b.name} bound {b.token_hit_rate:.3f}")
     left.set_ylim(0, 1.0)
@@ -140,7 +142,8 @@ def plot_timeline(timelines: Mapping[str, Sequence[Sample]], capacities: Mapping
     axes[3].set_ylim(0, 1.0)
     axes[3].grid(True, alpha=0.3)
     axes[3].set_xlabel("simulated time (s)")
-    axes[0].legend(fontsize=7, loc="upper left", ncol=3)
+    # below the panels, where it hides no line (the device panel is full near 1.0)
+    axes[3].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3)
     return [_save(plt, fig, path, title, dpi=100)]
 
 
