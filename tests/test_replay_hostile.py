@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import select
 import sys
@@ -488,3 +489,13 @@ def test_a_trace_without_block_ids_shows_no_bound_of_zero(tmp_path, capsys):
             if line.strip().startswith("bound:")]
     # 512 of 1,200 prompt tokens, 1 of 2 full blocks
     assert [r[-2:] for r in rows] == [["42.7", "50.0"], ["42.7", "50.0"]]
+
+
+def test_hit_rate_axes_fit_the_rates_shown():
+    from tiering.apps.replay.plots import rate_top
+
+    # rates of a few percent get an axis a little above them, not 0..1
+    assert rate_top([0.053, 0.072, 0.105]) == pytest.approx(0.126)
+    assert rate_top([0.072, 0.105], 1.45) == pytest.approx(0.15225)
+    assert rate_top([0.9, 0.95]) == 1.0 and rate_top([0.001]) == 0.05
+    assert rate_top([math.nan, 0.1]) == pytest.approx(0.12) and rate_top([]) == 1.0
