@@ -499,3 +499,28 @@ def test_hit_rate_axes_fit_the_rates_shown():
     assert rate_top([0.072, 0.105], 1.45) == pytest.approx(0.15225)
     assert rate_top([0.9, 0.95]) == 1.0 and rate_top([0.001]) == 0.05
     assert rate_top([math.nan, 0.1]) == pytest.approx(0.12) and rate_top([]) == 1.0
+
+
+# -- an --out that cannot be written -----------------------------------------------------------
+
+
+def test_an_out_under_a_file_is_refused_before_any_run(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    rc = replay_main([str(MOONCAKE), "--out", str(blocker / "sub"), "--limit", "20"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--out: cannot create {blocker / 'sub'}: {blocker} is not a directory" in err
+    assert "started" not in err and "Traceback" not in err  # no run was made
+    assert blocker.read_text() == "not a directory"
+
+
+def test_a_failing_write_is_named_not_a_traceback(tmp_path, capsys, monkeypatch):
+    def full(self, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    out = tmp_path / "out"
+    rc = replay_main([str(MOONCAKE), "--out", str(out), "--limit", "20", "--no-plots"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "--out: writing the results under" in err and "No space left" in err
+    assert "Traceback" not in err

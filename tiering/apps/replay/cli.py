@@ -35,6 +35,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -304,7 +305,23 @@ def _check(args: argparse.Namespace):
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory")
+    _check_creatable(out)
     return policies, model, hardware, grid, sim, trace, time_scale, seeds, out
+
+
+def _check_creatable(out: Path) -> None:
+    """ValueError unless ``out`` is, or can be made as, a directory: its nearest existing
+    ancestor must be a directory this process may write into (checked before any run, so
+    a typo does not cost the whole replay)."""
+    parent = out
+    while not parent.exists():
+        if parent.parent == parent:
+            break
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out: cannot create {out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out: cannot create {out}: {parent} is not writable")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,70 +385,75 @@ def main(argv: list[str] | None = None) -> int:
     keys = [_run_key(r, args.sweep) for r in rows]
     assert len(labels) == len(rows)
 
-    out.mkdir(parents=True, exist_ok=True)
-    cost = StepCost(model, hardware)
-    summary = {
-        "trace": str(args.trace),
-        "requests": len(trace),
-        "time_scale": time_scale,
-        "seeds": seeds,
-        "model": {**dataclasses.asdict(model), "kv_bytes_per_token": model.kv_bytes_per_token},
-        "hardware": dataclasses.asdict(hardware),
-        "tier_bytes": {
-            "device": hardware.device_kv_bytes,
-            "host": list(grid.host_bytes) if args.sweep else grid.host_bytes[0],
-            "disk": hardware.disk_bytes,
-            "note": "each run's own sizes are in its device_bytes, host_bytes and disk_bytes; "
-                    "the baselines have no host or disk tier",
-        },
-        "step_cost": {"prefill_s_per_token": cost.prefill_s_per_token,
-                      "decode_s_per_step": cost.decode_s_per_step},
-        "sim": dataclasses.asdict(sim),
-        "bounds": {
-            b.name: {**b._asdict(), "capacity_blocks": None if math.isinf(b.capacity_blocks)
-                     else b.capacity_blocks}
-            for b in bounds
-        },
-        "bounds_note": (
-            f"block level, {bt} tokens a block; belady is the offline optimum (MIN) at the "
-            f"total capacity of device + host + disk ({capacity_blocks} blocks), not per "
-            f"tier; over the {len(accepted)} requests not rejected"),
-        "runs": {k: _finite(r) for k, r in zip(keys, rows, strict=True)},
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(format_table(keys, rows, bounds))
-    for key, r in zip(keys, rows, strict=True):
-        if r["rejected"]:
-            print(f"warning: {key}: {r['rejected']:.0f} of {r['requests']:.0f} requests were "
-                  "rejected (their KV could never fit on the device); latency and hit figures "
-                  "cover the others only", file=sys.stderr)
-    if args.requests_csv:
-        _write_rows(out / "requests.csv", ["run", "rid", "arrival_s", "first_token_s",
-                    "finish_s", "input_tokens", "output_tokens", "status", "prefix_tier",
-                    "reused_tokens"], requests_rows)
-        print(f"wrote {out / 'requests.csv'}")
-    if args.decisions:
-        _write_rows(out / "decisions.csv", ["run", "step", "at_s", "kind", "rid"],
-                    decision_rows)
-        print(f"wrote {out / 'decisions.csv'}")
-    title = (f"{Path(args.trace).name}: {model.name} on {hardware.name}, "
-             f"time scale {time_scale:g}" + (f", {seeds} seeds" if seeds > 1 else ""))
-    if args.sweep:
-        write_csv(rows, out / "sweep.csv")
-        print(f"wrote {out / 'sweep.csv'}")
-    if not args.no_plots:
-        from tiering.apps.replay.plots import plot_compare, plot_timeline
-
-        written = plot_compare(keys, rows, bounds, out / "compare.png", title)
-        timelines = {k: first_results[k].timeline for k in keys}
-        caps = {k: first_results[k].capacities for k in keys}
-        written += plot_timeline(timelines, caps, out / "timeline.png", title=title)
+    try:  # a write that fails (disk full, permissions) is named, not a traceback
+        out.mkdir(parents=True, exist_ok=True)
+        cost = StepCost(model, hardware)
+        summary = {
+            "trace": str(args.trace),
+            "requests": len(trace),
+            "time_scale": time_scale,
+            "seeds": seeds,
+            "model": {**dataclasses.asdict(model), "kv_bytes_per_token": model.kv_bytes_per_token},
+            "hardware": dataclasses.asdict(hardware),
+            "tier_bytes": {
+                "device": hardware.device_kv_bytes,
+                "host": list(grid.host_bytes) if args.sweep else grid.host_bytes[0],
+                "disk": hardware.disk_bytes,
+                "note": "each run's own sizes are in its device_bytes, host_bytes and disk_bytes; "
+                        "the baselines have no host or disk tier",
+            },
+            "step_cost": {"prefill_s_per_token": cost.prefill_s_per_token,
+                          "decode_s_per_step": cost.decode_s_per_step},
+            "sim": dataclasses.asdict(sim),
+            "bounds": {
+                b.name: {**b._asdict(), "capacity_blocks": None if math.isinf(b.capacity_blocks)
+                         else b.capacity_blocks}
+                for b in bounds
+            },
+            "bounds_note": (
+                f"block level, {bt} tokens a block; belady is the offline optimum (MIN) at the "
+                f"total capacity of device + host + disk ({capacity_blocks} blocks), not per "
+                f"tier; over the {len(accepted)} requests not rejected"),
+            "runs": {k: _finite(r) for k, r in zip(keys, rows, strict=True)},
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(format_table(keys, rows, bounds))
+        for key, r in zip(keys, rows, strict=True):
+            if r["rejected"]:
+                print(f"warning: {key}: {r['rejected']:.0f} of {r['requests']:.0f} requests were "
+                      "rejected (their KV could never fit on the device); latency and hit figures "
+                      "cover the others only", file=sys.stderr)
+        if args.requests_csv:
+            _write_rows(out / "requests.csv", ["run", "rid", "arrival_s", "first_token_s",
+                        "finish_s", "input_tokens", "output_tokens", "status", "prefix_tier",
+                        "reused_tokens"], requests_rows)
+            print(f"wrote {out / 'requests.csv'}")
+        if args.decisions:
+            _write_rows(out / "decisions.csv", ["run", "step", "at_s", "kind", "rid"],
+                        decision_rows)
+            print(f"wrote {out / 'decisions.csv'}")
+        title = (f"{Path(args.trace).name}: {model.name} on {hardware.name}, "
+                 f"time scale {time_scale:g}" + (f", {seeds} seeds" if seeds > 1 else ""))
         if args.sweep:
-            written += plot(rows, out, title)
-        for path in written:
-            print(f"wrote {path}")
-    print(f"wrote {out / 'summary.json'}")
-    return 0
+            write_csv(rows, out / "sweep.csv")
+            print(f"wrote {out / 'sweep.csv'}")
+        if not args.no_plots:
+            from tiering.apps.replay.plots import plot_compare, plot_timeline
+
+            written = plot_compare(keys, rows, bounds, out / "compare.png", title)
+            timelines = {k: first_results[k].timeline for k in keys}
+            caps = {k: first_results[k].capacities for k in keys}
+            written += plot_timeline(timelines, caps, out / "timeline.png", title=title)
+            if args.sweep:
+                written += plot(rows, out, title)
+            for path in written:
+                print(f"wrote {path}")
+        print(f"wrote {out / 'summary.json'}")
+        return 0
+    except OSError as err:
+        print(f"tiering replay: --out: writing the results under {out} failed: {err}",
+              file=sys.stderr)
+        return 1
 
 
 def _accepted(trace, results: dict) -> list:
