@@ -329,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     if "--blocks" in argv:  # block accesses alone, through the block index and policies
         from tiering.blocks.replay import main as blocks_main
 
-        return blocks_main([a for a in argv if a != "--blocks"])
+        try:
+            return blocks_main([a for a in argv if a != "--blocks"])
+        except (ValueError, OSError) as err:  # a missing or unreadable trace: named, exit 2
+            print(f"tiering replay --blocks: {err}", file=sys.stderr)
+            return 2
     try:
         args = _parser().parse_args(argv)
     except SystemExit as stop:
