@@ -561,3 +561,18 @@ def test_opposite_request_policies_can_give_different_runs():
     (a, pa), (b, _) = runs
     assert max(pa.sizes) > 1, f"every batch held one candidate: {pa.sizes}"
     assert a.decisions != b.decisions
+
+
+def test_a_sweeps_belady_bound_is_at_its_largest_host_and_says_so(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = replay_main([str(MOONCAKE), "--out", str(out), "--limit", "30", "--sweep", "--policy",
+                      "lru", "--host-gib", "0,1", "--hardware", "small", "--no-plots"])
+    assert rc == 0
+    capsys.readouterr()
+    s = json.loads((out / "summary.json").read_text())
+    block = 512 * MODEL.kv_bytes_per_token
+    assert s["bounds"]["belady"]["capacity_blocks"] == (
+        SMALL.device_kv_bytes + (1 << 30) + SMALL.disk_bytes) // block
+    assert "at the largest host size of the sweep" in s["bounds_note"]
+    assert s["tier_bytes"]["host"] == [0, 1 << 30]
+    assert {r["host_bytes"] for r in s["runs"].values() if r["mode"] == "tiering"} == {0, 1 << 30}

@@ -416,8 +416,10 @@ def main(argv: list[str] | None = None) -> int:
             },
             "bounds_note": (
                 f"block level, {bt} tokens a block; belady is the offline optimum (MIN) at the "
-                f"total capacity of device + host + disk ({capacity_blocks} blocks), not per "
-                f"tier; over the {len(accepted)} requests not rejected"),
+                f"total capacity of device + host + disk ({capacity_blocks} blocks"
+                + (", at the largest host size of the sweep" if len(grid.host_bytes) > 1
+                   else "")
+                + f"), not per tier; over the {len(accepted)} requests not rejected"),
             "runs": {k: _finite(r) for k, r in zip(keys, rows, strict=True)},
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
