@@ -576,3 +576,19 @@ def test_a_sweeps_belady_bound_is_at_its_largest_host_and_says_so(tmp_path, caps
     assert "at the largest host size of the sweep" in s["bounds_note"]
     assert s["tier_bytes"]["host"] == [0, 1 << 30]
     assert {r["host_bytes"] for r in s["runs"].values() if r["mode"] == "tiering"} == {0, 1 << 30}
+
+
+@pytest.mark.parametrize(("extra", "host"), [
+    (("--host-gib", "1.5"), int(1.5 * (1 << 30))),
+    (("--host-gib", "0,1", "--sweep", "--policy", "lru"), [0, 1 << 30]),
+    ((), SMALL.host_bytes),
+])
+def test_summary_hardware_shows_the_host_size_used(tmp_path, capsys, extra, host):
+    out = tmp_path / "out"
+    rc = replay_main([str(MOONCAKE), "--out", str(out), "--limit", "20", "--hardware", "small",
+                      "--device-gib", "1.5", "--no-plots", *extra])
+    assert rc == 0
+    capsys.readouterr()
+    s = json.loads((out / "summary.json").read_text())
+    assert s["hardware"]["host_bytes"] == s["tier_bytes"]["host"] == host
+    assert s["hardware"]["device_kv_bytes"] == s["tier_bytes"]["device"] == int(1.5 * (1 << 30))

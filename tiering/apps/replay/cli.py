@@ -398,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
             "time_scale": time_scale,
             "seeds": seeds,
             "model": {**dataclasses.asdict(model), "kv_bytes_per_token": model.kv_bytes_per_token},
-            "hardware": dataclasses.asdict(hardware),
+            # the preset as run: its host size is the one asked for (a list with --sweep)
+            "hardware": {**dataclasses.asdict(hardware), "host_bytes": (
+                list(grid.host_bytes) if args.sweep else grid.host_bytes[0])},
             "tier_bytes": {
                 "device": hardware.device_kv_bytes,
                 "host": list(grid.host_bytes) if args.sweep else grid.host_bytes[0],
