@@ -52,7 +52,7 @@ def _simulate(policy_cls, seed=3, n=160):
     registry = register_policy("mine", policy_cls)
     spec = RunSpec("tiering", "mine", ControllerConfig(high=0.85, low=0.7))
     res = simulate(conversation_trace(seed, n), COST, spec, SIM, kv_factory=_factory(made),
-                   registry=registry)
+                   registry=registry, check=True)  # every check_integrity after every round
     return res, made
 
 
