@@ -603,3 +603,41 @@ def test_a_trace_whose_last_request_is_rejected_ends(mode):
     trace = [TraceRequest(0.0, 100, 3), TraceRequest(100.0, 10**7, 3)]
     res = simulate(trace, COST, RunSpec(mode), SIM)
     assert [r.status for r in res.requests] == ["finished", "rejected"]
+
+
+class _Tracked(list):
+    """A list a weak reference can point at."""
+
+
+def test_the_cli_keeps_no_run_decision_log_once_the_run_is_reported(tmp_path, capsys,
+                                                                    monkeypatch):
+    import weakref
+
+    from tiering.apps.replay import plots, sweep
+
+    refs: list = []
+    real_simulate = sweep.simulate
+
+    def tracking(*a, **k):
+        res = real_simulate(*a, **k)
+        log = _Tracked(res.decisions)
+        refs.append(weakref.ref(log))
+        return res._replace(decisions=log)
+
+    alive_when_plotting: list[int] = []
+    real_plot = plots.plot_timeline
+
+    def plot_timeline(*a, **k):
+        alive_when_plotting.append(sum(r() is not None for r in refs))
+        return real_plot(*a, **k)
+
+    monkeypatch.setattr(sweep, "simulate", tracking)
+    monkeypatch.setattr(plots, "plot_timeline", plot_timeline)
+    out = tmp_path / "out"
+    rc = replay_main([str(MOONCAKE), "--out", str(out), "--limit", "60", "--hardware", "small",
+                      "--policy", "lru,cost", "--decisions"])
+    assert rc == 0
+    capsys.readouterr()
+    assert len(refs) == 4 and alive_when_plotting == [0]
+    with (out / "decisions.csv").open() as f:  # the log asked for is still written in full
+        assert sum(1 for _ in f) > 1

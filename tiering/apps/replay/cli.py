@@ -362,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
             if seed:
                 return
             key = _run_key(row, args.sweep)
-            first_results[key] = result
+            # kept for the bounds and the timeline plot: not the decision log, the bulk of a
+            # run (about 600,000 records on the whole trace), copied below when asked for
+            first_results[key] = result._replace(decisions=[])
             if args.requests_csv:
                 requests_rows.extend([key, *rec] for rec in result.requests)
             if args.decisions:
