@@ -641,3 +641,27 @@ def test_the_cli_keeps_no_run_decision_log_once_the_run_is_reported(tmp_path, ca
     assert len(refs) == 4 and alive_when_plotting == [0]
     with (out / "decisions.csv").open() as f:  # the log asked for is still written in full
         assert sum(1 for _ in f) > 1
+
+
+def test_the_bounds_cover_the_requests_no_run_rejected(tmp_path, capsys):
+    from tiering.apps.replay.bounds import infinite
+
+    out = tmp_path / "out"
+    rc = replay_main([str(MOONCAKE), "--out", str(out), "--limit", "200", "--hardware", "small",
+                      "--device-gib", "1", "--sweep", "--policy", "lru", "--host-gib", "1",
+                      "--watermarks", "0.9:0.75,0.5:0.2", "--requests-csv", "--no-plots"])
+    assert rc == 0
+    capsys.readouterr()
+    s = json.loads((out / "summary.json").read_text())
+    runs = s["runs"]
+    # the low watermark pair admits less, so runs reject different requests
+    assert len({r["rejected"] for r in runs.values()}) > 1
+    with (out / "requests.csv").open() as f:
+        reqs = list(csv.DictReader(f))
+    rejected = {int(r["rid"][1:]) for r in reqs if r["status"] == "rejected"}
+    trace = load_trace(MOONCAKE, limit=200)
+    kept = [t for i, t in enumerate(trace) if i not in rejected]
+    want = infinite(kept, 512)
+    assert s["bounds"]["infinite"]["blocks"] == want.blocks
+    assert s["bounds"]["infinite"]["token_hit_rate"] == pytest.approx(want.token_hit_rate)
+    assert f"over the {len(kept)} requests not rejected" in s["bounds_note"]

@@ -382,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             progress.close()
         per_seed.append(rows)
-    # the bounds cover the requests the runs served: a rejected request never ran, so
-    # neither reused nor left anything (the first tiering run of the first seed says which)
+    # the bounds cover the requests every run served: a rejected request never ran, so
+    # neither reused nor left anything (the runs of the first seed say which)
     accepted = _accepted(trace, first_results)
     capacity_blocks = total_bytes // block_bytes
     bounds = [infinite(accepted, bt), belady(accepted, bt, capacity_blocks)]
@@ -467,9 +467,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _accepted(trace, results: dict) -> list:
-    tiered = [r for r in results.values() if r.spec.mode == "tiering"] or list(results.values())
-    done = {int(rec.rid[1:]) for rec in tiered[0].requests if rec.status != "rejected"}
-    return [t for i, t in enumerate(trace) if i in done]
+    """The requests of ``trace`` that no run rejected (runs with other watermarks reject
+    others: the controller's admission limit is a fraction of the device)."""
+    rejected = {int(rec.rid[1:]) for r in results.values() for rec in r.requests
+                if rec.status == "rejected"}
+    return [t for i, t in enumerate(trace) if i not in rejected]
 
 
 def _write_rows(path: Path, header: list[str], rows: list[list]) -> None:
