@@ -53,7 +53,6 @@ from tiering.apps.replay.presets import (
     get_model,
 )
 from tiering.apps.replay.progress import Progress
-from tiering.apps.replay.retention import PolicyFailed
 from tiering.apps.replay.seeds import aggregate, jitter
 from tiering.apps.replay.simulator import SimConfig
 from tiering.apps.replay.sweep import Grid, plot, run_grid, write_csv
@@ -374,10 +373,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_grid(run_trace, model, hardware, grid, sim, time_scale=time_scale,
                             on_finish=progress.advance, on_start=progress.start,
                             on_result=on_result)
-        except PolicyFailed as err:  # the user's policy, mid-run: named, nothing written
-            progress.close()
-            print(f"tiering replay: --policy: run {progress.running!r} stopped: {err}",
-                  file=sys.stderr)
+        except ValueError as err:  # the user's policy, mid-run (retention.checked_order names
+            progress.close()  # it and what it did); nothing is written
+            print(f"tiering replay: run {progress.running!r} stopped: {err}", file=sys.stderr)
             return 2
         finally:
             progress.close()

@@ -21,8 +21,8 @@ handed to the controller so that its batches carry the same figures.
 A policy is user code: every order it gives goes through ``checked_order``,
 so a policy that raises, or returns anything but distinct row indices of the
 batch (at least the ``limit`` asked for, every row without one), stops the run
-with ``PolicyFailed`` naming the policy, the tier of the candidates and what
-was wrong, instead of an error from deep inside the controller (or a wrong
+with ``ValueError`` naming the policy, the tier of the candidates and what
+was wrong (``__cause__``: what the policy raised), instead of an error from deep inside the controller (or a wrong
 victim).
 """
 
@@ -37,12 +37,6 @@ from tiering.apps.replay.presets import HardwarePreset, StepCost
 from tiering.types import Tier
 
 
-class PolicyFailed(RuntimeError):
-    """The run's policy raised, or returned an order that is not one, while ordering
-    candidates; the message names the policy and the fault (``__cause__``: what it
-    raised)."""
-
-
 def checked_order(policy: Policy, batch: CandidateBatch, now: float,
                   limit: int | None = None) -> np.ndarray:
     """``policy.order(batch, now, limit)``, checked (see the module docstring)."""
@@ -53,22 +47,22 @@ def checked_order(policy: Policy, batch: CandidateBatch, now: float,
     try:
         rows = policy.order(batch, now, limit)
     except Exception as err:
-        raise PolicyFailed(f"{where}: raised {type(err).__name__}: {err}") from err
+        raise ValueError(f"{where}: raised {type(err).__name__}: {err}") from err
     if not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu":
         shape = f"{type(rows).__name__}" + (
             f" of dtype {rows.dtype} and shape {rows.shape}" if isinstance(rows, np.ndarray)
             else "")
-        raise PolicyFailed(f"{where}: order returned {shape}, not a 1-D integer numpy array "
+        raise ValueError(f"{where}: order returned {shape}, not a 1-D integer numpy array "
                            "of row indices")
     want = n if limit is None else min(limit, n)
     if len(rows) < want or (limit is None and len(rows) != n):
-        raise PolicyFailed(f"{where}: order returned {len(rows)} row(s), expected "
+        raise ValueError(f"{where}: order returned {len(rows)} row(s), expected "
                            f"{'all ' + str(n) if limit is None else f'at least {want}'}")
     if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= n):
-        raise PolicyFailed(f"{where}: order returned row indices outside [0, {n}): "
+        raise ValueError(f"{where}: order returned row indices outside [0, {n}): "
                            f"{rows.tolist()[:10]}")
     if len(rows) > 1 and len(np.unique(rows)) != len(rows):
-        raise PolicyFailed(f"{where}: order returned a row twice: {rows.tolist()[:10]}")
+        raise ValueError(f"{where}: order returned a row twice: {rows.tolist()[:10]}")
     return rows
 
 
