@@ -346,6 +346,8 @@ def _grid(**kw):
     (lambda: _grid(policies=("lru", "lru")), ValueError, "Grid.policies holds a value twice"),
     (lambda: _grid(host_bytes=(0, 0)), ValueError, "Grid.host_bytes holds a value twice"),
     (lambda: _grid(watermarks=((0.9,),)), ValueError, "(high, low) pairs"),
+    (lambda: _grid(watermarks=((0.9, 0.75), [0.9, 0.75])), ValueError,
+     "Grid.watermarks holds a value twice"),
     (lambda: _grid(baselines="no"), ValueError, "Grid.baselines must be a bool"),
     (lambda: PolicySpec("lru").build("registry"), TypeError, "registry must be a PolicyRegistry"),
 ])
@@ -355,8 +357,9 @@ def test_api_refuses_values_of_the_wrong_kind(make, error, message):
 
 
 def test_grid_takes_lists_as_tuples():
-    g = Grid(["lru", "cost"], [(0.9, 0.75)], [0, 1 << 30], baselines=False)
+    g = Grid(["lru", "cost"], [[0.9, 0.75]], [0, 1 << 30], baselines=False)
     assert g.policies == ("lru", "cost") and g.host_bytes == (0, 1 << 30)
+    assert g.watermarks == ((0.9, 0.75),)
     assert g.labels() == ["lru", "cost", "lru", "cost"] and g.runs() == 4
 
 

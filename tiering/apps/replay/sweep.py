@@ -52,15 +52,18 @@ class Grid:
             if not isinstance(v, (tuple, list)):
                 raise ValueError(f"Grid.{name} must be a tuple, got {v!r}")
             object.__setattr__(self, name, tuple(v))
+        for pair in self.watermarks:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"Grid.watermarks must hold (high, low) pairs, got {pair!r}")
+            ControllerConfig(high=pair[0], low=pair[1])  # raises naming the bad field
+        object.__setattr__(self, "watermarks", tuple(tuple(p) for p in self.watermarks))
+        for name in ("policies", "watermarks", "host_bytes"):
+            v = getattr(self, name)
             if len(set(map(repr, v))) != len(v):
                 raise ValueError(f"Grid.{name} holds a value twice (two runs would share "
                                  f"a name): {v!r}")
         if not self.policies or not self.watermarks or not self.host_bytes:
             raise ValueError("Grid needs at least one policy, watermark pair and host size")
-        for pair in self.watermarks:
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise ValueError(f"Grid.watermarks must hold (high, low) pairs, got {pair!r}")
-            ControllerConfig(high=pair[0], low=pair[1])  # raises naming the bad field
         if not isinstance(self.baselines, bool):
             raise ValueError(f"Grid.baselines must be a bool, got {self.baselines!r}")
         for size in self.host_bytes:
