@@ -165,3 +165,28 @@ def test_load_chains_limit_zero_is_no_request_and_bad_ids_are_named(tmp_path):
         path.write_text(json.dumps({"hash_ids": [5, 6]}) + "\n" + json.dumps({"hash_ids": ids}) + "\n")
         with pytest.raises(ValueError, match=f"t.jsonl:2: hash_ids holds {shown}, not an int"):
             load_chains(path)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (None, "No such file"),
+    (b'{"hash_ids": [1, 2]}\n{"hash_ids": [1,\n', ":2: not a trace record"),
+    (b"\xff\xfe\x00garbage\n", "can't decode byte 0xff"),
+])
+def test_tiering_replay_blocks_names_an_unreadable_trace(tmp_path, capsys, data, message):
+    from tiering.apps.replay import main as replay_main
+
+    trace = tmp_path / "t.jsonl"
+    if data is not None:
+        trace.write_bytes(data)
+    out = tmp_path / "out"
+    rc = replay_main([str(trace), "--blocks", "--capacity-blocks", "10", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_block_replay_refuses_a_limit_below_one(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([TRACE, "--capacity-blocks", "10", "--out", str(tmp_path / "o"), "--limit", "0"])
+    assert stop.value.code == 2 and "--limit" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

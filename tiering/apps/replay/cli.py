@@ -32,8 +32,10 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import itertools
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -55,6 +57,7 @@ from tiering.apps.replay.seeds import aggregate, jitter
 from tiering.apps.replay.simulator import SimConfig
 from tiering.apps.replay.sweep import Grid, plot, run_grid, write_csv
 from tiering.apps.replay.traces import FORMATS, load_trace
+from tiering.control.controller import ControllerConfig
 
 DEFAULT_WATERMARKS = ((0.9, 0.75),)
 SWEEP_WATERMARKS = ((0.9, 0.75), (0.95, 0.85), (0.8, 0.6))
@@ -145,6 +148,8 @@ def _policies(text: str | None, sweep: bool) -> tuple[str, ...]:
     names = tuple(t.strip() for t in text.split(",") if t.strip())
     if not names:
         raise ValueError("--policy: no policy named")
+    if "all" in names:
+        raise ValueError("--policy: 'all' stands alone (it names every built-in)")
     return names
 
 
@@ -157,9 +162,14 @@ def _watermarks(text: str | None, sweep: bool) -> tuple[tuple[float, float], ...
         try:
             if not sep:
                 raise ValueError
-            pairs.append((float(high), float(low)))
+            pair = (float(high), float(low))
         except ValueError:
             raise ValueError(f"--watermarks: {item!r} is not HIGH:LOW (e.g. 0.9:0.75)") from None
+        try:
+            ControllerConfig(high=pair[0], low=pair[1])
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"--watermarks: {item.strip()!r}: {err}") from None
+        pairs.append(pair)
     return tuple(pairs)
 
 
@@ -178,7 +188,25 @@ def _host_sizes(text: str | None, preset_bytes: int, sweep: bool) -> tuple[int, 
 def _run_key(row: dict, sweep: bool) -> str:
     if row["mode"] != "tiering" or not sweep:
         return row["label"]
-    return f"{row['policy']}@{row['high']:g}:{row['low']:g}@{row['host_gib']:g}GiB"
+    return _point_key(row["policy"], row["high"], row["low"], row["host_gib"])
+
+
+def _point_key(label: str, high: float, low: float, host_gib: float) -> str:
+    return f"{label}@{high:g}:{low:g}@{host_gib:g}GiB"
+
+
+def _check_unique_runs(policies, options, watermarks, hosts, sweep: bool) -> None:
+    """summary.json, the table and the CSVs name each run by its key: two runs with one
+    key would overwrite each other, so a configuration that repeats one is refused."""
+    keys: dict[str, tuple] = {}
+    for (high, low), host, policy in itertools.product(watermarks, hosts, policies):
+        label = PolicySpec(policy, options).label
+        key = _point_key(label, high, low, host / GiB) if sweep else label
+        if key in keys:
+            raise ValueError(
+                f"--policy/--watermarks/--host-gib: run {key!r} is named twice "
+                f"({keys[key]} and {(policy, high, low, host)}: policy, high, low, host bytes)")
+        keys[key] = (policy, high, low, host)
 
 
 def _pct(v: float) -> str:
@@ -219,8 +247,10 @@ def format_table(keys: list[str], rows: list[dict], bounds: list[BoundResult] = 
         ])
     for b in bounds:
         cap = "inf" if math.isinf(b.capacity_blocks) else f"{b.capacity_blocks:,.0f} blocks"
+        # a trace without block ids has no bound to show (not a bound of 0)
+        tok, blk = (_pct(b.token_hit_rate), _pct(b.block_hit_rate)) if b.blocks else ("-", "-")
         lines.append([f"bound: {b.name} ({cap})", "", "", "", "", "", "", "", "", "", "",
-                      _pct(b.token_hit_rate), _pct(b.block_hit_rate)])
+                      tok, blk])
     widths = [max(len(x) for x in col) for col in zip(TABLE, *lines, strict=True)]
     out = ["  ".join(h.rjust(w) for h, w in zip(TABLE, widths, strict=True)),
            "  ".join("-" * w for w in widths)]
@@ -254,6 +284,7 @@ def _check(args: argparse.Namespace):
     time_scale = _number("--time-scale", args.time_scale, minimum=0, strict=True)
     seeds = _count("--seeds", args.seeds)
     limit = _count("--limit", args.limit) if args.limit is not None else None
+    _check_unique_runs(policies, options, watermarks, hosts, args.sweep)
     grid = Grid(policies, watermarks, hosts, policy_options=options,
                 device_bytes=hardware.device_kv_bytes, disk_bytes=hardware.disk_bytes)
     if args.block_policy not in default_block_registry():
@@ -266,10 +297,30 @@ def _check(args: argparse.Namespace):
         raise ValueError(f"--device-gib: {hardware.device_kv_bytes} bytes hold no KV page "
                          f"({page_bytes} bytes)")
     trace = load_trace(args.trace, args.format, limit)
+    last = max(t.arrival_s for t in trace) * time_scale
+    if not math.isfinite(last):
+        raise ValueError(f"--time-scale: {args.time_scale!r} puts the last arrival "
+                         f"({max(t.arrival_s for t in trace):g} s) at infinity")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory")
+    _check_creatable(out)
     return policies, model, hardware, grid, sim, trace, time_scale, seeds, out
+
+
+def _check_creatable(out: Path) -> None:
+    """ValueError unless ``out`` is, or can be made as, a directory: its nearest existing
+    ancestor must be a directory this process may write into (checked before any run, so
+    a typo does not cost the whole replay)."""
+    parent = out
+    while not parent.exists():
+        if parent.parent == parent:
+            break
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out: cannot create {out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out: cannot create {out}: {parent} is not writable")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     if "--blocks" in argv:  # block accesses alone, through the block index and policies
         from tiering.blocks.replay import main as blocks_main
 
-        return blocks_main([a for a in argv if a != "--blocks"])
+        try:
+            return blocks_main([a for a in argv if a != "--blocks"])
+        except (ValueError, OSError) as err:  # a missing or unreadable trace: named, exit 2
+            print(f"tiering replay --blocks: {err}", file=sys.stderr)
+            return 2
     try:
         args = _parser().parse_args(argv)
     except SystemExit as stop:
@@ -306,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
             if seed:
                 return
             key = _run_key(row, args.sweep)
-            first_results[key] = result
+            # kept for the bounds and the timeline plot: not the decision log, the bulk of a
+            # run (about 600,000 records on the whole trace), copied below when asked for
+            first_results[key] = result._replace(decisions=[])
             if args.requests_csv:
                 requests_rows.extend([key, *rec] for rec in result.requests)
             if args.decisions:
@@ -316,11 +373,15 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_grid(run_trace, model, hardware, grid, sim, time_scale=time_scale,
                             on_finish=progress.advance, on_start=progress.start,
                             on_result=on_result)
+        except ValueError as err:  # the user's policy, mid-run (retention.checked_order names
+            progress.close()  # it and what it did); nothing is written
+            print(f"tiering replay: run {progress.running!r} stopped: {err}", file=sys.stderr)
+            return 2
         finally:
             progress.close()
         per_seed.append(rows)
-    # the bounds cover the requests the runs served: a rejected request never ran, so
-    # neither reused nor left anything (the first tiering run of the first seed says which)
+    # the bounds cover the requests every run served: a rejected request never ran, so
+    # neither reused nor left anything (the runs of the first seed say which)
     accepted = _accepted(trace, first_results)
     capacity_blocks = total_bytes // block_bytes
     bounds = [infinite(accepted, bt), belady(accepted, bt, capacity_blocks)]
@@ -328,76 +389,87 @@ def main(argv: list[str] | None = None) -> int:
     keys = [_run_key(r, args.sweep) for r in rows]
     assert len(labels) == len(rows)
 
-    out.mkdir(parents=True, exist_ok=True)
-    cost = StepCost(model, hardware)
-    summary = {
-        "trace": str(args.trace),
-        "requests": len(trace),
-        "time_scale": time_scale,
-        "seeds": seeds,
-        "model": {**dataclasses.asdict(model), "kv_bytes_per_token": model.kv_bytes_per_token},
-        "hardware": dataclasses.asdict(hardware),
-        "tier_bytes": {
-            "device": hardware.device_kv_bytes,
-            "host": list(grid.host_bytes) if args.sweep else grid.host_bytes[0],
-            "disk": hardware.disk_bytes,
-            "note": "each run's own sizes are in its device_bytes, host_bytes and disk_bytes; "
-                    "the baselines have no host or disk tier",
-        },
-        "step_cost": {"prefill_s_per_token": cost.prefill_s_per_token,
-                      "decode_s_per_step": cost.decode_s_per_step},
-        "sim": dataclasses.asdict(sim),
-        "bounds": {
-            b.name: {**b._asdict(), "capacity_blocks": None if math.isinf(b.capacity_blocks)
-                     else b.capacity_blocks}
-            for b in bounds
-        },
-        "bounds_note": (
-            f"block level, {bt} tokens a block; belady is the offline optimum (MIN) at the "
-            f"total capacity of device + host + disk ({capacity_blocks} blocks), not per "
-            f"tier; over the {len(accepted)} requests not rejected"),
-        "runs": {k: _finite(r) for k, r in zip(keys, rows, strict=True)},
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(format_table(keys, rows, bounds))
-    for key, r in zip(keys, rows, strict=True):
-        if r["rejected"]:
-            print(f"warning: {key}: {r['rejected']:.0f} of {r['requests']:.0f} requests were "
-                  "rejected (their KV could never fit on the device); latency and hit figures "
-                  "cover the others only", file=sys.stderr)
-    if args.requests_csv:
-        _write_rows(out / "requests.csv", ["run", "rid", "arrival_s", "first_token_s",
-                    "finish_s", "input_tokens", "output_tokens", "status", "prefix_tier",
-                    "reused_tokens"], requests_rows)
-        print(f"wrote {out / 'requests.csv'}")
-    if args.decisions:
-        _write_rows(out / "decisions.csv", ["run", "step", "at_s", "kind", "rid"],
-                    decision_rows)
-        print(f"wrote {out / 'decisions.csv'}")
-    title = (f"{Path(args.trace).name}: {model.name} on {hardware.name}, "
-             f"time scale {time_scale:g}" + (f", {seeds} seeds" if seeds > 1 else ""))
-    if args.sweep:
-        write_csv(rows, out / "sweep.csv")
-        print(f"wrote {out / 'sweep.csv'}")
-    if not args.no_plots:
-        from tiering.apps.replay.plots import plot_compare, plot_timeline
-
-        written = plot_compare(keys, rows, bounds, out / "compare.png", title)
-        timelines = {k: first_results[k].timeline for k in keys}
-        caps = {k: first_results[k].capacities for k in keys}
-        written += plot_timeline(timelines, caps, out / "timeline.png", title=title)
+    try:  # a write that fails (disk full, permissions) is named, not a traceback
+        out.mkdir(parents=True, exist_ok=True)
+        cost = StepCost(model, hardware)
+        summary = {
+            "trace": str(args.trace),
+            "requests": len(trace),
+            "time_scale": time_scale,
+            "seeds": seeds,
+            "model": {**dataclasses.asdict(model), "kv_bytes_per_token": model.kv_bytes_per_token},
+            # the preset as run: its host size is the one asked for (a list with --sweep)
+            "hardware": {**dataclasses.asdict(hardware), "host_bytes": (
+                list(grid.host_bytes) if args.sweep else grid.host_bytes[0])},
+            "tier_bytes": {
+                "device": hardware.device_kv_bytes,
+                "host": list(grid.host_bytes) if args.sweep else grid.host_bytes[0],
+                "disk": hardware.disk_bytes,
+                "note": "each run's own sizes are in its device_bytes, host_bytes and disk_bytes; "
+                        "the baselines have no host or disk tier",
+            },
+            "step_cost": {"prefill_s_per_token": cost.prefill_s_per_token,
+                          "decode_s_per_step": cost.decode_s_per_step},
+            "sim": dataclasses.asdict(sim),
+            "bounds": {
+                b.name: {**b._asdict(), "capacity_blocks": None if math.isinf(b.capacity_blocks)
+                         else b.capacity_blocks}
+                for b in bounds
+            },
+            "bounds_note": (
+                f"block level, {bt} tokens a block; belady is the offline optimum (MIN) at the "
+                f"total capacity of device + host + disk ({capacity_blocks} blocks"
+                + (", at the largest host size of the sweep" if len(grid.host_bytes) > 1
+                   else "")
+                + f"), not per tier; over the {len(accepted)} requests not rejected"),
+            "runs": {k: _finite(r) for k, r in zip(keys, rows, strict=True)},
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(format_table(keys, rows, bounds))
+        for key, r in zip(keys, rows, strict=True):
+            if r["rejected"]:
+                print(f"warning: {key}: {r['rejected']:.0f} of {r['requests']:.0f} requests were "
+                      "rejected (their KV could never fit on the device); latency and hit figures "
+                      "cover the others only", file=sys.stderr)
+        if args.requests_csv:
+            _write_rows(out / "requests.csv", ["run", "rid", "arrival_s", "first_token_s",
+                        "finish_s", "input_tokens", "output_tokens", "status", "prefix_tier",
+                        "reused_tokens"], requests_rows)
+            print(f"wrote {out / 'requests.csv'}")
+        if args.decisions:
+            _write_rows(out / "decisions.csv", ["run", "step", "at_s", "kind", "rid"],
+                        decision_rows)
+            print(f"wrote {out / 'decisions.csv'}")
+        title = (f"{Path(args.trace).name}: {model.name} on {hardware.name}, "
+                 f"time scale {time_scale:g}" + (f", {seeds} seeds" if seeds > 1 else ""))
         if args.sweep:
-            written += plot(rows, out, title)
-        for path in written:
-            print(f"wrote {path}")
-    print(f"wrote {out / 'summary.json'}")
-    return 0
+            write_csv(rows, out / "sweep.csv")
+            print(f"wrote {out / 'sweep.csv'}")
+        if not args.no_plots:
+            from tiering.apps.replay.plots import plot_compare, plot_timeline
+
+            written = plot_compare(keys, rows, bounds, out / "compare.png", title)
+            timelines = {k: first_results[k].timeline for k in keys}
+            caps = {k: first_results[k].capacities for k in keys}
+            written += plot_timeline(timelines, caps, out / "timeline.png", title=title)
+            if args.sweep:
+                written += plot(rows, out, title)
+            for path in written:
+                print(f"wrote {path}")
+        print(f"wrote {out / 'summary.json'}")
+        return 0
+    except OSError as err:
+        print(f"tiering replay: --out: writing the results under {out} failed: {err}",
+              file=sys.stderr)
+        return 1
 
 
 def _accepted(trace, results: dict) -> list:
-    tiered = [r for r in results.values() if r.spec.mode == "tiering"] or list(results.values())
-    done = {int(rec.rid[1:]) for rec in tiered[0].requests if rec.status != "rejected"}
-    return [t for i, t in enumerate(trace) if i in done]
+    """The requests of ``trace`` that no run rejected (runs with other watermarks reject
+    others: the controller's admission limit is a fraction of the device)."""
+    rejected = {int(rec.rid[1:]) for r in results.values() for rec in r.requests
+                if rec.status == "rejected"}
+    return [t for i, t in enumerate(trace) if i not in rejected]
 
 
 def _write_rows(path: Path, header: list[str], rows: list[list]) -> None:

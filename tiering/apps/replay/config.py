@@ -64,6 +64,8 @@ class SimConfig:
         ):
             raise ValueError("SimConfig.block_policy_options must be a tuple of (name, value) "
                              f"pairs, got {opts!r}")
+        if not isinstance(self.prefix_reuse, bool):
+            raise ValueError(f"SimConfig.prefix_reuse must be a bool, got {self.prefix_reuse!r}")
         if self.make_room not in MAKE_ROOM:
             raise ValueError(f"SimConfig.make_room must be one of {MAKE_ROOM}, "
                              f"got {self.make_room!r}")

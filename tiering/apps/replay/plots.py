@@ -2,7 +2,7 @@
 
 - ``plot_compare``: one bar per run. Left, the token hit rate split by the
   tier it came from, with the infinite-cache and Belady bounds as lines;
-  right, p99 time to first token, on a log axis when the runs span more
+  (the axis reaches well above the highest bar or bound, room for the legend), right, p99 time to first token, on a log axis when the runs span more
   than a factor of 20 (a slow baseline would otherwise squash the rest).
   Error bars are the 95% intervals when several seeds ran.
 - ``plot_timeline``: per-tier occupancy (mean fraction of each tier's
@@ -57,6 +57,13 @@ def needs_log(values: Sequence[float], span: float = 20.0) -> bool:
     return len(pos) >= 2 and max(pos) / min(pos) > span
 
 
+def rate_top(values: Sequence[float], above: float = 1.2) -> float:
+    """The top of a hit-rate axis: ``above`` times the highest value shown, so that rates of
+    a few percent are not squashed against a 0..1 axis; never above 1, never below 0.05."""
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return min(1.0, max(0.05, above * max(finite, default=1.0)))
+
+
 def plot_compare(labels: Sequence[str], rows: Sequence[Mapping], bounds: Sequence[BoundResult],
                  path: str | Path, title: str = "") -> list[Path]:
     plt = _plt()
@@ -72,9 +79,13 @@ def plot_compare(labels: Sequence[str], rows: Sequence[Mapping], bounds: Sequenc
     if any(err):
         left.errorbar(x, bottom, yerr=err, fmt="none", ecolor="black", capsize=3)
     for b, style in zip(bounds, ("--", ":"), strict=False):
+        if not b.blocks:  # a trace without block ids: nothing to bound
+            continue
         left.axhline(b.token_hit_rate, color="black", linestyle=style,
                      label=f"{b.name} bound {b.token_hit_rate:.3f}")
-    left.set_ylim(0, 1.0)
+    # room above the bars for the legend band (two rows), which then hides none of them
+    left.set_ylim(0, rate_top([*(bottom + np.array(err)).tolist(),
+                               *(b.token_hit_rate for b in bounds if b.blocks)], 1.45))
     left.set_ylabel("prompt tokens reused (fraction)")
     left.set_title("token hit rate by tier", fontsize=10)
     ttft = [float(r["ttft_p99_s"]) if r.get("ttft_p99_s") is not None else math.nan
@@ -90,7 +101,7 @@ def plot_compare(labels: Sequence[str], rows: Sequence[Mapping], bounds: Sequenc
     for ax in (left, right):
         ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
-    left.legend(fontsize=7, loc="upper right")
+    left.legend(fontsize=7, loc="upper center", ncol=3)
     return [_save(plt, fig, path, title, dpi=110)]
 
 
@@ -140,7 +151,8 @@ def plot_timeline(timelines: Mapping[str, Sequence[Sample]], capacities: Mapping
     axes[3].set_ylim(0, 1.0)
     axes[3].grid(True, alpha=0.3)
     axes[3].set_xlabel("simulated time (s)")
-    axes[0].legend(fontsize=7, loc="upper left", ncol=3)
+    # below the panels, where it hides no line (the device panel is full near 1.0)
+    axes[3].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3)
     return [_save(plt, fig, path, title, dpi=100)]
 
 
@@ -181,7 +193,7 @@ def plot_sweep(rows: Sequence[Mapping], out_dir: str | Path, title: str = "") ->
             if log:
                 ax.set_yscale("log")
             elif metric == "token_hit_rate":
-                ax.set_ylim(0, 1.0)
+                ax.set_ylim(0, rate_top(values))
             ax.grid(True, alpha=0.3, which="both")
         axes[0][0].set_ylabel(ylabel + (" (log)" if log else ""))
         axes[0][-1].legend(fontsize=8, loc="best")

@@ -26,6 +26,8 @@ from typing import Any
 
 from policies import Policy, PolicyRegistry, default_registry
 
+REPLAY_RESOURCE = "kv"  # the one resource of a replay (its KV cache)
+
 
 def parse_option(text: str) -> tuple[str, object]:
     """``"key=value"`` -> ``(key, value)``; ValueError naming the text if malformed."""
@@ -71,14 +73,17 @@ class PolicySpec:
         if isinstance(opts, Mapping):
             opts = tuple(opts.items())
         try:
-            pairs = tuple(sorted((str(k), v) for k, v in opts))
+            pairs = tuple(sorted(((str(k), v) for k, v in opts), key=lambda kv: kv[0]))
         except (TypeError, ValueError):
             raise ValueError(
                 f"PolicySpec.options must be a mapping or (key, value) pairs, got {opts!r}"
             ) from None
-        for k, _ in pairs:
+        for i, (k, _) in enumerate(pairs):
             if not k.isidentifier():
                 raise ValueError(f"PolicySpec.options: {k!r} is not a keyword name")
+            if i and pairs[i - 1][0] == k:
+                raise ValueError(f"--policy-option: {k!r} is given twice "
+                                 f"({pairs[i - 1][1]!r} and {pairs[i][1]!r})")
         object.__setattr__(self, "options", pairs)
 
     @property
@@ -95,7 +100,10 @@ class PolicySpec:
     def build(self, registry: PolicyRegistry | None = None) -> Policy:
         """The policy this spec names, from ``registry`` (default: the built-ins).
 
-        ValueError or TypeError naming the policy when it cannot be built."""
+        ValueError or TypeError naming the policy when it cannot be built (whatever the
+        factory raised), or when it reads priorities of a resource other than ``kv``."""
+        if registry is not None and not isinstance(registry, PolicyRegistry):
+            raise TypeError(f"registry must be a PolicyRegistry or None, got {registry!r}")
         reg = registry if registry is not None else default_registry()
         kwargs = dict(self.options)
         name = self.name
@@ -107,11 +115,19 @@ class PolicySpec:
             raise ValueError(f"--policy: unknown policy {name!r}; known: {', '.join(reg.names)}"
                              " (or give a module:Class path)")
         if name == "priority" and "resource" not in kwargs:
-            kwargs["resource"] = "kv"
+            kwargs["resource"] = REPLAY_RESOURCE
         try:
-            return reg.make(name, **kwargs)
+            policy = reg.make(name, **kwargs)
         except (TypeError, ValueError) as err:
             raise type(err)(f"--policy {self.label}: {err}") from None
+        except Exception as err:  # user code: whatever it raises names the policy
+            raise ValueError(f"--policy {self.label}: building it raised "
+                             f"{type(err).__name__}: {err}") from err
+        wants = policy.needs_priority_from
+        if wants is not None and wants != REPLAY_RESOURCE:
+            raise ValueError(f"--policy {self.label}: it reads retention priorities of resource "
+                             f"{wants!r}; the replay's only resource is {REPLAY_RESOURCE!r}")
+        return policy
 
 
 def load_factory(path: str) -> Any:
@@ -125,8 +141,9 @@ def load_factory(path: str) -> Any:
         sys.path.append(cwd)
     try:
         module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"--policy: cannot import module {module_name!r} ({err})") from None
+    except Exception as err:  # ImportError, or whatever the module raised while importing
+        raise ValueError(f"--policy: cannot import module {module_name!r} "
+                         f"({type(err).__name__}: {err})") from None
     finally:
         if added:
             sys.path.remove(cwd)

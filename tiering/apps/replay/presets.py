@@ -109,17 +109,17 @@ class HardwarePreset:
         _positive("HardwarePreset", "device_mem_bytes", self.device_mem_bytes, allow_zero=True)
 
     def with_host_bytes(self, host_bytes: int) -> HardwarePreset:
-        """The same worker with a host tier of ``host_bytes``."""
-        return dataclasses.replace(self, host_bytes=int(host_bytes))
+        """The same worker with a host tier of ``host_bytes`` (an int, checked)."""
+        return dataclasses.replace(self, host_bytes=host_bytes)
 
     def with_sizes(self, device_kv_bytes: int | None = None, host_bytes: int | None = None,
                    disk_bytes: int | None = None) -> HardwarePreset:
-        """The same worker with the given tier sizes (None: the preset's)."""
+        """The same worker with the given tier sizes (ints, checked; None: the preset's)."""
         return dataclasses.replace(
             self,
-            device_kv_bytes=self.device_kv_bytes if device_kv_bytes is None else int(device_kv_bytes),
-            host_bytes=self.host_bytes if host_bytes is None else int(host_bytes),
-            disk_bytes=self.disk_bytes if disk_bytes is None else int(disk_bytes),
+            device_kv_bytes=self.device_kv_bytes if device_kv_bytes is None else device_kv_bytes,
+            host_bytes=self.host_bytes if host_bytes is None else host_bytes,
+            disk_bytes=self.disk_bytes if disk_bytes is None else disk_bytes,
         )
 
 

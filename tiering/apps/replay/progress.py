@@ -1,6 +1,6 @@
 """Progress of a replay on stderr, naming the run in progress.
 
-On a terminal, a tqdm bar over every request of every run, whose label is
+On a terminal (a tty with a width), a tqdm bar over every request of every run, whose label is
 the run being simulated. Anywhere else (a pipe, a log file, CI), plain lines:
 one when a run starts, one each time another tenth of its requests is done,
 and one when it ends, each naming the run (``[3/6 lru] 4,812/12,031
@@ -9,10 +9,20 @@ requests``). ``clock`` is injected (wall seconds, for the elapsed figure).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
 from typing import TextIO
+
+
+def _drawable(stream: TextIO) -> bool:
+    """A terminal a bar can be drawn on: a tty that says how wide it is (a pseudo-terminal
+    of width 0, as some CI runners give, would show nothing: plain lines there)."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 class Progress:
@@ -22,7 +32,7 @@ class Progress:
                  tty: bool | None = None, clock: Callable[[], float] = time.monotonic,
                  prefix: str = "") -> None:
         self._stream = stream if stream is not None else sys.stderr
-        self._tty = self._stream.isatty() if tty is None else tty
+        self._tty = _drawable(self._stream) if tty is None else tty
         self._runs = runs
         self._requests = requests
         self._clock = clock
@@ -38,6 +48,11 @@ class Progress:
 
             self._bar = tqdm(total=runs * requests, unit="req", file=self._stream,
                              desc="replay", dynamic_ncols=True)
+
+    @property
+    def running(self) -> str:
+        """The label of the run in progress (or that ran last); "" before the first."""
+        return self._label
 
     def _name(self) -> str:
         return f"{self._prefix}[{self._i + 1}/{self._runs} {self._label}]"

@@ -17,6 +17,13 @@ an offload (wherever it would land), from disk for a demotion, and the
 prefill time of its tokens (``StepCost.prefill_s_per_token``) for a drop or
 an expiry, which leave only recomputation. ``CostFilled`` wraps the policy
 handed to the controller so that its batches carry the same figures.
+
+A policy is user code: every order it gives goes through ``checked_order``,
+so a policy that raises, or returns anything but distinct row indices of the
+batch (at least the ``limit`` asked for, every row without one), stops the run
+with ``ValueError`` naming the policy, the tier of the candidates and what
+was wrong (``__cause__``: what the policy raised), instead of an error from deep inside the controller (or a wrong
+victim).
 """
 
 from __future__ import annotations
@@ -28,6 +35,35 @@ import numpy as np
 from policies import CandidateBatch, Policy
 from tiering.apps.replay.presets import HardwarePreset, StepCost
 from tiering.types import Tier
+
+
+def checked_order(policy: Policy, batch: CandidateBatch, now: float,
+                  limit: int | None = None) -> np.ndarray:
+    """``policy.order(batch, now, limit)``, checked (see the module docstring)."""
+    n = len(batch)
+    where = (f"policy {policy.name!r} ({type(policy).__module__}.{type(policy).__qualname__}), "
+             f"ordering {n} {batch.tier.name.lower() if batch.tier is not None else ''} "
+             f"candidate(s) at t={now:g} s")
+    try:
+        rows = policy.order(batch, now, limit)
+    except Exception as err:
+        raise ValueError(f"{where}: raised {type(err).__name__}: {err}") from err
+    if not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu":
+        shape = f"{type(rows).__name__}" + (
+            f" of dtype {rows.dtype} and shape {rows.shape}" if isinstance(rows, np.ndarray)
+            else "")
+        raise ValueError(f"{where}: order returned {shape}, not a 1-D integer numpy array "
+                           "of row indices")
+    want = n if limit is None else min(limit, n)
+    if len(rows) < want or (limit is None and len(rows) != n):
+        raise ValueError(f"{where}: order returned {len(rows)} row(s), expected "
+                           f"{'all ' + str(n) if limit is None else f'at least {want}'}")
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= n):
+        raise ValueError(f"{where}: order returned row indices outside [0, {n}): "
+                           f"{rows.tolist()[:10]}")
+    if len(rows) > 1 and len(np.unique(rows)) != len(rows):
+        raise ValueError(f"{where}: order returned a row twice: {rows.tolist()[:10]}")
+    return rows
 
 
 class ReloadCosts:
@@ -83,7 +119,7 @@ class CostFilled(Policy):
     def order(self, batch: CandidateBatch, now: float, limit: int | None = None) -> np.ndarray:
         sizes = batch.reclaimable
         if sizes is None or not len(batch):
-            return self.inner.order(batch, now, limit)
+            return checked_order(self.inner, batch, now, limit)
         self.calls += 1
         nbytes = sizes.astype(np.float64)
         cost = np.where(sizes <= self._host_free(), self._costs.from_host(nbytes),
@@ -93,7 +129,7 @@ class CostFilled(Policy):
             batch.last_used, reclaimable=sizes, priority=batch.priority, reload_cost_s=cost,
             tier=batch.tier,
         )
-        return self.inner.order(filled, now, limit)
+        return checked_order(self.inner, filled, now, limit)
 
 
 class Retention:
@@ -129,5 +165,5 @@ class Retention:
         batch = CandidateBatch(list(rids), np.asarray(last_used, dtype=np.float64),
                                reclaimable=sizes, priority=prio, reload_cost_s=cost,
                                resources="kv", tier=tier)
-        rows = self.policy.order(batch, now)
+        rows = checked_order(self.policy, batch, now)
         return [rids[i] for i in rows.tolist()]

@@ -47,10 +47,25 @@ class Grid:
     disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("policies", "watermarks", "host_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, (tuple, list)):
+                raise ValueError(f"Grid.{name} must be a tuple, got {v!r}")
+            object.__setattr__(self, name, tuple(v))
+        for pair in self.watermarks:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"Grid.watermarks must hold (high, low) pairs, got {pair!r}")
+            ControllerConfig(high=pair[0], low=pair[1])  # raises naming the bad field
+        object.__setattr__(self, "watermarks", tuple(tuple(p) for p in self.watermarks))
+        for name in ("policies", "watermarks", "host_bytes"):
+            v = getattr(self, name)
+            if len(set(map(repr, v))) != len(v):
+                raise ValueError(f"Grid.{name} holds a value twice (two runs would share "
+                                 f"a name): {v!r}")
         if not self.policies or not self.watermarks or not self.host_bytes:
             raise ValueError("Grid needs at least one policy, watermark pair and host size")
-        for high, low in self.watermarks:
-            ControllerConfig(high=high, low=low)  # raises naming the bad field
+        if not isinstance(self.baselines, bool):
+            raise ValueError(f"Grid.baselines must be a bool, got {self.baselines!r}")
         for size in self.host_bytes:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise ValueError(f"Grid.host_bytes must hold ints >= 0, got {size!r}")
@@ -100,6 +115,9 @@ def run_grid(
     ``on_result(row, result)`` are told after each run. The baselines get no
     host or disk tier (they never move KV off the device), so their rows say so.
     """
+    _check_run_grid_args(trace, model, hardware, grid, sim, registry,
+                         on_finish=on_finish, on_run=on_run, on_start=on_start,
+                         on_result=on_result)
     rows: list[dict] = []
     hw = hardware.with_sizes(grid.device_bytes, None, grid.disk_bytes)
     check_fits(model, hw)
@@ -134,6 +152,24 @@ def run_grid(
                        grid.policy_options)
         one(spec, hw.with_host_bytes(host), host)
     return rows
+
+
+def _check_run_grid_args(trace, model, hardware, grid, sim, registry, **callbacks) -> None:
+    """TypeError naming the argument of ``run_grid`` that is of the wrong kind."""
+    for name, value, kind in (("model", model, ModelPreset), ("hardware", hardware, HardwarePreset),
+                              ("grid", grid, Grid), ("sim", sim, SimConfig)):
+        if not isinstance(value, kind):
+            raise TypeError(f"run_grid: {name} must be a {kind.__name__}, got {value!r}")
+    if registry is not None and not isinstance(registry, PolicyRegistry):
+        raise TypeError(f"run_grid: registry must be a PolicyRegistry or None, got {registry!r}")
+    for name, fn in callbacks.items():
+        if fn is not None and not callable(fn):
+            raise TypeError(f"run_grid: {name} must be callable or None, got {fn!r}")
+    if isinstance(trace, (str, bytes)) or not isinstance(trace, Sequence):
+        raise TypeError(f"run_grid: trace must be a sequence of TraceRequest, got {trace!r}")
+    bad = next((t for t in trace if not isinstance(t, TraceRequest)), None)
+    if bad is not None:
+        raise TypeError(f"run_grid: trace must hold TraceRequest records, got {bad!r}")
 
 
 def write_csv(rows: Sequence[dict], path: str | Path) -> None:

@@ -52,7 +52,7 @@ class TraceRequest:
     hash_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.arrival_s, (int, float)) or not (
+        if isinstance(self.arrival_s, bool) or not isinstance(self.arrival_s, (int, float)) or not (
             math.isfinite(self.arrival_s) and self.arrival_s >= 0
         ):
             raise ValueError(f"TraceRequest.arrival_s must be a finite number >= 0, "
@@ -63,8 +63,11 @@ class TraceRequest:
         if not _is_int(self.output_tokens) or self.output_tokens < 0:
             raise ValueError(f"TraceRequest.output_tokens must be an int >= 0, "
                              f"got {self.output_tokens!r}")
-        if not isinstance(self.hash_ids, tuple):
-            raise ValueError(f"TraceRequest.hash_ids must be a tuple, got {self.hash_ids!r}")
+        if not isinstance(self.hash_ids, tuple) or not all(
+            _is_int(h) and h >= 0 for h in self.hash_ids
+        ):
+            raise ValueError(f"TraceRequest.hash_ids must be a tuple of ints >= 0, "
+                             f"got {self.hash_ids!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -82,8 +85,7 @@ def detect_format(path: str | Path) -> str:
             f"{p}: cannot tell the trace format from the extension {suffix!r}; "
             f"use a .jsonl or .csv file or name the format (one of {', '.join(FORMATS)})"
         )
-    with p.open(newline="") as f:
-        header = next(csv.reader(f), [])
+    header = next(csv.reader(_lines(p)), [])
     names = {h.strip() for h in header}
     if all(c in names for c in _AZURE_COLUMNS):
         return "azure"
@@ -105,7 +107,8 @@ def load_trace(
     """
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"trace file {p} does not exist")
+        raise FileNotFoundError(f"trace file {p} does not exist" if not p.exists()
+                                else f"trace {p} is not a file")
     if limit is not None and (not _is_int(limit) or limit < 1):
         raise ValueError(f"limit must be an int >= 1, got {limit!r}")
     fmt = detect_format(p) if fmt is None else fmt
@@ -114,10 +117,14 @@ def load_trace(
     if reader is None:
         raise ValueError(f"unknown trace format {fmt!r}; known: {', '.join(FORMATS)}")
     rows: list[tuple[float, int, int, tuple[int, ...]]] = []
-    for row in reader(p):
-        rows.append(row)
-        if limit is not None and len(rows) >= limit:
-            break
+    lines = reader(p)
+    try:
+        for row in lines:
+            rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
+    finally:
+        lines.close()  # the file, too, when ``limit`` stopped early
     if not rows:
         raise TraceFormatError(f"{p}: the trace holds no requests")
     rows.sort(key=lambda r: r[0])
@@ -128,10 +135,24 @@ def load_trace(
 # -- readers: each yields (time in seconds, input, output, hash ids) -----------------
 
 
+def _lines(p: Path) -> Iterator[str]:
+    """The text lines of ``p`` (UTF-8, a leading byte-order mark dropped), each with its
+    line ending; a line that is not UTF-8 raises ``TraceFormatError`` naming it."""
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise TraceFormatError(
+                    f"{p}:{lineno}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
+                    f"{err.start + 1})") from None
+
+
 def _count(value: object, what: str, where: str, minimum: int) -> int:
     if isinstance(value, str):
         text = value.strip()
-        if not text.lstrip("-").isdigit():
+        digits = text[1:] if text[:1] in "+-" else text
+        if not (digits.isascii() and digits.isdigit()):
             raise TraceFormatError(f"{where}: {what} must be an integer, got {value!r}")
         value = int(text)
     if not _is_int(value) or value < minimum:
@@ -150,47 +171,43 @@ def _seconds(value: object, what: str, where: str) -> float:
 
 
 def _read_mooncake(p: Path) -> Iterator[tuple[float, int, int, tuple[int, ...]]]:
-    with p.open() as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{p}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise TraceFormatError(f"{where}: not valid JSON ({err.msg})") from None
-            if not isinstance(obj, dict):
-                raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            for key in ("timestamp", "input_length", "output_length"):
-                if key not in obj:
-                    raise TraceFormatError(f"{where}: missing field {key!r}")
-            t = _seconds(obj["timestamp"], "timestamp", where) / 1000.0
-            n_in = _count(obj["input_length"], "input_length", where, 1)
-            n_out = _count(obj["output_length"], "output_length", where, 0)
-            ids = obj.get("hash_ids", [])
-            if not isinstance(ids, list) or not all(_is_int(h) and h >= 0 for h in ids):
-                raise TraceFormatError(f"{where}: hash_ids must be a list of integers >= 0")
-            yield t, n_in, n_out, tuple(ids)
+    for lineno, line in enumerate(_lines(p), start=1):  # decoded one line at a time
+        if not line.strip():
+            continue
+        where = f"{p}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise TraceFormatError(f"{where}: not valid JSON ({err.msg})") from None
+        if not isinstance(obj, dict):
+            raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        for key in ("timestamp", "input_length", "output_length"):
+            if key not in obj:
+                raise TraceFormatError(f"{where}: missing field {key!r}")
+        t = _seconds(obj["timestamp"], "timestamp", where) / 1000.0
+        n_in = _count(obj["input_length"], "input_length", where, 1)
+        n_out = _count(obj["output_length"], "output_length", where, 0)
+        ids = obj.get("hash_ids", [])
+        if not isinstance(ids, list) or not all(_is_int(h) and h >= 0 for h in ids):
+            raise TraceFormatError(f"{where}: hash_ids must be a list of integers >= 0")
+        yield t, n_in, n_out, tuple(ids)
 
 
 def _csv_rows(p: Path, columns: tuple[str, ...]) -> Iterator[tuple[str, dict[str, str]]]:
-    with p.open(newline="") as f:
-        reader = csv.reader(f)
-        header = [h.strip() for h in next(reader, [])]
-        missing = [c for c in columns if c not in header]
-        if missing:
-            raise TraceFormatError(f"{p}:1: header lacks column(s) {missing}; got {header}")
-        index = {c: header.index(c) for c in columns}
-        width = max(index.values()) + 1
-        for lineno, fields in enumerate(reader, start=2):
-            if not fields or all(not x.strip() for x in fields):
-                continue
-            where = f"{p}:{lineno}"
-            if len(fields) < width:
-                raise TraceFormatError(
-                    f"{where}: expected at least {width} fields, got {len(fields)}"
-                )
-            yield where, {c: fields[i] for c, i in index.items()}
+    reader = csv.reader(_lines(p))  # decoded one line at a time
+    header = [h.strip() for h in next(reader, [])]
+    missing = [c for c in columns if c not in header]
+    if missing:
+        raise TraceFormatError(f"{p}:1: header lacks column(s) {missing}; got {header}")
+    index = {c: header.index(c) for c in columns}
+    width = max(index.values()) + 1
+    for fields in reader:
+        if not fields or all(not x.strip() for x in fields):
+            continue
+        where = f"{p}:{reader.line_num}"
+        if len(fields) < width:
+            raise TraceFormatError(f"{where}: expected at least {width} fields, got {len(fields)}")
+        yield where, {c: fields[i] for c, i in index.items()}
 
 
 def _read_azure(p: Path) -> Iterator[tuple[float, int, int, tuple[int, ...]]]:
