@@ -316,12 +316,10 @@ def test_policy_spec_refuses_a_repeated_option_whatever_the_values():
     assert spec.options == (("a", 1), ("b", 2)) and spec.label == "cost[a=1,b=2]"
 
 
-@pytest.mark.xfail(strict=True, reason="simulator.py (not owned here): a time_scale that puts "
-                   "an arrival at infinity overflows in the sampling loop instead of being "
-                   "refused; proposed fix in the report")
 def test_simulate_refuses_a_time_scale_that_overflows_the_arrivals():
-    trace = conversation_trace(1, 4)
-    with pytest.raises(ValueError, match="time_scale"):
+    trace = conversation_trace(1, 40)
+    assert max(t.arrival_s for t in trace) > 2  # so x 1e308 is past the largest float
+    with pytest.raises(ValueError, match="time_scale 1e\\+308 puts the last arrival at infinity"):
         simulate(trace, COST, RunSpec("no-tiering"), SIM, time_scale=1e308)
 
 
@@ -422,9 +420,6 @@ def test_requests_csv_and_summary_agree(tmp_path, capsys):
     assert rejected_somewhere  # the 1 GiB device rejects the largest prompts
 
 
-@pytest.mark.xfail(strict=True, reason="block_tiers.py (not owned here): a drop logs one "
-                   "block-drop row for the victim while block_drops counts its cached "
-                   "descendants too; proposed fix in the report")
 def test_every_dropped_block_has_its_decision_row():
     made: list = []
     spec = RunSpec("tiering", "lru", ControllerConfig(high=0.85, low=0.7))
@@ -543,10 +538,10 @@ class _Order(LRU):
         return (-batch.last_used,) if self.reverse else (batch.last_used,)
 
 
-@pytest.mark.xfail(strict=True, reason="simulator.py (not owned here): the worker preempts the "
+@pytest.mark.xfail(strict=True, reason="known limitation of the simulator: the worker preempts the "
                    "latest-arrived request and admits nothing while one is preempted, so every "
                    "batch the request policy orders holds one candidate and opposite orders "
-                   "give the same run (--policy changes nothing); proposed change in the report")
+                   "give the same run (--policy changes nothing); see docs/replay.md, Known defects")
 def test_opposite_request_policies_can_give_different_runs():
     runs = []
     for reverse in (False, True):
@@ -596,10 +591,6 @@ def test_summary_hardware_shows_the_host_size_used(tmp_path, capsys, extra, host
     assert s["hardware"]["device_kv_bytes"] == s["tier_bytes"]["device"] == int(1.5 * (1 << 30))
 
 
-@pytest.mark.xfail(strict=True, reason="simulator.py (not owned here): when the last requests "
-                   "to arrive are all rejected and nothing else is left, the loop finds "
-                   "nothing to run and raises 'simulation stuck' instead of ending; fix in the "
-                   "report")
 @pytest.mark.parametrize("mode", ["tiering", "recompute", "no-tiering"])
 def test_a_trace_whose_last_request_is_rejected_ends(mode):
     trace = [TraceRequest(0.0, 100, 3), TraceRequest(100.0, 10**7, 3)]

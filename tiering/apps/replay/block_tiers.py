@@ -399,7 +399,7 @@ class PrefixBlocks:
             self._unreserve(d.tier)
         if counted:
             self._dropped += len(out)
-            self.events.append(("block-drop", key))
+            self.events.extend(("block-drop", d.key) for d in out)  # its descendants too
         self.changes += 1
         return out
 

@@ -187,6 +187,8 @@ def simulate(
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
     if not trace:
         raise ValueError("the trace holds no requests")
+    if not math.isfinite(max(t.arrival_s for t in trace) * time_scale):
+        raise ValueError(f"time_scale {time_scale!r} puts the last arrival at infinity")
     policy = spec.policy_spec.build(registry) if spec.mode == "tiering" else None
     clock = SimClock()
     factory = kv_factory or modeled_kv_factory(cost.model, cost.hardware, sim)
@@ -327,6 +329,8 @@ class _Worker:
                 if idle_rounds > 1000:
                     raise RuntimeError(self._stuck_message("1000 rounds without progress"))
                 continue
+            if not self.unfinished:  # the last arrivals were all rejected: nothing is left
+                break
             if not self._unstick():
                 raise RuntimeError(self._stuck_message("nothing can move"))
         self._sample(clock.now)
