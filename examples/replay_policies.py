@@ -1,4 +1,6 @@
-"""A user-written retention policy, for ``tiering replay --policy examples.replay_policies:IdleBytes``.
+"""User-written retention policies: ``IdleBytes`` for ``tiering replay --policy
+examples.replay_policies:IdleBytes`` (live requests), ``KeepHeads`` for ``--block-policy
+examples.replay_policies:KeepHeads`` (cached prefix blocks).
 
 ``IdleBytes`` evicts first what has cost the most memory for nothing: idle
 seconds times bytes held, discounted by what bringing it back would cost
@@ -18,11 +20,14 @@ named, so give them with this policy alone (the built-ins take no
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from policies import CandidateBatch, Policy
+from policies.blocks import BlockInfo, BlockPolicy
 
 
 @dataclass(frozen=True)
@@ -47,3 +52,57 @@ class IdleBytes(Policy):
         idle = np.maximum(now - batch.last_used, 0.0)
         size = batch.reclaimable.astype(np.float64)
         return (-(idle * size) / (1.0 + self.cost_weight * batch.reload_cost_s),)
+
+
+class KeepHeads(BlockPolicy):
+    """A block policy: least recently used first, but the first ``head`` blocks of every
+    chain (a system prompt, a conversation's opening turns) only after every deeper one.
+
+    For ``tiering replay --block-policy lru,chain,examples.replay_policies:KeepHeads``;
+    it passes ``tiering.testing.blocks.check_block_policy`` like the built-ins.
+    """
+
+    name = "keep-heads"
+
+    def __init__(self, capacity: int | None = None, head: int = 4) -> None:
+        if isinstance(head, bool) or not isinstance(head, int) or head < 1:
+            raise ValueError(f"KeepHeads.head must be an int >= 1, got {head!r}")
+        if capacity is not None and (
+            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+        ):
+            raise ValueError(f"KeepHeads.capacity must be an int >= 1, got {capacity!r}")
+        self.head = head
+        self._heads: OrderedDict[Hashable, None] = OrderedDict()  # depth < head, oldest first
+        self._deep: OrderedDict[Hashable, None] = OrderedDict()  # the rest, oldest first
+
+    def __len__(self) -> int:
+        return len(self._heads) + len(self._deep)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._heads or key in self._deep
+
+    def _queue_of(self, key: Hashable) -> OrderedDict | None:
+        if key in self._deep:
+            return self._deep
+        return self._heads if key in self._heads else None
+
+    def on_insert(self, info: BlockInfo, now: float) -> None:
+        if info.key in self:
+            raise ValueError(f"keep-heads: on_insert of block {info.key!r}, already tracked")
+        (self._heads if info.depth < self.head else self._deep)[info.key] = None
+
+    def on_hit(self, info: BlockInfo, now: float) -> None:
+        queue = self._queue_of(info.key)
+        if queue is None:
+            raise ValueError(f"keep-heads: on_hit of block {info.key!r}, not tracked")
+        queue.move_to_end(info.key)
+
+    def on_remove(self, key: Hashable) -> None:
+        queue = self._queue_of(key)
+        if queue is None:
+            raise ValueError(f"keep-heads: on_remove of block {key!r}, not tracked")
+        del queue[key]
+
+    def victims(self, now: float) -> Iterator[Hashable]:
+        yield from self._deep
+        yield from self._heads

@@ -40,9 +40,9 @@ import sys
 from pathlib import Path
 
 from policies import default_registry
-from policies.blocks import default_block_registry
+from policies.blocks import BlockPolicy, default_block_registry, make_block_policy
 from tiering.apps.replay.bounds import BoundResult, belady, infinite
-from tiering.apps.replay.policy_spec import PolicySpec, parse_option
+from tiering.apps.replay.policy_spec import PolicySpec, load_factory, parse_option
 from tiering.apps.replay.presets import (
     HARDWARE,
     MODELS,
@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
                         "them (default) or move them a tier down while one has room")
     p.add_argument("--block-policy", default="chain",
                    help="block retention policy of every tier's cached prefix blocks: "
-                        f"{', '.join(default_block_registry().names)} (default chain)")
+                        f"{', '.join(default_block_registry().names)} or module:Class, comma "
+                        "list to compare several (default chain)")
     p.add_argument("--no-plots", action="store_true", help="write no PNG")
     return p
 
@@ -287,11 +288,10 @@ def _check(args: argparse.Namespace):
     _check_unique_runs(policies, options, watermarks, hosts, args.sweep)
     grid = Grid(policies, watermarks, hosts, policy_options=options,
                 device_bytes=hardware.device_kv_bytes, disk_bytes=hardware.disk_bytes)
-    if args.block_policy not in default_block_registry():
-        raise ValueError(f"--block-policy: unknown block policy {args.block_policy!r}; known: "
-                         f"{', '.join(default_block_registry().names)}")
+    blocks, block_registry = _block_policies(args.block_policy)
+    grid = dataclasses.replace(grid, block_policies=blocks if len(blocks) > 1 else ())
     sim = SimConfig(prefix_reuse=not args.no_prefix_reuse, make_room=args.make_room,
-                    block_policy=args.block_policy)
+                    block_policy=blocks[0])
     page_bytes = model.kv_bytes_per_token * sim.page_tokens
     if hardware.device_kv_bytes < page_bytes:
         raise ValueError(f"--device-gib: {hardware.device_kv_bytes} bytes hold no KV page "
@@ -305,7 +305,32 @@ def _check(args: argparse.Namespace):
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory")
     _check_creatable(out)
-    return policies, model, hardware, grid, sim, trace, time_scale, seeds, out
+    return policies, model, hardware, grid, sim, block_registry, trace, time_scale, seeds, out
+
+
+def _block_policies(text: str):
+    """The ``--block-policy`` list, and the block registry that holds each: a built-in
+    name, or a ``module:Class`` path registered under that path. Each is built once here,
+    so a bad name or a class that cannot be built stops before any run."""
+    registry = default_block_registry()
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise ValueError(f"--block-policy: {text!r} has an empty name")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--block-policy: {text!r} names a block policy twice")
+    for name in names:
+        if ":" in name:
+            factory = load_factory(name, BlockPolicy, "--block-policy", "policies.blocks.BlockPolicy")
+            registry = registry.with_policy(name, factory)
+        elif name not in registry:
+            raise ValueError(f"--block-policy: unknown block policy {name!r}; known: "
+                             f"{', '.join(registry.names)} (or give a module:Class path)")
+        try:
+            make_block_policy(name, registry, capacity=16)
+        except Exception as err:  # the user's class, whatever it raised
+            raise ValueError(f"--block-policy: {name!r} cannot be built "
+                             f"({type(err).__name__}: {err})") from None
+    return tuple(names), registry
 
 
 def _check_creatable(out: Path) -> None:
@@ -338,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as stop:
         return int(stop.code or 0)
     try:
-        policies, model, hardware, grid, sim, trace, time_scale, seeds, out = _check(args)
+        policies, model, hardware, grid, sim, block_registry, trace, time_scale, seeds, out = (
+            _check(args))
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"tiering replay: {err}", file=sys.stderr)
         return 2
@@ -372,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows = run_grid(run_trace, model, hardware, grid, sim, time_scale=time_scale,
                             on_finish=progress.advance, on_start=progress.start,
-                            on_result=on_result)
+                            on_result=on_result, block_registry=block_registry)
         except ValueError as err:  # the user's policy, mid-run (retention.checked_order names
             progress.close()  # it and what it did); nothing is written
             print(f"tiering replay: run {progress.running!r} stopped: {err}", file=sys.stderr)

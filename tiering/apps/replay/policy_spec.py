@@ -130,11 +130,14 @@ class PolicySpec:
         return policy
 
 
-def load_factory(path: str) -> Any:
-    """Import ``module:Attr`` and return the attribute (a Policy class or factory)."""
+def load_factory(path: str, base: type = Policy, option: str = "--policy",
+                 what: str = "policies.Policy") -> Any:
+    """Import ``module:Attr`` and return the attribute: a ``base`` subclass (default
+    ``policies.Policy``, ``what`` in errors) or a factory. ``option`` names the
+    argument in errors."""
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"--policy: {path!r} is not module:Class")
+        raise ValueError(f"{option}: {path!r} is not module:Class")
     cwd = str(Path.cwd())
     added = cwd not in sys.path  # a user's own module next to where they run the command
     if added:
@@ -142,7 +145,7 @@ def load_factory(path: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # ImportError, or whatever the module raised while importing
-        raise ValueError(f"--policy: cannot import module {module_name!r} "
+        raise ValueError(f"{option}: cannot import module {module_name!r} "
                          f"({type(err).__name__}: {err})") from None
     finally:
         if added:
@@ -150,10 +153,10 @@ def load_factory(path: str) -> Any:
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"--policy: module {module_name!r} has no attribute {attr!r}")
+            raise ValueError(f"{option}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    if isinstance(obj, type) and not issubclass(obj, Policy):
-        raise ValueError(f"--policy: {path!r} is a class but not a policies.Policy subclass")
+    if isinstance(obj, type) and not issubclass(obj, base):
+        raise ValueError(f"{option}: {path!r} is a class but not a {what} subclass")
     if not callable(obj):
-        raise ValueError(f"--policy: {path!r} is not a Policy class or factory")
+        raise ValueError(f"{option}: {path!r} is not a {base.__name__} class or factory")
     return obj

@@ -11,11 +11,13 @@ one row per run (the metrics of ``metrics.summarize`` plus the configuration).
 from __future__ import annotations
 
 import csv
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from policies import PolicyRegistry
+from policies.blocks import BlockPolicyRegistry, make_block_policy
 from tiering.apps.replay.metrics import summarize
 from tiering.apps.replay.policy_spec import PolicySpec
 from tiering.apps.replay.presets import GiB, HardwarePreset, ModelPreset, StepCost, check_fits
@@ -25,17 +27,20 @@ from tiering.apps.replay.traces import TraceRequest
 from tiering.control.controller import ControllerConfig
 
 BASELINES = ("recompute", "no-tiering")
-CONFIG_COLUMNS = ("label", "mode", "policy", "high", "low", "host_gib")
+CONFIG_COLUMNS = ("label", "mode", "policy", "block_policy", "high", "low", "host_gib")
 
 
 @dataclass(frozen=True)
 class Grid:
-    """Policies x watermark pairs (high, low) x host sizes (bytes), plus the baselines.
+    """Block policies x policies x watermark pairs (high, low) x host sizes (bytes), plus
+    the baselines.
 
     ``policies``: registry names or ``module:Class`` paths; ``policy_options``:
-    keyword options given to every one of them. ``device_bytes`` and
-    ``disk_bytes``: the device KV and disk tier sizes of every run (None: the
-    hardware preset's).
+    keyword options given to every one of them. ``block_policies``: names of the
+    block registry ``run_grid`` is given (empty: ``sim.block_policy`` alone); with
+    two or more, each tiering run's label ends in `` | <block policy>`` and the
+    baselines run once, with the first. ``device_bytes`` and ``disk_bytes``: the
+    device KV and disk tier sizes of every run (None: the hardware preset's).
     """
 
     policies: tuple[str, ...]
@@ -45,9 +50,10 @@ class Grid:
     policy_options: tuple[tuple[str, object], ...] = ()
     device_bytes: int | None = None
     disk_bytes: int | None = None
+    block_policies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("policies", "watermarks", "host_bytes"):
+        for name in ("policies", "watermarks", "host_bytes", "block_policies"):
             v = getattr(self, name)
             if not isinstance(v, (tuple, list)):
                 raise ValueError(f"Grid.{name} must be a tuple, got {v!r}")
@@ -57,7 +63,10 @@ class Grid:
                 raise ValueError(f"Grid.watermarks must hold (high, low) pairs, got {pair!r}")
             ControllerConfig(high=pair[0], low=pair[1])  # raises naming the bad field
         object.__setattr__(self, "watermarks", tuple(tuple(p) for p in self.watermarks))
-        for name in ("policies", "watermarks", "host_bytes"):
+        for b in self.block_policies:
+            if not isinstance(b, str) or not b:
+                raise ValueError(f"Grid.block_policies must hold block policy names, got {b!r}")
+        for name in ("policies", "watermarks", "host_bytes", "block_policies"):
             v = getattr(self, name)
             if len(set(map(repr, v))) != len(v):
                 raise ValueError(f"Grid.{name} holds a value twice (two runs would share "
@@ -84,13 +93,22 @@ class Grid:
             for policy in self.policies
         ]
 
+    def blocks(self) -> tuple[str | None, ...]:
+        """The block policy of each pass over ``points`` (None: ``sim.block_policy``)."""
+        return self.block_policies or (None,)
+
+    def label(self, policy: str, block: str | None) -> str:
+        """A tiering run's label: the policy's, and its block policy when there are several."""
+        label = PolicySpec(policy, self.policy_options).label
+        return f"{label} | {block}" if len(self.block_policies) > 1 else label
+
     def runs(self) -> int:
-        return len(self.points()) + (len(BASELINES) if self.baselines else 0)
+        return len(self.points()) * len(self.blocks()) + (len(BASELINES) if self.baselines else 0)
 
     def labels(self) -> list[str]:
         """The label of every run, in the order ``run_grid`` runs them."""
         base = list(BASELINES) if self.baselines else []
-        return base + [PolicySpec(p, self.policy_options).label for p, *_ in self.points()]
+        return base + [self.label(p, b) for b in self.blocks() for p, *_ in self.points()]
 
 
 def run_grid(
@@ -106,38 +124,49 @@ def run_grid(
     on_start: Callable[[int, str], None] | None = None,
     on_result: Callable[[dict, RunResult], None] | None = None,
     registry: PolicyRegistry | None = None,
+    block_registry: BlockPolicyRegistry | None = None,
 ) -> list[dict]:
     """Run every configuration of ``grid``; one row per run, baselines first.
 
-    ``registry``: where policy names are looked up (default: the built-ins).
+    ``registry``: where policy names are looked up (default: the built-ins);
+    ``block_registry``: where block policy names are (default: the built-ins).
     ``on_start(i, label)`` is told before run ``i`` starts; ``on_finish`` is
     passed to ``simulate`` (requests done); ``on_run(row)`` and
     ``on_result(row, result)`` are told after each run. The baselines get no
     host or disk tier (they never move KV off the device), so their rows say so.
     """
-    _check_run_grid_args(trace, model, hardware, grid, sim, registry,
+    _check_run_grid_args(trace, model, hardware, grid, sim, registry, block_registry,
                          on_finish=on_finish, on_run=on_run, on_start=on_start,
                          on_result=on_result)
     rows: list[dict] = []
     hw = hardware.with_sizes(grid.device_bytes, None, grid.disk_bytes)
     check_fits(model, hw)
 
-    def one(spec: RunSpec, hw: HardwarePreset, host: int | None) -> None:
+    blocks = grid.blocks()
+    for b in blocks:  # each one is known before any run starts
+        if b is not None:
+            make_block_policy(b, block_registry, capacity=16)
+
+    def one(spec: RunSpec, hw: HardwarePreset, host: int | None, block: str | None) -> None:
+        label = grid.label(spec.label, block) if spec.mode == "tiering" else spec.label
         if on_start is not None:
-            on_start(len(rows), spec.label)
+            on_start(len(rows), label)
         cost = StepCost(model, hw)
-        result = simulate(trace, cost, spec, sim, time_scale=time_scale,
-                          kv_factory=modeled_kv_factory(model, hw, sim), on_finish=on_finish,
-                          registry=registry)
+        run_sim = sim if block is None else dataclasses.replace(sim, block_policy=block)
+        result = simulate(trace, cost, spec, run_sim, time_scale=time_scale,
+                          kv_factory=modeled_kv_factory(model, hw, run_sim),
+                          on_finish=on_finish, registry=registry, block_registry=block_registry)
         row = {
-            "label": spec.label,
+            "label": label,
             "mode": spec.mode,
-            "policy": spec.label if spec.mode == "tiering" else "",
+            "policy": label if spec.mode == "tiering" else "",
+            "block_policy": run_sim.block_policy if run_sim.prefix_reuse else "",
             "high": spec.controller.high if spec.mode == "tiering" else "",
             "low": spec.controller.low if spec.mode == "tiering" else "",
             "host_gib": host / GiB if host is not None else "",
         }
         row.update(summarize(result))
+        row["label"] = label  # the run's own label, its block policy's included
         rows.append(row)
         if on_run is not None:
             on_run(row)
@@ -146,15 +175,17 @@ def run_grid(
 
     if grid.baselines:
         for mode in BASELINES:
-            one(RunSpec(mode=mode), hw.with_sizes(None, 0, 0), None)
-    for policy, high, low, host in grid.points():
-        spec = RunSpec("tiering", policy, ControllerConfig(high=high, low=low),
-                       grid.policy_options)
-        one(spec, hw.with_host_bytes(host), host)
+            one(RunSpec(mode=mode), hw.with_sizes(None, 0, 0), None, blocks[0])
+    for block in blocks:
+        for policy, high, low, host in grid.points():
+            spec = RunSpec("tiering", policy, ControllerConfig(high=high, low=low),
+                           grid.policy_options)
+            one(spec, hw.with_host_bytes(host), host, block)
     return rows
 
 
-def _check_run_grid_args(trace, model, hardware, grid, sim, registry, **callbacks) -> None:
+def _check_run_grid_args(trace, model, hardware, grid, sim, registry, block_registry,
+                         **callbacks) -> None:
     """TypeError naming the argument of ``run_grid`` that is of the wrong kind."""
     for name, value, kind in (("model", model, ModelPreset), ("hardware", hardware, HardwarePreset),
                               ("grid", grid, Grid), ("sim", sim, SimConfig)):
@@ -162,6 +193,9 @@ def _check_run_grid_args(trace, model, hardware, grid, sim, registry, **callback
             raise TypeError(f"run_grid: {name} must be a {kind.__name__}, got {value!r}")
     if registry is not None and not isinstance(registry, PolicyRegistry):
         raise TypeError(f"run_grid: registry must be a PolicyRegistry or None, got {registry!r}")
+    if block_registry is not None and not isinstance(block_registry, BlockPolicyRegistry):
+        raise TypeError("run_grid: block_registry must be a BlockPolicyRegistry or None, "
+                        f"got {block_registry!r}")
     for name, fn in callbacks.items():
         if fn is not None and not callable(fn):
             raise TypeError(f"run_grid: {name} must be callable or None, got {fn!r}")
