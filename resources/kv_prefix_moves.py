@@ -57,10 +57,15 @@ class TierMovesPart:
         return self.index.idle_count(tier)
 
     def ensure_device(self, n: int) -> bool:
-        """Move unmapped device blocks down until the device pool has ``n`` free pages."""
+        """Move unmapped device blocks down until the device pool has ``n`` free pages;
+        False, with nothing moved, when the blocks that may leave would not free enough."""
         pool = self.cache.device_pool
         if n > pool.num_pages:
             return False
+        short = n - pool.free_pages
+        if short > 0 and self.index.count_evictable(
+                self.policies[Tier.DEVICE], self._now(), Tier.DEVICE, short) < short:
+            return False  # not enough cached blocks may leave: refused before any moves
         while pool.free_pages < n:
             key = self.index.choose_victim(self.policies[Tier.DEVICE], self._now(), Tier.DEVICE)
             if key is None:
@@ -69,10 +74,15 @@ class TierMovesPart:
         return True
 
     def ensure_host(self, n: int) -> bool:
-        """Move unmapped host blocks to disk (or drop them) until the host pool has ``n`` free pages."""
+        """Move unmapped host blocks to disk (or drop them) until the host pool has ``n`` free
+        pages; False, with nothing moved, when the blocks that may leave would not free enough."""
         pool = self.cache.host_pool
         if n > pool.num_pages:
             return False
+        short = n - pool.free_pages
+        if short > 0 and self.index.count_evictable(
+                self.policies[Tier.HOST], self._now(), Tier.HOST, short) < short:
+            return False  # not enough cached blocks may leave: refused before any moves
         while pool.free_pages < n:
             if not self._host_blocks_down(n - pool.free_pages):
                 return False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -428,3 +430,24 @@ def test_a_bad_tier_or_reason_is_refused_by_name_and_changes_nothing():
     assert _snapshot(index) == before
     index.check_integrity()
     assert index.choose_victim(policy, 1.0, tier=Tier.DEVICE) == "a"  # the control
+
+
+def test_count_evictable_counts_what_may_leave_up_to_want_and_changes_nothing():
+    from policies.blocks import LRUBlocks
+
+    rng = random.Random(9)
+    idx, pol = BlockIndex(), LRUBlocks()
+    keys = [rng.randbytes(6) for _ in range(6)]
+    for i, k in enumerate(keys):  # one chain on the device
+        assert idx.insert(k, keys[i - 1] if i else None, Tier.DEVICE, i, float(i))
+        pol.on_insert(idx.get(k), float(i))
+    idx.acquire(keys[3])  # mapped: it and its ancestors (held below) may not leave
+    assert idx.count_evictable(pol, 9.0, Tier.DEVICE, 10) == 2  # keys 4 and 5
+    assert idx.count_evictable(pol, 9.0, Tier.DEVICE, 1) == 1
+    assert idx.count_evictable(pol, 9.0, Tier.HOST, 10) == 0
+    before = [idx.location(k) for k in keys]
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="want must be an int >= 0"):
+            idx.count_evictable(pol, 9.0, Tier.DEVICE, bad)
+    assert [idx.location(k) for k in keys] == before and len(pol) == 6
+    idx.check_integrity()

@@ -521,3 +521,32 @@ def test_on_cuda_a_device_hit_shares_pages_and_a_host_hit_loads_bitwise(closing)
     assert kv.state_of("b") is S.RESIDENT and kv.num_tokens("b") == 16
     _leading_on_cpu(kv, "b", data, 16)
     assert kv.prefix_stats()["blocks_host_to_device"] == 4
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_refused_allocation_moves_no_cached_block(seed):
+    """An allocation that cached blocks could not make room for moved the blocks that could
+    leave down a tier (or dropped them) and then answered False anyway; now a shortage is
+    refused before anything moves. The control: one page less is served by moving them."""
+    gen = torch.Generator().manual_seed(seed)
+    with make(device_pages=16, host_pages=8) as kv:
+        ids, _ = published(kv, gen, "a", 18)  # 4 blocks and a partial page
+        kv.remove_request("a")
+        kv.ingest_request("b")
+        assert kv.attach_prefix("b", ids[:9]) == 8  # blocks 0 and 1 mapped: they stay
+        p = kv._prefix
+        keys = p.keys(ids)
+
+        def snapshot():
+            return ([p.index.location(k) for k in keys], kv.device_pool.free_pages,
+                    kv.host_pool.free_pages, dict(kv.prefix_stats()))
+
+        before = snapshot()
+        room = kv.device_pool.free_pages + 2  # blocks 2 and 3 may leave
+        kv.ingest_request("c")
+        assert kv.allocate("c", (room + 1) * T) is False
+        assert snapshot() == before
+        kv.check_integrity()
+        assert kv.allocate("c", room * T) is True
+        assert [p.index.location(k).tier for k in keys[2:]] == [Tier.HOST, Tier.HOST]
+        kv.check_integrity()

@@ -507,6 +507,28 @@ class BlockIndex:
         finally:
             gen.close()
 
+    def count_evictable(self, policy: BlockPolicy, now: float, tier: Tier, want: int) -> int:
+        """How many of the keys ``policy.victims`` offers may leave ``tier``, counted up
+        to ``want`` (a caller that needs ``want`` victims asks this first, so a shortage
+        is refused before anything moves). Changes nothing."""
+        if isinstance(want, bool) or not isinstance(want, int) or want < 0:
+            raise ValueError(f"count_evictable: want must be an int >= 0, got {want!r}")
+        _check_tier(tier, "count_evictable")
+        where, refs, dest, below = self._tier, self._refs, self._dest, self._below
+        n = 0
+        left = len(policy) + 1  # the policy offers each tracked key within len() resumptions
+        gen = policy.victims_except(now, refs, dest, below)
+        try:
+            for k in gen:
+                if n >= want or left <= 0:
+                    break
+                left -= 1
+                if where.get(k) is tier and not (k in refs or k in dest or k in below):
+                    n += 1
+        finally:
+            gen.close()
+        return n
+
     # -- checking --------------------------------------------------------------
 
     def check_integrity(self) -> None:
