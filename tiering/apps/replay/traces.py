@@ -21,7 +21,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -63,15 +63,20 @@ class TraceRequest:
         if not _is_int(self.output_tokens) or self.output_tokens < 0:
             raise ValueError(f"TraceRequest.output_tokens must be an int >= 0, "
                              f"got {self.output_tokens!r}")
-        if not isinstance(self.hash_ids, tuple) or not all(
-            _is_int(h) and h >= 0 for h in self.hash_ids
-        ):
+        if not isinstance(self.hash_ids, tuple) or not _block_ids(self.hash_ids):
             raise ValueError(f"TraceRequest.hash_ids must be a tuple of ints >= 0, "
                              f"got {self.hash_ids!r}")
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _block_ids(ids: Sequence[object]) -> bool:
+    """Whether every id is an int >= 0 (not a bool)."""
+    if all(type(h) is int for h in ids):  # the common case, checked in C
+        return not ids or min(ids) >= 0
+    return all(_is_int(h) and h >= 0 for h in ids)
 
 
 def detect_format(path: str | Path) -> str:
@@ -188,7 +193,7 @@ def _read_mooncake(p: Path) -> Iterator[tuple[float, int, int, tuple[int, ...]]]
         n_in = _count(obj["input_length"], "input_length", where, 1)
         n_out = _count(obj["output_length"], "output_length", where, 0)
         ids = obj.get("hash_ids", [])
-        if not isinstance(ids, list) or not all(_is_int(h) and h >= 0 for h in ids):
+        if not isinstance(ids, list) or not _block_ids(ids):
             raise TraceFormatError(f"{where}: hash_ids must be a list of integers >= 0")
         yield t, n_in, n_out, tuple(ids)
 
