@@ -711,6 +711,64 @@ def test_mover_refuses_a_spec_that_does_not_add_up(tmp_path):
     mv.shutdown()
 
 
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        ((1, True, [0], [1], [0], [8]), "host slot 8 is out of range"),  # past the slab
+        ((1, True, [0], [1], [0], [-1]), "host slot must be an int >= 0"),  # wraps in torch
+        ((1, False, [-1], [1], [0], [0]), "block id must be an int >= 0"),
+        ((1, False, [16], [1], [0], [0]), "block id 16 of group 0 is out of range"),
+        ((1, True, [0, 1], [1, 1], [0, 0], [0, 1]), "KV group 1 does not exist"),
+        ((1, True, [0], [1], [0], [1.7]), "host slot must be an int"),
+        ((1, True, [0], [-1, 2], [0, 0], [0]), "group size must be an int >= 0"),
+        ((True, True, [0], [1], [0], [0]), "job id must be an int"),
+    ],
+)
+def test_mover_refuses_a_spec_outside_the_slab_or_the_tensors(tmp_path, caplog, spec, why):
+    """A spec pointing outside the slab or vLLM's tensors was copied (sliced away or
+    wrapped to another row) and reported as a success; now it is refused, and not
+    a byte of the slab or of vLLM's tensors changes."""
+    gen = torch.Generator().manual_seed(21)
+    mv, layers = _mover(tmp_path, gen)
+    mv.slab.tensor.copy_(torch.randint(0, 256, mv.slab.tensor.shape, generator=gen,
+                                       dtype=torch.uint8))
+    before = [t.clone() for t in (mv.slab.tensor, *layers)]
+    with caplog.at_level("ERROR"):
+        assert mv.submit(*spec) is False
+    assert why in caplog.text
+    mv.wait({1}, timeout=10)
+    assert mv.get_finished() == [] and mv.counters["refused"] == 1
+    for t, b in zip((mv.slab.tensor, *layers), before, strict=True):
+        assert torch.equal(t, b)
+    assert mv.submit(2, True, [0], [1], [0], [0])  # a good spec still runs (control)
+    _finish(mv, 2)
+    assert torch.equal(mv.slab.tensor[0, :96], layers[0][0])
+    mv.shutdown()
+
+
+def test_mover_refuses_a_job_id_in_flight_and_jobs_after_shutdown(tmp_path):
+    gen = torch.Generator().manual_seed(22)
+    mv, layers = _mover(tmp_path, gen)
+    assert mv.submit(5, True, [0], [1], [0], [0])
+    # the same id before job 5 is reaped: its result would be lost (one result for two jobs)
+    assert mv.submit(5, True, [1], [1], [0], [1]) is False
+    mv.wait({5}, timeout=10)
+    res = mv.get_finished()
+    assert [r.job_id for r in res] == [5] and res[0].success
+    assert torch.equal(mv.slab.tensor[0, :96], layers[0][0])
+    with pytest.raises(ValueError, match="timeout"):
+        mv.wait({5}, timeout=float("nan"))
+    mv.shutdown()
+    assert mv.submit(6, True, [0], [1], [0], [0]) is False  # refused, not an exception
+    mv.shutdown()  # twice is fine
+    with pytest.raises(ValueError, match="at least one KV group"):
+        TieredMover([], mv.slab, 1)
+    with pytest.raises(ValueError, match="blocks_per_chunk"):
+        TieredMover(mv.groups, mv.slab, 0)
+    with pytest.raises(ValueError, match="blocks_per_chunk"):
+        plan_blocks([1], [1], [0], [0], 0)
+
+
 # ----------------------------------------------------------------------------- layering
 
 
