@@ -458,6 +458,85 @@ def test_stats_delta_reports_increases_once(tmp_path):
     m.shutdown()
 
 
+def _snapshot(m: TieredBlockManager):
+    return ({k: m.block(k) for k in m.keys()}, m.pool.free_pages, dict(m.counters.__dict__),
+            None if m.disk is None else m.disk.used_bytes())
+
+
+def test_calls_after_shutdown_raise_and_the_disk_path_is_free_again(tmp_path):
+    """After shutdown the manager took stores, loads and lookups as if open (and its
+    disk tier stayed locked, so a new manager on the same path failed); now every
+    changing call raises CacheClosed and changes nothing, and the path is free."""
+    import threading
+
+    from tiering.errors import CacheClosed
+
+    gen = torch.Generator().manual_seed(23)
+    before = set(threading.enumerate())
+    m = make(tmp_path, slots=4, disk_pages=8, demote_headroom=4)
+    store(m, gen, [key(1), key(2)])
+    assert m.wait_io(10)
+    with pytest.raises(ValueError, match="timeout"):
+        m.shutdown(float("nan"))  # refused: nothing is shut down
+    assert m.lookup(key(1)) is Lookup.HIT
+    m.shutdown()
+    snap = _snapshot(m)
+    calls = {
+        "lookup": lambda: m.lookup(key(1)),
+        "prepare_store": lambda: m.prepare_store([key(9)]),
+        "complete_store": lambda: m.complete_store([key(9)]),
+        "prepare_load": lambda: m.prepare_load([key(1)]),
+        "complete_load": lambda: m.complete_load([key(1)]),
+        "touch": lambda: m.touch([key(1)]),
+        "maintain": m.maintain,
+        "reset": m.reset,
+    }
+    for name, call in calls.items():
+        with pytest.raises(CacheClosed, match=f"{name}: the manager is shut down"):
+            call()
+    assert _snapshot(m) == snap
+    m.check_integrity()
+    m.shutdown()  # a second shutdown does nothing
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("tiering")]
+    again = make(tmp_path, slots=4, disk_pages=8)  # the disk path is free again
+    assert again.lookup(key(1)) is Lookup.MISS
+    again.shutdown()
+
+
+@pytest.mark.parametrize(
+    "call, why",
+    [
+        (lambda m: m.lookup("abc"), "every key must be non-empty bytes"),
+        (lambda m: m.lookup(5), "every key must be non-empty bytes"),
+        (lambda m: m.lookup(b""), "every key must be non-empty bytes"),
+        (lambda m: m.prepare_store(["abc"]), "every key must be non-empty bytes"),
+        (lambda m: m.prepare_store("abc"), "keys must be a sequence"),
+        (lambda m: m.prepare_store([key(3), bytearray(key(4))]), "every key"),
+        (lambda m: m.prepare_load([key(1), "x"]), "every key"),
+        (lambda m: m.complete_load([key(1), 7]), "every key"),
+        (lambda m: m.complete_store([key(3)], success=None), "success must be a bool"),
+        (lambda m: m.touch([None]), "every key"),
+        (lambda m: m.wait_io(float("nan")), "timeout"),
+    ],
+)
+def test_bad_keys_are_refused_and_change_nothing(tmp_path, call, why):
+    """A str key was stored (and a str taken as a list of one-letter keys); now
+    every call names the bad key and changes nothing."""
+    gen = torch.Generator().manual_seed(24)
+    m = make(tmp_path, slots=4, disk_pages=8, demote_headroom=4)
+    store(m, gen, [key(1), key(2)])
+    assert m.wait_io(10)
+    (slot,) = m.prepare_load([key(1)])
+    snap = _snapshot(m)
+    with pytest.raises(ValueError, match=why):
+        call(m)
+    assert _snapshot(m) == snap
+    m.check_integrity()
+    m.complete_load([key(1)])
+    m.check_integrity()
+    m.shutdown()
+
+
 class ManagerMachine(RuleBasedStateMachine):
     """Random chained stores, lookups, loads, maintenance, resets and blocks damaged on
     disk, under every registered block policy; integrity after each step, and every

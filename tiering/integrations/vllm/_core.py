@@ -51,9 +51,10 @@ from tiering.blocks import BlockIndex
 from tiering.core.counters import counter_record
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.core.pools import PagePool
+from tiering.core.validate import check_timeout
 from tiering.disk import DiskCorruptionError, DiskIOError, DiskPageStore
 from tiering.disk.ledger import DiskExtent
-from tiering.errors import TableIntegrityError
+from tiering.errors import CacheClosed, TableIntegrityError
 from tiering.integrations.vllm._config import (
     OUR_KEYS,
     HostSlab,
@@ -298,6 +299,22 @@ class TieredBlockManager:
     def _slot_view(self, slot: int) -> list[torch.Tensor]:
         return [s.tensor[slot] for s in self.slabs]
 
+    def _open(self, op: str) -> None:
+        if self._closed:
+            raise CacheClosed(f"TieredBlockManager.{op}: the manager is shut down")
+
+    @staticmethod
+    def _keys(op: str, keys: Iterable[bytes]) -> list[bytes]:
+        """``keys`` as a list of offload keys (non-empty ``bytes``); a ValueError naming
+        the first bad one (a ``str`` or ``bytes`` given for the whole list included)."""
+        if isinstance(keys, (str, bytes, bytearray, memoryview)):
+            raise ValueError(f"{op}: keys must be a sequence of bytes keys, got {keys!r}")
+        out = list(keys)
+        for k in out:
+            if type(k) is not bytes or not k:
+                raise ValueError(f"{op}: every key must be non-empty bytes, got {k!r}")
+        return out
+
     def _owner(self, key: bytes) -> str:
         return "k" + key.hex()
 
@@ -525,6 +542,8 @@ class TieredBlockManager:
     # ------------------------------------------------------------------ vLLM-facing operations
 
     def lookup(self, key: bytes) -> Lookup:
+        self._open("lookup")
+        (key,) = self._keys("lookup", (key,))
         self.reap()
         self.counters.lookups += 1
         if key in self._storing:
@@ -584,6 +603,8 @@ class TieredBlockManager:
         self.disk.write(extent, torch.cat(self._slot_view(slot)).view(1, -1))
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        self._open("prepare_load")
+        keys = self._keys("prepare_load", keys)
         for k in keys:
             loc = self.index.location(k)
             if loc is None or loc.tier is not Tier.HOST or k in self._lost:
@@ -616,7 +637,8 @@ class TieredBlockManager:
         return slots
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
-        keys = list(keys)
+        self._open("complete_load")
+        keys = self._keys("complete_load", keys)
         need: dict[bytes, int] = {}
         for k in keys:
             need[k] = need.get(k, 0) + 1
@@ -632,6 +654,8 @@ class TieredBlockManager:
                 del self._load_pins[k]
 
     def touch(self, keys: Iterable[bytes]) -> None:
+        self._open("touch")
+        keys = self._keys("touch", keys)
         now = self._clock()
         for k in keys:
             loc = self.index.location(k)
@@ -653,6 +677,8 @@ class TieredBlockManager:
         new block (``admit``): a refused block is not stored, nor are the blocks
         after it in this batch. With one, every block is stored (evicting a block
         with a disk copy loses nothing) and the disk policy admits at demotion."""
+        self._open("prepare_store")
+        keys = self._keys("prepare_store", keys)
         if parents is not None and len(parents) != len(keys):
             raise ValueError(
                 f"prepare_store: {len(keys)} keys but {len(parents)} parents"
@@ -706,6 +732,12 @@ class TieredBlockManager:
         return StoreDecision([k for k, _ in new], slots, evicted)
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
+        """Settle stores: their blocks enter the index (``success``) or their slots are
+        freed. Keys with no store in flight are skipped (vLLM repeats keys across jobs)."""
+        self._open("complete_store")
+        keys = self._keys("complete_store", keys)
+        if not isinstance(success, bool):
+            raise ValueError(f"complete_store: success must be a bool, got {success!r}")
         stored = []
         now = self._clock()
         for k in keys:
@@ -733,6 +765,7 @@ class TieredBlockManager:
 
     def maintain(self) -> None:
         """Reap I/O, write cold host blocks down to disk to keep headroom, dump state."""
+        self._open("maintain")
         self._step += 1
         self.reap()
         if self.disk is not None:
@@ -826,6 +859,7 @@ class TieredBlockManager:
         """Forget every block that no job uses (vLLM's reset_cache). A block that a
         load, a demotion or a promotion uses stays, and so do its ancestors; a clean
         disk copy of a block that stays is dropped."""
+        self._open("reset")
         self.reap()
         for k in list(self.index.keys()):
             if k not in self.index:
@@ -842,7 +876,9 @@ class TieredBlockManager:
 
     def wait_io(self, timeout: float = 30.0) -> bool:
         """Wait (at most ``timeout``) for disk I/O in flight, then reap it; True if none is left.
-        Never called on vLLM's step path (tests and shutdown only)."""
+        Never called on vLLM's step path (tests and shutdown only). A timeout that is
+        not a finite number >= 0 is a ValueError."""
+        timeout = check_timeout("TieredBlockManager.wait_io", timeout)
         deadline = time.monotonic() + timeout
         for fut in [*self._promoting.values(), *self._demoting.values(),
                     *([self._dump] if self._dump is not None else [])]:
@@ -854,10 +890,16 @@ class TieredBlockManager:
         return not (self._promoting or self._demoting)
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Wait (bounded) for disk I/O, write the final state, stop the I/O threads and
+        close the disk tier (its path is free for a new manager). Every later call
+        that changes state raises ``CacheClosed``; reading (``block``, ``keys``,
+        ``state``, counters, ``check_integrity``) still works. A second call does
+        nothing; a bad ``timeout`` is a ValueError and shuts nothing down."""
+        timeout = check_timeout("TieredBlockManager.shutdown", timeout)
         if self._closed:
             return
-        self._closed = True
         self.wait_io(timeout)
+        self._closed = True
         if self.cfg.state_path is not None:
             self._dirty = False
             try:
@@ -866,6 +908,11 @@ class TieredBlockManager:
                 log.warning("tiering: final state dump failed: %s", exc)
         if self._own_executor:
             self._io.shutdown(timeout)
+        if self.disk is not None:
+            try:
+                self.disk.close()
+            except Exception as exc:  # closing is best effort; the process may be ending
+                log.warning("tiering: closing the disk tier failed: %r", exc)
 
     # ------------------------------------------------------------------ checking
 
