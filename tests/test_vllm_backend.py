@@ -710,9 +710,132 @@ def test_slab_is_shared_and_its_name_goes_once_both_sides_mapped(tmp_path):
     page = torch.randint(0, 256, (64,), generator=gen, dtype=torch.uint8)
     first.tensor[2].copy_(page)
     assert torch.equal(second.tensor[2], page)  # still one memory after the unlink
+    live = HostSlab(str(tmp_path / "x.slab"), 2, 64)  # a live engine with this name
     with pytest.raises(ValueError, match="expected"):
-        HostSlab(str(tmp_path / "x.slab"), 2, 64)
         HostSlab(str(tmp_path / "x.slab"), 3, 64)
+    live.close()
+    for s in (first, second):
+        s.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_leftover_slab_file_is_replaced_not_paired_with(tmp_path):
+    """A slab file left by a process that died (same engine id) made the next manager
+    take itself for the second side and remove the name, so its worker created a new
+    file: two memories, and loads served bytes the manager never saw. A file that no
+    live process holds is now replaced, and both sides share one memory."""
+    gen = torch.Generator().manual_seed(25)
+    path = str(tmp_path / "e.slab")
+    with open(path, "wb") as f:  # the leftover: right size, nobody holds it
+        f.write(torch.randint(0, 256, (4 * 64,), generator=gen, dtype=torch.uint8).numpy()
+                .tobytes())
+    manager = HostSlab(path, 4, 64)
+    manager.unlink_if_second()
+    worker = HostSlab(path, 4, 64)
+    worker.unlink_if_second()
+    assert manager.created and not worker.created
+    page = torch.randint(0, 256, (64,), generator=gen, dtype=torch.uint8)
+    worker.tensor[1].copy_(page)  # a worker's store ...
+    assert torch.equal(manager.tensor[1], page)  # ... is what the manager demotes
+    assert not os.path.exists(path)
+    worker.close()
+    manager.close(unlink=True)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("first_closes", ["creator", "second"])
+def test_no_slab_file_is_left_after_shutdown(tmp_path, first_closes):
+    """A creator whose partner never came (vLLM's worker, say, when the scheduler
+    failed to start) left its file in /dev/shm; now close removes a name that still
+    names the slab, and never a name that another slab has taken since."""
+    path = str(tmp_path / "w.slab")
+    alone = HostSlab(path, 2, 64)
+    alone.close()
+    assert not os.path.exists(path)
+    a = HostSlab(path, 2, 64)
+    b = HostSlab(path, 2, 64)
+    (a if first_closes == "creator" else b).close()
+    (b if first_closes == "creator" else a).close()
+    assert os.listdir(tmp_path) == []
+    old = HostSlab(path, 2, 64)
+    os.unlink(path)
+    newer = HostSlab(path, 2, 64)  # another engine took the name meanwhile
+    old.close()
+    assert os.path.exists(path)  # not ours any more: kept
+    newer.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_slab_across_processes_pairs_with_a_live_side_and_not_a_dead_one(tmp_path):
+    """Another process creates the slab and writes random bytes: while it lives we pair
+    with it (one memory); once it has died without closing, its file is replaced."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "p.slab")
+    code = (
+        "import sys, torch\n"
+        "from tiering.integrations.vllm._config import HostSlab\n"
+        "s = HostSlab(sys.argv[1], 4, 64)\n"
+        "g = torch.Generator().manual_seed(26)\n"
+        "s.tensor.copy_(torch.randint(0, 256, (4, 64), generator=g, dtype=torch.uint8))\n"
+        "print(s.created, flush=True)\n"
+        "sys.stdin.readline()\n"  # stay alive until told
+        "import os; os._exit(0)\n"  # die without closing: the file stays behind
+    )
+    def other_process():
+        proc = subprocess.Popen([sys.executable, "-c", code, path], cwd=REPO, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert proc.stdout.readline().strip() == "True"  # it created the slab
+        return proc
+
+    def end(proc):
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+
+    want = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(26),
+                         dtype=torch.uint8)
+    proc = other_process()
+    try:
+        peer = HostSlab(path, 4, 64)  # the other side is alive: one memory
+        assert not peer.created and torch.equal(peer.tensor, want)
+        peer.close()
+        end(proc)
+        proc = other_process()
+        end(proc)  # died without closing: its file stays behind, nobody holds it
+        assert os.path.exists(path)
+        fresh = HostSlab(path, 4, 64)
+        assert fresh.created  # replaced, not paired with the dead process's file
+        assert not torch.equal(fresh.tensor, want)
+        fresh.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert os.listdir(tmp_path) == []
+
+
+def test_slab_names_are_distinct_per_engine_and_rank():
+    from tiering.integrations.vllm._core import slab_path
+
+    ids = ["a/b", "a_b", "a b", "a\\b", "x" * 300, "x" * 301, "engine-1"]
+    names = {slab_path("/d", e, r) for e in ids for r in (0, 1)}
+    assert len(names) == 2 * len(ids)  # sanitising once mapped the first three to one file
+    assert all(len(os.path.basename(n)) <= 255 for n in names)
+    for bad in (-1, True, 1.0, "0"):
+        with pytest.raises(ValueError, match="rank"):
+            slab_path("/d", "e", bad)
+
+
+def test_slab_bad_arguments_name_what_was_wrong(tmp_path):
+    with pytest.raises(ValueError, match="num_slots must be an int"):
+        HostSlab(str(tmp_path / "a"), True, 64)
+    with pytest.raises(ValueError, match="slot_bytes must be an int"):
+        HostSlab(str(tmp_path / "a"), 2, 0)
+    with pytest.raises(ValueError, match="host_dir"):
+        HostSlab(str(tmp_path / "missing" / "a"), 2, 64)
+    assert os.listdir(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------- worker side
