@@ -76,6 +76,7 @@ from tiering.types import Tier
 __all__ = [
     "OUR_KEYS",
     "PROMOTED_HOLD_STEPS",
+    "RESET_HOLD_STEPS",
     "BlockView",
     "Counters",
     "DiskState",
@@ -178,6 +179,9 @@ def _payload_offset(disk: DiskPageStore | None, chunk: int) -> int | None:
 
 
 PROMOTED_HOLD_STEPS = 16  # steps a promoted, not yet loaded block is not a host victim
+# Steps after a reset before the slots of stores and loads that were in flight are
+# taken back: vLLM flushes those jobs at the reset and never completes them.
+RESET_HOLD_STEPS = 16
 
 
 class TieredBlockManager:
@@ -262,6 +266,10 @@ class TieredBlockManager:
         self._step = 0  # maintain() calls: one per vLLM scheduler step
         # promoted for a lookup that answered "pending" and not loaded yet: key -> step
         self._fresh: dict[bytes, int] = {}
+        # after a reset: slots of stores that were in flight (slot -> step of the reset),
+        # and load pins that were (key -> (pins, step)); taken back RESET_HOLD_STEPS later
+        self._abandoned: dict[int, int] = {}
+        self._reset_loads: dict[bytes, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -645,6 +653,13 @@ class TieredBlockManager:
         for k, n in need.items():
             if self._load_pins.get(k, 0) < n:
                 raise ValueError(f"complete_load: block {k.hex()} has no load in flight")
+        for k, n in need.items():
+            r = self._reset_loads.get(k)
+            if r is not None:
+                if r[0] > n:
+                    self._reset_loads[k] = (r[0] - n, r[1])
+                else:
+                    del self._reset_loads[k]
         for k in keys:
             self.index.release(k)
             left = self._load_pins[k] - 1
@@ -767,6 +782,8 @@ class TieredBlockManager:
         """Reap I/O, write cold host blocks down to disk to keep headroom, dump state."""
         self._open("maintain")
         self._step += 1
+        if self._abandoned or self._reset_loads:
+            self._take_back_after_reset()
         self.reap()
         if self.disk is not None:
             self._demote_for_headroom()
@@ -856,23 +873,48 @@ class TieredBlockManager:
         }
 
     def reset(self) -> None:
-        """Forget every block that no job uses (vLLM's reset_cache). A block that a
-        load, a demotion or a promotion uses stays, and so do its ancestors; a clean
-        disk copy of a block that stays is dropped."""
+        """Forget every block (vLLM's reset_cache: after it, no block stored before may
+        be loaded, e.g. after a weight update). A block that a load, a demotion or a
+        promotion uses answers "miss" at once and is dropped, with its descendants,
+        when that job ends. Stores in flight are abandoned: they never enter the
+        index and their slots stay reserved while the worker may still write them.
+        vLLM flushes the jobs in flight at a reset and never completes them, so
+        ``RESET_HOLD_STEPS`` steps later the abandoned slots and the load pins left
+        from before the reset are taken back (a ``complete_load`` before that still
+        settles its pins)."""
         self._open("reset")
         self.reap()
         for k in list(self.index.keys()):
-            if k not in self.index:
-                continue  # gone with an ancestor
-            if self.index.evictable(k):
+            if k in self.index and k not in self._lost:  # not gone with an ancestor
                 self._remove(k, "reset")
         for k in list(self._disk_copy):
-            if self._disk_ready_copy(k):
+            if k in self.index and self._disk_ready_copy(k):
                 assert self.disk_policy is not None
                 self._release_disk(self._disk_copy.pop(k))
                 self.disk_policy.on_remove(k)
                 self.events.append(Event((k,), "disk", True))
+        for k, (slot, _) in self._storing.items():
+            self.pool.transfer_ownership(k, ("reset", slot), [slot])
+            self._abandoned[slot] = self._step
+        self._storing.clear()
+        for k, n in self._load_pins.items():
+            self._reset_loads[k] = (n, self._step)
         self._dirty = True
+
+    def _take_back_after_reset(self) -> None:
+        for slot, at in list(self._abandoned.items()):
+            if self._step - at >= RESET_HOLD_STEPS:
+                del self._abandoned[slot]
+                self.pool.release(("reset", slot), [slot])
+        for k, (n, at) in list(self._reset_loads.items()):
+            if self._step - at < RESET_HOLD_STEPS:
+                continue
+            del self._reset_loads[k]
+            left = min(n, self._load_pins.get(k, 0))
+            if left:
+                log.warning("tiering: %d load(s) of %s never completed after a reset; "
+                            "taken back", left, k.hex())
+                self.complete_load([k] * left)
 
     def wait_io(self, timeout: float = 30.0) -> bool:
         """Wait (at most ``timeout``) for disk I/O in flight, then reap it; True if none is left.
@@ -930,6 +972,11 @@ class TieredBlockManager:
             if k in self.index:
                 problems.append(f"{k.hex()}: storing and already in the index")
             holdings[k] = [slot]
+        for slot in self._abandoned:
+            holdings[("reset", slot)] = [slot]
+        stray = [k for k in self._reset_loads if k not in self._load_pins]
+        if stray:
+            problems.append(f"{stray[0].hex()}: a load from before a reset without its pin")
         for k in self.index.keys():
             loc = self.index.location(k)
             info = self.index.get(k)
