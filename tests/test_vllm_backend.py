@@ -118,6 +118,62 @@ def test_bad_extra_config_names_the_field(extra, field):
         TieredConfig.from_extra(extra)
 
 
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"host_bytes": 10, "io_threads": 10**9}, "io_threads"),  # a billion threads
+        ({"host_bytes": 10, "copy_threads": 65}, "copy_threads"),
+        ({"host_bytes": 10, "copy_threads": True}, "copy_threads"),
+        ({"host_bytes": 10, "host_dir": "/nonexistent/tiering-dir"}, "host_dir"),
+        ({"host_bytes": 10, "state_path": "/nonexistent/tiering-dir/s.json"}, "state_path"),
+        ({"host_bytes": 10, "state_path": "/"}, "state_path"),  # a directory, not a file
+        ({"host_bytes": True}, "host_bytes"),
+        ({"host_bytes": 10.0}, "host_bytes"),
+        ({"host_bytes": float("nan")}, "host_bytes"),
+        ({"host_bytes": 10, "disk_path": "/x", "disk_bytes": True}, "disk_bytes"),
+        ({"host_bytes": 10, "disk_path": "", "disk_bytes": 100}, "disk_path"),
+        ({"host_bytes": 10, "demote_headroom": 1.0}, "demote_headroom"),
+        ({"host_bytes": 10, "policy": None}, "policy"),
+    ],
+)
+def test_more_bad_extra_config_names_the_field(extra, field):
+    """Thread counts had no upper bound (a billion threads were started), and a
+    missing host_dir or state_path directory passed (the slab failed later with a
+    bare FileNotFoundError; the state file was silently never written)."""
+    with pytest.raises(ValueError, match=f"kv_connector_extra_config.{field}"):
+        TieredConfig.from_extra(extra)
+
+
+def test_disk_path_that_is_a_file_names_the_field(tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match="kv_connector_extra_config.disk_path"):
+        TieredConfig(host_bytes=4096, disk_path=str(f), disk_bytes=4096)
+    assert TieredConfig(host_bytes=4096, host_dir=str(tmp_path),
+                        state_path=str(tmp_path / "s.json")).host_dir == str(tmp_path)
+
+
+def test_a_failed_state_dump_is_counted_and_logged(tmp_path, caplog):
+    import json
+    import shutil
+
+    gen = torch.Generator().manual_seed(29)
+    sdir = tmp_path / "state"
+    sdir.mkdir()
+    m = make(tmp_path, slots=4, state_path=str(sdir / "s.json"))
+    store(m, gen, [key(1)])
+    assert m.wait_io(10)
+    assert json.loads((sdir / "s.json").read_text())["counters"]["stores_completed"] == 1
+    shutil.rmtree(sdir)  # the directory goes away under the running manager
+    store(m, gen, [key(2)])
+    assert m.wait_io(10)
+    with caplog.at_level("WARNING"):
+        store(m, gen, [key(3)])  # the next dump finds the last one failed
+    assert m.counters.state_dumps_failed == 1 and "state file" in caplog.text
+    m.check_integrity()
+    m.shutdown()
+
+
 def test_extra_config_keeps_ours_and_ignores_vllms():
     c = TieredConfig.from_extra(
         {"spec_name": "TieredOffloadingSpec", "host_bytes": 4096, "policy": "s3fifo",

@@ -32,6 +32,8 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+MAX_THREADS = 64  # io_threads and copy_threads: each is a thread of its own
+
 OUR_KEYS = frozenset(
     {
         "host_bytes",
@@ -106,6 +108,25 @@ class TieredConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"kv_connector_extra_config.{name} must be a non-empty str, got {v!r}")
+        if self.host_dir is not None and not os.path.isdir(self.host_dir):
+            raise ValueError(
+                f"kv_connector_extra_config.host_dir must be an existing directory, "
+                f"got {self.host_dir!r}"
+            )
+        if self.state_path is not None:
+            parent = os.path.dirname(os.path.abspath(self.state_path))
+            if os.path.isdir(self.state_path) or not os.path.isdir(parent):
+                raise ValueError(
+                    "kv_connector_extra_config.state_path must be a file path in an existing "
+                    f"directory, got {self.state_path!r}"
+                )
+        if self.disk_path is not None and os.path.exists(self.disk_path) and not os.path.isdir(
+            self.disk_path
+        ):
+            raise ValueError(
+                f"kv_connector_extra_config.disk_path must be a directory, got {self.disk_path!r} "
+                "(an existing file)"
+            )
         if self.demote_headroom is not None and (
             not _is_int(self.demote_headroom) or self.demote_headroom < 0
         ):
@@ -115,8 +136,11 @@ class TieredConfig:
             )
         for name in ("io_threads", "copy_threads"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"kv_connector_extra_config.{name} must be an int >= 1, got {v!r}")
+            if not _is_int(v) or not 1 <= v <= MAX_THREADS:
+                raise ValueError(
+                    f"kv_connector_extra_config.{name} must be an int from 1 to {MAX_THREADS}, "
+                    f"got {v!r}"
+                )
         if not isinstance(self.test_corrupt_loads, bool):
             raise ValueError(
                 "kv_connector_extra_config.test_corrupt_loads must be a bool, "

@@ -149,7 +149,7 @@ Counters = counter_record(
     stores_refused stores_not_admitted loads_from_host loads_from_disk promotions_started
     promotions_ok promotions_failed promotions_deferred promotions_unused demotions_started
     demotions_ok demotions_failed demotions_not_admitted host_evictions disk_evictions dropped
-    drops_deferred""",
+    drops_deferred state_dumps_failed""",
     doc="""What the manager did, as plain integers. Where a name does not say it all:
 
     ``stores_refused``: no host slot could be freed: prepare_store answered None.
@@ -161,7 +161,10 @@ Counters = counter_record(
     ``promotions_unused``: promoted, then left host before any load.
     ``demotions_not_admitted``: the disk policy refused the block.
     ``dropped``: blocks gone from every tier (orphaned descendants included).
-    ``drops_deferred``: a damaged block waited (answering miss) for a busy descendant.
+    ``drops_deferred``: a damaged block (or one forgotten by a reset) waited, answering
+    miss, for its own or a descendant's job to end.
+    ``state_dumps_failed``: writes of ``state_path`` that failed (logged; the next
+    change writes it again).
     """,
     module=__name__,
 )
@@ -790,6 +793,10 @@ class TieredBlockManager:
         if self.cfg.state_path is not None and self._dirty and (
             self._dump is None or self._dump.done()
         ):
+            if self._dump is not None and self._dump.exception() is not None:
+                self.counters.state_dumps_failed += 1
+                log.warning("tiering: writing the state file %s failed: %r",
+                            self.cfg.state_path, self._dump.exception())
             self._dirty = False
             self._dump = self._io.submit(WRITE, _write_json, self.cfg.state_path, self.state())
 
