@@ -431,6 +431,31 @@ def test_a_promoted_block_is_held_for_its_load_so_promotions_do_not_undo_each_ot
     m.shutdown()
 
 
+def test_the_promotion_hold_counts_scheduler_steps_not_store_completions(tmp_path):
+    """complete_store counted as a scheduler step, so with many stores completing in
+    one step a promoted block lost its hold after fewer than PROMOTED_HOLD_STEPS
+    steps, and promotions for requests scheduled together undid each other again."""
+    from tiering.integrations.vllm._core import PROMOTED_HOLD_STEPS
+
+    gen = torch.Generator().manual_seed(31)
+    m = make(tmp_path, slots=2, disk_pages=8, demote_headroom=2, policy="lru")
+    for pair in ((1, 2), (3, 4), (5, 6)):
+        store(m, gen, [key(i) for i in pair])
+        assert m.wait_io(10)
+    assert m.lookup(key(1)) is Lookup.PENDING and m.lookup(key(2)) is Lookup.PENDING
+    assert m.wait_io(10)
+    for _ in range(2 * PROMOTED_HOLD_STEPS):  # completions within one scheduler step
+        m.complete_store([key(99)])  # (keys repeat across jobs: nothing in flight)
+    assert m.lookup(key(3)) is Lookup.PENDING  # still held: no slot, no eviction
+    assert m.counters.promotions_started == 2 and m.counters.promotions_deferred == 1
+    assert m.lookup(key(1)) is Lookup.HIT and m.lookup(key(2)) is Lookup.HIT
+    for _ in range(PROMOTED_HOLD_STEPS):  # real steps end the hold
+        m.maintain()
+    assert m.lookup(key(3)) is Lookup.PENDING and m.counters.promotions_started == 3
+    m.check_integrity()
+    m.shutdown()
+
+
 def test_host_only_evicts_and_reports_evicted_keys(tmp_path):
     gen = torch.Generator().manual_seed(4)
     m = make(tmp_path, slots=2, policy="lru")
@@ -554,9 +579,9 @@ def test_stores_and_loads_in_flight_at_a_reset_are_taken_back_later(tmp_path):
     m.check_integrity()
     for k in (key(1), key(2), key(3)):
         assert m.lookup(k) is Lookup.MISS  # not pending for ever
-    m.complete_store([key(2)])  # a late completion inserts nothing (and is one step)
+    m.complete_store([key(2)])  # a late completion inserts nothing
     assert m.block(key(2)) is None
-    for step in range(1, RESET_HOLD_STEPS):
+    for step in range(RESET_HOLD_STEPS):
         assert m.pool.free_pages == 1, step  # the worker may still write these slots
         m.maintain()
         m.check_integrity()

@@ -779,14 +779,20 @@ class TieredBlockManager:
         if stored:
             self.events.append(Event(tuple(stored), "host", False))
         self._dirty = True
-        self.maintain()
+        self._settle()  # not a step: vLLM completes many stores in one
 
     def maintain(self) -> None:
-        """Reap I/O, write cold host blocks down to disk to keep headroom, dump state."""
+        """One scheduler step's end (vLLM's on_schedule_end): count the step (the holds,
+        ``PROMOTED_HOLD_STEPS`` and ``RESET_HOLD_STEPS``, are in these steps), reap I/O,
+        write cold host blocks down to disk to keep headroom, dump state."""
         self._open("maintain")
         self._step += 1
         if self._abandoned or self._reset_loads:
             self._take_back_after_reset()
+        self._settle()
+
+    def _settle(self) -> None:
+        """Reap I/O, keep the demotion headroom, dump state (no step is counted)."""
         self.reap()
         if self.disk is not None:
             self._demote_for_headroom()
