@@ -710,6 +710,25 @@ def test_bad_keys_are_refused_and_change_nothing(tmp_path, call, why):
     m.shutdown()
 
 
+@pytest.mark.parametrize("breakage", ["abandoned slot", "reset load"])
+def test_check_integrity_catches_broken_reset_book_keeping(tmp_path, breakage):
+    gen = torch.Generator().manual_seed(32)
+    m = make(tmp_path, slots=4, policy="lru")
+    store(m, gen, [key(1)])
+    m.prepare_load([key(1)])
+    d = m.prepare_store([key(2)])
+    m.reset()
+    m.check_integrity()  # sound before the breakage
+    if breakage == "abandoned slot":
+        m.pool.release(("reset", d.slots[0]), d.slots)  # freed while a worker may write it
+        match = "host pool"
+    else:
+        m._reset_loads[key(7)] = (1, 0)  # a reset load nobody pins
+        match = "before a reset"
+    with pytest.raises(TableIntegrityError, match=match):
+        m.check_integrity()
+
+
 class ManagerMachine(RuleBasedStateMachine):
     """Random chained stores, lookups, loads, maintenance, resets and blocks damaged on
     disk, under every registered block policy; integrity after each step, and every
