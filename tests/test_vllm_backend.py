@@ -277,6 +277,42 @@ def test_cascade_to_disk_and_checked_promotion_returns_the_same_bytes(tmp_path):
     m.shutdown()
 
 
+def test_two_ranks_share_one_disk_page_and_each_gets_its_own_bytes_back(tmp_path):
+    """Tensor parallelism: one slab per rank, one disk page per block holding every
+    rank's part; a promotion hands each rank exactly its own bytes."""
+    ranks, slot_bytes = 2, 128
+    cfg = TieredConfig(host_bytes=2 * slot_bytes, disk_path=str(tmp_path / "d"),
+                       disk_bytes=8 * slot_bytes * ranks, demote_headroom=2, policy="lru")
+    slabs = [HostSlab(str(tmp_path / f"s{r}"), 2, slot_bytes) for r in range(ranks)]
+    m = TieredBlockManager(cfg, slabs, open_disk(cfg, slot_bytes * ranks, "t"))
+    assert m.page_bytes == slot_bytes * ranks
+    gen = torch.Generator().manual_seed(33)
+    data = {}
+    for i in range(0, 6, 2):
+        d = m.prepare_store([key(i), key(i + 1)])
+        for k, slot in zip(d.keys_to_store, d.slots, strict=True):
+            data[k] = [torch.randint(0, 256, (slot_bytes,), generator=gen, dtype=torch.uint8)
+                       for _ in range(ranks)]
+            for r in range(ranks):
+                slabs[r].tensor[slot].copy_(data[k][r])
+        m.complete_store(d.keys_to_store)
+        assert m.wait_io(10)
+        m.check_integrity()
+    for k, pages in data.items():
+        r = m.lookup(k)
+        if r is Lookup.PENDING:
+            assert m.wait_io(10)
+            r = m.lookup(k)
+        assert r is Lookup.HIT
+        (slot,) = m.prepare_load([k])
+        for rank in range(ranks):
+            assert torch.equal(slabs[rank].tensor[slot], pages[rank])
+        m.complete_load([k])
+        m.check_integrity()
+    assert m.counters.loads_from_disk >= 4
+    m.shutdown()
+
+
 def test_block_damaged_on_disk_becomes_a_miss_and_is_never_served(tmp_path):
     gen = torch.Generator().manual_seed(3)
     m = make(tmp_path, slots=2, disk_pages=8, demote_headroom=2)
