@@ -149,7 +149,7 @@ Counters = counter_record(
     stores_refused stores_not_admitted loads_from_host loads_from_disk promotions_started
     promotions_ok promotions_failed promotions_deferred promotions_unused demotions_started
     demotions_ok demotions_failed demotions_not_admitted host_evictions disk_evictions dropped
-    drops_deferred state_dumps_failed""",
+    drops_deferred""",
     doc="""What the manager did, as plain integers. Where a name does not say it all:
 
     ``stores_refused``: no host slot could be freed: prepare_store answered None.
@@ -163,8 +163,6 @@ Counters = counter_record(
     ``dropped``: blocks gone from every tier (orphaned descendants included).
     ``drops_deferred``: a damaged block (or one forgotten by a reset) waited, answering
     miss, for its own or a descendant's job to end.
-    ``state_dumps_failed``: writes of ``state_path`` that failed (logged; the next
-    change writes it again).
     """,
     module=__name__,
 )
@@ -800,7 +798,6 @@ class TieredBlockManager:
             self._dump is None or self._dump.done()
         ):
             if self._dump is not None and self._dump.exception() is not None:
-                self.counters.state_dumps_failed += 1
                 log.warning("tiering: writing the state file %s failed: %r",
                             self.cfg.state_path, self._dump.exception())
             self._dirty = False
