@@ -172,6 +172,8 @@ def test_a_failed_state_dump_is_logged_and_written_again_later(tmp_path, caplog)
     assert "writing the state file" in caplog.text and str(sdir) in caplog.text
     sdir.mkdir()  # back: the next change writes the file again
     store(m, gen, [key(4)])
+    assert m.wait_io(10)  # a dump still running at the store leaves it to the next step
+    m.maintain()
     assert m.wait_io(10)
     assert json.loads((sdir / "s.json").read_text())["counters"]["stores_completed"] == 4
     m.check_integrity()
