@@ -1115,6 +1115,28 @@ def test_slab_across_processes_pairs_with_a_live_side_and_not_a_dead_one(tmp_pat
     assert os.listdir(tmp_path) == []
 
 
+def test_leftover_slab_files_of_dead_processes_are_swept(tmp_path):
+    """Slab files of processes that died (nobody holds them) stayed in /dev/shm for
+    ever; the sweep removes exactly those, never a live slab or another file."""
+    from tiering.integrations.vllm._core import remove_leftover_slabs, slab_path
+
+    dead = [slab_path(str(tmp_path), f"gone-{i}", 0) for i in range(3)]
+    for p in dead:
+        with open(p, "wb") as f:
+            f.write(os.urandom(128))
+    live = HostSlab(slab_path(str(tmp_path), "alive", 0), 2, 64)  # its partner is still to come
+    other = tmp_path / "tiering-vllm-notes.txt"
+    other.write_text("not a slab")
+    assert sorted(remove_leftover_slabs(str(tmp_path))) == sorted(dead)
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(live.path), other.name])
+    partner = HostSlab(live.path, 2, 64)  # still pairs with the live one
+    assert not partner.created
+    partner.close()
+    live.close()
+    assert os.listdir(tmp_path) == [other.name]
+    assert remove_leftover_slabs(str(tmp_path / "missing")) == []
+
+
 def test_slab_names_are_distinct_per_engine_and_rank():
     from tiering.integrations.vllm._core import slab_path
 

@@ -323,6 +323,42 @@ class HostSlab:
         self._fd = None
 
 
+def remove_leftover_slabs(host_dir: str) -> list[str]:
+    """Remove the slab files in ``host_dir`` that no live process holds (left by
+    processes that died before their partner mapped the file); the paths removed.
+    A slab being paired is held by its creator's lock and stays; files with other
+    names are never touched."""
+    removed = []
+    try:
+        names = os.listdir(host_dir)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith("tiering-vllm-") and name.endswith(".slab")):
+            continue
+        path = os.path.join(host_dir, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, a link, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # a live creator holds it
+        try:
+            if _same_file(fd, path):
+                os.unlink(path)
+                removed.append(path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("tiering: removed %d leftover host slab file(s) in %s", len(removed), host_dir)
+    return removed
+
+
 def _same_file(fd: int, path: str) -> bool:
     a, b = os.fstat(fd), os.stat(path)
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)

@@ -62,6 +62,7 @@ from tiering.integrations.vllm._config import (
     _write_json,
     default_host_dir,
     open_disk,
+    remove_leftover_slabs,
     slab_path,
 )
 from tiering.integrations.vllm._mover import (
@@ -95,6 +96,7 @@ __all__ = [
     "default_host_dir",
     "open_disk",
     "plan_blocks",
+    "remove_leftover_slabs",
     "slab_path",
 ]
 

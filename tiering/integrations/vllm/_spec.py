@@ -52,6 +52,7 @@ from tiering.integrations.vllm._core import (
     TieredMover,
     default_host_dir,
     open_disk,
+    remove_leftover_slabs,
     slab_path,
 )
 
@@ -88,6 +89,7 @@ class _Geometry:
         self.engine_id = config.engine_id
 
     def slab(self, rank: int) -> HostSlab:
+        remove_leftover_slabs(self.host_dir)  # of processes that died (nobody holds them)
         return HostSlab(slab_path(self.host_dir, self.engine_id, rank), self.num_slots,
                         self.slot_bytes)
 
