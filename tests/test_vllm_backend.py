@@ -118,6 +118,68 @@ def test_bad_extra_config_names_the_field(extra, field):
         TieredConfig.from_extra(extra)
 
 
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"host_bytes": 10, "io_threads": 10**9}, "io_threads"),  # a billion threads
+        ({"host_bytes": 10, "copy_threads": 65}, "copy_threads"),
+        ({"host_bytes": 10, "copy_threads": True}, "copy_threads"),
+        ({"host_bytes": 10, "host_dir": "/nonexistent/tiering-dir"}, "host_dir"),
+        ({"host_bytes": 10, "state_path": "/nonexistent/tiering-dir/s.json"}, "state_path"),
+        ({"host_bytes": 10, "state_path": "/"}, "state_path"),  # a directory, not a file
+        ({"host_bytes": True}, "host_bytes"),
+        ({"host_bytes": 10.0}, "host_bytes"),
+        ({"host_bytes": float("nan")}, "host_bytes"),
+        ({"host_bytes": 10, "disk_path": "/x", "disk_bytes": True}, "disk_bytes"),
+        ({"host_bytes": 10, "disk_path": "", "disk_bytes": 100}, "disk_path"),
+        ({"host_bytes": 10, "demote_headroom": 1.0}, "demote_headroom"),
+        ({"host_bytes": 10, "policy": None}, "policy"),
+    ],
+)
+def test_more_bad_extra_config_names_the_field(extra, field):
+    """Thread counts had no upper bound (a billion threads were started), and a
+    missing host_dir or state_path directory passed (the slab failed later with a
+    bare FileNotFoundError; the state file was silently never written)."""
+    with pytest.raises(ValueError, match=f"kv_connector_extra_config.{field}"):
+        TieredConfig.from_extra(extra)
+
+
+def test_disk_path_that_is_a_file_names_the_field(tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match="kv_connector_extra_config.disk_path"):
+        TieredConfig(host_bytes=4096, disk_path=str(f), disk_bytes=4096)
+    assert TieredConfig(host_bytes=4096, host_dir=str(tmp_path),
+                        state_path=str(tmp_path / "s.json")).host_dir == str(tmp_path)
+
+
+def test_a_failed_state_dump_is_logged_and_written_again_later(tmp_path, caplog):
+    import json
+    import shutil
+
+    gen = torch.Generator().manual_seed(29)
+    sdir = tmp_path / "state"
+    sdir.mkdir()
+    m = make(tmp_path, slots=4, state_path=str(sdir / "s.json"))
+    store(m, gen, [key(1)])
+    assert m.wait_io(10)
+    assert json.loads((sdir / "s.json").read_text())["counters"]["stores_completed"] == 1
+    shutil.rmtree(sdir)  # the directory goes away under the running manager
+    store(m, gen, [key(2)])
+    assert m.wait_io(10)
+    with caplog.at_level("WARNING"):
+        store(m, gen, [key(3)])  # the next dump finds the last one failed
+    assert "writing the state file" in caplog.text and str(sdir) in caplog.text
+    sdir.mkdir()  # back: the next change writes the file again
+    store(m, gen, [key(4)])
+    assert m.wait_io(10)  # a dump still running at the store leaves it to the next step
+    m.maintain()
+    assert m.wait_io(10)
+    assert json.loads((sdir / "s.json").read_text())["counters"]["stores_completed"] == 4
+    m.check_integrity()
+    m.shutdown()
+
+
 def test_extra_config_keeps_ours_and_ignores_vllms():
     c = TieredConfig.from_extra(
         {"spec_name": "TieredOffloadingSpec", "host_bytes": 4096, "policy": "s3fifo",
@@ -218,6 +280,42 @@ def test_cascade_to_disk_and_checked_promotion_returns_the_same_bytes(tmp_path):
     assert m.counters.loads_from_disk == 1 and m.counters.loads_from_host == 0
     m.complete_load([k])
     m.check_integrity()
+    m.shutdown()
+
+
+def test_two_ranks_share_one_disk_page_and_each_gets_its_own_bytes_back(tmp_path):
+    """Tensor parallelism: one slab per rank, one disk page per block holding every
+    rank's part; a promotion hands each rank exactly its own bytes."""
+    ranks, slot_bytes = 2, 128
+    cfg = TieredConfig(host_bytes=2 * slot_bytes, disk_path=str(tmp_path / "d"),
+                       disk_bytes=8 * slot_bytes * ranks, demote_headroom=2, policy="lru")
+    slabs = [HostSlab(str(tmp_path / f"s{r}"), 2, slot_bytes) for r in range(ranks)]
+    m = TieredBlockManager(cfg, slabs, open_disk(cfg, slot_bytes * ranks, "t"))
+    assert m.page_bytes == slot_bytes * ranks
+    gen = torch.Generator().manual_seed(33)
+    data = {}
+    for i in range(0, 6, 2):
+        d = m.prepare_store([key(i), key(i + 1)])
+        for k, slot in zip(d.keys_to_store, d.slots, strict=True):
+            data[k] = [torch.randint(0, 256, (slot_bytes,), generator=gen, dtype=torch.uint8)
+                       for _ in range(ranks)]
+            for r in range(ranks):
+                slabs[r].tensor[slot].copy_(data[k][r])
+        m.complete_store(d.keys_to_store)
+        assert m.wait_io(10)
+        m.check_integrity()
+    for k, pages in data.items():
+        r = m.lookup(k)
+        if r is Lookup.PENDING:
+            assert m.wait_io(10)
+            r = m.lookup(k)
+        assert r is Lookup.HIT
+        (slot,) = m.prepare_load([k])
+        for rank in range(ranks):
+            assert torch.equal(slabs[rank].tensor[slot], pages[rank])
+        m.complete_load([k])
+        m.check_integrity()
+    assert m.counters.loads_from_disk >= 4
     m.shutdown()
 
 
@@ -375,6 +473,31 @@ def test_a_promoted_block_is_held_for_its_load_so_promotions_do_not_undo_each_ot
     m.shutdown()
 
 
+def test_the_promotion_hold_counts_scheduler_steps_not_store_completions(tmp_path):
+    """complete_store counted as a scheduler step, so with many stores completing in
+    one step a promoted block lost its hold after fewer than PROMOTED_HOLD_STEPS
+    steps, and promotions for requests scheduled together undid each other again."""
+    from tiering.integrations.vllm._core import PROMOTED_HOLD_STEPS
+
+    gen = torch.Generator().manual_seed(31)
+    m = make(tmp_path, slots=2, disk_pages=8, demote_headroom=2, policy="lru")
+    for pair in ((1, 2), (3, 4), (5, 6)):
+        store(m, gen, [key(i) for i in pair])
+        assert m.wait_io(10)
+    assert m.lookup(key(1)) is Lookup.PENDING and m.lookup(key(2)) is Lookup.PENDING
+    assert m.wait_io(10)
+    for _ in range(2 * PROMOTED_HOLD_STEPS):  # completions within one scheduler step
+        m.complete_store([key(99)])  # (keys repeat across jobs: nothing in flight)
+    assert m.lookup(key(3)) is Lookup.PENDING  # still held: no slot, no eviction
+    assert m.counters.promotions_started == 2 and m.counters.promotions_deferred == 1
+    assert m.lookup(key(1)) is Lookup.HIT and m.lookup(key(2)) is Lookup.HIT
+    for _ in range(PROMOTED_HOLD_STEPS):  # real steps end the hold
+        m.maintain()
+    assert m.lookup(key(3)) is Lookup.PENDING and m.counters.promotions_started == 3
+    m.check_integrity()
+    m.shutdown()
+
+
 def test_host_only_evicts_and_reports_evicted_keys(tmp_path):
     gen = torch.Generator().manual_seed(4)
     m = make(tmp_path, slots=2, policy="lru")
@@ -423,6 +546,98 @@ def test_reset_forgets_idle_blocks_but_keeps_pinned_ones(tmp_path):
     m.shutdown()
 
 
+class ManualExecutor:
+    """Queues each job; ``run_all`` runs them (I/O held in flight as long as a test wants)."""
+
+    def __init__(self):
+        self.jobs: list[tuple[Future, object, tuple]] = []
+
+    def submit(self, priority, fn, *args) -> Future:
+        fut: Future = Future()
+        self.jobs.append((fut, fn, args))
+        return fut
+
+    def run_all(self):
+        jobs, self.jobs = self.jobs, []
+        for fut, fn, args in jobs:
+            try:
+                fut.set_result(fn(*args))
+            except Exception as exc:  # handed to the manager through the future
+                fut.set_exception(exc)
+
+
+def test_after_reset_no_block_from_before_is_loadable(tmp_path):
+    """reset() kept a block with a load in flight (and one being promoted) loadable:
+    after vLLM's reset_cache (a weight update, say) those stale bytes could be
+    loaded. Now they answer miss at once and are dropped when their job ends."""
+    from tiering.integrations.vllm._core import RESET_HOLD_STEPS
+
+    gen = torch.Generator().manual_seed(27)
+    ex = ManualExecutor()
+    m = make(tmp_path, slots=3, disk_pages=8, demote_headroom=3, policy="lru", executor=ex)
+    store(m, gen, [key(1), key(2)])
+    ex.run_all()  # written down: both clean
+    store(m, gen, [key(3), key(4)])  # 1 leaves host (it is on disk)
+    ex.run_all()
+    m.reap()
+    assert m.block(key(1)).host is HostState.NONE
+    assert m.lookup(key(1)) is Lookup.PENDING  # a promotion in flight (2 made room)
+    assert m.block(key(1)).host is HostState.PROMOTING
+    assert m.lookup(key(3)) is Lookup.HIT
+    m.prepare_load([key(3)])  # a load in flight
+    m.reset()
+    m.check_integrity()
+    assert m.lookup(key(3)) is Lookup.MISS and m.lookup(key(1)) is Lookup.MISS
+    with pytest.raises(ValueError, match="not loadable"):
+        m.prepare_load([key(3)])
+    ex.run_all()  # the promotion lands
+    m.maintain()
+    assert m.lookup(key(1)) is Lookup.MISS and m.block(key(1)) is None
+    m.check_integrity()
+    m.complete_load([key(3)])  # the load ends: the block goes
+    m.maintain()
+    assert m.block(key(3)) is None and m.keys() == []
+    assert m.index.dropped["reset"] == 4 and m.pool.free_pages == 3
+    for _ in range(RESET_HOLD_STEPS):
+        m.maintain()
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_stores_and_loads_in_flight_at_a_reset_are_taken_back_later(tmp_path):
+    """vLLM never completes the jobs in flight at its reset_cache. A store in flight
+    then stayed 'pending' for ever (a request using its block waited for ever) and
+    its slot leaked; a load's pin leaked too. Now such a store answers miss, and
+    RESET_HOLD_STEPS steps later every slot is free again."""
+    from tiering.integrations.vllm._core import RESET_HOLD_STEPS
+
+    gen = torch.Generator().manual_seed(28)
+    m = make(tmp_path, slots=4, policy="lru")
+    store(m, gen, [key(1)])
+    m.prepare_load([key(1)])  # never completed
+    d = m.prepare_store([key(2), key(3)])  # never completed
+    assert d is not None and m.pool.free_pages == 1
+    m.reset()
+    m.check_integrity()
+    for k in (key(1), key(2), key(3)):
+        assert m.lookup(k) is Lookup.MISS  # not pending for ever
+    m.complete_store([key(2)])  # a late completion inserts nothing
+    assert m.block(key(2)) is None
+    for step in range(RESET_HOLD_STEPS):
+        assert m.pool.free_pages == 1, step  # the worker may still write these slots
+        m.maintain()
+        m.check_integrity()
+    assert m.pool.free_pages == 4 and m.keys() == []
+    again = store(m, gen, [key(2), key(3), key(4), key(5)])  # every slot is usable
+    for k, page in again.items():
+        assert m.lookup(k) is Lookup.HIT
+        (slot,) = m.prepare_load([k])
+        assert torch.equal(m.slabs[0].tensor[slot], page)
+        m.complete_load([k])
+    m.check_integrity()
+    m.shutdown()
+
+
 @pytest.mark.parametrize("breakage", ["pool", "policy", "pin", "disk copy"])
 def test_check_integrity_catches_a_broken_manager(tmp_path, breakage):
     gen = torch.Generator().manual_seed(5)
@@ -456,6 +671,104 @@ def test_stats_delta_reports_increases_once(tmp_path):
     assert d["stores_completed"] == 1 and d["host_hits"] == 1
     assert m.stats_delta() == {}
     m.shutdown()
+
+
+def _snapshot(m: TieredBlockManager):
+    return ({k: m.block(k) for k in m.keys()}, m.pool.free_pages, dict(m.counters.__dict__),
+            None if m.disk is None else m.disk.used_bytes())
+
+
+def test_calls_after_shutdown_raise_and_the_disk_path_is_free_again(tmp_path):
+    """After shutdown the manager took stores, loads and lookups as if open (and its
+    disk tier stayed locked, so a new manager on the same path failed); now every
+    changing call raises CacheClosed and changes nothing, and the path is free."""
+    import threading
+
+    from tiering.errors import CacheClosed
+
+    gen = torch.Generator().manual_seed(23)
+    before = set(threading.enumerate())
+    m = make(tmp_path, slots=4, disk_pages=8, demote_headroom=4)
+    store(m, gen, [key(1), key(2)])
+    assert m.wait_io(10)
+    with pytest.raises(ValueError, match="timeout"):
+        m.shutdown(float("nan"))  # refused: nothing is shut down
+    assert m.lookup(key(1)) is Lookup.HIT
+    m.shutdown()
+    snap = _snapshot(m)
+    calls = {
+        "lookup": lambda: m.lookup(key(1)),
+        "prepare_store": lambda: m.prepare_store([key(9)]),
+        "complete_store": lambda: m.complete_store([key(9)]),
+        "prepare_load": lambda: m.prepare_load([key(1)]),
+        "complete_load": lambda: m.complete_load([key(1)]),
+        "touch": lambda: m.touch([key(1)]),
+        "maintain": m.maintain,
+        "reset": m.reset,
+    }
+    for name, call in calls.items():
+        with pytest.raises(CacheClosed, match=f"{name}: the manager is shut down"):
+            call()
+    assert _snapshot(m) == snap
+    m.check_integrity()
+    m.shutdown()  # a second shutdown does nothing
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("tiering")]
+    again = make(tmp_path, slots=4, disk_pages=8)  # the disk path is free again
+    assert again.lookup(key(1)) is Lookup.MISS
+    again.shutdown()
+
+
+@pytest.mark.parametrize(
+    "call, why",
+    [
+        (lambda m: m.lookup("abc"), "every key must be non-empty bytes"),
+        (lambda m: m.lookup(5), "every key must be non-empty bytes"),
+        (lambda m: m.lookup(b""), "every key must be non-empty bytes"),
+        (lambda m: m.prepare_store(["abc"]), "every key must be non-empty bytes"),
+        (lambda m: m.prepare_store("abc"), "keys must be a sequence"),
+        (lambda m: m.prepare_store([key(3), bytearray(key(4))]), "every key"),
+        (lambda m: m.prepare_load([key(1), "x"]), "every key"),
+        (lambda m: m.complete_load([key(1), 7]), "every key"),
+        (lambda m: m.complete_store([key(3)], success=None), "success must be a bool"),
+        (lambda m: m.touch([None]), "every key"),
+        (lambda m: m.wait_io(float("nan")), "timeout"),
+    ],
+)
+def test_bad_keys_are_refused_and_change_nothing(tmp_path, call, why):
+    """A str key was stored (and a str taken as a list of one-letter keys); now
+    every call names the bad key and changes nothing."""
+    gen = torch.Generator().manual_seed(24)
+    m = make(tmp_path, slots=4, disk_pages=8, demote_headroom=4)
+    store(m, gen, [key(1), key(2)])
+    assert m.wait_io(10)
+    (slot,) = m.prepare_load([key(1)])
+    snap = _snapshot(m)
+    with pytest.raises(ValueError, match=why):
+        call(m)
+    assert _snapshot(m) == snap
+    m.check_integrity()
+    m.complete_load([key(1)])
+    m.check_integrity()
+    m.shutdown()
+
+
+@pytest.mark.parametrize("breakage", ["abandoned slot", "reset load"])
+def test_check_integrity_catches_broken_reset_book_keeping(tmp_path, breakage):
+    gen = torch.Generator().manual_seed(32)
+    m = make(tmp_path, slots=4, policy="lru")
+    store(m, gen, [key(1)])
+    m.prepare_load([key(1)])
+    d = m.prepare_store([key(2)])
+    m.reset()
+    m.check_integrity()  # sound before the breakage
+    if breakage == "abandoned slot":
+        m.pool.release(("reset", d.slots[0]), d.slots)  # freed while a worker may write it
+        match = "host pool"
+    else:
+        m._reset_loads[key(7)] = (1, 0)  # a reset load nobody pins
+        match = "before a reset"
+    with pytest.raises(TableIntegrityError, match=match):
+        m.check_integrity()
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -546,11 +859,14 @@ class ManagerMachine(RuleBasedStateMachine):
     def settle(self):
         assert self.m.wait_io(10)
 
-    @precondition(lambda self: not self.pending)
     @rule()
     def reset(self):
+        """Also with stores in flight (vLLM never completes those: a later completion
+        must insert nothing); afterwards no block from before is loadable."""
         self.m.reset()
         assert set(self.m.keys()) <= {k for ks in self.loads for k in self.m.index.chain_keys(ks[0])}
+        for k in self.m.keys():
+            assert self.m.lookup(k) is Lookup.MISS
 
     @invariant()
     def integrity(self):
@@ -600,7 +916,7 @@ def test_machine_rules_reach_the_disk_and_corruption_paths():
                 rules.maintain(mm)
             elif c == 6:
                 rules.settle(mm)
-            elif c == 7 and not mm.pending and r.random() < 0.2:
+            elif c == 7 and r.random() < 0.2:
                 rules.reset(mm)
             mm.m.check_integrity()
         for name, v in [*mm.m.counters.__dict__.items(), *mm.m.index.dropped.items()]:
@@ -618,6 +934,68 @@ TestManagerMachine.settings = settings(
 )
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_disk_faults_never_hand_back_a_wrong_byte(tmp_path, seed):
+    """Injected write failures (EIO, ENOSPC), read failures and rotted chunks under a
+    random walk (I/O inline for even seeds, on threads for odd): every load hands
+    back exactly the bytes stored, integrity holds after each step, and the faults
+    surface as failed demotions and promotions."""
+    import random
+
+    from tiering.disk import DiskConfig, DiskPageStore
+    from tiering.disk.faults import FaultPlan, FaultyStore
+
+    plan = FaultPlan(seed)
+    for kind, p in (("eio_write", 0.2), ("enospc_write", 0.1), ("eio_read", 0.15),
+                    ("corrupt", 0.15)):
+        plan.arm(kind, probability=p)
+    cfg = TieredConfig(host_bytes=3 * PAGE, disk_path=str(tmp_path / "d"), disk_bytes=6 * PAGE,
+                       demote_headroom=2, policy=default_block_registry().names[seed % 4])
+    disk = DiskPageStore(
+        DiskConfig(path=cfg.disk_path, capacity_bytes=cfg.disk_bytes, chunk_bytes=PAGE,
+                   io_threads=1, io_timeout_s=10.0),
+        (PAGE,), torch.uint8, fingerprint="t", wrap_store=lambda st: FaultyStore(st, plan))
+    m = TieredBlockManager(cfg, [HostSlab(str(tmp_path / "slab"), 3, PAGE)], disk,
+                           executor=InlineExecutor() if seed % 2 == 0 else None)
+    r = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    data: dict[bytes, torch.Tensor] = {}
+    pending: list[list[bytes]] = []
+    loads: list[bytes] = []
+    for _ in range(300):
+        c = r.randrange(6)
+        if c == 0:
+            ks = [key(i) for i in r.sample(range(12), r.randint(1, 2))]
+            d = m.prepare_store(ks, [None, *ks[:-1]])
+            if d is not None:
+                for k, slot in zip(d.keys_to_store, d.slots, strict=True):
+                    page = torch.randint(0, 256, (PAGE,), generator=gen, dtype=torch.uint8)
+                    m.slabs[0].tensor[slot].copy_(page)
+                    data[k] = page
+                pending.append(d.keys_to_store)
+        elif c == 1 and pending:
+            m.complete_store(pending.pop(0), r.random() < 0.9)
+        elif c == 2:
+            k = key(r.randrange(12))
+            if m.lookup(k) is Lookup.HIT:
+                (slot,) = m.prepare_load([k])
+                assert torch.equal(m.slabs[0].tensor[slot], data[k])
+                loads.append(k)
+        elif c == 3 and loads:
+            m.complete_load([loads.pop(0)])
+        elif c == 4:
+            m.maintain()
+        else:
+            assert m.wait_io(10)
+        m.check_integrity()
+    injected = plan.injected
+    assert sum(injected[k] for k in ("eio_write", "enospc_write")) > 0
+    assert m.counters.demotions_failed > 0 and m.counters.loads_from_disk + m.counters.loads_from_host > 0
+    if injected["eio_read"] + injected["corrupt"]:
+        assert m.counters.promotions_failed > 0
+    m.shutdown()
+
+
 def test_slab_is_shared_and_its_name_goes_once_both_sides_mapped(tmp_path):
     gen = torch.Generator().manual_seed(12)
     path = str(tmp_path / "shared.slab")
@@ -631,9 +1009,154 @@ def test_slab_is_shared_and_its_name_goes_once_both_sides_mapped(tmp_path):
     page = torch.randint(0, 256, (64,), generator=gen, dtype=torch.uint8)
     first.tensor[2].copy_(page)
     assert torch.equal(second.tensor[2], page)  # still one memory after the unlink
+    live = HostSlab(str(tmp_path / "x.slab"), 2, 64)  # a live engine with this name
     with pytest.raises(ValueError, match="expected"):
-        HostSlab(str(tmp_path / "x.slab"), 2, 64)
         HostSlab(str(tmp_path / "x.slab"), 3, 64)
+    live.close()
+    for s in (first, second):
+        s.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_leftover_slab_file_is_replaced_not_paired_with(tmp_path):
+    """A slab file left by a process that died (same engine id) made the next manager
+    take itself for the second side and remove the name, so its worker created a new
+    file: two memories, and loads served bytes the manager never saw. A file that no
+    live process holds is now replaced, and both sides share one memory."""
+    gen = torch.Generator().manual_seed(25)
+    path = str(tmp_path / "e.slab")
+    with open(path, "wb") as f:  # the leftover: right size, nobody holds it
+        f.write(torch.randint(0, 256, (4 * 64,), generator=gen, dtype=torch.uint8).numpy()
+                .tobytes())
+    manager = HostSlab(path, 4, 64)
+    manager.unlink_if_second()
+    worker = HostSlab(path, 4, 64)
+    worker.unlink_if_second()
+    assert manager.created and not worker.created
+    page = torch.randint(0, 256, (64,), generator=gen, dtype=torch.uint8)
+    worker.tensor[1].copy_(page)  # a worker's store ...
+    assert torch.equal(manager.tensor[1], page)  # ... is what the manager demotes
+    assert not os.path.exists(path)
+    worker.close()
+    manager.close(unlink=True)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("first_closes", ["creator", "second"])
+def test_no_slab_file_is_left_after_shutdown(tmp_path, first_closes):
+    """A creator whose partner never came (vLLM's worker, say, when the scheduler
+    failed to start) left its file in /dev/shm; now close removes a name that still
+    names the slab, and never a name that another slab has taken since."""
+    path = str(tmp_path / "w.slab")
+    alone = HostSlab(path, 2, 64)
+    alone.close()
+    assert not os.path.exists(path)
+    a = HostSlab(path, 2, 64)
+    b = HostSlab(path, 2, 64)
+    (a if first_closes == "creator" else b).close()
+    (b if first_closes == "creator" else a).close()
+    assert os.listdir(tmp_path) == []
+    old = HostSlab(path, 2, 64)
+    os.unlink(path)
+    newer = HostSlab(path, 2, 64)  # another engine took the name meanwhile
+    old.close()
+    assert os.path.exists(path)  # not ours any more: kept
+    newer.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_slab_across_processes_pairs_with_a_live_side_and_not_a_dead_one(tmp_path):
+    """Another process creates the slab and writes random bytes: while it lives we pair
+    with it (one memory); once it has died without closing, its file is replaced."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "p.slab")
+    code = (
+        "import sys, torch\n"
+        "from tiering.integrations.vllm._config import HostSlab\n"
+        "s = HostSlab(sys.argv[1], 4, 64)\n"
+        "g = torch.Generator().manual_seed(26)\n"
+        "s.tensor.copy_(torch.randint(0, 256, (4, 64), generator=g, dtype=torch.uint8))\n"
+        "print(s.created, flush=True)\n"
+        "sys.stdin.readline()\n"  # stay alive until told
+        "import os; os._exit(0)\n"  # die without closing: the file stays behind
+    )
+    def other_process():
+        proc = subprocess.Popen([sys.executable, "-c", code, path], cwd=REPO, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert proc.stdout.readline().strip() == "True"  # it created the slab
+        return proc
+
+    def end(proc):
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+
+    want = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(26),
+                         dtype=torch.uint8)
+    proc = other_process()
+    try:
+        peer = HostSlab(path, 4, 64)  # the other side is alive: one memory
+        assert not peer.created and torch.equal(peer.tensor, want)
+        peer.close()
+        end(proc)
+        proc = other_process()
+        end(proc)  # died without closing: its file stays behind, nobody holds it
+        assert os.path.exists(path)
+        fresh = HostSlab(path, 4, 64)
+        assert fresh.created  # replaced, not paired with the dead process's file
+        assert not torch.equal(fresh.tensor, want)
+        fresh.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert os.listdir(tmp_path) == []
+
+
+def test_leftover_slab_files_of_dead_processes_are_swept(tmp_path):
+    """Slab files of processes that died (nobody holds them) stayed in /dev/shm for
+    ever; the sweep removes exactly those, never a live slab or another file."""
+    from tiering.integrations.vllm._core import remove_leftover_slabs, slab_path
+
+    dead = [slab_path(str(tmp_path), f"gone-{i}", 0) for i in range(3)]
+    for p in dead:
+        with open(p, "wb") as f:
+            f.write(os.urandom(128))
+    live = HostSlab(slab_path(str(tmp_path), "alive", 0), 2, 64)  # its partner is still to come
+    other = tmp_path / "tiering-vllm-notes.txt"
+    other.write_text("not a slab")
+    assert sorted(remove_leftover_slabs(str(tmp_path))) == sorted(dead)
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(live.path), other.name])
+    partner = HostSlab(live.path, 2, 64)  # still pairs with the live one
+    assert not partner.created
+    partner.close()
+    live.close()
+    assert os.listdir(tmp_path) == [other.name]
+    assert remove_leftover_slabs(str(tmp_path / "missing")) == []
+
+
+def test_slab_names_are_distinct_per_engine_and_rank():
+    from tiering.integrations.vllm._core import slab_path
+
+    ids = ["a/b", "a_b", "a b", "a\\b", "x" * 300, "x" * 301, "engine-1"]
+    names = {slab_path("/d", e, r) for e in ids for r in (0, 1)}
+    assert len(names) == 2 * len(ids)  # sanitising once mapped the first three to one file
+    assert all(len(os.path.basename(n)) <= 255 for n in names)
+    for bad in (-1, True, 1.0, "0"):
+        with pytest.raises(ValueError, match="rank"):
+            slab_path("/d", "e", bad)
+
+
+def test_slab_bad_arguments_name_what_was_wrong(tmp_path):
+    with pytest.raises(ValueError, match="num_slots must be an int"):
+        HostSlab(str(tmp_path / "a"), True, 64)
+    with pytest.raises(ValueError, match="slot_bytes must be an int"):
+        HostSlab(str(tmp_path / "a"), 2, 0)
+    with pytest.raises(ValueError, match="host_dir"):
+        HostSlab(str(tmp_path / "missing" / "a"), 2, 64)
+    assert os.listdir(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -709,6 +1232,64 @@ def test_mover_refuses_a_spec_that_does_not_add_up(tmp_path):
     assert mv.submit(1, True, [0, 1], [2], [0], [0]) is False
     assert mv.get_finished() == []
     mv.shutdown()
+
+
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        ((1, True, [0], [1], [0], [8]), "host slot 8 is out of range"),  # past the slab
+        ((1, True, [0], [1], [0], [-1]), "host slot must be an int >= 0"),  # wraps in torch
+        ((1, False, [-1], [1], [0], [0]), "block id must be an int >= 0"),
+        ((1, False, [16], [1], [0], [0]), "block id 16 of group 0 is out of range"),
+        ((1, True, [0, 1], [1, 1], [0, 0], [0, 1]), "KV group 1 does not exist"),
+        ((1, True, [0], [1], [0], [1.7]), "host slot must be an int"),
+        ((1, True, [0], [-1, 2], [0, 0], [0]), "group size must be an int >= 0"),
+        ((True, True, [0], [1], [0], [0]), "job id must be an int"),
+    ],
+)
+def test_mover_refuses_a_spec_outside_the_slab_or_the_tensors(tmp_path, caplog, spec, why):
+    """A spec pointing outside the slab or vLLM's tensors was copied (sliced away or
+    wrapped to another row) and reported as a success; now it is refused, and not
+    a byte of the slab or of vLLM's tensors changes."""
+    gen = torch.Generator().manual_seed(21)
+    mv, layers = _mover(tmp_path, gen)
+    mv.slab.tensor.copy_(torch.randint(0, 256, mv.slab.tensor.shape, generator=gen,
+                                       dtype=torch.uint8))
+    before = [t.clone() for t in (mv.slab.tensor, *layers)]
+    with caplog.at_level("ERROR"):
+        assert mv.submit(*spec) is False
+    assert why in caplog.text
+    mv.wait({1}, timeout=10)
+    assert mv.get_finished() == [] and mv.counters["refused"] == 1
+    for t, b in zip((mv.slab.tensor, *layers), before, strict=True):
+        assert torch.equal(t, b)
+    assert mv.submit(2, True, [0], [1], [0], [0])  # a good spec still runs (control)
+    _finish(mv, 2)
+    assert torch.equal(mv.slab.tensor[0, :96], layers[0][0])
+    mv.shutdown()
+
+
+def test_mover_refuses_a_job_id_in_flight_and_jobs_after_shutdown(tmp_path):
+    gen = torch.Generator().manual_seed(22)
+    mv, layers = _mover(tmp_path, gen)
+    assert mv.submit(5, True, [0], [1], [0], [0])
+    # the same id before job 5 is reaped: its result would be lost (one result for two jobs)
+    assert mv.submit(5, True, [1], [1], [0], [1]) is False
+    mv.wait({5}, timeout=10)
+    res = mv.get_finished()
+    assert [r.job_id for r in res] == [5] and res[0].success
+    assert torch.equal(mv.slab.tensor[0, :96], layers[0][0])
+    with pytest.raises(ValueError, match="timeout"):
+        mv.wait({5}, timeout=float("nan"))
+    mv.shutdown()
+    assert mv.submit(6, True, [0], [1], [0], [0]) is False  # refused, not an exception
+    mv.shutdown()  # twice is fine
+    with pytest.raises(ValueError, match="at least one KV group"):
+        TieredMover([], mv.slab, 1)
+    with pytest.raises(ValueError, match="blocks_per_chunk"):
+        TieredMover(mv.groups, mv.slab, 0)
+    with pytest.raises(ValueError, match="blocks_per_chunk"):
+        plan_blocks([1], [1], [0], [0], 0)
 
 
 # ----------------------------------------------------------------------------- layering

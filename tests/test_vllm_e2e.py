@@ -271,3 +271,37 @@ def test_manager_and_worker_through_vllm_types_round_trip(tmp_path):
     worker.shutdown()
     manager.shutdown()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_manager_that_fails_to_start_leaves_no_slab_file(tmp_path):
+    """A disk tier that cannot open (disk_bytes below one block) failed get_manager
+    after its slab file was created: the file stayed in host_dir."""
+    from tiering.integrations.vllm import TieredOffloadingSpec
+
+    (tmp_path / "shm").mkdir()
+    spec = TieredOffloadingSpec(_offloading_config(
+        {"host_bytes": 8 * 512, "host_dir": str(tmp_path / "shm"), "disk_bytes": 100,
+         "disk_path": str(tmp_path / "disk")}, "unit-fail"))
+    with pytest.raises(ValueError, match="disk_bytes"):
+        spec.get_manager()
+    assert os.listdir(tmp_path / "shm") == []
+
+
+def test_two_engines_in_one_host_dir_never_share_a_slot(tmp_path):
+    import torch
+
+    gen = torch.Generator().manual_seed(30)
+    from tiering.integrations.vllm import TieredOffloadingSpec
+
+    extra = {"host_bytes": 4 * 512, "host_dir": str(tmp_path)}
+    a = TieredOffloadingSpec(_offloading_config(extra, "engine/a")).get_manager()
+    b = TieredOffloadingSpec(_offloading_config(extra, "engine_a")).get_manager()  # once one name
+    pa, pb = (m.core.slabs[0] for m in (a, b))
+    assert pa.path != pb.path
+    page = torch.randint(0, 256, (512,), generator=gen, dtype=torch.uint8)
+    pa.tensor[0].copy_(page)
+    pb.tensor[0].copy_(torch.randint(0, 256, (512,), generator=gen, dtype=torch.uint8))
+    assert torch.equal(pa.tensor[0], page)  # b's bytes did not land in a's slot
+    a.shutdown()
+    b.shutdown()
+    assert os.listdir(tmp_path) == []

@@ -5,10 +5,15 @@ vLLM; ``tiering.integrations.vllm._core`` re-exports these."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import logging
 import mmap
 import os
+import secrets
 import tempfile
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,12 +23,16 @@ import torch
 from policies.blocks import default_block_registry
 from tiering.disk import DiskConfig, DiskPageStore
 
+log = logging.getLogger("tiering.integrations.vllm._core")
+
 # ----------------------------------------------------------------------------- config
 
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
+
+MAX_THREADS = 64  # io_threads and copy_threads: each is a thread of its own
 
 OUR_KEYS = frozenset(
     {
@@ -99,6 +108,25 @@ class TieredConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"kv_connector_extra_config.{name} must be a non-empty str, got {v!r}")
+        if self.host_dir is not None and not os.path.isdir(self.host_dir):
+            raise ValueError(
+                f"kv_connector_extra_config.host_dir must be an existing directory, "
+                f"got {self.host_dir!r}"
+            )
+        if self.state_path is not None:
+            parent = os.path.dirname(os.path.abspath(self.state_path))
+            if os.path.isdir(self.state_path) or not os.path.isdir(parent):
+                raise ValueError(
+                    "kv_connector_extra_config.state_path must be a file path in an existing "
+                    f"directory, got {self.state_path!r}"
+                )
+        if self.disk_path is not None and os.path.exists(self.disk_path) and not os.path.isdir(
+            self.disk_path
+        ):
+            raise ValueError(
+                f"kv_connector_extra_config.disk_path must be a directory, got {self.disk_path!r} "
+                "(an existing file)"
+            )
         if self.demote_headroom is not None and (
             not _is_int(self.demote_headroom) or self.demote_headroom < 0
         ):
@@ -108,8 +136,11 @@ class TieredConfig:
             )
         for name in ("io_threads", "copy_threads"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"kv_connector_extra_config.{name} must be an int >= 1, got {v!r}")
+            if not _is_int(v) or not 1 <= v <= MAX_THREADS:
+                raise ValueError(
+                    f"kv_connector_extra_config.{name} must be an int from 1 to {MAX_THREADS}, "
+                    f"got {v!r}"
+                )
         if not isinstance(self.test_corrupt_loads, bool):
             raise ValueError(
                 "kv_connector_extra_config.test_corrupt_loads must be a bool, "
@@ -134,69 +165,203 @@ def default_host_dir() -> str:
 
 
 def slab_path(host_dir: str, engine_id: str, rank: int) -> str:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(engine_id))
-    return os.path.join(host_dir, f"tiering-vllm-{safe}-r{rank}.slab")
+    """The slab file of one engine's rank. Distinct engine ids give distinct names
+    (the id's readable part, at most 64 characters, then a hash of the whole id), and
+    the name fits any filesystem however long the id is."""
+    if not _is_int(rank) or rank < 0:
+        raise ValueError(f"host slab: rank must be an int >= 0, got {rank!r}")
+    eid = str(engine_id)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in eid)[:64]
+    digest = hashlib.sha256(eid.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return os.path.join(host_dir, f"tiering-vllm-{safe}-{digest}-r{rank}.slab")
 
 
 class HostSlab:
     """``num_slots`` slots of ``slot_bytes`` in a shared file, mapped as a uint8 tensor.
 
-    Both the manager (scheduler process) and a worker open the same file; whichever
-    comes first creates it at its full size (``created``), and the second one removes
-    its name as soon as it has mapped it (``unlink_if_second``): both mappings stay,
-    and no file is left behind however the processes end. Bytes of a slot are only
-    read after the manager has seen them written, so stale contents are never served.
+    Both the manager (scheduler process) and a worker open the same file. The first
+    creates it at its full size under a private name, takes an exclusive ``flock``
+    on it, holds that lock while it is open, and then publishes the file under
+    ``path`` (``created``). The second finds the file locked (a live creator),
+    maps it, and removes its name (``unlink_if_second``): both mappings stay. A
+    file under ``path`` that nobody holds locked is a leftover of a process that
+    ended before its partner came: it is removed and a fresh slab is created, so a
+    side never pairs with a dead one (it would read bytes the other side never
+    sees). ``close`` removes the name whenever it still names this slab, so nothing
+    is left behind after shutdown. Two live engines must not share an engine id
+    in one ``host_dir`` (vLLM's default engine id is random).
     """
 
     def __init__(self, path: str, num_slots: int, slot_bytes: int) -> None:
-        if num_slots < 1 or slot_bytes < 1:
-            raise ValueError(f"host slab {path}: num_slots and slot_bytes must be >= 1")
+        for name, v in (("num_slots", num_slots), ("slot_bytes", slot_bytes)):
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"host slab {path}: {name} must be an int >= 1, got {v!r}")
+        d = os.path.dirname(path) or "."
+        if not os.path.isdir(d):
+            raise ValueError(
+                f"kv_connector_extra_config.host_dir {d!r} is not a directory (host slab {path})"
+            )
         self.path = path
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
+        self._fd: int | None = None  # the creator's descriptor: it holds the lock
+        self._ino: tuple[int, int] | None = None
         size = num_slots * slot_bytes
-        d = os.path.dirname(path) or "."
-        st = os.statvfs(d)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        for _ in range(8):  # bounded: another process may create or replace it meanwhile
+            fd = self._join(path, size)
+            if fd is None:
+                fd = self._create(path, size, d)
+            if fd is not None:
+                break
+        else:
+            raise ValueError(f"host slab {path}: the file keeps being replaced; not opened")
         try:
+            st = os.fstat(fd)
+            self._ino = (st.st_dev, st.st_ino)
+            self._mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self.created:
+            self._fd = fd
+            self._finalizer = weakref.finalize(self, os.close, fd)
+        else:
+            os.close(fd)
+            self._finalizer = None
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8).view(num_slots, slot_bytes)
+
+    def _join(self, path: str, size: int) -> int | None:
+        """The descriptor of a live creator's file (``created`` False), or None when
+        there is none (a leftover nobody holds is removed)."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: its creator is alive
             have = os.fstat(fd).st_size
-            if have not in (0, size):
+            if have != size:
+                os.close(fd)
                 raise ValueError(
                     f"host slab {path} exists with {have} bytes, expected {size} "
                     "(another engine with the same id and a different host_bytes?)"
-                )
-            self.created = have == 0
-            if have == 0:
-                if st.f_bavail * st.f_frsize < size:
-                    raise ValueError(
-                        f"host_bytes: {size} bytes do not fit in {d} "
-                        f"({st.f_bavail * st.f_frsize} bytes free); lower host_bytes or set host_dir"
-                    )
-                os.ftruncate(fd, size)
-            self._mm = mmap.mmap(fd, size)
+                ) from None
+            self.created = False
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # nobody holds it: a leftover of a process that is gone
+            if _same_file(fd, path):
+                os.unlink(path)
+                log.warning("tiering: removed a leftover host slab %s (no live process held it)",
+                            path)
+        except FileNotFoundError:
+            pass
         finally:
             os.close(fd)
-        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8).view(num_slots, slot_bytes)
+        return None
+
+    def _create(self, path: str, size: int, d: str) -> int | None:
+        """A new file at its full size, locked, published under ``path`` (``created``);
+        None when another process published one first."""
+        st = os.statvfs(d)
+        if st.f_bavail * st.f_frsize < size:
+            raise ValueError(
+                f"host_bytes: {size} bytes do not fit in {d} "
+                f"({st.f_bavail * st.f_frsize} bytes free); lower host_bytes or set host_dir"
+            )
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(6)}.new"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, size)
+            try:
+                os.link(tmp, path)  # atomic: fails if another side published first
+            except FileExistsError:
+                os.close(fd)
+                fd = -1
+                return None
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        self.created = True
+        return fd
 
     def unlink_if_second(self) -> None:
         """Remove the file's name if the other side created it (it has mapped it already)."""
         if not self.created:
-            try:
+            self._unlink_if_ours()
+
+    def _unlink_if_ours(self) -> None:
+        try:
+            st = os.stat(self.path)
+            if self._ino == (st.st_dev, st.st_ino):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        except FileNotFoundError:
+            pass
 
     def close(self, unlink: bool = False) -> None:
+        """Unmap the slab and drop the creator's lock; the file's name goes if it still
+        names this slab (``unlink`` is kept for callers; the name goes either way:
+        a partner that has not mapped it by now never will). Idempotent."""
         self.tensor = None  # type: ignore[assignment]
+        self._unlink_if_ours()
         try:
             self._mm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with it
             pass
-        if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        if self._finalizer is not None:
+            self._finalizer()  # closes the creator's descriptor (once), dropping the lock
+        self._fd = None
+
+
+def remove_leftover_slabs(host_dir: str) -> list[str]:
+    """Remove the slab files in ``host_dir`` that no live process holds (left by
+    processes that died before their partner mapped the file); the paths removed.
+    A slab being paired is held by its creator's lock and stays; files with other
+    names are never touched."""
+    removed = []
+    try:
+        names = os.listdir(host_dir)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith("tiering-vllm-") and name.endswith(".slab")):
+            continue
+        path = os.path.join(host_dir, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, a link, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # a live creator holds it
+        try:
+            if _same_file(fd, path):
+                os.unlink(path)
+                removed.append(path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("tiering: removed %d leftover host slab file(s) in %s", len(removed), host_dir)
+    return removed
+
+
+def _same_file(fd: int, path: str) -> bool:
+    a, b = os.fstat(fd), os.stat(path)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _write_json(path: str, obj: Mapping[str, Any]) -> None:

@@ -51,9 +51,10 @@ from tiering.blocks import BlockIndex
 from tiering.core.counters import counter_record
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.core.pools import PagePool
+from tiering.core.validate import check_timeout
 from tiering.disk import DiskCorruptionError, DiskIOError, DiskPageStore
 from tiering.disk.ledger import DiskExtent
-from tiering.errors import TableIntegrityError
+from tiering.errors import CacheClosed, TableIntegrityError
 from tiering.integrations.vllm._config import (
     OUR_KEYS,
     HostSlab,
@@ -61,6 +62,7 @@ from tiering.integrations.vllm._config import (
     _write_json,
     default_host_dir,
     open_disk,
+    remove_leftover_slabs,
     slab_path,
 )
 from tiering.integrations.vllm._mover import (
@@ -75,6 +77,7 @@ from tiering.types import Tier
 __all__ = [
     "OUR_KEYS",
     "PROMOTED_HOLD_STEPS",
+    "RESET_HOLD_STEPS",
     "BlockView",
     "Counters",
     "DiskState",
@@ -93,6 +96,7 @@ __all__ = [
     "default_host_dir",
     "open_disk",
     "plan_blocks",
+    "remove_leftover_slabs",
     "slab_path",
 ]
 
@@ -159,7 +163,8 @@ Counters = counter_record(
     ``promotions_unused``: promoted, then left host before any load.
     ``demotions_not_admitted``: the disk policy refused the block.
     ``dropped``: blocks gone from every tier (orphaned descendants included).
-    ``drops_deferred``: a damaged block waited (answering miss) for a busy descendant.
+    ``drops_deferred``: a damaged block (or one forgotten by a reset) waited, answering
+    miss, for its own or a descendant's job to end.
     """,
     module=__name__,
 )
@@ -177,6 +182,9 @@ def _payload_offset(disk: DiskPageStore | None, chunk: int) -> int | None:
 
 
 PROMOTED_HOLD_STEPS = 16  # steps a promoted, not yet loaded block is not a host victim
+# Steps after a reset before the slots of stores and loads that were in flight are
+# taken back: vLLM flushes those jobs at the reset and never completes them.
+RESET_HOLD_STEPS = 16
 
 
 class TieredBlockManager:
@@ -261,6 +269,10 @@ class TieredBlockManager:
         self._step = 0  # maintain() calls: one per vLLM scheduler step
         # promoted for a lookup that answered "pending" and not loaded yet: key -> step
         self._fresh: dict[bytes, int] = {}
+        # after a reset: slots of stores that were in flight (slot -> step of the reset),
+        # and load pins that were (key -> (pins, step)); taken back RESET_HOLD_STEPS later
+        self._abandoned: dict[int, int] = {}
+        self._reset_loads: dict[bytes, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -297,6 +309,22 @@ class TieredBlockManager:
 
     def _slot_view(self, slot: int) -> list[torch.Tensor]:
         return [s.tensor[slot] for s in self.slabs]
+
+    def _open(self, op: str) -> None:
+        if self._closed:
+            raise CacheClosed(f"TieredBlockManager.{op}: the manager is shut down")
+
+    @staticmethod
+    def _keys(op: str, keys: Iterable[bytes]) -> list[bytes]:
+        """``keys`` as a list of offload keys (non-empty ``bytes``); a ValueError naming
+        the first bad one (a ``str`` or ``bytes`` given for the whole list included)."""
+        if isinstance(keys, (str, bytes, bytearray, memoryview)):
+            raise ValueError(f"{op}: keys must be a sequence of bytes keys, got {keys!r}")
+        out = list(keys)
+        for k in out:
+            if type(k) is not bytes or not k:
+                raise ValueError(f"{op}: every key must be non-empty bytes, got {k!r}")
+        return out
 
     def _owner(self, key: bytes) -> str:
         return "k" + key.hex()
@@ -525,6 +553,8 @@ class TieredBlockManager:
     # ------------------------------------------------------------------ vLLM-facing operations
 
     def lookup(self, key: bytes) -> Lookup:
+        self._open("lookup")
+        (key,) = self._keys("lookup", (key,))
         self.reap()
         self.counters.lookups += 1
         if key in self._storing:
@@ -584,6 +614,8 @@ class TieredBlockManager:
         self.disk.write(extent, torch.cat(self._slot_view(slot)).view(1, -1))
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        self._open("prepare_load")
+        keys = self._keys("prepare_load", keys)
         for k in keys:
             loc = self.index.location(k)
             if loc is None or loc.tier is not Tier.HOST or k in self._lost:
@@ -616,13 +648,21 @@ class TieredBlockManager:
         return slots
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
-        keys = list(keys)
+        self._open("complete_load")
+        keys = self._keys("complete_load", keys)
         need: dict[bytes, int] = {}
         for k in keys:
             need[k] = need.get(k, 0) + 1
         for k, n in need.items():
             if self._load_pins.get(k, 0) < n:
                 raise ValueError(f"complete_load: block {k.hex()} has no load in flight")
+        for k, n in need.items():
+            r = self._reset_loads.get(k)
+            if r is not None:
+                if r[0] > n:
+                    self._reset_loads[k] = (r[0] - n, r[1])
+                else:
+                    del self._reset_loads[k]
         for k in keys:
             self.index.release(k)
             left = self._load_pins[k] - 1
@@ -632,6 +672,8 @@ class TieredBlockManager:
                 del self._load_pins[k]
 
     def touch(self, keys: Iterable[bytes]) -> None:
+        self._open("touch")
+        keys = self._keys("touch", keys)
         now = self._clock()
         for k in keys:
             loc = self.index.location(k)
@@ -653,6 +695,8 @@ class TieredBlockManager:
         new block (``admit``): a refused block is not stored, nor are the blocks
         after it in this batch. With one, every block is stored (evicting a block
         with a disk copy loses nothing) and the disk policy admits at demotion."""
+        self._open("prepare_store")
+        keys = self._keys("prepare_store", keys)
         if parents is not None and len(parents) != len(keys):
             raise ValueError(
                 f"prepare_store: {len(keys)} keys but {len(parents)} parents"
@@ -706,6 +750,12 @@ class TieredBlockManager:
         return StoreDecision([k for k, _ in new], slots, evicted)
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
+        """Settle stores: their blocks enter the index (``success``) or their slots are
+        freed. Keys with no store in flight are skipped (vLLM repeats keys across jobs)."""
+        self._open("complete_store")
+        keys = self._keys("complete_store", keys)
+        if not isinstance(success, bool):
+            raise ValueError(f"complete_store: success must be a bool, got {success!r}")
         stored = []
         now = self._clock()
         for k in keys:
@@ -729,17 +779,29 @@ class TieredBlockManager:
         if stored:
             self.events.append(Event(tuple(stored), "host", False))
         self._dirty = True
-        self.maintain()
+        self._settle()  # not a step: vLLM completes many stores in one
 
     def maintain(self) -> None:
-        """Reap I/O, write cold host blocks down to disk to keep headroom, dump state."""
+        """One scheduler step's end (vLLM's on_schedule_end): count the step (the holds,
+        ``PROMOTED_HOLD_STEPS`` and ``RESET_HOLD_STEPS``, are in these steps), reap I/O,
+        write cold host blocks down to disk to keep headroom, dump state."""
+        self._open("maintain")
         self._step += 1
+        if self._abandoned or self._reset_loads:
+            self._take_back_after_reset()
+        self._settle()
+
+    def _settle(self) -> None:
+        """Reap I/O, keep the demotion headroom, dump state (no step is counted)."""
         self.reap()
         if self.disk is not None:
             self._demote_for_headroom()
         if self.cfg.state_path is not None and self._dirty and (
             self._dump is None or self._dump.done()
         ):
+            if self._dump is not None and self._dump.exception() is not None:
+                log.warning("tiering: writing the state file %s failed: %r",
+                            self.cfg.state_path, self._dump.exception())
             self._dirty = False
             self._dump = self._io.submit(WRITE, _write_json, self.cfg.state_path, self.state())
 
@@ -823,26 +885,54 @@ class TieredBlockManager:
         }
 
     def reset(self) -> None:
-        """Forget every block that no job uses (vLLM's reset_cache). A block that a
-        load, a demotion or a promotion uses stays, and so do its ancestors; a clean
-        disk copy of a block that stays is dropped."""
+        """Forget every block (vLLM's reset_cache: after it, no block stored before may
+        be loaded, e.g. after a weight update). A block that a load, a demotion or a
+        promotion uses answers "miss" at once and is dropped, with its descendants,
+        when that job ends. Stores in flight are abandoned: they never enter the
+        index and their slots stay reserved while the worker may still write them.
+        vLLM flushes the jobs in flight at a reset and never completes them, so
+        ``RESET_HOLD_STEPS`` steps later the abandoned slots and the load pins left
+        from before the reset are taken back (a ``complete_load`` before that still
+        settles its pins)."""
+        self._open("reset")
         self.reap()
         for k in list(self.index.keys()):
-            if k not in self.index:
-                continue  # gone with an ancestor
-            if self.index.evictable(k):
+            if k in self.index and k not in self._lost:  # not gone with an ancestor
                 self._remove(k, "reset")
         for k in list(self._disk_copy):
-            if self._disk_ready_copy(k):
+            if k in self.index and self._disk_ready_copy(k):
                 assert self.disk_policy is not None
                 self._release_disk(self._disk_copy.pop(k))
                 self.disk_policy.on_remove(k)
                 self.events.append(Event((k,), "disk", True))
+        for k, (slot, _) in self._storing.items():
+            self.pool.transfer_ownership(k, ("reset", slot), [slot])
+            self._abandoned[slot] = self._step
+        self._storing.clear()
+        for k, n in self._load_pins.items():
+            self._reset_loads[k] = (n, self._step)
         self._dirty = True
+
+    def _take_back_after_reset(self) -> None:
+        for slot, at in list(self._abandoned.items()):
+            if self._step - at >= RESET_HOLD_STEPS:
+                del self._abandoned[slot]
+                self.pool.release(("reset", slot), [slot])
+        for k, (n, at) in list(self._reset_loads.items()):
+            if self._step - at < RESET_HOLD_STEPS:
+                continue
+            del self._reset_loads[k]
+            left = min(n, self._load_pins.get(k, 0))
+            if left:
+                log.warning("tiering: %d load(s) of %s never completed after a reset; "
+                            "taken back", left, k.hex())
+                self.complete_load([k] * left)
 
     def wait_io(self, timeout: float = 30.0) -> bool:
         """Wait (at most ``timeout``) for disk I/O in flight, then reap it; True if none is left.
-        Never called on vLLM's step path (tests and shutdown only)."""
+        Never called on vLLM's step path (tests and shutdown only). A timeout that is
+        not a finite number >= 0 is a ValueError."""
+        timeout = check_timeout("TieredBlockManager.wait_io", timeout)
         deadline = time.monotonic() + timeout
         for fut in [*self._promoting.values(), *self._demoting.values(),
                     *([self._dump] if self._dump is not None else [])]:
@@ -854,10 +944,16 @@ class TieredBlockManager:
         return not (self._promoting or self._demoting)
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Wait (bounded) for disk I/O, write the final state, stop the I/O threads and
+        close the disk tier (its path is free for a new manager). Every later call
+        that changes state raises ``CacheClosed``; reading (``block``, ``keys``,
+        ``state``, counters, ``check_integrity``) still works. A second call does
+        nothing; a bad ``timeout`` is a ValueError and shuts nothing down."""
+        timeout = check_timeout("TieredBlockManager.shutdown", timeout)
         if self._closed:
             return
-        self._closed = True
         self.wait_io(timeout)
+        self._closed = True
         if self.cfg.state_path is not None:
             self._dirty = False
             try:
@@ -866,6 +962,11 @@ class TieredBlockManager:
                 log.warning("tiering: final state dump failed: %s", exc)
         if self._own_executor:
             self._io.shutdown(timeout)
+        if self.disk is not None:
+            try:
+                self.disk.close()
+            except Exception as exc:  # closing is best effort; the process may be ending
+                log.warning("tiering: closing the disk tier failed: %r", exc)
 
     # ------------------------------------------------------------------ checking
 
@@ -883,6 +984,11 @@ class TieredBlockManager:
             if k in self.index:
                 problems.append(f"{k.hex()}: storing and already in the index")
             holdings[k] = [slot]
+        for slot in self._abandoned:
+            holdings[("reset", slot)] = [slot]
+        stray = [k for k in self._reset_loads if k not in self._load_pins]
+        if stray:
+            problems.append(f"{stray[0].hex()}: a load from before a reset without its pin")
         for k in self.index.keys():
             loc = self.index.location(k)
             info = self.index.get(k)

@@ -6,6 +6,7 @@ here imports vLLM; ``tiering.integrations.vllm._core`` re-exports these."""
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -16,6 +17,7 @@ import torch
 
 from tiering.core.executor import OFFLOAD, RELOAD, PriorityExecutor
 from tiering.core.transfer import StreamSet, coalesce, copy_runs
+from tiering.core.validate import check_timeout
 from tiering.integrations.vllm._config import HostSlab
 
 log = logging.getLogger("tiering.integrations.vllm._core")  # the backend core's logger, as before the split
@@ -37,6 +39,27 @@ class GroupLayout(NamedTuple):
     block_bytes: int  # bytes of one vLLM block of this group across its layers
 
 
+def _is_index(v: object) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    if isinstance(v, bool) or type(v).__name__ in ("bool", "bool_"):  # numpy's bools too
+        return False
+    try:
+        operator.index(v)  # type: ignore[call-overload]
+    except TypeError:
+        return False
+    return True
+
+
+def _indices(what: str, values: Iterable[object]) -> list[int]:
+    """``values`` as a list of ints >= 0; a ValueError naming ``what`` otherwise."""
+    out = []
+    for v in values:
+        if not _is_index(v) or operator.index(v) < 0:  # type: ignore[call-overload]
+            raise ValueError(f"spec: every {what} must be an int >= 0, got {v!r}")
+        out.append(operator.index(v))  # type: ignore[call-overload]
+    return out
+
+
 def plan_blocks(
     block_ids: Sequence[int],
     group_sizes: Sequence[int],
@@ -46,7 +69,19 @@ def plan_blocks(
 ) -> list[tuple[int, list[int], list[int]]]:
     """Per KV group: (group, vLLM block ids, host rows) where a host row is
     ``slot * blocks_per_chunk + block-within-chunk``; slots are listed group by group,
-    one per offloaded chunk the group's blocks touch."""
+    one per offloaded chunk the group's blocks touch.
+
+    Every number must be an integer (numpy integers too; a bool or a float is
+    refused): block ids, slots, group sizes and block indices >= 0,
+    ``blocks_per_chunk`` >= 1. Anything else is a ValueError naming it. Ranges
+    (a slot or block id past the end) are the mover's to check: it knows the sizes."""
+    if not _is_index(blocks_per_chunk) or operator.index(blocks_per_chunk) < 1:
+        raise ValueError(f"spec: blocks_per_chunk must be an int >= 1, got {blocks_per_chunk!r}")
+    block_ids = _indices("block id", block_ids)
+    group_sizes = _indices("group size", group_sizes)
+    block_indices = _indices("block index", block_indices)
+    slots = _indices("host slot", slots)
+    blocks_per_chunk = operator.index(blocks_per_chunk)
     if sum(group_sizes) != len(block_ids) or len(block_indices) != len(group_sizes):
         raise ValueError(
             f"spec: {len(block_ids)} block ids vs group sizes {list(group_sizes)} "
@@ -67,7 +102,7 @@ def plan_blocks(
             idx = b0 + j
             slot = slots[k + idx // blocks_per_chunk - first_chunk]
             rows.append(int(slot) * blocks_per_chunk + idx % blocks_per_chunk)
-        out.append((g, [int(x) for x in block_ids[b : b + n]], rows))
+        out.append((g, block_ids[b : b + n], rows))
         b += n
         k += n_keys
     if k != len(slots):
@@ -103,6 +138,12 @@ class TieredMover:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.groups = list(groups)
+        if not self.groups:
+            raise ValueError("TieredMover: groups must name at least one KV group")
+        if not _is_index(blocks_per_chunk) or blocks_per_chunk < 1:
+            raise ValueError(
+                f"TieredMover: blocks_per_chunk must be an int >= 1, got {blocks_per_chunk!r}"
+            )
         self.slab = slab
         self.bpc = blocks_per_chunk
         row_bytes = max(g.block_bytes for g in self.groups)
@@ -120,17 +161,51 @@ class TieredMover:
         self._exec = PriorityExecutor(threads, "tiering-vllm-copy")
         self._jobs: dict[int, Future] = {}
         self._lock = threading.Lock()
-        self.counters = {"jobs": 0, "bytes": 0, "failed": 0}
+        self._closed = False
+        # per group: how many vLLM blocks every one of its tensors has
+        self._group_blocks = [min((int(c.tensor.shape[0]) for c in g.copies), default=0)
+                              for g in self.groups]
+        self.counters = {"jobs": 0, "bytes": 0, "failed": 0, "refused": 0}
+
+    def _check(self, job_id: object, plan: list[tuple[int, list[int], list[int]]]) -> None:
+        """Why a job cannot run as given (ValueError), checked before any byte moves."""
+        if not _is_index(job_id):
+            raise ValueError(f"job id must be an int, got {job_id!r}")
+        if self._closed:
+            raise ValueError("the mover is shut down")
+        if job_id in self._jobs:
+            raise ValueError(f"job id {job_id} is already in flight")
+        n_rows = int(self.rows.shape[0])
+        for g, blocks, rows in plan:
+            if g >= len(self.groups):
+                raise ValueError(f"KV group {g} does not exist ({len(self.groups)} groups)")
+            bad = next((b for b in blocks if b >= self._group_blocks[g]), None)
+            if bad is not None:
+                raise ValueError(
+                    f"vLLM block id {bad} of group {g} is out of range "
+                    f"({self._group_blocks[g]} blocks)"
+                )
+            bad = next((r for r in rows if r >= n_rows), None)
+            if bad is not None:
+                raise ValueError(
+                    f"host slot {bad // self.bpc} is out of range ({self.slab.num_slots} slots)"
+                )
 
     def submit(self, job_id: int, store: bool, block_ids, group_sizes, block_indices, slots) -> bool:
-        try:
-            plan = plan_blocks(block_ids, group_sizes, block_indices, slots, self.bpc)
-        except ValueError as exc:
-            log.error("tiering: job %d refused: %s", job_id, exc)
-            return False
-        marker = self.streams.compute_marker()
-        fut = self._exec.submit(RELOAD if not store else OFFLOAD, self._run, store, plan, marker)
+        """Queue one copy job; False (logged, nothing queued, no byte moved) for a spec
+        that does not add up or points outside the slab or vLLM's tensors, a job id
+        that is not an int or already in flight, or a shut down mover."""
         with self._lock:
+            try:
+                plan = plan_blocks(block_ids, group_sizes, block_indices, slots, self.bpc)
+                self._check(job_id, plan)
+            except ValueError as exc:
+                log.error("tiering: job %r refused: %s", job_id, exc)
+                self.counters["refused"] += 1
+                return False
+            marker = self.streams.compute_marker()
+            fut = self._exec.submit(RELOAD if not store else OFFLOAD, self._run, store, plan,
+                                    marker)
             self._jobs[job_id] = fut
         return True
 
@@ -176,6 +251,9 @@ class TieredMover:
         return out
 
     def wait(self, job_ids: Iterable[int], timeout: float = 120.0) -> None:
+        """Wait (at most ``timeout`` seconds in all) for these jobs; unknown ids are
+        skipped. A timeout that is not a finite number >= 0 is a ValueError."""
+        timeout = check_timeout("TieredMover.wait", timeout)
         with self._lock:
             futs = [self._jobs[j] for j in job_ids if j in self._jobs]
         deadline = time.monotonic() + timeout
@@ -186,4 +264,8 @@ class TieredMover:
                 pass
 
     def shutdown(self) -> None:
+        """Finish queued copies and stop the copy threads (bounded); later submits are
+        refused. A second call does nothing more."""
+        with self._lock:
+            self._closed = True
         self._exec.shutdown(30.0)

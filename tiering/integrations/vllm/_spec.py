@@ -52,6 +52,7 @@ from tiering.integrations.vllm._core import (
     TieredMover,
     default_host_dir,
     open_disk,
+    remove_leftover_slabs,
     slab_path,
 )
 
@@ -88,6 +89,7 @@ class _Geometry:
         self.engine_id = config.engine_id
 
     def slab(self, rank: int) -> HostSlab:
+        remove_leftover_slabs(self.host_dir)  # of processes that died (nobody holds them)
         return HostSlab(slab_path(self.host_dir, self.engine_id, rank), self.num_slots,
                         self.slot_bytes)
 
@@ -266,15 +268,25 @@ class TieredOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             g = self.geometry
-            slabs = [g.slab(r) for r in range(g.world)]
-            for s in slabs:
-                s.unlink_if_second()
-            disk = open_disk(
-                self.cfg,
-                g.slot_bytes * g.world,
-                fingerprint=f"vllm:{self.config.model.name}:{g.slot_bytes}x{g.world}",
-            )
-            core = TieredBlockManager(self.cfg, slabs, disk, disk_root=self.cfg.disk_path)
+            slabs: list[HostSlab] = []
+            disk = None
+            try:  # a failure here (a disk tier that cannot open, say) leaves no slab file
+                for r in range(g.world):
+                    slabs.append(g.slab(r))
+                for s in slabs:
+                    s.unlink_if_second()
+                disk = open_disk(
+                    self.cfg,
+                    g.slot_bytes * g.world,
+                    fingerprint=f"vllm:{self.config.model.name}:{g.slot_bytes}x{g.world}",
+                )
+                core = TieredBlockManager(self.cfg, slabs, disk, disk_root=self.cfg.disk_path)
+            except BaseException:
+                if disk is not None:
+                    disk.close()
+                for s in slabs:
+                    s.close(unlink=True)
+                raise
             self._manager = TieredOffloadingManager(
                 core, self.kv_events_config.enable_kv_cache_events
             )
@@ -307,12 +319,16 @@ class TieredOffloadingSpec(OffloadingSpec):
                 groups.append(GroupLayout(tuple(copies), off))
             rank = self.config.parallel.rank
             slab = g.slab(rank)
-            slab.unlink_if_second()
-            if device is not None and device.type == "cuda":
-                _pin(slab)
-            mover = TieredMover(groups, slab, self.blocks_per_chunk,
-                                threads=self.cfg.copy_threads, device=device,
-                                corrupt_loads=self.cfg.test_corrupt_loads)
+            try:
+                slab.unlink_if_second()
+                if device is not None and device.type == "cuda":
+                    _pin(slab)
+                mover = TieredMover(groups, slab, self.blocks_per_chunk,
+                                    threads=self.cfg.copy_threads, device=device,
+                                    corrupt_loads=self.cfg.test_corrupt_loads)
+            except BaseException:
+                slab.close()
+                raise
             if self.cfg.test_corrupt_loads:
                 log.warning("tiering: test_corrupt_loads is ON: every load is deliberately wrong")
             self._worker = TieredOffloadingWorker(mover)
