@@ -166,7 +166,7 @@ from tiering.disk.ledger import (
 )
 from tiering.disk.lock import DiskPathInUseError
 from tiering.disk.pages import PageFormat
-from tiering.disk.store_io import ChunkIOPart
+from tiering.disk.store_io import ChunkIOPart, ReadScratch
 from tiering.disk.store_manifest import ManifestPart
 from tiering.disk.store_start import StartPart, _random_store_id
 from tiering.disk.store_stats import StatsPart, _Counters
@@ -230,6 +230,8 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
 
         self._ledger = ChunkLedger(self.capacity_pages, 1)
         self._counters = _Counters()
+        # where reads land before their checks pass (see ``read``); one kept per I/O thread
+        self._read_scratch = ReadScratch(keep=config.io_threads)
         self._stats_lock = threading.Lock()
         self._manifest_lock = threading.Lock()
         self._reattached: dict[str, tuple[DiskExtent, dict[str, Any]]] = {}
@@ -362,9 +364,12 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         checked, so a damaged, misplaced, stale or foreign chunk raises
         DiskCorruptionError and is never handed back as good. Raises ValueError
         for bad input or a range not completely written; DiskIOError /
-        DiskCorruptionError on a fault, in which case the contents of ``out``
-        are unspecified and must not be used (on the direct path the bytes land
-        in ``out`` before their checks).
+        DiskCorruptionError on a fault. A read that fails, for any reason
+        (bad input, a fault, a corrupt or misplaced chunk, a timeout), leaves
+        ``out`` exactly as it was: the pages land in a reused scratch buffer and
+        are copied into ``out`` only once every chunk of the range has passed
+        its checks (one copy of the range on the good path), so even I/O still
+        running after a timeout never writes into ``out``.
         """
         self._transfer("read", extent, out, first_page)
 
@@ -431,6 +436,7 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         """Stop accepting work; wait (bounded) for in-flight I/O; close a store we opened."""
         if not self._ledger.close():
             return
+        self._read_scratch.clear()
         self._stop_flusher(2 * self.config.io_timeout_s)
         if not self.wait_idle(self.config.io_timeout_s):
             log.warning("disk store closed with I/O still in flight; its file stays open")

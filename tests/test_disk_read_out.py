@@ -1,0 +1,199 @@
+"""A failed ``DiskPageStore.read`` leaves the caller's ``out`` exactly as it was.
+
+Every way a read can fail (a flipped byte on the slot file's direct path, a binding of
+another slot, a corrupt chunk or an I/O error through zarr's pipeline, a damaged binding
+record on another store, a read that times out and whose stray I/O ends later) is
+attacked with ``out`` filled with random bytes first; after the refusal those bytes are
+still there, bit for bit. A good read of the same extent afterwards fills ``out`` (the
+control: the range was readable, so the bytes really were withheld)."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from zarr.storage import MemoryStore
+
+from tiering.disk import DiskConfig, DiskCorruptionError, DiskIOError, DiskPageStore
+from tiering.disk.faults import FaultPlan, FaultyStore
+
+PAGE_SHAPE = (2, 4, 8)  # 64 float32 elements: 256 bytes a page
+PAGE_BYTES = int(np.prod(PAGE_SHAPE)) * 4
+N = 5  # pages of the extent under attack
+
+
+def make(tmp_path: Path, mode: str, plan: FaultPlan | None = None, **kw) -> DiskPageStore:
+    codec = "zstd" if mode == "zstd" else "none"
+    if mode == "memory":
+        cfg = DiskConfig(store=MemoryStore(), capacity_bytes=16 * PAGE_BYTES,
+                         chunk_bytes=2 * PAGE_BYTES, **kw)
+    else:
+        cfg = DiskConfig(path=tmp_path / "d", capacity_bytes=16 * PAGE_BYTES,
+                         chunk_bytes=2 * PAGE_BYTES, codec=codec, **kw)
+    wrap = (lambda s: FaultyStore(s, plan)) if plan is not None else None
+    store = DiskPageStore(cfg, PAGE_SHAPE, torch.float32, fingerprint="out", wrap_store=wrap)
+    assert store.direct_io is (mode == "direct" and plan is None)
+    return store
+
+
+def random_pages(rng: np.random.Generator, n: int) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal((n, *PAGE_SHAPE)).astype(np.float32))
+
+
+def filled_out(rng: np.random.Generator, n: int) -> tuple[torch.Tensor, bytes]:
+    out = torch.from_numpy(rng.integers(0, 256, n * PAGE_BYTES, dtype=np.uint8)).view(
+        torch.float32).reshape(n, *PAGE_SHAPE)
+    return out, out.numpy().tobytes()
+
+
+def refused_and_untouched(store: DiskPageStore, extent, rng, exc_type, first_page=0, n=N):
+    out, before = filled_out(rng, n)
+    stats = store.stats()
+    with pytest.raises(exc_type) as info:
+        store.read(extent, out, first_page=first_page)
+    assert out.numpy().tobytes() == before, "a failed read changed the caller's out"
+    assert store.stats()["read_faults"] == stats["read_faults"] + 1
+    store.check_integrity()
+    return info.value
+
+
+def _payload_at(store: DiskPageStore, chunk: int) -> int:
+    offset = store.chunk_offset(chunk)
+    assert offset is not None
+    return offset
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("bad", [0, 2, N - 1])  # the first, a middle and the last page
+def test_a_flipped_byte_on_the_direct_path_leaves_out_untouched(tmp_path, bad):
+    rng = np.random.default_rng(100 + bad)
+    store = make(tmp_path, "direct")
+    extent = store.reserve("a", N)
+    data = random_pages(rng, N)
+    store.write(extent, data)
+    slot_file = store._backend.slots.slot_path
+    _flip(slot_file, _payload_at(store, extent.chunks[bad]) + 17)
+    refused_and_untouched(store, extent, rng, DiskCorruptionError)
+    # a range that holds the bad page is refused too; one that does not is served
+    refused_and_untouched(store, extent, rng, DiskCorruptionError, first_page=bad, n=1)
+    good = [p for p in range(N) if p != bad][0]
+    out = torch.empty((1, *PAGE_SHAPE))
+    store.read(extent, out, first_page=good)
+    assert torch.equal(out[0], data[good])
+    _flip(slot_file, _payload_at(store, extent.chunks[bad]) + 17)  # put the byte back
+    out = torch.empty_like(data)
+    store.read(extent, out)  # the control: the extent reads back, so the refusal was the flip
+    assert torch.equal(out, data)
+    store.close()
+
+
+def test_a_chunk_bound_to_another_slot_leaves_out_untouched(tmp_path):
+    rng = np.random.default_rng(7)
+    store = make(tmp_path, "direct")
+    a, b = store.reserve("a", N), store.reserve("b", N)
+    store.write(a, random_pages(rng, N))
+    store.write(b, random_pages(rng, N))
+    slots = store._backend.slots
+    with open(slots.slot_path, "r+b") as f:  # b's last slot, whole, lands on a's last slot
+        f.seek(4096 + b.chunks[-1] * slots.stride)
+        raw = f.read(slots.stride)
+        f.seek(4096 + a.chunks[-1] * slots.stride)
+        f.write(raw)
+    err = refused_and_untouched(store, a, rng, DiskCorruptionError)
+    assert "bound to" in str(err)
+    store.close()
+
+
+@pytest.mark.parametrize("mode", ["direct", "zstd", "memory"])
+@pytest.mark.parametrize("kind, exc_type", [("corrupt", DiskCorruptionError),
+                                            ("eio_read", DiskIOError)])
+def test_an_injected_read_fault_leaves_out_untouched(tmp_path, mode, kind, exc_type):
+    rng = np.random.default_rng(3)
+    plan = FaultPlan(seed=5)
+    store = make(tmp_path, mode, plan)
+    extent = store.reserve("a", N)
+    data = random_pages(rng, N)
+    store.write(extent, data)
+    plan.arm(kind, next_n=1)
+    refused_and_untouched(store, extent, rng, exc_type)
+    assert plan.injected[kind] == 1
+    out = torch.empty_like(data)
+    store.read(extent, out)  # the control: the fault was one-shot and the data stayed
+    assert torch.equal(out, data)
+    store.close()
+
+
+def test_a_damaged_binding_record_leaves_out_untouched(tmp_path):
+    rng = np.random.default_rng(9)
+    memory: dict = {}
+    cfg = DiskConfig(store=MemoryStore(store_dict=memory), capacity_bytes=16 * PAGE_BYTES,
+                     chunk_bytes=2 * PAGE_BYTES)
+    store = DiskPageStore(cfg, PAGE_SHAPE, torch.float32, fingerprint="out")
+    extent = store.reserve("a", N)
+    data = random_pages(rng, N)
+    store.write(extent, data)
+    key = f"tiering-bind/{extent.chunks[-1]}"
+    record = memory[key]
+    raw = bytearray(record.to_bytes())
+    raw[3] ^= 0xFF
+    memory[key] = type(record).from_bytes(bytes(raw))
+    refused_and_untouched(store, extent, rng, DiskCorruptionError)
+    memory[key] = record
+    out = torch.empty_like(data)
+    store.read(extent, out)
+    assert torch.equal(out, data)
+    store.close()
+
+
+def test_a_timed_out_read_never_writes_into_out_later(tmp_path):
+    rng = np.random.default_rng(21)
+    gate = threading.Event()
+    plan = FaultPlan(seed=6, sleep=lambda _s: gate.wait(30), slow_seconds=1.0)
+    store = make(tmp_path, "direct", plan, io_timeout_s=0.2)
+    extent = store.reserve("a", N)
+    data = random_pages(rng, N)
+    store.write(extent, data)
+    plan.arm("slow", next_n=1)
+    out, before = filled_out(rng, N)
+    with pytest.raises(DiskIOError) as info:
+        store.read(extent, out)
+    assert info.value.errno == errno.ETIMEDOUT
+    gate.set()  # the stray read now completes, after the caller was told it failed
+    assert store.wait_idle(30)
+    assert out.numpy().tobytes() == before, "a timed-out read's stray I/O wrote into out"
+    store.check_integrity()
+    store.read(extent, out)
+    assert torch.equal(out, data)
+    store.close()
+
+
+def test_a_good_read_reuses_its_scratch_buffer(tmp_path):
+    """The good path copies through one reused scratch buffer (no allocation per read);
+    a read larger than the kept buffer gets a new one."""
+    rng = np.random.default_rng(31)
+    store = make(tmp_path, "direct")
+    extent = store.reserve("a", N)
+    data = random_pages(rng, N)
+    store.write(extent, data)
+    out = torch.empty_like(data)
+    store.read(extent, out)
+    kept = store._read_scratch.kept()
+    assert len(kept) == 1 and kept[0] >= N * PAGE_BYTES
+    for first in range(N):
+        part = torch.empty((N - first, *PAGE_SHAPE))
+        store.read(extent, part, first_page=first)
+        assert torch.equal(part, data[first:])
+    assert store._read_scratch.kept() == kept  # the same buffer served every read
+    store.close()
+    assert store._read_scratch.kept() == []  # close lets it go
