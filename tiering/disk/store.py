@@ -81,9 +81,10 @@ until the stray I/O has finished, even if the extent is released meanwhile.
 
 Direct path. For the default local store with codec ``none`` and no
 ``wrap_store``, a chunk does not go through zarr's codec pipeline: the slot
-store writes the caller's page bytes where they lie and reads straight into
-``out`` (``SlotFileStore.write_chunk``/``read_chunk``), computing or checking
-the crc32c over the same memory with the GIL released. The chunk bytes on disk
+store writes the caller's page bytes where they lie and reads into a reused
+scratch buffer that is copied into ``out`` once every chunk passed its checks
+(``SlotFileStore.write_chunk``/``read_chunk``; a failed read leaves ``out``
+untouched), computing or checking the crc32c over the same memory with the GIL released. The chunk bytes on disk
 are exactly what the pipeline (bytes codec, then crc32c) would store, so plain
 zarr reads the array through ``SlotFileStore`` (it does not see the binding
 blocks, so it cannot check them), and this path reads chunks zarr wrote.
