@@ -307,6 +307,28 @@ def test_cli_writes_the_report(tmp_path, capsys):
     assert stress_parser().parse_args([]).paths == "all"  # every path unless told otherwise
 
 
+def test_cli_refuses_bad_steps_dir_and_out_before_running(tmp_path, capsys, monkeypatch):
+    ran: list[object] = []
+    monkeypatch.setattr("tiering.apps.stress.runner.run_stress",
+                        lambda *a, **k: ran.append(a) or {"ok": True})
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"not a directory")
+    cases = {
+        ("--steps", "0"): "steps must be an int >= 1, got 0",
+        ("--steps", "3", "--dir", str(a_file)): "not a directory",
+        ("--steps", "3", "--dir", str(a_file / "sub")): "cannot create it",
+        ("--steps", "3", "--out", str(tmp_path)): "is a directory",
+        ("--steps", "3", "--out", str(a_file / "r.json")): "cannot be written",
+    }
+    for argv, why in cases.items():
+        assert stress_main(list(argv)) == 2, argv
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err, (argv, err)
+    assert ran == []  # refused before any run started
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # and nothing was left
+    assert a_file.read_bytes() == b"not a directory"
+
+
 def test_a_run_by_duration_stops_on_the_injected_clock(tmp_path):
     ticks = iter(range(10_000))
     config = small_config((), steps=None, duration_s=30.0, check_every_op=False)
