@@ -289,6 +289,27 @@ def test_cli_refuses_bad_arguments(capsys):
     assert "--requests must be >= 1" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_bad_device_and_out_before_running(tmp_path, capsys, monkeypatch):
+    ran: list[object] = []
+    monkeypatch.setattr("tiering.apps.demo.scenario.run_demo",
+                        lambda *a, **k: ran.append(a))
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"not a directory")
+    cases = {
+        ("--device", "tpu"): "expected auto, cpu, cuda or cuda:N",
+        ("--device", "cuda:x"): "expected auto, cpu, cuda or cuda:N",
+        ("--device", "cpu", "--out", str(a_file)): "cannot create the output directory",
+        ("--device", "cpu", "--out", str(a_file / "sub")): "cannot create the output directory",
+    }
+    for argv, why in cases.items():
+        with pytest.raises(SystemExit) as info:
+            main(["--requests", "2", *argv])
+        assert info.value.code == 2, argv
+        assert why in capsys.readouterr().err, argv
+    assert ran == []  # refused before the run
+    assert a_file.read_bytes() == b"not a directory"
+
+
 def test_prefix_hits_come_from_every_tier_and_save_prefill(report):
     px = report.summary["prefix"]
     hits = px["hit_tokens"]
