@@ -121,7 +121,9 @@ class DiskConfig:
             or isinstance(self.lease_ttl_s, bool)
             or not 0 < self.lease_ttl_s < float("inf")
         ):
-            raise ValueError(f"DiskConfig.lease_ttl_s must be > 0, got {self.lease_ttl_s!r}")
+            raise ValueError(
+                f"DiskConfig.lease_ttl_s must be a finite number > 0, got {self.lease_ttl_s!r}"
+            )
         opts = self.storage_options
         if opts is not None:
             if not isinstance(opts, Mapping) or not all(isinstance(k, str) for k in opts):
@@ -142,7 +144,10 @@ class DiskConfig:
             return
         from tiering.coldtier.s3 import check_storage_options, parse_s3_url
 
-        loc = parse_s3_url(url)  # ValueError naming the URL
+        try:
+            loc = parse_s3_url(url)
+        except ValueError as exc:  # its message speaks of a cold tier URL; this is ours
+            raise ValueError(f"DiskConfig.path {url!r} is not a usable s3:// URL: {exc}") from exc
         if not loc.prefix:
             raise ValueError(
                 f"DiskConfig.path {url!r} names a bucket root; give the disk tier a prefix of "
