@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from seaweed_fixture import _seaweed_shared, seaweed  # noqa: F401  (fixtures)
 from zarr.storage import MemoryStore
 
 from tiering.disk import DiskConfig, DiskCorruptionError, DiskIOError, DiskPageStore
@@ -197,3 +198,33 @@ def test_a_good_read_reuses_its_scratch_buffer(tmp_path):
     assert store._read_scratch.kept() == kept  # the same buffer served every read
     store.close()
     assert store._read_scratch.kept() == []  # close lets it go
+
+
+def test_a_damaged_object_on_s3_leaves_out_untouched(seaweed):  # noqa: F811
+    """The same promise on an ``s3://`` prefix (a real SeaweedFS server): a chunk object
+    flipped on the server is refused and ``out`` keeps its bytes; put back, it is served."""
+    import obstore
+
+    rng = np.random.default_rng(41)
+    url = seaweed.url() + "/read-out"
+    prefix = url.split(f"s3://{seaweed.bucket}/", 1)[1]
+    cfg = DiskConfig(path=url, capacity_bytes=16 * PAGE_BYTES, chunk_bytes=2 * PAGE_BYTES,
+                     storage_options=seaweed.options(timeout_s=5.0, max_retries=1))
+    store = DiskPageStore(cfg, PAGE_SHAPE, torch.float32, fingerprint="out")
+    try:
+        extent = store.reserve("a", N)
+        data = random_pages(rng, N)
+        store.write(extent, data)
+        objects = seaweed.store(prefix, check=False)
+        key = f"c/{extent.chunks[-1]}/0"  # the last page: the others are read first
+        good = bytes(obstore.get(objects, key).bytes())
+        bad = bytearray(good)
+        bad[len(bad) // 2] ^= 0x40
+        obstore.put(objects, key, bytes(bad))
+        refused_and_untouched(store, extent, rng, DiskCorruptionError)
+        obstore.put(objects, key, good)
+        out = torch.empty_like(data)
+        store.read(extent, out)
+        assert torch.equal(out, data)
+    finally:
+        store.close()
