@@ -196,6 +196,10 @@ def test_a_good_read_reuses_its_scratch_buffer(tmp_path):
         store.read(extent, part, first_page=first)
         assert torch.equal(part, data[first:])
     assert store._read_scratch.kept() == kept  # the same buffer served every read
+    store.release(store.reserve("b", 1))
+    with pytest.raises(ValueError, match="not been written"):  # refused before any I/O
+        store.read(store.reserve("c", 2), torch.empty((2, *PAGE_SHAPE)))
+    assert store._read_scratch.kept() == kept  # a refused read does not lose the buffer
     store.close()
     assert store._read_scratch.kept() == []  # close lets it go
 

@@ -127,10 +127,11 @@ class ChunkIOPart:
         # A read lands in a scratch buffer and reaches ``out`` only once every chunk of
         # the range has passed its checks: a failed read leaves ``out`` untouched, and a
         # timed-out read's stray I/O can never write into it later.
-        scratch = self._read_scratch.take(rows.nbytes) if reading else None
-        target = rows if scratch is None else scratch.view(rows.dtype).reshape(rows.shape)
         state = self._ledger.begin(extent, kind, positions)
+        scratch = None
         try:
+            scratch = self._read_scratch.take(rows.nbytes) if reading else None
+            target = rows if scratch is None else scratch.view(rows.dtype).reshape(rows.shape)
             batches = self._batches(extent, positions, target)
             direct = self._backend.direct
             if direct is not None:
@@ -140,6 +141,8 @@ class ChunkIOPart:
                 jobs = (self._read_jobs if reading else self._write_jobs)(state, batches)
         except BaseException:
             self._ledger.finish(extent, state)
+            if scratch is not None:  # no I/O ran into it: it can serve the next read
+                self._read_scratch.give(scratch)
             raise
         self._run_io(extent, state, jobs, kind)  # on a failure the scratch is dropped
         if scratch is not None:
