@@ -488,6 +488,29 @@ def test_fault_plan_is_reproducible_and_validated():
     assert plan.draw("set") == (None, False)
 
 
+@pytest.mark.parametrize("kwargs, field", [
+    ({"next_n": True}, "next_n"), ({"next_n": 1.5}, "next_n"), ({"next_n": "2"}, "next_n"),
+    ({"probability": True}, "probability"), ({"probability": float("nan")}, "probability"),
+    ({"probability": "0.5"}, "probability"),
+])
+def test_fault_arm_refuses_bools_floats_and_strings_and_changes_nothing(kwargs, field):
+    plan = FaultPlan(seed=1)
+    plan.arm("eio_read", next_n=1)
+    with pytest.raises(ValueError, match=field):
+        plan.arm("eio_read", **kwargs)
+    assert [plan.draw("get")[0] for _ in range(2)] == ["eio_read", None]  # the old rule held
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"slow_seconds": float("nan")}, "slow_seconds"), ({"slow_seconds": float("inf")}, "slow_seconds"),
+    ({"slow_seconds": True}, "slow_seconds"), ({"slow_seconds": -1}, "slow_seconds"),
+    ({"sleep": 5}, "sleep"),
+])
+def test_fault_plan_refuses_bad_settings(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        FaultPlan(seed=1, **kwargs)
+
+
 def test_timed_out_write_keeps_chunks_until_stray_io_ends(tmp_path, gen):
     gate = threading.Event()
     plan = FaultPlan(seed=4, sleep=lambda _s: gate.wait(30), slow_seconds=1.0)
