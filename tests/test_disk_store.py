@@ -1211,3 +1211,19 @@ def test_crc32c_matches_the_reference_in_place(monkeypatch, native):
         disk_crc.ByteSpan(buf).extend(0, 10, buf.nbytes + 1)
     with pytest.raises(ValueError, match="contiguous"):
         disk_crc.crc32c_extend(0, buf[::2])
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), True, "1"])
+def test_waits_refuse_a_timeout_that_is_not_a_finite_number(tmp_path, gen, bad):
+    s = make(tmp_path, on_start="reattach")
+    extent = s.reserve("a", 2)
+    s.write(extent, pages(gen, 2))
+    for wait in (s.wait_idle, s.wait_manifest):
+        with pytest.raises(ValueError, match=f"{wait.__name__} timeout must be a finite"):
+            wait(bad)
+        assert wait(-1.0) is True and wait(0) is True  # an expired budget answers at once
+    with pytest.raises(ValueError, match="slot index"):
+        s.chunk_offset(True)  # a bool is not slot 1
+    assert s.chunk_offset(1) is not None
+    s.check_integrity()
+    s.close()
