@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         device = _resolve_device(args.device)
     except ValueError as err:
         parser.error(str(err))
+    try:
+        cfg = DemoConfig(requests=args.requests, seed=args.seed, device=device)
+    except ValueError as err:
+        parser.error(str(err))
     out_dir = Path(args.out if args.out is not None else DEFAULT_OUT)
     try:  # before the run, so a place the files cannot go is named before minutes of work
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -125,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     from tiering.apps.demo.report import format_summary
     from tiering.apps.demo.scenario import run_demo
 
-    cfg = DemoConfig(requests=args.requests, seed=args.seed, device=device)
     total = sum(r.max_new_tokens for r in cfg.draw_requests())
 
     progress = _Progress(total)
