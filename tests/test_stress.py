@@ -257,6 +257,20 @@ def test_stress_config_names_a_bad_time_or_step_count(name, bad):
     StressConfig(**kw, **{name: 0.0 if name in ("min_residency_steps", "aging_steps") else 1.5})
 
 
+@pytest.mark.parametrize("kwargs, why", [
+    ({"slow_seconds": True}, "slow_seconds"), ({"device": "cuda:x"}, "device"),
+    ({"device": "cudax"}, "device"), ({"policy": "bogus"}, "policy"),
+    ({"check_every_op": "yes"}, "check_every_op"),
+    ({"faults": ("corrupt", "corrupt")}, "faults: kind.s. given more than once"),
+    ({"paths": ("reattach", "reattach")}, "paths: path.s. given more than once"),
+    ({"sync_timeout_s": math.inf}, "sync_timeout_s must be a finite number > 0"),
+])
+def test_stress_config_refuses_bools_bad_names_and_duplicates(kwargs, why):
+    with pytest.raises(ValueError, match=rf"StressConfig\.{why}"):
+        StressConfig(steps=10, **kwargs)
+    StressConfig(steps=10)  # the control: the defaults are accepted
+
+
 def test_crash_mid_write_restart_reattaches_only_committed_requests(tmp_path):
     outcome = run_crash_check(tmp_path, seed=4)
     assert outcome.problems == ()
