@@ -10,12 +10,17 @@ control: the range was readable, so the bytes really were withheld)."""
 from __future__ import annotations
 
 import errno
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from seaweed_fixture import _seaweed_shared, seaweed  # noqa: F401  (fixtures)
 from zarr.storage import MemoryStore
 
@@ -232,3 +237,84 @@ def test_a_damaged_object_on_s3_leaves_out_untouched(seaweed):  # noqa: F811
         assert torch.equal(out, data)
     finally:
         store.close()
+
+
+class ReadOutMachine(RuleBasedStateMachine):
+    """Random reserves, writes, reads and releases with write and read faults injected;
+    a model of each extent's bytes. A good read returns exactly the model's bytes; a
+    failed one leaves ``out`` as it was; the cap is never exceeded nor drifts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="disk-read-out-sm-"))
+        self.plan = FaultPlan(seed=11)
+        self.store = make(self.dir, "direct", self.plan)
+        self.rng = np.random.default_rng(17)
+        self.live: dict[str, tuple[object, torch.Tensor | None]] = {}  # owner -> extent, bytes
+        self.failed_reads = 0
+
+    @rule(owner=st.sampled_from("abcdef"), n=st.integers(1, 5))
+    def reserve(self, owner, n):
+        if owner in self.live:
+            return
+        ext = self.store.reserve(owner, n)
+        if ext is not None:
+            self.live[owner] = (ext, None)
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 99), fault=st.sampled_from([None, "enospc_write", "eio_write"]))
+    def write(self, pick, fault):
+        owner = sorted(self.live)[pick % len(self.live)]
+        ext, _ = self.live[owner]
+        data = random_pages(self.rng, ext.num_pages)
+        if fault is None:
+            self.store.write(ext, data)
+            self.live[owner] = (ext, data)
+            return
+        self.plan.arm(fault, next_n=1)
+        with pytest.raises(DiskIOError):
+            self.store.write(ext, data)
+        self.plan.disarm(fault)
+        self.live[owner] = (ext, None)  # a failed write leaves its range unwritten
+
+    @precondition(lambda self: any(d is not None for _, d in self.live.values()))
+    @rule(pick=st.integers(0, 99), fault=st.sampled_from([None, "eio_read", "corrupt"]),
+          first=st.integers(0, 4))
+    def read(self, pick, fault, first):
+        written = sorted(o for o, (_, d) in self.live.items() if d is not None)
+        ext, data = self.live[written[pick % len(written)]]
+        first = first % ext.num_pages
+        out, before = filled_out(self.rng, ext.num_pages - first)
+        if fault is None:
+            self.store.read(ext, out, first_page=first)
+            assert torch.equal(out, data[first:])
+            return
+        self.plan.arm(fault, next_n=1)
+        with pytest.raises(DiskIOError):
+            self.store.read(ext, out, first_page=first)
+        self.plan.disarm(fault)
+        assert out.numpy().tobytes() == before
+        self.failed_reads += 1
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 99))
+    def release(self, pick):
+        owner = sorted(self.live)[pick % len(self.live)]
+        self.store.release(self.live.pop(owner)[0])
+
+    @invariant()
+    def consistent(self):
+        self.store.check_integrity()
+        pages = sum(ext.num_pages for ext, _ in self.live.values())
+        assert self.store.used_bytes() == pages * PAGE_BYTES <= self.store.capacity_bytes
+        assert self.store.stats()["read_faults"] == self.failed_reads
+
+    def teardown(self):
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+TestReadOutMachine = ReadOutMachine.TestCase
+TestReadOutMachine.settings = settings(
+    max_examples=20, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+)
