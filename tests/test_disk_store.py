@@ -1227,3 +1227,13 @@ def test_waits_refuse_a_timeout_that_is_not_a_finite_number(tmp_path, gen, bad):
     assert s.chunk_offset(1) is not None
     s.check_integrity()
     s.close()
+
+
+@pytest.mark.parametrize("kwargs", [{"wrap_store": 5}, {"new_store_id": "id"}])
+def test_hooks_that_are_not_callable_are_refused_before_anything_is_made(tmp_path, kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        DiskPageStore(DiskConfig(path=tmp_path / "d", capacity_bytes=4096), PAGE_SHAPE,
+                      torch.float32, **kwargs)
+    assert not (tmp_path / "d").exists()
+    DiskPageStore(DiskConfig(path=tmp_path / "d", capacity_bytes=4096), PAGE_SHAPE,
+                  torch.float32).close()  # the control: the path was free and usable

@@ -207,6 +207,9 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
             raise ValueError(f"config must be a DiskConfig, got {type(config).__name__}")
         if not isinstance(fingerprint, str):
             raise ValueError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
+        for name, fn in (("wrap_store", wrap_store), ("new_store_id", new_store_id)):
+            if fn is not None and not callable(fn):
+                raise ValueError(f"{name} must be callable or None, got {type(fn).__name__}")
         self.config = config
         self.fingerprint = fingerprint
         self._new_store_id = new_store_id if new_store_id is not None else _random_store_id
