@@ -345,10 +345,10 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         """Store ``pages`` ([k, *page_shape]) as pages ``[first_page, first_page + k)`` of
         the extent.
 
-        A range starts on a chunk boundary (``first_page`` a multiple of
-        ``pages_per_chunk``) and ends on one or at the extent's end, so every
-        chunk is written whole, by one call (a staging ring of buffers of
-        ``m * pages_per_chunk`` pages fits). The extent may be read or committed
+        Any non-empty range inside the extent is allowed (every page is its own
+        chunk, so a range never splits one; a staging ring of buffers of any size
+        fits). ValueError naming the range when it is empty or runs past the
+        extent's end. The extent may be read or committed
         only once every one of its pages has been written. Synchronous.
         ``pages`` must not be modified until it returns (on the direct path it
         is written from where it lies). Raises ValueError for bad input
