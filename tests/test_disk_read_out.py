@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import disk_lock_held
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -318,3 +319,29 @@ TestReadOutMachine = ReadOutMachine.TestCase
 TestReadOutMachine.settings = settings(
     max_examples=20, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
 )
+
+
+def test_a_close_that_gave_up_on_stray_io_can_be_finished_later(tmp_path, caplog):
+    """``close`` with a timed-out operation still running keeps the file and the lock (as
+    documented); once that I/O has ended, a second ``close`` lets them go (it returned at
+    once and the path stayed locked for the life of the process)."""
+    rng = np.random.default_rng(51)
+    gate = threading.Event()
+    plan = FaultPlan(seed=8, sleep=lambda _s: gate.wait(30), slow_seconds=1.0)
+    store = make(tmp_path, "direct", plan, io_timeout_s=0.2)
+    extent = store.reserve("a", 2)
+    store.write(extent, random_pages(rng, 2))
+    plan.arm("slow", next_n=1)
+    with pytest.raises(DiskIOError):
+        store.read(extent, torch.empty((2, *PAGE_SHAPE)))
+    with caplog.at_level("WARNING", logger="tiering.disk.store"):
+        store.close()  # gives up after io_timeout_s: the stray read still runs
+    assert "still in flight" in caplog.text
+    assert disk_lock_held(tmp_path / "d")
+    gate.set()
+    assert store.wait_idle(30)
+    store.close()  # now the file and the lock go
+    assert not disk_lock_held(tmp_path / "d")
+    store.close()  # and a third close is a no-op
+    again = make(tmp_path, "direct")  # the path is free for a new store
+    again.close()

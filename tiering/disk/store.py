@@ -236,6 +236,7 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         self._counters = _Counters()
         # where reads land before their checks pass (see ``read``); one kept per I/O thread
         self._read_scratch = ReadScratch(keep=config.io_threads)
+        self._backend_closed = False  # the file and the lock or lease have been let go
         self._stats_lock = threading.Lock()
         self._manifest_lock = threading.Lock()
         self._reattached: dict[str, tuple[DiskExtent, dict[str, Any]]] = {}
@@ -437,14 +438,21 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         return self._ledger.wait_idle(check_timeout("wait_idle timeout", timeout))
 
     def close(self) -> None:
-        """Stop accepting work; wait (bounded) for in-flight I/O; close a store we opened."""
-        if not self._ledger.close():
+        """Stop accepting work; wait (bounded) for in-flight I/O; close a store we opened.
+
+        If I/O is still running after ``io_timeout_s`` (an operation that timed out),
+        the file and the lock or lease are kept and a warning is logged; call ``close``
+        again once ``wait_idle`` says the I/O has ended to let them go. Idempotent."""
+        if self._ledger.close():
+            self._read_scratch.clear()
+            self._stop_flusher(2 * self.config.io_timeout_s)
+        elif self._backend_closed:
             return
-        self._read_scratch.clear()
-        self._stop_flusher(2 * self.config.io_timeout_s)
         if not self.wait_idle(self.config.io_timeout_s):
-            log.warning("disk store closed with I/O still in flight; its file stays open")
+            log.warning("disk store closed with I/O still in flight; its file stays open "
+                        "until close() is called again after the I/O has ended")
             return
+        self._backend_closed = True
         self._backend.close()
 
     def __enter__(self) -> DiskPageStore:
