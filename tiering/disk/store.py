@@ -333,7 +333,10 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         """Rewrite the manifest if an earlier write failed; True when it is now current.
 
         A successful write frees chunks that were quarantined only because the
-        old manifest still listed them."""
+        old manifest still listed them. ValueError after ``close`` (which makes the
+        last retry itself)."""
+        if self._ledger.closed:  # the path may no longer be held: write nothing there
+            raise ValueError("disk store is closed")
         if not self._persistent or not self._manifest_dirty:
             return True
         return self._persist_quietly("retrying an earlier failed write")
@@ -442,7 +445,9 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
 
         If I/O is still running after ``io_timeout_s`` (an operation that timed out),
         the file and the lock or lease are kept and a warning is logged; call ``close``
-        again once ``wait_idle`` says the I/O has ended to let them go. Idempotent."""
+        again once ``wait_idle`` says the I/O has ended to let them go. In ``reattach``
+        mode a manifest write that failed earlier is retried (once, quietly) before the
+        location is let go; nothing is written there after that. Idempotent."""
         if self._ledger.close():
             self._read_scratch.clear()
             self._stop_flusher(2 * self.config.io_timeout_s)
@@ -452,6 +457,10 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
             log.warning("disk store closed with I/O still in flight; its file stays open "
                         "until close() is called again after the I/O has ended")
             return
+        if self._persistent and self._manifest_dirty and self._flusher is None:
+            # the last chance while the path is still held: a manifest that still lists
+            # released extents would bring them back at the next start
+            self._persist_quietly("retrying an earlier failed write before closing")
         self._backend_closed = True
         self._backend.close()
 
