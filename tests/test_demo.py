@@ -270,6 +270,29 @@ def test_bad_settings_name_the_field(make, field):
         make()
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"device_fraction": True}, "device_fraction"), ({"host_fraction": "0.5"}, "host_fraction"),
+        ({"prompt_tokens": (1.5, 3)}, "prompt_tokens"), ({"new_tokens": (True, 3)}, "new_tokens"),
+        ({"system_tokens": 5}, "system_tokens"), ({"continue_p": True}, "continue_p"),
+        ({"continue_p": "x"}, "continue_p"), ({"min_residency_steps": float("inf")}, "min_residency"),
+        ({"aging_steps": "1"}, "aging_steps"), ({"arrival_every": -1}, "arrival_every"),
+        ({"arrival_every": float("nan")}, "arrival_every"), ({"seed": -1}, "seed"),
+        ({"seed": 1.5}, "seed"), ({"seed": True}, "seed"), ({"device": "tpu"}, "device"),
+        ({"policy": "bogus"}, "policy"), ({"prefix": "yes"}, "prefix"), ({"disk": 1}, "disk"),
+        ({"settle_each_step": "no"}, "settle_each_step"), ({"model": None}, "model"),
+        ({"system_prompts": True}, "system_prompts"),
+    ],
+)
+def test_every_bad_demo_setting_is_a_value_error_naming_its_field(kwargs, field):
+    """Wrong types, bools for numbers, NaN/inf, unknown names: each a ValueError that names
+    the field (some were accepted and failed later, some raised TypeError)."""
+    with pytest.raises(ValueError, match=f"DemoConfig.{field}"):
+        DemoConfig(**kwargs)
+    assert DemoConfig(**{k: v for k, v in DemoConfig().__dict__.items() if k in kwargs})
+
+
 def test_cli_writes_summary_and_plot(tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["--requests", "3", "--seed", "2", "--device", "cpu", "--out", str(out)])
@@ -287,6 +310,29 @@ def test_cli_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["--requests", "0"])
     assert "--requests must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_bad_device_and_out_before_running(tmp_path, capsys, monkeypatch):
+    ran: list[object] = []
+    monkeypatch.setattr("tiering.apps.demo.scenario.run_demo",
+                        lambda *a, **k: ran.append(a))
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"not a directory")
+    cases = {
+        ("--device", "tpu"): "expected auto, cpu, cuda or cuda:N",
+        ("--device", "cuda:x"): "expected auto, cpu, cuda or cuda:N",
+        ("--device", "cpu", "--out", str(a_file)): "cannot create the output directory",
+        ("--device", "cpu", "--out", str(a_file / "sub")): "cannot create the output directory",
+        ("--device", "cpu", "--seed", "-1", "--out", str(tmp_path / "o")): "DemoConfig.seed",
+    }
+    for argv, why in cases.items():
+        with pytest.raises(SystemExit) as info:
+            main(["--requests", "2", *argv])
+        assert info.value.code == 2, argv
+        assert why in capsys.readouterr().err, argv
+    assert ran == []  # refused before the run
+    assert a_file.read_bytes() == b"not a directory"
+    assert not (tmp_path / "o").exists()  # a refused config made no output directory
 
 
 def test_prefix_hits_come_from_every_tier_and_save_prefill(report):

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tiering.disk import DiskConfig, DiskIOError, DiskPageStore, FaultPlan, FaultyStore
+from tiering.disk.manifest import MANIFEST_KEY
 
 PAGE_SHAPE = (2, 4, 8)
 PAGE_BYTES = int(np.prod(PAGE_SHAPE)) * 4
@@ -250,3 +251,29 @@ TestManifestMachine = ManifestMachine.TestCase
 TestManifestMachine.settings = settings(
     max_examples=25, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
 )
+
+
+def test_close_retries_a_failed_manifest_write_and_nothing_is_written_after_it(tmp_path):
+    """A release whose manifest write failed leaves the old manifest listing the extent;
+    ``close`` retries that write while it still holds the path, so a restart does not bring
+    the released extent back. After ``close`` the store writes nothing (the path is no
+    longer held): ``retry_manifest`` is refused."""
+    rng = np.random.default_rng(61)
+    plan = FaultPlan(seed=9)
+    s = make(tmp_path / "d", plan)
+    keep, gone = s.reserve("keep", 2), s.reserve("gone", 2)
+    for ext, owner in ((keep, "keep"), (gone, "gone")):
+        s.write(ext, pages(rng, 2))
+        s.commit(owner, ext)
+    plan.arm("eio_manifest", next_n=1)
+    s.release(gone)  # its manifest write fails: the manifest on disk still lists 'gone'
+    assert s.stats()["manifest_dirty"] and s.stats()["quarantined_chunks"] == 2
+    s.close()
+    manifest = (tmp_path / "d" / MANIFEST_KEY).read_bytes()
+    with pytest.raises(ValueError, match="closed"):
+        s.retry_manifest()
+    assert (tmp_path / "d" / MANIFEST_KEY).read_bytes() == manifest  # nothing written
+    again = make(tmp_path / "d")
+    assert sorted(again.reattached()) == ["keep"]  # the released extent stays released
+    again.check_integrity()
+    again.close()

@@ -328,6 +328,11 @@ def test_bad_input_raises_and_changes_nothing(store, gen):
         ("io_timeout_s", {"path": "x", "capacity_bytes": 10, "io_timeout_s": float("nan")}),
         ("io_timeout_s", {"path": "x", "capacity_bytes": 10, "io_timeout_s": True}),
         ("lease_ttl_s", {"path": "x", "capacity_bytes": 10, "lease_ttl_s": float("nan")}),
+        ("lease_ttl_s must be a finite", {"path": "x", "capacity_bytes": 10,
+                                          "lease_ttl_s": float("inf")}),
+        ("DiskConfig.path 's3:///p' is not a usable", {"path": "s3:///p", "capacity_bytes": 10}),
+        ("DiskConfig.path 's3://b/x/../y' is not a usable", {"path": "s3://b/x/../y",
+                                                            "capacity_bytes": 10}),
         ("io_threads", {"path": "x", "capacity_bytes": 10, "io_threads": 2.0}),
         ("chunk_bytes", {"path": "x", "capacity_bytes": 10, "chunk_bytes": True}),
         ("path", {"capacity_bytes": 10}),
@@ -481,6 +486,29 @@ def test_fault_plan_is_reproducible_and_validated():
     plan.arm("eio_read", next_n=2)
     assert [plan.draw("get")[0] for _ in range(3)] == ["eio_read", "eio_read", None]
     assert plan.draw("set") == (None, False)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"next_n": True}, "next_n"), ({"next_n": 1.5}, "next_n"), ({"next_n": "2"}, "next_n"),
+    ({"probability": True}, "probability"), ({"probability": float("nan")}, "probability"),
+    ({"probability": "0.5"}, "probability"),
+])
+def test_fault_arm_refuses_bools_floats_and_strings_and_changes_nothing(kwargs, field):
+    plan = FaultPlan(seed=1)
+    plan.arm("eio_read", next_n=1)
+    with pytest.raises(ValueError, match=field):
+        plan.arm("eio_read", **kwargs)
+    assert [plan.draw("get")[0] for _ in range(2)] == ["eio_read", None]  # the old rule held
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"slow_seconds": float("nan")}, "slow_seconds"), ({"slow_seconds": float("inf")}, "slow_seconds"),
+    ({"slow_seconds": True}, "slow_seconds"), ({"slow_seconds": -1}, "slow_seconds"),
+    ({"sleep": 5}, "sleep"),
+])
+def test_fault_plan_refuses_bad_settings(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        FaultPlan(seed=1, **kwargs)
 
 
 def test_timed_out_write_keeps_chunks_until_stray_io_ends(tmp_path, gen):
@@ -1183,3 +1211,29 @@ def test_crc32c_matches_the_reference_in_place(monkeypatch, native):
         disk_crc.ByteSpan(buf).extend(0, 10, buf.nbytes + 1)
     with pytest.raises(ValueError, match="contiguous"):
         disk_crc.crc32c_extend(0, buf[::2])
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), True, "1"])
+def test_waits_refuse_a_timeout_that_is_not_a_finite_number(tmp_path, gen, bad):
+    s = make(tmp_path, on_start="reattach")
+    extent = s.reserve("a", 2)
+    s.write(extent, pages(gen, 2))
+    for wait in (s.wait_idle, s.wait_manifest):
+        with pytest.raises(ValueError, match=f"{wait.__name__} timeout must be a finite"):
+            wait(bad)
+        assert wait(-1.0) is True and wait(0) is True  # an expired budget answers at once
+    with pytest.raises(ValueError, match="slot index"):
+        s.chunk_offset(True)  # a bool is not slot 1
+    assert s.chunk_offset(1) is not None
+    s.check_integrity()
+    s.close()
+
+
+@pytest.mark.parametrize("kwargs", [{"wrap_store": 5}, {"new_store_id": "id"}])
+def test_hooks_that_are_not_callable_are_refused_before_anything_is_made(tmp_path, kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        DiskPageStore(DiskConfig(path=tmp_path / "d", capacity_bytes=4096), PAGE_SHAPE,
+                      torch.float32, **kwargs)
+    assert not (tmp_path / "d").exists()
+    DiskPageStore(DiskConfig(path=tmp_path / "d", capacity_bytes=4096), PAGE_SHAPE,
+                  torch.float32).close()  # the control: the path was free and usable

@@ -257,6 +257,20 @@ def test_stress_config_names_a_bad_time_or_step_count(name, bad):
     StressConfig(**kw, **{name: 0.0 if name in ("min_residency_steps", "aging_steps") else 1.5})
 
 
+@pytest.mark.parametrize("kwargs, why", [
+    ({"slow_seconds": True}, "slow_seconds"), ({"device": "cuda:x"}, "device"),
+    ({"device": "cudax"}, "device"), ({"policy": "bogus"}, "policy"),
+    ({"check_every_op": "yes"}, "check_every_op"),
+    ({"faults": ("corrupt", "corrupt")}, "faults: kind.s. given more than once"),
+    ({"paths": ("reattach", "reattach")}, "paths: path.s. given more than once"),
+    ({"sync_timeout_s": math.inf}, "sync_timeout_s must be a finite number > 0"),
+])
+def test_stress_config_refuses_bools_bad_names_and_duplicates(kwargs, why):
+    with pytest.raises(ValueError, match=rf"StressConfig\.{why}"):
+        StressConfig(steps=10, **kwargs)
+    StressConfig(steps=10)  # the control: the defaults are accepted
+
+
 def test_crash_mid_write_restart_reattaches_only_committed_requests(tmp_path):
     outcome = run_crash_check(tmp_path, seed=4)
     assert outcome.problems == ()
@@ -305,6 +319,28 @@ def test_cli_writes_the_report(tmp_path, capsys):
     assert stress_main(["--faults", "melt"]) == 2
     assert stress_main(["--paths", "teleport"]) == 2
     assert stress_parser().parse_args([]).paths == "all"  # every path unless told otherwise
+
+
+def test_cli_refuses_bad_steps_dir_and_out_before_running(tmp_path, capsys, monkeypatch):
+    ran: list[object] = []
+    monkeypatch.setattr("tiering.apps.stress.runner.run_stress",
+                        lambda *a, **k: ran.append(a) or {"ok": True})
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"not a directory")
+    cases = {
+        ("--steps", "0"): "steps must be an int >= 1, got 0",
+        ("--steps", "3", "--dir", str(a_file)): "not a directory",
+        ("--steps", "3", "--dir", str(a_file / "sub")): "cannot create it",
+        ("--steps", "3", "--out", str(tmp_path)): "is a directory",
+        ("--steps", "3", "--out", str(a_file / "r.json")): "cannot be written",
+    }
+    for argv, why in cases.items():
+        assert stress_main(list(argv)) == 2, argv
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err, (argv, err)
+    assert ran == []  # refused before any run started
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # and nothing was left
+    assert a_file.read_bytes() == b"not a directory"
 
 
 def test_a_run_by_duration_stops_on_the_injected_clock(tmp_path):

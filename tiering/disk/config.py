@@ -31,6 +31,19 @@ def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def check_timeout(name: str, value: object) -> float:
+    """A wait's timeout in seconds: a finite number (not a bool); a negative one is an
+    expired budget (0: answer at once). ValueError naming ``name`` otherwise: a wait
+    without a bound (None, inf) or with NaN is never started."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not -float("inf") < value < float("inf")
+    ):
+        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+    return max(0.0, float(value))
+
+
 @dataclass(frozen=True)
 class DiskConfig:
     """How the disk tier is stored and sized; validated on construction.
@@ -121,7 +134,9 @@ class DiskConfig:
             or isinstance(self.lease_ttl_s, bool)
             or not 0 < self.lease_ttl_s < float("inf")
         ):
-            raise ValueError(f"DiskConfig.lease_ttl_s must be > 0, got {self.lease_ttl_s!r}")
+            raise ValueError(
+                f"DiskConfig.lease_ttl_s must be a finite number > 0, got {self.lease_ttl_s!r}"
+            )
         opts = self.storage_options
         if opts is not None:
             if not isinstance(opts, Mapping) or not all(isinstance(k, str) for k in opts):
@@ -142,7 +157,10 @@ class DiskConfig:
             return
         from tiering.coldtier.s3 import check_storage_options, parse_s3_url
 
-        loc = parse_s3_url(url)  # ValueError naming the URL
+        try:
+            loc = parse_s3_url(url)
+        except ValueError as exc:  # its message speaks of a cold tier URL; this is ours
+            raise ValueError(f"DiskConfig.path {url!r} is not a usable s3:// URL: {exc}") from exc
         if not loc.prefix:
             raise ValueError(
                 f"DiskConfig.path {url!r} names a bucket root; give the disk tier a prefix of "

@@ -68,10 +68,12 @@ class FaultRule:
     next_n: int = 0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.probability <= 1.0:
-            raise ValueError(f"FaultRule.probability must be in [0, 1], got {self.probability}")
-        if self.next_n < 0:
-            raise ValueError(f"FaultRule.next_n must be >= 0, got {self.next_n}")
+        p = self.probability
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"FaultRule.probability must be a number in [0, 1], got {p!r}")
+        n = self.next_n
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"FaultRule.next_n must be an int >= 0, got {n!r}")
         if self.probability and self.next_n:
             raise ValueError("FaultRule takes either probability or next_n, not both")
 
@@ -91,8 +93,14 @@ class FaultPlan:
         sleep: Callable[[float], None] = time.sleep,
         slow_seconds: float = 0.05,
     ) -> None:
-        if slow_seconds < 0:
-            raise ValueError(f"slow_seconds must be >= 0, got {slow_seconds}")
+        if (
+            isinstance(slow_seconds, bool)
+            or not isinstance(slow_seconds, (int, float))
+            or not 0 <= slow_seconds < float("inf")
+        ):
+            raise ValueError(f"slow_seconds must be a finite number >= 0, got {slow_seconds!r}")
+        if not callable(sleep):
+            raise ValueError(f"sleep must be callable, got {type(sleep).__name__}")
         self._rng = rng if rng is not None else random.Random(seed)
         self.sleep = sleep
         self.slow_seconds = slow_seconds

@@ -223,6 +223,12 @@ class ChunkLedger:
         with self._lock:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout)
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` has been called (work is refused)."""
+        with self._lock:
+            return self._closed
+
     def close(self) -> bool:
         """Refuse further work; False if it was already closed."""
         with self._lock:

@@ -503,7 +503,11 @@ class SlotFileStore(SyncBackedStoreMethods, Store):
             )
 
     def _check_slot(self, index: int) -> None:
-        if not isinstance(index, (int, np.integer)) or not 0 <= index < self.num_slots:
+        if (
+            isinstance(index, bool)
+            or not isinstance(index, (int, np.integer))
+            or not 0 <= index < self.num_slots
+        ):
             raise ValueError(f"slot index must be in [0, {self.num_slots}), got {index!r}")
 
     def occupied_slots(self) -> list[int]:

@@ -81,9 +81,10 @@ until the stray I/O has finished, even if the extent is released meanwhile.
 
 Direct path. For the default local store with codec ``none`` and no
 ``wrap_store``, a chunk does not go through zarr's codec pipeline: the slot
-store writes the caller's page bytes where they lie and reads straight into
-``out`` (``SlotFileStore.write_chunk``/``read_chunk``), computing or checking
-the crc32c over the same memory with the GIL released. The chunk bytes on disk
+store writes the caller's page bytes where they lie and reads into a reused
+scratch buffer that is copied into ``out`` once every chunk passed its checks
+(``SlotFileStore.write_chunk``/``read_chunk``; a failed read leaves ``out``
+untouched), computing or checking the crc32c over the same memory with the GIL released. The chunk bytes on disk
 are exactly what the pipeline (bytes codec, then crc32c) would store, so plain
 zarr reads the array through ``SlotFileStore`` (it does not see the binding
 blocks, so it cannot check them), and this path reads chunks zarr wrote.
@@ -157,7 +158,7 @@ from zarr.abc.store import Store
 
 from tiering.disk.array import CODECS  # noqa: F401 (re-exported)
 from tiering.disk.backend import ArrayGeometry, PageBackend
-from tiering.disk.config import DiskConfig
+from tiering.disk.config import DiskConfig, check_timeout
 from tiering.disk.ledger import (
     ChunkLedger,
     DiskExtent,
@@ -166,7 +167,7 @@ from tiering.disk.ledger import (
 )
 from tiering.disk.lock import DiskPathInUseError
 from tiering.disk.pages import PageFormat
-from tiering.disk.store_io import ChunkIOPart
+from tiering.disk.store_io import ChunkIOPart, ReadScratch
 from tiering.disk.store_manifest import ManifestPart
 from tiering.disk.store_start import StartPart, _random_store_id
 from tiering.disk.store_stats import StatsPart, _Counters
@@ -206,6 +207,9 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
             raise ValueError(f"config must be a DiskConfig, got {type(config).__name__}")
         if not isinstance(fingerprint, str):
             raise ValueError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
+        for name, fn in (("wrap_store", wrap_store), ("new_store_id", new_store_id)):
+            if fn is not None and not callable(fn):
+                raise ValueError(f"{name} must be callable or None, got {type(fn).__name__}")
         self.config = config
         self.fingerprint = fingerprint
         self._new_store_id = new_store_id if new_store_id is not None else _random_store_id
@@ -230,6 +234,9 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
 
         self._ledger = ChunkLedger(self.capacity_pages, 1)
         self._counters = _Counters()
+        # where reads land before their checks pass (see ``read``); one kept per I/O thread
+        self._read_scratch = ReadScratch(keep=config.io_threads)
+        self._backend_closed = False  # the file and the lock or lease have been let go
         self._stats_lock = threading.Lock()
         self._manifest_lock = threading.Lock()
         self._reattached: dict[str, tuple[DiskExtent, dict[str, Any]]] = {}
@@ -326,7 +333,10 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         """Rewrite the manifest if an earlier write failed; True when it is now current.
 
         A successful write frees chunks that were quarantined only because the
-        old manifest still listed them."""
+        old manifest still listed them. ValueError after ``close`` (which makes the
+        last retry itself)."""
+        if self._ledger.closed:  # the path may no longer be held: write nothing there
+            raise ValueError("disk store is closed")
         if not self._persistent or not self._manifest_dirty:
             return True
         return self._persist_quietly("retrying an earlier failed write")
@@ -339,10 +349,10 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         """Store ``pages`` ([k, *page_shape]) as pages ``[first_page, first_page + k)`` of
         the extent.
 
-        A range starts on a chunk boundary (``first_page`` a multiple of
-        ``pages_per_chunk``) and ends on one or at the extent's end, so every
-        chunk is written whole, by one call (a staging ring of buffers of
-        ``m * pages_per_chunk`` pages fits). The extent may be read or committed
+        Any non-empty range inside the extent is allowed (every page is its own
+        chunk, so a range never splits one; a staging ring of buffers of any size
+        fits). ValueError naming the range when it is empty or runs past the
+        extent's end. The extent may be read or committed
         only once every one of its pages has been written. Synchronous.
         ``pages`` must not be modified until it returns (on the direct path it
         is written from where it lies). Raises ValueError for bad input
@@ -362,9 +372,12 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         checked, so a damaged, misplaced, stale or foreign chunk raises
         DiskCorruptionError and is never handed back as good. Raises ValueError
         for bad input or a range not completely written; DiskIOError /
-        DiskCorruptionError on a fault, in which case the contents of ``out``
-        are unspecified and must not be used (on the direct path the bytes land
-        in ``out`` before their checks).
+        DiskCorruptionError on a fault. A read that fails, for any reason
+        (bad input, a fault, a corrupt or misplaced chunk, a timeout), leaves
+        ``out`` exactly as it was: the pages land in a reused scratch buffer and
+        are copied into ``out`` only once every chunk of the range has passed
+        its checks (one copy of the range on the good path), so even I/O still
+        running after a timeout never writes into ``out``.
         """
         self._transfer("read", extent, out, first_page)
 
@@ -425,16 +438,30 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
 
         Returns False if some still are after ``timeout`` seconds.
         """
-        return self._ledger.wait_idle(timeout)
+        return self._ledger.wait_idle(check_timeout("wait_idle timeout", timeout))
 
     def close(self) -> None:
-        """Stop accepting work; wait (bounded) for in-flight I/O; close a store we opened."""
-        if not self._ledger.close():
+        """Stop accepting work; wait (bounded) for in-flight I/O; close a store we opened.
+
+        If I/O is still running after ``io_timeout_s`` (an operation that timed out),
+        the file and the lock or lease are kept and a warning is logged; call ``close``
+        again once ``wait_idle`` says the I/O has ended to let them go. In ``reattach``
+        mode a manifest write that failed earlier is retried (once, quietly) before the
+        location is let go; nothing is written there after that. Idempotent."""
+        if self._ledger.close():
+            self._read_scratch.clear()
+            self._stop_flusher(2 * self.config.io_timeout_s)
+        elif self._backend_closed:
             return
-        self._stop_flusher(2 * self.config.io_timeout_s)
         if not self.wait_idle(self.config.io_timeout_s):
-            log.warning("disk store closed with I/O still in flight; its file stays open")
+            log.warning("disk store closed with I/O still in flight; its file stays open "
+                        "until close() is called again after the I/O has ended")
             return
+        if self._persistent and self._manifest_dirty and self._flusher is None:
+            # the last chance while the path is still held: a manifest that still lists
+            # released extents would bring them back at the next start
+            self._persist_quietly("retrying an earlier failed write before closing")
+        self._backend_closed = True
         self._backend.close()
 
     def __enter__(self) -> DiskPageStore:

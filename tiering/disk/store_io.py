@@ -71,6 +71,46 @@ def _check_binding_record(chunk: int, record: bytes, expected: bytes, dest: np.n
         )
 
 
+class ReadScratch:
+    """Reusable byte buffers that reads land in before their checks pass.
+
+    ``take(n)`` hands out an ``n``-byte view of a kept buffer at least that large (or of
+    a new one); ``give`` returns it after a successful read. At most ``keep`` buffers are
+    kept (the largest); a read that fails never gives its buffer back, so I/O that is
+    still running after a timeout writes into memory nobody else is handed. Thread-safe.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
+            if fits:
+                best = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+                return best[:nbytes]
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, view: np.ndarray) -> None:
+        base = view if view.base is None else view.base
+        assert isinstance(base, np.ndarray)
+        with self._lock:
+            self._free.append(base)
+            self._free.sort(key=lambda b: b.nbytes, reverse=True)
+            del self._free[self._keep :]
+
+    def kept(self) -> list[int]:
+        """The sizes of the kept buffers (for tests and stats)."""
+        with self._lock:
+            return [b.nbytes for b in self._free]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
 class ChunkIOPart:
     """``DiskPageStore``'s chunk I/O (see the module docstring)."""
 
@@ -84,9 +124,15 @@ class ChunkIOPart:
         count = _leading(arr, what)
         positions = self._positions(extent, first_page, count)
         rows = self.format.rows(arr, count, what, writable=reading)
+        # A read lands in a scratch buffer and reaches ``out`` only once every chunk of
+        # the range has passed its checks: a failed read leaves ``out`` untouched, and a
+        # timed-out read's stray I/O can never write into it later.
         state = self._ledger.begin(extent, kind, positions)
+        scratch = None
         try:
-            batches = self._batches(extent, positions, rows)
+            scratch = self._read_scratch.take(rows.nbytes) if reading else None
+            target = rows if scratch is None else scratch.view(rows.dtype).reshape(rows.shape)
+            batches = self._batches(extent, positions, target)
             direct = self._backend.direct
             if direct is not None:
                 chunk_io = direct.read_chunk if reading else direct.write_chunk
@@ -95,8 +141,13 @@ class ChunkIOPart:
                 jobs = (self._read_jobs if reading else self._write_jobs)(state, batches)
         except BaseException:
             self._ledger.finish(extent, state)
+            if scratch is not None:  # no I/O ran into it: it can serve the next read
+                self._read_scratch.give(scratch)
             raise
-        self._run_io(extent, state, jobs, kind)
+        self._run_io(extent, state, jobs, kind)  # on a failure the scratch is dropped
+        if scratch is not None:
+            np.copyto(rows, target)
+            self._read_scratch.give(scratch)
         with self._stats_lock:
             if reading:
                 self._counters.reads += 1

@@ -14,6 +14,7 @@ import errno
 import logging
 import threading
 
+from tiering.disk.config import check_timeout
 from tiering.disk.manifest import ManifestEntry, encode_manifest
 from tiering.errors import DiskIOError
 
@@ -74,12 +75,14 @@ class ManifestPart:
 
     def wait_manifest(self, timeout: float) -> bool:
         """Wait (bounded) until no manifest write is pending or running; True when the
-        manifest on the store is current (always True where writes are synchronous)."""
+        manifest on the store is current (always True where writes are synchronous).
+        ValueError for a timeout that is not a finite number >= 0."""
+        timeout = check_timeout("wait_manifest timeout", timeout)
         if self._flusher is None:
             return not self._manifest_dirty
         with self._flush_cv:
             self._flush_cv.wait_for(lambda: self._flush_wanted is None and not self._flush_busy,
-                                    timeout=max(0.0, timeout))
+                                    timeout=timeout)
             return self._flush_wanted is None and not self._flush_busy and not self._manifest_dirty
 
     def _stop_flusher(self, timeout: float) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -46,6 +47,8 @@ def _resolve_device(name: str) -> str:
             return "cuda" if torch.cuda.is_available() else "cpu"
         except Exception:  # torch raises mixed types when no driver is present
             return "cpu"
+    if name != "cpu" and re.fullmatch(r"cuda(:\d+)?", name) is None:
+        raise ValueError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N")
     if name.startswith("cuda"):
         try:
             ok = torch.cuda.is_available()
@@ -111,16 +114,22 @@ def main(argv: list[str] | None = None) -> int:
         device = _resolve_device(args.device)
     except ValueError as err:
         parser.error(str(err))
+    try:
+        cfg = DemoConfig(requests=args.requests, seed=args.seed, device=device)
+    except ValueError as err:
+        parser.error(str(err))
+    out_dir = Path(args.out if args.out is not None else DEFAULT_OUT)
+    try:  # before the run, so a place the files cannot go is named before minutes of work
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"--out {out_dir}: cannot create the output directory: {err}")
     _prepare_torch(device)
 
     from tiering.apps.demo.plot import plot_occupancy
     from tiering.apps.demo.report import format_summary
     from tiering.apps.demo.scenario import run_demo
 
-    cfg = DemoConfig(requests=args.requests, seed=args.seed, device=device)
     total = sum(r.max_new_tokens for r in cfg.draw_requests())
-    out_dir = Path(args.out if args.out is not None else DEFAULT_OUT)
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     progress = _Progress(total)
     try:

@@ -14,6 +14,7 @@ outputs also prove the reused bytes were the right ones.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from policies import default_registry
 from resources.kv_cache import PagedKVCache
 from tiering.apps.demo.model import ModelConfig, TinyDecoder
 from tiering.apps.demo.worker import (
@@ -43,6 +45,19 @@ RELOAD_HEADROOM = 0.02
 MAX_HIGH = 0.90
 #: Gap between the high and low watermarks.
 WATERMARK_GAP = 0.15
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"DemoConfig.{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_number(name: str, value: object) -> float:
+    """A finite real number (not a bool); ValueError naming the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"DemoConfig.{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -100,35 +115,49 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         for name in ("requests", "page_tokens", "batch", "prefill_chunk", "quantum",
-                     "disk_chunk_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"DemoConfig.{name} must be an int >= 1, got {v!r}")
+                     "disk_chunk_bytes", "system_prompts"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("seed", "corrupt_every", "max_corruptions"):
+            _check_int(name, getattr(self, name), 0)
         for name in ("device_fraction", "host_fraction"):
-            v = getattr(self, name)
+            v = _check_number(name, getattr(self, name))
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"DemoConfig.{name} must be in (0, 1], got {v!r}")
-        if isinstance(self.system_prompts, bool) or not isinstance(self.system_prompts, int) \
-                or self.system_prompts < 1:
-            raise ValueError(f"DemoConfig.system_prompts must be an int >= 1, got {self.system_prompts!r}")
+        if not 0.0 <= _check_number("continue_p", self.continue_p) <= 1.0:
+            raise ValueError(f"DemoConfig.continue_p must be in [0, 1], got {self.continue_p!r}")
+        for name in ("min_residency_steps", "aging_steps", "arrival_every"):
+            if not _check_number(name, getattr(self, name)) >= 0:
+                raise ValueError(f"DemoConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("prompt_tokens", "system_tokens", "new_tokens"):
             lo_hi = getattr(self, name)
-            if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
-                raise ValueError(f"DemoConfig.{name} must be (low, high) with 1 <= low <= high,"
-                                 f" got {lo_hi!r}")
-        if not 0.0 <= self.continue_p <= 1.0:
-            raise ValueError(f"DemoConfig.continue_p must be in [0, 1], got {self.continue_p!r}")
+            if (
+                not isinstance(lo_hi, tuple)
+                or len(lo_hi) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in lo_hi)
+                or not 1 <= lo_hi[0] <= lo_hi[1]
+            ):
+                raise ValueError(f"DemoConfig.{name} must be (low, high) ints with "
+                                 f"1 <= low <= high, got {lo_hi!r}")
         if self.workload not in ("conversations", "synthetic"):
             raise ValueError(
                 f"DemoConfig.workload must be 'conversations' or 'synthetic', got {self.workload!r}"
             )
-        for name in ("corrupt_every", "max_corruptions"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"DemoConfig.{name} must be an int >= 0, got {v!r}")
-        for name in ("min_residency_steps", "aging_steps"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"DemoConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("prefix", "disk", "settle_each_step"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"DemoConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.model, ModelConfig):
+            raise ValueError(
+                f"DemoConfig.model must be a ModelConfig, got {type(self.model).__name__}")
+        if not isinstance(self.device, str) or (
+            self.device != "cpu" and re.fullmatch(r"cuda(:\d+)?", self.device) is None
+        ):
+            raise ValueError(f"DemoConfig.device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if not isinstance(self.policy, str) or self.policy not in default_registry():
+            raise ValueError(
+                f"DemoConfig.policy must be a built-in policy name "
+                f"({', '.join(default_registry().names)}), got {self.policy!r}"
+            )
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(

@@ -129,15 +129,19 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         faults = parse_faults(args.faults)
-        duration = args.duration if args.duration is not None or args.steps else 60.0
+        duration = (
+            args.duration if args.duration is not None or args.steps is not None else 60.0
+        )
         config = StressConfig(
             seed=args.seed, steps=args.steps, duration_s=duration, faults=faults,
             fault_rate=args.fault_rate, slow_seconds=args.slow_ms / 1000.0,
             device=_resolve_device(args.device), paths=parse_paths(args.paths),
             restarts=args.restarts,
         )
-        if args.dir is not None and Path(args.dir).exists() and any(Path(args.dir).iterdir()):
-            raise ValueError(f"--dir {args.dir}: must be empty or absent")
+        if args.out is not None:
+            _check_out(Path(args.out))
+        if args.dir is not None:
+            _check_dir(Path(args.dir))
     except ValueError as err:
         print(f"tiering stress: {err}", file=sys.stderr)
         return 2
@@ -156,7 +160,52 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report))
     if args.out:
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as err:
+            print(f"tiering stress: --out {args.out}: cannot write the report: {err}",
+                  file=sys.stderr)
+            return 2
         print(f"report written to {out}")
     return 0 if report["ok"] else 1
+
+
+def _check_dir(path: Path) -> None:
+    """``--dir`` must be an empty directory, or absent and creatable (it is created here,
+    so a path the run could not use is refused before it starts)."""
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"--dir {path}: not a directory")
+        if any(path.iterdir()):
+            raise ValueError(f"--dir {path}: must be empty or absent")
+        return
+    try:
+        path.mkdir(parents=True)
+    except OSError as err:
+        raise ValueError(f"--dir {path}: cannot create it: {err}") from err
+
+
+def _check_out(path: Path) -> None:
+    """``--out`` must be a file that can be written: checked before the run, by opening
+    it for appending (a file that did not exist is removed again), not after it."""
+    if path.is_dir():
+        raise ValueError(f"--out {path}: is a directory")
+    existed = path.exists()
+    made: list[Path] = []
+    try:
+        for parent in reversed(path.parents):
+            if not parent.exists():
+                parent.mkdir()
+                made.append(parent)
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise ValueError(f"--out {path}: cannot be written: {err}") from err
+    finally:
+        if not existed:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            for parent in reversed(made):
+                with contextlib.suppress(OSError):
+                    parent.rmdir()

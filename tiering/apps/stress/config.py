@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
 
+from policies import default_registry
 from resources.kv_geometry import KVGeometry
 from tiering.apps.stress.faults import FAILING_KINDS, FAULT_KINDS, parse_choices
 
@@ -40,7 +42,7 @@ def _number(name: str, value: object, *, positive: bool) -> None:
         or not (0 < value if positive else 0 <= value)
         or not value < math.inf
     ):
-        bound = "> 0" if positive else "a finite number >= 0"
+        bound = "a finite number > 0" if positive else "a finite number >= 0"
         raise ValueError(f"StressConfig.{name} must be {bound}, got {value!r}")
 
 
@@ -53,6 +55,9 @@ def _known(name: str, value: object, choices: tuple[str, ...], noun: str) -> Non
         raise ValueError(
             f"StressConfig.{name}: unknown {noun}(s) {unknown}; known: {', '.join(choices)}"
         )
+    repeated = sorted({k for k in value if value.count(k) > 1})
+    if repeated:
+        raise ValueError(f"StressConfig.{name}: {noun}(s) given more than once: {repeated}")
 
 
 def _fraction(name: str, value: object, *, upper_open: bool = False) -> None:
@@ -159,7 +164,11 @@ class StressConfig:
         _fraction("fault_rate", self.fault_rate, upper_open=True)
         if self.faults and self.fault_rate == 0:
             raise ValueError("StressConfig.fault_rate must be > 0 when faults are armed")
-        if not isinstance(self.slow_seconds, (int, float)) or not 0 <= self.slow_seconds <= 10:
+        if (
+            isinstance(self.slow_seconds, bool)
+            or not isinstance(self.slow_seconds, (int, float))
+            or not 0 <= self.slow_seconds <= 10
+        ):
             raise ValueError(
                 f"StressConfig.slow_seconds must be in [0, 10], got {self.slow_seconds!r}"
             )
@@ -185,11 +194,19 @@ class StressConfig:
         for name in ("min_residency_steps", "aging_steps"):
             _number(name, getattr(self, name), positive=False)
         _number("sync_timeout_s", self.sync_timeout_s, positive=True)
-        if not isinstance(self.device, str) or not (
-            self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")
+        if not isinstance(self.device, str) or (
+            self.device != "cpu" and re.fullmatch(r"cuda(:\d+)?", self.device) is None
         ):
             raise ValueError(f"StressConfig.device must be cpu, cuda or cuda:N, got {self.device!r}")
         _known("paths", self.paths, PATHS, "path")
+        if not isinstance(self.check_every_op, bool):
+            raise ValueError(
+                f"StressConfig.check_every_op must be a bool, got {self.check_every_op!r}")
+        if not isinstance(self.policy, str) or self.policy not in default_registry():
+            raise ValueError(
+                f"StressConfig.policy must be a built-in policy name "
+                f"({', '.join(default_registry().names)}), got {self.policy!r}"
+            )
         _fraction("reuse_rate", self.reuse_rate)
         _fraction("second_open_at", self.second_open_at)
         _positive_int("restarts", self.restarts)
