@@ -4,6 +4,7 @@ local cache of known blocks, config validation, and the start-up error for a dea
 from __future__ import annotations
 
 import random
+import re
 import socket
 
 import pytest
@@ -28,6 +29,7 @@ from tiering.coldtier import (
     unframe,
 )
 from tiering.coldtier.frame import KIND_BLOCK, KIND_PRIVATE, framed_size
+from tiering.coldtier.s3 import check_storage_options
 
 
 class FakeClock:
@@ -693,3 +695,20 @@ def test_the_holder_never_believes_its_lease_outlives_what_the_store_says():
             assert not lease.held
             t[0] = stored - cfg.safety_s - 0.5
             assert lease.held  # the control: well before the stored expiry it holds
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"endpoint": 5}, "storage_options['endpoint']"),
+    ({"endpoint_url": ""}, "storage_options['endpoint_url']"),
+    ({"region": None}, "storage_options['region']"),
+    ({"key": b"id"}, "storage_options['key']"),
+    ({"client_kwargs": {"endpoint_url": 8333}}, "storage_options['client_kwargs']['endpoint_url']"),
+])
+def test_an_endpoint_region_or_credential_that_is_not_text_is_refused_by_name(options, named):
+    """A number as the endpoint was taken and failed only inside the client."""
+    with pytest.raises(ValueError, match=re.escape(named) + " must be a non-empty str"):
+        check_storage_options(options)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        SharedTierConfig("s3://b/p", options)
+    check_storage_options({"endpoint": "http://127.0.0.1:8333", "region": "us-east-1",
+                           "anon": True})  # the control: text where text is due, a bool flag

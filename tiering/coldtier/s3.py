@@ -46,6 +46,8 @@ _ALIASES = MappingProxyType({
 })
 _CLIENT_KWARGS = MappingProxyType({"endpoint_url": "endpoint", "region_name": "region"})
 _OURS = frozenset({"timeout_s", "connect_timeout_s", "allow_http", "max_retries"})
+# the S3 settings that are text: an endpoint, a region, credentials
+_TEXT = frozenset({"endpoint", "region", "access_key_id", "secret_access_key", "session_token"})
 
 
 class S3Location(NamedTuple):
@@ -77,6 +79,12 @@ def _check_timeout(what: str, value: object) -> None:
         raise ValueError(f"{what} must be a positive number, got {value!r}")
 
 
+def _check_text(what: str, value: object) -> None:
+    """An endpoint, region or credential: a non-empty str (obstore takes nothing else)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty str, got {value!r}")
+
+
 def _check_retries(what: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} must be an int >= 0, got {value!r}")
@@ -94,8 +102,11 @@ def _config(storage_options: Mapping[str, Any] | None) -> tuple[dict[str, Any], 
                 if k not in _CLIENT_KWARGS:
                     raise ValueError(f"storage_options['client_kwargs'][{k!r}] is not supported "
                                      f"(known: {sorted(_CLIENT_KWARGS)})")
+                _check_text(f"storage_options['client_kwargs'][{k!r}]", v)
                 config[_CLIENT_KWARGS[k]] = v
         elif name in _ALIASES:
+            if _ALIASES[name] in _TEXT:
+                _check_text(f"storage_options[{name!r}]", value)
             config[_ALIASES[name]] = value
         elif name in _OURS:
             ours[name] = value
