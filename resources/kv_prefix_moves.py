@@ -60,12 +60,8 @@ class TierMovesPart:
         """Move unmapped device blocks down until the device pool has ``n`` free pages;
         False, with nothing moved, when the blocks that may leave would not free enough."""
         pool = self.cache.device_pool
-        if n > pool.num_pages:
+        if self._out_of_reach(Tier.DEVICE, pool, n):
             return False
-        short = n - pool.free_pages
-        if short > 0 and self.index.count_evictable(
-                self.policies[Tier.DEVICE], self._now(), Tier.DEVICE, short) < short:
-            return False  # not enough cached blocks may leave: refused before any moves
         while pool.free_pages < n:
             key = self.index.choose_victim(self.policies[Tier.DEVICE], self._now(), Tier.DEVICE)
             if key is None:
@@ -77,16 +73,21 @@ class TierMovesPart:
         """Move unmapped host blocks to disk (or drop them) until the host pool has ``n`` free
         pages; False, with nothing moved, when the blocks that may leave would not free enough."""
         pool = self.cache.host_pool
-        if n > pool.num_pages:
+        if self._out_of_reach(Tier.HOST, pool, n):
             return False
-        short = n - pool.free_pages
-        if short > 0 and self.index.count_evictable(
-                self.policies[Tier.HOST], self._now(), Tier.HOST, short) < short:
-            return False  # not enough cached blocks may leave: refused before any moves
         while pool.free_pages < n:
             if not self._host_blocks_down(n - pool.free_pages):
                 return False
         return True
+
+    def _out_of_reach(self, tier: Tier, pool, n: int) -> bool:
+        """Whether ``n`` free pages of ``pool`` are out of reach: more than it holds, or more
+        than its cached blocks that may leave would free (asked before any block moves)."""
+        if n > pool.num_pages:
+            return True
+        short = n - pool.free_pages
+        return short > 0 and self.index.count_evictable(
+            self.policies[tier], self._now(), tier, short) < short
 
     def _move_device_block_down(self, key: Hashable) -> None:
         c = self.cache
