@@ -137,6 +137,7 @@ class Policy:
     def rank(self, candidates: Sequence[Candidate], now: float) -> list[Candidate]:
         """Return ``candidates`` ordered most-evictable first (a new list)."""
         check_now(now)
+        _check_sequence(candidates, "rank")
         if not candidates:
             return []
         rows = self.order(CandidateBatch.from_candidates(candidates), now)
@@ -152,6 +153,7 @@ class Policy:
         """
         _check_need(need_bytes)
         check_now(now)
+        _check_sequence(candidates, "pick")
         if need_bytes == 0 or not candidates:
             return []
         rows = self.pick_rows(CandidateBatch.from_candidates(candidates), now, need_bytes)
@@ -252,6 +254,14 @@ def _ranks_records(cls: type) -> bool:
         if "rank" in found:
             return True
     return False
+
+
+def _check_sequence(candidates: object, what: str) -> None:
+    if not isinstance(candidates, Sequence) or isinstance(candidates, (str, bytes)):
+        raise ValueError(
+            f"{what}: candidates must be a sequence (list or tuple) of Candidate, got "
+            f"{type(candidates).__name__}"
+        )
 
 
 def _check_need(need_bytes: object) -> None:

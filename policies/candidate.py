@@ -220,7 +220,19 @@ class CandidateBatch:
         so a policy pays only for the fields it orders by. ``records()`` of
         such a batch returns the very records given.
         """
+        if isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__iter__"):
+            raise ValueError(
+                f"CandidateBatch.from_candidates needs a sequence of Candidate, got "
+                f"{type(candidates).__name__}"
+            )
         records = tuple(candidates)
+        if not set(map(type, records)) <= {Candidate}:
+            for index, record in enumerate(records):
+                if not isinstance(record, Candidate):
+                    raise ValueError(
+                        f"CandidateBatch.from_candidates: item {index} is a "
+                        f"{type(record).__name__}, not a Candidate"
+                    )
         batch = cls.__new__(cls)
         batch._n = len(records)
         batch._rids = batch._resources = batch._reclaimable = _NOT_YET
@@ -302,12 +314,17 @@ class CandidateBatch:
         row (each > 0, as a ``Candidate``'s). A batch made ``from_candidates`` returns its
         own records.
         """
-        index = (
-            np.arange(len(self), dtype=np.int64) if rows is None
-            else np.asarray(rows, dtype=np.int64)
-        )
-        if index.ndim != 1:
-            raise ValueError("CandidateBatch.records: rows must be 1-D")
+        if rows is None:
+            index = np.arange(len(self), dtype=np.int64)
+        else:
+            given = np.asarray(rows)
+            if given.ndim != 1:
+                raise ValueError("CandidateBatch.records: rows must be 1-D")
+            if len(given) and given.dtype.kind not in "iu":
+                raise ValueError(
+                    f"CandidateBatch.records: rows must be ints, got dtype {given.dtype}"
+                )
+            index = given.astype(np.int64)
         if len(index) and (index.min() < -len(self) or index.max() >= len(self)):
             raise IndexError(f"CandidateBatch.records: a row is out of range for {len(self)} rows")
         if self._records is not None:
