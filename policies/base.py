@@ -97,6 +97,7 @@ class Policy:
         holding at least ``min(limit, len(batch))`` rows (possibly more).
         """
         check_now(now)
+        _check_batch(batch, "order")
         if limit is not None and (
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
         ):
@@ -162,6 +163,8 @@ class Policy:
     def pick_rows(self, batch: CandidateBatch, now: float, need_bytes: int) -> np.ndarray:
         """``pick`` on a batch: the rows of the shortest covering prefix of ``order``."""
         _check_need(need_bytes)
+        check_now(now)
+        _check_batch(batch, "pick_rows")
         sizes = batch.reclaimable
         if sizes is None:
             raise ValueError("pick_rows needs the batch's reclaimable bytes")
@@ -198,6 +201,9 @@ class OrderCursor:
     FIRST_ROWS = 256
 
     def __init__(self, policy: Policy, batch: CandidateBatch, now: float) -> None:
+        if not isinstance(policy, Policy):
+            raise ValueError(f"OrderCursor: policy must be a Policy, got {type(policy).__name__}")
+        _check_batch(batch, "OrderCursor")
         self._policy = policy
         self._batch = batch
         self._now = check_now(now)
@@ -210,7 +216,10 @@ class OrderCursor:
         return self._read
 
     def take(self, count: int) -> np.ndarray:
-        """The next ``count`` rows of the order (fewer at its end, none past it)."""
+        """The next ``count`` rows of the order (fewer at its end, none past it; none
+        for a count <= 0). ``count`` must be an int."""
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise ValueError(f"OrderCursor.take: count must be an int, got {count!r}")
         n = len(self._batch)
         want = min(self._read + max(count, 0), n)
         if len(self._known) < want:
@@ -254,6 +263,11 @@ def _ranks_records(cls: type) -> bool:
         if "rank" in found:
             return True
     return False
+
+
+def _check_batch(batch: object, what: str) -> None:
+    if not isinstance(batch, CandidateBatch):
+        raise ValueError(f"{what}: batch must be a CandidateBatch, got {type(batch).__name__}")
 
 
 def _check_sequence(candidates: object, what: str) -> None:

@@ -920,3 +920,28 @@ def test_check_policy_blames_bad_given_candidates_on_the_caller():
         check_policy(LRU(), candidates=[Candidate("a", 5, 1.0), "b"], now=1.0)
     with pytest.raises(ValueError, match="now must be a finite number"):
         check_policy(LRU(), candidates=[Candidate("a", 5, 1.0)], now=math.nan)
+
+
+@pytest.mark.parametrize("bad", [None, [1, 2], "rows", SimpleNamespace(last_used=np.ones(2))])
+def test_order_and_pick_rows_refuse_what_is_not_a_batch_by_name(bad):
+    for policy in _BUILTINS:
+        with pytest.raises(ValueError, match="batch must be a CandidateBatch"):
+            policy.order(bad, 1.0)
+        with pytest.raises(ValueError, match="batch must be a CandidateBatch"):
+            policy.pick_rows(bad, 1.0, 3)
+    with pytest.raises(ValueError, match="batch must be a CandidateBatch"):
+        OrderCursor(LRU(), bad, 1.0)
+
+
+def test_order_cursor_refuses_a_bad_policy_or_count_and_keeps_its_place():
+    batch = _random_batch(random.Random(13), 9)
+    with pytest.raises(ValueError, match="policy must be a Policy"):
+        OrderCursor(3, batch, 1.0)
+    cursor = OrderCursor(LRU(), batch, 1.0)
+    first = cursor.take(2)
+    for bad in (1.5, True, "2", None):
+        with pytest.raises(ValueError, match="count must be an int"):
+            cursor.take(bad)
+    assert cursor.read == 2
+    rest = cursor.take(100)
+    assert np.concatenate([first, rest]).tolist() == LRU().order(batch, 1.0).tolist()
