@@ -297,3 +297,16 @@ def test_exact_pressure_needs_a_resource():
     fake = FakeTieredResource(1000)
     fake.add("a", 250, Tier.DEVICE)
     assert ExactPressure(fake).read() == 0.25
+
+
+def test_the_contracts_import_from_tiering_testing_as_the_readme_shows():
+    import tiering.testing as testing
+    import tiering.testing.blocks as block_contract
+    import tiering.testing.policies as request_contract
+    from policies import LRU
+
+    assert testing.check_policy is request_contract.check_policy
+    assert testing.check_block_policy is block_contract.check_block_policy
+    assert "check_policy" in testing.__all__
+    checked = testing.check_policy(LRU, cases=3, seed=4)
+    assert isinstance(checked, testing.PolicyCheck) and checked.cases == 3

@@ -10,7 +10,8 @@ publishes numbered samples only when told, as a background poller would.
 
 The contracts, as functions a user runs on their own code:
 ``tiering.testing.policies.check_policy`` (a request-eviction policy) and
-``tiering.testing.blocks.check_block_policy`` (a block retention policy).
+``tiering.testing.blocks.check_block_policy`` (a block retention policy); both
+are also importable from ``tiering.testing`` itself.
 """
 
 from __future__ import annotations
@@ -538,3 +539,21 @@ class ScriptedFraction:
 
     def read(self) -> float:
         return self.value
+
+
+# The contracts, importable from here as the README shows (imported last: they
+# use nothing above, and nothing above uses them).
+from tiering.testing.blocks import check_block_policy  # noqa: E402
+from tiering.testing.policies import PolicyCheck, check_policy  # noqa: E402
+
+__all__ = [
+    "ExactPressure",
+    "FakeClock",
+    "FakeTieredResource",
+    "LaggingPressure",
+    "PolicyCheck",
+    "Reading",
+    "ScriptedFraction",
+    "check_block_policy",
+    "check_policy",
+]
