@@ -945,3 +945,18 @@ def test_order_cursor_refuses_a_bad_policy_or_count_and_keeps_its_place():
     assert cursor.read == 2
     rest = cursor.take(100)
     assert np.concatenate([first, rest]).tolist() == LRU().order(batch, 1.0).tolist()
+
+
+def test_cost_scores_refuse_a_batch_without_bytes_or_a_non_candidate_by_name():
+    rng = random.Random(14)
+    policy = CostAware()
+    blind = CandidateBatch(["a", "b"], [rng.uniform(0, 9), rng.uniform(0, 9)])
+    with pytest.raises(ValueError, match="reclaimable bytes were not asked for"):
+        policy.batch_scores(blind, 10.0)
+    with pytest.raises(ValueError, match="batch must be a CandidateBatch"):
+        policy.batch_scores([Candidate("a", 5, 1.0)], 10.0)
+    with pytest.raises(ValueError, match="candidate must be a Candidate"):
+        policy.score(SimpleNamespace(reclaimable=5, last_used=1.0, reload_cost_s=0.0), 10.0)
+    full = same_batch(blind, reclaimable=[rng.randint(1, 2**30), rng.randint(1, 2**30)])
+    records = full.records()
+    assert policy.batch_scores(full, 10.0).tolist() == [policy.score(c, 10.0) for c in records]
