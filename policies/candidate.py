@@ -160,6 +160,14 @@ class CandidateBatch:
         resources: str | Sequence[str] = "",
         tier: Tier = Tier.DEVICE,
     ) -> None:
+        for name, given in (("rids", rids), ("resources", resources)):
+            if name == "resources" and isinstance(given, str):
+                continue  # one name for every row
+            if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__"):
+                raise ValueError(
+                    f"CandidateBatch.{name} must be a sequence of str, got "
+                    f"{type(given).__name__} {given!r}"
+                )
         rid_col = _object_column(rids)
         for index, rid in enumerate(rid_col):
             if not isinstance(rid, str) or not rid:

@@ -960,3 +960,17 @@ def test_cost_scores_refuse_a_batch_without_bytes_or_a_non_candidate_by_name():
     full = same_batch(blind, reclaimable=[rng.randint(1, 2**30), rng.randint(1, 2**30)])
     records = full.records()
     assert policy.batch_scores(full, 10.0).tolist() == [policy.score(c, 10.0) for c in records]
+
+
+@pytest.mark.parametrize("rids, resources, what", [
+    ("ab", "", "rids must be a sequence of str, got str"),
+    (7, "", "rids must be a sequence of str, got int"),
+    (b"ab", "", "rids must be a sequence of str, got bytes"),
+    (["a", "b"], 3, "resources must be a sequence of str, got int"),
+])
+def test_a_batch_refuses_ids_that_are_not_a_sequence_of_str(rids, resources, what):
+    rng = random.Random(15)
+    with pytest.raises(ValueError, match=what):
+        CandidateBatch(rids, [rng.uniform(0, 9), rng.uniform(0, 9)], resources=resources)
+    ok = CandidateBatch(["a", "b"], [rng.uniform(0, 9), rng.uniform(0, 9)], resources="kv")
+    assert ok.resources.tolist() == ["kv", "kv"]
