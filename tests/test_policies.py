@@ -974,3 +974,20 @@ def test_a_batch_refuses_ids_that_are_not_a_sequence_of_str(rids, resources, wha
         CandidateBatch(rids, [rng.uniform(0, 9), rng.uniform(0, 9)], resources=resources)
     ok = CandidateBatch(["a", "b"], [rng.uniform(0, 9), rng.uniform(0, 9)], resources="kv")
     assert ok.resources.tolist() == ["kv", "kv"]
+
+
+class _WrongPrefixWhenLong(LRU):
+    """Correct below 512 rows; for a long batch its limited order is the reverse order."""
+
+    def order(self, batch, now, limit=None):
+        rows = super().order(batch, now)
+        if limit is None or len(batch) < 512:
+            return rows if limit is None else super().order(batch, now, limit)
+        return rows[::-1].copy()
+
+
+def test_check_policy_also_checks_long_candidate_lists():
+    # its limited order is wrong: pick (which reads a limited order) or the prefix rule fails
+    with pytest.raises(AssertionError, match="shortest prefix of its ranking|prefix of the full"):
+        check_policy(_WrongPrefixWhenLong, cases=50, seed=2)
+    assert check_policy(LRU, cases=50, seed=2).candidates > 1000

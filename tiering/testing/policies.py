@@ -6,7 +6,9 @@
 
 It raises AssertionError (naming the rule broken, the policy and the case)
 unless, for every one of ``cases`` seeded random candidate lists (ties on every
-field are common, sizes span 1 byte to 2**63 - 1), the policy:
+field are common, sizes span 1 byte to 2**63 - 1; up to 40 candidates, and one
+case in ``LARGE_EVERY`` up to ``LARGE_CASE``, long enough for the partial
+ordering of a prefix to be used), the policy:
 
 - is a ``policies.base.Policy``;
 - ``rank`` returns every candidate exactly once, in a new list;
@@ -38,6 +40,11 @@ from policies.candidate import Candidate, CandidateBatch
 from tiering.types import Tier
 
 __all__ = ["PolicyCheck", "check_policy", "expected_pick", "random_candidates", "same_batch"]
+
+
+#: Every this many cases, one of up to ``LARGE_CASE`` candidates.
+LARGE_EVERY = 25
+LARGE_CASE = 1500
 
 
 class PolicyCheck(NamedTuple):
@@ -146,8 +153,11 @@ def check_policy(
         return PolicyCheck(name, 1, len(given))
     draw = random.Random(seed)
     total = 0
-    for _ in range(cases):
-        case = random_candidates(draw)
+    for index in range(cases):
+        # every LARGE_EVERY-th case is long enough for a partial order of a prefix
+        # (the selection path of ``policies.ordering``) to differ from a full sort
+        large = index % LARGE_EVERY == LARGE_EVERY - 1
+        case = random_candidates(draw, LARGE_CASE if large else 40)
         _check_case(policy, factory, case, draw.uniform(0.0, 2e6), draw)
         total += len(case)
     return PolicyCheck(name, cases, total)
