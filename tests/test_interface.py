@@ -179,6 +179,7 @@ _FAKE_LOOKUPS = {
     "is_offloaded": lambda f, rid: f.is_offloaded(rid),
     "offload": lambda f, rid: f.offload(rid),
 }
+_FAKE_CLOSED_ONLY = {"poll": lambda f, rid: f.poll()}
 
 
 def _fake_with_requests(seed: int) -> tuple[FakeTieredResource, dict]:
@@ -200,12 +201,12 @@ def test_the_fake_refuses_an_unknown_request_as_the_real_cache_does(hook):
     fake.check_integrity()
 
 
-@pytest.mark.parametrize("hook", sorted(_FAKE_LOOKUPS))
+@pytest.mark.parametrize("hook", sorted({**_FAKE_LOOKUPS, **_FAKE_CLOSED_ONLY}))
 def test_the_fake_answers_nothing_once_closed(hook):
     fake, before = _fake_with_requests(2)
     fake.close()
     with pytest.raises(CacheClosed, match=hook):
-        _FAKE_LOOKUPS[hook](fake, "r1")
+        {**_FAKE_LOOKUPS, **_FAKE_CLOSED_ONLY}[hook](fake, "r1")
     with pytest.raises(CacheClosed):
         fake.add("late", 7)
     assert (fake.state, fake.size, fake.ledger.used) == before

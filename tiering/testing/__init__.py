@@ -441,8 +441,10 @@ class FakeTieredResource(LifecycleAnswers):
 
     def poll(self) -> list[TransferResult]:
         """Complete every transfer in flight (when ``complete_on_poll``); returns a record
-        of each that completed or failed since the previous ``poll``."""
+        of each that completed or failed since the previous ``poll``. CacheClosed once
+        closed, as the real cache's ``poll``."""
         self.calls["poll"] += 1
+        self._life.check_open("poll")
         done = self._unreported
         if done:
             self._unreported = []
