@@ -102,6 +102,11 @@ class Policy:
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
         ):
             raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+        if batch.reclaimable is None and self.reads_reclaimable:
+            raise ValueError(
+                f"policy {self.name!r} orders by the reclaimable bytes (reads_reclaimable), "
+                f"and this batch was made without them"
+            )
         keys = None if _ranks_records(type(self)) else self.sort_keys(batch, now)
         if keys is None:
             return self._order_by_rank(batch, now)

@@ -991,3 +991,14 @@ def test_check_policy_also_checks_long_candidate_lists():
     with pytest.raises(AssertionError, match="shortest prefix of its ranking|prefix of the full"):
         check_policy(_WrongPrefixWhenLong, cases=50, seed=2)
     assert check_policy(LRU, cases=50, seed=2).candidates > 1000
+
+
+@pytest.mark.parametrize("policy", [LargestFirst(), CostAware()], ids=lambda p: p.name)
+def test_a_policy_that_reads_the_bytes_refuses_a_batch_without_them_by_name(policy):
+    rng = random.Random(18)
+    blind = CandidateBatch([f"r{i}" for i in range(5)], [rng.uniform(0, 9) for _ in range(5)])
+    with pytest.raises(ValueError, match=f"policy '{policy.name}' orders by the reclaimable"):
+        policy.order(blind, 10.0)
+    # the bytes-blind policies still order it
+    assert sorted(LRU().order(blind, 10.0).tolist()) == list(range(5))
+    assert sorted(Priority("kv").order(blind, 10.0, 2).tolist())[:1] != []
