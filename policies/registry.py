@@ -26,6 +26,11 @@ class Registry:
     __slots__ = ("_factories",)
 
     def __init__(self, factories: Mapping[str, Callable[..., Any]] | None = None) -> None:
+        if factories is not None and not isinstance(factories, Mapping):
+            raise TypeError(
+                f"{type(self).__name__}: factories must be a mapping of name to factory, got "
+                f"{type(factories).__name__}"
+            )
         checked: dict[str, Callable[..., Any]] = {}
         for name, factory in (factories or {}).items():
             self._check_entry(name, factory)

@@ -1002,3 +1002,9 @@ def test_a_policy_that_reads_the_bytes_refuses_a_batch_without_them_by_name(poli
     # the bytes-blind policies still order it
     assert sorted(LRU().order(blind, 10.0).tolist()) == list(range(5))
     assert sorted(Priority("kv").order(blind, 10.0, 2).tolist())[:1] != []
+
+
+def test_a_registry_is_made_from_a_mapping_only():
+    with pytest.raises(TypeError, match="PolicyRegistry: factories must be a mapping"):
+        PolicyRegistry([("lru", LRU)])
+    assert PolicyRegistry({"lru": LRU}).names == ("lru",)
