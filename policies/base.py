@@ -331,7 +331,18 @@ def rank_by(
     ``sort_keys`` instead). It sorts on the single key first (one vectorised
     sort; the common case has few ties) and then re-sorts only the runs of
     equal keys.
+
+    ``then`` must be a tuple (or list) of the orderable field names: ``rid``,
+    ``resource``, ``reclaimable``, ``last_used``, ``priority``, ``reload_cost_s``.
     """
+    if not isinstance(then, (tuple, list)) or not all(
+        isinstance(field, str) and field in _THEN_FIELDS for field in then
+    ):
+        raise ValueError(
+            f"rank_by: then must be a tuple of field names from "
+            f"{', '.join(sorted(_THEN_FIELDS))}; got {then!r}"
+        )
+    then = tuple(then)
     n = len(candidates)
     if n < 2:
         return list(candidates)
@@ -401,6 +412,8 @@ def _tied_spans(tied: list[int]) -> Iterator[tuple[int, int]]:
 _RECURSE_RUN = 64
 # Candidate fields that hold numbers (sorted vectorised) rather than strings.
 _NUMERIC_FIELDS = frozenset({"reclaimable", "last_used", "priority", "reload_cost_s"})
+# The fields ``rank_by`` can break ties by (``tier`` has no order).
+_THEN_FIELDS = _NUMERIC_FIELDS | {"rid", "resource"}
 
 
 def _fix_spans(

@@ -1008,3 +1008,14 @@ def test_a_registry_is_made_from_a_mapping_only():
     with pytest.raises(TypeError, match="PolicyRegistry: factories must be a mapping"):
         PolicyRegistry([("lru", LRU)])
     assert PolicyRegistry({"lru": LRU}).names == ("lru",)
+
+
+@pytest.mark.parametrize("then", [("nope",), "rid", (3,), ("tier",), None])
+def test_rank_by_refuses_tie_fields_it_cannot_order_by_name(then):
+    rng = random.Random(19)
+    records = [Candidate(f"r{i}", rng.randint(1, 99), 1.0) for i in range(4)]
+    for some in (records, records[:1]):
+        with pytest.raises(ValueError, match="then must be a tuple of field names"):
+            rank_by(some, attrgetter("last_used"), then=then)
+    ordered = rank_by(records, attrgetter("last_used"), then=["reclaimable", "rid"])
+    assert ordered == sorted(records, key=attrgetter("reclaimable", "rid"))
