@@ -78,7 +78,7 @@ def register_policy(
     ``factory(**kwargs)`` must return a ``Policy``. Pass the returned registry
     to ``make_policy`` (or call its ``make``).
     """
-    return (registry if registry is not None else default_registry()).with_policy(name, factory)
+    return _registry(registry, "register_policy").with_policy(name, factory)
 
 
 def make_policy(name: str, registry: PolicyRegistry | None = None, **kwargs: object) -> Policy:
@@ -86,4 +86,16 @@ def make_policy(name: str, registry: PolicyRegistry | None = None, **kwargs: obj
 
     Unknown names raise ValueError naming the name and listing the known ones.
     """
-    return (registry if registry is not None else default_registry()).make(name, **kwargs)
+    return _registry(registry, "make_policy").make(name, **kwargs)
+
+
+def _registry(registry: object, caller: str) -> PolicyRegistry:
+    """``registry``, or the built-ins when None; anything but a PolicyRegistry is refused."""
+    if registry is None:
+        return default_registry()
+    if not isinstance(registry, PolicyRegistry):
+        raise TypeError(
+            f"{caller}: registry must be a PolicyRegistry (from default_registry or "
+            f"register_policy), got {type(registry).__name__}"
+        )
+    return registry

@@ -97,10 +97,16 @@ class Policy:
         holding at least ``min(limit, len(batch))`` rows (possibly more).
         """
         check_now(now)
+        _check_batch(batch, "order")
         if limit is not None and (
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
         ):
             raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+        if batch.reclaimable is None and self.reads_reclaimable:
+            raise ValueError(
+                f"policy {self.name!r} orders by the reclaimable bytes (reads_reclaimable), "
+                f"and this batch was made without them"
+            )
         keys = None if _ranks_records(type(self)) else self.sort_keys(batch, now)
         if keys is None:
             return self._order_by_rank(batch, now)
@@ -137,6 +143,7 @@ class Policy:
     def rank(self, candidates: Sequence[Candidate], now: float) -> list[Candidate]:
         """Return ``candidates`` ordered most-evictable first (a new list)."""
         check_now(now)
+        _check_sequence(candidates, "rank")
         if not candidates:
             return []
         rows = self.order(CandidateBatch.from_candidates(candidates), now)
@@ -152,6 +159,7 @@ class Policy:
         """
         _check_need(need_bytes)
         check_now(now)
+        _check_sequence(candidates, "pick")
         if need_bytes == 0 or not candidates:
             return []
         rows = self.pick_rows(CandidateBatch.from_candidates(candidates), now, need_bytes)
@@ -160,6 +168,8 @@ class Policy:
     def pick_rows(self, batch: CandidateBatch, now: float, need_bytes: int) -> np.ndarray:
         """``pick`` on a batch: the rows of the shortest covering prefix of ``order``."""
         _check_need(need_bytes)
+        check_now(now)
+        _check_batch(batch, "pick_rows")
         sizes = batch.reclaimable
         if sizes is None:
             raise ValueError("pick_rows needs the batch's reclaimable bytes")
@@ -196,6 +206,9 @@ class OrderCursor:
     FIRST_ROWS = 256
 
     def __init__(self, policy: Policy, batch: CandidateBatch, now: float) -> None:
+        if not isinstance(policy, Policy):
+            raise ValueError(f"OrderCursor: policy must be a Policy, got {type(policy).__name__}")
+        _check_batch(batch, "OrderCursor")
         self._policy = policy
         self._batch = batch
         self._now = check_now(now)
@@ -208,7 +221,10 @@ class OrderCursor:
         return self._read
 
     def take(self, count: int) -> np.ndarray:
-        """The next ``count`` rows of the order (fewer at its end, none past it)."""
+        """The next ``count`` rows of the order (fewer at its end, none past it; none
+        for a count <= 0). ``count`` must be an int."""
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise ValueError(f"OrderCursor.take: count must be an int, got {count!r}")
         n = len(self._batch)
         want = min(self._read + max(count, 0), n)
         if len(self._known) < want:
@@ -252,6 +268,19 @@ def _ranks_records(cls: type) -> bool:
         if "rank" in found:
             return True
     return False
+
+
+def _check_batch(batch: object, what: str) -> None:
+    if not isinstance(batch, CandidateBatch):
+        raise ValueError(f"{what}: batch must be a CandidateBatch, got {type(batch).__name__}")
+
+
+def _check_sequence(candidates: object, what: str) -> None:
+    if not isinstance(candidates, Sequence) or isinstance(candidates, (str, bytes)):
+        raise ValueError(
+            f"{what}: candidates must be a sequence (list or tuple) of Candidate, got "
+            f"{type(candidates).__name__}"
+        )
 
 
 def _check_need(need_bytes: object) -> None:
@@ -302,7 +331,18 @@ def rank_by(
     ``sort_keys`` instead). It sorts on the single key first (one vectorised
     sort; the common case has few ties) and then re-sorts only the runs of
     equal keys.
+
+    ``then`` must be a tuple (or list) of the orderable field names: ``rid``,
+    ``resource``, ``reclaimable``, ``last_used``, ``priority``, ``reload_cost_s``.
     """
+    if not isinstance(then, (tuple, list)) or not all(
+        isinstance(field, str) and field in _THEN_FIELDS for field in then
+    ):
+        raise ValueError(
+            f"rank_by: then must be a tuple of field names from "
+            f"{', '.join(sorted(_THEN_FIELDS))}; got {then!r}"
+        )
+    then = tuple(then)
     n = len(candidates)
     if n < 2:
         return list(candidates)
@@ -372,6 +412,8 @@ def _tied_spans(tied: list[int]) -> Iterator[tuple[int, int]]:
 _RECURSE_RUN = 64
 # Candidate fields that hold numbers (sorted vectorised) rather than strings.
 _NUMERIC_FIELDS = frozenset({"reclaimable", "last_used", "priority", "reload_cost_s"})
+# The fields ``rank_by`` can break ties by (``tier`` has no order).
+_THEN_FIELDS = _NUMERIC_FIELDS | {"rid", "resource"}
 
 
 def _fix_spans(

@@ -160,6 +160,14 @@ class CandidateBatch:
         resources: str | Sequence[str] = "",
         tier: Tier = Tier.DEVICE,
     ) -> None:
+        for name, given in (("rids", rids), ("resources", resources)):
+            if name == "resources" and isinstance(given, str):
+                continue  # one name for every row
+            if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__"):
+                raise ValueError(
+                    f"CandidateBatch.{name} must be a sequence of str, got "
+                    f"{type(given).__name__} {given!r}"
+                )
         rid_col = _object_column(rids)
         for index, rid in enumerate(rid_col):
             if not isinstance(rid, str) or not rid:
@@ -220,7 +228,19 @@ class CandidateBatch:
         so a policy pays only for the fields it orders by. ``records()`` of
         such a batch returns the very records given.
         """
+        if isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__iter__"):
+            raise ValueError(
+                f"CandidateBatch.from_candidates needs a sequence of Candidate, got "
+                f"{type(candidates).__name__}"
+            )
         records = tuple(candidates)
+        if not set(map(type, records)) <= {Candidate}:
+            for index, record in enumerate(records):
+                if not isinstance(record, Candidate):
+                    raise ValueError(
+                        f"CandidateBatch.from_candidates: item {index} is a "
+                        f"{type(record).__name__}, not a Candidate"
+                    )
         batch = cls.__new__(cls)
         batch._n = len(records)
         batch._rids = batch._resources = batch._reclaimable = _NOT_YET
@@ -302,12 +322,17 @@ class CandidateBatch:
         row (each > 0, as a ``Candidate``'s). A batch made ``from_candidates`` returns its
         own records.
         """
-        index = (
-            np.arange(len(self), dtype=np.int64) if rows is None
-            else np.asarray(rows, dtype=np.int64)
-        )
-        if index.ndim != 1:
-            raise ValueError("CandidateBatch.records: rows must be 1-D")
+        if rows is None:
+            index = np.arange(len(self), dtype=np.int64)
+        else:
+            given = np.asarray(rows)
+            if given.ndim != 1:
+                raise ValueError("CandidateBatch.records: rows must be 1-D")
+            if len(given) and given.dtype.kind not in "iu":
+                raise ValueError(
+                    f"CandidateBatch.records: rows must be ints, got dtype {given.dtype}"
+                )
+            index = given.astype(np.int64)
         if len(index) and (index.min() < -len(self) or index.max() >= len(self)):
             raise IndexError(f"CandidateBatch.records: a row is out of range for {len(self)} rows")
         if self._records is not None:

@@ -72,6 +72,10 @@ class CostAware(Policy):
     def score(self, candidate: Candidate, now: float) -> float:
         """The score of one candidate at time ``now``; higher is evicted first."""
         check_now(now)
+        if not isinstance(candidate, Candidate):
+            raise ValueError(
+                f"CostAware.score: candidate must be a Candidate, got {type(candidate).__name__}"
+            )
         if candidate.reclaimable == 0:
             return 0.0
         idle_s = max(0.0, now - candidate.last_used)
@@ -86,8 +90,18 @@ class CostAware(Policy):
         return self.batch_scores(CandidateBatch.from_candidates(candidates), now).tolist()
 
     def batch_scores(self, batch: CandidateBatch, now: float) -> np.ndarray:
-        """``score`` of every row of ``batch`` (float64)."""
+        """``score`` of every row of ``batch`` (float64); the batch must carry its bytes."""
         check_now(now)
+        if not isinstance(batch, CandidateBatch):
+            raise ValueError(
+                f"CostAware.batch_scores: batch must be a CandidateBatch, got "
+                f"{type(batch).__name__}"
+            )
+        if batch.reclaimable is None:
+            raise ValueError(
+                "CostAware.batch_scores: the batch's reclaimable bytes were not asked for; "
+                "the cost policy scores by them"
+            )
         reclaimable = batch.reclaimable.astype(np.float64)
         given = batch.reload_cost_s
         estimated = self.default_overhead_s + reclaimable / self.default_bandwidth_bps

@@ -3,7 +3,10 @@
 ``order_rows(keys, ids, limit)`` is what a policy's ``order`` is made of: the
 keys are compared most significant first, each ascending, and rows equal on
 every key are ordered by ``rid`` and then ``resource`` (plain str comparison),
-so the result never depends on the order the rows came in.
+so the result never depends on the order the rows came in. Rows that share
+one (rid, resource) and tie on every key (a list holding one request twice)
+are ordered by their other fields (bytes, last use, priority, reload cost),
+so even they come out the same way whatever the input order.
 
 With a ``limit``, only the rows that can be among the first ``limit`` are
 sorted: a selection (``np.partition``, O(n)) on the first key finds the
@@ -38,7 +41,14 @@ _COMBINED_MAX = 2**62
 
 
 def check_keys(keys: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, ...]:
-    """Return ``keys`` as 1-D numeric arrays of length ``n``; raise ValueError otherwise."""
+    """Return ``keys`` as 1-D numeric arrays of length ``n``; raise ValueError otherwise.
+
+    ``keys`` must be a tuple (or list) of columns: a bare array, a str, a
+    mapping or a number is refused by name rather than taken apart."""
+    if not isinstance(keys, (tuple, list)):
+        raise ValueError(
+            f"sort keys must be a tuple of 1-D arrays, got {type(keys).__name__}"
+        )
     checked = []
     for position, key in enumerate(keys):
         array = np.asarray(key)
@@ -169,8 +179,32 @@ def _break_ties(
     run_keys = sorted_keys[positions].tolist()
     tied_rids = ids.rids[at].tolist()
     tied_resources = ids.resources[at].tolist()
-    arranged = sorted(
-        range(len(positions)),
-        key=lambda j: (run_keys[j], tied_rids[j], tied_resources[j]),
-    )
+    columns = [run_keys, tied_rids, tied_resources]
+    arranged = sorted(range(len(positions)), key=lambda j: (run_keys[j], tied_rids[j],
+                                                            tied_resources[j]))
+    if _has_twins(arranged, columns):
+        # Two rows with one (rid, resource) tie on every key: only the rest of
+        # their fields can order them without looking at where they came in.
+        columns += [col[at].tolist() for col in _other_columns(ids)]
+        arranged = sorted(range(len(positions)), key=lambda j: tuple(c[j] for c in columns))
     order[positions] = members[arranged]
+
+
+# The columns that order twin rows, after the keys, the rid and the resource.
+_TWIN_COLUMNS = ("reclaimable", "last_used", "priority", "reload_cost_s")
+
+
+def _has_twins(arranged: list[int], columns: list[list]) -> bool:
+    """Whether two neighbours of ``arranged`` are equal in every one of ``columns``."""
+    return any(
+        all(c[a] == c[b] for c in columns) for a, b in zip(arranged, arranged[1:], strict=False)
+    )
+
+
+def _other_columns(ids: RowIds) -> list[np.ndarray]:
+    out = []
+    for name in _TWIN_COLUMNS:
+        column = getattr(ids, name, None)
+        if isinstance(column, np.ndarray):
+            out.append(column)
+    return out

@@ -26,11 +26,22 @@ class Registry:
     __slots__ = ("_factories",)
 
     def __init__(self, factories: Mapping[str, Callable[..., Any]] | None = None) -> None:
+        if factories is not None and not isinstance(factories, Mapping):
+            raise TypeError(
+                f"{type(self).__name__}: factories must be a mapping of name to factory, got "
+                f"{type(factories).__name__}"
+            )
         checked: dict[str, Callable[..., Any]] = {}
         for name, factory in (factories or {}).items():
             self._check_entry(name, factory)
             checked[name] = factory
-        self._factories = MappingProxyType(checked)
+        object.__setattr__(self, "_factories", MappingProxyType(checked))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a {type(self).__name__} never changes; use with_policy")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a {type(self).__name__} never changes")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -38,7 +49,7 @@ class Registry:
         return tuple(sorted(self._factories))
 
     def __contains__(self, name: object) -> bool:
-        return name in self._factories
+        return isinstance(name, str) and name in self._factories
 
     def with_policy(self, name: str, factory: Callable[..., Any]) -> Registry:
         """A new registry (of this one's class) holding this one's entries plus ``name``;
@@ -50,7 +61,7 @@ class Registry:
 
     def make(self, name: str, **kwargs: object) -> Any:
         """Build the ``kind`` registered as ``name`` with ``kwargs``."""
-        factory = self._factories.get(name)
+        factory = self._factories.get(name) if isinstance(name, str) else None
         if factory is None:
             raise ValueError(
                 f"unknown {self.kind} {name!r}; known {self.kind.replace('policy', 'policies')}: "

@@ -161,3 +161,153 @@ def test_a_request_in_flight_is_reported_at_the_faster_of_its_two_tiers(kv, clos
     cache.synchronize(10)
     assert cache.tier_of("a") is Tier.DEVICE
     cache.check_integrity()
+
+
+# -- the fake resource answers as the real one's contract says ------------------------------
+
+from tiering.errors import CacheClosed, UnknownRequest  # noqa: E402
+from tiering.testing import ExactPressure, FakeClock, FakeTieredResource  # noqa: E402
+from tiering.types import Tier  # noqa: E402
+
+_FAKE_LOOKUPS = {
+    "reclaimable": lambda f, rid: f.reclaimable(rid),
+    "tier_of": lambda f, rid: f.tier_of(rid),
+    "reload_bytes": lambda f, rid: f.reload_bytes(rid),
+    "get_offload_priority": lambda f, rid: f.get_offload_priority(rid),
+    "reclaimable_many": lambda f, rid: f.reclaimable_many(["r0", rid]),
+    "get_offload_priority_many": lambda f, rid: f.get_offload_priority_many(["r0", rid]),
+    "is_offloaded": lambda f, rid: f.is_offloaded(rid),
+    "offload": lambda f, rid: f.offload(rid),
+}
+_FAKE_CLOSED_ONLY = {"poll": lambda f, rid: f.poll()}
+
+
+def _fake_with_requests(seed: int) -> tuple[FakeTieredResource, dict]:
+    import random
+
+    rng = random.Random(seed)
+    fake = FakeTieredResource(1 << 20, 1 << 20, 1 << 20)
+    for i in range(4):
+        fake.add(f"r{i}", rng.randint(1, 1 << 16))
+    return fake, (dict(fake.state), dict(fake.size), list(fake.ledger.used))
+
+
+@pytest.mark.parametrize("hook", sorted(_FAKE_LOOKUPS))
+def test_the_fake_refuses_an_unknown_request_as_the_real_cache_does(hook):
+    fake, before = _fake_with_requests(1)
+    with pytest.raises(UnknownRequest, match="'nope'"):
+        _FAKE_LOOKUPS[hook](fake, "nope")
+    assert (fake.state, fake.size, fake.ledger.used) == before
+    fake.check_integrity()
+
+
+@pytest.mark.parametrize("hook", sorted({**_FAKE_LOOKUPS, **_FAKE_CLOSED_ONLY}))
+def test_the_fake_answers_nothing_once_closed(hook):
+    fake, before = _fake_with_requests(2)
+    fake.close()
+    with pytest.raises(CacheClosed, match=hook):
+        {**_FAKE_LOOKUPS, **_FAKE_CLOSED_ONLY}[hook](fake, "r1")
+    with pytest.raises(CacheClosed):
+        fake.add("late", 7)
+    assert (fake.state, fake.size, fake.ledger.used) == before
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"device_capacity": True}, "device_capacity"),
+    ({"device_capacity": 8.5}, "device_capacity"),
+    ({"device_capacity": float("nan")}, "device_capacity"),
+    ({"device_capacity": "8"}, "device_capacity"),
+    ({"device_capacity": 0}, "device_capacity"),
+    ({"device_capacity": 8, "host_capacity": -1}, "host_capacity"),
+    ({"device_capacity": 8, "host_capacity": 2.5}, "host_capacity"),
+    ({"device_capacity": 8, "disk_capacity": -3}, "disk_capacity"),
+    ({"device_capacity": 8, "async_transfers": 1}, "async_transfers"),
+    ({"device_capacity": 8, "clock": 3.0}, "clock"),
+])
+def test_the_fake_refuses_a_bad_configuration_by_name(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        FakeTieredResource(**kwargs)
+
+
+@pytest.mark.parametrize("args, what", [
+    ((3, 4), "rid"),
+    (("", 4), "rid"),
+    (("x", 1.5), "nbytes"),
+    (("x", True), "nbytes"),
+    (("x", float("nan")), "nbytes"),
+    (("x", 0), "nbytes"),
+    (("x", 4, "device"), "tier"),
+    (("r0", 4), "already exists"),
+    (("x", 1 << 30), "does not fit"),
+])
+def test_a_refused_add_names_what_was_wrong_and_changes_nothing(args, what):
+    fake, before = _fake_with_requests(3)
+    with pytest.raises(ValueError, match=what):
+        fake.add(*args)
+    assert (fake.state, fake.size, fake.ledger.used) == before
+    fake.check_integrity()
+
+
+def test_fail_transfer_names_an_unknown_or_idle_request_and_changes_nothing():
+    fake = FakeTieredResource(1 << 20, 1 << 20, 0, async_transfers=True,
+                              complete_on_poll=False)
+    fake.add("a", 4099)
+    fake.add("b", 517)
+    assert fake.offload("a") == 4099
+    before = (dict(fake.state), list(fake.ledger.used), fake.in_flight())
+    with pytest.raises(UnknownRequest, match="'nope'"):
+        fake.fail_transfer("nope")
+    with pytest.raises(ValueError, match="'b' has no transfer in flight"):
+        fake.fail_transfer("b")
+    with pytest.raises(ValueError, match="not the str"):
+        fake.complete_transfers("a")
+    assert (dict(fake.state), list(fake.ledger.used), fake.in_flight()) == before
+    fake.check_integrity()
+    fake.fail_transfer("a")  # the real one still works, once
+    with pytest.raises(ValueError, match="'a' has no transfer in flight"):
+        fake.fail_transfer("a")
+    fake.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, True, "1"])
+def test_the_fake_clock_refuses_a_bad_step_and_stays_put(bad):
+    clock = FakeClock(250.0)
+    with pytest.raises(ValueError, match="seconds"):
+        clock.advance(bad)
+    assert clock() == 250.0
+    clock.advance(1.5)
+    assert clock() == 251.5
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), True, "5", None])
+def test_the_fake_clock_refuses_a_bad_start(bad):
+    with pytest.raises(ValueError, match="start"):
+        FakeClock(bad)
+
+
+def test_the_fake_clock_cannot_be_pushed_past_every_finite_time():
+    clock = FakeClock(1.5e308)
+    with pytest.raises(ValueError, match="finite"):
+        clock.advance(1e308)
+    assert clock() == 1.5e308
+
+
+def test_exact_pressure_needs_a_resource():
+    with pytest.raises(ValueError, match="at least one resource"):
+        ExactPressure()
+    fake = FakeTieredResource(1000)
+    fake.add("a", 250, Tier.DEVICE)
+    assert ExactPressure(fake).read() == 0.25
+
+
+def test_the_contracts_import_from_tiering_testing_as_the_readme_shows():
+    import tiering.testing as testing
+    import tiering.testing.blocks as block_contract
+    import tiering.testing.policies as request_contract
+    from policies import LRU
+
+    assert testing.check_policy is request_contract.check_policy
+    assert testing.check_block_policy is block_contract.check_block_policy
+    assert "check_policy" in testing.__all__
+    checked = testing.check_policy(LRU, cases=3, seed=4)
+    assert isinstance(checked, testing.PolicyCheck) and checked.cases == 3

@@ -557,7 +557,7 @@ def _random_batch(rng: random.Random, n: int) -> CandidateBatch:
     return CandidateBatch(
         [f"r{rng.randrange(10**6)}-{i}" for i in range(n)],
         [rng.uniform(0, 100) for _ in range(n)],
-        reclaimable=[rng.randint(0, 2**40) for _ in range(n)],
+        reclaimable=[rng.randint(1, 2**40) for _ in range(n)],
         priority=[rng.uniform(-5, 5) for _ in range(n)],
         reload_cost_s=[rng.choice([0.0, rng.uniform(0.001, 2)]) for _ in range(n)],
         resources=[rng.choice(["kv", "lora"]) for _ in range(n)],
@@ -767,3 +767,255 @@ def test_batch_columns_read_back_and_are_read_only():
         with pytest.raises(AttributeError, match=f"CandidateBatch.{name} is read-only"):
             setattr(batch, name, None)
         assert np.array_equal(getattr(batch, name), before)  # nothing changed
+
+
+# -- hostile review: bad input is refused by name, twins order the same way, the contract
+# -- catches what it promised to catch ------------------------------------------------------
+
+_BUILTINS = [LRU(), Priority("kv"), LargestFirst(), CostAware()]
+
+
+@pytest.mark.parametrize("policy", _BUILTINS, ids=lambda p: p.name)
+@pytest.mark.parametrize("count", [6, 700])
+def test_rows_sharing_a_request_id_order_the_same_whatever_the_input_order(policy, count):
+    """A list may hold one request twice (two records, one (rid, resource)); where they tie
+    on every key the order used to follow the input order."""
+    rng = random.Random(count)
+    records = [Candidate(f"r{i % 3}", rng.randint(1, 2**40), 7.0, Tier.DEVICE, 1.5,
+                         rng.choice([0.0, rng.uniform(0.1, 2.0)]), "kv")
+               for i in range(count)]
+    now = 50.0
+    want = policy.rank(records, now)
+    for _ in range(3):
+        shuffled = list(records)
+        rng.shuffle(shuffled)
+        assert policy.rank(shuffled, now) == want
+        batch = CandidateBatch.from_candidates(shuffled)
+        prefix = policy.order(batch, now, 5)
+        assert [shuffled[i] for i in prefix.tolist()] == want[: len(prefix)]
+    # negative control: the twins really differ, so an input-order tie-break would show
+    assert len({(c.reclaimable, c.reload_cost_s) for c in records}) > 1
+
+
+@pytest.mark.parametrize("policy", _BUILTINS, ids=lambda p: p.name)
+@pytest.mark.parametrize("bad, what", [
+    (["a", "b"], "item 0 is a str"),
+    ([Candidate("a", 5, 1.0), None], "item 1 is a NoneType"),
+    ([SimpleNamespace(rid="a", reclaimable=5, last_used=1.0, tier=Tier.DEVICE,
+                      priority=0.0, reload_cost_s=0.0, resource="")], "not a Candidate"),
+])
+def test_rank_and_pick_refuse_what_is_not_a_candidate_by_name(policy, bad, what):
+    with pytest.raises(ValueError, match=what):
+        policy.rank(bad, 1.0)
+    with pytest.raises(ValueError, match=what):
+        policy.pick(bad, 1.0, 3)
+
+
+@pytest.mark.parametrize("bad", [iter([Candidate("a", 5, 1.0)]), "ab", 7])
+def test_rank_and_pick_refuse_what_is_not_a_sequence(bad):
+    for call in (lambda: LRU().rank(bad, 1.0), lambda: LRU().pick(bad, 1.0, 3)):
+        with pytest.raises(ValueError, match="must be a sequence"):
+            call()
+
+
+@pytest.mark.parametrize("keys, what", [
+    (5, "got int"),
+    ("ab", "got str"),
+    ({"a": 1}, "got dict"),
+    ((x for x in ()), "got generator"),
+])
+def test_sort_keys_that_are_not_a_tuple_of_columns_are_refused_by_name(keys, what):
+    class Garbage(Policy):
+        name = "garbage"
+
+        def sort_keys(self, batch, now):
+            return keys
+
+    batch = _random_batch(random.Random(5), 4)
+    with pytest.raises(ValueError, match=f"sort keys must be a tuple of 1-D arrays, {what}"):
+        Garbage().order(batch, 1.0)
+
+
+def test_a_bare_array_of_keys_is_refused_not_split_into_scalars():
+    batch = _random_batch(random.Random(6), 3)
+    for bare in (batch.last_used, np.stack([batch.last_used, batch.priority])):
+        with pytest.raises(ValueError, match="got ndarray"):
+            check_keys(bare, 3)
+    assert len(check_keys((batch.last_used, batch.priority), 3)) == 2
+
+
+@pytest.mark.parametrize("rows", [[0.5], [True], np.array([1.0])])
+def test_batch_records_refuses_rows_that_are_not_ints(rows):
+    batch = _random_batch(random.Random(7), 3)
+    with pytest.raises(ValueError, match="rows must be ints"):
+        batch.records(rows)
+    assert batch.records([2])[0].rid == batch.rids[2]
+
+
+def test_the_registry_refuses_a_wrong_registry_and_odd_names_by_name():
+    with pytest.raises(TypeError, match="make_policy: registry must be a PolicyRegistry"):
+        make_policy("lru", registry={"lru": LRU})
+    with pytest.raises(TypeError, match="register_policy: registry must be a PolicyRegistry"):
+        register_policy("mine", LRU, registry=3)
+    with pytest.raises(ValueError, match=r"unknown policy \[\]"):
+        make_policy([])
+    assert [] not in default_registry() and 3 not in default_registry()
+    assert "lru" in default_registry()
+
+
+def test_a_registry_cannot_be_changed_in_place():
+    registry = register_policy("mine", LRU)
+    with pytest.raises(AttributeError, match="never changes"):
+        registry._factories = {}
+    with pytest.raises(AttributeError, match="never changes"):
+        del registry._factories
+    assert registry.names == ("cost", "largest", "lru", "mine", "priority")
+    assert isinstance(registry.make("mine"), LRU)
+
+
+class _WritesColumns(Policy):
+    """Flips a column writeable and overwrites it: the batch is no longer what was asked."""
+
+    name = "writes-columns"
+
+    def sort_keys(self, batch, now):
+        column = batch.last_used
+        column.flags.writeable = True
+        column[:] = column[::-1].copy()
+        return (np.zeros(len(batch)),)
+
+
+class _ShortPrefix(LRU):
+    """A limited order shorter than the limit: the cursor under pick raises."""
+
+    def order(self, batch, now, limit=None):
+        rows = super().order(batch, now, limit)
+        return rows if limit is None else rows[: max(0, limit - 1)]
+
+
+@pytest.mark.parametrize("broken, rule", [
+    (_WritesColumns, "never change the columns of the batch it orders"),
+    (_ShortPrefix, "order any valid candidates without raising"),
+])
+def test_check_policy_catches_a_policy_that_changes_columns_or_raises(broken, rule):
+    with pytest.raises(AssertionError, match=re.escape(rule)):
+        check_policy(broken, cases=50, seed=11)
+
+
+@pytest.mark.parametrize("policy", _BUILTINS, ids=lambda p: p.name)
+def test_ordering_leaves_every_column_of_the_batch_as_it_was(policy):
+    batch = _random_batch(random.Random(12), 600)
+    before = {name: getattr(batch, name).copy() for name in
+              ("rids", "resources", "reclaimable", "last_used", "priority", "reload_cost_s")}
+    policy.order(batch, 3.0)
+    policy.order(batch, 3.0, 7)
+    policy.pick_rows(batch, 3.0, int(batch.reclaimable.sum() // 3))
+    for name, column in before.items():
+        assert np.array_equal(getattr(batch, name), column), name
+        assert not getattr(batch, name).flags.writeable, name
+
+
+def test_check_policy_blames_bad_given_candidates_on_the_caller():
+    with pytest.raises(ValueError, match=r"candidates\[1\] is a str"):
+        check_policy(LRU(), candidates=[Candidate("a", 5, 1.0), "b"], now=1.0)
+    with pytest.raises(ValueError, match="now must be a finite number"):
+        check_policy(LRU(), candidates=[Candidate("a", 5, 1.0)], now=math.nan)
+
+
+@pytest.mark.parametrize("bad", [None, [1, 2], "rows", SimpleNamespace(last_used=np.ones(2))])
+def test_order_and_pick_rows_refuse_what_is_not_a_batch_by_name(bad):
+    for policy in _BUILTINS:
+        with pytest.raises(ValueError, match="batch must be a CandidateBatch"):
+            policy.order(bad, 1.0)
+        with pytest.raises(ValueError, match="batch must be a CandidateBatch"):
+            policy.pick_rows(bad, 1.0, 3)
+    with pytest.raises(ValueError, match="batch must be a CandidateBatch"):
+        OrderCursor(LRU(), bad, 1.0)
+
+
+def test_order_cursor_refuses_a_bad_policy_or_count_and_keeps_its_place():
+    batch = _random_batch(random.Random(13), 9)
+    with pytest.raises(ValueError, match="policy must be a Policy"):
+        OrderCursor(3, batch, 1.0)
+    cursor = OrderCursor(LRU(), batch, 1.0)
+    first = cursor.take(2)
+    for bad in (1.5, True, "2", None):
+        with pytest.raises(ValueError, match="count must be an int"):
+            cursor.take(bad)
+    assert cursor.read == 2
+    rest = cursor.take(100)
+    assert np.concatenate([first, rest]).tolist() == LRU().order(batch, 1.0).tolist()
+
+
+def test_cost_scores_refuse_a_batch_without_bytes_or_a_non_candidate_by_name():
+    rng = random.Random(14)
+    policy = CostAware()
+    blind = CandidateBatch(["a", "b"], [rng.uniform(0, 9), rng.uniform(0, 9)])
+    with pytest.raises(ValueError, match="reclaimable bytes were not asked for"):
+        policy.batch_scores(blind, 10.0)
+    with pytest.raises(ValueError, match="batch must be a CandidateBatch"):
+        policy.batch_scores([Candidate("a", 5, 1.0)], 10.0)
+    with pytest.raises(ValueError, match="candidate must be a Candidate"):
+        policy.score(SimpleNamespace(reclaimable=5, last_used=1.0, reload_cost_s=0.0), 10.0)
+    full = same_batch(blind, reclaimable=[rng.randint(1, 2**30), rng.randint(1, 2**30)])
+    records = full.records()
+    assert policy.batch_scores(full, 10.0).tolist() == [policy.score(c, 10.0) for c in records]
+
+
+@pytest.mark.parametrize("rids, resources, what", [
+    ("ab", "", "rids must be a sequence of str, got str"),
+    (7, "", "rids must be a sequence of str, got int"),
+    (b"ab", "", "rids must be a sequence of str, got bytes"),
+    (["a", "b"], 3, "resources must be a sequence of str, got int"),
+])
+def test_a_batch_refuses_ids_that_are_not_a_sequence_of_str(rids, resources, what):
+    rng = random.Random(15)
+    with pytest.raises(ValueError, match=what):
+        CandidateBatch(rids, [rng.uniform(0, 9), rng.uniform(0, 9)], resources=resources)
+    ok = CandidateBatch(["a", "b"], [rng.uniform(0, 9), rng.uniform(0, 9)], resources="kv")
+    assert ok.resources.tolist() == ["kv", "kv"]
+
+
+class _WrongPrefixWhenLong(LRU):
+    """Correct below 512 rows; for a long batch its limited order is the reverse order."""
+
+    def order(self, batch, now, limit=None):
+        rows = super().order(batch, now)
+        if limit is None or len(batch) < 512:
+            return rows if limit is None else super().order(batch, now, limit)
+        return rows[::-1].copy()
+
+
+def test_check_policy_also_checks_long_candidate_lists():
+    # its limited order is wrong: pick (which reads a limited order) or the prefix rule fails
+    with pytest.raises(AssertionError, match="shortest prefix of its ranking|prefix of the full"):
+        check_policy(_WrongPrefixWhenLong, cases=50, seed=2)
+    assert check_policy(LRU, cases=50, seed=2).candidates > 1000
+
+
+@pytest.mark.parametrize("policy", [LargestFirst(), CostAware()], ids=lambda p: p.name)
+def test_a_policy_that_reads_the_bytes_refuses_a_batch_without_them_by_name(policy):
+    rng = random.Random(18)
+    blind = CandidateBatch([f"r{i}" for i in range(5)], [rng.uniform(0, 9) for _ in range(5)])
+    with pytest.raises(ValueError, match=f"policy '{policy.name}' orders by the reclaimable"):
+        policy.order(blind, 10.0)
+    # the bytes-blind policies still order it
+    assert sorted(LRU().order(blind, 10.0).tolist()) == list(range(5))
+    assert sorted(Priority("kv").order(blind, 10.0, 2).tolist())[:1] != []
+
+
+def test_a_registry_is_made_from_a_mapping_only():
+    with pytest.raises(TypeError, match="PolicyRegistry: factories must be a mapping"):
+        PolicyRegistry([("lru", LRU)])
+    assert PolicyRegistry({"lru": LRU}).names == ("lru",)
+
+
+@pytest.mark.parametrize("then", [("nope",), "rid", (3,), ("tier",), None])
+def test_rank_by_refuses_tie_fields_it_cannot_order_by_name(then):
+    rng = random.Random(19)
+    records = [Candidate(f"r{i}", rng.randint(1, 99), 1.0) for i in range(4)]
+    for some in (records, records[:1]):
+        with pytest.raises(ValueError, match="then must be a tuple of field names"):
+            rank_by(some, attrgetter("last_used"), then=then)
+    ordered = rank_by(records, attrgetter("last_used"), then=["reclaimable", "rid"])
+    assert ordered == sorted(records, key=attrgetter("reclaimable", "rid"))

@@ -10,11 +10,13 @@ publishes numbered samples only when told, as a background poller would.
 
 The contracts, as functions a user runs on their own code:
 ``tiering.testing.policies.check_policy`` (a request-eviction policy) and
-``tiering.testing.blocks.check_block_policy`` (a block retention policy).
+``tiering.testing.blocks.check_block_policy`` (a block retention policy); both
+are also importable from ``tiering.testing`` itself.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter
@@ -48,19 +50,35 @@ from tiering.types import (
 )
 
 
+def _finite(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class FakeClock:
-    """A clock that moves only when told."""
+    """A clock that moves only when told (a finite time; it never goes back)."""
 
     def __init__(self, start: float = 1000.0) -> None:
+        if not _finite(start):
+            raise ValueError(f"FakeClock: start must be a finite number, got {start!r}")
         self.now = float(start)
 
     def __call__(self) -> float:
         return self.now
 
     def advance(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError(f"FakeClock.advance: seconds must be >= 0, got {seconds!r}")
-        self.now += seconds
+        if not _finite(seconds) or seconds < 0:
+            raise ValueError(
+                f"FakeClock.advance: seconds must be a finite number >= 0, got {seconds!r}")
+        moved = self.now + seconds
+        if not math.isfinite(moved):
+            raise ValueError(f"FakeClock.advance: {seconds!r} s would take the clock past "
+                             f"every finite time")
+        self.now = moved
 
 
 _ON_HOST = RequestState.ON_HOST
@@ -118,8 +136,22 @@ class FakeTieredResource(LifecycleAnswers):
         offload_to_disk_when_host_full: bool = True,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        if device_capacity <= 0:
-            raise ValueError(f"device_capacity must be > 0, got {device_capacity!r}")
+        if not _count(device_capacity) or device_capacity <= 0:
+            raise ValueError(f"FakeTieredResource: device_capacity must be an int > 0, "
+                             f"got {device_capacity!r}")
+        for field, value in (("host_capacity", host_capacity), ("disk_capacity", disk_capacity)):
+            if not _count(value) or value < 0:
+                raise ValueError(f"FakeTieredResource: {field} must be an int >= 0, "
+                                 f"got {value!r}")
+        for field, value in (("supports_eviction", supports_eviction),
+                             ("async_transfers", async_transfers),
+                             ("complete_on_poll", complete_on_poll),
+                             ("enforce_device_capacity", enforce_device_capacity),
+                             ("offload_to_disk_when_host_full", offload_to_disk_when_host_full)):
+            if not isinstance(value, bool):
+                raise ValueError(f"FakeTieredResource: {field} must be a bool, got {value!r}")
+        if clock is not None and not callable(clock):
+            raise ValueError(f"FakeTieredResource: clock must be callable, got {clock!r}")
         self._device_capacity = int(device_capacity)
         self._host_capacity = int(host_capacity)
         self.disk_capacity = int(disk_capacity)
@@ -166,7 +198,17 @@ class FakeTieredResource(LifecycleAnswers):
     # -- set-up -------------------------------------------------------------------
 
     def add(self, rid: str, nbytes: int, tier: Tier = Tier.DEVICE) -> None:
-        """Place a request's bytes directly in ``tier`` (raises if it does not fit)."""
+        """Place a request's bytes directly in ``tier`` (raises if it does not fit).
+
+        A refused call (bad rid, size or tier, a rid already known, no room, a
+        closed resource) raises and changes nothing."""
+        self._life.check_open("add")
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"add: rid must be a non-empty str, got {rid!r}")
+        if not isinstance(tier, Tier):
+            raise ValueError(f"add({rid!r}): tier must be a Tier, got {tier!r}")
+        if not _count(nbytes):
+            raise ValueError(f"add({rid!r}): nbytes must be an int > 0, got {nbytes!r}")
         if rid in self.state:
             raise ValueError(f"request {rid!r} already exists")
         if nbytes <= 0:
@@ -252,6 +294,9 @@ class FakeTieredResource(LifecycleAnswers):
 
     def complete_transfers(self, rids: Iterable[str] | None = None) -> int:
         """Complete in-flight transfers (all, or those named); returns how many."""
+        if isinstance(rids, str):
+            raise ValueError(f"complete_transfers: rids must be a collection of ids, "
+                             f"not the str {rids!r}")
         done = self._complete(rids)
         self._unreported += done
         return len(done)
@@ -268,8 +313,13 @@ class FakeTieredResource(LifecycleAnswers):
         return out
 
     def fail_transfer(self, rid: str, reason: str = "injected failure") -> None:
-        """An in-flight transfer fails: the request goes back to where it came from."""
-        r = self._life.inflight[rid]
+        """An in-flight transfer fails: the request goes back to where it came from.
+
+        UnknownRequest for an unknown rid, ValueError for one not in flight."""
+        self._life.get(rid, "fail_transfer")
+        r = self._life.inflight.get(rid)
+        if r is None:
+            raise ValueError(f"fail_transfer: request {rid!r} has no transfer in flight")
         job = self._life.end(r)
         res = self._life.survive(r, job.move, reason)
         self._sync(r)
@@ -305,22 +355,26 @@ class FakeTieredResource(LifecycleAnswers):
 
     def reclaimable(self, rid: str) -> int:
         self.calls["reclaimable"] += 1
-        return self.size[rid] if self.state[rid] is _RESIDENT else 0
+        r = self._life.get(rid, "reclaimable")
+        return r.num_tokens if r.state is _RESIDENT else 0
 
     def reclaimable_many(self, rids: Sequence[str]) -> np.ndarray:
-        """``reclaimable`` of every rid, in one call (int64); KeyError for an unknown one."""
+        """``reclaimable`` of every rid, in one call (int64); UnknownRequest (a KeyError)
+        for an unknown one, CacheClosed once closed."""
         self.calls["reclaimable_many"] += 1
+        self._life.check_open("reclaimable_many")
         return _look_up_all(self._reclaimable_now, rids, np.int64)
 
     def get_offload_priority_many(self, rids: Sequence[str]) -> np.ndarray:
-        """``get_offload_priority`` of every rid, in one call; KeyError for an unknown one."""
+        """``get_offload_priority`` of every rid, in one call; UnknownRequest (a KeyError)
+        for an unknown one, CacheClosed once closed."""
         self.calls["get_offload_priority_many"] += 1
+        self._life.check_open("get_offload_priority_many")
         return _look_up_all(self.priorities, rids, np.float64)
 
     def get_offload_priority(self, rid: str) -> float:
         self.calls["get_offload_priority"] += 1
-        if rid not in self.state:
-            raise UnknownRequest(f"unknown request {rid!r}")
+        self._life.get(rid, "get_offload_priority")
         return self.priorities.get(rid, 0.0)
 
     def offload(self, rid: str) -> int:
@@ -351,7 +405,7 @@ class FakeTieredResource(LifecycleAnswers):
 
     def reload_bytes(self, rid: str) -> int:
         self.calls["reload_bytes"] += 1
-        return self.size[rid]
+        return self._life.get(rid, "reload_bytes").num_tokens
 
     def reload(self, rid: str) -> bool:
         self.calls["reload"] += 1
@@ -367,7 +421,7 @@ class FakeTieredResource(LifecycleAnswers):
 
     def tier_of(self, rid: str) -> Tier | None:
         self.calls["tier_of"] += 1
-        return self.state[rid].tier
+        return super().tier_of(rid)
 
     def demote(self, rid: str) -> bool:
         self.calls["demote"] += 1
@@ -387,8 +441,10 @@ class FakeTieredResource(LifecycleAnswers):
 
     def poll(self) -> list[TransferResult]:
         """Complete every transfer in flight (when ``complete_on_poll``); returns a record
-        of each that completed or failed since the previous ``poll``."""
+        of each that completed or failed since the previous ``poll``. CacheClosed once
+        closed, as the real cache's ``poll``."""
         self.calls["poll"] += 1
+        self._life.check_open("poll")
         done = self._unreported
         if done:
             self._unreported = []
@@ -420,15 +476,21 @@ class FakeTieredResource(LifecycleAnswers):
 
 def _look_up_all(mapping: dict, keys: Sequence[str], dtype: type) -> np.ndarray:
     """``[mapping[k] for k in keys]`` as an array, in one C-level pass; KeyError if one is missing."""
-    if len(keys) < 2:
-        return np.array([mapping[k] for k in keys], dtype=dtype)
-    return np.fromiter(itemgetter(*keys)(mapping), dtype=dtype, count=len(keys))
+    try:
+        if len(keys) < 2:
+            return np.array([mapping[k] for k in keys], dtype=dtype)
+        return np.fromiter(itemgetter(*keys)(mapping), dtype=dtype, count=len(keys))
+    except (KeyError, TypeError):
+        missing = next((k for k in keys if not isinstance(k, str) or k not in mapping), None)
+        raise UnknownRequest(f"unknown request {missing!r}") from None
 
 
 class ExactPressure:
     """Synchronous pressure: the resources' device bytes in use over their capacity."""
 
     def __init__(self, *resources: FakeTieredResource) -> None:
+        if not resources:
+            raise ValueError("ExactPressure needs at least one resource")
         self._resources = resources
         self._capacity = sum(r.device_capacity_bytes for r in resources)
         self.reads = 0
@@ -466,7 +528,10 @@ class LaggingPressure:
 
 
 class ScriptedFraction:
-    """A synchronous source returning whatever fraction the test set last."""
+    """A synchronous source returning whatever fraction the test set last.
+
+    Nothing is checked, on purpose: a test sets NaN, a negative or a str to
+    see what the controller does with a broken source."""
 
     def __init__(self, value: float = 0.0) -> None:
         self.value = value
@@ -476,3 +541,21 @@ class ScriptedFraction:
 
     def read(self) -> float:
         return self.value
+
+
+# The contracts, importable from here as the README shows (imported last: they
+# use nothing above, and nothing above uses them).
+from tiering.testing.blocks import check_block_policy  # noqa: E402
+from tiering.testing.policies import PolicyCheck, check_policy  # noqa: E402
+
+__all__ = [
+    "ExactPressure",
+    "FakeClock",
+    "FakeTieredResource",
+    "LaggingPressure",
+    "PolicyCheck",
+    "Reading",
+    "ScriptedFraction",
+    "check_block_policy",
+    "check_policy",
+]

@@ -6,7 +6,9 @@
 
 It raises AssertionError (naming the rule broken, the policy and the case)
 unless, for every one of ``cases`` seeded random candidate lists (ties on every
-field are common, sizes span 1 byte to 2**63 - 1), the policy:
+field are common, sizes span 1 byte to 2**63 - 1; up to 40 candidates, and one
+case in ``LARGE_EVERY`` up to ``LARGE_CASE``, long enough for the partial
+ordering of a prefix to be used), the policy:
 
 - is a ``policies.base.Policy``;
 - ``rank`` returns every candidate exactly once, in a new list;
@@ -17,7 +19,8 @@ field are common, sizes span 1 byte to 2**63 - 1), the policy:
   of the full one, and ``pick_rows`` agrees with ``pick``;
 - when ``needs_reclaimable`` is False, orders the same without the bytes, or
   with them shuffled;
-- never mutates its input (the same records, in the same order, afterwards).
+- never mutates its input (the same records, in the same order, afterwards),
+  nor the columns of a batch it orders (even one whose flags it could flip).
 
 ``check_policy(policy, candidates=..., now=..., rng=...)`` checks one given
 case instead (a property-based test draws them). Returns a ``PolicyCheck``.
@@ -32,11 +35,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from policies.base import Policy
+from policies.base import Policy, check_now
 from policies.candidate import Candidate, CandidateBatch
 from tiering.types import Tier
 
 __all__ = ["PolicyCheck", "check_policy", "expected_pick", "random_candidates", "same_batch"]
+
+
+#: Every this many cases, one of up to ``LARGE_CASE`` candidates.
+LARGE_EVERY = 25
+LARGE_CASE = 1500
 
 
 class PolicyCheck(NamedTuple):
@@ -135,13 +143,21 @@ def check_policy(
     if candidates is not None:
         if now is None:
             raise ValueError("check_policy: candidates= needs now=")
+        check_now(now)
         given = list(candidates)
+        for index, candidate in enumerate(given):
+            if not isinstance(candidate, Candidate):
+                raise ValueError(f"check_policy: candidates[{index}] is a "
+                                 f"{type(candidate).__name__}, not a Candidate")
         _check_case(policy, factory, given, float(now), rng or random.Random(seed))
         return PolicyCheck(name, 1, len(given))
     draw = random.Random(seed)
     total = 0
-    for _ in range(cases):
-        case = random_candidates(draw)
+    for index in range(cases):
+        # every LARGE_EVERY-th case is long enough for a partial order of a prefix
+        # (the selection path of ``policies.ordering``) to differ from a full sort
+        large = index % LARGE_EVERY == LARGE_EVERY - 1
+        case = random_candidates(draw, LARGE_CASE if large else 40)
         _check_case(policy, factory, case, draw.uniform(0.0, 2e6), draw)
         total += len(case)
     return PolicyCheck(name, cases, total)
@@ -158,6 +174,18 @@ def _require(ok: bool, policy: object, rule: str, detail: str = "") -> None:
 
 def _check_case(policy: Policy, factory: Callable[[], Policy] | None,
                 candidates: list[Candidate], now: float, rng: random.Random) -> None:
+    """One case; a policy that raises on valid candidates breaks the contract too."""
+    try:
+        _check_one(policy, factory, candidates, now, rng)
+    except AssertionError:
+        raise
+    except Exception as exc:
+        _require(False, policy, "order any valid candidates without raising",
+                 f"{len(candidates)} candidates, now={now!r}: {type(exc).__name__}: {exc}")
+
+
+def _check_one(policy: Policy, factory: Callable[[], Policy] | None,
+               candidates: list[Candidate], now: float, rng: random.Random) -> None:
     n = len(candidates)
     where = f"{n} candidates, now={now!r}"
     snapshot = list(candidates)
@@ -188,6 +216,7 @@ def _check_case(policy: Policy, factory: Callable[[], Policy] | None,
              f"{where}, need={need}")
 
     batch = CandidateBatch.from_candidates(shuffled)
+    columns = _columns(batch)
     order = policy.order(batch, now)
     _require(isinstance(order, np.ndarray) and order.dtype == np.int64, policy,
              "return an int64 array from order", where)
@@ -213,6 +242,26 @@ def _check_case(policy: Policy, factory: Callable[[], Policy] | None,
                 _require(False, policy, rule, f"{where}: {type(exc).__name__}: {exc}")
             _require(blind_order == order.tolist(), policy, rule, where)
 
+    _require(_same_columns(_columns(batch), columns), policy,
+             "never change the columns of the batch it orders", where)
     _require(candidates == snapshot
              and all(a is b for a, b in zip(candidates, snapshot, strict=True)),
              policy, "never mutate its input", where)
+
+
+_COLUMNS = ("rids", "resources", "reclaimable", "last_used", "priority", "reload_cost_s")
+
+
+def _columns(batch: CandidateBatch) -> dict[str, np.ndarray | None]:
+    """Copies of every column of ``batch`` (reading them gathers them, once)."""
+    return {name: None if (col := getattr(batch, name)) is None else col.copy()
+            for name in _COLUMNS}
+
+
+def _same_columns(now_: dict, before: dict) -> bool:
+    return all(
+        (a is None and b is None)
+        or (a is not None and b is not None and a.dtype == b.dtype
+            and np.array_equal(a, b))
+        for a, b in ((now_[k], before[k]) for k in _COLUMNS)
+    )
