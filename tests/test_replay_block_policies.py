@@ -5,9 +5,9 @@ run, a user's own class among them."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from replay_helpers import MOONCAKE
 
 from examples.replay_policies import KeepHeads
 from policies.blocks import default_block_registry
@@ -18,8 +18,6 @@ from tiering.apps.replay.sweep import Grid, run_grid
 from tiering.apps.replay.traces import load_trace
 from tiering.testing.blocks import check_block_policy
 
-ROOT = Path(__file__).resolve().parent.parent
-MOONCAKE = ROOT / "benchmarks" / "traces" / "mooncake" / "conversation_trace.jsonl"
 USER = "examples.replay_policies:KeepHeads"
 SMALL = ["--hardware", "small", "--device-gib", "0.5", "--host-gib", "0.25", "--disk-gib", "1"]
 
@@ -47,8 +45,10 @@ def test_one_cli_run_compares_block_policies_a_user_class_among_them(tmp_path, c
     assert len({round(v, 9) for v in hits.values()}) > 1, hits
     assert all(0 < v <= 1 for v in hits.values())
     # and the user's class ran: its label's figures differ from plain LRU's somewhere
-    fig = ("token_hit_rate", "block_hits_host", "block_hits_disk", "block_drops")
-    assert any(runs[f"lru | {USER}"].get(f) != runs["lru | lru"].get(f) for f in fig)
+    fig = ("token_hit_rate", "block_hit_rate", "block_moves_host", "block_moves_disk",
+           "block_drops")
+    assert all(f in runs[k] for f in fig for k in labels[2:])
+    assert any(runs[f"lru | {USER}"][f] != runs["lru | lru"][f] for f in fig)
 
 
 def test_one_block_policy_keeps_the_labels_as_they_were(tmp_path, capsys):

@@ -16,24 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import conversation_trace
+from replay_helpers import COST, MODEL, MOONCAKE, SIM, SMALL
 
 from policies import LRU, Policy, register_policy
 from tiering.apps.replay import main as replay_main
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.apps.replay.policy_spec import PolicySpec
-from tiering.apps.replay.presets import StepCost, get_hardware, get_model
 from tiering.apps.replay.progress import Progress
 from tiering.apps.replay.simulator import RunSpec, SimConfig, simulate
 from tiering.apps.replay.sweep import Grid, run_grid
 from tiering.apps.replay.traces import TraceFormatError, TraceRequest, detect_format, load_trace
 from tiering.control.controller import ControllerConfig
-
-ROOT = Path(__file__).resolve().parent.parent
-MOONCAKE = ROOT / "benchmarks" / "traces" / "mooncake" / "conversation_trace.jsonl"
-MODEL = get_model("llama-3.1-8b")
-SMALL = get_hardware("small")
-COST = StepCost(MODEL, SMALL)
-SIM = SimConfig(max_batch=16, max_step_tokens=1024, page_tokens=16, block_tokens=64)
 
 
 def _factory(made):

@@ -11,11 +11,11 @@ import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import conversation_trace
+from replay_helpers import COST, MODEL, MOONCAKE, ROOT, SIM, SMALL
 
 from policies import LRU, CandidateBatch, Policy, register_policy
 from tiering.apps.replay import main as replay_main
@@ -24,7 +24,7 @@ from tiering.apps.replay.metrics import summarize
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.apps.replay.plots import needs_log
 from tiering.apps.replay.policy_spec import PolicySpec, parse_option
-from tiering.apps.replay.presets import StepCost, get_hardware, get_model, reload_seconds
+from tiering.apps.replay.presets import get_hardware, reload_seconds
 from tiering.apps.replay.progress import Progress
 from tiering.apps.replay.seeds import aggregate, jitter, t95
 from tiering.apps.replay.simulator import RunSpec, SimConfig, simulate
@@ -32,13 +32,6 @@ from tiering.apps.replay.sweep import Grid, run_grid
 from tiering.apps.replay.traces import TraceRequest
 from tiering.control.controller import ControllerConfig
 from tiering.types import Tier
-
-ROOT = Path(__file__).resolve().parent.parent
-MOONCAKE = ROOT / "benchmarks" / "traces" / "mooncake" / "conversation_trace.jsonl"
-MODEL = get_model("llama-3.1-8b")
-SMALL = get_hardware("small")
-COST = StepCost(MODEL, SMALL)
-SIM = SimConfig(max_batch=16, max_step_tokens=1024, page_tokens=16, block_tokens=64)
 
 
 def _trace(seed: int, n: int, *, shared: float = 0.6) -> list[TraceRequest]:

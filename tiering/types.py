@@ -12,19 +12,22 @@ from typing import NamedTuple
 from tiering.errors import IllegalTransition
 
 
-class Tier(enum.Enum):
+class IdentityEnum(enum.Enum):
+    """An enum whose members hash by identity, in C: they are singletons compared by
+    identity, and Enum's own ``__hash__`` is a Python call on every dict lookup."""
+
+    __hash__ = object.__hash__
+
+
+class Tier(IdentityEnum):
     """Where a request's KV cache lives."""
 
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
 
-    # members are singletons compared by identity: hash them the same way, in C
-    # (Enum's own __hash__ is a Python call on every dict lookup)
-    __hash__ = object.__hash__
 
-
-class RequestState(enum.Enum):
+class RequestState(IdentityEnum):
     """The lifecycle of one request's KV cache.
 
     A request is in exactly one tier, except while a transfer is in flight
@@ -39,8 +42,6 @@ class RequestState(enum.Enum):
     ON_DISK = "on_disk"
     RELOADING = "reloading"  # host/disk -> device copy in flight
     LOST = "lost"  # its bytes could not be kept; the reason is recorded
-
-    __hash__ = object.__hash__  # identity, in C (see Tier)
 
     @property
     def in_flight(self) -> bool:
@@ -110,7 +111,7 @@ def check_transition(rid: str, current: RequestState, new: RequestState) -> None
         )
 
 
-class Move(enum.Enum):
+class Move(IdentityEnum):
     """One kind of transfer between tiers (the typed key moves are dispatched by)."""
 
     OFFLOAD_TO_HOST = "offload_host"
@@ -118,8 +119,6 @@ class Move(enum.Enum):
     DEMOTE = "demote"
     RELOAD_FROM_HOST = "reload_host"
     RELOAD_FROM_DISK = "reload_disk"
-
-    __hash__ = object.__hash__  # identity, in C (see Tier)
 
     @property
     def source(self) -> Tier:

@@ -6,13 +6,12 @@ by these tables. See the package docstring.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from tiering.errors import IllegalTransition
-from tiering.types import RELOADABLE_STATES, Move, RequestState, Tier
+from tiering.types import RELOADABLE_STATES, IdentityEnum, Move, RequestState, Tier
 
 S = RequestState
 
@@ -57,7 +56,7 @@ def holds(state: RequestState, move: Move | None) -> frozenset[frozenset[Tier]]:
     return HOLDS[state]
 
 
-class Op(enum.Enum):
+class Op(IdentityEnum):
     """A request operation whose state is guarded."""
 
     OFFLOAD = "offload"
@@ -65,8 +64,6 @@ class Op(enum.Enum):
     RELOAD = "reload"
     DROP = "drop"
     ALLOCATE = "allocate"
-
-    __hash__ = object.__hash__  # identity, in C (see Tier)
 
 
 #: The states each operation accepts, and the message naming the rule.
