@@ -6,7 +6,9 @@ Measures, in one run:
   their tokens): the floor any replay pays;
 - ``replay``: ``simulate`` of one policy over the whole trace (default: the
   Mooncake conversation trace, lru, llama-3.1-8b on h100-80g), with the
-  recompute and no-tiering baselines for scale.
+  recompute and no-tiering baselines for scale, and the same policy once more
+  at request level (``prefix_reuse=False``: no block cached, moved or looked
+  up), which shows what the block layer costs.
 
 For each it reports the wall time, requests simulated per wall second, the
 ratio to ``raw``, the simulated time covered and the steps (with how many ran
@@ -25,6 +27,7 @@ Usage: ``python benchmarks/replay.py --out replay.json [--limit N] [--repeat K] 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -75,17 +78,24 @@ def main(argv: list[str] | None = None) -> int:
     sim = SimConfig()
     rows = [("raw load+iterate", len(trace), raw_s, len(trace) / raw_s, 1.0, 0.0, 0, 0)]
     results = {"raw": {"wall_s": raw_s, "requests": len(trace)}}
-    for spec in (RunSpec("tiering", args.policy), RunSpec("recompute"), RunSpec("no-tiering")):
+    # the block-level runs (the default), then the policy's run at request level: the same
+    # worker without prefix reuse, so no block is cached, moved or looked up
+    plain = dataclasses.replace(sim, prefix_reuse=False)
+    runs = [(RunSpec("tiering", args.policy), sim, None),
+            (RunSpec("recompute"), sim, None), (RunSpec("no-tiering"), sim, None),
+            (RunSpec("tiering", args.policy), plain, "no prefix reuse")]
+    for spec, run_sim, note in runs:
         best = None
         for _ in range(max(1, args.repeat)):
             start = time.perf_counter()
-            res = simulate(trace, cost, spec, sim, time_scale=args.time_scale)
+            res = simulate(trace, cost, spec, run_sim, time_scale=args.time_scale)
             wall = time.perf_counter() - start
             best = wall if best is None else min(best, wall)
-        label = f"replay {spec.label}"
+        key = spec.label if note is None else f"{spec.label}, {note}"
+        label = f"replay {key}"
         rows.append((label, len(trace), best, len(trace) / best, best / raw_s, res.makespan_s,
                      res.counters.steps, res.counters.fast_steps))
-        results[spec.label] = {
+        results[key] = {
             "wall_s": best,
             "requests_per_s": len(trace) / best,
             "ratio_to_raw": best / raw_s,
