@@ -14,7 +14,7 @@ s, under 8 minutes), and writes every figure as JSON into OUTDIR:
     OUTDIR/gpu_check.json      the summary: set-up, every step's status, rc, time, files
     OUTDIR/setup.json          interpreter, torch / CUDA / cupy, what was missing and installed
     OUTDIR/pytest_cuda.json    pytest -m cuda: counts and failing test ids (+ junit xml)
-    OUTDIR/race.json           race probes (items 10, 11): exact bytes or not
+    OUTDIR/race.json           race probes (reload into freed slots, offload while writing): exact bytes or not
     OUTDIR/probe.json          exact-size pinning; NVML against torch pressure readings
     OUTDIR/transfer.json       transfer benchmark: pages 2 MiB / 128 KiB / 8 KiB, each way,
                                both ways at once, and under a matmul on another stream

@@ -6,28 +6,27 @@ Each probe keeps the engine's named (non-default) compute stream busy with
 ``torch.cuda._sleep`` and queues a KV write behind it, then asks the cache for
 a move while that write has not run yet, and checks the bytes bit for bit.
 
-- ``reload_into_freed_slots`` (item 10): request ``old`` holds every device
+- ``reload_into_freed_slots``: request ``old`` holds every device
   page and has a write queued for it; ``remove_request("old")`` frees the
   pages at once and ``reload("new")`` lands in exactly those pages. The
   reload's host-to-device copy must wait for the compute stream, or the old
-  owner's queued write lands on top of the new owner's KV. The old code
-  records no marker for a reload at all, so its copy runs while the write is
-  still queued and this probe FAILS there (``new`` reads the old owner's bytes).
-- ``offload_while_writing`` (item 11): request ``a`` has a write queued on the
+  owner's queued write lands on top of the new owner's KV. A cache whose reload
+  recorded no marker would let its copy run while the write is still queued, and
+  this probe FAILS there (``new`` reads the old owner's bytes).
+- ``offload_while_writing``: request ``a`` has a write queued on the
   compute stream when ``offload("a")`` is asked for on the step thread (whose
   current stream is the default one). The device-to-host copy must wait for
-  the *named* compute stream. The old code records its marker on the current
-  stream, which has nothing queued, so the copy takes the stale KV and this
+  the *named* compute stream. A marker recorded on the current stream, which has
+  nothing queued, so the copy takes the stale KV and this
   probe FAILS there (after the reload, ``a`` reads the bytes from before the
   write).
 
 Every trial records whether the queued kernel was still pending when the move
 was asked for (else the trial proves nothing: ``conclusive``). A control run of
-each probe uses a cache that is not told the compute stream (the old
-behaviour); it must show corruption, proving the probe can see the race
+each probe uses a cache that is not told the compute stream; it must show
+corruption, proving the probe can see the race
 (``control_detected_race``). The probes use ``PagedKVCache(...,
-compute_stream=...)``; where the cache does not accept it (the old code), the
-probe runs without it and reports ``compute_stream_supported: false``.
+compute_stream=...)``; where the cache does not accept it, the probe runs without it and reports ``compute_stream_supported: false``.
 
 ``status`` is ``pass`` (every trial exact and conclusive, and the control saw
 the race), ``fail`` (a trial's bytes differ), or ``inconclusive``. On a machine
@@ -52,7 +51,7 @@ class Trial(NamedTuple):
     exact: bool
     mismatched_bytes: int
     pending_at_call: bool  # the queued kernel had not finished when the move was asked for
-    overlap_pages: int | None  # item 10: pages of the reload that the old owner held
+    overlap_pages: int | None  # reload_into_freed_slots: pages of the reload that the old owner held
 
 
 def verdict(trials: list[Trial], controls: list[Trial]) -> dict:

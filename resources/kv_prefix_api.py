@@ -221,6 +221,7 @@ class KVPrefixReuse:
         return self.geometry.fingerprint().encode()
 
     def resolve_cached_prefix(self, rid, node_name, graph_walk, inputs) -> CachedPrefix | None:
+        self._open("resolve_cached_prefix")  # a closed cache answers nothing, prefix cache or not
         if self._prefix is None:
             return None
         arr = self._token_array("resolve_cached_prefix", inputs)
@@ -229,6 +230,7 @@ class KVPrefixReuse:
         return CachedPrefix(graph_walk, tokens, tokens)
 
     def apply_cached_prefix(self, rid, node_name, graph_walk, inputs, prefix) -> None:
+        self._open("apply_cached_prefix")  # a closed cache answers nothing, prefix cache or not
         if self._prefix is None:
             return
         arr = self._token_array("apply_cached_prefix", inputs)
@@ -242,6 +244,7 @@ class KVPrefixReuse:
             log.info("request %r: %d of %d agreed prefix tokens attached", rid, got, prefix.tokens)
 
     def extend_prefix_chain(self, rid, node_name, graph_walk, outputs) -> None:
+        self._open("extend_prefix_chain")  # a closed cache answers nothing, prefix cache or not
         if self._prefix is None:
             return
         r = self._req(rid, "extend_prefix_chain")
@@ -251,4 +254,5 @@ class KVPrefixReuse:
             self.publish_prefix(rid, r.chain_tokens[:n])
 
     def complete_cached_walk(self, rid, node_name, graph_walk) -> None:
+        self._open("complete_cached_walk")  # a closed cache answers nothing, prefix cache or not
         return

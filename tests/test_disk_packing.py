@@ -16,7 +16,7 @@ PAGE_SHAPE = (2, 4, 8)
 PAGE_BYTES = int(np.prod(PAGE_SHAPE)) * 4
 
 
-def test_the_issue_example_a_64_mib_tier_holds_1024_requests_of_64_kib():
+def test_a_64_mib_tier_of_4_kib_pages_holds_1024_requests_of_64_kib():
     page_shape = (1024,)  # 4 KiB float32 pages: 16 per 64 KiB request
     cfg = DiskConfig(store=MemoryStore(), capacity_bytes=64 << 20)  # default 32 MiB chunk_bytes
     s = DiskPageStore(cfg, page_shape, torch.float32)

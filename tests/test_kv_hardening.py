@@ -239,6 +239,57 @@ def test_after_close_every_call_raises_and_changes_nothing(geom, tmp_path):
     assert snapshot(kv) == before
 
 
+# close and cleanup are idempotent; fingerprint is a pure function of the geometry
+AFTER_CLOSE_ANSWERS = {"close", "cleanup", "fingerprint"}
+
+
+def _own_methods():
+    """Every public method PagedKVCache defines itself (its resources.kv_* classes), not the
+    engine contract's no-op defaults."""
+    import inspect
+
+    for cls in PagedKVCache.__mro__:
+        if not cls.__module__.startswith("resources.kv"):
+            continue
+        for name, fn in vars(cls).items():
+            if not name.startswith("_") and inspect.isfunction(fn):
+                yield name, fn
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_after_close_every_own_method_raises_cache_closed(geom, tmp_path, prefix):
+    """Not a hand-picked list: every method the cache defines, the engine's prefix hooks
+    included (resolve/apply/extend/complete answered None after close when the prefix cache
+    was off), raises CacheClosed after close, before it looks at its arguments."""
+    import inspect
+
+    from tiering.blocks import KeyRoot
+
+    kv = make(geom, tmp_path)
+    if prefix:
+        kv.enable_prefix_cache(KeyRoot(geom.fingerprint(), "m", page_tokens=geom.page_tokens))
+    fill(kv, "r", torch.Generator().manual_seed(5), 3)
+    kv.close()
+    before = snapshot(kv)
+    methods = dict(_own_methods())
+    assert {"resolve_cached_prefix", "apply_cached_prefix", "extend_prefix_chain",
+            "complete_cached_walk", "admit", "offload"} <= set(methods)  # the walk finds them
+    special = {"admit": (ResourceStep("r"), StepContext())}
+    checked = []
+    for name, fn in sorted(methods.items()):
+        if name in AFTER_CLOSE_ANSWERS:
+            continue
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        args = special.get(name) or tuple(
+            "r" for p in params
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        with pytest.raises(CacheClosed, match="closed"):
+            getattr(kv, name)(*args)
+        assert snapshot(kv) == before, name
+        checked.append(name)
+    assert len(checked) >= 30, checked
+
+
 def test_a_constructor_that_fails_leaves_no_threads(geom, tmp_path):
     def names():
         return {t.name for t in threading.enumerate() if t.name.startswith("tiering-")}

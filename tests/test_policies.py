@@ -769,7 +769,7 @@ def test_batch_columns_read_back_and_are_read_only():
         assert np.array_equal(getattr(batch, name), before)  # nothing changed
 
 
-# -- hostile review: bad input is refused by name, twins order the same way, the contract
+# -- bad input is refused by name, twins order the same way, the contract
 # -- catches what it promised to catch ------------------------------------------------------
 
 _BUILTINS = [LRU(), Priority("kv"), LargestFirst(), CostAware()]
