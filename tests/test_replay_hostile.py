@@ -4,6 +4,7 @@ consistency of what a run writes (summary, per-request CSV, decisions log)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -39,11 +40,11 @@ def _factory(made):
     return factory
 
 
-def _simulate(policy_cls, seed=3, n=160):
+def _simulate(policy_cls, seed=3, n=160, sim=SIM):
     made: list = []
     registry = register_policy("mine", policy_cls)
     spec = RunSpec("tiering", "mine", ControllerConfig(high=0.85, low=0.7))
-    res = simulate(conversation_trace(seed, n), COST, spec, SIM, kv_factory=_factory(made),
+    res = simulate(conversation_trace(seed, n), COST, spec, sim, kv_factory=_factory(made),
                    registry=registry, check=True)  # every check_integrity after every round
     return res, made
 
@@ -531,11 +532,7 @@ class _Order(LRU):
         return (-batch.last_used,) if self.reverse else (batch.last_used,)
 
 
-@pytest.mark.xfail(strict=True, reason="known limitation of the simulator: the worker preempts the "
-                   "latest-arrived request and admits nothing while one is preempted, so every "
-                   "batch the request policy orders holds one candidate and opposite orders "
-                   "give the same run (--policy changes nothing); see docs/replay.md, Known defects")
-def test_opposite_request_policies_can_give_different_runs():
+def _opposite_runs(sim):
     runs = []
     for reverse in (False, True):
         holder: list = []
@@ -544,13 +541,75 @@ def test_opposite_request_policies_can_give_different_runs():
             holder.append(_Order(reverse))
             return holder[-1]
 
-        res, made = _simulate(make, seed=3, n=200)
+        res, made = _simulate(make, seed=3, n=200, sim=sim)
         made[0].check_integrity()
         assert holder[0].sizes  # the policy was asked
         runs.append((res, holder[0]))
-    (a, pa), (b, _) = runs
+    return runs
+
+
+@pytest.mark.xfail(strict=True, reason="known limitation of the default worker: it preempts the "
+                   "latest-arrived request and admits nothing while one is preempted, so every "
+                   "batch the request policy orders holds one candidate and opposite orders "
+                   "give the same run; SimConfig.preempt='policy' (--preempt policy) lets the "
+                   "policy choose; see docs/replay.md, Known defects")
+def test_opposite_request_policies_can_give_different_runs():
+    (a, pa), (b, _) = _opposite_runs(SIM)
     assert max(pa.sizes) > 1, f"every batch held one candidate: {pa.sizes}"
     assert a.decisions != b.decisions
+
+
+def test_opposite_request_policies_differ_when_the_policy_picks_whom_to_preempt():
+    sim = dataclasses.replace(SIM, preempt="policy")
+    (a, pa), (b, pb) = _opposite_runs(sim)
+    # the batches it was asked to order held a choice, and the choice changed the run
+    assert max(pa.sizes) > 1 and max(pb.sizes) > 1, (pa.sizes, pb.sizes)
+    assert a.decisions != b.decisions and a.requests != b.requests
+    assert a.counters.preemptions > 0 and b.counters.preemptions > 0
+
+
+class _LatestFirst(Policy):
+    """The latest-arrived request first (vLLM's preemption rule, as a policy)."""
+
+    name = "latest-first"
+
+    def sort_keys(self, batch, now):
+        return (-np.array([int(rid[1:]) for rid in batch.rids], dtype=np.int64),)
+
+
+class _EarliestFirst(_LatestFirst):
+    name = "earliest-first"
+
+    def sort_keys(self, batch, now):
+        return (-super().sort_keys(batch, now)[0],)
+
+
+def test_a_policy_that_ranks_the_latest_arrival_first_preempts_as_the_default_does():
+    # the victim is the policy's first: a policy ranking as vLLM's rule does gives the
+    # default's run to the last decision; one ranking the other way does not
+    latest = dataclasses.replace(SIM, preempt="latest")
+    policy = dataclasses.replace(SIM, preempt="policy")
+    base, _ = _simulate(_LatestFirst, seed=3, n=200, sim=latest)
+    same, _ = _simulate(_LatestFirst, seed=3, n=200, sim=policy)
+    other, _ = _simulate(_EarliestFirst, seed=3, n=200, sim=policy)
+    assert base.counters.preemptions > 3
+    assert same.decisions == base.decisions and same.requests == base.requests
+    assert other.requests != base.requests
+
+
+@pytest.mark.parametrize("bad", ["newest", "", "LATEST", 1, None, True])
+def test_a_bad_preempt_setting_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match="SimConfig.preempt must be one of"):
+        SimConfig(preempt=bad)
+
+
+def test_the_baselines_preempt_the_latest_arrival_whatever_preempt_says():
+    trace = conversation_trace(3, 120)
+    for mode in ("recompute", "no-tiering"):
+        runs = [simulate(trace, COST, RunSpec(mode), dataclasses.replace(SIM, preempt=p),
+                         kv_factory=_factory([])) for p in ("latest", "policy")]
+        assert runs[0].requests == runs[1].requests
+        assert runs[0].decisions == runs[1].decisions
 
 
 def test_a_sweeps_belady_bound_is_at_its_largest_host_and_says_so(tmp_path, capsys):
@@ -651,3 +710,30 @@ def test_the_bounds_cover_the_requests_no_run_rejected(tmp_path, capsys):
     assert s["bounds"]["infinite"]["blocks"] == want.blocks
     assert s["bounds"]["infinite"]["token_hit_rate"] == pytest.approx(want.token_hit_rate)
     assert f"over the {len(kept)} requests not rejected" in s["bounds_note"]
+
+
+def test_cli_preempt_policy_is_recorded_and_lets_the_policies_differ(tmp_path, capsys):
+    runs = {}
+    for preempt in ("latest", "policy"):
+        out = tmp_path / preempt
+        rc = replay_main([str(MOONCAKE), "--out", str(out), "--limit", "400", "--no-plots",
+                          "--policy", "lru,largest", "--preempt", preempt])
+        assert rc == 0
+        s = json.loads((out / "summary.json").read_text())
+        assert s["sim"]["preempt"] == preempt
+        runs[preempt] = s["runs"]
+    capsys.readouterr()
+
+    def figures(r):
+        return {k: v for k, v in r.items() if k not in ("label", "policy", "wall_s")}
+
+    latest, policy = runs["latest"], runs["policy"]
+    assert figures(latest["lru"]) == figures(latest["largest"])  # no choice to make
+    assert figures(policy["lru"]) != figures(policy["largest"])
+    assert figures(latest["recompute"]) == figures(policy["recompute"])
+
+
+def test_cli_refuses_an_unknown_preempt_setting(tmp_path, capsys):
+    rc = replay_main([str(MOONCAKE), "--out", str(tmp_path / "o"), "--preempt", "newest"])
+    assert rc == 2 and "--preempt" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -4,13 +4,15 @@
                    [--model M] [--hardware H] [--device-gib G] [--host-gib G[,G...]]
                    [--disk-gib G] [--limit N] [--time-scale X] [--seeds N]
                    [--watermarks HIGH:LOW[,...]] [--sweep] [--format F] [--no-prefix-reuse]
-                   [--make-room drop|offload] [--block-policy B] [--requests-csv]
-                   [--decisions] [--no-plots]
+                   [--make-room drop|offload] [--preempt latest|policy]
+                   [--block-policy B] [--requests-csv] [--decisions] [--no-plots]
 
 ``P`` is a built-in name (``lru``, ``priority``, ``largest``, ``cost``) or a
 ``module:Class`` path to a ``policies.Policy`` subclass (or a factory
 returning one); ``--policy-option`` keyword options go to every policy named.
-``P`` orders the live requests (device offloads, host demotions); ``B`` (a
+``P`` orders the live requests (device offloads, host demotions and, with
+``--preempt policy``, which request of the batch is paused when memory runs
+out; by default the latest-arrived is, vLLM's rule); ``B`` (a
 block policy of ``policies.blocks``: ``lru``, ``arc``, ``s3fifo``, ``chain``,
 default ``chain``) keeps the cached prefix blocks of every tier.
 Without ``--sweep``: each policy runs at the first watermark pair and host
@@ -110,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--make-room", choices=("drop", "offload"), default="drop",
                    help="cached prefix blocks in the way of a request on the device: drop "
                         "them (default) or move them a tier down while one has room")
+    p.add_argument("--preempt", choices=("latest", "policy"), default="latest",
+                   help="which request of the batch a tiering run pauses when memory runs "
+                        "out: the latest-arrived (default, vLLM's rule) or the first in the "
+                        "policy's order")
     p.add_argument("--block-policy", default="chain",
                    help="block retention policy of every tier's cached prefix blocks: "
                         f"{', '.join(default_block_registry().names)} or module:Class, comma "
@@ -291,7 +297,7 @@ def _check(args: argparse.Namespace):
     blocks, block_registry = _block_policies(args.block_policy)
     grid = dataclasses.replace(grid, block_policies=blocks if len(blocks) > 1 else ())
     sim = SimConfig(prefix_reuse=not args.no_prefix_reuse, make_room=args.make_room,
-                    block_policy=blocks[0])
+                    block_policy=blocks[0], preempt=args.preempt)
     page_bytes = model.kv_bytes_per_token * sim.page_tokens
     if hardware.device_kv_bytes < page_bytes:
         raise ValueError(f"--device-gib: {hardware.device_kv_bytes} bytes hold no KV page "

@@ -11,6 +11,7 @@ from tiering.control.controller import ControllerConfig
 
 MODES = ("tiering", "recompute", "no-tiering")
 MAKE_ROOM = ("drop", "offload")
+PREEMPT = ("latest", "policy")
 
 
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
@@ -27,9 +28,14 @@ class SimConfig:
     request, the rest prefill chunks). ``page_tokens``: tokens per KV page.
     ``prefix_reuse``: retain finished prompts and reuse shared prefixes
     (needs a trace with block ids). ``block_tokens``: tokens per block id.
-    ``preempted_retention`` / ``retained_retention``: the retention priority
-    (0..100) a preempted live request and a retained prefix carry; the KV
-    cache turns it into the offload priority a ``priority`` policy reads.
+    ``preempted_retention``: the retention priority (0..100) a live request
+    carries; the KV cache turns it into the offload priority a ``priority``
+    policy reads. ``preempt``: which request of the batch a tiering run pauses
+    when a decoding request cannot grow and no memory is on its way:
+    ``latest``, the latest-arrived (vLLM's rule; the default), or ``policy``,
+    the first in the run's policy's order over the batch (most evictable
+    first; requests of equal rank go latest-arrived first). The baselines
+    have no policy and always pause the latest-arrived.
     ``sample_every_s``: simulated seconds between two samples of the timeline
     (occupancy per tier and hits so far). ``make_room``: what the scheduler
     does with retained prefixes on the device when it needs room at once:
@@ -47,11 +53,11 @@ class SimConfig:
     prefix_reuse: bool = True
     block_tokens: int = 512
     preempted_retention: float = 80.0
-    retained_retention: float = 20.0
     sample_every_s: float = 1.0
     make_room: str = "drop"
     block_policy: str = "chain"
     block_policy_options: tuple[tuple[str, Any], ...] = ()
+    preempt: str = "latest"
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_policy, str) or not self.block_policy:
@@ -66,6 +72,8 @@ class SimConfig:
                              f"pairs, got {opts!r}")
         if not isinstance(self.prefix_reuse, bool):
             raise ValueError(f"SimConfig.prefix_reuse must be a bool, got {self.prefix_reuse!r}")
+        if not isinstance(self.preempt, str) or self.preempt not in PREEMPT:
+            raise ValueError(f"SimConfig.preempt must be one of {PREEMPT}, got {self.preempt!r}")
         if self.make_room not in MAKE_ROOM:
             raise ValueError(f"SimConfig.make_room must be one of {MAKE_ROOM}, "
                              f"got {self.make_room!r}")
@@ -83,10 +91,10 @@ class SimConfig:
                 f"SimConfig.max_step_tokens ({self.max_step_tokens}) must be >= max_batch "
                 f"({self.max_batch}): every decoding request needs a token per step"
             )
-        for name in ("preempted_retention", "retained_retention"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 100:
-                raise ValueError(f"SimConfig.{name} must be a number in [0, 100], got {v!r}")
+        v = self.preempted_retention
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 100:
+            raise ValueError(f"SimConfig.preempted_retention must be a number in [0, 100], "
+                             f"got {v!r}")
 
 
 @dataclass(frozen=True)

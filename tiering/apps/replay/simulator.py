@@ -34,9 +34,11 @@ cache. After that the modes differ:
 
 ``tiering``    the request stalls for a step while memory is on its way (an
                offload in flight, or an idle request the controller can
-               offload); otherwise the latest-arrived active request is
-               preempted and left idle on the device, where it is an offload
-               candidate for the controller.
+               offload); otherwise the latest-arrived active request (or,
+               with ``SimConfig.preempt="policy"``, the first of the batch
+               in the run's policy's order) is preempted and left idle on
+               the device, where it is an offload candidate for the
+               controller.
 ``recompute``  the latest-arrived active request is preempted and its KV
                freed at once; it is prefilled again later (vLLM's default).
 ``no-tiering`` a request is admitted only with room for its whole final KV,
@@ -762,7 +764,7 @@ class _Worker:
         if self._memory_coming():
             self._stall(r)
             return False
-        victim = self._latest_active()
+        victim = self._policy_victim() if self.sim.preempt == "policy" else self._latest_active()
         self._preempt(victim)
         if victim is not r:
             self._stall(r)
@@ -784,6 +786,21 @@ class _Worker:
         by_rid = self.by_rid
         batch = [by_rid[rid] for rid in self.active]
         return max((q for q in batch if q.phase != LOADING), key=lambda q: q.order, default=None)
+
+    def _policy_victim(self) -> _Req:
+        """The request of the batch the run's policy would pause first (``preempt="policy"``):
+        its order over the batch (not a request whose prefix copy is still landing) as
+        device candidates that would come back from the host, latest-arrived first so
+        that equal ranks fall back to vLLM's rule."""
+        by_rid = self.by_rid
+        batch = sorted((by_rid[rid] for rid in self.active if by_rid[rid].phase != LOADING),
+                       key=lambda q: q.order, reverse=True)
+        rids = [q.rid for q in batch]
+        kv = self.kv
+        nbytes = [kv.reclaimable(rid) for rid in rids]
+        last = [self.ctl.last_used(rid) for rid in rids]
+        order = self.retention.order(rids, nbytes, last, Tier.DEVICE, "host", self.clock.now)
+        return by_rid[order[0]]
 
     def _memory_coming(self) -> bool:
         """Device memory will come free without preempting anyone: an offload is in
