@@ -496,14 +496,16 @@ def test_percentile_matches_numpy():
 # -- the modeled cache and the real cache lead to the same decisions --------------------------
 
 
-def test_simulator_and_real_cache_make_the_same_decisions():
+@pytest.mark.parametrize("preempt", ["latest", "policy"])
+def test_simulator_and_real_cache_make_the_same_decisions(preempt):
     base = load_trace(MOONCAKE, limit=80)
     # the slice keeps the trace's arrivals and shapes, scaled down to a tiny cache
     trace = [TraceRequest(t.arrival_s, max(1, t.input_tokens // 24), max(1, t.output_tokens // 4))
              for t in base]
     geom = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_tokens=32,
                       dtype=torch.float32)
-    sim = SimConfig(max_batch=8, max_step_tokens=512, page_tokens=32, prefix_reuse=False)
+    sim = SimConfig(max_batch=8, max_step_tokens=512, page_tokens=32, prefix_reuse=False,
+                    preempt=preempt)
     for policy in ("lru", "largest"):
         spec = RunSpec("tiering", policy, ControllerConfig(high=0.85, low=0.6))
         caches = []
@@ -525,6 +527,7 @@ def test_simulator_and_real_cache_make_the_same_decisions():
                 cache.close()
         kinds = Counter(d.kind for d in modeled.decisions)
         assert kinds["offload"] >= 5 and kinds["reload"] >= 5
+        assert modeled.counters.preemptions >= 5
         assert actual.decisions == modeled.decisions
         assert actual.requests == modeled.requests
         # scans_skipped counts the controller's own shortcut, not a decision: it differs

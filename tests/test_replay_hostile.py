@@ -737,3 +737,17 @@ def test_cli_refuses_an_unknown_preempt_setting(tmp_path, capsys):
     rc = replay_main([str(MOONCAKE), "--out", str(tmp_path / "o"), "--preempt", "newest"])
     assert rc == 2 and "--preempt" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_preempt_policy_with_no_room_below_still_chooses():
+    # with no host and no disk nothing is reclaimable, yet the policy must be able to pick
+    # whom to pause (it is handed the bytes each request holds on the device)
+    def factory(clock):
+        return ModeledKVCache(MODEL.kv_bytes_per_token, SIM.page_tokens, 300, 0, 0,
+                              LinkRates(2e9, 2e9, 5e8, 1e9, 1e-5, 1e-5, 1e-4, 1e-4), clock)
+
+    sim = dataclasses.replace(SIM, preempt="policy")
+    spec = RunSpec("tiering", "largest", ControllerConfig(high=0.85, low=0.7))
+    res = simulate(conversation_trace(3, 200), COST, spec, sim, kv_factory=factory, check=True)
+    assert res.counters.preemptions > 3
+    assert all(r.status == "finished" for r in res.requests)

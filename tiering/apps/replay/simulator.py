@@ -790,14 +790,17 @@ class _Worker:
     def _policy_victim(self) -> _Req:
         """The request of the batch the run's policy would pause first (``preempt="policy"``):
         its order over the batch (not a request whose prefix copy is still landing) as
-        device candidates that would come back from the host, latest-arrived first so
-        that equal ranks fall back to vLLM's rule."""
+        device candidates of the bytes they hold that would come back from the host,
+        latest-arrived first so that equal ranks fall back to vLLM's rule."""
         by_rid = self.by_rid
         batch = sorted((by_rid[rid] for rid in self.active if by_rid[rid].phase != LOADING),
                        key=lambda q: q.order, reverse=True)
         rids = [q.rid for q in batch]
-        kv = self.kv
-        nbytes = [kv.reclaimable(rid) for rid in rids]
+        num_tokens = self.kv.num_tokens
+        # the device bytes each holds (what pausing it puts in the controller's reach), not
+        # ``reclaimable``: that is 0 for one that no tier below has room for, and a
+        # candidate batch holds none with nothing to reclaim
+        nbytes = [max(1, self._pages(num_tokens(rid))) * self.page_bytes for rid in rids]
         last = [self.ctl.last_used(rid) for rid in rids]
         order = self.retention.order(rids, nbytes, last, Tier.DEVICE, "host", self.clock.now)
         return by_rid[order[0]]
