@@ -66,6 +66,8 @@ def _configs(quick: bool) -> list[dict]:
                  mode="tiering", policy="cost", host_gib=4, disk_gib=16, time_scale=0.5),
             dict(name="trace-lru-noreuse-3000", trace="mooncake", limit=3000,
                  mode="tiering", policy="lru", prefix_reuse=False),
+            dict(name="trace-largest-preempt-3000", trace="mooncake", limit=3000,
+                 mode="tiering", policy="largest", preempt="policy"),
             dict(name="trace-recompute", trace="mooncake", limit=None, mode="recompute"),
             dict(name="trace-no-tiering", trace="mooncake", limit=None, mode="no-tiering"),
         ]
@@ -80,7 +82,15 @@ def _configs(quick: bool) -> list[dict]:
                             mode=mode))
         out.append(dict(name=f"synth-{seed}-lru-slow-links", trace="synth", seed=seed, n=150,
                         mode="tiering", policy="lru", high=0.85, low=0.7, slow=True))
+        out.append(dict(name=f"synth-{seed}-cost-preempt", trace="synth", seed=seed, n=200,
+                        mode="tiering", policy="cost", high=0.85, low=0.7, preempt="policy"))
     return out
+
+
+def _preempt(c: dict) -> dict:
+    """``preempt`` for SimConfig, only where a configuration sets it (a checkout from
+    before the option runs every other configuration)."""
+    return {"preempt": c["preempt"]} if "preempt" in c else {}
 
 
 def _run_one(c: dict) -> dict:
@@ -103,7 +113,8 @@ def _run_one(c: dict) -> dict:
         trace = load_trace(TRACE, limit=c["limit"])
         sim = SimConfig(make_room=c.get("make_room", "drop"),
                         block_policy=c.get("block_policy", "chain"),
-                        prefix_reuse=c.get("prefix_reuse", True))
+                        prefix_reuse=c.get("prefix_reuse", True),
+                        **_preempt(c))
     else:
         sys.path.insert(0, str(Path.cwd() / "tests"))
         from conftest import conversation_trace
@@ -111,7 +122,7 @@ def _run_one(c: dict) -> dict:
         hw = get_hardware("small")
         trace = conversation_trace(c["seed"], c["n"], shared=0.6)
         sim = SimConfig(max_batch=16, max_step_tokens=1024, page_tokens=16, block_tokens=64,
-                        make_room=c.get("make_room", "drop"))
+                        make_room=c.get("make_room", "drop"), **_preempt(c))
         rates = (LinkRates(2e8, 2e8, 5e7, 1e8) if c.get("slow")
                  else LinkRates(2e9, 2e9, 5e8, 1e9, 1e-5, 1e-5, 1e-4, 1e-4))
         host, disk = (100, 800) if c["mode"] == "tiering" else (0, 0)
