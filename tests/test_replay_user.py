@@ -1,0 +1,193 @@
+"""Trace replay as its user tries it: what a request policy is told when it picks whom to
+pause (``--preempt policy``), what the plots draw with ``--seeds``, and the messages of
+refused sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from conftest import conversation_trace
+from replay_helpers import COST, MODEL, SIM
+
+from policies import LRU, Policy, register_policy
+from tiering.apps.replay import main as replay_main
+from tiering.apps.replay import simulator as simulator_mod
+from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
+from tiering.apps.replay.simulator import RunSpec, simulate
+from tiering.control.controller import ControllerConfig
+
+PAUSE = dataclasses.replace(SIM, preempt="policy")
+
+
+def _factory(made, host_pages=100):
+    def factory(clock):
+        kv = ModeledKVCache(MODEL.kv_bytes_per_token, SIM.page_tokens, 300, host_pages, 800,
+                            LinkRates(2e9, 2e9, 5e8, 1e9, 1e-5, 1e-5, 1e-4, 1e-4), clock)
+        made.append(kv)
+        return kv
+
+    return factory
+
+
+class _Recording(Policy):
+    """Records every batch it orders while the worker decides whom to pause (``pausing`` is
+    set around that decision by the test), then orders by ``key``."""
+
+    name = "recording"
+
+    def __init__(self, key: str = "none") -> None:
+        self.key = key
+        self.pausing: dict | None = None
+        self.seen: list[dict] = []
+
+    def sort_keys(self, batch, now):
+        if self.pausing is not None:
+            self.seen.append({**self.pausing, "now": now, "rids": list(batch.rids),
+                              "last_used": batch.last_used.copy(),
+                              "bytes": batch.reclaimable.copy(),
+                              "cost": batch.reload_cost_s.copy()})
+        if self.key == "largest":
+            return (-batch.reclaimable.astype(np.float64),)
+        if self.key == "smallest":
+            return (batch.reclaimable.astype(np.float64),)
+        return (np.zeros(len(batch)),)
+
+
+def _run_recording(monkeypatch, key="none", seed=3, n=200, host_pages=100, sim=PAUSE):
+    """A tiering run whose policy records each pause decision's batch, with the host's free
+    bytes and each row's phase at that moment."""
+    made: list = []
+    workers: list = []
+    original = simulator_mod._Worker._policy_victim
+
+    def wrapped(self):
+        workers.append(self)
+        policy = self.retention.policy
+        kv = self.kv
+        policy.pausing = {
+            "host_free": kv.host_capacity_bytes - kv.host_used_bytes(),
+            "phase": {rid: self.by_rid[rid].phase for rid in self.active},
+            "stalled_at": {rid: getattr(self.by_rid[rid], "stalled_at", None) for rid in self.active},
+        }
+        try:
+            victim = original(self)
+        finally:
+            policy.pausing = None
+        policy.seen[-1]["victim"] = victim.rid
+        return victim
+
+    monkeypatch.setattr(simulator_mod._Worker, "_policy_victim", wrapped)
+    holder: list = []
+
+    def make():
+        holder.append(_Recording(key))
+        return holder[-1]
+
+    spec = RunSpec("tiering", "mine", ControllerConfig(high=0.85, low=0.7))
+    res = simulate(conversation_trace(seed, n), COST, spec, sim,
+                   kv_factory=_factory(made, host_pages),
+                   registry=register_policy("mine", make), check=True)
+    made[0].check_integrity()
+    return res, holder[0], workers
+
+
+def test_whom_to_pause_is_told_the_reload_cost_from_where_the_request_would_go(monkeypatch):
+    # the paused request stays on the device until the controller offloads it: to the host
+    # where it has room, else to disk, and it comes back from there; its reload_cost_s must
+    # be that one (before, always the host's, so a request the host cannot take looked as
+    # cheap to bring back as one it can)
+    res, policy, workers = _run_recording(monkeypatch, key="largest", host_pages=100)
+    costs = workers[0].retention.costs
+    assert len(policy.seen) > 3, "no pause decision with a choice was made"
+    fits = too_big = 0
+    for s in policy.seen:
+        nbytes = s["bytes"].astype(np.float64)
+        fit = s["bytes"] <= s["host_free"]
+        want = np.where(fit, costs.from_host(nbytes), costs.from_disk(nbytes))
+        np.testing.assert_allclose(s["cost"], want, rtol=0, atol=0)
+        fits += int(fit.sum())
+        too_big += int((~fit).sum())
+    # both kinds of row were seen, so the test tells the two rules apart
+    assert fits and too_big, (fits, too_big)
+    assert res.counters.preemptions > 0
+
+
+def test_whom_to_pause_is_told_each_request_last_ran_now(monkeypatch):
+    # every request of the batch is running: its last use is now (a stalled one: when it
+    # stalled), not when it was admitted or last preempted, which made requests decoding
+    # this very step look idle for minutes to a policy that reads last_used
+    _, policy, _ = _run_recording(monkeypatch)
+    multi = [s for s in policy.seen if len(s["rids"]) > 1]
+    assert multi, "every pause decision had one candidate"
+    stalled_rows = 0
+    for s in policy.seen:
+        for rid, used in zip(s["rids"], s["last_used"].tolist(), strict=True):
+            if s["phase"][rid] == simulator_mod.STALLED:
+                stalled_rows += 1
+                assert used == s["stalled_at"][rid] <= s["now"]
+            else:
+                assert used == s["now"], (rid, used, s["now"])
+
+
+def test_equal_ranks_fall_to_the_policys_tie_break(monkeypatch):
+    # a policy that ranks every request of the batch alike leaves the choice to its own
+    # tie-break: the built-ins' is by rid, i.e. the earliest-arrived is paused (the docs
+    # said the latest-arrived went first among equals, which no built-in did)
+    res, policy, _ = _run_recording(monkeypatch, key="none")
+    multi = [s for s in policy.seen if len(s["rids"]) > 1]
+    assert multi
+    assert all(s["victim"] == min(s["rids"]) for s in multi)
+    # negative control: a policy that does rank them (largest first) pauses others
+    other, big, _ = _run_recording(monkeypatch, key="largest")
+    assert any(s["victim"] != min(s["rids"]) for s in big.seen if len(s["rids"]) > 1)
+    assert other.requests != res.requests
+
+
+class _RaisesWhenPausing(LRU):
+    """Orders the controller's offloads; fails when asked whom to pause."""
+
+    def __init__(self) -> None:
+        self.running: set = set()
+
+    def sort_keys(self, batch, now):
+        if len(batch) > 1 and any(r in self.running for r in batch.rids):
+            raise RuntimeError("nope")
+        return super().sort_keys(batch, now)
+
+
+def test_a_policy_failing_when_asked_whom_to_pause_is_named_with_that_decision(monkeypatch):
+    original = simulator_mod._Worker._policy_victim
+
+    def wrapped(self):
+        self.retention.policy.running = set(self.active)
+        return original(self)
+
+    monkeypatch.setattr(simulator_mod._Worker, "_policy_victim", wrapped)
+    spec = RunSpec("tiering", "mine", ControllerConfig(high=0.85, low=0.7))
+    with pytest.raises(ValueError, match=r"candidate\(s\) \(which request of the batch to pause\)") as info:
+        simulate(conversation_trace(3, 200), COST, spec, PAUSE, kv_factory=_factory([]),
+                 registry=register_policy("mine", _RaisesWhenPausing), check=True)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize("sizes", [("0", "0"), ("0.5", "0"), ("1", "1")])
+def test_pausing_when_no_tier_below_has_room_for_a_request_finishes_the_run(tmp_path, capsys,
+                                                                           sizes):
+    # a request of the batch that neither host nor disk has room for reclaims nothing: it
+    # was handed to the policy anyway, and the batch refused it ("CandidateBatch.reclaimable
+    # must be in [1, 2**63)"), which stopped every such run with exit status 2
+    from replay_helpers import MOONCAKE
+
+    out = tmp_path / "o"
+    rc = replay_main([str(MOONCAKE), "--out", str(out), "--limit", "150", "--hardware",
+                      "small", "--policy", "lru,largest", "--preempt", "policy",
+                      "--host-gib", sizes[0], "--disk-gib", sizes[1], "--no-plots"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    for key in ("lru", "largest"):
+        assert runs[key]["finished"] + runs[key]["rejected"] == 150
+        assert runs[key]["preemptions"] > 0
