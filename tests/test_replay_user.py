@@ -191,3 +191,78 @@ def test_pausing_when_no_tier_below_has_room_for_a_request_finishes_the_run(tmp_
     for key in ("lru", "largest"):
         assert runs[key]["finished"] + runs[key]["rejected"] == 150
         assert runs[key]["preemptions"] > 0
+
+
+# -- the plots with --seeds -------------------------------------------------------------------
+
+
+def _capture_errorbars(monkeypatch):
+    import matplotlib.axes
+
+    calls: list = []
+    original = matplotlib.axes.Axes.errorbar
+
+    def errorbar(self, x, y, yerr=None, **kw):
+        calls.append((np.asarray(y, dtype=np.float64), np.asarray(yerr, dtype=np.float64)))
+        return original(self, x, y, yerr=yerr, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", errorbar)
+    return calls
+
+
+def _seed_rows(rng, n, ci: bool):
+    rows = []
+    for i in range(n):
+        parts = rng.uniform(0.05, 0.35, 3)
+        row = {"label": f"p{i}", "policy": f"p{i % 2}", "mode": "tiering",
+               "high": 0.9, "low": 0.75, "host_gib": float(1 + i // 2),
+               "token_hit_rate": float(parts.sum()),
+               "ttft_p99_s": float(rng.uniform(5, 50))}
+        for tier, v in zip(("device", "host", "disk"), parts, strict=True):
+            row[f"token_hit_rate_{tier}"] = float(v)
+        if ci:  # two seeds: intervals wider than the figures themselves
+            row["token_hit_rate_ci95"] = float(rng.uniform(0.6, 1.5))
+            row["ttft_p99_s_ci95"] = float(rng.uniform(60, 400))
+        rows.append(row)
+    return rows
+
+
+def test_compare_intervals_stop_at_what_the_figure_can_be(monkeypatch, tmp_path):
+    # with 2 seeds a 95% interval is wide: it was drawn to -3000 s of TTFT and past a hit
+    # rate of 1, which also stretched the axes until the bars could not be told apart
+    from tiering.apps.replay.plots import plot_compare
+
+    calls = _capture_errorbars(monkeypatch)
+    rows = _seed_rows(np.random.default_rng(5), 6, ci=True)
+    plot_compare([r["label"] for r in rows], rows, [], tmp_path / "c.png")
+    assert len(calls) == 2  # the hit rate, then TTFT
+    (rate, rate_err), (ttft, ttft_err) = calls
+    assert np.all(rate - rate_err[0] >= 0) and np.all(rate + rate_err[1] <= 1 + 1e-12)
+    assert np.all(ttft - ttft_err[0] >= 0)
+    assert np.all(ttft_err[1] > 0)  # the upper ends are kept
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_sweep_plots_draw_the_intervals_of_several_seeds(monkeypatch, tmp_path):
+    from tiering.apps.replay.plots import plot_sweep
+
+    calls = _capture_errorbars(monkeypatch)
+    rng = np.random.default_rng(9)
+    plot_sweep(_seed_rows(rng, 6, ci=False), tmp_path)
+    assert calls == []  # one seed: no interval to draw
+    rows = _seed_rows(rng, 6, ci=True)
+    plot_sweep(rows, tmp_path)
+    assert len(calls) == 4  # two policies x (hit rate, TTFT)
+    for y, err in calls:
+        assert np.all(err >= 0) and np.all(y - err[0] >= 0)
+        assert err[1].max() > 0
+    rate_calls = calls[:2]
+    for y, err in rate_calls:
+        assert np.all(y + err[1] <= 1 + 1e-12)
+
+
+def test_interval_cuts_each_end_and_skips_what_is_not_finite():
+    from tiering.apps.replay.plots import interval
+
+    err = interval([0.2, 0.9, float("nan"), 3.0], [0.5, 0.5, 0.1, float("inf")], 0.0, 1.0)
+    np.testing.assert_allclose(err, [[0.2, 0.5, 0.0, 0.0], [0.5, 0.1, 0.0, 0.0]])
