@@ -266,3 +266,16 @@ def test_interval_cuts_each_end_and_skips_what_is_not_finite():
 
     err = interval([0.2, 0.9, float("nan"), 3.0], [0.5, 0.5, 0.1, float("inf")], 0.0, 1.0)
     np.testing.assert_allclose(err, [[0.2, 0.5, 0.0, 0.0], [0.5, 0.1, 0.0, 0.0]])
+
+
+def test_whom_to_pause_never_offers_a_request_whose_prefix_copy_is_landing(monkeypatch):
+    # a request whose prefix blocks are still being copied up to the device cannot be
+    # paused (the copy holds its pages); the run below has pause decisions while one is
+    # in the batch, and none of them offers it
+    _, policy, _ = _run_recording(monkeypatch, seed=8, n=300, host_pages=300)
+    loading = [s for s in policy.seen
+               if any(p == simulator_mod.LOADING for p in s["phase"].values())]
+    assert loading, "no pause decision was made while a prefix copy was landing"
+    for s in policy.seen:
+        assert all(s["phase"][rid] != simulator_mod.LOADING for rid in s["rids"])
+
