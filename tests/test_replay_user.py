@@ -279,3 +279,15 @@ def test_whom_to_pause_never_offers_a_request_whose_prefix_copy_is_landing(monke
     for s in policy.seen:
         assert all(s["phase"][rid] != simulator_mod.LOADING for rid in s["rids"])
 
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "-0.5", "nan"])
+def test_a_refused_device_size_says_the_bound_a_retry_must_meet(tmp_path, capsys, value):
+    # --device-gib -1 said "must be a finite number >= 0", and 0 was then refused too
+    from replay_helpers import MOONCAKE
+
+    out = tmp_path / "o"
+    rc = replay_main([str(MOONCAKE), "--out", str(out), "--device-gib", value])
+    err = capsys.readouterr().err
+    assert rc == 2 and not out.exists()
+    assert f"--device-gib: {value!r} must be a finite number > 0" in err, err

@@ -275,9 +275,7 @@ def _check(args: argparse.Namespace):
     model = get_model(args.model)
     hardware = get_hardware(args.hardware)
     if args.device_gib is not None:
-        device = _gib("--device-gib", args.device_gib)
-        if device <= 0:
-            raise ValueError(f"--device-gib: {args.device_gib!r} must be > 0")
+        device = int(_number("--device-gib", args.device_gib, minimum=0, strict=True) * GiB)
         hardware = hardware.with_sizes(device_kv_bytes=device)
     if args.disk_gib is not None:
         hardware = hardware.with_sizes(disk_bytes=_gib("--disk-gib", args.disk_gib))
