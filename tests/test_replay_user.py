@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 
 import numpy as np
 import pytest
@@ -291,3 +292,49 @@ def test_a_refused_device_size_says_the_bound_a_retry_must_meet(tmp_path, capsys
     err = capsys.readouterr().err
     assert rc == 2 and not out.exists()
     assert f"--device-gib: {value!r} must be a finite number > 0" in err, err
+
+
+# -- the run named while it goes ----------------------------------------------------------------
+
+_FAILS_AT_1GIB = """
+    from policies import LRU
+
+    class FailsLate(LRU):
+        name = "fails-late"
+        def sort_keys(self, batch, now):
+            if len(batch) > 1:
+                raise RuntimeError("late failure")
+            return super().sort_keys(batch, now)
+"""
+
+
+def test_a_sweeps_progress_and_failure_name_the_run_as_the_summary_does(tmp_path, capsys,
+                                                                        monkeypatch):
+    # with --sweep every policy runs at several points, named label@high:low@host in
+    # summary.json, the table and the CSVs; the progress lines and the message of a run
+    # that failed named only the label, so six runs of 'lru' could not be told apart
+    from replay_helpers import MOONCAKE
+
+    out = tmp_path / "o"
+    rc = replay_main([str(MOONCAKE), "--out", str(out), "--limit", "60", "--no-plots",
+                      "--hardware", "small", "--sweep", "--policy", "lru", "--host-gib", "0,1",
+                      "--watermarks", "0.9:0.75,0.8:0.6"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    keys = list(json.loads((out / "summary.json").read_text())["runs"])
+    assert len(keys) == 6
+    for i, key in enumerate(keys):
+        assert f"replay [{i + 1}/6 {key}] started" in err, (key, err[:2000])
+        assert f"replay [{i + 1}/6 {key}] done" in err
+
+    name = f"user_{abs(hash(str(tmp_path))) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(_FAILS_AT_1GIB))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = replay_main([str(MOONCAKE), "--out", str(tmp_path / "never"), "--limit", "300",
+                      "--no-plots", "--hardware", "small", "--sweep", "--policy",
+                      f"{name}:FailsLate", "--host-gib", "4", "--watermarks", "0.9:0.75",
+                      "--preempt", "policy", "--seeds", "2", "--time-scale", "0.5"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"run '{name}:FailsLate@0.9:0.75@4GiB' (seed 1 of 2) stopped" in err, err[-800:]
+    assert "late failure" in err and not (tmp_path / "never").exists()

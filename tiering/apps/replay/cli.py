@@ -198,6 +198,18 @@ def _run_key(row: dict, sweep: bool) -> str:
     return _point_key(row["policy"], row["high"], row["low"], row["host_gib"])
 
 
+def _run_keys(grid: Grid, sweep: bool) -> list[str]:
+    """The key of every run (as ``_run_key`` names its row), in the order ``run_grid``
+    runs them: the baselines, then each block policy's pass over the grid's points."""
+    keys = list(grid.labels())
+    base = len(keys) - len(grid.points()) * len(grid.blocks())
+    if sweep:
+        points = [p for _ in grid.blocks() for p in grid.points()]
+        keys[base:] = [_point_key(label, high, low, host / GiB)
+                       for label, (_, high, low, host) in zip(keys[base:], points, strict=True)]
+    return keys
+
+
 def _point_key(label: str, high: float, low: float, host_gib: float) -> str:
     return f"{label}@{high:g}:{low:g}@{host_gib:g}GiB"
 
@@ -381,10 +393,15 @@ def main(argv: list[str] | None = None) -> int:
     requests_rows: list[list] = []
     decision_rows: list[list] = []
     labels = grid.labels()
+    run_keys = _run_keys(grid, args.sweep)
     for seed in range(seeds):
         run_trace = jitter(trace, seed)
         progress = Progress(grid.runs(), len(trace),
                             prefix=f"seed {seed + 1}/{seeds} " if seeds > 1 else "")
+
+        def on_start(i, label, progress=progress):
+            # named as in summary.json and the table (with --sweep: label@high:low@host)
+            progress.start(i, run_keys[i])
 
         def on_result(row, result, seed=seed, progress=progress):
             progress.finished(row)
@@ -401,11 +418,13 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             rows = run_grid(run_trace, model, hardware, grid, sim, time_scale=time_scale,
-                            on_finish=progress.advance, on_start=progress.start,
+                            on_finish=progress.advance, on_start=on_start,
                             on_result=on_result, block_registry=block_registry)
         except ValueError as err:  # the user's policy, mid-run (retention.checked_order names
             progress.close()  # it and what it did); nothing is written
-            print(f"tiering replay: run {progress.running!r} stopped: {err}", file=sys.stderr)
+            where = f" (seed {seed + 1} of {seeds})" if seeds > 1 else ""
+            print(f"tiering replay: run {progress.running!r}{where} stopped: {err}",
+                  file=sys.stderr)
             return 2
         finally:
             progress.close()
@@ -417,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     bounds = [infinite(accepted, bt), belady(accepted, bt, capacity_blocks)]
     rows = aggregate(per_seed) if seeds > 1 else per_seed[0]
     keys = [_run_key(r, args.sweep) for r in rows]
-    assert len(labels) == len(rows)
+    assert len(labels) == len(rows) and keys == run_keys
 
     try:  # a write that fails (disk full, permissions) is named, not a traceback
         out.mkdir(parents=True, exist_ok=True)
