@@ -338,3 +338,44 @@ def test_a_sweeps_progress_and_failure_name_the_run_as_the_summary_does(tmp_path
     assert rc == 2
     assert f"run '{name}:FailsLate@0.9:0.75@4GiB' (seed 1 of 2) stopped" in err, err[-800:]
     assert "late failure" in err and not (tmp_path / "never").exists()
+
+
+# -- jittered arrivals (--seeds) ----------------------------------------------------------------
+
+
+def _gapped_trace(rng):
+    """Bursts of requests a few tenths of a second apart (some on one timestamp) between
+    idle gaps of ten minutes, as a service with quiet hours sees."""
+    from tiering.apps.replay.traces import TraceRequest
+
+    out, t = [], 0.0
+    for burst in range(5):
+        t += 600.0 if burst else 0.0
+        for i in range(40):
+            t += 0.0 if i % 8 == 0 else float(rng.exponential(0.3))
+            out.append(TraceRequest(t, int(rng.integers(1, 4000)), int(rng.integers(0, 300))))
+    return out
+
+
+def test_jitter_moves_an_arrival_at_most_half_way_to_the_neighbour_it_moves_towards():
+    # each arrival drew the gap to one neighbour and then moved by up to half of it either
+    # way: the first request after ten idle minutes could arrive five minutes late, past
+    # its whole burst, which is not noise in the arrival order but another trace
+    from tiering.apps.replay.seeds import jitter
+
+    rng = np.random.default_rng(21)
+    trace = _gapped_trace(rng)
+    t = np.array([r.arrival_s for r in trace])
+    gaps = np.diff(t)
+    before = np.concatenate(([gaps[0]], gaps))
+    after = np.concatenate((gaps, [gaps[-1]]))
+    moved_any = 0
+    for seed in range(1, 30):
+        j = np.array([r.arrival_s for r in jitter(trace, seed)])
+        d = j - t
+        assert np.all(d <= after / 2 + 1e-9), seed
+        assert np.all(d >= -before / 2 - 1e-9) or np.all(j[d < -before / 2 - 1e-9] == 0.0)
+        # so no arrival passes a neighbour: the order of the trace is kept
+        assert np.all(np.diff(j) >= -1e-9), seed
+        moved_any += int(np.count_nonzero(d))
+    assert moved_any > 0  # it does move arrivals
