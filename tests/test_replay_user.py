@@ -379,3 +379,33 @@ def test_jitter_moves_an_arrival_at_most_half_way_to_the_neighbour_it_moves_towa
         assert np.all(np.diff(j) >= -1e-9), seed
         moved_any += int(np.count_nonzero(d))
     assert moved_any > 0  # it does move arrivals
+
+
+# -- the bounds -----------------------------------------------------------------------------------
+
+
+def test_the_belady_bound_never_exceeds_the_infinite_cache():
+    # prompts that are whole blocks and come back in full: the replay (and the infinite
+    # bound) still compute their last token, Belady's token figure counted every block
+    # in full, and summary.json showed Belady above the infinite cache
+    from tiering.apps.replay.bounds import belady, infinite
+    from tiering.apps.replay.traces import TraceRequest
+
+    rng = np.random.default_rng(13)
+    trace = []
+    for i in range(300):
+        k = int(rng.integers(0, 6))
+        n_blocks = int(rng.integers(1, 9))
+        whole = rng.random() < 0.7
+        n_in = n_blocks * 512 if whole else n_blocks * 512 + int(rng.integers(1, 512))
+        trace.append(TraceRequest(float(i), n_in, int(rng.integers(0, 50)),
+                                  tuple(range(k * 100, k * 100 + n_blocks))))
+    inf = infinite(trace, 512)
+    for cap in (4, 20, 10_000):
+        b = belady(trace, 512, cap)
+        assert b.token_hit_rate <= inf.token_hit_rate, (cap, b.token_hit_rate, inf)
+        assert b.block_hit_rate <= inf.block_hit_rate
+    # at a capacity that holds every block, MIN is the infinite cache
+    big = belady(trace, 512, 10_000)
+    assert big.token_hit_rate == inf.token_hit_rate and big.block_hit_rate == inf.block_hit_rate
+    assert 0 < inf.token_hit_rate < 1
