@@ -409,3 +409,95 @@ def test_the_belady_bound_never_exceeds_the_infinite_cache():
     big = belady(trace, 512, 10_000)
     assert big.token_hit_rate == inf.token_hit_rate and big.block_hit_rate == inf.block_hit_rate
     assert 0 < inf.token_hit_rate < 1
+
+
+# -- a user's block policy that fails while a run goes -----------------------------------------
+
+_BLOCK_MODULE = """
+    from policies.blocks.generic import LRUBlocks
+
+    class RaisesLate(LRUBlocks):
+        name = "raises-late"
+        def __init__(self, capacity=None):
+            super().__init__(capacity)
+            self.calls = 0
+        def victims(self, now):
+            self.calls += 1
+            if self.calls > 20:
+                raise RuntimeError("blew up choosing")
+            yield from super().victims(now)
+
+    class Foreign(LRUBlocks):
+        name = "foreign"
+        def victims(self, now):
+            yield 987654321
+            yield from super().victims(now)
+
+    class AdmitsNone(LRUBlocks):
+        name = "admits-none"
+        def admit(self, key, depth, now):
+            return None
+"""
+
+
+@pytest.mark.parametrize(("attr", "message"), [
+    ("RaisesLate", "in victims at t="),
+    ("Foreign", "in victims at t="),
+    ("AdmitsNone", "in admit at t="),
+])
+def test_a_user_block_policy_failing_mid_run_is_named_and_exits_2(tmp_path, capsys,
+                                                                  monkeypatch, attr, message):
+    # a --block-policy module:Class is user code like a request policy, but a failure
+    # inside it came out as a traceback (exit 1, the status of a failed write) from the
+    # block index, a ValueError named as the run's own, or (admit answering None) not at all
+    from replay_helpers import MOONCAKE
+
+    name = f"blocks_{abs(hash((str(tmp_path), attr))) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(_BLOCK_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "never"
+    rc = replay_main([str(MOONCAKE), "--out", str(out), "--limit", "200", "--no-plots",
+                      "--hardware", "small", "--block-policy", f"{name}:{attr}"])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-1500:]
+    assert f"({name}.{attr}) of the device tier, {message}" in err, err[-800:]
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_a_guarded_block_policy_runs_as_the_unguarded_one(monkeypatch):
+    # the guard passes every answer through: a user's policy that behaves gives the run it
+    # gives unwrapped (negative control: a guard that reverses the victims does not)
+    from examples.replay_policies import KeepHeads
+    from policies.blocks import default_block_registry
+    from tiering.apps.replay import block_guard, block_tiers
+
+    registry = default_block_registry().with_policy("heads", KeepHeads)
+    sim = dataclasses.replace(SIM, block_policy="heads")
+    spec = RunSpec("tiering", "lru", ControllerConfig(high=0.85, low=0.7))
+    made: list = []
+    real = block_guard.Guarded
+
+    class Counting(real):
+        def __init__(self, *a):
+            super().__init__(*a)
+            made.append(self)
+
+    def run():
+        return simulate(conversation_trace(5, 200), COST, spec, sim, kv_factory=_factory([]),
+                        block_registry=registry, check=True)
+
+    monkeypatch.setattr(block_tiers, "Guarded", Counting)
+    guarded = run()
+    assert len(made) == 3  # one per tier
+    monkeypatch.setattr(block_tiers, "is_builtin", lambda p: True)
+    plain = run()
+    assert guarded.requests == plain.requests and guarded.decisions == plain.decisions
+    assert guarded.counters == plain.counters
+
+    class Reversed(real):
+        def victims_except(self, now, *busy):
+            yield from reversed(list(super().victims_except(now, *busy)))
+
+    monkeypatch.setattr(block_tiers, "is_builtin", block_guard.is_builtin)
+    monkeypatch.setattr(block_tiers, "Guarded", Reversed)
+    assert run().decisions != plain.decisions
