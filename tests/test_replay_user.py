@@ -501,3 +501,21 @@ def test_a_guarded_block_policy_runs_as_the_unguarded_one(monkeypatch):
     monkeypatch.setattr(block_tiers, "is_builtin", block_guard.is_builtin)
     monkeypatch.setattr(block_tiers, "Guarded", Reversed)
     assert run().decisions != plain.decisions
+
+
+def test_a_defect_of_the_replay_itself_is_not_reported_as_a_bad_argument(tmp_path, capsys,
+                                                                       monkeypatch):
+    # every ValueError while a run went was printed as "run 'lru' stopped: ..." with exit
+    # status 2, the status of a bad argument: the CandidateBatch refusal of --preempt
+    # policy looked like the user's fault. Only a user's policy failing is reported so;
+    # anything else keeps its traceback
+    from replay_helpers import MOONCAKE
+
+    def broken(self, *args, **kwargs):
+        raise ValueError("an internal defect")
+
+    monkeypatch.setattr(simulator_mod._Worker, "_serve_preempted", broken)
+    with pytest.raises(ValueError, match="an internal defect"):
+        replay_main([str(MOONCAKE), "--out", str(tmp_path / "o"), "--limit", "300",
+                     "--no-plots", "--hardware", "small", "--time-scale", "0.2"])
+    assert not (tmp_path / "o").exists()

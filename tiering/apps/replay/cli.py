@@ -55,6 +55,7 @@ from tiering.apps.replay.presets import (
     get_model,
 )
 from tiering.apps.replay.progress import Progress
+from tiering.apps.replay.retention import PolicyFailed
 from tiering.apps.replay.seeds import aggregate, jitter
 from tiering.apps.replay.simulator import SimConfig
 from tiering.apps.replay.sweep import Grid, plot, run_grid, write_csv
@@ -420,8 +421,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_grid(run_trace, model, hardware, grid, sim, time_scale=time_scale,
                             on_finish=progress.advance, on_start=on_start,
                             on_result=on_result, block_registry=block_registry)
-        except ValueError as err:  # the user's policy, mid-run (retention.checked_order names
-            progress.close()  # it and what it did); nothing is written
+        except PolicyFailed as err:  # the user's policy, mid-run (checked_order and the
+            # block guard name it and what it did); any other error is the replay's own
+            # defect and keeps its traceback rather than pass for a bad argument
+            progress.close()  # nothing is written
             where = f" (seed {seed + 1} of {seeds})" if seeds > 1 else ""
             print(f"tiering replay: run {progress.running!r}{where} stopped: {err}",
                   file=sys.stderr)
