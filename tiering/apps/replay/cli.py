@@ -116,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preempt", choices=("latest", "policy"), default="latest",
                    help="which request of the batch a tiering run pauses when memory runs "
                         "out: the latest-arrived (default, vLLM's rule) or the first in the "
-                        "policy's order")
+                        "policy's order over those a tier below has room for (ties: the "
+                        "policy's tie-break; the built-ins': earliest-arrived)")
     p.add_argument("--block-policy", default="chain",
                    help="block retention policy of every tier's cached prefix blocks: "
                         f"{', '.join(default_block_registry().names)} or module:Class, comma "
