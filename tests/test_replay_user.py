@@ -519,3 +519,30 @@ def test_a_defect_of_the_replay_itself_is_not_reported_as_a_bad_argument(tmp_pat
         replay_main([str(MOONCAKE), "--out", str(tmp_path / "o"), "--limit", "300",
                      "--no-plots", "--hardware", "small", "--time-scale", "0.2"])
     assert not (tmp_path / "o").exists()
+
+
+def test_retention_refuses_an_unknown_destination_and_offload_without_the_hosts_room():
+    from policies import LRU
+    from tiering.apps.replay.presets import get_hardware
+    from tiering.apps.replay.retention import ReloadCosts, Retention
+    from tiering.types import Tier
+
+    costs = ReloadCosts(get_hardware("small"), COST, MODEL.kv_bytes_per_token)
+    blind = Retention(LRU(), costs, lambda rid: 50.0)
+    with pytest.raises(ValueError, match="after must be one of"):
+        blind.order(["a"], [1], [0.0], Tier.DEVICE, "tape", 1.0)
+    with pytest.raises(ValueError, match="needs host_free_bytes"):
+        blind.order(["a"], [1], [0.0], Tier.DEVICE, "offload", 1.0)
+    assert blind.decisions == 0  # refused before anything was ordered
+    rng = np.random.default_rng(2)
+    sizes = [int(x) for x in rng.integers(1, 10**9, 6)]
+    free = sorted(sizes)[3]
+    seen = Retention(_Recording("largest"), costs, lambda rid: 50.0, lambda: free)
+    seen.policy.pausing = {}
+    order = seen.order([f"r{i}" for i in range(6)], sizes, [1.0] * 6, Tier.DEVICE, "offload",
+                       2.0)
+    assert order == [f"r{i}" for i in np.argsort(-np.array(sizes), kind="stable")]
+    got = seen.policy.seen[0]["cost"]
+    nbytes = np.array(sizes, dtype=np.float64)
+    want = np.where(np.array(sizes) <= free, costs.from_host(nbytes), costs.from_disk(nbytes))
+    np.testing.assert_array_equal(got, want)
