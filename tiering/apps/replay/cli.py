@@ -55,7 +55,7 @@ from tiering.apps.replay.presets import (
     get_model,
 )
 from tiering.apps.replay.progress import Progress
-from tiering.apps.replay.retention import PolicyFailed
+from tiering.apps.replay.retention import is_policy_failure
 from tiering.apps.replay.seeds import aggregate, jitter
 from tiering.apps.replay.simulator import SimConfig
 from tiering.apps.replay.sweep import Grid, plot, run_grid, write_csv
@@ -422,9 +422,12 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_grid(run_trace, model, hardware, grid, sim, time_scale=time_scale,
                             on_finish=progress.advance, on_start=on_start,
                             on_result=on_result, block_registry=block_registry)
-        except PolicyFailed as err:  # the user's policy, mid-run (checked_order and the
-            # block guard name it and what it did); any other error is the replay's own
-            # defect and keeps its traceback rather than pass for a bad argument
+        except ValueError as err:
+            # the user's policy, mid-run (checked_order and the block guard name it and what
+            # it did); any other error is the replay's own defect and keeps its traceback
+            # rather than pass for a bad argument
+            if not is_policy_failure(err):
+                raise
             progress.close()  # nothing is written
             where = f" (seed {seed + 1} of {seeds})" if seeds > 1 else ""
             print(f"tiering replay: run {progress.running!r}{where} stopped: {err}",

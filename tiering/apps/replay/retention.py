@@ -37,9 +37,19 @@ from tiering.apps.replay.presets import HardwarePreset, StepCost
 from tiering.types import Tier
 
 
-class PolicyFailed(ValueError):
-    """A user's policy (request or block) failed while a run went: it raised, or gave an
-    answer that is not one (the message names the policy and the decision)."""
+def policy_failure(message: str) -> ValueError:
+    """The ``ValueError`` of a user's policy (request or block) that failed while a run
+    went: it raised, or gave an answer that is not one (``message`` names the policy and
+    the decision). ``is_policy_failure`` tells it from any other ``ValueError``."""
+    err = ValueError(message)
+    err.policy_failed = True  # type: ignore[attr-defined]
+    return err
+
+
+def is_policy_failure(err: BaseException) -> bool:
+    """Whether ``err`` was raised by ``checked_order`` or the block guard for a user's
+    policy (not a defect of the replay itself)."""
+    return isinstance(err, ValueError) and getattr(err, "policy_failed", False) is True
 
 
 def checked_order(policy: Policy, batch: CandidateBatch, now: float,
@@ -53,22 +63,22 @@ def checked_order(policy: Policy, batch: CandidateBatch, now: float,
     try:
         rows = policy.order(batch, now, limit)
     except Exception as err:
-        raise PolicyFailed(f"{where}: raised {type(err).__name__}: {err}") from err
+        raise policy_failure(f"{where}: raised {type(err).__name__}: {err}") from err
     if not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu":
         shape = f"{type(rows).__name__}" + (
             f" of dtype {rows.dtype} and shape {rows.shape}" if isinstance(rows, np.ndarray)
             else "")
-        raise PolicyFailed(f"{where}: order returned {shape}, not a 1-D integer numpy array "
+        raise policy_failure(f"{where}: order returned {shape}, not a 1-D integer numpy array "
                            "of row indices")
     want = n if limit is None else min(limit, n)
     if len(rows) < want or (limit is None and len(rows) != n):
-        raise PolicyFailed(f"{where}: order returned {len(rows)} row(s), expected "
+        raise policy_failure(f"{where}: order returned {len(rows)} row(s), expected "
                            f"{'all ' + str(n) if limit is None else f'at least {want}'}")
     if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= n):
-        raise PolicyFailed(f"{where}: order returned row indices outside [0, {n}): "
+        raise policy_failure(f"{where}: order returned row indices outside [0, {n}): "
                            f"{rows.tolist()[:10]}")
     if len(rows) > 1 and len(np.unique(rows)) != len(rows):
-        raise PolicyFailed(f"{where}: order returned a row twice: {rows.tolist()[:10]}")
+        raise policy_failure(f"{where}: order returned a row twice: {rows.tolist()[:10]}")
     return rows
 
 
