@@ -520,8 +520,12 @@ def test_a_failing_write_is_named_not_a_traceback(tmp_path, capsys, monkeypatch)
 # -- the request policy must have a choice to make ---------------------------------------------
 
 
-class _Order(LRU):
-    """Least (or, ``reverse``, most) recently used first; records each batch's size."""
+class _Order(Policy):
+    """The most (or, ``reverse``, fewest) bytes first; records each batch's size. (Not
+    recency: every request of a batch asked whom to pause is running, so its last use is
+    now for all of them.)"""
+
+    name = "by-bytes"
 
     def __init__(self, reverse: bool = False) -> None:
         self.reverse = reverse
@@ -529,7 +533,8 @@ class _Order(LRU):
 
     def sort_keys(self, batch, now):
         self.sizes.append(len(batch))
-        return (-batch.last_used,) if self.reverse else (batch.last_used,)
+        nbytes = batch.reclaimable.astype(np.float64)
+        return (nbytes,) if self.reverse else (-nbytes,)
 
 
 def _opposite_runs(sim):

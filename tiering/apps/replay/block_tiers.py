@@ -44,6 +44,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 from policies.blocks import BlockPolicyRegistry, make_block_policy
+from tiering.apps.replay.block_guard import Guarded, is_builtin
 from tiering.blocks.index import BlockIndex, Dropped
 from tiering.types import Tier
 
@@ -111,11 +112,14 @@ class PrefixBlocks:
         caps = {Tier.DEVICE: int(kv.device_capacity_bytes), Tier.HOST: int(kv.host_capacity_bytes),
                 Tier.DISK: int(getattr(kv, "disk_capacity_bytes", 0))}
         self.capacity_blocks = {t: caps[t] // self.block_bytes for t in _TIERS}
-        self.policies = {
+        made = {
             t: make_block_policy(policy, registry, capacity=max(1, self.capacity_blocks[t]),
                                  **dict(options))
             for t in _TIERS
         }
+        # a user's policy is checked at every call (block_guard); the built-ins are not
+        self.policies = {t: p if is_builtin(p) else Guarded(p, t.value, clock)
+                         for t, p in made.items()}
         self.policy_name = policy
         # every tier's policy is told the same requests in the same order (commit, device
         # first): policies that learn only from them may keep one history between them

@@ -55,6 +55,7 @@ from tiering.apps.replay.presets import (
     get_model,
 )
 from tiering.apps.replay.progress import Progress
+from tiering.apps.replay.retention import is_policy_failure
 from tiering.apps.replay.seeds import aggregate, jitter
 from tiering.apps.replay.simulator import SimConfig
 from tiering.apps.replay.sweep import Grid, plot, run_grid, write_csv
@@ -115,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preempt", choices=("latest", "policy"), default="latest",
                    help="which request of the batch a tiering run pauses when memory runs "
                         "out: the latest-arrived (default, vLLM's rule) or the first in the "
-                        "policy's order")
+                        "policy's order over those a tier below has room for (ties: the "
+                        "policy's tie-break; the built-ins': earliest-arrived)")
     p.add_argument("--block-policy", default="chain",
                    help="block retention policy of every tier's cached prefix blocks: "
                         f"{', '.join(default_block_registry().names)} or module:Class, comma "
@@ -198,6 +200,18 @@ def _run_key(row: dict, sweep: bool) -> str:
     return _point_key(row["policy"], row["high"], row["low"], row["host_gib"])
 
 
+def _run_keys(grid: Grid, sweep: bool) -> list[str]:
+    """The key of every run (as ``_run_key`` names its row), in the order ``run_grid``
+    runs them: the baselines, then each block policy's pass over the grid's points."""
+    keys = list(grid.labels())
+    base = len(keys) - len(grid.points()) * len(grid.blocks())
+    if sweep:
+        points = [p for _ in grid.blocks() for p in grid.points()]
+        keys[base:] = [_point_key(label, high, low, host / GiB)
+                       for label, (_, high, low, host) in zip(keys[base:], points, strict=True)]
+    return keys
+
+
 def _point_key(label: str, high: float, low: float, host_gib: float) -> str:
     return f"{label}@{high:g}:{low:g}@{host_gib:g}GiB"
 
@@ -275,9 +289,7 @@ def _check(args: argparse.Namespace):
     model = get_model(args.model)
     hardware = get_hardware(args.hardware)
     if args.device_gib is not None:
-        device = _gib("--device-gib", args.device_gib)
-        if device <= 0:
-            raise ValueError(f"--device-gib: {args.device_gib!r} must be > 0")
+        device = int(_number("--device-gib", args.device_gib, minimum=0, strict=True) * GiB)
         hardware = hardware.with_sizes(device_kv_bytes=device)
     if args.disk_gib is not None:
         hardware = hardware.with_sizes(disk_bytes=_gib("--disk-gib", args.disk_gib))
@@ -383,10 +395,15 @@ def main(argv: list[str] | None = None) -> int:
     requests_rows: list[list] = []
     decision_rows: list[list] = []
     labels = grid.labels()
+    run_keys = _run_keys(grid, args.sweep)
     for seed in range(seeds):
         run_trace = jitter(trace, seed)
         progress = Progress(grid.runs(), len(trace),
                             prefix=f"seed {seed + 1}/{seeds} " if seeds > 1 else "")
+
+        def on_start(i, label, progress=progress):
+            # named as in summary.json and the table (with --sweep: label@high:low@host)
+            progress.start(i, run_keys[i])
 
         def on_result(row, result, seed=seed, progress=progress):
             progress.finished(row)
@@ -403,11 +420,18 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             rows = run_grid(run_trace, model, hardware, grid, sim, time_scale=time_scale,
-                            on_finish=progress.advance, on_start=progress.start,
+                            on_finish=progress.advance, on_start=on_start,
                             on_result=on_result, block_registry=block_registry)
-        except ValueError as err:  # the user's policy, mid-run (retention.checked_order names
-            progress.close()  # it and what it did); nothing is written
-            print(f"tiering replay: run {progress.running!r} stopped: {err}", file=sys.stderr)
+        except ValueError as err:
+            # the user's policy, mid-run (checked_order and the block guard name it and what
+            # it did); any other error is the replay's own defect and keeps its traceback
+            # rather than pass for a bad argument
+            if not is_policy_failure(err):
+                raise
+            progress.close()  # nothing is written
+            where = f" (seed {seed + 1} of {seeds})" if seeds > 1 else ""
+            print(f"tiering replay: run {progress.running!r}{where} stopped: {err}",
+                  file=sys.stderr)
             return 2
         finally:
             progress.close()
@@ -419,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     bounds = [infinite(accepted, bt), belady(accepted, bt, capacity_blocks)]
     rows = aggregate(per_seed) if seeds > 1 else per_seed[0]
     keys = [_run_key(r, args.sweep) for r in rows]
-    assert len(labels) == len(rows)
+    assert len(labels) == len(rows) and keys == run_keys
 
     try:  # a write that fails (disk full, permissions) is named, not a traceback
         out.mkdir(parents=True, exist_ok=True)

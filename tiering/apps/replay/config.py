@@ -33,8 +33,9 @@ class SimConfig:
     policy reads. ``preempt``: which request of the batch a tiering run pauses
     when a decoding request cannot grow and no memory is on its way:
     ``latest``, the latest-arrived (vLLM's rule; the default), or ``policy``,
-    the first in the run's policy's order over the batch (most evictable
-    first; requests of equal rank go latest-arrived first). The baselines
+    the first in the run's policy's order over the requests of the batch it
+    could offload (see ``simulator._Worker._policy_victim``; equal ranks go as
+    the policy breaks ties). The baselines
     have no policy and always pause the latest-arrived.
     ``sample_every_s``: simulated seconds between two samples of the timeline
     (occupancy per tier and hits so far). ``make_room``: what the scheduler

@@ -4,13 +4,17 @@
   tier it came from, with the infinite-cache and Belady bounds as lines;
   (the axis reaches well above the highest bar or bound, room for the legend), right, p99 time to first token, on a log axis when the runs span more
   than a factor of 20 (a slow baseline would otherwise squash the rest).
-  Error bars are the 95% intervals when several seeds ran.
+  Error bars are the 95% intervals when several seeds ran, cut at what the
+  figure can be (a rate in [0, 1], a time >= 0; on a log axis an interval
+  reaching 0 is drawn to the bottom of the axis); the TTFT axis is a log one
+  when the intervals' ends span more than a factor of 20.
 - ``plot_timeline``: per-tier occupancy (mean fraction of each tier's
   capacity) and the token hit rate over time, per window of simulated time,
   one line (one colour in every panel) per run.
 - ``plot_sweep``: token hit rate and p99 TTFT against host size, one line per
   policy and one panel per watermark pair, baselines as grey lines (log
-  axis for TTFT when the range needs it).
+  axis for TTFT when the range needs it); with several seeds, each point
+  has its 95% interval, cut as above.
 
 Every function returns the paths it wrote (PNG, Agg backend).
 """
@@ -64,6 +68,38 @@ def rate_top(values: Sequence[float], above: float = 1.2) -> float:
     return min(1.0, max(0.05, above * max(finite, default=1.0)))
 
 
+def interval(values: Sequence[float], halves: Sequence[float], low: float = 0.0,
+             high: float = math.inf) -> np.ndarray:
+    """The ``yerr`` of matplotlib (2 x n: below, above) for ``values`` +- ``halves``, each
+    end cut to ``[low, high]``, what the figure can be (a rate cannot pass 1, a time
+    cannot fall below 0); a value or half-width that is not finite draws no bar."""
+    v = np.asarray(values, dtype=np.float64)
+    h = np.asarray(halves, dtype=np.float64)
+    ok = np.isfinite(v) & np.isfinite(h)
+    v0 = np.where(ok, v, 0.0)
+    h0 = np.where(ok, np.maximum(h, 0.0), 0.0)
+    below = v0 - np.maximum(v0 - h0, low)
+    above = np.minimum(v0 + h0, high) - v0
+    return np.maximum(np.vstack([below, above]), 0.0)
+
+
+def _log_floor(err: np.ndarray, values: Sequence[float]) -> np.ndarray:
+    """``err`` for a log axis: an interval that reaches 0 or below ends at half the
+    smallest positive lower end shown (the bottom of the axis) instead."""
+    v = np.asarray(values, dtype=np.float64)
+    lows = v - err[0]
+    pos = lows[np.isfinite(lows) & (lows > 0)]
+    floor = 0.5 * float(pos.min()) if len(pos) else 0.0
+    out = err.copy()
+    hit = np.isfinite(v) & (lows <= 0) & (v > 0)
+    out[0] = np.where(hit, v - np.minimum(floor, v), out[0])
+    return out
+
+
+def _ci_of(rows: Sequence[Mapping], key: str) -> list[float]:
+    return [float(r.get(f"{key}_ci95") or 0.0) for r in rows]
+
+
 def plot_compare(labels: Sequence[str], rows: Sequence[Mapping], bounds: Sequence[BoundResult],
                  path: str | Path, title: str = "") -> list[Path]:
     plt = _plt()
@@ -75,8 +111,8 @@ def plot_compare(labels: Sequence[str], rows: Sequence[Mapping], bounds: Sequenc
         vals = np.array([float(r.get(f"token_hit_rate_{tier}", 0.0)) for r in rows])
         left.bar(x, vals, bottom=bottom, color=COLORS[tier], label=f"from {tier}")
         bottom += vals
-    err = [float(r.get("token_hit_rate_ci95", 0.0) or 0.0) for r in rows]
-    if any(err):
+    err = interval(bottom, _ci_of(rows, "token_hit_rate"), 0.0, 1.0)
+    if err.any():
         left.errorbar(x, bottom, yerr=err, fmt="none", ecolor="black", capsize=3)
     for b, style in zip(bounds, ("--", ":"), strict=False):
         if not b.blocks:  # a trace without block ids: nothing to bound
@@ -84,20 +120,24 @@ def plot_compare(labels: Sequence[str], rows: Sequence[Mapping], bounds: Sequenc
         left.axhline(b.token_hit_rate, color="black", linestyle=style,
                      label=f"{b.name} bound {b.token_hit_rate:.3f}")
     # room above the bars for the legend band (two rows), which then hides none of them
-    left.set_ylim(0, rate_top([*(bottom + np.array(err)).tolist(),
+    left.set_ylim(0, rate_top([*(bottom + err[1]).tolist(),
                                *(b.token_hit_rate for b in bounds if b.blocks)], 1.45))
     left.set_ylabel("prompt tokens reused (fraction)")
     left.set_title("token hit rate by tier", fontsize=10)
     ttft = [float(r["ttft_p99_s"]) if r.get("ttft_p99_s") is not None else math.nan
             for r in rows]
     right.bar(x, ttft, color="#4a5568")
-    terr = [float(r.get("ttft_p99_s_ci95", 0.0) or 0.0) for r in rows]
-    if any(terr):
+    terr = interval(ttft, _ci_of(rows, "ttft_p99_s"), 0.0)
+    ends = [*ttft, *(np.asarray(ttft) + terr[1]).tolist(), *(np.asarray(ttft) - terr[0]).tolist()]
+    log = needs_log(ends)
+    if log:
+        terr = _log_floor(terr, ttft)
+    if terr.any():
         right.errorbar(x, ttft, yerr=terr, fmt="none", ecolor="black", capsize=3)
-    if needs_log(ttft):
+    if log:
         right.set_yscale("log")
     right.set_ylabel("p99 time to first token (s)")
-    right.set_title("p99 TTFT" + (" (log axis)" if needs_log(ttft) else ""), fontsize=10)
+    right.set_title("p99 TTFT" + (" (log axis)" if log else ""), fontsize=10)
     for ax in (left, right):
         ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
@@ -174,17 +214,32 @@ def plot_sweep(rows: Sequence[Mapping], out_dir: str | Path, title: str = "") ->
     for metric, ylabel, filename in SWEEP_PLOTS:
         fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 4.2), sharey=True,
                                  squeeze=False)
+        rate = metric == "token_hit_rate"
         values = [float(r[metric]) for r in rows if r.get(metric) is not None]
-        log = metric != "token_hit_rate" and needs_log(values)
+        with_ci = [r for r in tiered if r.get(metric) is not None]
+        errs = interval([float(r[metric]) for r in with_ci], _ci_of(with_ci, metric), 0.0,
+                        1.0 if rate else math.inf)
+        ends = [*values, *(np.asarray([float(r[metric]) for r in with_ci]) + errs[1]).tolist()]
+        log = not rate and needs_log(ends)
         for ax, (high, low) in zip(axes[0], pairs, strict=True):
             for i, policy in enumerate(policies):
                 pts = sorted(
-                    (r["host_gib"], r[metric]) for r in tiered
+                    (r["host_gib"], r[metric], float(r.get(f"{metric}_ci95") or 0.0))
+                    for r in tiered
                     if r["policy"] == policy and (r["high"], r["low"]) == (high, low)
+                    and r.get(metric) is not None
                 )
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=policy,
-                        marker=_MARKERS[i % len(_MARKERS)], markersize=max(3.0, 9.0 - 1.2 * i),
-                        linewidth=max(0.8, 2.4 - 0.3 * i))
+                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                line, = ax.plot(xs, ys, label=policy,
+                                marker=_MARKERS[i % len(_MARKERS)],
+                                markersize=max(3.0, 9.0 - 1.2 * i),
+                                linewidth=max(0.8, 2.4 - 0.3 * i))
+                err = interval(ys, [p[2] for p in pts], 0.0, 1.0 if rate else math.inf)
+                if log:
+                    err = _log_floor(err, ys)
+                if err.any():  # several seeds: each point's 95% interval
+                    ax.errorbar(xs, ys, yerr=err, fmt="none", ecolor=line.get_color(),
+                                capsize=3, alpha=0.8)
             for r, style in zip(base, ("--", ":"), strict=False):
                 if r.get(metric) is not None:
                     ax.axhline(r[metric], linestyle=style, color="grey", label=r["label"])
@@ -193,7 +248,7 @@ def plot_sweep(rows: Sequence[Mapping], out_dir: str | Path, title: str = "") ->
             if log:
                 ax.set_yscale("log")
             elif metric == "token_hit_rate":
-                ax.set_ylim(0, rate_top(values))
+                ax.set_ylim(0, rate_top(ends))
             ax.grid(True, alpha=0.3, which="both")
         axes[0][0].set_ylabel(ylabel + (" (log)" if log else ""))
         axes[0][-1].legend(fontsize=8, loc="best")

@@ -37,32 +37,48 @@ from tiering.apps.replay.presets import HardwarePreset, StepCost
 from tiering.types import Tier
 
 
+def policy_failure(message: str) -> ValueError:
+    """The ``ValueError`` of a user's policy (request or block) that failed while a run
+    went: it raised, or gave an answer that is not one (``message`` names the policy and
+    the decision). ``is_policy_failure`` tells it from any other ``ValueError``."""
+    err = ValueError(message)
+    err.policy_failed = True  # type: ignore[attr-defined]
+    return err
+
+
+def is_policy_failure(err: BaseException) -> bool:
+    """Whether ``err`` was raised by ``checked_order`` or the block guard for a user's
+    policy (not a defect of the replay itself)."""
+    return isinstance(err, ValueError) and getattr(err, "policy_failed", False) is True
+
+
 def checked_order(policy: Policy, batch: CandidateBatch, now: float,
-                  limit: int | None = None) -> np.ndarray:
-    """``policy.order(batch, now, limit)``, checked (see the module docstring)."""
+                  limit: int | None = None, decision: str = "") -> np.ndarray:
+    """``policy.order(batch, now, limit)``, checked (see the module docstring).
+    ``decision``: what the order decides, named in the message of a failure."""
     n = len(batch)
     where = (f"policy {policy.name!r} ({type(policy).__module__}.{type(policy).__qualname__}), "
              f"ordering {n} {batch.tier.name.lower() if batch.tier is not None else ''} "
-             f"candidate(s) at t={now:g} s")
+             f"candidate(s){f' ({decision})' if decision else ''} at t={now:g} s")
     try:
         rows = policy.order(batch, now, limit)
     except Exception as err:
-        raise ValueError(f"{where}: raised {type(err).__name__}: {err}") from err
+        raise policy_failure(f"{where}: raised {type(err).__name__}: {err}") from err
     if not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu":
         shape = f"{type(rows).__name__}" + (
             f" of dtype {rows.dtype} and shape {rows.shape}" if isinstance(rows, np.ndarray)
             else "")
-        raise ValueError(f"{where}: order returned {shape}, not a 1-D integer numpy array "
+        raise policy_failure(f"{where}: order returned {shape}, not a 1-D integer numpy array "
                            "of row indices")
     want = n if limit is None else min(limit, n)
     if len(rows) < want or (limit is None and len(rows) != n):
-        raise ValueError(f"{where}: order returned {len(rows)} row(s), expected "
+        raise policy_failure(f"{where}: order returned {len(rows)} row(s), expected "
                            f"{'all ' + str(n) if limit is None else f'at least {want}'}")
     if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= n):
-        raise ValueError(f"{where}: order returned row indices outside [0, {n}): "
+        raise policy_failure(f"{where}: order returned row indices outside [0, {n}): "
                            f"{rows.tolist()[:10]}")
     if len(rows) > 1 and len(np.unique(rows)) != len(rows):
-        raise ValueError(f"{where}: order returned a row twice: {rows.tolist()[:10]}")
+        raise policy_failure(f"{where}: order returned a row twice: {rows.tolist()[:10]}")
     return rows
 
 
@@ -86,6 +102,9 @@ class ReloadCosts:
 
     def recompute(self, nbytes: np.ndarray) -> np.ndarray:
         return nbytes * self._recompute_per_byte
+
+
+_OFFLOAD = "which idle requests leave the device"
 
 
 class CostFilled(Policy):
@@ -119,7 +138,7 @@ class CostFilled(Policy):
     def order(self, batch: CandidateBatch, now: float, limit: int | None = None) -> np.ndarray:
         sizes = batch.reclaimable
         if sizes is None or not len(batch):
-            return checked_order(self.inner, batch, now, limit)
+            return checked_order(self.inner, batch, now, limit, _OFFLOAD)
         self.calls += 1
         nbytes = sizes.astype(np.float64)
         cost = np.where(sizes <= self._host_free(), self._costs.from_host(nbytes),
@@ -129,41 +148,57 @@ class CostFilled(Policy):
             batch.last_used, reclaimable=sizes, priority=batch.priority, reload_cost_s=cost,
             tier=batch.tier,
         )
-        return checked_order(self.inner, filled, now, limit)
+        return checked_order(self.inner, filled, now, limit, _OFFLOAD)
 
 
 class Retention:
     """Orders candidates of any tier with the run's policy (see the module docstring).
 
     ``priority_of(rid)``: the KV cache's offload priority, asked only when the
-    policy reads priorities. ``order(...)`` returns the rids most evictable first.
+    policy reads priorities. ``host_free_bytes()``: the host's free bytes, for
+    candidates whose bytes would go to the host where they fit, else to disk
+    (``after="offload"``). ``order(...)`` returns the rids most evictable first.
     """
 
     def __init__(self, policy: Policy, costs: ReloadCosts,
-                 priority_of: Callable[[str], float]) -> None:
+                 priority_of: Callable[[str], float],
+                 host_free_bytes: Callable[[], int] | None = None) -> None:
         self.policy = policy
         self.costs = costs
         self._priority_of = priority_of
+        self._host_free = host_free_bytes
         self.decisions = 0  # orderings made here (a test reads it)
 
     def order(self, rids: Sequence[str], nbytes: Sequence[int], last_used: Sequence[float],
-              tier: Tier, after: str, now: float) -> list[str]:
+              tier: Tier, after: str, now: float, decision: str = "") -> list[str]:
         """``rids`` (with their bytes and last use) most evictable first. ``after``: where
-        a candidate's bytes would come back from after the move, "host", "disk" or
-        "recompute"."""
+        a candidate's bytes would come back from after the move, "host", "disk",
+        "offload" (the host where they fit in its free bytes now, else disk) or
+        "recompute". ``decision`` names what is decided in the message of a failure."""
         if not rids:
             return []
+        if after not in _AFTER:
+            raise ValueError(f"Retention.order: after must be one of {_AFTER}, got {after!r}")
+        if after == "offload" and self._host_free is None:
+            raise ValueError("Retention.order: after='offload' needs host_free_bytes")
         self.decisions += 1
         sizes = np.asarray(nbytes, dtype=np.int64)
         as_float = sizes.astype(np.float64)
         costs = self.costs
-        cost = {"host": costs.from_host, "disk": costs.from_disk,
-                "recompute": costs.recompute}[after](as_float)
+        if after == "offload":
+            cost = np.where(sizes <= self._host_free(), costs.from_host(as_float),
+                            costs.from_disk(as_float))
+        else:
+            cost = {"host": costs.from_host, "disk": costs.from_disk,
+                    "recompute": costs.recompute}[after](as_float)
         prio = None
         if self.policy.needs_priority_from is not None:
             prio = np.fromiter(map(self._priority_of, rids), dtype=np.float64, count=len(rids))
         batch = CandidateBatch(list(rids), np.asarray(last_used, dtype=np.float64),
                                reclaimable=sizes, priority=prio, reload_cost_s=cost,
                                resources="kv", tier=tier)
-        rows = checked_order(self.policy, batch, now)
+        rows = checked_order(self.policy, batch, now, decision=decision)
         return [rids[i] for i in rows.tolist()]
+
+
+_AFTER = ("host", "disk", "offload", "recompute")

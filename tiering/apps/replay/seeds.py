@@ -2,8 +2,9 @@
 
 The simulator is deterministic, so one run of a trace has no noise to speak
 of. ``jitter(trace, seed)`` gives the same requests with each arrival moved
-by an independent uniform offset of up to half the gap to its neighbours
-(seed 0 is the trace unchanged); the spread of a figure over several seeds
+by an independent uniform offset: earlier by up to half the gap to the
+neighbour before it, or later by up to half the gap to the one after it, so
+the order of the arrivals is kept (seed 0 is the trace unchanged); the spread of a figure over several seeds
 says how much of a difference between two policies the arrival order alone
 could explain. ``aggregate(rows_per_seed)`` averages each numeric figure and
 adds ``<figure>_ci95``: the half-width of Student's t interval (n - 1 degrees
@@ -47,8 +48,11 @@ def jitter(trace: Sequence[TraceRequest], seed: int) -> list[TraceRequest]:
     before = np.concatenate(([gaps[0]], gaps))
     after = np.concatenate((gaps, [gaps[-1]]))
     rng = np.random.default_rng(seed)
-    moved = ts + rng.uniform(-0.5, 0.5, len(ts)) * np.where(rng.random(len(ts)) < 0.5,
-                                                             before, after)
+    # earlier by up to half the gap before, later by up to half the gap after: the gap of
+    # the side it moves towards, so no arrival passes a neighbour (one next to ten idle
+    # minutes moves into them, not minutes past the burst on its other side)
+    u = rng.uniform(-0.5, 0.5, len(ts))
+    moved = ts + u * np.where(u < 0, before, after)
     moved = np.maximum(moved, 0.0)
     out = list(reqs)
     for i, new_t in zip(order.tolist(), moved.tolist(), strict=True):

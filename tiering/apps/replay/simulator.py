@@ -129,7 +129,7 @@ class _Req:
     __slots__ = (
         "rid", "order", "arrival", "n_in", "n_out", "hash_ids", "phase", "target", "done",
         "produced", "kv", "k0", "k_last", "epoch", "first_at", "finish_at", "waited_at",
-        "prefix_tier", "reused", "looked_up", "blocks", "moves", "keys",
+        "prefix_tier", "reused", "looked_up", "blocks", "moves", "keys", "stalled_at",
     )
 
     def __init__(self, order: int, t: TraceRequest, time_scale: float) -> None:
@@ -150,6 +150,7 @@ class _Req:
         self.first_at: float | None = None
         self.finish_at: float | None = None
         self.waited_at = 0.0  # when it started waiting for a reload or a prefix copy
+        self.stalled_at = 0.0  # when it last stalled (sat a step out, in the batch)
         self.prefix_tier: str | None = None
         self.reused = 0
         self.looked_up = False
@@ -226,9 +227,11 @@ class _Worker:
         self.offload_room = self.tiering and sim.make_room == "offload"
         if self.tiering:
             costs = ReloadCosts(cost.hardware, cost, self.page_bytes // self.P)
-            self.retention = Retention(policy, costs, kv.get_offload_priority)
-            self.ctl_policy = CostFilled(
-                policy, costs, lambda: kv.host_capacity_bytes - kv.host_used_bytes())
+            def host_free() -> int:
+                return kv.host_capacity_bytes - kv.host_used_bytes()
+
+            self.retention = Retention(policy, costs, kv.get_offload_priority, host_free)
+            self.ctl_policy = CostFilled(policy, costs, host_free)
             # the host cascade is the worker's (below), through the policy: the
             # controller's own, least recently used, never triggers at host_high = 1
             ctl_cfg = dataclasses.replace(cfg, host_high=1.0, host_low=min(cfg.host_low, 0.99))
@@ -511,7 +514,8 @@ class _Worker:
             return (), ()
         sizes = [kv.reload_bytes(rid) for rid in rids]
         last = [self.ctl.last_used(rid) for rid in rids]
-        order = self.retention.order(rids, sizes, last, Tier.HOST, "disk", self.clock.now)
+        order = self.retention.order(rids, sizes, last, Tier.HOST, "disk", self.clock.now,
+                                     decision="which on-host requests go to disk")
         size_of = dict(zip(rids, sizes, strict=True))
         demoted: list[str] = []
         dropped: list[str] = []
@@ -777,6 +781,7 @@ class _Worker:
         """A decoding ``r`` sits this step out, in the batch, holding its KV."""
         self.counters.stalls += 1
         self._leave_decode(r, self.k)
+        r.stalled_at = self.clock.now
         r.phase = STALLED
         self.stalled.append(r)
 
@@ -788,21 +793,34 @@ class _Worker:
         return max((q for q in batch if q.phase != LOADING), key=lambda q: q.order, default=None)
 
     def _policy_victim(self) -> _Req:
-        """The request of the batch the run's policy would pause first (``preempt="policy"``):
-        its order over the batch (not a request whose prefix copy is still landing) as
-        device candidates of the bytes they hold that would come back from the host,
-        latest-arrived first so that equal ranks fall back to vLLM's rule."""
+        """The request of the batch the run's policy would pause first (``preempt="policy"``).
+
+        The candidates are the requests of the batch the controller could offload once
+        paused (not one whose prefix copy is still landing, nor one no tier below has room
+        for: pausing it would free nothing), latest-arrived first, each with what it holds
+        on the device, the reload cost from where it would go (the host where it has room,
+        else disk: the controller's rule) and its last use: now, as it is running (a
+        stalled one: when it stalled). Equal ranks go as the policy breaks ties (the
+        built-ins: by rid, the earliest-arrived first). Without any such candidate the
+        latest-arrived is paused, as by default."""
         by_rid = self.by_rid
+        kv = self.kv
+        now = self.clock.now
         batch = sorted((by_rid[rid] for rid in self.active if by_rid[rid].phase != LOADING),
                        key=lambda q: q.order, reverse=True)
-        rids = [q.rid for q in batch]
-        num_tokens = self.kv.num_tokens
-        # the device bytes each holds (what pausing it puts in the controller's reach), not
-        # ``reclaimable``: that is 0 for one that no tier below has room for, and a
-        # candidate batch holds none with nothing to reclaim
-        nbytes = [max(1, self._pages(num_tokens(rid))) * self.page_bytes for rid in rids]
-        last = [self.ctl.last_used(rid) for rid in rids]
-        order = self.retention.order(rids, nbytes, last, Tier.DEVICE, "host", self.clock.now)
+        rids: list[str] = []
+        nbytes: list[int] = []
+        last: list[float] = []
+        for q in batch:
+            n = kv.reclaimable(q.rid)
+            if n > 0:
+                rids.append(q.rid)
+                nbytes.append(n)
+                last.append(q.stalled_at if q.phase == STALLED else now)
+        if not rids:
+            return self._latest_active()
+        order = self.retention.order(rids, nbytes, last, Tier.DEVICE, "offload", now,
+                                     decision="which request of the batch to pause")
         return by_rid[order[0]]
 
     def _memory_coming(self) -> bool:
