@@ -63,6 +63,7 @@ __all__ = [
     # integrations and applications
     "TableIntegrityError",
     "TraceFormatError",
+    "PolicyFailed",
     "WorkerStalled",
 ]
 
@@ -218,6 +219,12 @@ class TableIntegrityError(AssertionError):
 
 class TraceFormatError(ValueError):
     """A trace file, or one line of it, is not in the expected format."""
+
+
+class PolicyFailed(ValueError):
+    """A user's policy (request or block) failed while a replay ran: it raised, or gave
+    an answer that is not one. The message names the policy and the decision; the
+    ``__cause__`` is what the policy raised, if it raised."""
 
 
 class WorkerStalled(RuntimeError):

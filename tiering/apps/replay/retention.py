@@ -34,22 +34,21 @@ import numpy as np
 
 from policies import CandidateBatch, Policy
 from tiering.apps.replay.presets import HardwarePreset, StepCost
+from tiering.errors import PolicyFailed
 from tiering.types import Tier
 
 
-def policy_failure(message: str) -> ValueError:
-    """The ``ValueError`` of a user's policy (request or block) that failed while a run
-    went: it raised, or gave an answer that is not one (``message`` names the policy and
-    the decision). ``is_policy_failure`` tells it from any other ``ValueError``."""
-    err = ValueError(message)
-    err.policy_failed = True  # type: ignore[attr-defined]
-    return err
+def policy_failure(message: str) -> PolicyFailed:
+    """The error of a user's policy (request or block) that failed while a run went: it
+    raised, or gave an answer that is not one (``message`` names the policy and the
+    decision)."""
+    return PolicyFailed(message)
 
 
 def is_policy_failure(err: BaseException) -> bool:
     """Whether ``err`` was raised by ``checked_order`` or the block guard for a user's
     policy (not a defect of the replay itself)."""
-    return isinstance(err, ValueError) and getattr(err, "policy_failed", False) is True
+    return isinstance(err, PolicyFailed)
 
 
 def checked_order(policy: Policy, batch: CandidateBatch, now: float,
