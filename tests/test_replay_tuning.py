@@ -554,12 +554,14 @@ def test_fast_forward_changes_nothing(monkeypatch, scale, make_room):
 
 
 def test_cached_blocks_move_down_not_dropped_while_a_tier_below_has_room():
-    """Room needed at once on the device: with make_room="offload" cached blocks go down a
-    tier rather than being dropped; without a tier below they are dropped."""
+    """Room needed at once on the device: with make_room="offload" (the default) cached
+    blocks go down a tier rather than being dropped; without a tier below they are
+    dropped."""
+    assert SimConfig().make_room == "offload"
     trace = _trace(7, 160)
     offload = dataclasses.replace(SIM, make_room="offload")
     moved, _, _ = _run(Recording, trace, sim=offload)
-    dropping, _, _ = _run(Recording, trace)
+    dropping, _, _ = _run(Recording, trace, sim=dataclasses.replace(SIM, make_room="drop"))
     m, d = moved.counters, dropping.counters
     assert m.block_moves_host + m.block_moves_disk > d.block_moves_host + d.block_moves_disk
     assert m.block_drops < d.block_drops

@@ -110,9 +110,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write DIR/requests.csv: one line per request and run")
     p.add_argument("--decisions", action="store_true",
                    help="also write DIR/decisions.csv: every offload, demotion, drop and reload")
-    p.add_argument("--make-room", choices=("drop", "offload"), default="drop",
-                   help="cached prefix blocks in the way of a request on the device: drop "
-                        "them (default) or move them a tier down while one has room")
+    p.add_argument("--make-room", choices=("drop", "offload"), default="offload",
+                   help="cached prefix blocks in the way of a request on the device: move "
+                        "them a tier down while one has room (default) or drop them")
     p.add_argument("--preempt", choices=("latest", "policy"), default="latest",
                    help="which request of the batch a tiering run pauses when memory runs "
                         "out: the latest-arrived (default, vLLM's rule) or the first in the "

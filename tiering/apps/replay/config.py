@@ -39,10 +39,11 @@ class SimConfig:
     have no policy and always pause the latest-arrived.
     ``sample_every_s``: simulated seconds between two samples of the timeline
     (occupancy per tier and hits so far). ``make_room``: what the scheduler
-    does with retained prefixes on the device when it needs room at once:
-    ``drop`` them (the room is there now; the default) or, with tiering,
-    ``offload`` them in the block policy's order a tier down while one has
-    room. ``block_policy``: the block retention policy (a name of
+    does with cached prefix blocks on the device when it needs room at once:
+    with tiering, ``offload`` them (the default) in the block policy's order a
+    tier down while one has room (the books change at once, the copy occupies
+    the link), else drop them; or ``drop`` them all. The baselines have no tier
+    below and always drop. ``block_policy``: the block retention policy (a name of
     ``policies.blocks``, default ``chain``) of every tier's cached prefix
     blocks, made per tier with ``capacity`` (its size in blocks) and
     ``block_policy_options``.
@@ -55,7 +56,7 @@ class SimConfig:
     block_tokens: int = 512
     preempted_retention: float = 80.0
     sample_every_s: float = 1.0
-    make_room: str = "drop"
+    make_room: str = "offload"
     block_policy: str = "chain"
     block_policy_options: tuple[tuple[str, Any], ...] = ()
     preempt: str = "latest"
