@@ -346,14 +346,12 @@ def test_invalid_config_names_the_field(field, kwargs):
 
 
 def test_capacity_below_one_chunk_is_refused(tmp_path):
+    small = DiskConfig(path=tmp_path, capacity_bytes=1000, chunk_bytes=CHUNK)  # valid alone
     with pytest.raises(ValueError, match="capacity_bytes"):
-        DiskPageStore(
-            DiskConfig(path=tmp_path, capacity_bytes=1000, chunk_bytes=CHUNK),
-            PAGE_SHAPE,
-            torch.float32,
-        )
+        DiskPageStore(small, PAGE_SHAPE, torch.float32)
+    big = DiskConfig(path=tmp_path, capacity_bytes=1 << 20)
     with pytest.raises(ValueError, match="page_shape"):
-        DiskPageStore(DiskConfig(path=tmp_path, capacity_bytes=1 << 20), (2, 0), torch.float32)
+        DiskPageStore(big, (2, 0), torch.float32)
 
 
 # ---------------------------------------------------------------------------- faults

@@ -422,8 +422,9 @@ def test_cache_pressure_reads_the_caches_device():
 
 def test_pool_adjusted_refuses_a_source_for_another_device():
     _, gpus, perm, nvml, torch = _machine(12)
+    source, pool = NvmlPressure(0, nvml=nvml, torch_module=torch), CudaPool(0, 8, 1)
     with pytest.raises(ValueError, match="reads cuda:0 but the cache lives on"):
-        PoolAdjustedPressure(NvmlPressure(0, nvml=nvml, torch_module=torch), CudaPool(0, 8, 1))
+        PoolAdjustedPressure(source, pool)
 
 
 class FakePool:
@@ -460,8 +461,9 @@ def test_pool_pressure_rejects_objects_without_the_hooks_and_bad_ledgers():
     source = PoolPressure(FakePool(capacity + rng.randint(1, 50), capacity))
     with pytest.raises(ValueError, match="outside"):
         source.read()
+    empty = PoolPressure(FakePool(0, 0))  # accepted when built: the read finds no memory
     with pytest.raises(ValueError, match="total memory"):
-        PoolPressure(FakePool(0, 0)).read()
+        empty.read()
 
 
 def test_scripted_plays_values_then_holds_the_last():
@@ -696,8 +698,9 @@ def test_pool_adjusted_counts_the_pools_free_pages_as_free():
 
 
 def test_pool_adjusted_needs_a_byte_source():
+    source, pool = ScriptedPressure([0.5]), FakePool(0, 1)
     with pytest.raises(TypeError, match="read_bytes"):
-        PoolAdjustedPressure(ScriptedPressure([0.5]), FakePool(0, 1))
+        PoolAdjustedPressure(source, pool)
 
 
 @pytest.mark.cuda
