@@ -531,6 +531,63 @@ def test_timed_out_write_keeps_chunks_until_stray_io_ends(tmp_path, gen):
     s.close()
 
 
+def test_a_write_that_timed_out_is_never_served_once_it_lands(tmp_path, gen):
+    """The caller was told the write failed (timed out); when its I/O ends later, every
+    chunk did land, but the extent stays unwritten: a read is refused, never served."""
+    gate = threading.Event()
+    plan = FaultPlan(seed=5, sleep=lambda _s: gate.wait(30), slow_seconds=1.0)
+    s = faulty(tmp_path, plan, io_timeout_s=0.2)
+    extent = s.reserve("a", 4)
+    plan.arm("slow", next_n=1)
+    with pytest.raises(DiskIOError) as info:
+        s.write(extent, pages(gen, 4))
+    assert info.value.errno == errno.ETIMEDOUT
+    gate.set()
+    assert s.wait_idle(30)
+    s.check_integrity()
+    with pytest.raises(ValueError, match="not been written"):
+        s.read(extent, torch.empty((4, *PAGE_SHAPE)))
+    data = pages(gen, 4)
+    assert same_bits(round_trip(s, extent, data), data)  # the control: a write that returns
+    s.close()
+
+
+def test_a_failed_rewrite_leaves_nothing_readable(tmp_path, gen):
+    """A rewrite whose second chunk fails: the first chunk holds new bytes, the second old
+    ones; the extent must read as unwritten, not as that mix."""
+    plan = FaultPlan(seed=6)
+    s = faulty(tmp_path, plan)
+    extent = s.reserve("a", 6)  # two chunks
+    old = pages(gen, 6)
+    s.write(extent, old)
+    plan.arm("eio_write", next_n=1)
+    with pytest.raises(DiskIOError):
+        s.write(extent, pages(gen, 6))
+    assert plan.injected["eio_write"] == 1
+    s.check_integrity()
+    with pytest.raises(ValueError, match="not been written"):
+        s.read(extent, torch.empty_like(old))
+    s.close()
+
+
+def test_rewriting_a_committed_extent_is_refused_until_uncommitted(tmp_path, gen):
+    s = make(tmp_path, on_start="reattach")
+    extent = s.reserve("a", 5)
+    data = pages(gen, 5)
+    s.write(extent, data)
+    s.commit("a", extent, {"tokens": 17})
+    with pytest.raises(ValueError, match="committed by 'a'; uncommit it before rewriting"):
+        s.write(extent, pages(gen, 5))
+    out = torch.full_like(data, 3.0)
+    s.read(extent, out)
+    assert same_bits(out, data)  # the refusal changed nothing
+    s.uncommit(extent)
+    new = pages(gen, 5)
+    assert same_bits(round_trip(s, extent, new), new)
+    s.check_integrity()
+    s.close()
+
+
 # ---------------------------------------------------------------------------- on-disk corruption
 
 
