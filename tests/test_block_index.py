@@ -451,3 +451,29 @@ def test_count_evictable_counts_what_may_leave_up_to_want_and_changes_nothing():
             idx.count_evictable(pol, 9.0, Tier.DEVICE, bad)
     assert [idx.location(k) for k in keys] == before and len(pol) == 6
     idx.check_integrity()
+
+
+@pytest.mark.parametrize("busy_first", ["move", "map"])
+def test_a_moving_block_keeps_its_chain_held_when_a_block_below_it_is_released(busy_first):
+    """a -> b -> c: b moves (host -> disk) while c is mapped; releasing c leaves b moving,
+    so a (above a busy block) must still not be evictable, and dropping it is refused
+    without changing anything. Once b's move ends, a is evictable again (the control)."""
+    index = BlockIndex()
+    _chain(index, ["a", "b", "c"], Tier.HOST)
+    steps = {"move": lambda: index.begin_move("b", Tier.DISK, 99), "map": lambda: index.acquire("c")}
+    order = ["move", "map"] if busy_first == "move" else ["map", "move"]
+    for step in order:
+        steps[step]()
+        index.check_integrity()
+    assert not index.evictable("a") and not index.evictable("b")
+    assert index.release("c") == 0
+    index.check_integrity()
+    assert not index.evictable("a"), "a is above a moving block but was called evictable"
+    before = {k: index.location(k) for k in "abc"}
+    with pytest.raises(ValueError, match="'a'"):
+        index.drop("a")
+    assert {k: index.location(k) for k in "abc"} == before
+    assert index.evictable("c")  # c itself is idle: it may go
+    index.finish_move("b")
+    index.check_integrity()
+    assert index.evictable("a") and index.evictable("b")

@@ -520,6 +520,8 @@ def test_refresh_index_limit_bounds_what_it_adds():
         r = SharedBlockStore(m, root, b"g")
         assert r.refresh_index(limit) == 5
         assert len(r.known) == want, (limit, len(r.known))
+        # the newest ``want`` of them, oldest first: the listing is ordered by modification time
+        assert r.known.keys() == (keys[-want:] if want else []), limit
         r.check_integrity()
     r = SharedBlockStore(m, root, b"g")
     for bad in (-2, True, 1.5):

@@ -190,34 +190,33 @@ def test_config_accepts_valid_edges():
 
 def test_constructor_errors_name_what_is_wrong():
     res = FakeTieredResource(1000, 1000, 1000)
+    pressure, oldest, wants_nope = ExactPressure(res), OldestFirst(), WantedGoneFirst("nope")
+    wants_aux = WantedGoneFirst("aux")
 
     class NoCapacity:
         supports_eviction = False
 
+    cap = NoCapacity()
     with pytest.raises(ValueError, match="device_capacity_bytes"):
-        EvictionController({"x": NoCapacity()}, OldestFirst(), ExactPressure(res))
+        EvictionController({"x": cap}, oldest, pressure)
     with pytest.raises(ValueError, match="'nope'"):
-        EvictionController({"kv": res}, WantedGoneFirst("nope"), ExactPressure(res))
+        EvictionController({"kv": res}, wants_nope, pressure)
     off = FakeTieredResource(1000, supports_eviction=False)
     with pytest.raises(ValueError, match="'aux'.*does not support eviction"):
-        EvictionController({"kv": res, "aux": off}, WantedGoneFirst("aux"), ExactPressure(res))
+        EvictionController({"kv": res, "aux": off}, wants_aux, pressure)
     with pytest.raises(TypeError, match="pressure"):
-        EvictionController({"kv": res}, OldestFirst(), object())
+        EvictionController({"kv": res}, oldest, object())
     with pytest.raises(TypeError, match="policy"):
-        EvictionController({"kv": res}, object(), ExactPressure(res))
+        EvictionController({"kv": res}, object(), pressure)
     with pytest.raises(ValueError, match="device_capacity_bytes"):
-        EvictionController({"kv": res}, OldestFirst(), ExactPressure(res), device_capacity_bytes=0)
+        EvictionController({"kv": res}, oldest, pressure, device_capacity_bytes=0)
 
     class NoDrop(FakeTieredResource):
         drop = None
 
+    no_drop, drop_cfg = NoDrop(1000, 1000, 1000), ControllerConfig(on_disk_full="drop")
     with pytest.raises(ValueError, match="on_disk_full='drop'.*'kv'.*drop"):
-        EvictionController(
-            {"kv": NoDrop(1000, 1000, 1000)},
-            OldestFirst(),
-            ExactPressure(res),
-            ControllerConfig(on_disk_full="drop"),
-        )
+        EvictionController({"kv": no_drop}, oldest, pressure, drop_cfg)
 
 
 def test_request_bookkeeping_errors_change_nothing():

@@ -31,8 +31,8 @@ def test_round_trip_on_gpu(closing):
     gen = torch.Generator().manual_seed(1)
     data = {f"r{i}": fill(kv, f"r{i}", gen, 40 + 17 * i) for i in range(4)}
     for rid in data:
-        kv.offload(rid)
-    kv.synchronize(30)
+        assert kv.offload(rid)
+    assert all(r.ok for r in kv.synchronize(30))
     for rid in data:
         assert kv.reload(rid)
     kv.synchronize(30)

@@ -222,3 +222,27 @@ def test_large_pages_keep_page_aligned_slots_and_their_binding(tmp_path):
     read_fails(s, a, 2)
     read_fails(s, b, 2)
     s.close()
+
+
+def test_zarr_data_moved_under_an_intact_binding_record_is_refused(tmp_path):
+    """On the zarr path a chunk's pages and its binding record are separate objects: pages
+    of another chunk put under this chunk's (intact, correctly bound) record are refused by
+    the page checksum the record vouches for, and served again once put back."""
+    rng = np.random.default_rng(14)
+    store, raw = setup(tmp_path, "zarr-memory")
+    a, b = store.reserve("a", PPC), store.reserve("b", PPC)
+    da, db = pages(rng, PPC), pages(rng, PPC)
+    store.write(a, da)
+    store.write(b, db)
+    mem = raw.memory
+    ka, kb = f"c/{a.chunks[0]}/0", f"c/{b.chunks[0]}/0"
+    data_a, data_b = mem[ka], mem[kb]
+    mem[ka], mem[kb] = data_b, data_a  # the pages swap; each binding record stays put
+    assert "not the ones its binding record vouches for" in read_fails(store, a, PPC)
+    read_fails(store, b, PPC)
+    mem[ka], mem[kb] = data_a, data_b  # put back: served again, so the refusal was the pages
+    out = torch.empty_like(da)
+    store.read(a, out)
+    assert torch.equal(out, da)
+    store.check_integrity()
+    store.close()

@@ -146,6 +146,68 @@ def test_a_lock_file_replaced_under_a_holder_does_not_make_two_holders(tmp_path)
     first.release()
 
 
+def test_a_lock_file_replaced_between_open_and_lock_is_locked_again(tmp_path, monkeypatch):
+    """The race the inode check is for: the file opened is unlinked and replaced before its
+    flock lands (a failed start discarding its file). The lock must retry on the file now at
+    the path, so whoever opens the path next is refused; locking the unlinked file alone
+    would let a second holder in."""
+    import tiering.disk.lock as lock_module
+
+    root = tmp_path / "disk"
+    root.mkdir()
+    path = root / LOCK_FILE_NAME
+    real_flock = lock_module.fcntl.flock
+    calls = []
+
+    def flock_then_replace(fd, op):
+        real_flock(fd, op)
+        calls.append(os.fstat(fd).st_ino)
+        if len(calls) == 1:  # the racer: unlink the file we opened, another opener creates one
+            path.unlink()
+            path.write_text("")
+
+    monkeypatch.setattr(lock_module.fcntl, "flock", flock_then_replace)
+    first = LocalDirLock(root)
+    first.acquire()
+    monkeypatch.setattr(lock_module.fcntl, "flock", real_flock)
+    assert len(calls) == 2 and calls[0] != calls[1], "the replaced file was not locked again"
+    assert first.held and os.fstat(first._fd).st_ino == os.stat(path).st_ino
+    with pytest.raises(DiskPathInUseError, match="in use by another live disk tier"):
+        LocalDirLock(root).acquire()
+    first.release()
+    LocalDirLock(root).acquire()  # the control: once released, the path can be locked
+
+
+def test_acquiring_a_held_lock_again_is_refused_and_keeps_it(tmp_path):
+    lock = LocalDirLock(tmp_path / "disk")
+    lock.acquire()
+    with pytest.raises(ValueError, match="already held by this object"):
+        lock.acquire()
+    assert lock.held
+    with pytest.raises(DiskPathInUseError):
+        LocalDirLock(tmp_path / "disk").acquire()
+    lock.release()
+    lock.release()  # idempotent
+    assert not lock.held
+
+
+@pytest.mark.parametrize("existed", [False, True], ids=["created", "found"])
+def test_discard_removes_the_lock_file_only_if_acquire_created_it(tmp_path, existed):
+    root = tmp_path / "disk"
+    if existed:
+        root.mkdir()
+        (root / LOCK_FILE_NAME).write_text("pid 1 host elsewhere\n")  # left by an earlier run
+    lock = LocalDirLock(root)
+    lock.acquire()
+    assert lock.created_file is (not existed)
+    lock.discard()
+    assert not lock.held
+    assert (root / LOCK_FILE_NAME).exists() is existed
+    again = LocalDirLock(root)  # nothing is left locked either way
+    again.acquire()
+    again.release()
+
+
 class RecordingLease:
     def __init__(self, *, busy: bool = False) -> None:
         self.calls: list[str] = []

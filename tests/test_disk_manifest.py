@@ -277,3 +277,76 @@ def test_close_retries_a_failed_manifest_write_and_nothing_is_written_after_it(t
     assert sorted(again.reattached()) == ["keep"]  # the released extent stays released
     again.check_integrity()
     again.close()
+
+
+# -- decode_manifest: every check it makes, on a manifest whose own checksum is intact --------
+
+_LAYOUT = {"page_shape": [2, 4, 8], "dtype": "float32", "chunk_bytes": CHUNK}
+_CAP, _PPC = 8, 2
+
+
+def _encode(entries, *, layout=_LAYOUT, next_generation=10):
+    from tiering.disk.manifest import encode_manifest
+
+    return encode_manifest("m", layout, entries, store_id="s1", next_generation=next_generation)
+
+
+def _decode(raw):
+    from tiering.disk.manifest import decode_manifest
+
+    return decode_manifest(raw, fingerprint="m", layout=_LAYOUT, capacity_chunks=_CAP,
+                           pages_per_chunk=_PPC, store_id="s1")
+
+
+def _good():
+    from tiering.disk.manifest import ManifestEntry
+
+    rng = np.random.default_rng(77)
+    a = tuple(int(c) for c in rng.choice(_CAP, size=2, replace=False))
+    rest = [c for c in range(_CAP) if c not in a]
+    return {"a": ManifestEntry(a, 3, {"k": float(rng.random())}, 3),
+            "b": ManifestEntry((rest[0],), 1, {}, 9)}
+
+
+def test_decode_manifest_returns_every_entry_of_a_sound_manifest():
+    entries = _good()
+    got = _decode(_encode(entries))
+    assert got.entries == entries and got.next_generation == 10
+
+
+@pytest.mark.parametrize(("change", "what"), [
+    ("layout", r"layout .* differs from ours"),
+    ("generation_zero", r"entry 'a' has generation 0, outside \[1, 10\)"),
+    ("generation_ahead", r"entry 'b' has generation 10, outside \[1, 10\)"),
+    ("too_few_chunks", r"entry 'a': 1 chunks cannot hold exactly 3 pages of 2 per chunk"),
+    ("too_many_chunks", r"entry 'b': 2 chunks cannot hold exactly 1 pages"),
+    ("claimed_twice", r"entry 'b' claims chunks twice"),
+    ("repeated_in_one", r"entry 'a' claims chunks twice"),
+    ("out_of_range", r"entry 'b' names chunks out of range"),
+])
+def test_decode_manifest_refuses_each_inconsistency_and_names_it(change, what):
+    from tiering.disk.manifest import ManifestEntry
+    from tiering.errors import ManifestError
+
+    entries, layout = _good(), _LAYOUT
+    a, b = entries["a"], entries["b"]
+    if change == "layout":
+        layout = {**_LAYOUT, "chunk_bytes": 2 * CHUNK}
+    elif change == "generation_zero":
+        entries["a"] = a._replace(generation=0)
+    elif change == "generation_ahead":
+        entries["b"] = b._replace(generation=10)
+    elif change == "too_few_chunks":
+        entries["a"] = a._replace(chunks=a.chunks[:1])
+    elif change == "too_many_chunks":
+        spare = next(c for c in range(_CAP) if c not in a.chunks + b.chunks)
+        entries["b"] = b._replace(chunks=(*b.chunks, spare))
+    elif change == "claimed_twice":
+        entries["b"] = b._replace(chunks=a.chunks[:1])
+    elif change == "repeated_in_one":
+        entries["a"] = a._replace(chunks=(a.chunks[0], a.chunks[0]))
+    elif change == "out_of_range":
+        entries["b"] = ManifestEntry((_CAP,), 1, {}, 9)
+    raw = _encode(entries, layout=layout)  # its own checksum is intact: only the check can refuse
+    with pytest.raises(ManifestError, match=what):
+        _decode(raw)

@@ -112,8 +112,9 @@ def test_server_down_at_start_is_the_tiers_own_error(geom):
             "secret": "s", "timeout_s": 2.0, "max_retries": 0}
     url = "s3://bucket/w0"
     before = len(lease_threads())
+    cfg = DiskConfig(path=url, capacity_bytes=CAP, storage_options=opts)
     with pytest.raises(DiskIOError) as err:
-        cache(geom, DiskConfig(path=url, capacity_bytes=CAP, storage_options=opts))
+        cache(geom, cfg)
     text = str(err.value)
     assert url in text and f"127.0.0.1:{port}" in text and "cannot start" in text, text
     chain, e = [], err.value
@@ -191,8 +192,9 @@ def test_second_cache_on_the_same_prefix_is_refused(seaweed, geom, closing):  # 
     a = closing(cache(geom, s3_config(seaweed, url)))
     data = fill(a, "x", gen, 8)
     threads = len(lease_threads())
+    cfg = s3_config(seaweed, url)
     with pytest.raises(DiskPathInUseError) as err:
-        cache(geom, s3_config(seaweed, url))
+        cache(geom, cfg)
     assert len(lease_threads()) == threads  # the refused cache left nothing running
     text = str(err.value)
     assert err.value.errno == errno.EBUSY
@@ -237,8 +239,9 @@ def test_clear_touches_only_the_held_prefix(seaweed, geom, closing):  # noqa: F8
     # a foreign object inside the prefix: the clear is refused and deletes nothing
     obstore.put(root, f"{parent}/w0/not-ours", b"f")
     before, threads = keys_under(seaweed, url), len(lease_threads())
+    cfg = s3_config(seaweed, url)
     with pytest.raises(DiskIOError, match="did not write") as err:
-        cache(geom, s3_config(seaweed, url))
+        cache(geom, cfg)
     assert err.value.errno == errno.EEXIST
     assert keys_under(seaweed, url) == before
     assert len(lease_threads()) == threads  # the failed start stopped renewing ...

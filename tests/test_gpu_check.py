@@ -225,6 +225,7 @@ def test_race_and_probe_scripts_say_skipped_without_cuda(tmp_path):
 @pytest.mark.cuda
 def test_race_probes_give_exact_bytes_on_the_gpu(tmp_path):
     res = gpu_race.main(["--out", str(tmp_path / "r.json"), "--trials", "3", "--controls", "1"])
+    assert sorted(res["probes"]) == ["offload_while_writing", "reload_into_freed_slots"], res
     for name, probe in res["probes"].items():
         assert probe["status"] == "pass", (name, probe)
     assert res["compute_stream_supported"] is True
@@ -237,6 +238,7 @@ def test_host_slab_pinning_is_exact_on_the_gpu(tmp_path):
     res = gpu_probe.main(["--out", str(tmp_path / "p.json")])
     assert res["status"] == "ok", res
     assert res["pinning"]["exact"] is True, res["pinning"]
+    assert res["pressure"]["devices"], "the probe measured no device"
     for dev in res["pressure"]["devices"]:
         assert dev["nvml_uuid"] and dev["torch_delta"] >= dev["allocated_bytes"] * 0.9
 
@@ -268,6 +270,7 @@ def test_transfer_default_keeps_its_output_and_options_add_sections(tmp_path, ca
                           "--device", "cpu", "--page-kib", "128,8", "--both-ways", "--under-matmul"])
     saved = json.loads((tmp_path / "b.json").read_text())
     assert [r["page_kib"] for r in saved["by_page_kib"]] == [128, 8]
+    assert len(more["by_page_kib"]) == 2
     for r in more["by_page_kib"]:
         assert r["page_bytes"] == r["page_kib"] * 1024
         assert r["both_ways_gbps"] > 0 and r["raw_both_ways_gbps"] > 0

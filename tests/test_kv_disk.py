@@ -353,3 +353,43 @@ def test_a_second_cache_on_a_live_cache_disk_path_is_refused(kv, tmp_path, on_st
     first.close()
     second = make(kv, tmp_path, on_start=on_start)  # released when the first closed
     second.check_integrity()
+
+
+@pytest.mark.parametrize("stage", [False, True], ids=["direct", "staged"])
+def test_verify_catches_wrong_bytes_the_store_did_not_notice(kv, tmp_path, stage):
+    """A store that hands back one wrong bit for one request (no error of its own): the
+    cache's checksum taken at offload catches it on the direct path (CPU) and on the
+    staged path (a GPU's, through the ring); that request is lost with the reason, its
+    wrong bytes are never handed back, and the other request comes back bitwise."""
+    from tiering.core.staging import StagingConfig
+
+    extra = {"stage_disk_io": True, "staging": StagingConfig(buffers=2, pages=2)} if stage else {}
+    cache = make(kv, tmp_path, verify=True, **extra)
+    assert (cache._ring is not None) == stage
+    gen = torch.Generator().manual_seed(61)
+    a, b = fill(cache, "a", gen, 13), fill(cache, "b", gen, 13)
+    for rid in ("a", "b"):
+        to_disk(cache, rid)
+    cache.check_integrity()
+    bad = cache._reqs["a"].disk.chunks
+    served = cache.disk.read
+    flipped = []
+
+    def read(extent, out, *, first_page=0):
+        served(extent, out, first_page=first_page)
+        if extent.chunks == bad and not flipped:
+            out.view(torch.uint8).view(-1)[5] ^= 0x10  # one wrong bit, no error
+            flipped.append(first_page)
+
+    cache.disk.read = read
+    assert cache.reload("a") and cache.reload("b")
+    results = {r.rid: r for r in cache.synchronize(10)}
+    assert flipped, "the store never served a's extent"
+    assert not results["a"].ok and results["b"].ok
+    assert cache.state_of("a") is S.LOST
+    assert "disk copy does not match the checksum" in cache.lost_reason("a")
+    with pytest.raises(RequestLost, match="'a' is lost"):
+        cache.read("a", 0)
+    assert_same(cache, "b", b)
+    cache.check_integrity()
+    del a

@@ -482,8 +482,9 @@ def test_bad_shared_input_is_refused_and_changes_nothing():
             with pytest.raises(ValueError, match=what):
                 kv.enable_prefix_cache(root(), shared=shared)
             assert not kv.prefix_enabled
+        good = SharedBlockStore(mem, rt, GEOM_ID)
         with pytest.raises(ValueError, match="shared_refresh_s"):
-            kv.enable_prefix_cache(root(), shared=SharedBlockStore(mem, rt, GEOM_ID), shared_refresh_s=0)
+            kv.enable_prefix_cache(root(), shared=good, shared_refresh_s=0)
         assert not kv.prefix_enabled
         assert kv.enable_prefix_cache(root())
         with pytest.raises(ValueError, match="first call"):
@@ -674,8 +675,9 @@ def test_enabling_again_with_the_same_shared_tier_does_nothing(closing):
     assert kv.enable_prefix_cache(root(), shared=blocks)
     assert kv.enable_prefix_cache(root())
     assert kv._prefix.shared is link
+    other = SharedBlockStore(mem, root().key, GEOM_ID)
     with pytest.raises(ValueError, match="first call"):
-        kv.enable_prefix_cache(root(), shared=SharedBlockStore(mem, root().key, GEOM_ID))
+        kv.enable_prefix_cache(root(), shared=other)
     assert kv._prefix.shared is link
     kv.check_integrity()
 

@@ -2,16 +2,20 @@
 
 Most tests drive the range path through ``RangeStore``, a stand-in that adds
 ``first_page=`` range I/O on top of the store's whole-extent I/O (it records
-every call, so a test can show the path that ran). The last test uses the
-real store's own range I/O: it is an expected failure (strict) until the disk
-branch that adds ``read(extent, out, *, first_page=0)`` /
-``write(extent, pages, *, first_page=0)`` is merged, and must pass after."""
+every call, so a test can show the path that ran).
+``test_the_real_store_moves_a_large_request_in_pieces`` uses the real store's own
+range I/O (``read(extent, out, *, first_page=0)`` / ``write(extent, pages, *,
+first_page=0)``) and records the ranges it was asked for. A hypothesis state
+machine drives the ring alone (acquire, release, double and foreign releases)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import assert_same, fill
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from resources.kv_cache import PagedKVCache
 from tiering.core.staging import StagingConfig, StagingRing
@@ -194,11 +198,30 @@ def test_the_real_store_moves_a_large_request_in_pieces(geom, tmp_path, closing)
                       staging=StagingConfig(buffers=2, pages=2), stage_disk_io=True)
     closing(kv)
     assert kv._ring is not None
+    calls = []  # (op, first_page, pages) of every range the real store was asked for
+    store_read, store_write = kv.disk.read, kv.disk.write
+
+    def read(extent, out, *, first_page=0):
+        calls.append(("read", first_page, out.shape[0]))
+        return store_read(extent, out, first_page=first_page)
+
+    def write(extent, pages, *, first_page=0):
+        calls.append(("write", first_page, pages.shape[0]))
+        return store_write(extent, pages, first_page=first_page)
+
+    kv.disk.read, kv.disk.write = read, write
     data = fill(kv, "a", torch.Generator().manual_seed(55), 27)
+    pages = -(-27 // geom.page_tokens)
     assert kv.offload("a")
     assert [d.ok for d in kv.synchronize(10)] == [True]
+    kv.check_integrity()
+    # one write per ring buffer's worth (2 pages), covering every page once, in order
+    want = [(p, min(2, pages - p)) for p in range(0, pages, 2)]
+    assert [c[1:] for c in calls if c[0] == "write"] == want
     assert kv.reload("a")
     assert [d.ok for d in kv.synchronize(10)] == [True]
+    assert [c[1:] for c in calls if c[0] == "read"] == want
+    assert kv._ring.allocations == 2  # the two buffers of the ring, never a request-sized one
     assert_same(kv, "a", data)
     kv.check_integrity()
 
@@ -221,3 +244,65 @@ def test_ring_refuses_a_second_release_so_two_jobs_never_share_a_buffer(geom):
         with pytest.raises(ValueError, match="StagingRing.acquire: timeout"):
             ring.acquire(bad)
     ring.check_integrity()
+
+
+class RingMachine(RuleBasedStateMachine):
+    """Random acquires (with zero timeouts: a shortage is None at once), releases, second
+    releases and foreign buffers; the model is the set of buffers handed out."""
+
+    @initialize(buffers=st.integers(1, 4), pages=st.integers(1, 3))
+    def setup(self, buffers, pages):
+        self.n = buffers
+        self.ring = StagingRing(StagingConfig(buffers=buffers, pages=pages), (2, 3), torch.float32)
+        self.held: list[torch.Tensor] = []
+        self.released: list[torch.Tensor] = []
+        self.gen = torch.Generator().manual_seed(buffers * 10 + pages)
+
+    @rule()
+    def acquire(self):
+        buf = self.ring.acquire(0)
+        if len(self.held) == self.n:
+            assert buf is None, "a buffer was handed out while all were held"
+            return
+        assert buf is not None, "a free buffer was not handed out"
+        assert all(buf is not h for h in self.held), "one buffer handed out twice"
+        buf.copy_(torch.randn(buf.shape, generator=self.gen))  # a job writes into it
+        self.held.append(buf)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release(self, data):
+        buf = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
+        self.ring.release(buf)
+        self.released.append(buf)
+
+    @precondition(lambda self: any(all(r is not h for h in self.held) for r in self.released))
+    @rule(data=st.data())
+    def release_twice(self, data):
+        free = [r for r in self.released if all(r is not h for h in self.held)]
+        buf = data.draw(st.sampled_from(free))
+        before = self.ring.free_count()
+        with pytest.raises(ValueError, match="not held"):
+            self.ring.release(buf)
+        assert self.ring.free_count() == before  # the refusal changed nothing
+
+    @rule()
+    def release_foreign(self):
+        before = self.ring.free_count()
+        with pytest.raises(ValueError, match="not a buffer of this ring"):
+            self.ring.release(torch.randn((1, 2, 3), generator=self.gen))
+        assert self.ring.free_count() == before
+
+    @invariant()
+    def counts(self):
+        assert self.ring.free_count() == self.n - len(self.held)
+        assert self.ring.allocations == self.n  # the ring never allocates more
+        if self.held:
+            with pytest.raises(AssertionError, match="still held"):
+                self.ring.check_integrity()
+        else:
+            self.ring.check_integrity()
+
+
+RingMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+TestRingMachine = RingMachine.TestCase

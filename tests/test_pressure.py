@@ -385,7 +385,8 @@ def test_torch_cuda_recovers_after_a_failed_read():
 
 
 def test_torch_cuda_on_this_machine_does_not_crash(caplog):
-    torch = pytest.importorskip("torch")
+    import torch  # a dependency of the project: a broken import must fail, not skip
+
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         source = TorchCudaPressure(0)
         value = source.read()
@@ -422,8 +423,9 @@ def test_cache_pressure_reads_the_caches_device():
 
 def test_pool_adjusted_refuses_a_source_for_another_device():
     _, gpus, perm, nvml, torch = _machine(12)
+    source, pool = NvmlPressure(0, nvml=nvml, torch_module=torch), CudaPool(0, 8, 1)
     with pytest.raises(ValueError, match="reads cuda:0 but the cache lives on"):
-        PoolAdjustedPressure(NvmlPressure(0, nvml=nvml, torch_module=torch), CudaPool(0, 8, 1))
+        PoolAdjustedPressure(source, pool)
 
 
 class FakePool:
@@ -460,8 +462,9 @@ def test_pool_pressure_rejects_objects_without_the_hooks_and_bad_ledgers():
     source = PoolPressure(FakePool(capacity + rng.randint(1, 50), capacity))
     with pytest.raises(ValueError, match="outside"):
         source.read()
+    empty = PoolPressure(FakePool(0, 0))  # accepted when built: the read finds no memory
     with pytest.raises(ValueError, match="total memory"):
-        PoolPressure(FakePool(0, 0)).read()
+        empty.read()
 
 
 def test_scripted_plays_values_then_holds_the_last():
@@ -696,8 +699,9 @@ def test_pool_adjusted_counts_the_pools_free_pages_as_free():
 
 
 def test_pool_adjusted_needs_a_byte_source():
+    source, pool = ScriptedPressure([0.5]), FakePool(0, 1)
     with pytest.raises(TypeError, match="read_bytes"):
-        PoolAdjustedPressure(ScriptedPressure([0.5]), FakePool(0, 1))
+        PoolAdjustedPressure(source, pool)
 
 
 @pytest.mark.cuda

@@ -181,10 +181,12 @@ def test_around_refuses_what_it_cannot_drive_and_names_it(geom):
 
     with pytest.raises(TypeError, match="lacks .*ingest_request"):
         TieredKV.around(NotACache())
-    with pytest.raises(TypeError, match="controller must be a ControllerConfig"):
-        from resources.kv_cache import PagedKVCache
-        with PagedKVCache(geom, device_pages=4, host_pages=4) as kv:
+    from resources.kv_cache import PagedKVCache
+
+    with PagedKVCache(geom, device_pages=4, host_pages=4) as kv:
+        with pytest.raises(TypeError, match="controller must be a ControllerConfig"):
             TieredKV.around(kv, controller={"high": 0.9})
+        assert kv.requests() == []  # refused before it registered or changed anything
 
 
 def test_ready_names_each_state_a_request_can_be_in(geom, tmp_path):

@@ -535,53 +535,60 @@ class BlockIndex:
         """Raise AssertionError unless every rule in the module docstring holds."""
         keys = set(self._tier)
         for name in ("_parent", "_depth", "_handle", "_hits", "_first", "_last"):
-            assert set(getattr(self, name)) == keys, (
-                f"{name} does not cover exactly the cached blocks"
-            )
+            if set(getattr(self, name)) != keys:
+                raise AssertionError(f"{name} does not cover exactly the cached blocks")
         for name in ("_dest", "_refs", "_kids"):
             extra = set(getattr(self, name)) - keys
-            assert not extra, (
-                f"{name} holds blocks that are not cached: {sorted(map(repr, extra))[:3]}"
-            )
+            if extra:
+                raise AssertionError(
+                    f"{name} holds blocks that are not cached: {sorted(map(repr, extra))[:3]}"
+                )
         handles: dict[tuple[Tier, Hashable], Hashable] = {}
         counts = {t: 0 for t in Tier}
         for k in keys:
             tier = self._tier[k]
-            assert isinstance(tier, Tier), f"block {k!r}: tier {tier!r}"
-            assert self._refs.get(k, 1) > 0, f"block {k!r} has refs {self._refs.get(k)}"
-            assert self._hits[k] >= 0 and self._last[k] >= self._first[k], (
-                f"block {k!r}: bad use record"
-            )
+            if not isinstance(tier, Tier):
+                raise AssertionError(f"block {k!r}: tier {tier!r}")
+            if not (self._refs.get(k, 1) > 0):
+                raise AssertionError(f"block {k!r} has refs {self._refs.get(k)}")
+            if not (self._hits[k] >= 0 and self._last[k] >= self._first[k]):
+                raise AssertionError(f"block {k!r}: bad use record")
             parent = self._parent[k]
             if parent is None:
-                assert self._depth[k] == 0, f"block {k!r}: a root block has depth {self._depth[k]}"
+                if self._depth[k] != 0:
+                    raise AssertionError(f"block {k!r}: a root block has depth {self._depth[k]}")
             else:
-                assert parent in keys, f"block {k!r}: its parent {parent!r} is not cached"
+                if parent not in keys:
+                    raise AssertionError(f"block {k!r}: its parent {parent!r} is not cached")
                 pk = self._kids.get(parent, _NONE)
-                assert pk == k or (isinstance(pk, set) and k in pk), (
-                    f"block {k!r}: missing from its parent's children"
-                )
-                assert self._depth[k] == self._depth[parent] + 1, (
-                    f"block {k!r}: depth {self._depth[k]}, parent's {self._depth[parent]}"
-                )
+                if not (pk == k or (isinstance(pk, set) and k in pk)):
+                    raise AssertionError(f"block {k!r}: missing from its parent's children")
+                if self._depth[k] != self._depth[parent] + 1:
+                    raise AssertionError(
+                        f"block {k!r}: depth {self._depth[k]}, parent's {self._depth[parent]}"
+                    )
             slot = (tier, self._handle[k])
-            assert slot not in handles, f"{slot} holds blocks {handles.get(slot)!r} and {k!r}"
+            if slot in handles:
+                raise AssertionError(f"{slot} holds blocks {handles.get(slot)!r} and {k!r}")
             handles[slot] = k
             counts[tier] += 1
             dest = self._dest.get(k)
             if dest is not None:
-                assert dest[0] is not tier, f"block {k!r} moves to its own tier"
-                assert dest not in handles, f"{dest} holds blocks {handles.get(dest)!r} and {k!r}"
+                if dest[0] is tier:
+                    raise AssertionError(f"block {k!r} moves to its own tier")
+                if dest in handles:
+                    raise AssertionError(f"{dest} holds blocks {handles.get(dest)!r} and {k!r}")
                 handles[dest] = k
                 if k in self._refs:
-                    assert tier is not Tier.DEVICE, f"block {k!r} is mapped and leaving the device"
+                    if tier is Tier.DEVICE:
+                        raise AssertionError(f"block {k!r} is mapped and leaving the device")
         for p, kids in self._kids.items():
             group = kids if isinstance(kids, set) else {kids}
-            assert len(group) != 1 or not isinstance(kids, set), f"block {p!r}: a one-child set"
+            if not (len(group) != 1 or not isinstance(kids, set)):
+                raise AssertionError(f"block {p!r}: a one-child set")
             for c in group:
-                assert c in keys and self._parent[c] == p, (
-                    f"block {p!r}: child {c!r} is not its child"
-                )
+                if not (c in keys and self._parent[c] == p):
+                    raise AssertionError(f"block {p!r}: child {c!r} is not its child")
         held: set[Hashable] = set()  # busy blocks and every block above one
         for k in (*self._refs, *self._dest):
             x = k
@@ -593,13 +600,16 @@ class BlockIndex:
             p = self._parent[k]
             if p is not None:
                 below[p] = below.get(p, 0) + 1
-        assert below == self._below, (
-            "held-children counts are wrong for blocks "
+        if below != self._below:
+            raise AssertionError(
+                "held-children counts are wrong for blocks "
             f"{sorted(map(repr, set(below.items()) ^ set(self._below.items())))[:3]}"
-        )
+            )
         flat = {(t, h): k for t, slots in self._slots.items() for h, k in slots.items()}
-        assert handles == flat, "the handle map does not equal the blocks' locations"
-        assert counts == self._counts, f"tier counts {self._counts} != {counts}"
+        if handles != flat:
+            raise AssertionError("the handle map does not equal the blocks' locations")
+        if counts != self._counts:
+            raise AssertionError(f"tier counts {self._counts} != {counts}")
 
     def chain_keys(self, key: Hashable) -> Sequence[Hashable]:
         """The chain from the root to ``key``, root first."""

@@ -166,10 +166,13 @@ class KnownBlocks:
 
     def check_integrity(self) -> None:
         with self._lock:
-            assert len(self._d) <= self.capacity, f"{len(self._d)} entries over capacity {self.capacity}"
+            if not (len(self._d) <= self.capacity):
+                raise AssertionError(f"{len(self._d)} entries over capacity {self.capacity}")
             for k, s in self._d.items():
-                assert isinstance(k, bytes) and k, f"known block key {k!r} is not non-empty bytes"
-                assert isinstance(s, int) and s > 0, f"known block {k.hex()} has size {s!r}"
+                if not (isinstance(k, bytes) and k):
+                    raise AssertionError(f"known block key {k!r} is not non-empty bytes")
+                if not (isinstance(s, int) and s > 0):
+                    raise AssertionError(f"known block {k.hex()} has size {s!r}")
 
 
 class SharedBlockStore:
@@ -440,6 +443,10 @@ class BlockQueue:
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
         with self._lock:
-            assert len(self._pending) <= self.blocks.config.max_queued
+            if not (len(self._pending) <= self.blocks.config.max_queued):
+                raise AssertionError(
+                    f"{len(self._pending)} queued operations, over max_queued "
+                    f"{self.blocks.config.max_queued}"
+                )
 
 

@@ -108,10 +108,18 @@ class CircuitBreaker:
 
     def check_integrity(self) -> None:
         with self._lock:
-            assert self._failures >= 0 and self._opened >= 0 and self._refused >= 0
+            if not (self._failures >= 0 and self._opened >= 0 and self._refused >= 0):
+                raise AssertionError(
+                    f"negative counts: failures {self._failures}, opened {self._opened}, "
+                    f"refused {self._refused}"
+                )
             if self._state is BreakerState.CLOSED:
-                assert self._failures < self.config.failure_threshold, "closed with failures at threshold"
-                assert not self._trial_out, "closed breaker has a trial out"
+                if not (self._failures < self.config.failure_threshold):
+                    raise AssertionError("closed with failures at threshold")
+                if self._trial_out:
+                    raise AssertionError("closed breaker has a trial out")
             if self._state is BreakerState.OPEN:
-                assert self._opened >= 1, "open without ever opening"
-                assert not self._trial_out, "open breaker has a trial out"
+                if not (self._opened >= 1):
+                    raise AssertionError("open without ever opening")
+                if self._trial_out:
+                    raise AssertionError("open breaker has a trial out")

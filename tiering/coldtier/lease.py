@@ -193,7 +193,11 @@ class Lease:
     def check_integrity(self) -> None:
         with self._lock:
             if self._info is not None:
-                assert self._info.owner == self.owner and self._info.token
+                if not (self._info.owner == self.owner and self._info.token):
+                    raise AssertionError(
+                        f"lease held as {self._info.owner!r} (token {self._info.token!r}), "
+                        f"not as {self.owner!r} with a token"
+                    )
 
 
 class LeaseKeeper:

@@ -40,9 +40,8 @@ def _check_rejects_bad_capacity(factory: PolicyFactory) -> None:
         try:
             factory(capacity=bad)
         except ValueError as err:
-            assert "capacity" in str(err), (
-                f"capacity={bad}: the error does not name capacity: {err}"
-            )
+            if "capacity" not in str(err):
+                raise AssertionError(f"capacity={bad}: the error does not name capacity: {err}") from err
         except Exception as err:
             raise AssertionError(
                 f"capacity={bad} raised {type(err).__name__} ({err}), not a ValueError naming capacity"
@@ -74,9 +73,8 @@ def _check_victims(factory: PolicyFactory, seed: int) -> None:
                 break
             parent = key
     tracked = set(index.keys())
-    assert len(policy) == len(tracked), (
-        f"policy tracks {len(policy)} blocks, the index holds {len(tracked)}"
-    )
+    if len(policy) != len(tracked):
+        raise AssertionError(f"policy tracks {len(policy)} blocks, the index holds {len(tracked)}")
     offered = []
     gen = policy.victims(float(len(chains)))
     for k in gen:
@@ -84,13 +82,14 @@ def _check_victims(factory: PolicyFactory, seed: int) -> None:
         if len(offered) >= len(tracked):
             break
     gen.close()
-    assert all(k in tracked for k in offered), (
-        f"victims offered untracked blocks {set(offered) - tracked}"
-    )
-    assert set(offered) == tracked, (
-        f"victims did not offer every tracked block within len(policy) offers: missing {len(tracked - set(offered))}"
-    )
-    assert len(policy) == len(tracked), "asking for victims changed what the policy tracks"
+    if not all(k in tracked for k in offered):
+        raise AssertionError(f"victims offered untracked blocks {set(offered) - tracked}")
+    if set(offered) != tracked:
+        raise AssertionError(
+            f"victims did not offer every tracked block within len(policy) offers: missing {len(tracked - set(offered))}"
+        )
+    if len(policy) != len(tracked):
+        raise AssertionError("asking for victims changed what the policy tracks")
     pinned = rng.sample(sorted(tracked), len(tracked) // 3)
     for k in pinned:
         # pinning a block pins its prefix too, as a request mapping it would
@@ -100,13 +99,16 @@ def _check_victims(factory: PolicyFactory, seed: int) -> None:
         v = index.choose_victim(policy, float(len(chains)))
         if v is None:
             break
-        assert index.evictable(v), f"choose_victim returned {v!r}, which may not leave"
+        if not index.evictable(v):
+            raise AssertionError(f"choose_victim returned {v!r}, which may not leave")
         for d in index.drop(v):
             policy.on_remove(d.key)
         index.check_integrity()
-        assert len(policy) == len(index), "policy and index disagree after an eviction"
+        if len(policy) != len(index):
+            raise AssertionError("policy and index disagree after an eviction")
     for k in pinned:
-        assert k in index, f"pinned block {k!r} was evicted"
+        if k not in index:
+            raise AssertionError(f"pinned block {k!r} was evicted")
 
 
 def check_block_policy(factory: PolicyFactory, seed: int = 0, requests: int = 600) -> None:
@@ -124,9 +126,12 @@ def _check_replays(factory: PolicyFactory, seed: int, requests: int) -> None:
     for capacity in (1, 7, 120):
         a = replay_blocks(chains, capacity, factory(capacity=capacity), check_every=1)
         b = replay_blocks(chains, capacity, factory(capacity=capacity))
-        assert a[:-1] == b[:-1], (
-            f"capacity {capacity}: two runs of the same workload differ: {a} vs {b}"
-        )
+        if a[:-1] != b[:-1]:
+            raise AssertionError(
+                f"capacity {capacity}: two runs of the same workload differ: {a} vs {b}"
+            )
         opt = belady_hit_rate(chains, capacity)
-        assert a.hits <= opt.hits, f"capacity {capacity}: {a.hits} hits beat Belady's {opt.hits}"
-        assert a.hits > 0, f"capacity {capacity}: no hits at all on a workload with reuse"
+        if not (a.hits <= opt.hits):
+            raise AssertionError(f"capacity {capacity}: {a.hits} hits beat Belady's {opt.hits}")
+        if not (a.hits > 0):
+            raise AssertionError(f"capacity {capacity}: no hits at all on a workload with reuse")

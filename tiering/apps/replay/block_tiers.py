@@ -416,23 +416,28 @@ class PrefixBlocks:
         index.check_integrity()
         for t in _TIERS:
             n = index.count(t)
-            assert len(self.policies[t]) == n, (
-                f"{t.value} policy tracks {len(self.policies[t])} blocks, the index holds {n}"
-            )
+            if len(self.policies[t]) != n:
+                raise AssertionError(
+                    f"{t.value} policy tracks {len(self.policies[t])} blocks, the index holds {n}"
+                )
         held = dict.fromkeys(_TIERS, 0)
         for k in index.keys():
             info = index.get(k)
             loc = index.location(k)
-            assert loc.moving_to in (None, Tier.DEVICE), f"block {k!r} moves down in flight"
+            if loc.moving_to not in (None, Tier.DEVICE):
+                raise AssertionError(f"block {k!r} moves down in flight")
             if loc.tier is not Tier.DEVICE or not info.refs:
                 held[loc.tier] += 1
-            assert k in self.policies[loc.tier], f"block {k!r} missing from its tier's policy"
+            if k not in self.policies[loc.tier]:
+                raise AssertionError(f"block {k!r} missing from its tier's policy")
         counted = {t: self._st[t].held for t in _TIERS}
-        assert held == counted, f"blocks holding pages {held} != counted {counted}"
+        if held != counted:
+            raise AssertionError(f"blocks holding pages {held} != counted {counted}")
         kv = self._kv
         if hasattr(kv, "block_pages"):
             for t in _TIERS:
-                assert kv.block_pages(t) == held[t] * self.block_pages, (
-                    f"{t.value}: the KV backend holds {kv.block_pages(t)} block pages, "
+                if kv.block_pages(t) != held[t] * self.block_pages:
+                    raise AssertionError(
+                        f"{t.value}: the KV backend holds {kv.block_pages(t)} block pages, "
                     f"the blocks {held[t] * self.block_pages}"
-                )
+                    )

@@ -356,9 +356,11 @@ class _Worker:
                 maps[k] = maps.get(k, 0) + 1
         for k, n in maps.items():
             info = prefixes.index.get(k)
-            assert info is not None and info.refs == n, (
-                f"block {k!r}: mapped by {n} requests, the index says "
-                f"{None if info is None else info.refs}")
+            if not (info is not None and info.refs == n):
+                raise AssertionError(
+                    f"block {k!r}: mapped by {n} requests, the index says "
+                    f"{None if info is None else info.refs}"
+                )
 
     def _fast_forward(self, next_arrival: float, next_sample: float) -> None:
         """Run decode-only steps in a tight loop while every round of the full loop would

@@ -992,7 +992,8 @@ class TieredBlockManager:
         for k in self.index.keys():
             loc = self.index.location(k)
             info = self.index.get(k)
-            assert loc is not None and info is not None
+            if not (loc is not None and info is not None):
+                raise AssertionError(f"block {k.hex()}: listed by the index without a location")
             pins = self._load_pins.get(k, 0) + (1 if k in self._demoting else 0)
             if info.refs != pins:
                 problems.append(f"{k.hex()}: {info.refs} refs, {pins} load/demotion pins")
