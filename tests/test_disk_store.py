@@ -512,15 +512,23 @@ def test_fault_plan_refuses_bad_settings(kwargs, field):
         FaultPlan(seed=1, **kwargs)
 
 
-def test_timed_out_write_keeps_chunks_until_stray_io_ends(tmp_path, gen):
+def _timed_out_write(tmp_path, gen, seed):
+    """A store whose write of 4 pages to extent "a" timed out while its I/O is held at
+    ``gate``: (store, extent, gate)."""
     gate = threading.Event()
-    plan = FaultPlan(seed=4, sleep=lambda _s: gate.wait(30), slow_seconds=1.0)
+    plan = FaultPlan(seed=seed, sleep=lambda _s: gate.wait(30), slow_seconds=1.0)
     s = faulty(tmp_path, plan, io_timeout_s=0.2)
     extent = s.reserve("a", 4)
     plan.arm("slow", next_n=1)
+    data = pages(gen, 4)
     with pytest.raises(DiskIOError) as info:
-        s.write(extent, pages(gen, 4))
+        s.write(extent, data)
     assert info.value.errno == errno.ETIMEDOUT
+    return s, extent, gate
+
+
+def test_timed_out_write_keeps_chunks_until_stray_io_ends(tmp_path, gen):
+    s, extent, gate = _timed_out_write(tmp_path, gen, 4)
     s.release(extent)  # allowed, but its slots stay out of circulation
     assert s.used_bytes() == 4 * s.page_bytes and s.stats()["quarantined_chunks"] == 4
     s.check_integrity()
@@ -534,14 +542,7 @@ def test_timed_out_write_keeps_chunks_until_stray_io_ends(tmp_path, gen):
 def test_a_write_that_timed_out_is_never_served_once_it_lands(tmp_path, gen):
     """The caller was told the write failed (timed out); when its I/O ends later, every
     chunk did land, but the extent stays unwritten: a read is refused, never served."""
-    gate = threading.Event()
-    plan = FaultPlan(seed=5, sleep=lambda _s: gate.wait(30), slow_seconds=1.0)
-    s = faulty(tmp_path, plan, io_timeout_s=0.2)
-    extent = s.reserve("a", 4)
-    plan.arm("slow", next_n=1)
-    with pytest.raises(DiskIOError) as info:
-        s.write(extent, pages(gen, 4))
-    assert info.value.errno == errno.ETIMEDOUT
+    s, extent, gate = _timed_out_write(tmp_path, gen, 5)
     gate.set()
     assert s.wait_idle(30)
     s.check_integrity()

@@ -437,9 +437,9 @@ def test_a_failed_block_write_to_disk_drops_the_blocks_as_failed_and_leaks_nothi
                                                                                   caplog):
     """The host -> disk write of cached blocks fails: the blocks are dropped (their host
     pages and the disk extent are freed, the index forgets them), counted under their own
-    reason rather than as evictions (each block once: the drop of a chain's first block used
-    to be followed by failed drops of the blocks it took with it, each logged as an error),
-    and a later attach recomputes instead of reading them."""
+    reason rather than as evictions (each block once: the drop of a chain's first block
+    takes the blocks after it, and no further drop of them is tried), and a later attach
+    recomputes instead of reading them."""
     gen = torch.Generator().manual_seed(17)
     with make(tmp_path, device_pages=8, host_pages=4) as kv:
         ids, data = published(kv, gen)
