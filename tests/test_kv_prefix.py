@@ -200,9 +200,7 @@ def test_host_hit_is_loaded_through_reload_and_bitwise():
 def test_disk_hit_is_bitwise_and_blocks_are_packed(tmp_path):
     gen = torch.Generator().manual_seed(7)
     with make(tmp_path, device_pages=8, host_pages=4) as kv:
-        ids, data = published(kv, gen)
-        kv.remove_request("a")
-        squeeze_device(kv, gen, "big")  # device -> host
+        ids, data = published_off_device(kv, gen)  # device -> host
         kv.remove_request("big")
         kv.ingest_request("h")
         write_random(kv, "h", gen, 2)
@@ -442,9 +440,7 @@ def test_a_failed_block_write_to_disk_drops_the_blocks_as_failed_and_leaks_nothi
     recomputes instead of reading them."""
     gen = torch.Generator().manual_seed(17)
     with make(tmp_path, device_pages=8, host_pages=4) as kv:
-        ids, data = published(kv, gen)
-        kv.remove_request("a")
-        squeeze_device(kv, gen, "big")  # device -> host
+        ids, data = published_off_device(kv, gen)  # device -> host
         kv.remove_request("big")
         assert kv.cached_prefix(ids).host == 16
         used = kv.disk.stats()["used_bytes"], kv.disk.stats()["extents"]
