@@ -4,11 +4,10 @@ A ``--block-policy module:Class`` is user code, called from deep inside the bloc
 index and the tiers' eviction path. ``Guarded`` wraps it (the built-ins of
 ``policies.blocks`` are not wrapped): an exception raised by any of its hooks,
 ``admit`` answering something that is not a bool, or ``victims`` offering a key
-the policy does not hold, stops the run with ``ValueError`` naming the block
-policy, its class, the tier, the hook and the simulated time (a ``ValueError`` made by
-``retention.policy_failure``; ``__cause__``:
-what the policy raised), instead of a traceback from the index or a wrong
-victim. The order and every answer of a policy that behaves are passed through
+the policy does not hold, stops the run with ``tiering.PolicyFailed`` (a
+``ValueError``) naming the block policy, its class, the tier, the hook and the
+simulated time (``__cause__``: what the policy raised), instead of a traceback
+from the index or a wrong victim. The order and every answer of a policy that behaves are passed through
 unchanged, so its runs are those of the unwrapped policy.
 """
 
@@ -18,7 +17,7 @@ from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 
 from policies.blocks import BlockPolicy
 from policies.blocks.base import BlockInfo
-from tiering.apps.replay.retention import policy_failure
+from tiering.errors import PolicyFailed
 
 
 def is_builtin(policy: BlockPolicy) -> bool:
@@ -36,9 +35,9 @@ class Guarded(BlockPolicy):
         self._tier = tier
         self._clock = clock
 
-    def _fail(self, hook: str, what: str) -> ValueError:
+    def _fail(self, hook: str, what: str) -> PolicyFailed:
         cls = type(self.inner)
-        return policy_failure(
+        return PolicyFailed(
             f"block policy {self.inner.name!r} ({cls.__module__}.{cls.__qualname__}) of the "
             f"{self._tier} tier, in {hook} at t={self._clock():g} s: {what}")
 

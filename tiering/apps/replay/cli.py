@@ -55,12 +55,12 @@ from tiering.apps.replay.presets import (
     get_model,
 )
 from tiering.apps.replay.progress import Progress
-from tiering.apps.replay.retention import is_policy_failure
 from tiering.apps.replay.seeds import aggregate, jitter
 from tiering.apps.replay.simulator import SimConfig
 from tiering.apps.replay.sweep import Grid, plot, run_grid, write_csv
 from tiering.apps.replay.traces import FORMATS, load_trace
 from tiering.control.controller import ControllerConfig
+from tiering.errors import PolicyFailed
 
 DEFAULT_WATERMARKS = ((0.9, 0.75),)
 SWEEP_WATERMARKS = ((0.9, 0.75), (0.95, 0.85), (0.8, 0.6))
@@ -422,12 +422,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_grid(run_trace, model, hardware, grid, sim, time_scale=time_scale,
                             on_finish=progress.advance, on_start=on_start,
                             on_result=on_result, block_registry=block_registry)
-        except ValueError as err:
+        except PolicyFailed as err:
             # the user's policy, mid-run (checked_order and the block guard name it and what
             # it did); any other error is the replay's own defect and keeps its traceback
             # rather than pass for a bad argument
-            if not is_policy_failure(err):
-                raise
             progress.close()  # nothing is written
             where = f" (seed {seed + 1} of {seeds})" if seeds > 1 else ""
             print(f"tiering replay: run {progress.running!r}{where} stopped: {err}",
@@ -445,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = [_run_key(r, args.sweep) for r in rows]
     assert len(labels) == len(rows) and keys == run_keys
 
+    host_bytes = list(grid.host_bytes) if args.sweep else grid.host_bytes[0]  # as run
     try:  # a write that fails (disk full, permissions) is named, not a traceback
         out.mkdir(parents=True, exist_ok=True)
         cost = StepCost(model, hardware)
@@ -455,11 +454,10 @@ def main(argv: list[str] | None = None) -> int:
             "seeds": seeds,
             "model": {**dataclasses.asdict(model), "kv_bytes_per_token": model.kv_bytes_per_token},
             # the preset as run: its host size is the one asked for (a list with --sweep)
-            "hardware": {**dataclasses.asdict(hardware), "host_bytes": (
-                list(grid.host_bytes) if args.sweep else grid.host_bytes[0])},
+            "hardware": {**dataclasses.asdict(hardware), "host_bytes": host_bytes},
             "tier_bytes": {
                 "device": hardware.device_kv_bytes,
-                "host": list(grid.host_bytes) if args.sweep else grid.host_bytes[0],
+                "host": host_bytes,
                 "disk": hardware.disk_bytes,
                 "note": "each run's own sizes are in its device_bytes, host_bytes and disk_bytes; "
                         "the baselines have no host or disk tier",

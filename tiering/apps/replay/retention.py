@@ -21,9 +21,9 @@ handed to the controller so that its batches carry the same figures.
 A policy is user code: every order it gives goes through ``checked_order``,
 so a policy that raises, or returns anything but distinct row indices of the
 batch (at least the ``limit`` asked for, every row without one), stops the run
-with ``ValueError`` naming the policy, the tier of the candidates and what
-was wrong (``__cause__``: what the policy raised), instead of an error from deep inside the controller (or a wrong
-victim).
+with ``tiering.PolicyFailed`` (a ``ValueError``) naming the policy, the tier of
+the candidates and what was wrong (``__cause__``: what the policy raised),
+instead of an error from deep inside the controller (or a wrong victim).
 """
 
 from __future__ import annotations
@@ -38,19 +38,6 @@ from tiering.errors import PolicyFailed
 from tiering.types import Tier
 
 
-def policy_failure(message: str) -> PolicyFailed:
-    """The error of a user's policy (request or block) that failed while a run went: it
-    raised, or gave an answer that is not one (``message`` names the policy and the
-    decision)."""
-    return PolicyFailed(message)
-
-
-def is_policy_failure(err: BaseException) -> bool:
-    """Whether ``err`` was raised by ``checked_order`` or the block guard for a user's
-    policy (not a defect of the replay itself)."""
-    return isinstance(err, PolicyFailed)
-
-
 def checked_order(policy: Policy, batch: CandidateBatch, now: float,
                   limit: int | None = None, decision: str = "") -> np.ndarray:
     """``policy.order(batch, now, limit)``, checked (see the module docstring).
@@ -62,22 +49,22 @@ def checked_order(policy: Policy, batch: CandidateBatch, now: float,
     try:
         rows = policy.order(batch, now, limit)
     except Exception as err:
-        raise policy_failure(f"{where}: raised {type(err).__name__}: {err}") from err
+        raise PolicyFailed(f"{where}: raised {type(err).__name__}: {err}") from err
     if not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu":
         shape = f"{type(rows).__name__}" + (
             f" of dtype {rows.dtype} and shape {rows.shape}" if isinstance(rows, np.ndarray)
             else "")
-        raise policy_failure(f"{where}: order returned {shape}, not a 1-D integer numpy array "
+        raise PolicyFailed(f"{where}: order returned {shape}, not a 1-D integer numpy array "
                            "of row indices")
     want = n if limit is None else min(limit, n)
     if len(rows) < want or (limit is None and len(rows) != n):
-        raise policy_failure(f"{where}: order returned {len(rows)} row(s), expected "
+        raise PolicyFailed(f"{where}: order returned {len(rows)} row(s), expected "
                            f"{'all ' + str(n) if limit is None else f'at least {want}'}")
     if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= n):
-        raise policy_failure(f"{where}: order returned row indices outside [0, {n}): "
+        raise PolicyFailed(f"{where}: order returned row indices outside [0, {n}): "
                            f"{rows.tolist()[:10]}")
     if len(rows) > 1 and len(np.unique(rows)) != len(rows):
-        raise policy_failure(f"{where}: order returned a row twice: {rows.tolist()[:10]}")
+        raise PolicyFailed(f"{where}: order returned a row twice: {rows.tolist()[:10]}")
     return rows
 
 
@@ -102,8 +89,16 @@ class ReloadCosts:
     def recompute(self, nbytes: np.ndarray) -> np.ndarray:
         return nbytes * self._recompute_per_byte
 
+    def after_offload(self, nbytes: np.ndarray, host_free_bytes: int) -> np.ndarray:
+        """The reload of an offload: from the host where it fits in ``host_free_bytes``,
+        else from disk (the controller's rule)."""
+        as_float = nbytes.astype(np.float64)
+        return np.where(nbytes <= host_free_bytes, self.from_host(as_float),
+                        self.from_disk(as_float))
+
 
 _OFFLOAD = "which idle requests leave the device"
+_AFTER = ("host", "disk", "offload", "recompute")  # where Retention.order's bytes come back from
 
 
 class CostFilled(Policy):
@@ -139,9 +134,7 @@ class CostFilled(Policy):
         if sizes is None or not len(batch):
             return checked_order(self.inner, batch, now, limit, _OFFLOAD)
         self.calls += 1
-        nbytes = sizes.astype(np.float64)
-        cost = np.where(sizes <= self._host_free(), self._costs.from_host(nbytes),
-                        self._costs.from_disk(nbytes))
+        cost = self._costs.after_offload(sizes, self._host_free())
         filled = CandidateBatch.of_registered(
             np.array(batch.rids, dtype=object), np.array(batch.resources, dtype=object),
             batch.last_used, reclaimable=sizes, priority=batch.priority, reload_cost_s=cost,
@@ -174,22 +167,20 @@ class Retention:
         a candidate's bytes would come back from after the move, "host", "disk",
         "offload" (the host where they fit in its free bytes now, else disk) or
         "recompute". ``decision`` names what is decided in the message of a failure."""
-        if not rids:
-            return []
         if after not in _AFTER:
             raise ValueError(f"Retention.order: after must be one of {_AFTER}, got {after!r}")
         if after == "offload" and self._host_free is None:
             raise ValueError("Retention.order: after='offload' needs host_free_bytes")
+        if not rids:
+            return []
         self.decisions += 1
         sizes = np.asarray(nbytes, dtype=np.int64)
-        as_float = sizes.astype(np.float64)
         costs = self.costs
         if after == "offload":
-            cost = np.where(sizes <= self._host_free(), costs.from_host(as_float),
-                            costs.from_disk(as_float))
+            cost = costs.after_offload(sizes, self._host_free())
         else:
             cost = {"host": costs.from_host, "disk": costs.from_disk,
-                    "recompute": costs.recompute}[after](as_float)
+                    "recompute": costs.recompute}[after](sizes.astype(np.float64))
         prio = None
         if self.policy.needs_priority_from is not None:
             prio = np.fromiter(map(self._priority_of, rids), dtype=np.float64, count=len(rids))
@@ -199,5 +190,3 @@ class Retention:
         rows = checked_order(self.policy, batch, now, decision=decision)
         return [rids[i] for i in rows.tolist()]
 
-
-_AFTER = ("host", "disk", "offload", "recompute")
