@@ -439,5 +439,4 @@ class PrefixBlocks:
                 if kv.block_pages(t) != held[t] * self.block_pages:
                     raise AssertionError(
                         f"{t.value}: the KV backend holds {kv.block_pages(t)} block pages, "
-                    f"the blocks {held[t] * self.block_pages}"
-                    )
+                        f"the blocks {held[t] * self.block_pages}")

@@ -1,13 +1,13 @@
 """Figures a person reads at a glance.
 
 - ``plot_compare``: one bar per run. Left, the token hit rate split by the
-  tier it came from, with the infinite-cache and Belady bounds as lines;
-  (the axis reaches well above the highest bar or bound, room for the legend), right, p99 time to first token, on a log axis when the runs span more
-  than a factor of 20 (a slow baseline would otherwise squash the rest).
-  Error bars are the 95% intervals when several seeds ran, cut at what the
-  figure can be (a rate in [0, 1], a time >= 0; on a log axis an interval
-  reaching 0 is drawn to the bottom of the axis); the TTFT axis is a log one
-  when the intervals' ends span more than a factor of 20.
+  tier it came from, with the infinite-cache and Belady bounds as lines (the
+  axis reaches well above the highest bar or bound: room for the legend);
+  right, p99 time to first token, on a log axis when the runs, with the ends
+  of their intervals, span more than a factor of 20 (a slow baseline would
+  otherwise squash the rest). Error bars are the 95% intervals when several
+  seeds ran, cut at what the figure can be (a rate in [0, 1], a time >= 0; on
+  a log axis an interval reaching 0 is drawn to the bottom of the axis).
 - ``plot_timeline``: per-tier occupancy (mean fraction of each tier's
   capacity) and the token hit rate over time, per window of simulated time,
   one line (one colour in every panel) per run.
@@ -217,9 +217,9 @@ def plot_sweep(rows: Sequence[Mapping], out_dir: str | Path, title: str = "") ->
         rate = metric == "token_hit_rate"
         values = [float(r[metric]) for r in rows if r.get(metric) is not None]
         with_ci = [r for r in tiered if r.get(metric) is not None]
-        errs = interval([float(r[metric]) for r in with_ci], _ci_of(with_ci, metric), 0.0,
-                        1.0 if rate else math.inf)
-        ends = [*values, *(np.asarray([float(r[metric]) for r in with_ci]) + errs[1]).tolist()]
+        shown = np.asarray([float(r[metric]) for r in with_ci], dtype=np.float64)
+        errs = interval(shown, _ci_of(with_ci, metric), 0.0, 1.0 if rate else math.inf)
+        ends = [*values, *(shown + errs[1]).tolist()]
         log = not rate and needs_log(ends)
         for ax, (high, low) in zip(axes[0], pairs, strict=True):
             for i, policy in enumerate(policies):
