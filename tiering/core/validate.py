@@ -8,12 +8,19 @@ never passes a bound.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 
 def is_int(value: object) -> bool:
     """An ``int`` that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_integral(value: object) -> bool:
+    """An integer, Python's or numpy's (slots and counts may come from index arrays),
+    never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_number(value: object) -> bool:
