@@ -71,3 +71,14 @@ def check_timeout(what: str, timeout: object) -> float:
         raise ValueError(
             f"{what}: timeout must be a finite number of seconds >= 0, got {timeout!r}")
     return float(timeout)
+
+
+def check_budget(what: str, timeout: object) -> float:
+    """A wait's time budget in seconds: a finite real number (not a bool; None, infinity and
+    NaN bound nothing); a negative one is an expired budget, returned as 0.0 (answer at
+    once). Else ValueError ``"<what> must be a finite number of seconds, got ..."``.
+    ``check_timeout`` is the stricter twin for waits where a negative timeout is a mistake."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
+            or not math.isfinite(timeout):
+        raise ValueError(f"{what} must be a finite number of seconds, got {timeout!r}")
+    return max(0.0, float(timeout))
