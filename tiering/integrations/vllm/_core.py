@@ -986,9 +986,11 @@ class TieredBlockManager:
             holdings[k] = [slot]
         for slot in self._abandoned:
             holdings[("reset", slot)] = [slot]
-        stray = [k for k in self._reset_loads if k not in self._load_pins]
-        if stray:
-            problems.append(f"{stray[0].hex()}: a load from before a reset without its pin")
+        for k, (n, _) in self._reset_loads.items():  # a part of the key's load pins
+            pins = self._load_pins.get(k, 0)
+            if not 0 < n <= pins:
+                problems.append(f"{k.hex()}: {n} load(s) from before a reset, {pins} load pin(s)")
+                break
         for k in self.index.keys():
             loc = self.index.location(k)
             info = self.index.get(k)
