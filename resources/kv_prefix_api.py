@@ -21,6 +21,7 @@ from resources.kv_records import RequestRecord
 from resources.kv_transfers import _why
 from tiering.blocks import KeyRoot
 from tiering.core.executor import RELOAD
+from tiering.core.validate import is_int, is_number
 from tiering.types import IllegalTransition, Move, RequestState, Tier, TransferResult
 
 log = logging.getLogger("tiering.kv_cache")
@@ -80,12 +81,10 @@ class KVPrefixReuse:
         if not isinstance(policy, str) or policy not in registry:
             raise ValueError(f"enable_prefix_cache: unknown block policy {policy!r};"
                              f" known: {', '.join(registry.names)}")
-        if isinstance(disk_batch_pages, bool) or not isinstance(disk_batch_pages, int) \
-                or disk_batch_pages < 1:
+        if not is_int(disk_batch_pages) or disk_batch_pages < 1:
             raise ValueError(f"enable_prefix_cache: disk_batch_pages must be an int >= 1,"
                              f" got {disk_batch_pages!r}")
-        if isinstance(shared_refresh_s, bool) or not isinstance(shared_refresh_s, (int, float)) \
-                or not 0 < shared_refresh_s < math.inf:
+        if not is_number(shared_refresh_s) or not 0 < shared_refresh_s < math.inf:
             raise ValueError(f"enable_prefix_cache: shared_refresh_s must be a finite number > 0,"
                              f" got {shared_refresh_s!r}")
 

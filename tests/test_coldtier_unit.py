@@ -624,6 +624,8 @@ def test_a_damaged_hit_report_does_not_stop_the_sweeper(report):
 def test_every_wait_of_the_block_queue_is_bounded(bad):
     """``drain(None)`` and ``close(None)`` waited with no bound (and ``drain(inf)``); NaN
     was no bound either. A negative budget still means: do not wait."""
+    import threading
+
     from obstore.store import MemoryStore
 
     from tiering.coldtier import BlockQueue, BlockStatus, SharedBlockStore
@@ -631,12 +633,18 @@ def test_every_wait_of_the_block_queue_is_bounded(bad):
     rng = random.Random(23)
     s = SharedBlockStore(MemoryStore(), rng.randbytes(16), b"g")
     q = BlockQueue(s)
+    gate = threading.Event()  # every I/O thread waits on it: the publish stays queued
+    for _ in range(s.config.io_threads):
+        q._pool.submit(gate.wait, 10)
     k, v = rng.randbytes(16), rng.randbytes(50)
     assert q.submit_publish(k, v)
     for call in (q.drain, q.wait_idle, q.close):
         with pytest.raises(ValueError, match=f"BlockQueue.{call.__name__}: timeout_s must be a finite number"):
             call(bad)
-    assert q.wait_idle(-1.0) in (True, False)  # an expired budget: answers at once
+    # an expired budget answers at once: False, the publish is still queued (a wait would
+    # outlast the gate and see it done)
+    assert q.wait_idle(-1.0) is False and q.in_flight == 1
+    gate.set()
     got = q.close(10)
     assert [(r.key, r.status) for r in got] == [(k, BlockStatus.WRITTEN)]
     assert s.fetch(k).payload == v

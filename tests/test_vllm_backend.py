@@ -752,7 +752,7 @@ def test_bad_keys_are_refused_and_change_nothing(tmp_path, call, why):
     m.shutdown()
 
 
-@pytest.mark.parametrize("breakage", ["abandoned slot", "reset load"])
+@pytest.mark.parametrize("breakage", ["abandoned slot", "reset load", "reset load count"])
 def test_check_integrity_catches_broken_reset_book_keeping(tmp_path, breakage):
     gen = torch.Generator().manual_seed(32)
     m = make(tmp_path, slots=4, policy="lru")
@@ -764,9 +764,13 @@ def test_check_integrity_catches_broken_reset_book_keeping(tmp_path, breakage):
     if breakage == "abandoned slot":
         m.pool.release(("reset", d.slots[0]), d.slots)  # freed while a worker may write it
         match = "host pool"
-    else:
+    elif breakage == "reset load":
         m._reset_loads[key(7)] = (1, 0)  # a reset load nobody pins
         match = "before a reset"
+    else:
+        n, at = m._reset_loads[key(1)]
+        m._reset_loads[key(1)] = (n + 1, at)  # more reset loads than the key has pins
+        match = "2 load\\(s\\) from before a reset, 1 load pin"
     with pytest.raises(TableIntegrityError, match=match):
         m.check_integrity()
 

@@ -20,11 +20,9 @@ import math
 import random
 from dataclasses import dataclass
 
+from tiering.core.validate import is_int
+
 __all__ = ["SynthConfig", "synthetic_chains"]
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -40,10 +38,10 @@ class SynthConfig:
     gap_sigma: float = 0.9
 
     def __post_init__(self) -> None:
-        if not _is_int(self.system_prompts):
+        if not is_int(self.system_prompts):
             raise ValueError(f"SynthConfig.system_prompts must be an int, got {self.system_prompts!r}")
         if not (isinstance(self.system_blocks, tuple) and len(self.system_blocks) == 2
-                and all(_is_int(v) for v in self.system_blocks)):
+                and all(is_int(v) for v in self.system_blocks)):
             raise ValueError(
                 f"SynthConfig.system_blocks must be a (min, max) pair of ints, got {self.system_blocks!r}"
             )
@@ -77,7 +75,7 @@ class SynthConfig:
 
 def synthetic_chains(n: int, seed: int, config: SynthConfig | None = None) -> list[list[int]]:
     """``n`` requests' chains of block ids."""
-    if not _is_int(n) or n < 0:
+    if not is_int(n) or n < 0:
         raise ValueError(f"synthetic_chains: n must be an int >= 0, got {n!r}")
     cfg = config or SynthConfig()
     rng = random.Random(seed)

@@ -20,7 +20,6 @@ one timeout, after which queued requests are skipped at once until the cooldown'
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
 from typing import Any, NamedTuple
+
+from tiering.core.validate import check_budget
 
 from ._io import Fault, classify, short
 from .breaker import BreakerConfig, CircuitBreaker
@@ -109,10 +110,7 @@ class SharedTierConfig:
 def _check_wait(what: str, timeout_s: object) -> float:
     """Every wait is bounded: ``timeout_s`` is a finite number (None or infinity would wait for
     ever, NaN is no bound); a negative one is an expired budget: do not wait."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-            or not math.isfinite(timeout_s):
-        raise ValueError(f"BlockQueue.{what}: timeout_s must be a finite number, got {timeout_s!r}")
-    return max(0.0, float(timeout_s))
+    return check_budget(f"BlockQueue.{what}: timeout_s", timeout_s)
 
 
 def block_path(root: bytes, key: bytes) -> str:

@@ -23,7 +23,7 @@ from tiering.control.config import ControllerConfig, EvictionReport
 from tiering.control.eviction import DeviceEviction
 from tiering.control.request_table import RequestTable, ResourceHandle
 from tiering.control.stats import ControllerStats
-from tiering.core.validate import check_timeout
+from tiering.core.validate import check_timeout, is_integral
 from tiering.errors import UnknownRequest, UnknownRequestError
 from tiering.types import Move, TransferResult
 
@@ -92,9 +92,7 @@ class EvictionController:
                     "device_capacity_bytes"
                 )
             device_capacity_bytes = sum(offered)
-        if (isinstance(device_capacity_bytes, bool)
-                or not isinstance(device_capacity_bytes, numbers.Integral)
-                or device_capacity_bytes <= 0):
+        if not is_integral(device_capacity_bytes) or device_capacity_bytes <= 0:
             raise ValueError(
                 f"device_capacity_bytes must be a positive integer, got {device_capacity_bytes!r}"
             )

@@ -9,15 +9,10 @@ always equals the slots it counts.
 from __future__ import annotations
 
 import heapq
-import numbers
 from collections.abc import Hashable, Iterable
 
+from tiering.core.validate import is_integral
 from tiering.errors import PoolIntegrityError
-
-
-def is_int(value: object) -> bool:
-    """An integer (numpy's too: slots may come from index arrays), never a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class PagePool:
@@ -30,9 +25,9 @@ class PagePool:
     """
 
     def __init__(self, name: str, num_pages: int, page_bytes: int) -> None:
-        if not is_int(num_pages) or num_pages < 1:
+        if not is_integral(num_pages) or num_pages < 1:
             raise ValueError(f"{name} pool: num_pages must be an int >= 1, got {num_pages!r}")
-        if not is_int(page_bytes) or page_bytes < 1:
+        if not is_integral(page_bytes) or page_bytes < 1:
             raise ValueError(f"{name} pool: page_bytes must be an int >= 1, got {page_bytes!r}")
         self.name = name
         self.num_pages = int(num_pages)
@@ -66,14 +61,14 @@ class PagePool:
         return n <= len(self._free)
 
     def _check_count(self, n: object, what: str) -> None:
-        if not is_int(n) or n < 0:
+        if not is_integral(n) or n < 0:
             raise ValueError(f"{self.name} pool: {what} needs a page count (an int >= 0), "
                              f"got {n!r}")
 
     def _check_slots(self, owner: Hashable, slots: list, what: str) -> None:
         """Every slot an int in range, none repeated (ValueError naming the first bad one)."""
         for s in slots:
-            if not is_int(s) or not 0 <= s < self.num_pages:
+            if not is_integral(s) or not 0 <= s < self.num_pages:
                 raise ValueError(f"{self.name} pool: {what} of {owner!r}: slot {s!r} is not "
                                  f"a slot index in [0, {self.num_pages})")
         if len(set(slots)) != len(slots):

@@ -51,15 +51,15 @@ class StagingRing:
         self.config = config
         self.pages = config.pages
         self._all: list[torch.Tensor] = []
-        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        self._free: queue.Queue[int] = queue.Queue()  # indexes into _all of the free buffers
         self._held: set[int] = set()  # indexes into _all of the buffers handed out
         self._lock = threading.Lock()
         for _ in range(config.buffers):
             t = torch.empty((config.pages, *page_shape), dtype=dtype)
             if pin is not None:
                 t = pin(t)
+            self._free.put(len(self._all))
             self._all.append(t)
-            self._free.put(t)
         self.allocations = len(self._all)  # never grows: proves the ring is reused
 
     def acquire(self, timeout: float | None = None) -> torch.Tensor | None:
@@ -68,12 +68,12 @@ class StagingRing:
         wait = self.config.timeout_s if timeout is None else check_timeout(
             "StagingRing.acquire", timeout)
         try:
-            buf = self._free.get(timeout=wait)
+            i = self._free.get(timeout=wait)
         except queue.Empty:
             return None
         with self._lock:
-            self._held.add(self._index(buf))
-        return buf
+            self._held.add(i)
+        return self._all[i]
 
     def _index(self, buf: torch.Tensor) -> int:
         for i, b in enumerate(self._all):
@@ -89,7 +89,7 @@ class StagingRing:
             if i not in self._held:
                 raise ValueError(f"release: buffer {i} of this ring is not held (released twice)")
             self._held.remove(i)
-        self._free.put(buf)
+        self._free.put(i)
 
     def free_count(self) -> int:
         return self._free.qsize()

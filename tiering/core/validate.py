@@ -8,12 +8,19 @@ never passes a bound.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 
 def is_int(value: object) -> bool:
     """An ``int`` that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_integral(value: object) -> bool:
+    """An integer, Python's or numpy's (slots and counts may come from index arrays),
+    never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_number(value: object) -> bool:
@@ -64,3 +71,14 @@ def check_timeout(what: str, timeout: object) -> float:
         raise ValueError(
             f"{what}: timeout must be a finite number of seconds >= 0, got {timeout!r}")
     return float(timeout)
+
+
+def check_budget(what: str, timeout: object) -> float:
+    """A wait's time budget in seconds: a finite real number (not a bool; None, infinity and
+    NaN bound nothing); a negative one is an expired budget, returned as 0.0 (answer at
+    once). Else ValueError ``"<what> must be a finite number of seconds, got ..."``.
+    ``check_timeout`` is the stricter twin for waits where a negative timeout is a mistake."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
+            or not math.isfinite(timeout):
+        raise ValueError(f"{what} must be a finite number of seconds, got {timeout!r}")
+    return max(0.0, float(timeout))

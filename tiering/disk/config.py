@@ -31,19 +31,6 @@ def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def check_timeout(name: str, value: object) -> float:
-    """A wait's timeout in seconds: a finite number (not a bool); a negative one is an
-    expired budget (0: answer at once). ValueError naming ``name`` otherwise: a wait
-    without a bound (None, inf) or with NaN is never started."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float, np.integer, np.floating))
-        or not -float("inf") < value < float("inf")
-    ):
-        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
-    return max(0.0, float(value))
-
-
 @dataclass(frozen=True)
 class DiskConfig:
     """How the disk tier is stored and sized; validated on construction.

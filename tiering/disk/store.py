@@ -156,9 +156,10 @@ import numpy as np
 import torch
 from zarr.abc.store import Store
 
+from tiering.core.validate import check_budget
 from tiering.disk.array import CODECS  # noqa: F401 (re-exported)
 from tiering.disk.backend import ArrayGeometry, PageBackend
-from tiering.disk.config import DiskConfig, check_timeout
+from tiering.disk.config import DiskConfig
 from tiering.disk.ledger import (
     ChunkLedger,
     DiskExtent,
@@ -438,7 +439,7 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
 
         Returns False if some still are after ``timeout`` seconds.
         """
-        return self._ledger.wait_idle(check_timeout("wait_idle timeout", timeout))
+        return self._ledger.wait_idle(check_budget("wait_idle timeout", timeout))
 
     def close(self) -> None:
         """Stop accepting work; wait (bounded) for in-flight I/O; close a store we opened.

@@ -14,7 +14,7 @@ import errno
 import logging
 import threading
 
-from tiering.disk.config import check_timeout
+from tiering.core.validate import check_budget
 from tiering.disk.manifest import ManifestEntry, encode_manifest
 from tiering.errors import DiskIOError
 
@@ -77,7 +77,7 @@ class ManifestPart:
         """Wait (bounded) until no manifest write is pending or running; True when the
         manifest on the store is current (always True where writes are synchronous).
         ValueError for a timeout that is not a finite number >= 0."""
-        timeout = check_timeout("wait_manifest timeout", timeout)
+        timeout = check_budget("wait_manifest timeout", timeout)
         if self._flusher is None:
             return not self._manifest_dirty
         with self._flush_cv:

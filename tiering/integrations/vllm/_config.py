@@ -204,7 +204,6 @@ class HostSlab:
         self.path = path
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self._fd: int | None = None  # the creator's descriptor: it holds the lock
         self._ino: tuple[int, int] | None = None
         size = num_slots * slot_bytes
         for _ in range(8):  # bounded: another process may create or replace it meanwhile
@@ -222,8 +221,7 @@ class HostSlab:
         except BaseException:
             os.close(fd)
             raise
-        if self.created:
-            self._fd = fd
+        if self.created:  # the creator's descriptor holds the lock until close (or collection)
             self._finalizer = weakref.finalize(self, os.close, fd)
         else:
             os.close(fd)
@@ -252,15 +250,9 @@ class HostSlab:
         except BaseException:
             os.close(fd)
             raise
-        try:  # nobody holds it: a leftover of a process that is gone
-            if _same_file(fd, path):
-                os.unlink(path)
-                log.warning("tiering: removed a leftover host slab %s (no live process held it)",
-                            path)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(fd)
+        if _remove_unheld(fd, path):  # nobody holds it: a leftover of a process that is gone
+            log.warning("tiering: removed a leftover host slab %s (no live process held it)",
+                        path)
         return None
 
     def _create(self, path: str, size: int, d: str) -> int | None:
@@ -320,7 +312,6 @@ class HostSlab:
             pass
         if self._finalizer is not None:
             self._finalizer()  # closes the creator's descriptor (once), dropping the lock
-        self._fd = None
 
 
 def remove_leftover_slabs(host_dir: str) -> list[str]:
@@ -346,17 +337,25 @@ def remove_leftover_slabs(host_dir: str) -> list[str]:
         except BlockingIOError:
             os.close(fd)
             continue  # a live creator holds it
-        try:
-            if _same_file(fd, path):
-                os.unlink(path)
-                removed.append(path)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(fd)
+        if _remove_unheld(fd, path):
+            removed.append(path)
     if removed:
         log.warning("tiering: removed %d leftover host slab file(s) in %s", len(removed), host_dir)
     return removed
+
+
+def _remove_unheld(fd: int, path: str) -> bool:
+    """Remove ``path`` if it still names the file of ``fd``, which this process has just
+    locked (so no live creator holds it); close ``fd``. Whether the name was removed."""
+    try:
+        if _same_file(fd, path):
+            os.unlink(path)
+            return True
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
+    return False
 
 
 def _same_file(fd: int, path: str) -> bool:

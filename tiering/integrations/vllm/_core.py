@@ -322,9 +322,13 @@ class TieredBlockManager:
             raise ValueError(f"{op}: keys must be a sequence of bytes keys, got {keys!r}")
         out = list(keys)
         for k in out:
-            if type(k) is not bytes or not k:
-                raise ValueError(f"{op}: every key must be non-empty bytes, got {k!r}")
+            TieredBlockManager._check_key(op, k)
         return out
+
+    @staticmethod
+    def _check_key(op: str, key: object) -> None:
+        if type(key) is not bytes or not key:
+            raise ValueError(f"{op}: every key must be non-empty bytes, got {key!r}")
 
     def _owner(self, key: bytes) -> str:
         return "k" + key.hex()
@@ -554,7 +558,7 @@ class TieredBlockManager:
 
     def lookup(self, key: bytes) -> Lookup:
         self._open("lookup")
-        (key,) = self._keys("lookup", (key,))
+        self._check_key("lookup", key)  # one key per call, on the scheduler's path: no list
         self.reap()
         self.counters.lookups += 1
         if key in self._storing:
@@ -986,9 +990,11 @@ class TieredBlockManager:
             holdings[k] = [slot]
         for slot in self._abandoned:
             holdings[("reset", slot)] = [slot]
-        stray = [k for k in self._reset_loads if k not in self._load_pins]
-        if stray:
-            problems.append(f"{stray[0].hex()}: a load from before a reset without its pin")
+        for k, (n, _) in self._reset_loads.items():  # a part of the key's load pins
+            pins = self._load_pins.get(k, 0)
+            if not 0 < n <= pins:
+                problems.append(f"{k.hex()}: {n} load(s) from before a reset, {pins} load pin(s)")
+                break
         for k in self.index.keys():
             loc = self.index.location(k)
             info = self.index.get(k)

@@ -89,7 +89,8 @@ class _Geometry:
         self.engine_id = config.engine_id
 
     def slab(self, rank: int) -> HostSlab:
-        remove_leftover_slabs(self.host_dir)  # of processes that died (nobody holds them)
+        """The host slab of ``rank``; a caller sweeps ``host_dir`` once first
+        (``remove_leftover_slabs``), not once per rank."""
         return HostSlab(slab_path(self.host_dir, self.engine_id, rank), self.num_slots,
                         self.slot_bytes)
 
@@ -270,6 +271,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             g = self.geometry
             slabs: list[HostSlab] = []
             disk = None
+            remove_leftover_slabs(g.host_dir)  # of processes that died (nobody holds them)
             try:  # a failure here (a disk tier that cannot open, say) leaves no slab file
                 for r in range(g.world):
                     slabs.append(g.slab(r))
@@ -318,6 +320,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                     off += int(ref.page_size_bytes)
                 groups.append(GroupLayout(tuple(copies), off))
             rank = self.config.parallel.rank
+            remove_leftover_slabs(g.host_dir)  # of processes that died (nobody holds them)
             slab = g.slab(rank)
             try:
                 slab.unlink_if_second()
