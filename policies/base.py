@@ -102,7 +102,8 @@ class Policy:
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
         ):
             raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
-        if batch.reclaimable is None and self.reads_reclaimable:
+        # the flag first: reading ``batch.reclaimable`` gathers a records batch's bytes
+        if self.reads_reclaimable and batch.reclaimable is None:
             raise ValueError(
                 f"policy {self.name!r} orders by the reclaimable bytes (reads_reclaimable), "
                 f"and this batch was made without them"
