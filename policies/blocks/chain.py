@@ -447,17 +447,15 @@ class ChainOdds(BlockPolicy):
                     heap.append((-d2, q2, k2))
                 heapify(heap)
                 stack = front[cls] = (t0, heap, {e[2]: e[1] for e in heap}, [])
-            else:
-                heap, seen, added = stack[1], stack[2], stack[3]
-                if added:
-                    # what the read added since counts, as if the list were read again
-                    # (a block tracked again moves to its new place), whether or not the
-                    # read is still going on
-                    for e in added:
-                        seen[e[2]] = e[1]
-                        heappush(heap, e)
-                    added.clear()
-            heap, seen = stack[1], stack[2]
+            heap, seen, added = stack[1], stack[2], stack[3]
+            if added:
+                # what the read added since counts, as if the list were read again
+                # (a block tracked again moves to its new place), whether or not the
+                # read is still going on
+                for e in added:
+                    seen[e[2]] = e[1]
+                    heappush(heap, e)
+                added.clear()
             while heap:
                 _, q, k = heap[0]
                 e = lst.get(k)
