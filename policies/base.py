@@ -23,6 +23,7 @@ __all__ = [
     "CandidateBatch",
     "OrderCursor",
     "Policy",
+    "check_batch",
     "check_now",
     "rank_by",
 ]
@@ -97,7 +98,7 @@ class Policy:
         holding at least ``min(limit, len(batch))`` rows (possibly more).
         """
         check_now(now)
-        _check_batch(batch, "order")
+        check_batch(batch, "order")
         if limit is not None and (
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
         ):
@@ -170,7 +171,7 @@ class Policy:
         """``pick`` on a batch: the rows of the shortest covering prefix of ``order``."""
         _check_need(need_bytes)
         check_now(now)
-        _check_batch(batch, "pick_rows")
+        check_batch(batch, "pick_rows")
         sizes = batch.reclaimable
         if sizes is None:
             raise ValueError("pick_rows needs the batch's reclaimable bytes")
@@ -209,7 +210,7 @@ class OrderCursor:
     def __init__(self, policy: Policy, batch: CandidateBatch, now: float) -> None:
         if not isinstance(policy, Policy):
             raise ValueError(f"OrderCursor: policy must be a Policy, got {type(policy).__name__}")
-        _check_batch(batch, "OrderCursor")
+        check_batch(batch, "OrderCursor")
         self._policy = policy
         self._batch = batch
         self._now = check_now(now)
@@ -271,7 +272,8 @@ def _ranks_records(cls: type) -> bool:
     return False
 
 
-def _check_batch(batch: object, what: str) -> None:
+def check_batch(batch: object, what: str) -> None:
+    """Raise ValueError, prefixed by ``what``, unless ``batch`` is a CandidateBatch."""
     if not isinstance(batch, CandidateBatch):
         raise ValueError(f"{what}: batch must be a CandidateBatch, got {type(batch).__name__}")
 
