@@ -16,17 +16,18 @@ a move while that write has not run yet, and checks the bytes bit for bit.
 - ``offload_while_writing``: request ``a`` has a write queued on the
   compute stream when ``offload("a")`` is asked for on the step thread (whose
   current stream is the default one). The device-to-host copy must wait for
-  the *named* compute stream. A marker recorded on the current stream, which has
-  nothing queued, so the copy takes the stale KV and this
-  probe FAILS there (after the reload, ``a`` reads the bytes from before the
-  write).
+  the *named* compute stream. A cache that recorded its marker on the current
+  stream, which has nothing queued, would let the copy take the stale KV, and
+  this probe FAILS there (after the reload, ``a`` reads the bytes from before
+  the write).
 
 Every trial records whether the queued kernel was still pending when the move
 was asked for (else the trial proves nothing: ``conclusive``). A control run of
 each probe uses a cache that is not told the compute stream; it must show
-corruption, proving the probe can see the race
-(``control_detected_race``). The probes use ``PagedKVCache(...,
-compute_stream=...)``; where the cache does not accept it, the probe runs without it and reports ``compute_stream_supported: false``.
+corruption, proving the probe can see the race (``control_detected_race``).
+The probes use ``PagedKVCache(..., compute_stream=...)``; where the cache does
+not accept it, the probe runs without it and reports
+``compute_stream_supported: false``.
 
 ``status`` is ``pass`` (every trial exact and conclusive, and the control saw
 the race), ``fail`` (a trial's bytes differ), or ``inconclusive``. On a machine

@@ -27,7 +27,7 @@ from policies.cost_aware import CostAware
 from policies.largest import LargestFirst
 from policies.lru import LRU
 from policies.priority import Priority
-from policies.registry import Registry
+from policies.registry import Registry, registry_or_default
 
 PolicyFactory = Callable[..., Policy]
 
@@ -91,11 +91,5 @@ def make_policy(name: str, registry: PolicyRegistry | None = None, **kwargs: obj
 
 def _registry(registry: object, caller: str) -> PolicyRegistry:
     """``registry``, or the built-ins when None; anything but a PolicyRegistry is refused."""
-    if registry is None:
-        return default_registry()
-    if not isinstance(registry, PolicyRegistry):
-        raise TypeError(
-            f"{caller}: registry must be a PolicyRegistry (from default_registry or "
-            f"register_policy), got {type(registry).__name__}"
-        )
-    return registry
+    return registry_or_default(registry, PolicyRegistry, default_registry, caller,
+                               "default_registry or register_policy")

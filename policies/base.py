@@ -23,6 +23,7 @@ __all__ = [
     "CandidateBatch",
     "OrderCursor",
     "Policy",
+    "check_batch",
     "check_now",
     "rank_by",
 ]
@@ -97,12 +98,13 @@ class Policy:
         holding at least ``min(limit, len(batch))`` rows (possibly more).
         """
         check_now(now)
-        _check_batch(batch, "order")
+        check_batch(batch, "order")
         if limit is not None and (
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
         ):
             raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
-        if batch.reclaimable is None and self.reads_reclaimable:
+        # the flag first: reading ``batch.reclaimable`` gathers a records batch's bytes
+        if self.reads_reclaimable and batch.reclaimable is None:
             raise ValueError(
                 f"policy {self.name!r} orders by the reclaimable bytes (reads_reclaimable), "
                 f"and this batch was made without them"
@@ -169,7 +171,7 @@ class Policy:
         """``pick`` on a batch: the rows of the shortest covering prefix of ``order``."""
         _check_need(need_bytes)
         check_now(now)
-        _check_batch(batch, "pick_rows")
+        check_batch(batch, "pick_rows")
         sizes = batch.reclaimable
         if sizes is None:
             raise ValueError("pick_rows needs the batch's reclaimable bytes")
@@ -208,7 +210,7 @@ class OrderCursor:
     def __init__(self, policy: Policy, batch: CandidateBatch, now: float) -> None:
         if not isinstance(policy, Policy):
             raise ValueError(f"OrderCursor: policy must be a Policy, got {type(policy).__name__}")
-        _check_batch(batch, "OrderCursor")
+        check_batch(batch, "OrderCursor")
         self._policy = policy
         self._batch = batch
         self._now = check_now(now)
@@ -270,7 +272,8 @@ def _ranks_records(cls: type) -> bool:
     return False
 
 
-def _check_batch(batch: object, what: str) -> None:
+def check_batch(batch: object, what: str) -> None:
+    """Raise ValueError, prefixed by ``what``, unless ``batch`` is a CandidateBatch."""
     if not isinstance(batch, CandidateBatch):
         raise ValueError(f"{what}: batch must be a CandidateBatch, got {type(batch).__name__}")
 

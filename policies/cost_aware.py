@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies.base import Candidate, CandidateBatch, Policy, check_now
+from policies.base import Candidate, CandidateBatch, Policy, check_batch, check_now
 
 #: Floor on the reload time a score divides by, in seconds.
 EPS_S = 1e-9
@@ -92,11 +92,7 @@ class CostAware(Policy):
     def batch_scores(self, batch: CandidateBatch, now: float) -> np.ndarray:
         """``score`` of every row of ``batch`` (float64); the batch must carry its bytes."""
         check_now(now)
-        if not isinstance(batch, CandidateBatch):
-            raise ValueError(
-                f"CostAware.batch_scores: batch must be a CandidateBatch, got "
-                f"{type(batch).__name__}"
-            )
+        check_batch(batch, "CostAware.batch_scores")
         if batch.reclaimable is None:
             raise ValueError(
                 "CostAware.batch_scores: the batch's reclaimable bytes were not asked for; "

@@ -19,6 +19,7 @@ pass plus a small sort.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Protocol
 
 import numpy as np
@@ -176,29 +177,21 @@ def _break_ties(
     positions = np.flatnonzero(in_run)
     members = order[positions]
     at = members if rows is None else rows[members]
-    run_keys = sorted_keys[positions].tolist()
-    tied_rids = ids.rids[at].tolist()
-    tied_resources = ids.resources[at].tolist()
-    columns = [run_keys, tied_rids, tied_resources]
-    arranged = sorted(range(len(positions)), key=lambda j: (run_keys[j], tied_rids[j],
-                                                            tied_resources[j]))
-    if _has_twins(arranged, columns):
+    rows_of = list(zip(sorted_keys[positions].tolist(), ids.rids[at].tolist(),
+                       ids.resources[at].tolist(), strict=True))
+    arranged = sorted(range(len(positions)), key=rows_of.__getitem__)
+    if any(rows_of[a] == rows_of[b] for a, b in pairwise(arranged)):
         # Two rows with one (rid, resource) tie on every key: only the rest of
         # their fields can order them without looking at where they came in.
-        columns += [col[at].tolist() for col in _other_columns(ids)]
-        arranged = sorted(range(len(positions)), key=lambda j: tuple(c[j] for c in columns))
+        others = [col[at].tolist() for col in _other_columns(ids)]
+        if others:
+            rows_of = [row + rest for row, rest in zip(rows_of, zip(*others, strict=True), strict=True)]
+            arranged = sorted(range(len(positions)), key=rows_of.__getitem__)
     order[positions] = members[arranged]
 
 
 # The columns that order twin rows, after the keys, the rid and the resource.
 _TWIN_COLUMNS = ("reclaimable", "last_used", "priority", "reload_cost_s")
-
-
-def _has_twins(arranged: list[int], columns: list[list]) -> bool:
-    """Whether two neighbours of ``arranged`` are equal in every one of ``columns``."""
-    return any(
-        all(c[a] == c[b] for c in columns) for a, b in zip(arranged, arranged[1:], strict=False)
-    )
 
 
 def _other_columns(ids: RowIds) -> list[np.ndarray]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 
 class Registry:
@@ -86,3 +86,21 @@ class Registry:
             raise ValueError(f"a {self.kind} name must be a non-empty str, got {name!r}")
         if not callable(factory):
             raise TypeError(f"{self.kind} {name!r}: factory {factory!r} is not callable")
+
+
+R = TypeVar("R", bound=Registry)
+
+
+def registry_or_default(
+    registry: object, kind: type[R], default: Callable[[], R], caller: str, made_by: str
+) -> R:
+    """``registry``, or ``default()`` when it is None; anything but a ``kind`` is refused
+    (TypeError naming ``caller``), so one kind's registry never builds another kind."""
+    if registry is None:
+        return default()
+    if not isinstance(registry, kind):
+        raise TypeError(
+            f"{caller}: registry must be a {kind.__name__} (from {made_by}), got "
+            f"{type(registry).__name__}"
+        )
+    return registry

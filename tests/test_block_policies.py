@@ -632,3 +632,21 @@ def test_chain_refuses_a_second_insert_of_a_tracked_block():
     p, info = _one_block_policy("chain")
     with pytest.raises(ValueError, match="b'a'"):
         p.on_insert(info(b"a"), 1.0)
+
+
+def test_the_block_registry_refuses_a_wrong_registry_by_name():
+    """make_block_policy took any registry: a PolicyRegistry built a request policy (LRU of
+    policies) where a block policy was asked for, a dict failed with a bare AttributeError."""
+    from policies import default_registry
+
+    for wrong in (default_registry(), {"lru": LRUBlocks}, 3):
+        with pytest.raises(TypeError,
+                           match="make_block_policy: registry must be a BlockPolicyRegistry"):
+            make_block_policy("lru", registry=wrong, capacity=4)
+        with pytest.raises(TypeError,
+                           match="register_block_policy: registry must be a BlockPolicyRegistry"):
+            register_block_policy("mine", LRUBlocks, registry=wrong)
+    # the control: a block registry, given or not, still builds block policies
+    mine = register_block_policy("mine", LRUBlocks)
+    assert isinstance(make_block_policy("mine", registry=mine, capacity=4), LRUBlocks)
+    assert isinstance(make_block_policy("lru", capacity=4), LRUBlocks)

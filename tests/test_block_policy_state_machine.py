@@ -42,7 +42,6 @@ class PolicyMachine(RuleBasedStateMachine):
         self.next_key = 0
         self.slot = 0
         self.pinned: dict[int, int] = {}  # key -> maps held by "live requests"
-        self.evicted = 0
 
     def _fresh(self, n):
         out = list(range(self.next_key, self.next_key + n))
@@ -57,7 +56,6 @@ class PolicyMachine(RuleBasedStateMachine):
         for d in self.index.drop(v):
             assert d.key not in self.pinned, f"{self.name}: pinned block {d.key!r} evicted"
             self.policy.on_remove(d.key)
-        self.evicted += 1
         return True
 
     @rule(data=st.data(), new=st.integers(1, 4))

@@ -1001,7 +1001,9 @@ def test_a_policy_that_reads_the_bytes_refuses_a_batch_without_them_by_name(poli
         policy.order(blind, 10.0)
     # the bytes-blind policies still order it
     assert sorted(LRU().order(blind, 10.0).tolist()) == list(range(5))
-    assert sorted(Priority("kv").order(blind, 10.0, 2).tolist())[:1] != []
+    full = Priority("kv").order(blind, 10.0).tolist()
+    prefix = Priority("kv").order(blind, 10.0, 2).tolist()
+    assert sorted(full) == list(range(5)) and len(prefix) >= 2 and prefix == full[: len(prefix)]
 
 
 def test_a_registry_is_made_from_a_mapping_only():
@@ -1019,3 +1021,28 @@ def test_rank_by_refuses_tie_fields_it_cannot_order_by_name(then):
             rank_by(some, attrgetter("last_used"), then=then)
     ordered = rank_by(records, attrgetter("last_used"), then=["reclaimable", "rid"])
     assert ordered == sorted(records, key=attrgetter("reclaimable", "rid"))
+
+
+def test_a_policy_that_does_not_read_the_bytes_does_not_gather_them(monkeypatch):
+    """``order`` checked ``batch.reclaimable`` before the policy's ``reads_reclaimable``, so
+    every order of a records batch gathered the bytes column, even for LRU and priority."""
+    import policies.candidate as candidate_module
+
+    gathered: list[int] = []
+    real = candidate_module._GATHER["_reclaimable"]
+    monkeypatch.setitem(candidate_module._GATHER, "_reclaimable",
+                        lambda records: gathered.append(len(records)) or real(records))
+    rng = random.Random(21)
+    records = [Candidate(f"r{i}", rng.randint(1, 2**40), rng.uniform(0, 99), Tier.DEVICE,
+                         rng.uniform(-5, 5), 0.0, "kv") for i in range(50)]
+    for blind in (LRU(), Priority("kv")):
+        batch = CandidateBatch.from_candidates(records)
+        rows = blind.order(batch, 100.0)
+        assert sorted(rows.tolist()) == list(range(50))
+        blind.order(batch, 100.0, 5)
+    assert gathered == []
+    # the control: a policy that reads the bytes gathers them, once per batch
+    batch = CandidateBatch.from_candidates(records)
+    LargestFirst().order(batch, 100.0)
+    LargestFirst().order(batch, 100.0, 5)
+    assert gathered == [50]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from policies.blocks.base import BlockInfo, BlockPolicy
 from policies.blocks.chain import ChainOdds
 from policies.blocks.generic import ARCBlocks, LRUBlocks, S3FIFOBlocks
-from policies.registry import Registry
+from policies.registry import Registry, registry_or_default
 
 BlockPolicyFactory = Callable[..., BlockPolicy]
 
@@ -54,12 +54,17 @@ def default_block_registry() -> BlockPolicyRegistry:
 def register_block_policy(
     name: str, factory: BlockPolicyFactory, registry: BlockPolicyRegistry | None = None
 ) -> BlockPolicyRegistry:
-    return (registry if registry is not None else default_block_registry()).with_policy(
-        name, factory
-    )
+    return _registry(registry, "register_block_policy").with_policy(name, factory)
 
 
 def make_block_policy(
     name: str, registry: BlockPolicyRegistry | None = None, **kwargs: object
 ) -> BlockPolicy:
-    return (registry if registry is not None else default_block_registry()).make(name, **kwargs)
+    return _registry(registry, "make_block_policy").make(name, **kwargs)
+
+
+def _registry(registry: object, caller: str) -> BlockPolicyRegistry:
+    """``registry``, or the built-ins when None; anything but a BlockPolicyRegistry is
+    refused (a PolicyRegistry would build request policies)."""
+    return registry_or_default(registry, BlockPolicyRegistry, default_block_registry, caller,
+                               "default_block_registry or register_block_policy")

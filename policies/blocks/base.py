@@ -99,3 +99,13 @@ class BlockPolicy(ABC):
 
     def __contains__(self, key: object) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+def not_tracked(policy: BlockPolicy, event: str, key: Hashable) -> ValueError:
+    """The error for ``event`` (``on_hit``, ``on_remove``) of a block ``policy`` does not hold."""
+    return ValueError(f"{policy.name}: {event} of block {key!r}, which the policy does not track")
+
+
+def already_tracked(policy: BlockPolicy, key: Hashable) -> ValueError:
+    """The error for an ``on_insert`` of a block ``policy`` already holds."""
+    return ValueError(f"{policy.name}: on_insert of block {key!r}, which the policy already tracks")

@@ -56,7 +56,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
 from operator import itemgetter
 
-from policies.blocks.base import BlockInfo, BlockPolicy
+from policies.blocks.base import BlockInfo, BlockPolicy, already_tracked, not_tracked
 
 __all__ = ["ChainOdds"]
 
@@ -373,31 +373,31 @@ class ChainOdds(BlockPolicy):
             front[3].append((-depth, seq, key))
         self._version += 1
 
-    def on_insert(self, info: BlockInfo, now: float) -> None:
-        key = info[0]
+    def _insert(self, key: Hashable, depth: int) -> None:
         if key in self._meta:
-            raise ValueError(f"chain: on_insert of block {key!r}, which the policy already tracks")
-        self._track(key, info[2])  # key, depth
+            raise already_tracked(self, key)
+        self._track(key, depth)
+
+    def on_insert(self, info: BlockInfo, now: float) -> None:
+        self._insert(info[0], info[2])  # key, depth
 
     def on_hit(self, info: BlockInfo, now: float) -> None:
         """A hit re-tracks the block exactly as an insert does."""
         key = info[0]
         if key not in self._meta:
-            raise ValueError(f"chain: on_hit of block {key!r}, which the policy does not track")
+            raise not_tracked(self, "on_hit", key)
         self._track(key, info[2])
 
     def on_insert_key(self, key, depth, get, now) -> None:
         if type(self).on_insert is not ChainOdds.on_insert:  # a subclass's own on_insert
             self.on_insert(get(key), now)
-        elif key in self._meta:
-            raise ValueError(f"chain: on_insert of block {key!r}, which the policy already tracks")
         else:
-            self._track(key, depth)
+            self._insert(key, depth)
 
     def on_remove(self, key: Hashable) -> None:
         cls = self._meta.pop(key, None)
         if cls is None:
-            raise ValueError(f"chain: on_remove of block {key!r}, which the policy does not track")
+            raise not_tracked(self, "on_remove", key)
         last = self._lists[cls].pop(key)[0]
         self._dirty.add(cls)
         self._version += 1
@@ -447,17 +447,15 @@ class ChainOdds(BlockPolicy):
                     heap.append((-d2, q2, k2))
                 heapify(heap)
                 stack = front[cls] = (t0, heap, {e[2]: e[1] for e in heap}, [])
-            else:
-                heap, seen, added = stack[1], stack[2], stack[3]
-                if added:
-                    # what the read added since counts, as if the list were read again
-                    # (a block tracked again moves to its new place), whether or not the
-                    # read is still going on
-                    for e in added:
-                        seen[e[2]] = e[1]
-                        heappush(heap, e)
-                    added.clear()
-            heap, seen = stack[1], stack[2]
+            heap, seen, added = stack[1], stack[2], stack[3]
+            if added:
+                # what the read added since counts, as if the list were read again
+                # (a block tracked again moves to its new place), whether or not the
+                # read is still going on
+                for e in added:
+                    seen[e[2]] = e[1]
+                    heappush(heap, e)
+                added.clear()
             while heap:
                 _, q, k = heap[0]
                 e = lst.get(k)

@@ -9,17 +9,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 
-from policies.blocks.base import BlockInfo, BlockPolicy
+from policies.blocks.base import BlockInfo, BlockPolicy, already_tracked, not_tracked
 
 __all__ = ["ARCBlocks", "LRUBlocks", "S3FIFOBlocks"]
-
-
-def _untracked(policy: BlockPolicy, event: str, key: Hashable) -> ValueError:
-    return ValueError(f"{policy.name}: {event} of block {key!r}, which the policy does not track")
-
-
-def _tracked(policy: BlockPolicy, key: Hashable) -> ValueError:
-    return ValueError(f"{policy.name}: on_insert of block {key!r}, which the policy already tracks")
 
 
 def _check_capacity(name: str, capacity: object) -> int:
@@ -46,20 +38,20 @@ class LRUBlocks(BlockPolicy):
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
         if info.key in self._order:
-            raise _tracked(self, info.key)
+            raise already_tracked(self, info.key)
         self._order[info.key] = None
 
     def on_hit(self, info: BlockInfo, now: float) -> None:
         try:
             self._order.move_to_end(info.key)
         except KeyError:
-            raise _untracked(self, "on_hit", info.key) from None
+            raise not_tracked(self, "on_hit", info.key) from None
 
     def on_remove(self, key: Hashable) -> None:
         try:
             del self._order[key]
         except KeyError:
-            raise _untracked(self, "on_remove", key) from None
+            raise not_tracked(self, "on_remove", key) from None
 
     def victims(self, now: float) -> Iterator[Hashable]:
         yield from self._order
@@ -92,7 +84,7 @@ class ARCBlocks(BlockPolicy):
     def on_insert(self, info: BlockInfo, now: float) -> None:
         k, c = info.key, self.capacity
         if k in self._t1 or k in self._t2:
-            raise _tracked(self, k)
+            raise already_tracked(self, k)
         if k in self._b1:
             self.p = min(float(c), self.p + max(len(self._b2) / len(self._b1), 1.0))
             del self._b1[k]
@@ -113,7 +105,7 @@ class ARCBlocks(BlockPolicy):
         elif k in self._t2:
             del self._t2[k]
         else:
-            raise _untracked(self, "on_hit", k)
+            raise not_tracked(self, "on_hit", k)
         self._t2[k] = None
 
     def on_remove(self, key: Hashable) -> None:
@@ -124,7 +116,7 @@ class ARCBlocks(BlockPolicy):
             del self._t2[key]
             self._b2[key] = None
         else:
-            raise _untracked(self, "on_remove", key)
+            raise not_tracked(self, "on_remove", key)
         self._trim()
 
     def _trim(self) -> None:
@@ -169,7 +161,7 @@ class S3FIFOBlocks(BlockPolicy):
     def on_insert(self, info: BlockInfo, now: float) -> None:
         k = info.key
         if k in self._s or k in self._m:
-            raise _tracked(self, k)
+            raise already_tracked(self, k)
         if k in self._g:
             del self._g[k]
             self._m[k] = 0
@@ -182,7 +174,7 @@ class S3FIFOBlocks(BlockPolicy):
         try:
             q[k] = min(q[k] + 1, 3)
         except KeyError:
-            raise _untracked(self, "on_hit", k) from None
+            raise not_tracked(self, "on_hit", k) from None
 
     def on_remove(self, key: Hashable) -> None:
         if key in self._s:
@@ -194,7 +186,7 @@ class S3FIFOBlocks(BlockPolicy):
             try:
                 del self._m[key]
             except KeyError:
-                raise _untracked(self, "on_remove", key) from None
+                raise not_tracked(self, "on_remove", key) from None
 
     def victims(self, now: float) -> Iterator[Hashable]:
         s, m = self._s, self._m

@@ -42,6 +42,8 @@ from tiering.core.lifecycle import (
     page_releasers,
 )
 from tiering.errors import UnknownRequest
+from tiering.testing.blocks import check_block_policy  # the contracts, importable from here
+from tiering.testing.policies import PolicyCheck, check_policy
 from tiering.types import (
     Move,
     RequestState,
@@ -542,11 +544,6 @@ class ScriptedFraction:
     def read(self) -> float:
         return self.value
 
-
-# The contracts, importable from here as the README shows (imported last: they
-# use nothing above, and nothing above uses them).
-from tiering.testing.blocks import check_block_policy  # noqa: E402
-from tiering.testing.policies import PolicyCheck, check_policy  # noqa: E402
 
 __all__ = [
     "ExactPressure",

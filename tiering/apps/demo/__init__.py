@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -42,12 +41,14 @@ def _parser(default_requests: int) -> argparse.ArgumentParser:
 def _resolve_device(name: str) -> str:
     import torch
 
+    from tiering.apps.demo.scenario import is_device_name
+
     if name == "auto":
         try:
             return "cuda" if torch.cuda.is_available() else "cpu"
         except Exception:  # torch raises mixed types when no driver is present
             return "cpu"
-    if name != "cpu" and re.fullmatch(r"cuda(:\d+)?", name) is None:
+    if not is_device_name(name):
         raise ValueError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N")
     if name.startswith("cuda"):
         try:

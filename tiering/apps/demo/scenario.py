@@ -47,6 +47,14 @@ MAX_HIGH = 0.90
 WATERMARK_GAP = 0.15
 
 
+_DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def is_device_name(name: object) -> bool:
+    """Whether ``name`` names a device the demo runs on: ``cpu``, ``cuda`` or ``cuda:N``."""
+    return isinstance(name, str) and _DEVICE_NAME.fullmatch(name) is not None
+
+
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"DemoConfig.{name} must be an int >= {minimum}, got {value!r}")
@@ -149,9 +157,7 @@ class DemoConfig:
         if not isinstance(self.model, ModelConfig):
             raise ValueError(
                 f"DemoConfig.model must be a ModelConfig, got {type(self.model).__name__}")
-        if not isinstance(self.device, str) or (
-            self.device != "cpu" and re.fullmatch(r"cuda(:\d+)?", self.device) is None
-        ):
+        if not is_device_name(self.device):
             raise ValueError(f"DemoConfig.device must be cpu, cuda or cuda:N, got {self.device!r}")
         if not isinstance(self.policy, str) or self.policy not in default_registry():
             raise ValueError(
