@@ -1042,7 +1042,7 @@ def test_a_leftover_slab_file_is_replaced_not_paired_with(tmp_path):
     assert torch.equal(manager.tensor[1], page)  # ... is what the manager demotes
     assert not os.path.exists(path)
     worker.close()
-    manager.close(unlink=True)
+    manager.close()
     assert os.listdir(tmp_path) == []
 
 

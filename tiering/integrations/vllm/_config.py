@@ -300,10 +300,10 @@ class HostSlab:
         except FileNotFoundError:
             pass
 
-    def close(self, unlink: bool = False) -> None:
+    def close(self) -> None:
         """Unmap the slab and drop the creator's lock; the file's name goes if it still
-        names this slab (``unlink`` is kept for callers; the name goes either way:
-        a partner that has not mapped it by now never will). Idempotent."""
+        names this slab (a partner that has not mapped it by now never will).
+        Idempotent."""
         self.tensor = None  # type: ignore[assignment]
         self._unlink_if_ours()
         try:

@@ -212,7 +212,7 @@ class TieredOffloadingManager(OffloadingManager):
     def shutdown(self) -> None:
         self.core.shutdown()
         for s in self.core.slabs:
-            s.close(unlink=True)
+            s.close()
 
 
 class TieredOffloadingWorker(OffloadingWorker):
@@ -287,7 +287,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                 if disk is not None:
                     disk.close()
                 for s in slabs:
-                    s.close(unlink=True)
+                    s.close()
                 raise
             self._manager = TieredOffloadingManager(
                 core, self.kv_events_config.enable_kv_cache_events
