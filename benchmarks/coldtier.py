@@ -307,10 +307,10 @@ def kv_share(url: str | None, opts: dict, reqs: list[list[int]], *, max_blocks: 
              refresh_every: int) -> dict:
     """Two caches with one root, requests round-robin; ``url`` None: no shared tier."""
     import torch
+    from tiering.resources.base import ResourceStep, StepContext
+    from tiering.resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_geometry import KVGeometry
 
-    from resources.base import ResourceStep, StepContext
-    from resources.kv_cache import PagedKVCache
-    from resources.kv_geometry import KVGeometry
     from tiering.blocks import KeyRoot
     from tiering.coldtier import SharedTierConfig
 

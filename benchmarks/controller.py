@@ -1,6 +1,6 @@
 """Eviction controller benchmark: the idle and busy steps and the victim pick, per policy.
 
-For each built-in policy (made by name with ``policies.make_policy``):
+For each built-in policy (made by name with ``tiering.policies.make_policy``):
 
 - ``idle_step_us``: median cost of one ``evict_if_needed`` with 10,000 live
   requests, pressure below the high watermark and nothing waiting (target
@@ -55,8 +55,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tiering.policies import Candidate, make_policy  # noqa: E402
+
 from benchmarks._report import table, write_json  # noqa: E402
-from policies import Candidate, make_policy  # noqa: E402
 from tiering.control.controller import ControllerConfig, EvictionController  # noqa: E402
 from tiering.testing import ExactPressure, FakeClock, FakeTieredResource  # noqa: E402
 from tiering.types import RequestState, Tier  # noqa: E402

@@ -43,8 +43,8 @@ def _numeric(d) -> dict:
 
 
 def pinning(torch, device) -> dict:
-    from resources.kv_cache import PagedKVCache
-    from resources.kv_geometry import KVGeometry
+    from tiering.resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_geometry import KVGeometry
 
     geom = KVGeometry(num_layers=8, num_kv_heads=8, head_dim=128, page_tokens=16)
     host_pages = 37
@@ -78,8 +78,9 @@ def pinning(torch, device) -> dict:
 
 
 def pressure(torch) -> dict:
-    from resources.kv_cache import PagedKVCache
-    from resources.kv_geometry import KVGeometry
+    from tiering.resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_geometry import KVGeometry
+
     from tiering.control.pressure import NvmlPressure, TorchCudaPressure, cache_pressure
 
     out = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "devices": []}

@@ -88,7 +88,7 @@ def _mismatch(torch, got, want) -> int:
 
 
 def _make_cache(torch, geom, device, pages, compute, tell_stream: bool):
-    from resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_cache import PagedKVCache
 
     if tell_stream:
         try:
@@ -108,7 +108,7 @@ def _random_kv(torch, geom, tokens, gen, device):
 
 
 def _read_all(torch, kv, rid, compute):
-    from resources.engine_types import ResourceStep, StepContext
+    from tiering.resources.engine_types import ResourceStep, StepContext
 
     with torch.cuda.stream(compute):
         ok = kv.admit(ResourceStep(rid), StepContext())
@@ -229,7 +229,7 @@ def main(argv=None) -> dict:
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
         print("gpu_race: skipped (no CUDA device)")
         return result
-    from resources.kv_geometry import KVGeometry
+    from tiering.resources.kv_geometry import KVGeometry
 
     device = torch.device(a.device)
     torch.cuda.set_device(device)

@@ -30,9 +30,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
+from tiering.policies.blocks import default_block_registry  # noqa: E402
 
 from benchmarks._report import table, write_json  # noqa: E402
-from policies.blocks import default_block_registry  # noqa: E402
 from tiering.blocks.belady import belady_hit_rate  # noqa: E402
 from tiering.blocks.index import BlockIndex  # noqa: E402
 from tiering.blocks.keys import KeyRoot  # noqa: E402

@@ -33,9 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tiering.resources.kv_cache import PagedKVCache  # noqa: E402
+from tiering.resources.kv_geometry import KVGeometry  # noqa: E402
+
 from benchmarks._report import table, write_json  # noqa: E402
-from resources.kv_cache import PagedKVCache  # noqa: E402
-from resources.kv_geometry import KVGeometry  # noqa: E402
 from tiering.core.transfer import coalesce  # noqa: E402
 
 DEFAULT_PAGE_KIB = 2048

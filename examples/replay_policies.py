@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies import CandidateBatch, Policy
-from policies.blocks import BlockInfo, BlockPolicy
+from tiering.policies import CandidateBatch, Policy
+from tiering.policies.blocks import BlockInfo, BlockPolicy
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from policies.base import Candidate, CandidateBatch, OrderCursor, Policy, rank_by
-from policies.cost_aware import CostAware
-from policies.largest import LargestFirst
-from policies.lru import LRU
-from policies.priority import Priority
-from policies.registry import Registry, registry_or_default
+from tiering.policies.base import Candidate, CandidateBatch, OrderCursor, Policy, rank_by
+from tiering.policies.cost_aware import CostAware
+from tiering.policies.largest import LargestFirst
+from tiering.policies.lru import LRU
+from tiering.policies.priority import Priority
+from tiering.policies.registry import Registry, registry_or_default
 
 PolicyFactory = Callable[..., Policy]
 

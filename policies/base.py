@@ -1,7 +1,7 @@
 """The interface every policy implements, and helpers for writing one.
 
 Policies are pure: they receive immutable candidates (``Candidate`` records or
-a ``CandidateBatch`` of columns, both defined in ``policies.candidate`` and
+a ``CandidateBatch`` of columns, both defined in ``tiering.policies.candidate`` and
 re-exported here) and return an order. They never touch pools, resources,
 torch or the filesystem, which keeps them cheap to test and safe to swap.
 """
@@ -14,9 +14,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import compress
 
 import numpy as np
-
-from policies.candidate import Candidate, CandidateBatch
-from policies.ordering import check_keys, order_rows
+from tiering.policies.candidate import Candidate, CandidateBatch
+from tiering.policies.ordering import check_keys, order_rows
 
 __all__ = [
     "Candidate",
@@ -37,7 +36,7 @@ class Policy:
     - ``sort_keys(batch, now)``: numeric columns, compared most significant
       first, each ascending (smaller is evicted sooner). The base class does
       the rest: ties by ``rid`` then ``resource``, and only as much sorting as
-      the prefix a caller reads needs (see ``policies.ordering``).
+      the prefix a caller reads needs (see ``tiering.policies.ordering``).
     - ``order(batch, now, limit)``: its own columnar order.
     - ``rank(candidates, now)``: records only, the simplest form. The base
       class then builds records from a batch to serve ``order``.

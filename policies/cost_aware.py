@@ -27,8 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from policies.base import Candidate, CandidateBatch, Policy, check_batch, check_now
+from tiering.policies.base import Candidate, CandidateBatch, Policy, check_batch, check_now
 
 #: Floor on the reload time a score divides by, in seconds.
 EPS_S = 1e-9

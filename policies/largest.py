@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from policies.base import CandidateBatch, Policy
+from tiering.policies.base import CandidateBatch, Policy
 
 
 @dataclass(frozen=True)

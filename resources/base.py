@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-
-from resources.engine_types import (
+from tiering.resources.engine_types import (
     ADMIT_OK,
     AdmitOutcome,
     BucketKey,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
-    from resources.base import Resource
+    from tiering.resources.base import Resource
 
 
 class BucketKey(NamedTuple):

@@ -35,20 +35,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from resources.base import (
+from tiering.resources.base import (
     EngineResourceInfo,
     NodeResourceSpec,
     Resource,
     ResourceReqConfig,
 )
-from resources.kv_data import KVDataPlane, check_int
-from resources.kv_geometry import KVGeometry
-from resources.kv_hooks import KVEvictionHooks
-from resources.kv_moves import CopyJobs
-from resources.kv_prefix import BLOCKS, PrefixCache
-from resources.kv_prefix_api import KVPrefixReuse
-from resources.kv_records import (  # noqa: F401 (the errors are re-exported from their old home)
+from tiering.resources.kv_data import KVDataPlane, check_int
+from tiering.resources.kv_geometry import KVGeometry
+from tiering.resources.kv_hooks import KVEvictionHooks
+from tiering.resources.kv_moves import CopyJobs
+from tiering.resources.kv_prefix import BLOCKS, PrefixCache
+from tiering.resources.kv_prefix_api import KVPrefixReuse
+from tiering.resources.kv_records import (  # noqa: F401 (the errors are re-exported from their old home)
     CacheClosed,
     KVStats,
     RequestLost,
@@ -57,7 +56,8 @@ from resources.kv_records import (  # noqa: F401 (the errors are re-exported fro
     TransferJob,
     UnknownRequest,
 )
-from resources.kv_transfers import KVTransfers, _why
+from tiering.resources.kv_transfers import KVTransfers, _why
+
 from tiering.control.protocols import CompletionFeed
 from tiering.core.executor import PriorityExecutor
 from tiering.core.lifecycle import Lifecycle, Op, guard

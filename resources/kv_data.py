@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from tiering.resources.kv_records import RequestLost, RequestRecord
 
-from resources.kv_records import RequestLost, RequestRecord
 from tiering.types import IllegalTransition, RequestState
 
 S = RequestState

@@ -5,15 +5,15 @@
 back), reports the bytes each tier holds and each request's state, and admits
 a step only when its KV is on the device. The answers read
 the records; the one that starts a move is ``offload``/``reload`` in
-``resources.kv_transfers``.
+``tiering.resources.kv_transfers``.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from tiering.resources.base import AdmitOutcome, ResourceReqConfig, ResourceStep, StepContext
+from tiering.resources.engine_types import retention_offload_priority
 
-from resources.base import AdmitOutcome, ResourceReqConfig, ResourceStep, StepContext
-from resources.engine_types import retention_offload_priority
 from tiering.core.lifecycle import LifecycleAnswers
 from tiering.errors import UnknownRequest
 from tiering.types import OFFLOADED_STATES, RequestState, Tier

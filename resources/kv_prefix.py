@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from tiering.policies.blocks import DEFAULT_BLOCK_POLICY, make_block_policy
+from tiering.resources.kv_prefix_moves import TierMovesPart
+from tiering.resources.kv_prefix_shared import SharedLink, SharedTierPart, _Fetch
+from tiering.resources.kv_prefix_types import BLOCKS, PrefixHit, PrefixLoad, crc_page
 
-from policies.blocks import make_block_policy
-from resources.kv_prefix_moves import TierMovesPart
-from resources.kv_prefix_shared import SharedLink, SharedTierPart, _Fetch
-from resources.kv_prefix_types import BLOCKS, PrefixHit, PrefixLoad, crc_page
 from tiering.blocks import BlockIndex, KeyRoot, block_keys
 from tiering.blocks.keys import KEY_BYTES
 from tiering.core.transfer import coalesce, copy_runs
@@ -60,8 +60,8 @@ from tiering.errors import CorruptBlock
 from tiering.types import Tier
 
 if TYPE_CHECKING:  # pragma: no cover
-    from resources.kv_cache import PagedKVCache
-    from resources.kv_records import RequestRecord
+    from tiering.resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_records import RequestRecord
 
 log = logging.getLogger("tiering.kv_prefix")
 
@@ -71,7 +71,7 @@ __all__ = ["BLOCKS", "PrefixCache", "PrefixHit", "PrefixLoad", "SharedLink", "as
 class PrefixCache(TierMovesPart, SharedTierPart):
     """The block store of one ``PagedKVCache`` (see the module docstring)."""
 
-    def __init__(self, cache: PagedKVCache, root: bytes, policy: str = "lru",
+    def __init__(self, cache: PagedKVCache, root: bytes, policy: str = DEFAULT_BLOCK_POLICY,
                  disk_batch_pages: int = 16, shared=None, shared_refresh_s: float = 10.0) -> None:
         if not isinstance(root, bytes) or len(root) != KEY_BYTES:
             raise ValueError(f"enable_prefix_cache: root must be {KEY_BYTES} bytes, got {root!r}")

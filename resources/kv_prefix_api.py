@@ -1,6 +1,6 @@
 """Prefix reuse on ``PagedKVCache``: the block store's calls and the engine's prefix hooks.
 
-``KVPrefixReuse`` is the cache's face of ``resources.kv_prefix.PrefixCache``
+``KVPrefixReuse`` is the cache's face of ``tiering.resources.kv_prefix.PrefixCache``
 (publishing, looking up and attaching cached prefix blocks, and loading the
 blocks of an attached prefix from host or disk). These methods are the ones
 the cache always had, moved here verbatim.
@@ -13,12 +13,12 @@ import math
 
 import numpy as np
 import torch
+from tiering.policies.blocks import DEFAULT_BLOCK_POLICY, default_block_registry
+from tiering.resources.base import CachedPrefix
+from tiering.resources.kv_prefix import BLOCKS, PrefixCache, PrefixHit, as_root
+from tiering.resources.kv_records import RequestRecord
+from tiering.resources.kv_transfers import _why
 
-from policies.blocks import default_block_registry
-from resources.base import CachedPrefix
-from resources.kv_prefix import BLOCKS, PrefixCache, PrefixHit, as_root
-from resources.kv_records import RequestRecord
-from resources.kv_transfers import _why
 from tiering.blocks import KeyRoot
 from tiering.core.executor import RELOAD
 from tiering.core.validate import is_int, is_number
@@ -36,13 +36,13 @@ class KVPrefixReuse:
 
     prefix_skip_safe = True  # a hit only skips tokens whose K/V the cache already holds
 
-    def enable_prefix_cache(self, root, walks=None, *, policy: str = "lru",
+    def enable_prefix_cache(self, root, walks=None, *, policy: str = DEFAULT_BLOCK_POLICY,
                             disk_batch_pages: int = 16, shared=None,
                             shared_refresh_s: float = 10.0) -> bool:
         """Open the block store under ``root`` (16 bytes, or a ``tiering.blocks.KeyRoot``).
 
         ``policy`` names the block retention policy of every tier
-        (``policies.blocks.make_block_policy``); ``disk_batch_pages`` is how many
+        (``tiering.policies.blocks.make_block_policy``); ``disk_batch_pages`` is how many
         blocks one host -> disk write packs. ``shared`` (a
         ``tiering.coldtier.SharedTierConfig``, ``SharedBlockStore`` or ``BlockQueue``)
         adds the shared cold tier: published blocks are written there, and an

@@ -1,6 +1,6 @@
 """The prefix cache's moves down the tiers: making room and dropping blocks.
 
-``TierMovesPart`` holds the methods of ``PrefixCache`` (``resources.kv_prefix``)
+``TierMovesPart`` holds the methods of ``PrefixCache`` (``tiering.resources.kv_prefix``)
 that free a block's location, drop a block with its descendants, and move unmapped
 blocks down (device -> host -> disk) when the cache needs room, on the caller's
 thread. It is a part of that one class, not an object of its own: it reads and
@@ -14,8 +14,8 @@ import logging
 from collections.abc import Hashable
 
 import torch
+from tiering.resources.kv_prefix_types import BLOCKS, DISK_OWNER
 
-from resources.kv_prefix_types import BLOCKS, DISK_OWNER
 from tiering.types import Tier
 
 log = logging.getLogger("tiering.kv_prefix")

@@ -1,12 +1,12 @@
 """The prefix cache's shared cold tier: the link, the fetches in flight, publishes.
 
 ``SharedLink`` is a ``PrefixCache``'s handle on the ``BlockQueue``; ``SharedTierPart``
-holds the methods of ``PrefixCache`` (``resources.kv_prefix``) that publish blocks
+holds the methods of ``PrefixCache`` (``tiering.resources.kv_prefix``) that publish blocks
 there, map blocks known to exist there as pending fetches, land them as host blocks
 and check that bookkeeping. It is a part of that one class, not an object of its
 own: it reads and writes ``PrefixCache``'s state (``shared``, ``fetching``,
 ``unpublished``, ``index``, ``stats``), set up in ``PrefixCache.__init__``; the rules
-are in ``resources.kv_prefix``'s module docstring.
+are in ``tiering.resources.kv_prefix``'s module docstring.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from tiering.resources.kv_prefix_types import BLOCKS, PrefixLoad, crc_page
 
-from resources.kv_prefix_types import BLOCKS, PrefixLoad, crc_page
 from tiering.types import Tier
 
 if TYPE_CHECKING:  # pragma: no cover
-    from resources.kv_records import RequestRecord
+    from tiering.resources.kv_records import RequestRecord
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The small types of the prefix cache (``resources.kv_prefix``), shared by its parts.
+"""The small types of the prefix cache (``tiering.resources.kv_prefix``), shared by its parts.
 
 ``BLOCKS`` is the pool owner of the pages the block index holds; ``PrefixHit`` and
 ``PrefixLoad`` are what ``cached_prefix`` and a pending load report; ``crc_page`` is

@@ -6,7 +6,7 @@
 ``Lifecycle`` (``tiering.core.lifecycle``): the move chosen by
 ``offload_move``, begun, then landed, survived (a failed copy leaves the
 request at its source) or lost (its bytes are gone, with the reason). The
-byte copies themselves are ``resources.kv_moves.CopyJobs``. Completion
+byte copies themselves are ``tiering.resources.kv_moves.CopyJobs``. Completion
 handlers are dispatched through ``_completions``, a ``Move -> handler`` table.
 """
 
@@ -15,7 +15,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 
-from resources.kv_records import RequestRecord, Tombstone, TransferJob
+from tiering.resources.kv_records import RequestRecord, Tombstone, TransferJob
+
 from tiering.control.protocols import CompletionFeed
 from tiering.core.checksum import ChecksumMismatch
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor

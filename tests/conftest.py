@@ -6,9 +6,9 @@ import contextlib
 
 import pytest
 import torch
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
 
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
 from tiering.types import RequestState, Tier
 
 

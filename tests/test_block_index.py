@@ -8,8 +8,8 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tiering.policies.blocks import LRUBlocks
 
-from policies.blocks import LRUBlocks
 from tiering.blocks import BlockIndex
 from tiering.types import Tier
 
@@ -433,7 +433,7 @@ def test_a_bad_tier_or_reason_is_refused_by_name_and_changes_nothing():
 
 
 def test_count_evictable_counts_what_may_leave_up_to_want_and_changes_nothing():
-    from policies.blocks import LRUBlocks
+    from tiering.policies.blocks import LRUBlocks
 
     rng = random.Random(9)
     idx, pol = BlockIndex(), LRUBlocks()

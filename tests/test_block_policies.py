@@ -10,16 +10,16 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-
-from policies.blocks import (
+from tiering.policies.blocks import (
     BlockPolicy,
     default_block_registry,
     make_block_policy,
     register_block_policy,
 )
-from policies.blocks.base import BlockInfo
-from policies.blocks.chain import ChainOdds
-from policies.blocks.generic import LRUBlocks
+from tiering.policies.blocks.base import BlockInfo
+from tiering.policies.blocks.chain import ChainOdds
+from tiering.policies.blocks.generic import LRUBlocks
+
 from tiering.blocks import BlockIndex
 from tiering.blocks.replay import load_chains, replay_blocks
 from tiering.blocks.synth import synthetic_chains
@@ -584,7 +584,7 @@ def test_on_insert_key_honours_a_subclass_own_on_insert():
 
 
 def _one_block_policy(name):
-    from policies.blocks.base import BlockInfo
+    from tiering.policies.blocks.base import BlockInfo
 
     def info(k):
         return BlockInfo(k, None, 0, 0, 0, 0.0, 0.0, 0)
@@ -637,7 +637,7 @@ def test_chain_refuses_a_second_insert_of_a_tracked_block():
 def test_the_block_registry_refuses_a_wrong_registry_by_name():
     """make_block_policy took any registry: a PolicyRegistry built a request policy (LRU of
     policies) where a block policy was asked for, a dict failed with a bare AttributeError."""
-    from policies import default_registry
+    from tiering.policies import default_registry
 
     for wrong in (default_registry(), {"lru": LRUBlocks}, 3):
         with pytest.raises(TypeError,

@@ -23,8 +23,8 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from tiering.policies.blocks import default_block_registry, make_block_policy
 
-from policies.blocks import default_block_registry, make_block_policy
 from tiering.blocks import BlockIndex
 from tiering.coldtier import KnownBlocks
 from tiering.types import Tier

@@ -6,8 +6,8 @@ import json
 import random
 
 import pytest
+from tiering.policies.blocks import LRUBlocks, make_block_policy
 
-from policies.blocks import LRUBlocks, make_block_policy
 from tiering.blocks.belady import belady_hit_rate
 from tiering.blocks.replay import load_chains, main, replay_blocks
 from tiering.blocks.synth import synthetic_chains

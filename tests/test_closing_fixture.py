@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 from conftest import assert_same, cache_factory, closing_scope, fill
+from tiering.resources.kv_cache import PagedKVCache
 
-from resources.kv_cache import PagedKVCache
 from tiering.errors import CacheClosed
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import assert_same, fill
 from seaweed_fixture import _seaweed_shared, seaweed  # noqa: F401  (fixtures)
+from tiering.resources.kv_cache import PagedKVCache
 from zarr.storage import WrapperStore
 
-from resources.kv_cache import PagedKVCache
 from tiering.coldtier import (
     BlockQueue,
     BlockStatus,

@@ -22,9 +22,9 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from tiering.policies import make_policy
+from tiering.policies.base import Candidate, Policy
 
-from policies import make_policy
-from policies.base import Candidate, Policy
 from tiering.control.admission import InFlightLedger, ReloadQueue
 from tiering.control.controller import (
     ControllerConfig,

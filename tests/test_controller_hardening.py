@@ -16,8 +16,8 @@ import threading
 import pytest
 import torch
 from conftest import assert_same, fill
+from tiering.policies import make_policy
 
-from policies import make_policy
 from tiering.control.controller import ControllerConfig, EvictionController
 from tiering.control.pressure import PoolPressure
 from tiering.disk import DiskConfig, FaultPlan, FaultyStore

@@ -12,8 +12,8 @@ import random
 
 import pytest
 from conftest import ReclaimsNothing
+from tiering.policies import make_policy
 
-from policies import make_policy
 from tiering.control.controller import ControllerConfig, EvictionController
 from tiering.testing import ExactPressure, FakeClock, FakeTieredResource, ScriptedFraction
 from tiering.types import Move, RequestState, Tier, TransferResult

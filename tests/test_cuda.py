@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_same, random_kv
-
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
 
 pytestmark = pytest.mark.cuda
 

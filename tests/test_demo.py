@@ -14,8 +14,8 @@ import math
 
 import pytest
 import torch
+from tiering.resources.kv_cache import PagedKVCache
 
-from resources.kv_cache import PagedKVCache
 from tiering.apps.demo import main
 from tiering.apps.demo.model import ModelConfig, TinyDecoder
 from tiering.apps.demo.scenario import DemoConfig, compare_outputs, plan_tiers, run_demo

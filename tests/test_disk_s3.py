@@ -19,8 +19,8 @@ import pytest
 import torch
 from conftest import assert_same, fill
 from seaweed_fixture import _seaweed_shared, seaweed, seaweed_faults  # noqa: F401  (fixtures)
+from tiering.resources.kv_cache import PagedKVCache
 
-from resources.kv_cache import PagedKVCache
 from tiering.coldtier import ColdTierUnavailable, StoreNotAnswering
 from tiering.disk import DiskConfig, DiskIOError, DiskPageStore, DiskPathInUseError, PathLease
 from tiering.types import RequestState, Tier

@@ -118,9 +118,9 @@ def test_every_error_is_documented_exported_and_listed():
 
 OLD_HOMES = [
     ("tiering.types", "IllegalTransition"),
-    ("resources.kv_records", "UnknownRequest"),
-    ("resources.kv_records", "RequestLost"),
-    ("resources.kv_records", "CacheClosed"),
+    ("tiering.resources.kv_records", "UnknownRequest"),
+    ("tiering.resources.kv_records", "RequestLost"),
+    ("tiering.resources.kv_records", "CacheClosed"),
     ("tiering.control.config", "UnknownRequestError"),
     ("tiering.control.controller", "UnknownRequestError"),
     ("tiering.core.pools", "PoolIntegrityError"),
@@ -157,7 +157,8 @@ def test_old_import_paths_name_the_same_class(module, name):
 
 
 def test_one_unknown_request_class_for_cache_and_controller(kv):
-    from policies import make_policy
+    from tiering.policies import make_policy
+
     from tiering.control.controller import EvictionController
     from tiering.control.pressure import PoolPressure
 

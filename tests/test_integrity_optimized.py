@@ -24,9 +24,9 @@ PACKAGES = ("tiering", "resources", "policies")
 SCRIPT = r'''
 import random
 import torch
-from policies.blocks.generic import LRUBlocks
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
+from tiering.policies.blocks.generic import LRUBlocks
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
 from tiering.blocks import BlockIndex, KeyRoot
 from tiering.coldtier import KnownBlocks
 from tiering.coldtier.breaker import CircuitBreaker

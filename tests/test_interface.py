@@ -10,9 +10,8 @@ import re
 from pathlib import Path
 
 import pytest
-
-import resources.base as base
-from resources.kv_cache import PagedKVCache
+import tiering.resources.base as base
+from tiering.resources.kv_cache import PagedKVCache
 
 SEED_DIR = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 
@@ -301,10 +300,11 @@ def test_exact_pressure_needs_a_resource():
 
 
 def test_the_contracts_import_from_tiering_testing_as_the_readme_shows():
+    from tiering.policies import LRU
+
     import tiering.testing as testing
     import tiering.testing.blocks as block_contract
     import tiering.testing.policies as request_contract
-    from policies import LRU
 
     assert testing.check_policy is request_contract.check_policy
     assert testing.check_block_policy is block_contract.check_block_policy

@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 from conftest import assert_same, fill, random_kv, reload_all_and_check
+from tiering.resources.base import ResourceReqConfig, ResourceStep, StepContext
+from tiering.resources.kv_cache import RequestLost, UnknownRequest
+from tiering.resources.kv_geometry import KVGeometry
 
-from resources.base import ResourceReqConfig, ResourceStep, StepContext
-from resources.kv_cache import RequestLost, UnknownRequest
-from resources.kv_geometry import KVGeometry
 from tiering.core.transfer import CopyFault
 from tiering.types import IllegalTransition, RequestState, Tier
 

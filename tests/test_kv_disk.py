@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 from conftest import assert_same, fill, reload_all_and_check
+from tiering.resources.kv_cache import RequestLost
 
-from resources.kv_cache import RequestLost
 from tiering.disk import DiskConfig, FaultPlan, FaultyStore
 from tiering.types import Move, RequestState, Tier, TransferResult
 
@@ -235,7 +235,8 @@ def test_start_up_reattach_and_clear(kv, tmp_path):
 
 
 def test_controller_splits_offload_bytes_by_destination(kv, geom, tmp_path):
-    from policies import make_policy
+    from tiering.policies import make_policy
+
     from tiering.control.controller import ControllerConfig, EvictionController
     from tiering.control.pressure import PoolPressure
 

@@ -13,10 +13,10 @@ import threading
 import pytest
 import torch
 from conftest import assert_same, fill, random_kv
+from tiering.resources.base import ResourceStep, StepContext
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_records import CacheClosed
 
-from resources.base import ResourceStep, StepContext
-from resources.kv_cache import PagedKVCache
-from resources.kv_records import CacheClosed
 from tiering.core.pinning import HostRuntime, PinError, PinMode, aligned_empty, pin_host_slab
 from tiering.disk import DiskConfig
 from tiering.types import Move, RequestState, TransferResult
@@ -244,12 +244,12 @@ AFTER_CLOSE_ANSWERS = {"close", "cleanup", "fingerprint"}
 
 
 def _own_methods():
-    """Every public method PagedKVCache defines itself (its resources.kv_* classes), not the
+    """Every public method PagedKVCache defines itself (its tiering.resources.kv_* classes), not the
     engine contract's no-op defaults."""
     import inspect
 
     for cls in PagedKVCache.__mro__:
-        if not cls.__module__.startswith("resources.kv"):
+        if not cls.__module__.startswith("tiering.resources.kv"):
             continue
         for name, fn in vars(cls).items():
             if not name.startswith("_") and inspect.isfunction(fn):
@@ -514,7 +514,7 @@ def test_compute_stream_needs_cuda(geom):
 
 
 def test_build_takes_the_compute_stream_from_the_engine_info(geom):
-    from resources.base import EngineResourceInfo, NodeResourceSpec
+    from tiering.resources.base import EngineResourceInfo, NodeResourceSpec
 
     spec = NodeResourceSpec("kv", PagedKVCache, {"geometry": geom, "device_pages": 4, "host_pages": 4})
     kv = PagedKVCache.build(spec, EngineResourceInfo(device=torch.device("cpu")))

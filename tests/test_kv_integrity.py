@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import write_random
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
 
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
 from tiering.blocks import KeyRoot
 from tiering.core.pools import PoolIntegrityError
 from tiering.core.staging import StagingConfig

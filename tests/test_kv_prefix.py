@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_leading, write_random
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
+from tiering.resources.kv_prefix import BLOCKS
 
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
-from resources.kv_prefix import BLOCKS
 from tiering.blocks import KeyRoot
 from tiering.disk import DiskConfig
 from tiering.types import IllegalTransition, RequestState, Tier
@@ -35,7 +35,8 @@ def make(tmp_path=None, device_pages=16, host_pages=8, disk_pages=32, model="m",
         disk = DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=disk_pages * GEOM.page_bytes,
                           chunk_bytes=2 * GEOM.page_bytes)
     kv = PagedKVCache(GEOM, "cpu", device_pages, host_pages, disk=disk, **kw)
-    assert kv.enable_prefix_cache(root(model))
+    # lru, named: these tests count moves in recency order; the default policy has its own tests
+    assert kv.enable_prefix_cache(root(model), policy="lru")
     return kv
 
 
@@ -73,7 +74,7 @@ def attach_and_load(kv, rid, ids):
     got = kv.attach_prefix(rid, ids)
     kv.check_integrity()
     if kv.is_offloaded(rid):
-        from resources.base import ResourceStep, StepContext
+        from tiering.resources.base import ResourceStep, StepContext
 
         assert not kv.admit(ResourceStep(rid), StepContext())
         assert kv.reload(rid)
@@ -325,7 +326,7 @@ def test_removing_a_loader_in_flight_leaks_nothing():
 def test_negative_control_without_the_crc_check_corruption_would_be_served(monkeypatch):
     """The corruption test above detects something real: with the check disabled,
     the same flipped value reaches ``read``."""
-    import resources.kv_prefix as kp
+    import tiering.resources.kv_prefix as kp
 
     monkeypatch.setattr(kp, "crc_page", lambda t: 0)
     gen = torch.Generator().manual_seed(8)

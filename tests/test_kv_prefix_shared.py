@@ -28,10 +28,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from obstore.store import MemoryStore
 from seaweed_fixture import _seaweed_shared, seaweed, seaweed_faults  # noqa: F401  (fixtures)
+from tiering.resources.base import ResourceStep, StepContext
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
 
-from resources.base import ResourceStep, StepContext
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
 from tiering.blocks import KeyRoot
 from tiering.coldtier import (
     BlockQueue,

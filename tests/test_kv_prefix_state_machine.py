@@ -19,11 +19,11 @@ from conftest import rule_on_one_of
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from tiering.resources.base import ResourceStep, StepContext
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
+from tiering.resources.kv_prefix import BLOCKS
 
-from resources.base import ResourceStep, StepContext
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
-from resources.kv_prefix import BLOCKS
 from tiering.blocks import KeyRoot
 from tiering.disk import DiskConfig
 from tiering.types import RequestState, Tier

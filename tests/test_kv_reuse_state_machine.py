@@ -17,9 +17,9 @@ from conftest import assert_same, offload_resident, random_kv, write_layers
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
 
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
 from tiering.disk import DiskConfig
 from tiering.types import IllegalTransition, RequestState
 

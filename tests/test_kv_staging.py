@@ -16,8 +16,8 @@ from conftest import assert_same, fill
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from tiering.resources.kv_cache import PagedKVCache
 
-from resources.kv_cache import PagedKVCache
 from tiering.core.staging import StagingConfig, StagingRing
 from tiering.disk import DiskConfig
 from tiering.disk.store import DiskPageStore

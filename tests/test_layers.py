@@ -3,10 +3,10 @@
 Layers, lowest first (a module may import its own layer and any below):
 
 0. ``tiering.types``, ``tiering.errors``: the vocabulary
-1. ``policies``: ranking, pure (no torch, no I/O)
+1. ``tiering.policies`` (folder ``policies/``): ranking, pure (no torch, no I/O)
 2. ``tiering.core``, ``tiering.disk``, ``tiering.blocks``, ``tiering.coldtier``,
    ``tiering.control``: the mechanism and the controller
-3. ``resources``: the engine's interface and the KV cache built on the core
+3. ``tiering.resources`` (folder ``resources/``): the engine's interface and the KV cache built on the core
 4. ``tiering.tiered``, ``tiering.testing``: the front door and the helpers users test with
 5. ``tiering.integrations``, ``tiering.apps``: what assembles the above
 """
@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[tuple[str, ...]] = [
     ("tiering.types", "tiering.errors"),
-    ("policies",),
+    ("tiering.policies",),
     ("tiering.core", "tiering.disk", "tiering.blocks", "tiering.coldtier", "tiering.control"),
-    ("resources",),
+    ("tiering.resources",),
     ("tiering.tiered", "tiering.testing"),
     ("tiering.integrations", "tiering.apps"),
 ]
@@ -42,10 +42,11 @@ def _layer(module: str) -> int | None:
 
 def _modules() -> list[tuple[str, Path]]:
     out = []
-    for top in ("tiering", "resources", "policies"):
+    for top, package in (("tiering", "tiering"), ("resources", "tiering.resources"),
+                         ("policies", "tiering.policies")):
         for path in sorted((ROOT / top).rglob("*.py")):
-            rel = path.relative_to(ROOT).with_suffix("")
-            parts = list(rel.parts)
+            rel = path.relative_to(ROOT / top).with_suffix("")
+            parts = package.split(".") + list(rel.parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             out.append((".".join(parts), path))
@@ -92,6 +93,6 @@ def test_no_import_goes_up_a_layer(module, path):
 def test_the_check_catches_an_upward_import(tmp_path):
     """Negative control: a core module importing the KV cache is reported."""
     fake = tmp_path / "x.py"
-    fake.write_text("from resources.kv_cache import PagedKVCache\n")
+    fake.write_text("from tiering.resources.kv_cache import PagedKVCache\n")
     names = _imports("tiering.core.x", fake)
     assert any(_layer(n) == 3 for n in names) and _layer("tiering.core.x") == 2

@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 from conftest import fill
+from tiering.resources.base import ResourceStep, StepContext
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
 
-from resources.base import ResourceStep, StepContext
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.apps.replay.simulator import SimClock
 from tiering.control.controller import ControllerConfig

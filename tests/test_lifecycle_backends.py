@@ -30,10 +30,10 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from tiering.resources.base import ResourceStep, StepContext
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
 
-from resources.base import ResourceStep, StepContext
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.apps.replay.simulator import SimClock
 from tiering.core.lifecycle import Counters

@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from policies import (
+from tiering.policies import (
     LRU,
     Candidate,
     CostAware,
@@ -33,9 +32,10 @@ from policies import (
     rank_by,
     register_policy,
 )
-from policies.candidate import CandidateBatch
-from policies.cost_aware import EPS_S
-from policies.ordering import check_keys, order_rows
+from tiering.policies.candidate import CandidateBatch
+from tiering.policies.cost_aware import EPS_S
+from tiering.policies.ordering import check_keys, order_rows
+
 from tiering.testing.policies import PolicyCheck, check_policy, expected_pick, same_batch
 from tiering.types import Tier
 
@@ -177,7 +177,7 @@ class _NewestFirst(Policy):
         (_SortsInPlace, "never mutate its input"),
         (_BlindClaimButReads, "order without the bytes"),
         (_alternating_factory(), "rank the same way in a fresh instance"),
-        (lambda: "not a policy", "be a policies.base.Policy"),
+        (lambda: "not a policy", "be a tiering.policies.base.Policy"),
     ],
 )
 def test_check_policy_rejects_a_broken_policy(broken, rule):
@@ -732,9 +732,9 @@ def test_order_rows_reads_ids_only_when_rows_tie():
 
 
 def test_a_registry_of_another_kind_names_its_kind_and_checks_its_product():
-    """``policies.registry.Registry`` serves any kind of policy: the messages name the
+    """``tiering.policies.registry.Registry`` serves any kind of policy: the messages name the
     kind, and ``make`` refuses a factory that returns something else."""
-    from policies.registry import Registry
+    from tiering.policies.registry import Registry
 
     class Widget:
         pass
@@ -1026,7 +1026,7 @@ def test_rank_by_refuses_tie_fields_it_cannot_order_by_name(then):
 def test_a_policy_that_does_not_read_the_bytes_does_not_gather_them(monkeypatch):
     """``order`` checked ``batch.reclaimable`` before the policy's ``reads_reclaimable``, so
     every order of a records batch gathered the bytes column, even for LRU and priority."""
-    import policies.candidate as candidate_module
+    import tiering.policies.candidate as candidate_module
 
     gathered: list[int] = []
     real = candidate_module._GATHER["_reclaimable"]

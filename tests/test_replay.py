@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import conversation_trace
+from tiering.resources.engine_types import ResourceReqConfig
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
 
-from resources.engine_types import ResourceReqConfig
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
 from tiering.apps.replay import main as replay_main
 from tiering.apps.replay.metrics import percentile, summarize
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache

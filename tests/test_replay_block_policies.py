@@ -8,9 +8,9 @@ import json
 
 import pytest
 from replay_helpers import MOONCAKE
+from tiering.policies.blocks import default_block_registry
 
 from examples.replay_policies import KeepHeads
-from policies.blocks import default_block_registry
 from tiering.apps.replay import main as replay_main
 from tiering.apps.replay.presets import get_hardware, get_model
 from tiering.apps.replay.simulator import SimConfig
@@ -65,7 +65,7 @@ def test_one_block_policy_keeps_the_labels_as_they_were(tmp_path, capsys):
     ("lru,nope", "unknown block policy 'nope'"),
     ("lru,lru", "names a block policy twice"),
     ("lru,", "has an empty name"),
-    ("examples.replay_policies:IdleBytes", "is a class but not a policies.blocks.BlockPolicy"),
+    ("examples.replay_policies:IdleBytes", "is a class but not a tiering.policies.blocks.BlockPolicy"),
     ("examples.replay_policies:Missing", "has no attribute 'Missing'"),
     ("no_such_module_xyz:Thing", "cannot import module 'no_such_module_xyz'"),
     ("examples.replay_policies:math", "is not a BlockPolicy class or factory"),

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tiering.policies.blocks import LRUBlocks, register_block_policy
 
-from policies.blocks import LRUBlocks, register_block_policy
 from tiering.apps.replay.block_tiers import PrefixBlocks
 from tiering.apps.replay.bounds import belady
 from tiering.apps.replay.metrics import summarize

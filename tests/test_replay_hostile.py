@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from conftest import conversation_trace
 from replay_helpers import COST, MODEL, MOONCAKE, SIM, SMALL
+from tiering.policies import LRU, Policy, register_policy
 
-from policies import LRU, Policy, register_policy
 from tiering.apps.replay import main as replay_main
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.apps.replay.policy_spec import PolicySpec
@@ -158,7 +158,7 @@ def _write_module(tmp_path: Path, body: str) -> str:
 
 USER_MODULE = """
     import numpy as np
-    from policies import Policy
+    from tiering.policies import Policy
 
     class Raises(Policy):
         name = "raises"

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from conftest import conversation_trace
 from replay_helpers import COST, MODEL, MOONCAKE, ROOT, SIM, SMALL
+from tiering.policies import LRU, CandidateBatch, Policy, register_policy
 
-from policies import LRU, CandidateBatch, Policy, register_policy
 from tiering.apps.replay import main as replay_main
 from tiering.apps.replay.bounds import belady, infinite
 from tiering.apps.replay.metrics import summarize
@@ -136,8 +136,8 @@ def test_module_class_path_and_options(monkeypatch):
         PolicySpec("nowhere_at_all:X").build()
     with pytest.raises(ValueError, match="has no attribute 'Nope'"):
         PolicySpec("examples.replay_policies:Nope").build()
-    with pytest.raises(ValueError, match="not a policies.Policy subclass"):
-        PolicySpec("policies:CandidateBatch").build()
+    with pytest.raises(ValueError, match="not a tiering.policies.Policy subclass"):
+        PolicySpec("tiering.policies:CandidateBatch").build()
     with pytest.raises(ValueError, match="not a Policy class or factory"):
         PolicySpec("examples.replay_policies:np").build()
     with pytest.raises(TypeError, match="not a Policy"):
@@ -493,7 +493,7 @@ def test_tier_policies_sharing_one_history_change_nothing(monkeypatch, make_room
     """The block store lets its host and disk ChainOdds read the device one's ghost
     history (share_history); with each keeping its own copy the run is identical, and
     the sharing really happened."""
-    from policies.blocks.chain import ChainOdds
+    from tiering.policies.blocks.chain import ChainOdds
 
     sim = dataclasses.replace(SIM, make_room=make_room, block_policy="chain")
     real = ChainOdds.share_history

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import conversation_trace
 from replay_helpers import COST, MODEL, SIM
+from tiering.policies import LRU, Policy, register_policy
 
-from policies import LRU, Policy, register_policy
 from tiering.apps.replay import main as replay_main
 from tiering.apps.replay import simulator as simulator_mod
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
@@ -297,7 +297,7 @@ def test_a_refused_device_size_says_the_bound_a_retry_must_meet(tmp_path, capsys
 # -- the run named while it goes ----------------------------------------------------------------
 
 _FAILS_AT_1GIB = """
-    from policies import LRU
+    from tiering.policies import LRU
 
     class FailsLate(LRU):
         name = "fails-late"
@@ -414,7 +414,7 @@ def test_the_belady_bound_never_exceeds_the_infinite_cache():
 # -- a user's block policy that fails while a run goes -----------------------------------------
 
 _BLOCK_MODULE = """
-    from policies.blocks.generic import LRUBlocks
+    from tiering.policies.blocks.generic import LRUBlocks
 
     class RaisesLate(LRUBlocks):
         name = "raises-late"
@@ -467,8 +467,9 @@ def test_a_user_block_policy_failing_mid_run_is_named_and_exits_2(tmp_path, caps
 def test_a_guarded_block_policy_runs_as_the_unguarded_one(monkeypatch):
     # the guard passes every answer through: a user's policy that behaves gives the run it
     # gives unwrapped (negative control: a guard that reverses the victims does not)
+    from tiering.policies.blocks import default_block_registry
+
     from examples.replay_policies import KeepHeads
-    from policies.blocks import default_block_registry
     from tiering.apps.replay import block_guard, block_tiers
 
     registry = default_block_registry().with_policy("heads", KeepHeads)
@@ -522,7 +523,8 @@ def test_a_defect_of_the_replay_itself_is_not_reported_as_a_bad_argument(tmp_pat
 
 
 def test_retention_refuses_an_unknown_destination_and_offload_without_the_hosts_room():
-    from policies import LRU
+    from tiering.policies import LRU
+
     from tiering.apps.replay.presets import get_hardware
     from tiering.apps.replay.retention import ReloadCosts, Retention
     from tiering.types import Tier

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
 
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
 from tiering.apps.cli import main as tiering_main
 from tiering.apps.stress.accounting import account_faults, loss_kind, removed_fault_kind
 from tiering.apps.stress.cli import _parser as stress_parser

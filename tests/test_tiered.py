@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiering.resources.base import ResourceReqConfig
 
-from resources.base import ResourceReqConfig
 from tiering.control.controller import ControllerConfig
 from tiering.testing import FakeClock
 from tiering.tiered import TieredKV, TieredKVConfig
@@ -152,7 +152,8 @@ def test_synchronize_through_the_front_door_settles_the_controllers_ledger(geom)
 
 
 def test_around_wraps_a_cache_built_elsewhere_and_owns_it(geom):
-    from resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_cache import PagedKVCache
+
     from tiering.errors import CacheClosed
 
     clock = FakeClock()
@@ -181,7 +182,7 @@ def test_around_refuses_what_it_cannot_drive_and_names_it(geom):
 
     with pytest.raises(TypeError, match="lacks .*ingest_request"):
         TieredKV.around(NotACache())
-    from resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_cache import PagedKVCache
 
     with PagedKVCache(geom, device_pages=4, host_pages=4) as kv:
         with pytest.raises(TypeError, match="controller must be a ControllerConfig"):
@@ -274,7 +275,8 @@ def test_stats_parts_are_the_prefixed_figures_without_the_prefix(geom):
 
 
 def test_around_takes_a_pressure_class_a_source_or_nothing_else(geom):
-    from resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_cache import PagedKVCache
+
     from tiering.control.pressure import PoolPressure, ScriptedPressure
 
     with TieredKV.around(PagedKVCache(geom, device_pages=8, host_pages=8),
@@ -419,7 +421,7 @@ def test_config_takes_every_real_cache_option(geom):
     ("clock", 3.0), ("copy_fault_hook", "hook"), ("disk_wrap_store", 5),
 ])
 def test_cache_refuses_mistyped_options_by_name(geom, name, value):
-    from resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_cache import PagedKVCache
 
     with pytest.raises(ValueError, match=f"PagedKVCache: {name} must be"):
         PagedKVCache(geom, device_pages=4, host_pages=4, **{name: value})
@@ -462,7 +464,8 @@ def test_a_request_too_large_to_reload_is_never_offloaded_so_never_stranded(geom
 def test_close_stops_a_pressure_poller_the_front_door_built_and_not_one_handed_in(geom):
     import threading
 
-    from resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_cache import PagedKVCache
+
     from tiering.control.pressure import PoolPressure, PressurePoller
 
     built: list[PressurePoller] = []
@@ -516,7 +519,7 @@ def test_remove_mends_a_request_removed_behind_the_front_door(geom):
 
 
 def test_a_bad_clock_is_refused_before_anything_is_built_or_closed(geom):
-    from resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_cache import PagedKVCache
 
     with pytest.raises(TypeError, match="TieredKV: clock must be callable"):
         TieredKV(_config(geom), clock=5.0)
@@ -543,8 +546,8 @@ def _front_machine(with_disk: bool):
     from hypothesis import HealthCheck, settings
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+    from tiering.resources.kv_geometry import KVGeometry
 
-    from resources.kv_geometry import KVGeometry
     from tiering.disk import DiskConfig
     from tiering.tiered import Readiness
 
@@ -653,7 +656,7 @@ TestFrontDoorMachineWithDisk = _front_machine(with_disk=True).TestCase
 
 
 def test_around_refuses_a_cache_without_state_of_which_ready_needs(geom):
-    from resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_cache import PagedKVCache
 
     class NoStates:  # every hook but state_of, which ready() asks of a request not admitted
         def __init__(self, kv):
@@ -672,7 +675,7 @@ def test_around_refuses_a_cache_without_state_of_which_ready_needs(geom):
 
 @pytest.mark.parametrize("device", ["meta", torch.device("meta")])
 def test_a_device_that_holds_no_bytes_is_refused(geom, device):
-    from resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_cache import PagedKVCache
 
     with pytest.raises(ValueError, match="device must be a CPU or CUDA device"):
         PagedKVCache(geom, device=device, device_pages=4, host_pages=4)

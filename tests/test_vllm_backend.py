@@ -24,8 +24,8 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from tiering.policies.blocks import default_block_registry
 
-from policies.blocks import default_block_registry
 from tiering.blocks import BlockIndex
 from tiering.disk.slotfile import SLOT_FILE_NAME
 from tiering.integrations.vllm._core import (

@@ -32,20 +32,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from policies import make_policy
-from policies.base import Policy
-from resources.base import ResourceReqConfig, ResourceStep, StepContext
-from resources.kv_geometry import KVGeometry
 from tiering.control.controller import ControllerConfig, EvictionController, EvictionReport
 from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.control.protocols import TieredCache
 from tiering.core.validate import check_timeout, is_int
 from tiering.errors import UnknownRequest
+from tiering.policies import make_policy
+from tiering.policies.base import Policy
+from tiering.resources.base import ResourceReqConfig, ResourceStep, StepContext
+from tiering.resources.kv_geometry import KVGeometry
 from tiering.types import RequestState
 
 if TYPE_CHECKING:  # pragma: no cover - imported where a TieredKV builds its own cache
-    from resources.kv_cache import PagedKVCache
     from tiering.disk.config import DiskConfig
+    from tiering.resources.kv_cache import PagedKVCache
 
 
 log = logging.getLogger("tiering.tiered")
@@ -118,7 +118,7 @@ class TieredKVConfig:
             raise ValueError(
                 f"TieredKVConfig.cache_options must not repeat fields of the config: {sorted(clash)}"
             )
-        from resources.kv_cache import PagedKVCache
+        from tiering.resources.kv_cache import PagedKVCache
 
         known = set(inspect.signature(PagedKVCache).parameters) - reserved
         unknown = sorted(set(self.cache_options) - known, key=repr)
@@ -219,7 +219,9 @@ class TieredKV:
         if not callable(clock):
             raise TypeError(f"TieredKV: clock must be callable, got {clock!r}")
         policy = _resolve_policy(config.policy, policy_registry)
-        from resources.kv_cache import PagedKVCache  # paid only by a TieredKV that builds one
+        from tiering.resources.kv_cache import (
+            PagedKVCache,  # paid only by a TieredKV that builds one
+        )
 
         kv = PagedKVCache(
             config.geometry, device=config.device, device_pages=config.device_pages,

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from policies.blocks.base import BlockInfo, BlockPolicy
-from policies.blocks.chain import ChainOdds
-from policies.blocks.generic import ARCBlocks, LRUBlocks, S3FIFOBlocks
-from policies.registry import Registry, registry_or_default
+from tiering.policies.blocks.base import BlockInfo, BlockPolicy
+from tiering.policies.blocks.chain import ChainOdds
+from tiering.policies.blocks.generic import ARCBlocks, LRUBlocks, S3FIFOBlocks
+from tiering.policies.registry import Registry, registry_or_default
 
 BlockPolicyFactory = Callable[..., BlockPolicy]
+
+#: The block policy the cache, the replay and the vLLM backend use when none is named.
+DEFAULT_BLOCK_POLICY = "chain"
 
 __all__ = [
     "ARCBlocks",
@@ -28,6 +31,7 @@ __all__ = [
     "BlockPolicy",
     "BlockPolicyRegistry",
     "ChainOdds",
+    "DEFAULT_BLOCK_POLICY",
     "LRUBlocks",
     "S3FIFOBlocks",
     "default_block_registry",
@@ -37,7 +41,7 @@ __all__ = [
 
 
 class BlockPolicyRegistry(Registry):
-    """An immutable map from block policy name to factory (see ``policies.registry``)."""
+    """An immutable map from block policy name to factory (see ``tiering.policies.registry``)."""
 
     kind = "block policy"
     product = BlockPolicy

@@ -56,7 +56,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
 from operator import itemgetter
 
-from policies.blocks.base import BlockInfo, BlockPolicy, already_tracked, not_tracked
+from tiering.policies.blocks.base import BlockInfo, BlockPolicy, already_tracked, not_tracked
 
 __all__ = ["ChainOdds"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 
-from policies.blocks.base import BlockInfo, BlockPolicy, already_tracked, not_tracked
+from tiering.policies.blocks.base import BlockInfo, BlockPolicy, already_tracked, not_tracked
 
 __all__ = ["ARCBlocks", "LRUBlocks", "S3FIFOBlocks"]
 

@@ -35,7 +35,7 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from numbers import Real
 from typing import NamedTuple
 
-from policies.blocks.base import BlockInfo, BlockPolicy
+from tiering.policies.blocks.base import BlockInfo, BlockPolicy
 from tiering.types import Tier
 
 __all__ = ["BlockIndex", "BlockLocation", "Dropped", "PrefixMatch"]

@@ -24,9 +24,9 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from policies.blocks import BlockPolicy, BlockPolicyRegistry, default_block_registry
 from tiering.blocks.belady import belady_hit_rate
 from tiering.blocks.index import BlockIndex
+from tiering.policies.blocks import BlockPolicy, BlockPolicyRegistry, default_block_registry
 from tiering.types import Tier
 
 __all__ = ["BlockReplayResult", "load_chains", "main", "replay_blocks"]

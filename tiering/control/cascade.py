@@ -15,12 +15,12 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 
-from policies.base import CandidateBatch, Policy
 from tiering.control.admission import InFlightLedger
 from tiering.control.config import ControllerConfig
 from tiering.control.eviction import skip
 from tiering.control.request_table import RequestTable, ResourceHandle
 from tiering.control.stats import ControllerStats
+from tiering.policies.base import CandidateBatch, Policy
 from tiering.types import Tier
 
 

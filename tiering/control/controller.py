@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from policies.base import Candidate, Policy
 from tiering.control.admission import InFlightLedger, ReloadAdmission
 from tiering.control.cascade import HostCascade
 from tiering.control.config import ControllerConfig, EvictionReport
@@ -25,6 +24,7 @@ from tiering.control.request_table import RequestTable, ResourceHandle
 from tiering.control.stats import ControllerStats
 from tiering.core.validate import check_timeout, is_integral
 from tiering.errors import UnknownRequest, UnknownRequestError
+from tiering.policies.base import Candidate, Policy
 from tiering.types import Move, TransferResult
 
 # UnknownRequest(Error) stay importable from here, their old home
@@ -66,7 +66,7 @@ class EvictionController:
         if not isinstance(config, ControllerConfig):
             raise TypeError(f"config must be a ControllerConfig, got {type(config).__name__}")
         if not isinstance(policy, Policy):
-            raise TypeError(f"policy must be a policies.base.Policy, got {type(policy).__name__}")
+            raise TypeError(f"policy must be a tiering.policies.base.Policy, got {type(policy).__name__}")
         if not isinstance(resources, Mapping):
             raise TypeError(f"resources must be a mapping of name -> resource, got "
                             f"{type(resources).__name__}")

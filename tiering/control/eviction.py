@@ -16,11 +16,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from policies.base import Candidate, CandidateBatch, OrderCursor, Policy
 from tiering.control.admission import InFlightLedger
 from tiering.control.config import ControllerConfig
 from tiering.control.request_table import RequestTable, ResourceHandle, bytes_answer, bytes_answers
 from tiering.control.stats import ControllerStats
+from tiering.policies.base import Candidate, CandidateBatch, OrderCursor, Policy
 from tiering.types import Tier
 
 log = logging.getLogger("tiering.control.controller")
@@ -424,7 +424,7 @@ class DeviceEviction:
             mean = seen / cursor.read if seen else None
 
     def _bulk_answers(self, rids: list[str], names: np.ndarray) -> list[int | None]:
-        """Bytes of each row from resources with ``reclaimable_many``; None for the others."""
+        """Bytes of each row from tiering.resources with ``reclaimable_many``; None for the others."""
         evicting = self._evicting
         if len(evicting) == 1:
             h = evicting[0]

@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from resources.base import AdmitOutcome
 from tiering.core.lifecycle import (
     AT_REST,
     TIER_INDEX,
@@ -42,6 +41,7 @@ from tiering.core.lifecycle import (
     page_releasers,
 )
 from tiering.errors import UnknownRequest
+from tiering.resources.base import AdmitOutcome
 from tiering.testing.blocks import check_block_policy  # the contracts, importable from here
 from tiering.testing.policies import PolicyCheck, check_policy
 from tiering.types import (

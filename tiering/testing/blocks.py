@@ -23,11 +23,11 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from policies.blocks.base import BlockPolicy
 from tiering.blocks.belady import belady_hit_rate
 from tiering.blocks.index import BlockIndex
 from tiering.blocks.replay import replay_blocks
 from tiering.blocks.synth import SynthConfig, synthetic_chains
+from tiering.policies.blocks.base import BlockPolicy
 from tiering.types import Tier
 
 __all__ = ["check_block_policy"]

@@ -10,7 +10,7 @@ field are common, sizes span 1 byte to 2**63 - 1; up to 40 candidates, and one
 case in ``LARGE_EVERY`` up to ``LARGE_CASE``, long enough for the partial
 ordering of a prefix to be used), the policy:
 
-- is a ``policies.base.Policy``;
+- is a ``tiering.policies.base.Policy``;
 - ``rank`` returns every candidate exactly once, in a new list;
 - is deterministic: the same ranking again, from a tuple, from a shuffle of the
   input, and (given a factory) from a second, fresh policy;
@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from policies.base import Policy, check_now
-from policies.candidate import Candidate, CandidateBatch
+from tiering.policies.base import Policy, check_now
+from tiering.policies.candidate import Candidate, CandidateBatch
 from tiering.types import Tier
 
 __all__ = ["PolicyCheck", "check_policy", "expected_pick", "random_candidates", "same_batch"]
@@ -137,7 +137,7 @@ def check_policy(
             f"check_policy: expected a Policy or a callable returning one, got "
             f"{policy_or_factory!r}"
         )
-    _require(isinstance(policy, Policy), policy, "be a policies.base.Policy",
+    _require(isinstance(policy, Policy), policy, "be a tiering.policies.base.Policy",
              f"got {type(policy).__name__}")
     name = getattr(policy, "name", type(policy).__name__)
     if candidates is not None:
@@ -155,7 +155,7 @@ def check_policy(
     total = 0
     for index in range(cases):
         # every LARGE_EVERY-th case draws up to LARGE_CASE candidates: more than half
-        # of those pass the 512 rows above which ``policies.ordering`` orders a
+        # of those pass the 512 rows above which ``tiering.policies.ordering`` orders a
         # prefix by selection instead of a full sort
         large = index % LARGE_EVERY == LARGE_EVERY - 1
         case = random_candidates(draw, LARGE_CASE if large else 40)

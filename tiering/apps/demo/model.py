@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from resources.kv_geometry import KVGeometry
+from tiering.resources.kv_geometry import KVGeometry
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from policies import default_registry
-from resources.kv_cache import PagedKVCache
 from tiering.apps.demo.model import ModelConfig, TinyDecoder
 from tiering.apps.demo.worker import (
     DemoWorker,
@@ -36,6 +34,8 @@ from tiering.apps.demo.workload import DemoRequest, conversation_requests, synth
 from tiering.blocks import KeyRoot
 from tiering.control.controller import ControllerConfig
 from tiering.control.pressure import PoolPressure
+from tiering.policies import default_registry
+from tiering.resources.kv_cache import PagedKVCache
 from tiering.tiered import TieredKV
 from tiering.types import Tier
 
@@ -79,7 +79,7 @@ class DemoConfig:
     full batch. ``batch``, ``prefill_chunk`` and ``quantum`` shape the worker
     (see ``WorkerConfig``). ``disk_chunk_bytes`` is the disk tier's allocation
     unit (small, so that requests of a few MiB waste little). ``policy`` names
-    the victim ranking (``policies.make_policy``). ``settle_each_step``: see
+    the victim ranking (``tiering.policies.make_policy``). ``settle_each_step``: see
     ``WorkerConfig``. ``min_residency_steps`` and
     ``aging_steps`` are the controller's residency and ageing times, in steps.
 

@@ -2,7 +2,7 @@
 
 A ``--block-policy module:Class`` is user code, called from deep inside the block
 index and the tiers' eviction path. ``Guarded`` wraps it (the built-ins of
-``policies.blocks`` are not wrapped): an exception raised by any of its hooks,
+``tiering.policies.blocks`` are not wrapped): an exception raised by any of its hooks,
 ``admit`` answering something that is not a bool, or ``victims`` offering a key
 the policy does not hold, stops the run with ``tiering.PolicyFailed`` (a
 ``ValueError``) naming the block policy, its class, the tier, the hook and the
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 
-from policies.blocks import BlockPolicy
-from policies.blocks.base import BlockInfo
 from tiering.errors import PolicyFailed
+from tiering.policies.blocks import BlockPolicy
+from tiering.policies.blocks.base import BlockInfo
 
 
 def is_builtin(policy: BlockPolicy) -> bool:

@@ -4,7 +4,7 @@ A Mooncake trace names a prompt's 512-token blocks by ``hash_ids`` (equal ids,
 equal prefix). ``PrefixBlocks`` keeps those blocks the way a worker built on
 this library does: one ``BlockIndex`` (the keys are the ids, the tiers device,
 host and disk) and, per tier, a block retention policy made by
-``policies.blocks.make_block_policy`` with the tier's capacity in blocks. It
+``tiering.policies.blocks.make_block_policy`` with the tier's capacity in blocks. It
 is the same index and the same policies that run in production, not a copy.
 
 The life of a block:
@@ -43,9 +43,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
-from policies.blocks import BlockPolicyRegistry, make_block_policy
 from tiering.apps.replay.block_guard import Guarded, is_builtin
 from tiering.blocks.index import BlockIndex, Dropped
+from tiering.policies.blocks import BlockPolicyRegistry, make_block_policy
 from tiering.types import Tier
 
 __all__ = ["BlockCounters", "PrefixBlocks", "PrefixPeek"]

@@ -8,12 +8,12 @@
                    [--block-policy B] [--requests-csv] [--decisions] [--no-plots]
 
 ``P`` is a built-in name (``lru``, ``priority``, ``largest``, ``cost``) or a
-``module:Class`` path to a ``policies.Policy`` subclass (or a factory
+``module:Class`` path to a ``tiering.policies.Policy`` subclass (or a factory
 returning one); ``--policy-option`` keyword options go to every policy named.
 ``P`` orders the live requests (device offloads, host demotions and, with
 ``--preempt policy``, which request of the batch is paused when memory runs
 out; by default the latest-arrived is, vLLM's rule); ``B`` (a
-block policy of ``policies.blocks``: ``lru``, ``arc``, ``s3fifo``, ``chain``,
+block policy of ``tiering.policies.blocks``: ``lru``, ``arc``, ``s3fifo``, ``chain``,
 default ``chain``) keeps the cached prefix blocks of every tier.
 Without ``--sweep``: each policy runs at the first watermark pair and host
 size, next to the ``recompute`` and ``no-tiering`` baselines. With
@@ -41,8 +41,6 @@ import os
 import sys
 from pathlib import Path
 
-from policies import default_registry
-from policies.blocks import BlockPolicy, default_block_registry, make_block_policy
 from tiering.apps.replay.bounds import BoundResult, belady, infinite
 from tiering.apps.replay.policy_spec import PolicySpec, load_factory, parse_option
 from tiering.apps.replay.presets import (
@@ -61,6 +59,13 @@ from tiering.apps.replay.sweep import Grid, plot, run_grid, write_csv
 from tiering.apps.replay.traces import FORMATS, load_trace
 from tiering.control.controller import ControllerConfig
 from tiering.errors import PolicyFailed
+from tiering.policies import default_registry
+from tiering.policies.blocks import (
+    DEFAULT_BLOCK_POLICY,
+    BlockPolicy,
+    default_block_registry,
+    make_block_policy,
+)
 
 DEFAULT_WATERMARKS = ((0.9, 0.75),)
 SWEEP_WATERMARKS = ((0.9, 0.75), (0.95, 0.85), (0.8, 0.6))
@@ -118,10 +123,10 @@ def _parser() -> argparse.ArgumentParser:
                         "out: the latest-arrived (default, vLLM's rule) or the first in the "
                         "policy's order over those a tier below has room for (ties: the "
                         "policy's tie-break; the built-ins': earliest-arrived)")
-    p.add_argument("--block-policy", default="chain",
+    p.add_argument("--block-policy", default=DEFAULT_BLOCK_POLICY,
                    help="block retention policy of every tier's cached prefix blocks: "
                         f"{', '.join(default_block_registry().names)} or module:Class, comma "
-                        "list to compare several (default chain)")
+                        f"list to compare several (default {DEFAULT_BLOCK_POLICY})")
     p.add_argument("--no-plots", action="store_true", help="write no PNG")
     return p
 
@@ -338,7 +343,7 @@ def _block_policies(text: str):
         raise ValueError(f"--block-policy: {text!r} names a block policy twice")
     for name in names:
         if ":" in name:
-            factory = load_factory(name, BlockPolicy, "--block-policy", "policies.blocks.BlockPolicy")
+            factory = load_factory(name, BlockPolicy, "--block-policy", "tiering.policies.blocks.BlockPolicy")
             registry = registry.with_policy(name, factory)
         elif name not in registry:
             raise ValueError(f"--block-policy: unknown block policy {name!r}; known: "

@@ -8,6 +8,7 @@ from typing import Any
 
 from tiering.apps.replay.policy_spec import PolicySpec
 from tiering.control.controller import ControllerConfig
+from tiering.policies.blocks import DEFAULT_BLOCK_POLICY
 
 MODES = ("tiering", "recompute", "no-tiering")
 MAKE_ROOM = ("drop", "offload")
@@ -44,7 +45,7 @@ class SimConfig:
     tier down while one has room (the books change at once, the copy occupies
     the link), else drop them; or ``drop`` them all. The baselines have no tier
     below and always drop. ``block_policy``: the block retention policy (a name of
-    ``policies.blocks``, default ``chain``) of every tier's cached prefix
+    ``tiering.policies.blocks``, default ``chain``) of every tier's cached prefix
     blocks, made per tier with ``capacity`` (its size in blocks) and
     ``block_policy_options``.
     """
@@ -57,7 +58,7 @@ class SimConfig:
     preempted_retention: float = 80.0
     sample_every_s: float = 1.0
     make_room: str = "offload"
-    block_policy: str = "chain"
+    block_policy: str = DEFAULT_BLOCK_POLICY
     block_policy_options: tuple[tuple[str, Any], ...] = ()
     preempt: str = "latest"
 

@@ -2,7 +2,7 @@
 
 ``ModeledKVCache`` offers the same request lifecycle (``ingest_request``,
 ``allocate``, ``remove_request``) and the same eviction hooks as
-``resources.kv_cache.PagedKVCache``, with the same answers, but holds no
+``tiering.resources.kv_cache.PagedKVCache``, with the same answers, but holds no
 tensors: each tier is a page counter and each request a record. A transfer
 reserves its destination pages at once, occupies the links it crosses for
 ``bytes / bandwidth`` seconds of the injected clock (links are FIFO: a copy
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from resources.base import AdmitOutcome
-from resources.engine_types import ResourceReqConfig, retention_offload_priority
 from tiering.core import lifecycle as lc
 from tiering.core.lifecycle import Counters, LifecycleAnswers, Op, PageRecord, guard
 from tiering.errors import UnknownRequest
+from tiering.resources.base import AdmitOutcome
+from tiering.resources.engine_types import ResourceReqConfig, retention_offload_priority
 from tiering.types import (
     OFFLOADED_STATES,
     Move,

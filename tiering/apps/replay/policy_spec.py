@@ -1,7 +1,7 @@
 """Naming the policy a replay runs: a registry name or a ``module:Class`` path, with options.
 
 ``PolicySpec(name, options)`` is what a run is configured with; ``build``
-turns it into a ``policies.Policy`` through a registry (the built-ins unless
+turns it into a ``tiering.policies.Policy`` through a registry (the built-ins unless
 one is given). A name holding a ``:`` is an import path: ``module:Attr``
 names a ``Policy`` subclass, or any callable returning a ``Policy``, that is
 importable from the current working directory or ``sys.path``. Options are
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from policies import Policy, PolicyRegistry, default_registry
+from tiering.policies import Policy, PolicyRegistry, default_registry
 
 REPLAY_RESOURCE = "kv"  # the one resource of a replay (its KV cache)
 
@@ -131,9 +131,9 @@ class PolicySpec:
 
 
 def load_factory(path: str, base: type = Policy, option: str = "--policy",
-                 what: str = "policies.Policy") -> Any:
+                 what: str = "tiering.policies.Policy") -> Any:
     """Import ``module:Attr`` and return the attribute: a ``base`` subclass (default
-    ``policies.Policy``, ``what`` in errors) or a factory. ``option`` names the
+    ``tiering.policies.Policy``, ``what`` in errors) or a factory. ``option`` names the
     argument in errors."""
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:

@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from policies import CandidateBatch, Policy
 from tiering.apps.replay.presets import HardwarePreset, StepCost
 from tiering.errors import PolicyFailed
+from tiering.policies import CandidateBatch, Policy
 from tiering.types import Tier
 
 

@@ -2,7 +2,7 @@
 
 Time is the simulator's own (``SimClock``), advanced by the step-time model of
 ``presets.StepCost``; wall time never enters. The KV backend is anything with
-the request lifecycle and eviction hooks of ``resources.kv_cache.PagedKVCache``
+the request lifecycle and eviction hooks of ``tiering.resources.kv_cache.PagedKVCache``
 plus ``page_tokens``, ``page_bytes`` and ``next_completion()``: the modeled
 ``ModeledKVCache`` normally, a real cache wrapped in ``SynchronizedKV`` to
 check that both lead the controller to the same decisions.
@@ -68,9 +68,6 @@ from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
 
-from policies import PolicyRegistry
-from policies.blocks import BlockPolicyRegistry
-from resources.engine_types import ResourceReqConfig
 from tiering.apps.replay.block_tiers import PrefixBlocks
 from tiering.apps.replay.config import MODES, RunSpec, SimConfig
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
@@ -80,6 +77,9 @@ from tiering.apps.replay.retention import CostFilled, ReloadCosts, Retention
 from tiering.apps.replay.traces import TraceRequest
 from tiering.control.controller import EvictionController
 from tiering.control.pressure import PoolPressure
+from tiering.policies import PolicyRegistry
+from tiering.policies.blocks import BlockPolicyRegistry
+from tiering.resources.engine_types import ResourceReqConfig
 from tiering.tiered import TieredKV
 from tiering.types import RequestState, Tier
 

@@ -16,8 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from policies import PolicyRegistry
-from policies.blocks import BlockPolicyRegistry, make_block_policy
 from tiering.apps.replay.metrics import summarize
 from tiering.apps.replay.policy_spec import PolicySpec
 from tiering.apps.replay.presets import GiB, HardwarePreset, ModelPreset, StepCost, check_fits
@@ -25,6 +23,8 @@ from tiering.apps.replay.results import RunResult
 from tiering.apps.replay.simulator import RunSpec, SimConfig, modeled_kv_factory, simulate
 from tiering.apps.replay.traces import TraceRequest
 from tiering.control.controller import ControllerConfig
+from tiering.policies import PolicyRegistry
+from tiering.policies.blocks import BlockPolicyRegistry, make_block_policy
 
 BASELINES = ("recompute", "no-tiering")
 CONFIG_COLUMNS = ("label", "mode", "policy", "block_policy", "high", "low", "host_gib")

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from policies import default_registry
-from resources.kv_geometry import KVGeometry
 from tiering.apps.stress.faults import FAILING_KINDS, FAULT_KINDS, parse_choices
+from tiering.policies import default_registry
+from tiering.resources.kv_geometry import KVGeometry
 
 #: Fraction of the device the controller keeps free below ``high`` when admitting reloads.
 RELOAD_HEADROOM = 0.02

@@ -38,10 +38,10 @@ from typing import NamedTuple
 
 import torch
 
-from resources.kv_cache import PagedKVCache
-from resources.kv_geometry import KVGeometry
 from tiering.apps.stress.kvdata import derived_seed, mismatched_layers, request_kv
 from tiering.disk.config import DiskConfig
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
 from tiering.types import RequestState
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=16, page_tokens=8,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from resources.kv_geometry import KVGeometry
+from tiering.resources.kv_geometry import KVGeometry
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

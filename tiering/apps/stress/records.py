@@ -9,8 +9,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from resources.kv_cache import PagedKVCache
 from tiering.core.counters import counter_record
+from tiering.resources.kv_cache import PagedKVCache
 from tiering.types import TransferResult
 
 

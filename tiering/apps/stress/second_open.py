@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tiering.apps.stress.second_open")
     p.add_argument("--spec", required=True, help="JSON from spec_of")
     args = p.parse_args(argv)
-    from resources.kv_cache import PagedKVCache
-    from resources.kv_geometry import KVGeometry
     from tiering.disk.config import DiskConfig
+    from tiering.resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_geometry import KVGeometry
 
     spec = json.loads(args.spec)
     g = dict(spec["geometry"])

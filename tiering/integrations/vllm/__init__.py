@@ -11,7 +11,7 @@ Enable it with::
 Only ``TieredOffloadingSpec`` (and the classes next to it in ``_spec``) needs vLLM;
 it is imported on first access, so the engine-independent core (``_core``) can
 be used and tested without vLLM installed. The ``policy`` extra-config field
-names one of the registered block policies (``policies.blocks``: lru, arc,
+names one of the registered block policies (``tiering.policies.blocks``: lru, arc,
 s3fifo, chain; default chain).
 """
 

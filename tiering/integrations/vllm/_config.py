@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from policies.blocks import default_block_registry
 from tiering.disk import DiskConfig, DiskPageStore
+from tiering.policies.blocks import DEFAULT_BLOCK_POLICY, default_block_registry
 
 log = logging.getLogger("tiering.integrations.vllm._core")
 
@@ -56,7 +56,7 @@ class TieredConfig:
 
     ``host_bytes``: bytes of host slots per rank (required, > 0). ``disk_path`` and
     ``disk_bytes``: the disk tier (both or neither; host only without them).
-    ``policy``: a registered block policy name (``policies.blocks``: lru, arc,
+    ``policy``: a registered block policy name (``tiering.policies.blocks``: lru, arc,
     s3fifo, chain; default chain), used for both tiers. ``host_dir``: where
     the shared slab files live (default /dev/shm when present). ``state_path``: a
     JSON file the manager rewrites (off the step path) with its counters and disk
@@ -70,7 +70,7 @@ class TieredConfig:
     host_bytes: int
     disk_path: str | None = None
     disk_bytes: int | None = None
-    policy: str = "chain"
+    policy: str = DEFAULT_BLOCK_POLICY
     host_dir: str | None = None
     state_path: str | None = None
     demote_headroom: int | None = None

@@ -20,7 +20,7 @@ worker per rank in other processes. The host tier is a slab of ``num_slots``
 page slots per rank, kept in a shared memory file that both sides map
 (``HostSlab``). The manager owns every decision and every piece of book-keeping:
 where each block is (``tiering.blocks.BlockIndex``), the retention order of each
-tier (``policies.blocks``, by name), the host slot pool
+tier (``tiering.policies.blocks``, by name), the host slot pool
 (``tiering.core.pools.PagePool``), the disk tier (``DiskPageStore``) and the
 cascade between them. The worker only copies bytes between vLLM's per-layer KV
 tensors and the slab slots that the manager named in a load or store spec. The
@@ -46,7 +46,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from policies.blocks import BlockPolicy, make_block_policy
 from tiering.blocks import BlockIndex
 from tiering.core.counters import counter_record
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
@@ -72,6 +71,7 @@ from tiering.integrations.vllm._mover import (
     TieredMover,
     plan_blocks,
 )
+from tiering.policies.blocks import BlockPolicy, make_block_policy
 from tiering.types import Tier
 
 __all__ = [
@@ -206,7 +206,7 @@ class TieredBlockManager:
     block is in the index), else as a chain's first block. Dropping a block
     drops its cached descendants (a prefix lookup stops at the first miss).
 
-    Policies: one ``policies.blocks`` policy per tier (``cfg.policy``), told
+    Policies: one ``tiering.policies.blocks`` policy per tier (``cfg.policy``), told
     every event with the index's ``BlockInfo``; both see one request per store
     batch and per load batch (the batch's chain from its root as the index
     knows it). ``slabs`` are the per-rank host slabs; ``disk`` is optional. Not
