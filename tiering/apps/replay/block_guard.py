@@ -22,7 +22,7 @@ from tiering.policies.blocks.base import BlockInfo
 
 def is_builtin(policy: BlockPolicy) -> bool:
     """Whether ``policy`` is one of the library's own (not wrapped)."""
-    return type(policy).__module__.split(".")[0] == "policies"
+    return type(policy).__module__.startswith("tiering.policies.")
 
 
 class Guarded(BlockPolicy):
