@@ -718,3 +718,109 @@ def test_config_cache_options_cannot_change_after_the_check(geom):
     with TieredKV(cfg) as tkv:
         tkv.add("a")
         tkv.check_integrity()
+
+
+def _stall_setup(geom, tmp_path, high: float, gen: torch.Generator, **kw):
+    """Device of 8 pages; 'a' (random KV) offloaded to disk; the device then filled so
+    that asking 'a' back queues it; returns the front door and a's data."""
+    from tiering.disk.config import DiskConfig
+
+    disk = DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=64 * geom.page_bytes,
+                      chunk_bytes=2 * geom.page_bytes)
+    cfg = _config(geom, host_pages=1, disk=disk,
+                  controller=ControllerConfig(high=high, low=0.4, min_residency_s=0.0), **kw)
+    tkv = TieredKV(cfg, clock=FakeClock())
+    data = _fill(tkv, "a", 8, gen)
+    for rid in ("b", "c"):
+        _fill(tkv, rid, 8, gen)
+    assert tkv.kv.offload("a") > 0
+    tkv.synchronize(timeout=10)
+    assert tkv.kv.state_of("a") is RequestState.ON_DISK
+    for rid in ("d", "e"):
+        _fill(tkv, rid, 8, gen)  # the device is full: a reload of 'a' cannot start
+    return tkv, data
+
+
+def test_a_worker_that_skips_after_step_still_gets_an_asked_back_request(geom, tmp_path,
+                                                                        closing):
+    """poll() and ready() only (no after_step while nothing ran): once room appears, the
+    waiting reload starts from poll and the request comes back with its bytes."""
+    from tiering.tiered import Readiness
+
+    tkv, data = _stall_setup(geom, tmp_path, 0.9, torch.Generator().manual_seed(11))
+    closing(tkv)
+    tkv.poll()
+    assert tkv.ready("a") is Readiness.ASKED_BACK
+    assert tkv.controller.pending_reloads() == ("a",)
+    tkv.remove("d")
+    tkv.remove("e")  # room now; nothing else will happen unless poll serves the queue
+    for step in range(100):
+        tkv.poll()
+        if tkv.ready("a", step) is Readiness.READY:
+            break
+        tkv.synchronize(timeout=10)
+    else:
+        pytest.fail(f"'a' never came back: {tkv.kv.state_of('a')}, "
+                    f"waiting {tkv.controller.pending_reloads()}")
+    assert tkv.stats()["kv.reloads_from_disk"] == 1
+    for layer, (k, v) in enumerate(data):
+        got_k, got_v = tkv.kv.read("a", layer)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert tkv.stalled() == {}
+    tkv.check_integrity()
+
+
+def test_a_request_asked_back_without_progress_is_named_once_with_what_it_waits_for(
+        geom, tmp_path, closing, caplog):
+    from tiering.tiered import Readiness
+
+    tkv, _ = _stall_setup(geom, tmp_path, 0.7, torch.Generator().manual_seed(12),
+                          stall_warn_steps=10)
+    closing(tkv)
+    with caplog.at_level("WARNING", logger="tiering.tiered"):
+        for step in range(30):
+            tkv.poll()
+            assert tkv.ready("a", step) is Readiness.ASKED_BACK
+            assert tkv.ready("b", step) is Readiness.READY
+            if step < 8:
+                assert tkv.stalled() == {}
+    warned = [r.getMessage() for r in caplog.records if "'a'" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "asked back for 10 steps" in warned[0] and "ON_DISK" in warned[0]
+    assert f"{2 * geom.page_bytes} bytes of device room" in warned[0]
+    assert "after_step has not run" in warned[0]
+    assert not any("'b'" in r.getMessage() for r in caplog.records)
+    assert tkv.stalled() == {"a": 30}
+    # the loop as it should be: after_step each step makes room, and 'a' comes back
+    clock = tkv.controller._clock
+    for step in range(30, 80):
+        clock.advance(1.0)
+        if "a" in tkv.prepare(["a"], step):
+            break
+        tkv.after_step([])
+        tkv.synchronize(timeout=10)
+    else:
+        pytest.fail(f"'a' never came back: {tkv.kv.state_of('a')}")
+    assert tkv.stalled() == {}
+    tkv.check_integrity()
+
+
+def test_a_request_asked_back_only_now_and_then_is_not_called_stalled(geom, tmp_path, closing,
+                                                                      caplog):
+    tkv, _ = _stall_setup(geom, tmp_path, 0.7, torch.Generator().manual_seed(13),
+                          stall_warn_steps=3)
+    closing(tkv)
+    with caplog.at_level("WARNING", logger="tiering.tiered"):
+        for step in range(20):
+            tkv.poll()
+            if step % 2 == 0:  # a window that passes over it every other step
+                tkv.ready("a", step)
+    assert tkv.stalled() == {}
+    assert not [r for r in caplog.records if "asked back" in r.getMessage()]
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "50"])
+def test_stall_warn_steps_is_an_int_of_at_least_one_or_none(geom, value):
+    with pytest.raises(ValueError, match="stall_warn_steps"):
+        _config(geom, stall_warn_steps=value)
+    assert _config(geom, stall_warn_steps=None).stall_warn_steps is None

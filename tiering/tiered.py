@@ -51,6 +51,14 @@ if TYPE_CHECKING:  # pragma: no cover - imported where a TieredKV builds its own
 log = logging.getLogger("tiering.tiered")
 
 
+DEFAULT_STALL_WARN_STEPS = 50
+
+
+def _check_stall_steps(name: str, value: object) -> None:
+    if value is not None and (not is_int(value) or value < 1):
+        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+
+
 def _check_pages(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"TieredKVConfig.{name} must be an int >= 1, got {value!r}")
@@ -65,6 +73,9 @@ class TieredKVConfig:
     ``cache_pressure``: the pool's own occupancy on a CPU; on a GPU the worse of
     that and the whole device as NVML sees it). ``cache_options``: further keyword
     arguments of ``PagedKVCache`` (``copy_workers``, ``disk_wrap_store``, ...).
+    ``stall_warn_steps``: a request ``ready`` or ``prepare`` has asked back this many
+    steps in a row without its reload starting is logged once as stalled, naming what it
+    waits for (``None``: never).
     """
 
     geometry: KVGeometry
@@ -78,12 +89,14 @@ class TieredKVConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     pressure: Callable[[PagedKVCache], PressureSource] = cache_pressure
     cache_options: dict[str, Any] = field(default_factory=dict)
+    stall_warn_steps: int | None = DEFAULT_STALL_WARN_STEPS
 
     def __post_init__(self) -> None:
         if not isinstance(self.geometry, KVGeometry):
             raise TypeError(
                 f"TieredKVConfig.geometry must be a KVGeometry, got {type(self.geometry).__name__}"
             )
+        _check_stall_steps("TieredKVConfig.stall_warn_steps", self.stall_warn_steps)
         _check_pages("device_pages", self.device_pages)
         _check_pages("host_pages", self.host_pages)
         if not isinstance(self.device, (str, torch.device)):
@@ -230,7 +243,8 @@ class TieredKV:
             clock=clock, **config.cache_options,
         )
         self.config: TieredKVConfig | None = config
-        self._assemble(kv, policy, config.pressure, config.controller, clock)
+        self._assemble(kv, policy, config.pressure, config.controller, clock,
+                       stall_warn_steps=config.stall_warn_steps)
 
     @classmethod
     def around(
@@ -242,6 +256,7 @@ class TieredKV:
         controller: ControllerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         policy_registry: Any = None,
+        stall_warn_steps: int | None = DEFAULT_STALL_WARN_STEPS,
     ) -> TieredKV:
         """A ``TieredKV`` over a cache built elsewhere: any resource with the
         eviction hooks (``PagedKVCache``, the replay's modelled cache, the test
@@ -251,7 +266,8 @@ class TieredKV:
         from then on: ``close()`` closes it. A refused argument (a cache without
         the hooks, a controller, pressure or clock of the wrong kind) raises
         before that and leaves the cache open; a failure while assembling (the
-        pressure factory or the controller raising) closes it."""
+        pressure factory or the controller raising) closes it. ``stall_warn_steps``: as
+        in ``TieredKVConfig``."""
         if not callable(clock):
             raise TypeError(f"TieredKV.around: clock must be callable, got {clock!r}")
         missing = [m for m in _CACHE_METHODS if not callable(getattr(cache, m, None))]
@@ -269,16 +285,19 @@ class TieredKV:
             raise TypeError(
                 f"TieredKV.around: controller must be a ControllerConfig, got {controller!r}"
             )
+        _check_stall_steps("TieredKV.around: stall_warn_steps", stall_warn_steps)
         factory = _pressure_factory(pressure)
         self = cls.__new__(cls)
         self.config = None
         self._assemble(cache, _resolve_policy(policy, policy_registry), factory, controller,
-                       clock, owns_pressure=not _is_source(pressure))
+                       clock, owns_pressure=not _is_source(pressure),
+                       stall_warn_steps=stall_warn_steps)
         return self
 
     def _assemble(self, kv: Any, policy: Policy, pressure: Callable[[Any], PressureSource],
                   controller: ControllerConfig, clock: Callable[[], float], *,
-                  owns_pressure: bool = True) -> None:
+                  owns_pressure: bool = True,
+                  stall_warn_steps: int | None = DEFAULT_STALL_WARN_STEPS) -> None:
         self.policy = policy
         self.kv = kv
         # a source the front door built is its to stop; one handed in is the caller's
@@ -298,6 +317,7 @@ class TieredKV:
             raise
         self._running: frozenset[str] = frozenset()
         self._closed = False
+        self._stalls = _StallWatch(stall_warn_steps)
 
     # -- registration -----------------------------------------------------------
 
@@ -321,6 +341,7 @@ class TieredKV:
             log.warning("TieredKV.remove: %r was already gone from the cache (removed behind "
                         "the front door); the controller forgets it too", rid)
         self.controller.remove_request(rid)
+        self._stalls.forget(rid)
 
     def requests(self) -> list[str]:
         """The registered requests, sorted (the controller's table is the one list)."""
@@ -332,10 +353,11 @@ class TieredKV:
     def prepare(self, batch: Sequence[str], step: int = 0) -> list[str]:
         """The requests of ``batch`` whose KV is on the device and ready, in order.
 
-        Finished copies are applied first (``poll``); then each request is
-        ``ready``-checked: an offloaded one is asked back (admitted only when
-        it fits) and is not ready this step; a lost one is not ready
-        (``take_lost`` says why)."""
+        Finished copies are applied and waiting reloads that fit are started first
+        (``poll``); then each request is ``ready``-checked: an offloaded one is asked
+        back (admitted only when it fits) and is not ready this step; a lost one is not
+        ready (``take_lost`` says why). One asked back ``stall_warn_steps`` steps in a
+        row without its reload starting is logged once (see ``stalled``)."""
         self._check_open()
         batch = _as_ids(batch, "prepare", "batch")
         self._check_batch(batch, "prepare")
@@ -344,7 +366,7 @@ class TieredKV:
             seen: set[str] = set()
             twice = sorted({rid for rid in batch if rid in seen or seen.add(rid)})
             raise ValueError(f"TieredKV.prepare: batch names request(s) {twice[:5]} more than once")
-        self.controller.poll()
+        self._poll()
         kv, controller = self.kv, self.controller
         for rid in batch:  # a reload refused for good is raised before any request is asked
             if kv.is_offloaded(rid):
@@ -354,10 +376,17 @@ class TieredKV:
         return [rid for rid in batch if self._ready(rid, step) is Readiness.READY]
 
     def poll(self) -> None:
-        """Apply every finished copy now; the controller settles its ledgers
-        from what completed (``prepare`` does this first)."""
+        """Apply every finished copy now (the controller settles its ledgers from what
+        completed), then start the waiting reloads that fit; ``prepare`` does this first.
+        Making room for a reload that does not fit is ``after_step``'s work. One call is
+        one step for the stall warning."""
         self._check_open()
+        self._poll()
+
+    def _poll(self) -> None:
         self.controller.poll()
+        self.controller.serve_reloads()
+        self._stalls.step()
 
     def ready(self, rid: str, step: int = 0) -> Readiness:
         """One request of a batch, for a worker that picks its batch itself (a
@@ -374,12 +403,45 @@ class TieredKV:
         kv = self.kv
         if kv.is_offloaded(rid):
             self.controller.request_reload(rid)
+            stalled = self._stalls.check(rid, kv.state_of(rid))
+            if stalled is not None:
+                log.warning("TieredKV: %s", self._stall_text(rid, stalled))
             return Readiness.ASKED_BACK
+        self._stalls.forget(rid)  # on the device or moving: not stalled
         if kv.admit(ResourceStep(rid), StepContext(step)):
             return Readiness.READY
         if kv.state_of(rid) is RequestState.LOST:
             return Readiness.LOST
         return Readiness.WAITING
+
+    def stalled(self) -> dict[str, int]:
+        """Requests asked back for ``stall_warn_steps`` steps in a row whose reload has
+        not started: rid -> steps so far (each was logged once when it crossed the mark)."""
+        self._check_open()
+        return self._stalls.stalled()
+
+    def _stall_text(self, rid: str, steps: int) -> str:
+        state = self.kv.state_of(rid)
+        name = getattr(state, "name", str(state))
+        head = f"request {rid!r} asked back for {steps} steps and still {name}"
+        pending = self.controller.pending_reloads()
+        if rid not in pending:
+            return f"{head}: it waits for its reload to be asked for again"
+        need = getattr(self.kv, "reload_bytes", None)
+        need_text = f"{need(rid)} bytes" if callable(need) else "room"
+        cfg = self.controller.config
+        used = self.kv.device_used_bytes()
+        cap = self.controller.device_capacity_bytes
+        since = self._stalls.steps_since_after_step
+        text = (f"{head}: its reload waits (place {pending.index(rid) + 1} of {len(pending)}) "
+                f"for {need_text} of device room; {used} of {cap} bytes are in use and "
+                f"reloads are admitted up to (high - reload_headroom) = "
+                f"{cfg.high - cfg.reload_headroom:.2f} of capacity")
+        if since is None or since >= steps:
+            text += ("; after_step has not run since it was asked back, and only "
+                     "after_step offloads idle requests to make room: call it every step, "
+                     "with an empty ran when nothing ran")
+        return text
 
     def knows(self, rid: str) -> bool:
         """Whether ``rid`` (a str) is registered."""
@@ -395,6 +457,7 @@ class TieredKV:
         self._check_batch(ran, "after_step")
         keep = _as_ids(keep, "after_step", "keep")
         _check_ids(keep, "after_step", "keep")
+        self._stalls.after_step()
         for rid in ran:
             self.controller.touch(rid)
         running = frozenset(ran).union(keep)
@@ -487,6 +550,54 @@ class TieredKV:
         unknown = [rid for rid in batch if not knows(rid)]
         if unknown:
             raise UnknownRequest(f"TieredKV.{what}: unknown request(s) {unknown[:5]}")
+
+
+class _StallWatch:
+    """Counts, per request, the steps in a row it was asked back in one state.
+
+    A step is one ``poll``; a request not checked in a step starts again from zero, so
+    only requests a worker keeps asking for can stall. ``limit`` None: never reports."""
+
+    def __init__(self, limit: int | None) -> None:
+        self._limit = limit
+        self._step = 0
+        self._after_step: int | None = None  # the step of the last after_step
+        self._seen: dict[str, list[Any]] = {}  # rid -> [what, first step, last step, warned]
+
+    def step(self) -> None:
+        self._step += 1
+
+    def after_step(self) -> None:
+        self._after_step = self._step
+
+    @property
+    def steps_since_after_step(self) -> int | None:
+        return None if self._after_step is None else self._step - self._after_step
+
+    def forget(self, rid: str) -> None:
+        self._seen.pop(rid, None)
+
+    def check(self, rid: str, what: object) -> int | None:
+        """Note ``rid`` not ready as ``what``; the steps so far when it first reaches the
+        limit (once), else None."""
+        if self._limit is None:
+            return None
+        now = self._step
+        entry = self._seen.get(rid)
+        if entry is None or entry[0] != what or entry[2] < now - 1:
+            self._seen[rid] = [what, now, now, False]
+            return None
+        entry[2] = now
+        steps = now - entry[1] + 1
+        if entry[3] or steps < self._limit:
+            return None
+        entry[3] = True
+        return steps
+
+    def stalled(self) -> dict[str, int]:
+        now = self._step
+        return {rid: e[2] - e[1] + 1 for rid, e in sorted(self._seen.items())
+                if e[3] and e[2] >= now - 1}
 
 
 def _as_ids(ids: object, what: str, name: str) -> list[str]:

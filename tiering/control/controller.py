@@ -412,6 +412,27 @@ class EvictionController:
         _check_rid(rid, "request_reload")
         return self._admission.request(rid)
 
+    def serve_reloads(self) -> tuple[str, ...]:
+        """Start the waiting reloads that fit now, best first; the rids started.
+
+        What ``evict_if_needed`` does for the queue, without offloading anything to make
+        room (that waits for its safe point). Safe to call before a step: a worker's
+        ``poll`` calls it, so a request asked back starts once room appears even when no
+        pass runs. Nothing is done before the first pressure sample."""
+        queue = self._admission.queue
+        if not queue:
+            return _NO_RIDS
+        try:
+            fraction = self._sample()
+            if fraction is None:
+                return _NO_RIDS
+            started: list[str] = []
+            self._admission.serve(fraction, self._clock(), started)
+        except BaseException:
+            self._eviction.forget_finding()
+            raise
+        return tuple(started)
+
     def reload_refusal(self, rid: str) -> Exception | None:
         """The error ``request_reload(rid)`` would raise now (an unknown request, one with
         nothing offloaded, one that could never fit under the admission limit), or None
