@@ -824,3 +824,50 @@ def test_stall_warn_steps_is_an_int_of_at_least_one_or_none(geom, value):
     with pytest.raises(ValueError, match="stall_warn_steps"):
         _config(geom, stall_warn_steps=value)
     assert _config(geom, stall_warn_steps=None).stall_warn_steps is None
+
+
+@pytest.mark.parametrize("call", [
+    lambda t: t.add(5),
+    lambda t: t.add(None),
+    lambda t: t.add(["c"]),
+    lambda t: t.add("z", config=5),
+    lambda t: t.remove(5),
+    lambda t: t.knows(5),
+    lambda t: t.ready(5),
+    lambda t: t.prepare([5]),
+    lambda t: t.after_step([5]),
+    lambda t: t.after_step(["c"], keep=[5]),
+    lambda t: t.stats(5),
+])
+def test_a_request_id_or_argument_of_the_wrong_type_is_a_type_error(geom, call):
+    """The docs promise TypeError (not ValueError, not UnknownRequest) for a value of
+    the wrong type; nothing is registered."""
+    gen = torch.Generator().manual_seed(43)
+    with TieredKV(_config(geom), clock=FakeClock()) as tkv:
+        _two_requests(tkv, gen)
+        before = _front_state(tkv)
+        with pytest.raises(TypeError):
+            call(tkv)
+        assert _front_state(tkv) == before
+        assert tkv.requests() == sorted(tkv.kv.requests())
+        tkv.check_integrity()
+
+
+def test_a_disk_capacity_past_what_the_ledger_can_hold_is_refused_by_name(geom, tmp_path):
+    """1 PiB of small pages: a ValueError naming DiskConfig.capacity_bytes, from the
+    config and from a cache built without it, never numpy's MemoryError; nothing is
+    created on disk."""
+    from tiering.resources.kv_cache import PagedKVCache
+
+    from tiering.disk.config import MAX_DISK_PAGES, DiskConfig
+
+    path = tmp_path / "disk"
+    disk = DiskConfig(path=str(path), capacity_bytes=1 << 50)
+    assert (1 << 50) // geom.page_bytes > MAX_DISK_PAGES
+    with pytest.raises(ValueError, match="DiskConfig.capacity_bytes"):
+        _config(geom, disk=disk)
+    with pytest.raises(ValueError, match="DiskConfig.capacity_bytes"):
+        PagedKVCache(geom, device="cpu", device_pages=4, host_pages=4, disk=disk)
+    assert not path.exists()
+    fits = DiskConfig(path=str(path), capacity_bytes=MAX_DISK_PAGES * geom.page_bytes)
+    assert _config(geom, disk=fits).disk is fits  # the limit itself is taken

@@ -102,17 +102,25 @@ class TieredKVConfig:
         if not isinstance(self.device, (str, torch.device)):
             raise TypeError(
                 f"TieredKVConfig.device must be a str or torch.device, got {self.device!r}")
+        from tiering.resources.kv_geometry import parse_device
+
+        parse_device("TieredKVConfig", self.device)  # ValueError naming the field, not torch's
         for name in ("verify", "offload_to_disk_when_host_full"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"TieredKVConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.disk is not None:
-            from tiering.disk.config import DiskConfig  # zarr: loaded only for a config with a disk
+            from tiering.disk.config import (  # zarr: loaded only for a config with a disk
+                DiskConfig,
+                check_capacity_pages,
+            )
 
         if self.disk is not None and not isinstance(self.disk, DiskConfig):
             raise TypeError(
                 f"TieredKVConfig.disk must be a DiskConfig or None, got {type(self.disk).__name__}"
             )
+        if self.disk is not None:
+            check_capacity_pages(self.disk.capacity_bytes, self.geometry.page_bytes)
         if not isinstance(self.policy, (str, Policy)):
             raise TypeError(
                 f"TieredKVConfig.policy must be a policy name or a Policy, got {self.policy!r}"
@@ -322,8 +330,10 @@ class TieredKV:
     # -- registration -----------------------------------------------------------
 
     def add(self, rid: str, config: ResourceReqConfig | None = None) -> None:
-        """Register a request with the cache and the controller (idempotent)."""
+        """Register a request with the cache and the controller (idempotent). ``rid`` is a
+        str (TypeError otherwise); ``config`` a ``ResourceReqConfig`` or None."""
         self._check_open()
+        _check_ids((rid,), "add", "request")
         self.kv.ingest_request(rid, config)  # validates; refuses different settings
         self.controller.add_request(rid)  # idempotent
 
@@ -487,6 +497,8 @@ class TieredKV:
 
         After ``close`` the two parts stay readable (the final counters); the
         whole dict, which reads the tiers' live bytes, raises like every other call."""
+        if part is not None and not isinstance(part, str):
+            raise TypeError(f"TieredKV.stats: part must be a str or None, got {part!r}")
         if part is not None and part not in _STATS_PARTS:
             raise ValueError(f"TieredKV.stats: part must be one of {_STATS_PARTS} or None, "
                              f"got {part!r}")

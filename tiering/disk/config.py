@@ -27,6 +27,25 @@ def s3_url(path: str | os.PathLike[str] | None) -> str | None:
     return text if urlsplit(text).scheme in S3_SCHEMES and "://" in text else None
 
 
+# the ledger keeps per-page state in memory (a byte a page, more while it checks itself):
+# past this many pages a capacity is refused by name rather than ending in a MemoryError
+MAX_DISK_PAGES = 1 << 30
+
+
+def check_capacity_pages(capacity_bytes: int, page_bytes: int) -> int:
+    """``capacity_bytes // page_bytes``, the disk tier's page count; ValueError naming
+    ``DiskConfig.capacity_bytes`` when it is more than ``MAX_DISK_PAGES``."""
+    pages = int(capacity_bytes) // int(page_bytes)
+    if pages > MAX_DISK_PAGES:
+        raise ValueError(
+            f"DiskConfig.capacity_bytes {capacity_bytes} is {pages} pages of {page_bytes} "
+            f"bytes; the disk tier holds at most {MAX_DISK_PAGES} pages "
+            f"({MAX_DISK_PAGES * int(page_bytes)} bytes for this page size), since its "
+            "ledger keeps per-page state in memory"
+        )
+    return pages
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 

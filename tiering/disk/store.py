@@ -159,7 +159,7 @@ from zarr.abc.store import Store
 from tiering.core.validate import check_budget
 from tiering.disk.array import CODECS  # noqa: F401 (re-exported)
 from tiering.disk.backend import ArrayGeometry, PageBackend
-from tiering.disk.config import DiskConfig
+from tiering.disk.config import DiskConfig, check_capacity_pages
 from tiering.disk.ledger import (
     ChunkLedger,
     DiskExtent,
@@ -224,7 +224,7 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         # ``pages_per_chunk`` is the I/O batch: adjacent slots one job moves in order.
         self.pages_per_chunk = max(1, config.chunk_bytes // self.page_bytes)
         self.chunk_alloc_bytes = self.page_bytes  # the allocation unit: one page
-        self.capacity_pages = config.capacity_bytes // self.page_bytes
+        self.capacity_pages = check_capacity_pages(config.capacity_bytes, self.page_bytes)
         self.capacity_chunks = self.capacity_pages  # one slot per page
         if self.capacity_pages < 1:
             raise ValueError(
