@@ -75,6 +75,21 @@ def make(tmp_path, slots=4, disk_pages=None, executor=None, **cfg) -> TieredBloc
     return TieredBlockManager(c, [slab], disk, disk_root=c.disk_path, executor=executor)
 
 
+def land(m: TieredBlockManager, d, slot: int, pages: list[torch.Tensor]) -> None:
+    """Write one block's bytes as each rank's worker would: into its host slot, or
+    (a slot number past the host slots) into its row of the staging file."""
+    if slot < m.num_slots:
+        for slab, page in zip(m.slabs, pages, strict=True):
+            slab.tensor[slot].copy_(page)
+        return
+    assert d.staging is not None
+    row = slot - m.num_slots
+    for r, page in enumerate(pages):
+        with open(f"{d.staging}.r{r}", "r+b" if os.path.exists(f"{d.staging}.r{r}") else "wb") as f:
+            f.seek(row * page.numel())
+            f.write(page.numpy().tobytes())
+
+
 def store(
     m: TieredBlockManager, gen: torch.Generator, keys: list[bytes], chained: bool = False
 ) -> dict[bytes, torch.Tensor]:
@@ -86,7 +101,7 @@ def store(
     data = {}
     for k, s in zip(d.keys_to_store, d.slots, strict=True):
         page = torch.randint(0, 256, (PAGE,), generator=gen, dtype=torch.uint8)
-        m.slabs[0].tensor[s].copy_(page)
+        land(m, d, s, [page])
         data[k] = page
     m.complete_store(d.keys_to_store)
     m.check_integrity()
@@ -299,8 +314,7 @@ def test_two_ranks_share_one_disk_page_and_each_gets_its_own_bytes_back(tmp_path
         for k, slot in zip(d.keys_to_store, d.slots, strict=True):
             data[k] = [torch.randint(0, 256, (slot_bytes,), generator=gen, dtype=torch.uint8)
                        for _ in range(ranks)]
-            for r in range(ranks):
-                slabs[r].tensor[slot].copy_(data[k][r])
+            land(m, d, slot, data[k])
         m.complete_store(d.keys_to_store)
         assert m.wait_io(10)
         m.check_integrity()
@@ -804,7 +818,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if d is not None:
             for k, s in zip(d.keys_to_store, d.slots, strict=True):
                 page = torch.randint(0, 256, (PAGE,), generator=self.gen, dtype=torch.uint8)
-                self.m.slabs[0].tensor[s].copy_(page)
+                land(self.m, d, s, [page])
                 self.data[k] = page
                 self.damaged.discard(k)
                 self.flipped = {f for f in self.flipped if f[0] != k}
@@ -974,7 +988,7 @@ def test_disk_faults_never_hand_back_a_wrong_byte(tmp_path, seed):
             if d is not None:
                 for k, slot in zip(d.keys_to_store, d.slots, strict=True):
                     page = torch.randint(0, 256, (PAGE,), generator=gen, dtype=torch.uint8)
-                    m.slabs[0].tensor[slot].copy_(page)
+                    land(m, d, slot, [page])
                     data[k] = page
                 pending.append(d.keys_to_store)
         elif c == 1 and pending:
@@ -1341,4 +1355,216 @@ def test_mover_cuda_round_trip_on_copy_streams(tmp_path):
     _finish(mv, 2)
     for t, w in zip(layers, want, strict=True):
         assert torch.equal(t[[9, 10, 11]], w)
+    mv.shutdown()
+
+
+# ----------------------------------------------------------------------------- small host, big disk
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_clocked(tmp_path, slots, disk_pages, clock, **cfg) -> TieredBlockManager:
+    c = TieredConfig(host_bytes=slots * PAGE, disk_path=str(tmp_path / "disk"),
+                     disk_bytes=disk_pages * PAGE, **cfg)
+    slab = HostSlab(str(tmp_path / "slab"), slots, PAGE)
+    return TieredBlockManager(c, [slab], open_disk(c, PAGE, "test"), disk_root=c.disk_path,
+                              clock=clock)
+
+
+def serve(m: TieredBlockManager, k: bytes) -> torch.Tensor | None:
+    """A block's bytes as a load would see them (promoting it first), or None."""
+    r = m.lookup(k)
+    for _ in range(4):  # vLLM's next steps: demotions free a slot, the promotion lands
+        if r is not Lookup.PENDING:
+            break
+        m.maintain()
+        assert m.wait_io(10)
+        r = m.lookup(k)
+    if r is not Lookup.HIT:
+        return None
+    (slot,) = m.prepare_load([k])
+    page = m.slabs[0].tensor[slot].clone()
+    m.complete_load([k])
+    return page
+
+
+def test_a_store_batch_larger_than_the_host_tier_goes_to_disk_and_is_served(tmp_path):
+    """A 4-slot host tier and a 9-block batch: prepare_store was all or nothing
+    over the host slots and answered None, so nothing was ever stored."""
+    gen = torch.Generator().manual_seed(40)
+    m = make(tmp_path, slots=4, disk_pages=64)
+    keys = [key(i) for i in range(9)]
+    data = store(m, gen, keys, chained=True)
+    assert sorted(data) == sorted(keys)
+    assert m.counters.stores_staged == 5 and m.counters.stores_refused == 0
+    assert m.wait_io(10)
+    m.check_integrity()
+    assert not os.listdir(m.staging), "staging files left behind"
+    assert all(m.block(k) is not None for k in keys)
+    buf = torch.empty((1, PAGE), dtype=torch.uint8)
+    for k in keys[4:]:  # straight to disk: the bytes the worker staged, checked on read
+        b = m.block(k)
+        assert b.host is HostState.NONE and b.disk is DiskState.READY
+        m.disk.read(b.extent, buf)
+        assert torch.equal(buf[0], data[k]), k.hex()
+    for k in keys[:4]:
+        assert torch.equal(serve(m, k), data[k])
+    # the chain is kept for the blocks that went straight to disk
+    assert m.block(keys[8]).parent == keys[7]
+    m.shutdown()
+    assert not os.path.exists(m.staging)
+
+
+def test_no_block_is_dropped_while_the_disk_tier_has_room(tmp_path):
+    """With the default demote_headroom (a quarter of the host slots) a store batch
+    evicted host blocks that had no disk copy yet: of 30 stores, 12 reached disk."""
+    gen = torch.Generator().manual_seed(41)
+    m = make(tmp_path, slots=9, disk_pages=64)
+    data = {}
+    for i in range(0, 30, 3):
+        data |= store(m, gen, [key(i), key(i + 1), key(i + 2)], chained=True)
+        m.maintain()  # one scheduler step per batch; the I/O may still be running
+    assert m.wait_io(10)
+    m.check_integrity()
+    assert m.counters.dropped == 0 and m.counters.host_evictions > 0
+    assert len(m.index) == 30
+    for k, page in data.items():
+        assert torch.equal(serve(m, k), page)
+    m.shutdown()
+
+
+def test_a_refused_store_is_counted_logged_once_and_marks_the_state_changed(tmp_path, caplog):
+    """A refusal did not mark the state changed: the state file kept its first
+    all-zero counters, and nothing was logged."""
+    import json
+
+    gen = torch.Generator().manual_seed(42)
+    sp = tmp_path / "state.json"
+    m = make(tmp_path, slots=2, state_path=str(sp), policy="lru")
+    store(m, gen, [key(1), key(2)])
+    m.prepare_load([key(1), key(2)])  # every slot pinned by a load in flight
+    m.maintain()
+    assert m.wait_io(10)
+    with caplog.at_level("WARNING", logger="tiering.integrations.vllm._core"):
+        assert m.prepare_store([key(3)]) is None
+        m.maintain()
+        assert m.wait_io(10)
+        assert json.loads(sp.read_text())["counters"]["stores_refused"] == 1
+        assert m.prepare_store([key(4)]) is None
+        m.maintain()
+        assert m.wait_io(10)
+    assert json.loads(sp.read_text())["counters"]["stores_refused"] == 2
+    assert caplog.text.count("was refused") == 1
+    m.complete_load([key(1), key(2)])
+    assert m.prepare_store([key(3)]) is not None  # room again: accepted, the log re-armed
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_a_prefix_longer_than_the_host_tier_is_served_up_to_it_then_misses(tmp_path):
+    """A prefix on disk longer than the host tier: each pending key promoted one
+    block, the promotions held every slot, and the request waited for ever."""
+    from tiering.integrations.vllm._core import LoadWindow
+
+    gen = torch.Generator().manual_seed(43)
+    clock = Clock()
+    m = make_clocked(tmp_path, 4, 64, clock)
+    keys = [key(i) for i in range(9)]
+    data = store(m, gen, keys, chained=True)
+    assert m.wait_io(10)
+    for k in keys:  # push every block down to disk only
+        if m.block(k).host is HostState.READY:
+            m._evict_clean_host_copy(k)
+    m.check_integrity()
+    w = LoadWindow()
+    answers = []
+    for _ in range(5):  # vLLM's passes: from the first key until a miss
+        answers = []
+        for k in keys:
+            r = m.lookup(k, w)
+            answers.append(r)
+            if r is Lookup.MISS:
+                break
+        if Lookup.PENDING not in answers:
+            break
+        assert m.wait_io(10)
+        m.maintain()
+    assert answers == [Lookup.HIT] * 4 + [Lookup.MISS], answers
+    assert m.counters.lookups_over_budget >= 1
+    slots = m.prepare_load(keys[:4])  # the load vLLM then makes: all on host
+    for k, s in zip(keys[:4], slots, strict=True):
+        assert torch.equal(m.slabs[0].tensor[s], data[k])
+    m.complete_load(keys[:4])
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_a_request_that_waits_past_load_wait_s_gets_a_miss(tmp_path):
+    """Without a bound, a request whose blocks cannot be promoted (every host slot
+    pinned) answered pending at every step for as long as the pins lasted."""
+    from tiering.integrations.vllm._core import LoadWindow
+
+    gen = torch.Generator().manual_seed(44)
+    clock = Clock()
+    m = make_clocked(tmp_path, 2, 16, clock, load_wait_s=3.0, policy="lru")
+    store(m, gen, [key(1), key(2), key(3)])
+    assert m.wait_io(10)
+    on_host = [k for k in (key(1), key(2), key(3)) if m.block(k).host is HostState.READY]
+    (on_disk,) = [k for k in (key(1), key(2), key(3)) if k not in on_host]
+    m.prepare_load(on_host)  # both slots pinned: nothing can be promoted
+    w = LoadWindow()
+    assert m.lookup(on_disk, w) is Lookup.PENDING
+    clock.t += 2.9
+    assert m.lookup(on_disk, w) is Lookup.PENDING  # a new pass, still within the bound
+    clock.t += 0.2
+    assert m.lookup(on_disk, w) is Lookup.MISS  # past it: vLLM recomputes
+    assert m.counters.lookups_timed_out == 1
+    assert m.lookup(on_disk) is Lookup.PENDING  # another request's wait starts afresh
+    m.complete_load(on_host)
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_a_misspelt_key_of_ours_raises_listing_the_known_keys(caplog):
+    """`demote_headrom` was accepted silently (and changed what was kept)."""
+    from tiering.integrations.vllm._core import OUR_KEYS
+
+    with pytest.raises(ValueError) as err:
+        TieredConfig.from_extra({"host_bytes": 4096, "demote_headrom": 4})
+    msg = str(err.value)
+    assert "'demote_headrom'" in msg
+    for k in OUR_KEYS:
+        assert k in msg
+    with pytest.raises(ValueError, match="'host_byte'"):
+        TieredConfig.from_extra({"host_byte": 4096})
+    # vLLM's keys, and keys far from ours, are vLLM's business
+    with caplog.at_level("WARNING"):
+        c = TieredConfig.from_extra({"host_bytes": 4096, "spec_name": "TieredOffloadingSpec",
+                                     "blocks_per_chunk": 2, "some_future_vllm_flag": 1})
+    assert c.host_bytes == 4096 and "some_future_vllm_flag" in caplog.text
+
+
+def test_mover_stages_blocks_past_the_slab_into_a_file_laid_out_as_slots(tmp_path):
+    gen = torch.Generator().manual_seed(45)
+    mv, layers = _mover(tmp_path, gen)
+    n = mv.slab.num_slots
+    blocks = [3, 4, 5, 9]
+    slots = [1, n, n + 1, n + 20]  # one host slot, three staged rows (one past a piece)
+    staging = str(tmp_path / "store-1")
+    assert not mv.submit(1, False, blocks, [4], [0], slots, staging)  # loads never stage
+    assert not mv.submit(1, True, blocks, [4], [0], slots)  # past the slab without staging
+    assert mv.submit(1, True, blocks, [4], [0], slots, staging)
+    _finish(mv, 1)
+    raw = torch.frombuffer(bytearray(open(staging + ".r0", "rb").read()), dtype=torch.uint8)
+    rows = raw.view(-1, 256)
+    for b, row in ((4, 0), (5, 1), (9, 20)):
+        assert torch.equal(rows[row, :96], layers[0][b])
+        assert torch.equal(rows[row, 96:], layers[1][b])
+    assert torch.equal(mv.slab.tensor[1, :96], layers[0][3])
     mv.shutdown()

@@ -5,10 +5,13 @@ vLLM; ``tiering.integrations.vllm._core`` re-exports these."""
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import fcntl
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -46,8 +49,40 @@ OUR_KEYS = frozenset(
         "io_threads",
         "copy_threads",
         "test_corrupt_loads",
+        "load_wait_s",
+        "staging_dir",
     }
 )
+
+# Keys vLLM's OffloadingConnector and its OffloadingSpec base read from the same
+# mapping (vLLM 0.32); they are vLLM's, never checked here.
+VLLM_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "block_size",
+        "blocks_per_chunk",
+        "canonical_layout",
+        "offload_prompt_only",
+        "self_describing_kv_events",
+    }
+)
+
+
+def unknown_keys(extra: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """Keys of ``extra`` that are neither ours nor vLLM's: (misspelt, other).
+
+    A key close to one of ours (``difflib``, ratio >= 0.75) is a misspelling of
+    ours; any other unknown key may be a vLLM key newer than this list."""
+    misspelt, other = [], []
+    for k in extra:
+        if k in OUR_KEYS or k in VLLM_KEYS:
+            continue
+        if isinstance(k, str) and difflib.get_close_matches(k, OUR_KEYS, n=1, cutoff=0.75):
+            misspelt.append(k)
+        else:
+            other.append(str(k))
+    return misspelt, other
 
 
 @dataclass(frozen=True)
@@ -61,8 +96,12 @@ class TieredConfig:
     the shared slab files live (default /dev/shm when present). ``state_path``: a
     JSON file the manager rewrites (off the step path) with its counters and disk
     table, for tests and monitoring. ``demote_headroom``: host slots the manager
-    keeps free or backed by disk by writing cold blocks down early (default a
-    quarter of the slots). ``io_threads``/``copy_threads``: threads for disk I/O in
+    keeps free or backed by disk by writing cold blocks down early (default: all
+    of them, i.e. write-through). ``load_wait_s``: the longest a request's lookup
+    answers "pending" (a block being promoted or stored); after it, blocks not on
+    host answer "miss" and vLLM recomputes them. ``staging_dir``: where a store
+    batch larger than the free host slots is written by the workers on its way
+    to the disk tier (default ``<disk_path>.staging``). ``io_threads``/``copy_threads``: threads for disk I/O in
     the scheduler and for copies in each worker. ``test_corrupt_loads``: TEST ONLY,
     the worker flips bytes of every block it loads (a negative control).
     """
@@ -77,6 +116,8 @@ class TieredConfig:
     io_threads: int = 2
     copy_threads: int = 2
     test_corrupt_loads: bool = False
+    load_wait_s: float = 2.0
+    staging_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.host_bytes) or self.host_bytes <= 0:
@@ -104,7 +145,7 @@ class TieredConfig:
                 "kv_connector_extra_config.policy must be one of the registered block "
                 f"policies {', '.join(names)}; got {self.policy!r}"
             )
-        for name in ("host_dir", "state_path"):
+        for name in ("host_dir", "state_path", "staging_dir"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"kv_connector_extra_config.{name} must be a non-empty str, got {v!r}")
@@ -141,17 +182,58 @@ class TieredConfig:
                     f"kv_connector_extra_config.{name} must be an int from 1 to {MAX_THREADS}, "
                     f"got {v!r}"
                 )
+        if (
+            isinstance(self.load_wait_s, bool)
+            or not isinstance(self.load_wait_s, (int, float))
+            or not math.isfinite(self.load_wait_s)
+            or self.load_wait_s < 0
+        ):
+            raise ValueError(
+                "kv_connector_extra_config.load_wait_s must be a finite number of seconds "
+                f">= 0, got {self.load_wait_s!r}"
+            )
+        if self.staging_dir is not None and self.disk_path is None:
+            raise ValueError(
+                "kv_connector_extra_config.staging_dir needs a disk tier (disk_path and "
+                f"disk_bytes); got staging_dir={self.staging_dir!r} without one"
+            )
+        if self.staging_dir is not None and os.path.exists(self.staging_dir) and not (
+            os.path.isdir(self.staging_dir)
+        ):
+            raise ValueError(
+                f"kv_connector_extra_config.staging_dir must be a directory, got "
+                f"{self.staging_dir!r} (an existing file)"
+            )
         if not isinstance(self.test_corrupt_loads, bool):
             raise ValueError(
                 "kv_connector_extra_config.test_corrupt_loads must be a bool, "
                 f"got {self.test_corrupt_loads!r}"
             )
 
+    @property
+    def staging(self) -> str | None:
+        """The staging directory in use (None without a disk tier)."""
+        if self.disk_path is None:
+            return None
+        return self.staging_dir or self.disk_path.rstrip(os.sep) + ".staging"
+
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> TieredConfig:
-        """Ours from vLLM's extra config (other keys belong to vLLM and are left alone)."""
+        """Ours from vLLM's extra config. vLLM's own keys are left alone; a key that
+        looks like a misspelling of ours is a ValueError listing our keys; any other
+        unknown key is logged (it may be a newer vLLM's) and left to vLLM."""
         if not isinstance(extra, Mapping):
             raise ValueError(f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}")
+        misspelt, other = unknown_keys(extra)
+        if misspelt:
+            raise ValueError(
+                f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, misspelt))}; "
+                f"the keys of TieredOffloadingSpec are {', '.join(sorted(OUR_KEYS))} "
+                f"(vLLM's own: {', '.join(sorted(VLLM_KEYS))})"
+            )
+        if other:
+            log.warning("tiering: kv_connector_extra_config key(s) %s are not ours; left to vLLM",
+                        ", ".join(sorted(other)))
         if "host_bytes" not in extra:
             raise ValueError("kv_connector_extra_config.host_bytes is required (bytes of host slots)")
         return cls(**{k: extra[k] for k in OUR_KEYS if k in extra})
@@ -364,10 +446,18 @@ def _same_file(fd: int, path: str) -> bool:
 
 
 def _write_json(path: str, obj: Mapping[str, Any]) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    """Replace ``path`` atomically through a temporary file created exclusively (O_EXCL, a
+    random name, mode 0600) in the same directory: a name planted there is never followed."""
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                               dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def open_disk(cfg: TieredConfig, page_bytes: int, fingerprint: str) -> DiskPageStore | None:

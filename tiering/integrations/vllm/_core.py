@@ -36,7 +36,9 @@ drops the block, and lookup answers "miss", so vLLM recomputes it.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -87,6 +89,7 @@ __all__ = [
     "HostState",
     "JobResult",
     "LayerCopy",
+    "LoadWindow",
     "Lookup",
     "StoreDecision",
     "TableIntegrityError",
@@ -140,21 +143,58 @@ class Lookup(Enum):
 
 
 class StoreDecision(NamedTuple):
+    """Where each accepted key goes: ``slots[i]`` < ``num_slots`` is a host slot; a
+    larger value ``num_slots + j`` sends the block straight to disk through row
+    ``j`` of the staging file ``staging`` (one per rank: ``f"{staging}.r{rank}"``)."""
+
     keys_to_store: list[bytes]
     slots: list[int]
     evicted: list[bytes]  # keys that are gone from every tier
+    staging: str | None = None
+
+
+class LoadWindow:
+    """One request's lookups, kept by the caller per request (``lookup(key, window)``).
+
+    vLLM looks a request's keys up from its first, every step, until one misses,
+    and defers the request while any answers pending; it loads all hits at once.
+    So a request may hold at most ``load_budget`` blocks (hits and pending
+    answers) in one pass (a key seen again starts a new pass), and once it has
+    waited ``load_wait_s`` since its first pending answer, a key not on host
+    answers miss. Either way vLLM loads the leading hits and recomputes the rest."""
+
+    __slots__ = ("held", "pending", "seen", "since")
+
+    def __init__(self) -> None:
+        self.seen: set[bytes] = set()
+        self.held = 0
+        self.pending = False  # this pass answered pending at least once
+        self.since: float | None = None  # first pending answer of the current wait
+
+    def _restart(self) -> None:
+        if not self.pending:
+            self.since = None  # the last pass was served without a wait
+        self.seen.clear()
+        self.held = 0
+        self.pending = False
 
 
 Counters = counter_record(
     "Counters",
     """lookups host_hits pending_answers stores_started stores_completed stores_failed
-    stores_refused stores_not_admitted loads_from_host loads_from_disk promotions_started
+    stores_refused stores_not_admitted stores_staged stores_staged_failed
+    lookups_over_budget lookups_timed_out loads_from_host loads_from_disk promotions_started
     promotions_ok promotions_failed promotions_deferred promotions_unused demotions_started
     demotions_ok demotions_failed demotions_not_admitted host_evictions disk_evictions dropped
     drops_deferred""",
     doc="""What the manager did, as plain integers. Where a name does not say it all:
 
-    ``stores_refused``: no host slot could be freed: prepare_store answered None.
+    ``stores_refused``: no block of a batch could be placed (every tier full of
+    pinned blocks): prepare_store answered None.
+    ``stores_staged``: blocks that went straight to disk (no host slot was free).
+    ``stores_staged_failed``: of those, blocks whose staging or disk write failed.
+    ``lookups_over_budget``: a miss because the request held ``load_budget`` blocks.
+    ``lookups_timed_out``: a miss because the request waited ``load_wait_s``.
     ``stores_not_admitted``: the retention policy refused the block (not stored).
     ``loads_from_host``: blocks handed to vLLM whose bytes were stored into host.
     ``loads_from_disk``: blocks handed to vLLM whose bytes were promoted from disk.
@@ -174,6 +214,30 @@ class Event(NamedTuple):
     keys: tuple[bytes, ...]
     tier: str  # "host" or "disk"
     removed: bool
+
+
+def _unlink_staging(staging: str, ranks: int) -> None:
+    for r in range(ranks):
+        try:
+            os.unlink(f"{staging}.r{r}")
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("tiering: removing staging file %s.r%d: %s", staging, r, exc)
+
+
+def _clear_staging(path: str) -> None:
+    """Remove this backend's staging files (``store-*.r*``) from ``path``."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for n in names:
+        if n.startswith("store-") and ".r" in n:
+            try:
+                os.unlink(os.path.join(path, n))
+            except OSError:
+                pass
 
 
 def _payload_offset(disk: DiskPageStore | None, chunk: int) -> int | None:
@@ -247,9 +311,21 @@ class TieredBlockManager:
             if disk is not None
             else None
         )
-        self.headroom = (
-            cfg.demote_headroom if cfg.demote_headroom is not None else max(1, n // 4)
-        )
+        # write-through by default: a host block with a disk copy is evicted for free
+        self.headroom = cfg.demote_headroom if cfg.demote_headroom is not None else n
+        self.load_budget = n  # blocks one request may hold on host for one load
+        self.staging = cfg.staging if disk is not None else None
+        if self.staging is not None:
+            os.makedirs(self.staging, exist_ok=True)
+            _clear_staging(self.staging)
+        self._stage_seq = 0
+        # blocks going straight to disk: key -> (extent, parent, staging file, row);
+        # from prepare_store until their disk write is reaped
+        self._staged: dict[bytes, tuple[DiskExtent, bytes | None, str, int]] = {}
+        # staging file -> (its disk job, [(key, extent, parent)], abandoned by a reset)
+        self._stage_jobs: dict[str, tuple[Future, list[tuple[bytes, DiskExtent, bytes | None]],
+                                          bool]] = {}
+        self._refusing = False  # the last store batch was refused (logged once)
         self.counters = Counters()
         self._reported = Counters()
         self.events: list[Event] = []
@@ -282,6 +358,10 @@ class TieredBlockManager:
         if st is not None:
             return BlockView(key, HostState.STORING, st[0], DiskState.NONE, None, 0, False,
                              st[1], 0)
+        sg = self._staged.get(key)
+        if sg is not None:
+            return BlockView(key, HostState.NONE, None, DiskState.WRITING, sg[0], 0, False,
+                             sg[1], 0)
         loc = self.index.location(key)
         if loc is None:
             return None
@@ -300,7 +380,7 @@ class TieredBlockManager:
 
     def keys(self) -> list[bytes]:
         """Every block a tier holds or is storing."""
-        return [*self.index.keys(), *self._storing]
+        return [*self.index.keys(), *self._storing, *self._staged]
 
     def loaded_from_disk(self, key: bytes) -> bool:
         return key in self._from_disk
@@ -423,12 +503,16 @@ class TieredBlockManager:
         at = self._fresh.get(key)
         return at is not None and self._step - at < PROMOTED_HOLD_STEPS
 
-    def _free_host_slots(self, need: int, evicted: list[bytes], protect: set[bytes]) -> bool:
-        """Make ``need`` host slots free, evicting cold blocks; all or nothing.
+    def _free_host_slots(
+        self, need: int, evicted: list[bytes], protect: set[bytes], partial: bool = False
+    ) -> bool:
+        """Make ``need`` host slots free, evicting cold blocks; all or nothing (with
+        ``partial``, as many as it can: the caller reads ``pool.free_pages``).
 
         Clean blocks (a disk copy is ready) go first, in policy order: evicting one is
-        a move to DISK and drops nothing. A block without one is dropped with its
-        cached descendants, never one above a protected block."""
+        a move to DISK and drops nothing. Without a disk tier, a block without one
+        is dropped with its cached descendants, never one above a protected block;
+        with a disk tier such a block is never dropped (it waits for its demotion)."""
         short = need - self.pool.free_pages
         if short <= 0:
             return True
@@ -448,11 +532,11 @@ class TieredBlockManager:
                     clean.append(k)
                     if len(clean) >= short:
                         break
-                elif self.index.evictable(k):
+                elif self.disk is None and self.index.evictable(k):
                     dirty.append(k)
         finally:
             gen.close()
-        if len(clean) + len(dirty) < short:
+        if len(clean) + len(dirty) < short and not partial:
             return False
         freed = 0
         for k in clean:
@@ -508,8 +592,10 @@ class TieredBlockManager:
     # ------------------------------------------------------------------ reaping I/O
 
     def reap(self) -> None:
-        """Settle finished promotions and demotions (non-blocking)."""
+        """Settle finished promotions, demotions and stores to disk (non-blocking)."""
         now = self._clock()
+        if self._stage_jobs:
+            self._reap_staging(now)
         for key, fut in list(self._promoting.items()):
             if not fut.done():
                 continue
@@ -556,12 +642,49 @@ class TieredBlockManager:
 
     # ------------------------------------------------------------------ vLLM-facing operations
 
-    def lookup(self, key: bytes) -> Lookup:
+    def lookup(self, key: bytes, window: LoadWindow | None = None) -> Lookup:
+        """Where ``key`` is for a load: HIT (on host, checked), PENDING (being stored or
+        promoted: ask again), MISS. With the request's ``window`` (see ``LoadWindow``)
+        a request never holds more than ``load_budget`` blocks in one pass nor waits
+        longer than ``cfg.load_wait_s``: past either, the answer is MISS."""
         self._open("lookup")
         self._check_key("lookup", key)  # one key per call, on the scheduler's path: no list
+        if window is not None and not isinstance(window, LoadWindow):
+            raise ValueError(f"lookup: window must be a LoadWindow or None, got {window!r}")
         self.reap()
         self.counters.lookups += 1
-        if key in self._storing:
+        if window is None:
+            return self._lookup(key, may_wait=True)
+        if key in window.seen:
+            window._restart()
+        window.seen.add(key)
+        if window.held >= self.load_budget:
+            self.counters.lookups_over_budget += 1
+            return Lookup.MISS
+        now = self._clock()
+        waited = window.since is not None and now - window.since >= self.cfg.load_wait_s
+        r = self._lookup(key, may_wait=not waited)
+        if r is Lookup.MISS:
+            if waited and self._would_wait(key):
+                self.counters.lookups_timed_out += 1
+            return r
+        if r is Lookup.PENDING:
+            window.pending = True
+            if window.since is None:
+                window.since = now
+        window.held += 1
+        return r
+
+    def _would_wait(self, key: bytes) -> bool:
+        loc = self.index.location(key)
+        return key in self._storing or key in self._staged or (
+            loc is not None and loc.tier is not Tier.HOST and key not in self._lost
+        )
+
+    def _lookup(self, key: bytes, may_wait: bool) -> Lookup:
+        if not may_wait and self._would_wait(key):
+            return Lookup.MISS
+        if key in self._storing or key in self._staged:
             self.counters.pending_answers += 1
             return Lookup.PENDING
         loc = self.index.location(key)
@@ -609,6 +732,92 @@ class TieredBlockManager:
         for s in self.slabs:
             s.tensor[slot].copy_(buf[0, off : off + s.slot_bytes])
             off += s.slot_bytes
+
+    # ------------------------------------------------------------------ straight to disk
+
+    def _finish_staging(self, staging: str, success: bool) -> None:
+        """The workers have written (``success``) or failed the blocks of ``staging``:
+        copy them into the disk tier on an I/O thread, or let their extents go."""
+        items = [(k, v[0], v[1], v[3]) for k, v in self._staged.items() if v[2] == staging]
+        if staging in self._stage_jobs or not items:
+            return
+        if not success:
+            for k, ext, _, _ in items:
+                del self._staged[k]
+                self._release_disk(ext)
+            self.counters.stores_failed += len(items)
+            self.counters.stores_staged_failed += len(items)
+            _unlink_staging(staging, len(self.slabs))
+            self._dirty = True
+            return
+        fut = self._io.submit(OFFLOAD, self._stage_in, staging, [(e, r) for _, e, _, r in items])
+        self._stage_jobs[staging] = (fut, [(k, e, p) for k, e, p, _ in items], False)
+
+    def _stage_in(self, staging: str, items: list[tuple[DiskExtent, int]]) -> list:
+        """Copy staging rows into their disk extents (I/O thread); per item None or
+        the exception. The staging files are removed whatever happens."""
+        assert self.disk is not None
+        fds: list[int] = []
+        try:
+            try:
+                for r in range(len(self.slabs)):
+                    fds.append(os.open(f"{staging}.r{r}", os.O_RDONLY))
+            except OSError as exc:
+                return [exc] * len(items)
+            buf = torch.empty((1, self.page_bytes), dtype=torch.uint8)
+            arr = buf.numpy()
+            out: list = []
+            for ext, row in items:
+                try:
+                    off = 0
+                    for fd, slab in zip(fds, self.slabs, strict=True):
+                        n = os.preadv(fd, [memoryview(arr[0, off : off + slab.slot_bytes])],
+                                      row * slab.slot_bytes)
+                        if n != slab.slot_bytes:
+                            raise OSError(errno.EIO, f"staging row {row}: {n} of "
+                                          f"{slab.slot_bytes} bytes")
+                        off += slab.slot_bytes
+                    self.disk.write(ext, buf)
+                    out.append(None)
+                except Exception as exc:  # handed back per block; the others go on
+                    out.append(exc)
+            return out
+        finally:
+            for fd in fds:
+                os.close(fd)
+            _unlink_staging(staging, len(self.slabs))
+
+    def _reap_staging(self, now: float) -> None:
+        for staging, (fut, items, abandoned) in list(self._stage_jobs.items()):
+            if not fut.done():
+                continue
+            del self._stage_jobs[staging]
+            self._dirty = True
+            exc = fut.exception()
+            results = fut.result() if exc is None else [exc] * len(items)
+            landed = []
+            for (k, ext, parent), err in zip(items, results, strict=True):
+                if not abandoned:
+                    del self._staged[k]
+                if abandoned or err is not None:
+                    if err is not None:
+                        log.warning("tiering: block %s did not reach the disk tier: %s",
+                                    k.hex(), err)
+                        self.counters.stores_failed += 1
+                        self.counters.stores_staged_failed += 1
+                    self._release_disk(ext)
+                    continue
+                if parent is not None and (parent not in self.index or parent in self._lost):
+                    parent = None
+                ok = self.index.insert(k, parent, Tier.DISK, ext, now)
+                assert ok
+                info = self.index.get(k)
+                assert info is not None and self.disk_policy is not None
+                self.disk_policy.on_insert(info, now)
+                self.counters.stores_completed += 1
+                landed.append(k)
+            if landed:
+                self.events.append(Event(tuple(landed), "disk", False))
 
     def _write_page(self, extent: DiskExtent, slot: int) -> None:
         assert self.disk is not None
@@ -724,7 +933,7 @@ class TieredBlockManager:
         skipped: set[bytes] = set()
         new: list[tuple[bytes, bytes | None]] = []
         for k, p in batch:
-            if k in self.index or k in self._storing:
+            if k in self.index or k in self._storing or k in self._staged:
                 if k in self.index:
                     depth[k] = self.index.get(k).depth
                 continue
@@ -740,18 +949,54 @@ class TieredBlockManager:
             depth[k] = d
             new.append((k, p))
         evicted: list[bytes] = []
-        if not self._free_host_slots(len(new), evicted, set(keys)):
-            self.counters.stores_refused += 1
-            return None
+        if self.disk is None:
+            if not self._free_host_slots(len(new), evicted, set(keys)):
+                return self._refuse(len(new))
+            n_host = len(new)
+        else:  # what does not fit on host now goes straight to disk
+            self._free_host_slots(len(new), evicted, set(keys), partial=True)
+            n_host = min(len(new), self.pool.free_pages)
+        host = new[:n_host]
+        staged: list[tuple[bytes, bytes | None, DiskExtent]] = []
+        for k, p in new[n_host:]:
+            ext = self._reserve_disk(k, evicted)
+            if ext is None:
+                break  # the disk is full of busy blocks: the rest is not stored
+            staged.append((k, p, ext))
+        if new and not host and not staged:
+            return self._refuse(len(new))
+        self._refusing = False
         # an eviction may have taken a parent with it: such a block starts a chain
-        slots = self.pool.allocate(("batch",), len(new)) if new else []
+        slots = self.pool.allocate(("batch",), len(host)) if host else []
         assert slots is not None
-        for (k, p), s in zip(new, slots, strict=True):
+        for (k, p), s in zip(host, slots, strict=True):
             self.pool.transfer_ownership(("batch",), k, [s])
             self._storing[k] = (s, p)
-        self.counters.stores_started += len(new)
+        staging = None
+        if staged:
+            assert self.staging is not None
+            self._stage_seq += 1
+            staging = os.path.join(self.staging, f"store-{os.getpid()}-{self._stage_seq}")
+            for j, (k, p, ext) in enumerate(staged):
+                self._staged[k] = (ext, p, staging, j)
+                slots.append(self.num_slots + j)
+            self.counters.stores_staged += len(staged)
+        self.counters.stores_started += len(host) + len(staged)
         self._dirty = True
-        return StoreDecision([k for k, _ in new], slots, evicted)
+        return StoreDecision([*(k for k, _ in host), *(k for k, _, _ in staged)], slots,
+                             evicted, staging)
+
+    def _refuse(self, n: int) -> None:
+        """A store batch of which no block could be placed: counted, the state file
+        marked changed, logged once until a store succeeds again."""
+        self.counters.stores_refused += 1
+        self._dirty = True
+        if not self._refusing:
+            self._refusing = True
+            log.warning("tiering: a store of %d block(s) was refused: every tier is full of "
+                        "pinned blocks (counted in stores_refused; logged once until a store "
+                        "is accepted again)", n)
+        return None
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
         """Settle stores: their blocks enter the index (``success``) or their slots are
@@ -762,10 +1007,13 @@ class TieredBlockManager:
             raise ValueError(f"complete_store: success must be a bool, got {success!r}")
         stored = []
         now = self._clock()
+        files = {self._staged[k][2] for k in keys if k in self._staged}
+        for f in sorted(files):
+            self._finish_staging(f, success)
         for k in keys:
             st = self._storing.pop(k, None)
             if st is None:
-                continue  # already complete (keys repeat across jobs) or never ours
+                continue  # already complete (keys repeat across jobs), staged, or never ours
             slot, parent = st
             if success:
                 if parent is not None and (parent not in self.index or parent in self._lost):
@@ -838,7 +1086,7 @@ class TieredBlockManager:
             self._dirty = True
 
     def has_pending_work(self) -> bool:
-        return bool(self._promoting or self._demoting) or (
+        return bool(self._promoting or self._demoting or self._stage_jobs) or (
             self.cfg.state_path is not None
             and (self._dirty or (self._dump is not None and not self._dump.done()))
         )
@@ -913,6 +1161,13 @@ class TieredBlockManager:
             self.pool.transfer_ownership(k, ("reset", slot), [slot])
             self._abandoned[slot] = self._step
         self._storing.clear()
+        for staging, (fut, items, _) in list(self._stage_jobs.items()):
+            self._stage_jobs[staging] = (fut, items, True)  # its extents go when it ends
+            for k, _, _ in items:
+                self._staged.pop(k, None)
+        for ext, _, _, _ in self._staged.values():  # not written yet: a late
+            self._release_disk(ext)  # complete_store finds nothing to do
+        self._staged.clear()
         for k, n in self._load_pins.items():
             self._reset_loads[k] = (n, self._step)
         self._dirty = True
@@ -939,13 +1194,14 @@ class TieredBlockManager:
         timeout = check_timeout("TieredBlockManager.wait_io", timeout)
         deadline = time.monotonic() + timeout
         for fut in [*self._promoting.values(), *self._demoting.values(),
+                    *(j[0] for j in self._stage_jobs.values()),
                     *([self._dump] if self._dump is not None else [])]:
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception:  # a fault is handled (and logged) by reap
                 pass
         self.reap()
-        return not (self._promoting or self._demoting)
+        return not (self._promoting or self._demoting or self._stage_jobs)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Wait (bounded) for disk I/O, write the final state, stop the I/O threads and
@@ -971,6 +1227,12 @@ class TieredBlockManager:
                 self.disk.close()
             except Exception as exc:  # closing is best effort; the process may be ending
                 log.warning("tiering: closing the disk tier failed: %r", exc)
+        if self.staging is not None:
+            _clear_staging(self.staging)
+            try:
+                os.rmdir(self.staging)
+            except OSError:  # not empty (not ours) or gone: left as it is
+                pass
 
     # ------------------------------------------------------------------ checking
 
@@ -1028,6 +1290,21 @@ class TieredBlockManager:
                     problems.append(f"{k.hex()}: a disk-only block with host-side state")
             else:
                 problems.append(f"{k.hex()}: on {loc.tier.value}, which this manager has not")
+        for k, (ext, _, staging, _) in self._staged.items():
+            if k in self.index or k in self._storing:
+                problems.append(f"{k.hex()}: going straight to disk and held elsewhere too")
+            if ext in extents:
+                problems.append(f"{k.hex()}: extent {ext} held twice")
+            extents[ext] = k
+            job = self._stage_jobs.get(staging)
+            if job is not None and (job[2] or k not in {i[0] for i in job[1]}):
+                problems.append(f"{k.hex()}: staged, but its job does not list it")
+        for staging, (_, items, abandoned) in self._stage_jobs.items():
+            for k, ext, _ in items:
+                if abandoned:
+                    extents[ext] = ("abandoned", k)
+                elif self._staged.get(k, (None,))[0] != ext:
+                    problems.append(f"{k.hex()}: a job of {staging} for a block not staged")
         stray = [k for k in self._fresh if k not in host_ready]
         if stray:
             problems.append(f"{stray[0].hex()}: held as freshly promoted but not on host")

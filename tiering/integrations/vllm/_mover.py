@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -123,8 +124,13 @@ class TieredMover:
     ``groups[g]`` says where group g's layers lie in a host block row. A slot holds
     ``blocks_per_chunk`` block rows. Each job runs on a worker thread (the copy
     streams on a GPU); adjacent blocks that are adjacent in the slab are one copy
-    per layer.
+    per layer. A store job may also name slots past the slab (``num_slots + j``)
+    and a ``staging`` path: those blocks are laid out as in a slot and written to
+    row ``j`` of the file ``f"{staging}.r{rank}"``, ``STAGE_SLOTS`` slots at a time
+    (the manager copies them into the disk tier once the job has completed).
     """
+
+    STAGE_SLOTS = 16  # slots of a staging piece: the worker's extra host memory
 
     def __init__(
         self,
@@ -136,6 +142,7 @@ class TieredMover:
         device: torch.device | None = None,
         corrupt_loads: bool = False,
         clock: Callable[[], float] = time.perf_counter,
+        rank: int = 0,
     ) -> None:
         self.groups = list(groups)
         if not self.groups:
@@ -144,6 +151,9 @@ class TieredMover:
             raise ValueError(
                 f"TieredMover: blocks_per_chunk must be an int >= 1, got {blocks_per_chunk!r}"
             )
+        if not _is_index(rank) or rank < 0:
+            raise ValueError(f"TieredMover: rank must be an int >= 0, got {rank!r}")
+        self.rank = rank
         self.slab = slab
         self.bpc = blocks_per_chunk
         row_bytes = max(g.block_bytes for g in self.groups)
@@ -167,7 +177,8 @@ class TieredMover:
                               for g in self.groups]
         self.counters = {"jobs": 0, "bytes": 0, "failed": 0, "refused": 0}
 
-    def _check(self, job_id: object, plan: list[tuple[int, list[int], list[int]]]) -> None:
+    def _check(self, job_id: object, plan: list[tuple[int, list[int], list[int]]],
+               staging: str | None = None) -> None:
         """Why a job cannot run as given (ValueError), checked before any byte moves."""
         if not _is_index(job_id):
             raise ValueError(f"job id must be an int, got {job_id!r}")
@@ -186,32 +197,44 @@ class TieredMover:
                     f"({self._group_blocks[g]} blocks)"
                 )
             bad = next((r for r in rows if r >= n_rows), None)
-            if bad is not None:
+            if bad is not None and staging is None:
                 raise ValueError(
                     f"host slot {bad // self.bpc} is out of range ({self.slab.num_slots} slots)"
                 )
 
-    def submit(self, job_id: int, store: bool, block_ids, group_sizes, block_indices, slots) -> bool:
+    def submit(self, job_id: int, store: bool, block_ids, group_sizes, block_indices, slots,
+               staging: str | None = None) -> bool:
         """Queue one copy job; False (logged, nothing queued, no byte moved) for a spec
-        that does not add up or points outside the slab or vLLM's tensors, a job id
-        that is not an int or already in flight, or a shut down mover."""
+        that does not add up or points outside the slab (without ``staging``, which
+        only a store may name) or vLLM's tensors, a job id that is not an int or
+        already in flight, or a shut down mover."""
         with self._lock:
             try:
+                if staging is not None and (not store or not isinstance(staging, str)):
+                    raise ValueError(f"a staging path is for stores only, got {staging!r}")
                 plan = plan_blocks(block_ids, group_sizes, block_indices, slots, self.bpc)
-                self._check(job_id, plan)
+                self._check(job_id, plan, staging)
             except ValueError as exc:
                 log.error("tiering: job %r refused: %s", job_id, exc)
                 self.counters["refused"] += 1
                 return False
             marker = self.streams.compute_marker()
             fut = self._exec.submit(RELOAD if not store else OFFLOAD, self._run, store, plan,
-                                    marker)
+                                    marker, staging)
             self._jobs[job_id] = fut
         return True
 
-    def _run(self, store: bool, plan, marker) -> tuple[int, float]:
+    def _run(self, store: bool, plan, marker, staging: str | None = None) -> tuple[int, float]:
         t0 = self._clock()
         nbytes = 0
+        n_rows = int(self.rows.shape[0])
+        staged = [(g, b, r - n_rows) for g, blocks, rows in plan
+                  for b, r in zip(blocks, rows, strict=True) if r >= n_rows]
+        if staged:
+            assert staging is not None
+            plan = [(g, [b for b, r in zip(blocks, rows, strict=True) if r < n_rows],
+                     [r for r in rows if r < n_rows]) for g, blocks, rows in plan]
+            nbytes += self._stage(staged, marker, f"{staging}.r{self.rank}")
         for g, blocks, rows in plan:
             layout = self.groups[g]
             if store:
@@ -230,6 +253,39 @@ class TieredMover:
                             c.tensor[b, : c.nbytes].bitwise_xor_(0x5A)
                 nbytes += len(blocks) * c.nbytes
         return nbytes, self._clock() - t0
+
+    def _stage(self, staged: list[tuple[int, int, int]], marker, path: str) -> int:
+        """Write blocks (group, vLLM block, staging row) to the staging file, laid out
+        as slab slots, ``STAGE_SLOTS`` slots at a time."""
+        piece_rows = self.STAGE_SLOTS * self.bpc
+        buf = torch.zeros((piece_rows, self.row_bytes), dtype=torch.uint8)
+        nbytes = 0
+        last = max(r for _, _, r in staged)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            for base in range(0, last + 1, piece_rows):
+                part = [(g, b, r - base) for g, b, r in staged if base <= r < base + piece_rows]
+                if not part:
+                    continue
+                buf.zero_()
+                for g in sorted({g for g, _, _ in part}):
+                    blocks = [b for gg, b, _ in part if gg == g]
+                    rows = [r for gg, _, r in part if gg == g]
+                    runs = coalesce(blocks, rows)
+                    for c in self.groups[g].copies:
+                        copy_runs(self.streams, c.tensor[:, : c.nbytes],
+                                  buf[:, c.offset : c.offset + c.nbytes], runs, "d2h",
+                                  after=marker)
+                        nbytes += len(blocks) * c.nbytes
+                used = max(r for _, _, r in part) + 1
+                used = -(-used // self.bpc) * self.bpc  # whole slots
+                data = memoryview(buf[:used].numpy()).cast("B")
+                done = 0
+                while done < len(data):
+                    done += os.pwrite(fd, data[done:], base * self.row_bytes + done)
+        finally:
+            os.close(fd)
+        return nbytes
 
     def get_finished(self) -> list[JobResult]:
         out = []

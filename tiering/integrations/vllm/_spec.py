@@ -46,6 +46,7 @@ from tiering.integrations.vllm._core import (
     GroupLayout,
     HostSlab,
     LayerCopy,
+    LoadWindow,
     Lookup,
     TieredBlockManager,
     TieredConfig,
@@ -62,13 +63,16 @@ METRIC_PREFIX = "tiering_kv_"
 
 
 class TieredLoadStoreSpec(LoadStoreSpec):
-    """Host slots (one per offloaded key, in the order of the keys) of our host tier."""
+    """Host slots (one per offloaded key, in the order of the keys) of our host tier;
+    for a store, slots past the host tier are rows of the ``staging`` file (the
+    blocks go straight to disk, see ``StoreDecision``)."""
 
-    def __init__(self, slots: Iterable[int]):
+    def __init__(self, slots: Iterable[int], staging: str | None = None):
         self.slots = np.asarray(list(slots), dtype=np.int64)
+        self.staging = staging
 
     def __repr__(self) -> str:
-        return f"TieredLoadStoreSpec({self.slots.tolist()})"
+        return f"TieredLoadStoreSpec({self.slots.tolist()}, staging={self.staging!r})"
 
 
 class _Geometry:
@@ -134,7 +138,11 @@ class TieredOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         k = bytes(key)
-        r = self.core.lookup(k)
+        window = req_context.get_state(LoadWindow)
+        if window is None:
+            window = LoadWindow()
+            req_context.set_state(window)
+        r = self.core.lookup(k, window)
         if r is Lookup.MISS:
             return LookupResult.MISS
         # lookups run root first and stop at a miss: a hit is the next one's parent
@@ -166,7 +174,7 @@ class TieredOffloadingManager(OffloadingManager):
         chain.advance(ks)
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in d.keys_to_store],
-            store_spec=TieredLoadStoreSpec(d.slots),
+            store_spec=TieredLoadStoreSpec(d.slots, d.staging),
             evicted_keys=[OffloadKey(k) for k in d.evicted],
         )
 
@@ -222,7 +230,7 @@ class TieredOffloadingWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, TieredLoadStoreSpec), type(dst_spec)
         return self.mover.submit(job_id, True, src_spec.block_ids, src_spec.group_sizes,
-                                 src_spec.block_indices, dst_spec.slots)
+                                 src_spec.block_indices, dst_spec.slots, dst_spec.staging)
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, TieredLoadStoreSpec), type(src_spec)
@@ -328,7 +336,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                     _pin(slab)
                 mover = TieredMover(groups, slab, self.blocks_per_chunk,
                                     threads=self.cfg.copy_threads, device=device,
-                                    corrupt_loads=self.cfg.test_corrupt_loads)
+                                    corrupt_loads=self.cfg.test_corrupt_loads, rank=rank)
             except BaseException:
                 slab.close()
                 raise
