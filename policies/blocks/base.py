@@ -20,6 +20,16 @@ Protocol (checked for every registered policy by
   at and then calls ``on_remove``. Every tracked key is yielded within
   ``len(policy)`` resumptions, so a caller can bound its search.
 - ``len(policy)`` is the number of blocks it tracks (those inserted and not removed).
+
+Batch hooks: the block store calls a policy at four points, each with one call
+that covers many blocks: ``on_commit`` (a request admitted: ``on_request`` and its
+hits in this tier), ``on_publish`` (a finished request's new blocks offered, with
+their admission), ``pop_victim`` (one victim of an eviction burst, without a
+generator) with ``on_removes`` (the blocks that left), and ``on_inserts`` (blocks
+that arrived: loads and moves down). The defaults here call the per-event hooks
+above in the order the per-event path does, so a policy that implements only
+those behaves exactly as before; a policy may override a batch hook to do the
+same work for less, and must then give exactly the same answers and state.
 """
 
 from __future__ import annotations
@@ -92,6 +102,69 @@ class BlockPolicy(ABC):
             left -= 1
             if not any(k in c for c in busy):
                 yield k
+
+    # -- batch hooks (see the module docstring); each default calls the per-event hooks --
+
+    def on_commit(self, keys: Sequence[Hashable], hits: Sequence[Hashable],
+                  depths: Sequence[int], get: Callable[[Hashable], BlockInfo],
+                  now: float) -> None:
+        """A request reading ``keys`` was admitted: ``on_request(keys, now)``, then
+        ``on_hit(get(k), now)`` for each of ``hits`` (the blocks of ``keys`` this tier
+        holds, in chain order, already touched; ``depths``: theirs)."""
+        self.on_request(keys, now)
+        on_hit = self.on_hit
+        for k in hits:
+            on_hit(get(k), now)
+
+    def on_publish(self, keys: Sequence[Hashable], depth: int,
+                   insert: Callable[[Hashable], bool], get: Callable[[Hashable], BlockInfo],
+                   now: float) -> tuple[int, bool]:
+        """Offer ``keys``, blocks the tier lacks that follow one another in a chain
+        (``keys[0]`` at ``depth``), root first. Each in turn: ``admit``, stopping if it
+        refuses; ``insert(key)`` (the caller puts it in its index if it has room; False:
+        stop); ``on_insert_key``. Returns (blocks inserted, whether one was refused)."""
+        admit, on_insert = self.admit, self.on_insert_key
+        n = 0
+        for k in keys:
+            d = depth + n
+            if not admit(k, d, now):
+                return n, True
+            if not insert(k):
+                return n, False
+            on_insert(k, d, get, now)
+            n += 1
+        return n, False
+
+    def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
+        """The first key ``victims_except(now, *busy)`` offers, or None when it offers
+        none (one victim of an eviction burst). The policy still tracks it: the caller
+        evicts it and then calls ``on_remove`` (or ``on_removes``)."""
+        gen = self.victims_except(now, *busy)
+        try:
+            return next(gen, None)
+        finally:
+            gen.close()
+
+    def on_removes(self, keys: Sequence[Hashable]) -> None:
+        """``on_remove`` of each of ``keys``, in order."""
+        on_remove = self.on_remove
+        for k in keys:
+            on_remove(k)
+
+    def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> None:
+        """``on_insert_key`` of each of ``keys`` (at ``depths``), in order: blocks that
+        arrived in this tier (loaded up, or moved down)."""
+        insert = self.on_insert_key
+        for k, d in zip(keys, depths, strict=True):
+            insert(k, d, get, now)
+
+    def overrides(self, base: type, *hooks: str) -> bool:
+        """Whether this object's class replaces any of ``base``'s ``hooks`` (a built-in's
+        batch hook falls back to these defaults for a subclass that changed a per-event
+        hook, so the subclass's hook is still called)."""
+        cls = type(self)
+        return cls is not base and any(getattr(cls, h) is not getattr(base, h) for h in hooks)
 
     @abstractmethod
     def __len__(self) -> int:

@@ -52,7 +52,7 @@ the learned densities (``_Stay``) are their own class.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
 from operator import itemgetter
 
@@ -393,6 +393,69 @@ class ChainOdds(BlockPolicy):
             self.on_insert(get(key), now)
         else:
             self._insert(key, depth)
+
+    # batch hooks: the per-event hooks' work in one loop; a subclass that changes a
+    # per-event hook gets the base class's defaults, which call it
+
+    def on_commit(self, keys: Sequence[Hashable], hits: Sequence[Hashable],
+                  depths: Sequence[int], get: Callable[[Hashable], BlockInfo],
+                  now: float) -> None:
+        if self.overrides(ChainOdds, "on_request", "on_hit"):
+            return super().on_commit(keys, hits, depths, get, now)
+        self.on_request(keys, now)
+        meta, track = self._meta, self._track
+        for k, d in zip(hits, depths, strict=True):
+            if k not in meta:
+                raise not_tracked(self, "on_hit", k)
+            track(k, d)
+
+    def on_publish(self, keys: Sequence[Hashable], depth: int,
+                   insert: Callable[[Hashable], bool], get: Callable[[Hashable], BlockInfo],
+                   now: float) -> tuple[int, bool]:
+        if self.overrides(ChainOdds, "admit", "on_insert", "on_insert_key"):
+            return super().on_publish(keys, depth, insert, get, now)
+        admit, track, meta = self.admit, self._track, self._meta
+        n = 0
+        for k in keys:
+            d = depth + n
+            if not admit(k, d, now):
+                return n, True
+            if not insert(k):
+                break
+            if k in meta:
+                raise already_tracked(self, k)
+            track(k, d)
+            n += 1
+        return n, False
+
+    def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
+        """The first of ``victims_except``: nearly always the lowest end, found without
+        a generator."""
+        if self.overrides(ChainOdds, "victims", "victims_except", "_victims", "_ends"):
+            return super().pop_victim(now, *busy)
+        low = self._ends()
+        if low is None:
+            return None
+        k0 = low[1]
+        if not any(k0 in c for c in busy):
+            return k0
+        return super().pop_victim(now, *busy)
+
+    def on_removes(self, keys: Sequence[Hashable]) -> None:
+        if self.overrides(ChainOdds, "on_remove"):
+            return super().on_removes(keys)
+        for k in keys:
+            self.on_remove(k)
+
+    def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> None:
+        if self.overrides(ChainOdds, "on_insert", "on_insert_key"):
+            return super().on_inserts(keys, depths, get, now)
+        meta, track = self._meta, self._track
+        for k, d in zip(keys, depths, strict=True):
+            if k in meta:
+                raise already_tracked(self, k)
+            track(k, d)
 
     def on_remove(self, key: Hashable) -> None:
         cls = self._meta.pop(key, None)

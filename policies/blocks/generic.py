@@ -7,7 +7,7 @@ conversation. They are the baselines the KV-aware policy is measured against.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 
 from tiering.policies.blocks.base import BlockInfo, BlockPolicy, already_tracked, not_tracked
 
@@ -55,6 +55,65 @@ class LRUBlocks(BlockPolicy):
 
     def victims(self, now: float) -> Iterator[Hashable]:
         yield from self._order
+
+    # batch hooks: the same work as the per-event hooks, in one loop (a subclass that
+    # changes a per-event hook gets the base class's defaults, which call it)
+
+    def on_commit(self, keys: Sequence[Hashable], hits: Sequence[Hashable],
+                  depths: Sequence[int], get: Callable[[Hashable], BlockInfo],
+                  now: float) -> None:
+        if self.overrides(LRUBlocks, "on_request", "on_hit"):
+            return super().on_commit(keys, hits, depths, get, now)
+        to_end = self._order.move_to_end
+        for k in hits:
+            try:
+                to_end(k)
+            except KeyError:
+                raise not_tracked(self, "on_hit", k) from None
+
+    def on_publish(self, keys: Sequence[Hashable], depth: int,
+                   insert: Callable[[Hashable], bool], get: Callable[[Hashable], BlockInfo],
+                   now: float) -> tuple[int, bool]:
+        if self.overrides(LRUBlocks, "admit", "on_insert", "on_insert_key"):
+            return super().on_publish(keys, depth, insert, get, now)
+        order = self._order
+        n = 0
+        for k in keys:
+            if not insert(k):
+                break
+            if k in order:
+                raise already_tracked(self, k)
+            order[k] = None
+            n += 1
+        return n, False
+
+    def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
+        if self.overrides(LRUBlocks, "victims", "victims_except"):
+            return super().pop_victim(now, *busy)
+        for k in self._order:
+            if not any(k in c for c in busy):
+                return k
+        return None
+
+    def on_removes(self, keys: Sequence[Hashable]) -> None:
+        if self.overrides(LRUBlocks, "on_remove"):
+            return super().on_removes(keys)
+        order = self._order
+        for k in keys:
+            try:
+                del order[k]
+            except KeyError:
+                raise not_tracked(self, "on_remove", k) from None
+
+    def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> None:
+        if self.overrides(LRUBlocks, "on_insert", "on_insert_key"):
+            return super().on_inserts(keys, depths, get, now)
+        order = self._order
+        for k in keys:
+            if k in order:
+                raise already_tracked(self, k)
+            order[k] = None
 
 
 class ARCBlocks(BlockPolicy):
@@ -135,6 +194,36 @@ class ARCBlocks(BlockPolicy):
             yield from self._t2
             yield from self._t1
 
+    def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
+        """The first of ``victims_except``, without a generator."""
+        if self.overrides(ARCBlocks, "victims", "victims_except"):
+            return super().pop_victim(now, *busy)
+        t1 = len(self._t1)
+        if t1 and (t1 > self.p or (self._incoming_in_b2 and t1 == int(self.p))):
+            lists = (self._t1, self._t2)
+        else:
+            lists = (self._t2, self._t1)
+        for lst in lists:
+            for k in lst:
+                if not any(k in c for c in busy):
+                    return k
+        return None
+
+    def on_commit(self, keys: Sequence[Hashable], hits: Sequence[Hashable],
+                  depths: Sequence[int], get: Callable[[Hashable], BlockInfo],
+                  now: float) -> None:
+        if self.overrides(ARCBlocks, "on_request", "on_hit"):
+            return super().on_commit(keys, hits, depths, get, now)
+        t1, t2 = self._t1, self._t2
+        for k in hits:
+            if k in t1:
+                del t1[k]
+            elif k in t2:
+                del t2[k]
+            else:
+                raise not_tracked(self, "on_hit", k)
+            t2[k] = None
+
 
 class S3FIFOBlocks(BlockPolicy):
     """S3-FIFO: a small FIFO (10%) that filters one-hit blocks, a main FIFO with
@@ -175,6 +264,19 @@ class S3FIFOBlocks(BlockPolicy):
             q[k] = min(q[k] + 1, 3)
         except KeyError:
             raise not_tracked(self, "on_hit", k) from None
+
+    def on_commit(self, keys: Sequence[Hashable], hits: Sequence[Hashable],
+                  depths: Sequence[int], get: Callable[[Hashable], BlockInfo],
+                  now: float) -> None:
+        if self.overrides(S3FIFOBlocks, "on_request", "on_hit"):
+            return super().on_commit(keys, hits, depths, get, now)
+        s, m = self._s, self._m
+        for k in hits:
+            q = s if k in s else m
+            try:
+                q[k] = min(q[k] + 1, 3)
+            except KeyError:
+                raise not_tracked(self, "on_hit", k) from None
 
     def on_remove(self, key: Hashable) -> None:
         if key in self._s:

@@ -162,6 +162,18 @@ class BlockIndex:
             raise ValueError(f"depth: block {key!r} is not in the index")
         return d
 
+    def depths(self, keys: Iterable[Hashable]) -> list[int]:
+        """``depth`` of each of ``keys``, in one call (ValueError naming the first unknown)."""
+        try:
+            return list(map(self._depth.__getitem__, keys))
+        except KeyError as err:
+            raise ValueError(f"depths: block {err.args[0]!r} is not in the index") from None
+
+    def moving_to(self, key: Hashable) -> Tier | None:
+        """The destination of the block's move in flight (None: not moving)."""
+        dest = self._dest.get(key)
+        return None if dest is None else dest[0]
+
     def location(self, key: Hashable) -> BlockLocation | None:
         tier = self._tier.get(key)
         if tier is None:
@@ -311,6 +323,23 @@ class BlockIndex:
         self._hits[key] += 1
         self._last[key] = now
         return self._info(key)
+
+    def touch_many(self, keys: Sequence[Hashable], now: float) -> None:
+        """``touch`` of each of ``keys`` (one request's hits), checked first as a whole:
+        a bad ``now`` or key raises ValueError, as ``touch`` would, and changes nothing."""
+        first, hits, last = self._first, self._hits, self._last
+        if keys:
+            _check_now(now, "touch", keys[0])
+        for key in keys:
+            f = first.get(key)
+            if f is None:
+                raise ValueError(f"touch: block {key!r} is not in the index")
+            if now < f:
+                raise ValueError(
+                    f"touch of block {key!r}: now {now!r} is before its first use {f!r}")
+        for key in keys:
+            hits[key] += 1
+            last[key] = now
 
     def acquire(self, key: Hashable) -> int:
         """A live request maps the block; returns its reference count.

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
-from tiering.apps.replay.block_guard import Guarded, is_builtin
+from tiering.apps.replay.block_guard import Guarded, PolicyMeter, is_builtin
 from tiering.blocks.index import BlockIndex, Dropped
 from tiering.policies.blocks import BlockPolicyRegistry, make_block_policy
 from tiering.types import Tier
@@ -95,11 +95,16 @@ class PrefixBlocks:
     ``free_pages``); ``policy``: a block policy name of ``registry`` (default:
     the built-ins), with ``options`` passed to each tier's factory;
     ``block_tokens``: prompt tokens per block id; ``clock``: the run's time.
+    ``batch``: call the policies' batch hooks (False: the per-event hooks one by one,
+    as a check that both give the same run); ``events``: keep ``events`` for the
+    decision log; ``meter``: count and time every policy call (a user's policy is
+    always metered, with a meter of its own when none is given; ``meter`` holds it).
     """
 
     def __init__(self, kv: Any, policy: str, block_tokens: int, clock: Callable[[], float],
                  registry: BlockPolicyRegistry | None = None,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
+                 options: Sequence[tuple[str, Any]] = (), *, batch: bool = True,
+                 events: bool = True, meter: PolicyMeter | None = None) -> None:
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or (
             block_tokens < 1
         ):
@@ -117,9 +122,19 @@ class PrefixBlocks:
                                  **dict(options))
             for t in _TIERS
         }
-        # a user's policy is checked at every call (block_guard); the built-ins are not
-        self.policies = {t: p if is_builtin(p) else Guarded(p, t.value, clock)
-                         for t, p in made.items()}
+        # a user's policy is checked at every call (block_guard) and its calls metered; the
+        # built-ins are neither, unless a meter is given
+        if meter is None and not all(is_builtin(p) for p in made.values()):
+            meter = PolicyMeter(policy)
+        self.meter = meter
+        self.policies = {
+            t: p if is_builtin(p) and meter is None
+            else Guarded(p, t.value, clock, meter, check=not is_builtin(p))
+            for t, p in made.items()}
+        # the batch hooks (one call per commit, publish, load and burst), or the per-event
+        # hooks as they were called before the batch hooks (tests compare the two)
+        self.batch = bool(batch)
+        self._plain = all(is_builtin(p) for p in self.policies.values())
         self.policy_name = policy
         # every tier's policy is told the same requests in the same order (commit, device
         # first): policies that learn only from them may keep one history between them
@@ -135,7 +150,9 @@ class PrefixBlocks:
         self._handle = 0
         self.changes = 0  # bumped whenever a block comes, goes, moves or is (un)mapped
         self._moved_host = self._moved_disk = self._loaded = self._dropped = self._refused = 0
-        self.events: list[tuple[str, Hashable]] = []  # (kind, key) of moves down and drops
+        # (kind, key) of moves down and drops, when ``events`` (the decision log's) is on
+        self.record_events = bool(events)
+        self.events: list[tuple[str, Hashable]] = []
 
     # -- reading ---------------------------------------------------------------------
 
@@ -209,6 +226,38 @@ class PrefixBlocks:
         request, touch the hits (``on_hit`` of their tier's policy) and start moving host
         and disk hits up to the device. Returns the keys whose move ``loaded`` must
         finish."""
+        if not self.batch:
+            return self._commit_events(peek)
+        now = self._clock()
+        index = self.index
+        keys = peek.keys
+        tiers = peek.tiers
+        index.touch_many(keys[:len(tiers)], now)
+        dev = Tier.DEVICE
+        if all(t is dev for t in tiers):  # the common case: every hit on the device
+            hits = {dev: keys[:len(tiers)]}
+        else:
+            hits = {t: [] for t in _TIERS}
+            for k, t in zip(keys, tiers, strict=False):
+                hits[t].append(k)
+        get = index.get
+        depths = index.depths
+        empty = ()
+        for t, p in self.policies.items():
+            h = hits.get(t, empty)
+            p.on_commit(keys, h, depths(h), get, now)
+        moves = []
+        if len(hits) > 1:  # host and disk hits start up to the device, in chain order
+            moving = index.moving_to
+            for k, t in zip(keys, tiers, strict=False):
+                if t is not dev and moving(k) is None:
+                    index.begin_move(k, dev, self._new_handle())
+                    moves.append(k)
+        self.changes += 1
+        return moves
+
+    def _commit_events(self, peek: PrefixPeek) -> list[Hashable]:
+        """``commit`` through the per-event hooks."""
         now = self._clock()
         index = self.index
         pol = self.policies
@@ -226,6 +275,32 @@ class PrefixBlocks:
 
     def loaded(self, moves: Sequence[Hashable]) -> None:
         """The copy of these blocks to the device landed: they are device blocks now."""
+        if not self.batch:
+            return self._loaded_events(moves)
+        index = self.index
+        now = self._clock()
+        landed = {t: [] for t in _TIERS}
+        for k in moves:
+            loc = index.location(k)
+            if loc is None or loc.moving_to is not Tier.DEVICE:
+                continue
+            index.finish_move(k)
+            self._unreserve(loc.tier)
+            landed[loc.tier].append(k)
+        done = landed[Tier.HOST] + landed[Tier.DISK]
+        if done:
+            for t in (Tier.HOST, Tier.DISK):
+                if landed[t]:
+                    self.policies[t].on_removes(landed[t])
+            # the device policy is told in the order the blocks landed
+            if landed[Tier.HOST] and landed[Tier.DISK]:
+                done = [k for k in moves if k in set(done)]
+            self.policies[Tier.DEVICE].on_inserts(done, index.depths(done), index.get, now)
+            self._loaded += len(done)
+        self.changes += 1
+
+    def _loaded_events(self, moves: Sequence[Hashable]) -> None:
+        """``loaded`` through the per-event hooks."""
         index = self.index
         now = self._clock()
         for k in moves:
@@ -252,6 +327,50 @@ class PrefixBlocks:
         """A request finished (its KV freed, its blocks released): its full prompt blocks
         the index lacks are offered to the device policy, root first, and kept on the
         device while it admits them and the device has room. Returns the blocks added."""
+        if not self.batch:
+            return self._publish_events(keys)
+        now = self._clock()
+        index = self.index
+        dev = self.policies[Tier.DEVICE]
+        kv = self._kv
+        bp = self.block_pages
+        added = 0
+        i, n = 0, len(keys)
+        parent = None
+        while i < n:
+            k = keys[i]
+            if k in index:
+                parent = k
+                i += 1
+                continue
+            j = i + 1  # the run of blocks the index lacks, keys[i:j]
+            while j < n and keys[j] not in index:
+                j += 1
+            last = [parent]
+
+            def insert(key: Hashable, last=last) -> bool:
+                if kv.free_pages(Tier.DEVICE) < bp or not index.insert(
+                        key, last[0], Tier.DEVICE, self._new_handle(), now):
+                    return False
+                self._reserve(key, Tier.DEVICE)
+                last[0] = key
+                return True
+
+            depth = 0 if parent is None else index.depth(parent) + 1
+            got, refused = dev.on_publish(keys[i:j], depth, insert, index.get, now)
+            added += got
+            if refused:
+                self._refused += 1
+            if refused or got < j - i:
+                break
+            parent = keys[j - 1]
+            i = j
+        if added:
+            self.changes += 1
+        return added
+
+    def _publish_events(self, keys: Sequence[Hashable]) -> int:
+        """``publish`` through the per-event hooks."""
         now = self._clock()
         index = self.index
         dev = self.policies[Tier.DEVICE]
@@ -353,9 +472,9 @@ class PrefixBlocks:
                                "(block pages were miscounted)")
         self._st[tier].held += 1
 
-    def _unreserve(self, tier: Tier) -> None:
-        self._kv.give_block_pages(tier, self.block_pages)
-        self._st[tier].held -= 1
+    def _unreserve(self, tier: Tier, blocks: int = 1) -> None:
+        self._kv.give_block_pages(tier, blocks * self.block_pages)
+        self._st[tier].held -= blocks
 
     def _evict_one(self, st: _TierState, move: bool) -> bool:
         """One victim of ``st``'s policy leaves: down a tier (``move``, where one admits
@@ -363,7 +482,10 @@ class PrefixBlocks:
         now = self._clock()
         index = self.index
         tier = st.tier
-        key = index.choose_victim(st.policy, now, tier=tier)
+        if self.batch and self._plain:  # a built-in: its victim, without a generator
+            key = st.policy.pop_victim(now, index._refs, index._dest, index._below)
+        else:
+            key = index.choose_victim(st.policy, now, tier=tier)
         if key is None:
             return False
         if move:
@@ -389,21 +511,32 @@ class PrefixBlocks:
         dst.policy.on_insert_key(key, index.depth(key), index.get, now)
         if to is Tier.HOST:
             self._moved_host += 1
-            self.events.append(("block-host", key))
+            if self.record_events:
+                self.events.append(("block-host", key))
         else:
             self._moved_disk += 1
-            self.events.append(("block-disk", key))
+            if self.record_events:
+                self.events.append(("block-disk", key))
         self.changes += 1
 
     def _drop(self, key: Hashable, reason: str, counted: bool = True) -> list[Dropped]:
         """Drop ``key`` and its cached descendants; every page they held is given back."""
         out = self.index.drop(key, reason)
-        for d in out:
-            self.policies[d.tier].on_remove(d.key)
-            self._unreserve(d.tier)
+        if self.batch and len(out) > 1:
+            by_tier: dict[Tier, list] = {}
+            for d in out:
+                by_tier.setdefault(d.tier, []).append(d.key)
+            for t, ks in by_tier.items():
+                self.policies[t].on_removes(ks)
+                self._unreserve(t, len(ks))
+        else:
+            for d in out:
+                self.policies[d.tier].on_remove(d.key)
+                self._unreserve(d.tier)
         if counted:
             self._dropped += len(out)
-            self.events.extend(("block-drop", d.key) for d in out)  # its descendants too
+            if self.record_events:
+                self.events.extend(("block-drop", d.key) for d in out)  # its descendants too
         self.changes += 1
         return out
 

@@ -47,7 +47,10 @@ class SimConfig:
     below and always drop. ``block_policy``: the block retention policy (a name of
     ``tiering.policies.blocks``, default ``chain``) of every tier's cached prefix
     blocks, made per tier with ``capacity`` (its size in blocks) and
-    ``block_policy_options``.
+    ``block_policy_options``. ``block_decisions``: the decision log also holds every
+    move down and drop of a cached block (most of a long run's records; the CLI keeps
+    them only for ``--decisions``). ``batch_hooks``: the block store calls the block
+    policies' batch hooks (False: their per-event hooks one by one; the same run).
     """
 
     max_batch: int = 64
@@ -61,8 +64,13 @@ class SimConfig:
     block_policy: str = DEFAULT_BLOCK_POLICY
     block_policy_options: tuple[tuple[str, Any], ...] = ()
     preempt: str = "latest"
+    block_decisions: bool = True
+    batch_hooks: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("block_decisions", "batch_hooks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SimConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.block_policy, str) or not self.block_policy:
             raise ValueError(f"SimConfig.block_policy must name a block policy, "
                              f"got {self.block_policy!r}")

@@ -102,3 +102,5 @@ class RunResult(NamedTuple):
     makespan_s: float
     capacities: dict[str, int]  # page_bytes and device/host/disk bytes of the KV backend
     timeline: list[Sample] = []  # noqa: RUF012 - a NamedTuple default, never mutated
+    # per tier and hook of the block policies, when metered (block_guard.HookCost)
+    policy_cost: tuple = ()

@@ -68,6 +68,7 @@ from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
 
+from tiering.apps.replay.block_guard import PolicyMeter
 from tiering.apps.replay.block_tiers import PrefixBlocks
 from tiering.apps.replay.config import MODES, RunSpec, SimConfig
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
@@ -171,6 +172,7 @@ def simulate(
     registry: PolicyRegistry | None = None,
     block_registry: BlockPolicyRegistry | None = None,
     check: bool = False,
+    block_meter: PolicyMeter | None = None,
 ) -> RunResult:
     """Replay ``trace`` through one simulated worker and return what happened.
 
@@ -182,7 +184,9 @@ def simulate(
     sized by the presets of ``cost``). ``on_finish(n)`` is told each time ``n``
     more requests have finished or been rejected. ``check``: run every
     ``check_integrity`` (the KV backend's, the block store's) after every round of
-    the loop (tests; slow).
+    the loop (tests; slow). ``block_meter``: counts and times every call into the block
+    policies (a user's block policy is always metered); its figures are the result's
+    ``policy_cost``.
     """
     if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) or not (
         math.isfinite(time_scale) and time_scale > 0
@@ -196,7 +200,7 @@ def simulate(
     clock = SimClock()
     factory = kv_factory or modeled_kv_factory(cost.model, cost.hardware, sim)
     worker = _Worker(trace, cost, spec, sim, time_scale, factory(clock), clock, on_finish,
-                     policy, block_registry)
+                     policy, block_registry, block_meter)
     worker.check = check
     return worker.run()
 
@@ -205,7 +209,7 @@ class _Worker:
     """One run. Owns every piece of simulated state; see the module docstring."""
 
     def __init__(self, trace, cost, spec, sim, time_scale, kv, clock, on_finish,
-                 policy=None, block_registry=None) -> None:
+                 policy=None, block_registry=None, meter=None) -> None:
         self.cost = cost
         self.spec = spec
         self.sim = sim
@@ -247,7 +251,8 @@ class _Worker:
         self.live = ResourceReqConfig(retention_priority=sim.preempted_retention)
         self.prefixes: PrefixBlocks | None = (
             PrefixBlocks(kv, sim.block_policy, sim.block_tokens, clock, block_registry,
-                         sim.block_policy_options)
+                         sim.block_policy_options, batch=sim.batch_hooks,
+                         events=sim.block_decisions, meter=meter)
             if self.reuse else None
         )
         # (rid, free pages, resident prefix pages) of the last admission refused for room:
@@ -1106,5 +1111,7 @@ class _Worker:
             "host_bytes": int(kv.host_capacity_bytes),
             "disk_bytes": int(getattr(kv, "disk_capacity_bytes", 0)),
         }
+        meter = self.prefixes.meter if self.prefixes is not None else None
         return RunResult(self.spec, records, self.counters, kv_stats, ctl_stats,
-                         self.decisions, self.clock.now, capacities, self.timeline)
+                         self.decisions, self.clock.now, capacities, self.timeline,
+                         meter.costs() if meter is not None else ())
