@@ -42,7 +42,7 @@ from tiering.resources.base import (
     ResourceReqConfig,
 )
 from tiering.resources.kv_data import KVDataPlane, check_int
-from tiering.resources.kv_geometry import KVGeometry
+from tiering.resources.kv_geometry import KVGeometry, parse_device
 from tiering.resources.kv_hooks import KVEvictionHooks
 from tiering.resources.kv_moves import CopyJobs
 from tiering.resources.kv_prefix import BLOCKS, PrefixCache
@@ -152,7 +152,7 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         self._slab: PinnedSlab | None = None
         self.disk = None
         self.geometry = geometry
-        self.device = torch.device(device)
+        self.device = parse_device("PagedKVCache", device)
         if self.device.type not in ("cpu", "cuda"):  # "meta" holds no bytes; others are untested
             raise ValueError(f"PagedKVCache: device must be a CPU or CUDA device, got {device!r}")
         if self.device.type == "cuda" and not torch.cuda.is_available():

@@ -116,6 +116,20 @@ class KVDataPlane:
         for slot, off, i, take in self._token_pages(r, start, n):
             self._dev[slot, layer, 0, off : off + take].copy_(k[i : i + take])
             self._dev[slot, layer, 1, off : off + take].copy_(v[i : i + take])
+        if n:
+            r.note_written(layer, start, start + n)  # what publish_prefix may key
+
+    def mark_written(self, rid: str, num_tokens: int) -> None:
+        """Say that the first ``num_tokens`` tokens of ``rid`` hold K and V in every layer,
+        written in place (through ``layer_view`` and ``device_page_table``) rather than by
+        ``write``: ``publish_prefix`` keys only tokens written one way or the other."""
+        r = self._req(rid, "mark_written")
+        check_int(f"mark_written({rid!r})", "num_tokens", num_tokens)
+        if num_tokens > r.num_tokens:
+            raise ValueError(f"mark_written({rid!r}): {num_tokens} tokens but {r.num_tokens} are allocated")
+        for layer in range(self.geometry.num_layers):
+            if num_tokens:
+                r.note_written(layer, 0, num_tokens)
 
     def read(self, rid: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[num_tokens, heads, dim]`` of one layer (copies), gathered

@@ -55,3 +55,19 @@ class KVGeometry:
             f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}"
             f"-T{self.page_tokens}-{str(self.dtype).removeprefix('torch.')}"
         )
+
+
+def parse_device(owner: str, device: object) -> torch.device:
+    """``device`` (a str such as ``"cpu"`` / ``"cuda:1"``, or a ``torch.device``) as a
+    ``torch.device``; ValueError naming ``owner``'s ``device`` for anything else (a page count
+    given in the device position, a name torch does not know)."""
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise ValueError(f"{owner}: device must be a str or torch.device (such as 'cpu' or"
+                         f" 'cuda:0'), got {device!r:.60}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"{owner}: device {device!r:.60} is not a device name torch knows"
+                         f" ({str(exc).splitlines()[0][:120]})") from None

@@ -41,6 +41,7 @@ Rules (``check_integrity`` proves them together with the cache's own check):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
@@ -65,7 +66,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("tiering.kv_prefix")
 
-__all__ = ["BLOCKS", "PrefixCache", "PrefixHit", "PrefixLoad", "SharedLink", "as_root", "crc_page"]
+__all__ = ["BLOCKS", "PrefixCache", "PrefixHit", "PrefixLoad", "SharedLink", "as_root", "crc_page",
+           "derive_key_root"]
 
 
 class PrefixCache(TierMovesPart, SharedTierPart):
@@ -73,13 +75,14 @@ class PrefixCache(TierMovesPart, SharedTierPart):
 
     def __init__(self, cache: PagedKVCache, root: bytes, policy: str = DEFAULT_BLOCK_POLICY,
                  disk_batch_pages: int = 16, shared=None, shared_refresh_s: float = 10.0) -> None:
-        if not isinstance(root, bytes) or len(root) != KEY_BYTES:
-            raise ValueError(f"enable_prefix_cache: root must be {KEY_BYTES} bytes, got {root!r}")
+        if not isinstance(root, bytes) or not root:
+            raise ValueError(f"enable_prefix_cache: root must be non-empty bytes, got {root!r:.80}")
         if isinstance(disk_batch_pages, bool) or not isinstance(disk_batch_pages, int) \
                 or disk_batch_pages < 1:
             raise ValueError(f"disk_batch_pages must be an int >= 1, got {disk_batch_pages!r}")
         self.cache = cache
-        self.root = root
+        self.root = root  # what the engine gave; keys chain from key_root (root + geometry)
+        self._derived: tuple[bytes, bytes] | None = None
         self.index = BlockIndex()
         cap = {Tier.DEVICE: cache.device_pool.num_pages, Tier.HOST: cache.host_pool.num_pages,
                Tier.DISK: max(1, 1 << 20)}
@@ -94,16 +97,28 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         self.unpublished: OrderedDict[bytes, None] = OrderedDict()  # refused publishes, to retry
         self.shared: SharedLink | None = None
         if shared is not None:  # last: a store that cannot be reached leaves nothing behind
-            self.shared = SharedLink.open(shared, root, cache.geometry.fingerprint().encode(),
-                                          cache._clock, shared_refresh_s)
+            self.shared = SharedLink.open(shared, self.key_root, cache.geometry.fingerprint().encode(),
+                                          cache._clock, shared_refresh_s, owner=self._owner_name(),
+                                          block_bytes=cache.geometry.page_bytes)
             self._refresh()
 
     # -- keys -----------------------------------------------------------------
 
+    @property
+    def key_root(self) -> bytes:
+        """The root the block keys chain from: a digest of ``root`` and the geometry's
+        fingerprint, so caches of different dtypes or layouts never share a key."""
+        if self._derived is None or self._derived[0] is not self.root:
+            self._derived = (self.root, derive_key_root(self.root, self.cache.geometry.fingerprint()))
+        return self._derived[1]
+
+    def _owner_name(self) -> str:
+        return f"PagedKVCache at 0x{id(self.cache):x}"
+
     def keys(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> list[bytes]:
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.detach().cpu().numpy()
-        return block_keys(self.root, token_ids, self.cache.geometry.page_tokens)
+        return block_keys(self.key_root, token_ids, self.cache.geometry.page_tokens)
 
     def _now(self) -> float:
         return float(self.cache._clock())
@@ -129,6 +144,11 @@ class PrefixCache(TierMovesPart, SharedTierPart):
             )
         keys = self.keys(arr)
         have = len(r.blocks)
+        T = c.geometry.page_tokens
+        written = r.written_tokens(c.geometry.num_layers, have * T) // T
+        if written < len(keys):  # allocated but not written: another request's leftover KV
+            self.stats["publish_unwritten_pages"] += len(keys) - written
+            keys = keys[:max(written, have)]
         for i in range(min(have, len(keys))):
             if r.blocks[i] != keys[i]:
                 raise ValueError(
@@ -305,6 +325,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
             self.index.release(key)
         r.blocks, r.shared = r.blocks[:keep], r.shared[:keep]
         r.num_tokens = keep * self.cache.geometry.page_tokens
+        r.forget_written_from(r.num_tokens)
         r.index = None
         if bad_key is not None and reason is not None:
             why = reason.split(":", 1)[0]
@@ -409,6 +430,16 @@ class PrefixCache(TierMovesPart, SharedTierPart):
             if loc.moving_to is tier:
                 out.append(loc.dest_handle)
         return out
+
+
+def derive_key_root(root: bytes, geometry_fingerprint: str) -> bytes:
+    """The ``KEY_BYTES`` key root of an engine's ``root`` (any non-empty bytes: a digest, a
+    model tag) under one page geometry: both length-prefixed into one BLAKE2b digest."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"tiering/kv-root")
+    for part in (bytes(root), geometry_fingerprint.encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest()
 
 
 def as_root(root: bytes | KeyRoot) -> bytes:

@@ -39,7 +39,8 @@ class KVPrefixReuse:
     def enable_prefix_cache(self, root, walks=None, *, policy: str = DEFAULT_BLOCK_POLICY,
                             disk_batch_pages: int = 16, shared=None,
                             shared_refresh_s: float = 10.0) -> bool:
-        """Open the block store under ``root`` (16 bytes, or a ``tiering.blocks.KeyRoot``).
+        """Open the block store under ``root`` (any non-empty bytes, such as a digest or a model
+        tag, or a ``tiering.blocks.KeyRoot``); the keys chain from a digest of it and the geometry.
 
         ``policy`` names the block retention policy of every tier
         (``tiering.policies.blocks.make_block_policy``); ``disk_batch_pages`` is how many
@@ -249,7 +250,8 @@ class KVPrefixReuse:
         r = self._req(rid, "extend_prefix_chain")
         r.chain_tokens.extend(self._token_array("extend_prefix_chain", outputs).tolist())
         if r.state is S.RESIDENT and r.prefix_load is None:
-            n = min(len(r.chain_tokens), r.num_tokens)
+            T = self.geometry.page_tokens
+            n = min(len(r.chain_tokens), r.written_tokens(self.geometry.num_layers, len(r.blocks) * T))
             self.publish_prefix(rid, r.chain_tokens[:n])
 
     def complete_cached_walk(self, rid, node_name, graph_walk) -> None:

@@ -44,42 +44,59 @@ class _Fetch:
 class SharedLink:
     """A ``PrefixCache``'s handle on the shared cold tier: the queue, who owns it, the refresh timer."""
 
-    def __init__(self, queue, owned: bool, refresh_s: float, now: float, source=None) -> None:
+    def __init__(self, queue, owned: bool, refresh_s: float, now: float, source=None,
+                 owner: str = "") -> None:
         self.source = source  # what enable_prefix_cache was given
         self.queue = queue
         self.blocks = queue.blocks
         self.owned = owned
+        self.owner = owner
         self.refresh_s = refresh_s
         self.next_refresh = now
 
     @classmethod
-    def open(cls, shared, root: bytes, geometry: bytes, clock, refresh_s) -> SharedLink:
-        """From a ``SharedTierConfig`` (the store is opened and probed now: ``ColdTierUnavailable``
-        if it cannot be reached), a ``SharedBlockStore`` or a ``BlockQueue``."""
+    def open(cls, shared, root: bytes, geometry: bytes, clock, refresh_s, *, owner: str,
+             block_bytes: int) -> SharedLink:
+        """From a ``SharedTierConfig`` (its secret resolved first, then the store opened and
+        probed: ``ColdTierUnavailable`` if it cannot be reached), a ``SharedBlockStore`` or a
+        ``BlockQueue`` (claimed by ``owner``: one given to another cache is refused by name).
+        ``root`` is the cache's key root (already derived with the geometry)."""
         from tiering.coldtier import BlockQueue, SharedBlockStore, SharedTierConfig, open_s3_store
 
         if isinstance(refresh_s, bool) or not isinstance(refresh_s, (int, float)) or not refresh_s > 0:
             raise ValueError(f"enable_prefix_cache: shared_refresh_s must be a number > 0, got {refresh_s!r}")
         if isinstance(shared, SharedTierConfig):
+            keys = shared.trust.keys()  # no secret: refused before anything is opened
             store = open_s3_store(shared.url, shared.storage_options)
-            blocks = SharedBlockStore(store, root, geometry, config=shared.tier, clock=clock)
-            return cls(BlockQueue(blocks), True, float(refresh_s), clock(), shared)
+            blocks = SharedBlockStore(store, root, geometry, trust=keys if keys is not None else "unauthenticated",
+                                      block_bytes=block_bytes, config=shared.tier, clock=clock)
+            queue = BlockQueue(blocks)
+            queue.claim(owner)
+            return cls(queue, True, float(refresh_s), clock(), shared, owner)
         if isinstance(shared, SharedBlockStore):
-            cls._check_ids(shared, root, geometry)
-            return cls(BlockQueue(shared), True, float(refresh_s), clock(), shared)
+            cls._check_ids(shared, root, geometry, block_bytes)
+            queue = BlockQueue(shared)
+            queue.claim(owner)
+            return cls(queue, True, float(refresh_s), clock(), shared, owner)
         if isinstance(shared, BlockQueue):
-            cls._check_ids(shared.blocks, root, geometry)
-            return cls(shared, False, float(refresh_s), clock(), shared)
+            cls._check_ids(shared.blocks, root, geometry, block_bytes)
+            shared.claim(owner)  # ValueError naming the cache that reads it already
+            return cls(shared, False, float(refresh_s), clock(), shared, owner)
         raise ValueError("enable_prefix_cache: shared must be a SharedTierConfig, SharedBlockStore or"
                          f" BlockQueue, got {type(shared).__name__}")
 
     @staticmethod
-    def _check_ids(blocks, root: bytes, geometry: bytes) -> None:
+    def _check_ids(blocks, root: bytes, geometry: bytes, block_bytes: int) -> None:
         if blocks.root != root:
-            raise ValueError("enable_prefix_cache: the shared block store is under another root")
+            raise ValueError("enable_prefix_cache: the shared block store is under another root"
+                             " (a cache's is derived from its root and geometry: use"
+                             " PrefixCache.key_root)")
         if blocks.geometry != geometry:
             raise ValueError(f"enable_prefix_cache: the shared block store is for geometry"
                              f" {blocks.geometry!r}, the cache's is {geometry!r}")
+        if blocks.block_bytes not in (None, block_bytes):
+            raise ValueError(f"enable_prefix_cache: the shared block store's blocks are"
+                             f" {blocks.block_bytes} bytes, the cache's pages {block_bytes}")
 
     @property
     def known(self):
@@ -91,6 +108,8 @@ class SharedLink:
     def close(self, timeout_s: float) -> None:
         if self.owned:
             self.queue.close(timeout_s)
+        else:
+            self.queue.release(self.owner)
 
 
 class SharedTierPart:
@@ -112,7 +131,7 @@ class SharedTierPart:
         if key in sh.known:
             self.stats["shared_publish_known"] += 1
             return
-        if sh.queue.submit_publish(key, page.contiguous().view(torch.uint8).numpy()):
+        if sh.queue.submit_publish(key, page.contiguous().view(torch.uint8).numpy(), self.crc.get(key)):
             self.stats["shared_publish_queued"] += 1
         else:
             self.stats["shared_publish_refused"] += 1
@@ -138,7 +157,10 @@ class SharedTierPart:
             if loc is None or loc.moving_to is not None or loc.tier is Tier.DISK or key in sh.known:
                 continue
             page = c._dev[loc.handle].cpu() if loc.tier is Tier.DEVICE else c._host[loc.handle]
-            if not sh.queue.submit_publish(key, page.contiguous().view(torch.uint8).numpy()):
+            # the worker thread checks the copy against the crc recorded at publish: a page
+            # damaged since (on the host, say) is not sent for every other worker to map
+            payload = page.contiguous().view(torch.uint8).numpy()
+            if not sh.queue.submit_publish(key, payload, self.crc.get(key)):
                 self.unpublished[key] = None
                 self.unpublished.move_to_end(key, last=False)
                 return
@@ -183,7 +205,7 @@ class SharedTierPart:
         "shared_prefetched", "hit_tokens_shared", "shared_reload_waits", "shared_bytes_written",
         "shared_refreshes", "shared_refresh_failed", "shared_publish_retried",
         "shared_publish_given_up", "shared_fetch_adopted", "load_shared_unavailable",
-        "load_shared_lost",
+        "load_shared_lost", "shared_publish_corrupt",
     )
 
     def shared_counters(self) -> tuple[str, ...]:
@@ -228,6 +250,8 @@ class SharedTierPart:
             st[name.get(res.status, "shared_publish_failed")] += 1
             if res.status is B.WRITTEN:
                 st["shared_bytes_written"] += res.nbytes
+            elif res.status is B.REFUSED:
+                st["shared_publish_corrupt"] += 1  # damaged since publish: never retried
             elif res.status is not B.DUPLICATE:
                 self._retry_later(res.key)  # not written (timeout, 5xx, breaker open): later
             return
@@ -316,6 +340,7 @@ class SharedTierPart:
                 self.index.release(key)
         r.blocks, r.shared = r.blocks[:pos], r.shared[:pos]
         r.num_tokens = pos * self.cache.geometry.page_tokens
+        r.forget_written_from(r.num_tokens)
         r.index = None
         pl = r.prefix_load
         keep = [j for j, p in enumerate(pl.positions) if p < pos]

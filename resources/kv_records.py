@@ -42,6 +42,40 @@ class RequestRecord(Record):
     prefix_load: Any = None
     load_work: Any = None
     chain_tokens: list = field(default_factory=list)
+    # per layer, the merged token ranges [start, end) written into the request's own pages
+    # (``write``, or ``mark_written`` for in-place writers): only what every layer wrote is
+    # published as blocks
+    written: dict = field(default_factory=dict)
+
+    def note_written(self, layer: int, start: int, end: int) -> None:
+        """Layer ``layer`` now holds tokens [start, end)."""
+        spans = self.written.setdefault(layer, [])
+        spans.append((start, end))
+        spans.sort()
+        merged = [spans[0]]
+        for s, e in spans[1:]:
+            if s <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+            else:
+                merged.append((s, e))
+        self.written[layer] = merged
+
+    def written_tokens(self, num_layers: int, mapped: int) -> int:
+        """Leading tokens every layer holds: the ``mapped`` tokens of its blocks, then what all
+        ``num_layers`` layers wrote contiguously from there (never past ``num_tokens``)."""
+        upto = mapped
+        for layer in range(num_layers):
+            reach = mapped
+            for s, e in self.written.get(layer, ()):
+                if s <= reach:
+                    reach = max(reach, e)
+            upto = reach if layer == 0 else min(upto, reach)
+        return min(max(upto, mapped), self.num_tokens)
+
+    def forget_written_from(self, tokens: int) -> None:
+        """The request keeps only its first ``tokens`` tokens: writes past them are gone."""
+        for layer, spans in list(self.written.items()):
+            self.written[layer] = [(s, min(e, tokens)) for s, e in spans if s < tokens]
 
     def held(self) -> tuple[int, int, int]:
         """Pages held per tier (mapped prefix blocks are the block store's)."""

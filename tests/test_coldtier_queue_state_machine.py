@@ -24,8 +24,10 @@ from obstore.store import MemoryStore
 
 from tiering.coldtier import BlockQueue, BlockStatus, SharedBlockStore
 from tiering.coldtier.blocks import block_path
+from tiering.coldtier.trust import TrustConfig
 
 GEOM = b"geometry"
+TRUST = TrustConfig(secret=random.Random(22).randbytes(32))
 
 
 class QueueMachine(RuleBasedStateMachine):
@@ -34,8 +36,8 @@ class QueueMachine(RuleBasedStateMachine):
         self.rng = random.Random(seed)
         self.mem = MemoryStore()
         self.root = self.rng.randbytes(16)
-        self.q = BlockQueue(SharedBlockStore(self.mem, self.root, GEOM))
-        self.other = SharedBlockStore(self.mem, self.root, GEOM)  # another worker
+        self.q = BlockQueue(SharedBlockStore(self.mem, self.root, GEOM, trust=TRUST))
+        self.other = SharedBlockStore(self.mem, self.root, GEOM, trust=TRUST)  # another worker
         self.keys = [self.rng.randbytes(16) for _ in range(4)]
         self.stored: dict[bytes, bytes] = {}  # what the object store holds, intact
         self.damaged: set[bytes] = set()
@@ -109,9 +111,12 @@ class QueueMachine(RuleBasedStateMachine):
         if not intact or self.refreshing or self.batch:
             return
         key = data.draw(st.sampled_from(intact))
-        raw = bytearray(obstore.get(self.mem, block_path(self.root, key)).bytes())
-        raw[self.rng.randrange(len(raw))] ^= 0x5A
-        obstore.put(self.mem, block_path(self.root, key), bytes(raw))
+        raw = bytearray(obstore.get(self.mem, block_path(self.root, GEOM, key)).bytes())
+        # any byte but the frame version: an object of another version is refused and kept
+        # (a worker of another release may read it), never deleted
+        pos = self.rng.choice([i for i in range(len(raw)) if i != 4])
+        raw[pos] ^= 0x5A
+        obstore.put(self.mem, block_path(self.root, GEOM, key), bytes(raw))
         del self.stored[key]
         self.damaged.add(key)
         if self.q.submit_fetch(key):  # read it back at once: it must be refused, not served

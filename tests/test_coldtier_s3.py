@@ -34,9 +34,12 @@ from tiering.coldtier import (
     open_zarr_store,
 )
 from tiering.coldtier.lease import Lease
+from tiering.coldtier.trust import TrustConfig
 from tiering.disk import DiskConfig
 from tiering.disk.manifest import MANIFEST_KEY
 from tiering.types import Tier
+
+TRUST = TrustConfig(secret=random.Random(22).randbytes(32))  # the deployment secret of these tests
 
 
 class FakeClock:
@@ -55,8 +58,8 @@ def test_publish_fetch_across_stores_bitwise(seaweed):  # noqa: F811
     rng = random.Random(10)
     prefix = "t-" + uuid.uuid4().hex[:10]
     root, geom = rng.randbytes(16), rng.randbytes(8)
-    a = SharedBlockStore(seaweed.store(prefix), root, geom)
-    b = SharedBlockStore(seaweed.store(prefix), root, geom)  # another worker's view
+    a = SharedBlockStore(seaweed.store(prefix), root, geom, trust=TRUST)
+    b = SharedBlockStore(seaweed.store(prefix), root, geom, trust=TRUST)  # another worker's view
     blocks = {rkey(rng): rng.randbytes(rng.randrange(1, 70_000)) for _ in range(12)}
     for k, v in blocks.items():
         r = a.publish(k, v)
@@ -78,10 +81,10 @@ def test_publish_fetch_across_stores_bitwise(seaweed):  # noqa: F811
     assert a.fetch(k0).payload == blocks[k0]
     # objects are their own length: no padding of small blocks
     for k, v in blocks.items():
-        meta = obstore.head(a.store, block_path(root, k))
+        meta = obstore.head(a.store, block_path(root, geom, k))
         assert meta["size"] == a.object_size(k, len(v))
     # negative control: another root sees none of them and its fetch of the same key misses
-    other = SharedBlockStore(seaweed.store(prefix), rng.randbytes(16), geom)
+    other = SharedBlockStore(seaweed.store(prefix), rng.randbytes(16), geom, trust=TRUST)
     assert other.refresh_index() == 0
     assert other.fetch(k0).status is BlockStatus.LOST
     q.close(5)
@@ -91,15 +94,15 @@ def test_damaged_or_foreign_object_is_never_served(seaweed):  # noqa: F811
     rng = random.Random(11)
     prefix = "t-" + uuid.uuid4().hex[:10]
     root, geom = rng.randbytes(16), rng.randbytes(8)
-    s = SharedBlockStore(seaweed.store(prefix), root, geom)
+    s = SharedBlockStore(seaweed.store(prefix), root, geom, trust=TRUST)
     k1, k2, k3 = rkey(rng), rkey(rng), rkey(rng)
     v1 = rng.randbytes(30_000)
     assert s.publish(k1, v1).status is BlockStatus.WRITTEN
-    good = bytes(obstore.get(s.store, block_path(root, k1)).bytes())
+    good = bytes(obstore.get(s.store, block_path(root, geom, k1)).bytes())
     # a truncated object (what a non-atomic writer dying mid-write would leave)
-    obstore.put(s.store, block_path(root, k2), good[: len(good) // 2])
+    obstore.put(s.store, block_path(root, geom, k2), good[: len(good) // 2])
     # k1's exact object planted under k3's name: a foreign key
-    obstore.put(s.store, block_path(root, k3), good)
+    obstore.put(s.store, block_path(root, geom, k3), good)
     s.refresh_index()
     for k, why in ((k2, "truncated"), (k3, "expected")):
         r = s.fetch(k)
@@ -122,15 +125,15 @@ class GatedBlocks(SharedBlockStore):
         self.gate = threading.Event()
         self.gate.set()
 
-    def publish(self, key, payload):
+    def publish(self, key, payload, crc=None):
         assert self.gate.wait(30), "the test never opened the gate"
-        return super().publish(key, payload)
+        return super().publish(key, payload, crc)
 
 
 def test_queue_publishes_and_fetches_off_the_step_path(seaweed):  # noqa: F811
     rng = random.Random(12)
     s = GatedBlocks(seaweed.store(), rng.randbytes(16), b"g",
-                    config=ColdTierConfig(io_threads=3, max_queued=5))
+                    config=ColdTierConfig(io_threads=3, max_queued=5), trust=TRUST)
     q = BlockQueue(s)
     blocks = {rkey(rng): rng.randbytes(rng.randrange(100, 50_000)) for _ in range(5)}
     s.gate.clear()  # hold the I/O threads: all five stay queued
@@ -206,9 +209,9 @@ def test_private_prefix_is_exclusive_and_deletes_released_objects(seaweed):  # n
     store = seaweed.store()
     clock = FakeClock(1_000.0)
     cfg = LeaseConfig(ttl_s=30, renew_every_s=10, safety_s=2)
-    p = PrivatePrefix.open(store, "worker-0", "a", lease_config=cfg, clock=clock, renew=False)
+    p = PrivatePrefix.open(store, "worker-0", "a", lease_config=cfg, clock=clock, renew=False, trust=TRUST)
     with pytest.raises(LeaseHeld, match="worker-0"):
-        PrivatePrefix.open(store, "worker-0", "b", lease_config=cfg, clock=clock, renew=False)
+        PrivatePrefix.open(store, "worker-0", "b", lease_config=cfg, clock=clock, renew=False, trust=TRUST)
     data = {f"req-{i}": rng.randbytes(rng.randrange(1, 40_000)) for i in range(4)}
     for n, v in data.items():
         assert p.put(n, v).status is BlockStatus.WRITTEN
@@ -221,7 +224,7 @@ def test_private_prefix_is_exclusive_and_deletes_released_objects(seaweed):  # n
         p.put("../escape", b"x")
     # lease expires without renewal and is taken over: the old holder can no longer write
     clock.t += 31
-    q = PrivatePrefix.open(store, "worker-0", "b", lease_config=cfg, clock=clock, renew=False)
+    q = PrivatePrefix.open(store, "worker-0", "b", lease_config=cfg, clock=clock, renew=False, trust=TRUST)
     r = p.put("req-1", rng.randbytes(10))
     assert r.status is BlockStatus.SKIPPED and "lease" in r.reason
     assert q.get("req-1").payload == data["req-1"]  # the taker reads what the first one wrote
@@ -234,7 +237,7 @@ def test_sweeper_caps_shared_bytes_lru_and_only_the_leader_sweeps(seaweed):  # n
     prefix = "t-" + uuid.uuid4().hex[:10]
     clock = FakeClock(2_000_000_000.0)  # in the future of every object's last-modified time
     root = rng.randbytes(16)
-    s = SharedBlockStore(seaweed.store(prefix), root, b"g")
+    s = SharedBlockStore(seaweed.store(prefix), root, b"g", trust=TRUST)
     keys = [rkey(rng) for _ in range(10)]
     vals = [rng.randbytes(10_000) for _ in keys]
     for k, v in zip(keys, vals, strict=True):
@@ -246,9 +249,12 @@ def test_sweeper_caps_shared_bytes_lru_and_only_the_leader_sweeps(seaweed):  # n
                      lease_config=cfg, clock=clock)
     other = Sweeper(s.store, "w1", SweeperConfig(cap_bytes=cap, low_fraction=0.5),
                     lease_config=cfg, clock=clock)
-    # hits on the first three written (read by another worker) make them the most recently used
+    # hits on the first three written (read by another worker) make them the most recently used;
+    # a reported time is clamped to its report's last-modified time (whole seconds on this
+    # store), so the hits come a second after the writes, on the real clock
+    time.sleep(1.1)
     log = HitLog("w2")
-    reader = SharedBlockStore(s.store, root, b"g", on_hit=log.hook(root, clock))
+    reader = SharedBlockStore(s.store, root, b"g", on_hit=log.hook(root, b"g", time.time), trust=TRUST)
     reader.refresh_index()
     for k, v in zip(keys[:3], vals[:3], strict=True):
         assert reader.fetch(k).payload == v
@@ -331,7 +337,8 @@ class _ManifestGate(WrapperStore):
 def test_reattach_manifest_write_on_s3_never_holds_the_step_path(seaweed, geom, closing):  # noqa: F811
     url = seaweed.url() + "/w0"
     cfg = DiskConfig(path=url, capacity_bytes=1 << 20, on_start="reattach", io_timeout_s=5.0,
-                     storage_options=seaweed.options(timeout_s=5.0))
+                     storage_options=seaweed.options(timeout_s=5.0), trust=TRUST)  # a restart
+    # reattaches only chunks a deployment secret vouches for
     gen = torch.Generator().manual_seed(61)
     gate = threading.Event()
     gate.set()  # the start-up write goes through

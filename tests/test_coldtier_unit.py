@@ -30,6 +30,10 @@ from tiering.coldtier import (
 )
 from tiering.coldtier.frame import KIND_BLOCK, KIND_PRIVATE, framed_size
 from tiering.coldtier.s3 import check_storage_options
+from tiering.coldtier.trust import MacKeys, TrustConfig
+
+KEYS = MacKeys(random.Random(22).randbytes(32))  # the deployment key these tests frame under
+TRUST = TrustConfig(secret=random.Random(23).randbytes(32))
 
 
 class FakeClock:
@@ -49,16 +53,16 @@ def test_frame_round_trip_is_bitwise_and_unpadded():
     rng = random.Random(1)
     for n in (1, 17, 4096, 100_003):
         key, root, geom, payload = rbytes(rng, 32), rbytes(rng, 16), rbytes(rng, 8), rbytes(rng, n)
-        data = frame(KIND_BLOCK, key, root, geom, payload)
+        data = frame(KIND_BLOCK, key, root, geom, payload, keys=KEYS)
         assert len(data) == framed_size(key, root, geom, n)
         assert len(data) - n < 128  # header + ids + crc only: no padding of small blocks
-        assert bytes(unframe(KIND_BLOCK, data, key, root, geom)) == payload
+        assert bytes(unframe(KIND_BLOCK, data, key, root, geom, keys=KEYS)) == payload
 
 
 def test_frame_refuses_foreign_truncated_and_damaged_objects():
     rng = random.Random(2)
     key, root, geom, payload = rbytes(rng, 32), rbytes(rng, 16), rbytes(rng, 8), rbytes(rng, 5000)
-    data = frame(KIND_BLOCK, key, root, geom, payload)
+    data = frame(KIND_BLOCK, key, root, geom, payload, keys=KEYS)
     cases = {
         "another key": (data, rbytes(rng, 32), root, geom, KIND_BLOCK, "expected"),
         "another root": (data, key, rbytes(rng, 16), geom, KIND_BLOCK, "another root"),
@@ -71,33 +75,33 @@ def test_frame_refuses_foreign_truncated_and_damaged_objects():
     }
     for name, (d, k, r, g, kind, msg) in cases.items():
         with pytest.raises(FrameRefused, match=msg):
-            unframe(kind, d, k, r, g)
+            unframe(kind, d, k, r, g, keys=KEYS)
         assert name
     # one flipped payload bit anywhere is caught by the crc
     for pos in rng.sample(range(len(data) - 4), 20):
         bad = bytearray(data)
         bad[pos] ^= 1 << rng.randrange(8)
         with pytest.raises(FrameRefused):
-            unframe(KIND_BLOCK, bytes(bad), key, root, geom)
+            unframe(KIND_BLOCK, bytes(bad), key, root, geom, keys=KEYS)
 
 
 def test_frame_bad_input_names_the_field():
     with pytest.raises(ValueError, match="key must not be empty"):
-        frame(KIND_BLOCK, b"", b"r", b"", b"x")
+        frame(KIND_BLOCK, b"", b"r", b"", b"x", keys=KEYS)
     with pytest.raises(ValueError, match="root must be bytes"):
-        frame(KIND_BLOCK, b"k", "r", b"", b"x")
+        frame(KIND_BLOCK, b"k", "r", b"", b"x", keys=KEYS)
 
 
 @pytest.mark.parametrize("kind", [300, -1, 3, True, 1.0])
 def test_a_frame_kind_that_is_not_one_of_the_two_is_refused_by_name(kind):
     """300 and -1 raised a bare struct.error; 3 and True were written (True as a shared
     block), and an object of kind 3 is one no reader accepts."""
-    data = frame(KIND_BLOCK, b"k", b"r", b"g", b"abc")
+    data = frame(KIND_BLOCK, b"k", b"r", b"g", b"abc", keys=KEYS)
     with pytest.raises(ValueError, match=f"frame kind must be 1 .* or 2 .*, got {kind!r}"):
-        frame(kind, b"k", b"r", b"g", b"abc")
+        frame(kind, b"k", b"r", b"g", b"abc", keys=KEYS)
     with pytest.raises(ValueError, match="frame kind must be"):
-        unframe(kind, data, b"k", b"r", b"g")
-    assert bytes(unframe(KIND_BLOCK, data, b"k", b"r", b"g")) == b"abc"  # the control
+        unframe(kind, data, b"k", b"r", b"g", keys=KEYS)
+    assert bytes(unframe(KIND_BLOCK, data, b"k", b"r", b"g", keys=KEYS)) == b"abc"  # the control
 
 
 def test_a_frame_payload_that_is_not_a_contiguous_buffer_is_named():
@@ -106,9 +110,9 @@ def test_a_frame_payload_that_is_not_a_contiguous_buffer_is_named():
     strided = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]
     for bad in (strided, "text"):
         with pytest.raises(TypeError, match="frame payload must be a contiguous bytes-like buffer"):
-            frame(KIND_BLOCK, b"k", b"r", b"g", bad)
+            frame(KIND_BLOCK, b"k", b"r", b"g", bad, keys=KEYS)
     whole = np.ascontiguousarray(strided)
-    assert bytes(unframe(KIND_BLOCK, frame(KIND_BLOCK, b"k", b"r", b"g", whole), b"k", b"r", b"g")) \
+    assert bytes(unframe(KIND_BLOCK, frame(KIND_BLOCK, b"k", b"r", b"g", whole, keys=KEYS), b"k", b"r", b"g", keys=KEYS)) \
         == whole.tobytes()
 
 
@@ -434,7 +438,7 @@ def test_bad_block_input_raises_and_writes_nothing():
 
     rng = random.Random(5)
     store = MemoryStore()
-    s = SharedBlockStore(store, rng.randbytes(16), b"g", config=ColdTierConfig(max_block_bytes=1000))
+    s = SharedBlockStore(store, rng.randbytes(16), b"g", config=ColdTierConfig(max_block_bytes=1000), trust=TRUST)
     with pytest.raises(ValueError, match="max_block_bytes"):
         s.publish(rng.randbytes(32), rng.randbytes(1001))
     with pytest.raises(ValueError, match="block key"):
@@ -470,7 +474,7 @@ def test_a_shared_block_store_that_could_never_work_is_refused_at_once(args, wha
 
     *ids, kw = args if isinstance(args[-1], dict) else (*args, {})
     with pytest.raises(ValueError, match=what):
-        SharedBlockStore(MemoryStore(), *ids, **kw)
+        SharedBlockStore(MemoryStore(), *ids, **kw, trust=TRUST)
 
 
 def test_configs_and_records_of_the_wrong_type_are_refused_when_given():
@@ -487,14 +491,15 @@ def test_configs_and_records_of_the_wrong_type_are_refused_when_given():
     with pytest.raises(ValueError, match="lease config must be a LeaseConfig, got dict"):
         Lease(m, "L", "o", config={"ttl_s": 3})
     with pytest.raises(ValueError, match="PrivatePrefix geometry must be bytes, got str"):
-        PrivatePrefix(m, "p", "o", geometry="g")
+        PrivatePrefix(m, "p", "o", geometry="g", trust=TRUST)
     log = HitLog("w")
-    for args in (("r", b"k", 1.0), (b"r", b"", 1.0), (b"r", b"k", float("nan")), (b"r", b"k", True)):
+    for args in (("r", b"g", b"k", 1.0), (b"r", b"g", b"", 1.0), (b"r", "g", b"k", 1.0),
+                 (b"r", b"g", b"k", float("nan")), (b"r", b"g", b"k", True)):
         with pytest.raises(ValueError, match="HitLog.record"):
             log.record(*args)
     assert log.flush(m)  # nothing was recorded: nothing to write
     assert [x for c in obstore.list(m) for x in c] == []
-    log.record(b"r", b"k", 5.0)  # the control
+    log.record(b"r", b"g", b"k", 5.0)  # the control
     assert log.flush(m) and len([x for c in obstore.list(m) for x in c]) == 1
 
 
@@ -510,20 +515,20 @@ def test_refresh_index_limit_bounds_what_it_adds():
     rng = random.Random(31)
     m = MemoryStore()
     root = rng.randbytes(16)
-    w = SharedBlockStore(m, root, b"g")
+    w = SharedBlockStore(m, root, b"g", trust=TRUST)
     keys = []
     for _ in range(5):
         keys.append(rng.randbytes(16))
         w.publish(keys[-1], rng.randbytes(40))
         _time.sleep(0.002)  # distinct modification times: the listing orders by them
     for limit, want in ((0, 0), (2, 2), (None, 5)):
-        r = SharedBlockStore(m, root, b"g")
+        r = SharedBlockStore(m, root, b"g", trust=TRUST)
         assert r.refresh_index(limit) == 5
         assert len(r.known) == want, (limit, len(r.known))
         # the newest ``want`` of them, oldest first: the listing is ordered by modification time
         assert r.known.keys() == (keys[-want:] if want else []), limit
         r.check_integrity()
-    r = SharedBlockStore(m, root, b"g")
+    r = SharedBlockStore(m, root, b"g", trust=TRUST)
     for bad in (-2, True, 1.5):
         with pytest.raises(ValueError, match="limit must be None or an int >= 0"):
             r.refresh_index(bad)
@@ -542,13 +547,13 @@ def test_a_foreign_object_under_the_roots_prefix_is_not_taken_for_a_block():
     rng = random.Random(9)
     store = MemoryStore()
     root = rng.randbytes(16)
-    s = SharedBlockStore(store, root, b"geom")
+    s = SharedBlockStore(store, root, b"geom", trust=TRUST)
     real = rng.randbytes(16)
     assert s.publish(real, rng.randbytes(64)).status is BlockStatus.WRITTEN
     prefix = f"blocks/{root.hex()}/"
     for name, data in (("00ff", b""), ("abcd", rng.randbytes(8)), ("not-hex", rng.randbytes(99))):
         obstore.put(store, prefix + name, data)
-    fresh = SharedBlockStore(store, root, b"geom")
+    fresh = SharedBlockStore(store, root, b"geom", trust=TRUST)
     assert fresh.refresh_index() == 1
     assert fresh.known.keys() == [real]
     fresh.check_integrity()
@@ -631,7 +636,7 @@ def test_every_wait_of_the_block_queue_is_bounded(bad):
     from tiering.coldtier import BlockQueue, BlockStatus, SharedBlockStore
 
     rng = random.Random(23)
-    s = SharedBlockStore(MemoryStore(), rng.randbytes(16), b"g")
+    s = SharedBlockStore(MemoryStore(), rng.randbytes(16), b"g", trust=TRUST)
     q = BlockQueue(s)
     gate = threading.Event()  # every I/O thread waits on it: the publish stays queued
     for _ in range(s.config.io_threads):
@@ -655,7 +660,7 @@ def test_a_private_object_name_that_is_not_text_is_refused_by_name():
 
     from tiering.coldtier import PrivatePrefix
 
-    p = PrivatePrefix(MemoryStore(), "w", "me")
+    p = PrivatePrefix(MemoryStore(), "w", "me", trust=TRUST)
     for call in (lambda: p.put(5, b"x"), lambda: p.get(5), lambda: p.delete(b"a")):
         with pytest.raises(ValueError, match="object name .* must be 1-200 characters"):
             call()

@@ -26,9 +26,11 @@ from tiering.coldtier import (
     SharedBlockStore,
     open_s3_store,
 )
+from tiering.coldtier.trust import TrustConfig
 
 ROOT = hashlib.sha256(b"test-root").digest()[:16]
 GEOM = b"L2H2D8P4bf16"
+TRUST = TrustConfig(secret=hashlib.sha256(b"test-secret").digest())
 
 
 def key_of(tag: str) -> bytes:
@@ -52,7 +54,7 @@ class FakeClock:
 # -- two and four workers sharing a prefix ----------------------------------------------------
 def _share_worker(url, opts, index, n, barrier, out):
     store = open_s3_store(url, opts, timeout_s=10.0)
-    blocks = SharedBlockStore(store, ROOT, GEOM, config=ColdTierConfig(io_threads=2))
+    blocks = SharedBlockStore(store, ROOT, GEOM, config=ColdTierConfig(io_threads=2), trust=TRUST)
     q = BlockQueue(blocks)
     common = [key_of(f"common-{j}") for j in range(12)]
     own = [key_of(f"own-{index}-{j}") for j in range(6)]
@@ -72,7 +74,7 @@ def _share_worker(url, opts, index, n, barrier, out):
             hits += 1
             mismatches += r.payload != payload_of(r.key)
     # negative control: a block of another root is not found
-    other = SharedBlockStore(store, b"another-root", GEOM)
+    other = SharedBlockStore(store, b"another-root", GEOM, trust=TRUST)
     foreign = other.fetch(common[0]).status.value
     q.close(10)
     out.put({"index": index, "written": written, "listed": listed, "hits": hits,
@@ -117,8 +119,8 @@ def test_workers_share_blocks_bitwise(seaweed, n):  # noqa: F811
 def _victim(url, opts, out):
     store = open_s3_store(url, opts, timeout_s=10.0)
     priv = PrivatePrefix.open(store, "victim", "victim-proc",
-                              lease_config=LeaseConfig(ttl_s=60, renew_every_s=5, safety_s=2))
-    blocks = SharedBlockStore(store, ROOT, GEOM)
+                              lease_config=LeaseConfig(ttl_s=60, renew_every_s=5, safety_s=2), trust=TRUST)
+    blocks = SharedBlockStore(store, ROOT, GEOM, trust=TRUST)
     i = 0
     while True:  # until killed
         k = key_of(f"victim-{i}")
@@ -141,7 +143,7 @@ def test_worker_killed_mid_write(seaweed):  # noqa: F811
         p.join(30)
     assert done == [0, 1, 2]
     store = open_s3_store(url, seaweed.options(), timeout_s=10.0)
-    blocks = SharedBlockStore(store, ROOT, GEOM)
+    blocks = SharedBlockStore(store, ROOT, GEOM, trust=TRUST)
     listed = blocks.refresh_index()
     assert listed >= 3
     for k in blocks.known.keys():  # whatever is there is whole and right, or it is refused
@@ -152,10 +154,10 @@ def test_worker_killed_mid_write(seaweed):  # noqa: F811
     # its lease is still live: a second worker is refused with a clear error ...
     cfg = LeaseConfig(ttl_s=60, renew_every_s=5, safety_s=2)
     with pytest.raises(LeaseHeld, match="victim-proc"):
-        PrivatePrefix.open(store, "victim", "heir", lease_config=cfg, renew=False)
+        PrivatePrefix.open(store, "victim", "heir", lease_config=cfg, renew=False, trust=TRUST)
     # ... and takes it over once it has expired (clock injected: 61 s later)
     later = FakeClock(time.time() + 61)
-    heir = PrivatePrefix.open(store, "victim", "heir", lease_config=cfg, clock=later, renew=False)
+    heir = PrivatePrefix.open(store, "victim", "heir", lease_config=cfg, clock=later, renew=False, trust=TRUST)
     names = heir.names()
     assert {f"req-{i}" for i in range(3)} <= set(names)
     for n in names:
@@ -170,7 +172,7 @@ def test_worker_killed_mid_write(seaweed):  # noqa: F811
 def _fault_tier(srv, clock):
     store = open_s3_store(srv.url(), srv.options(), timeout_s=1.5, max_retries=0)
     cfg = ColdTierConfig(io_threads=2, breaker=BreakerConfig(failure_threshold=1, cooldown_s=5.0))
-    blocks = SharedBlockStore(store, ROOT, GEOM, config=cfg, clock=clock)
+    blocks = SharedBlockStore(store, ROOT, GEOM, config=cfg, clock=clock, trust=TRUST)
     return blocks, BlockQueue(blocks)
 
 
@@ -260,7 +262,7 @@ def test_full_store_is_a_refused_write_not_a_loss(seaweed_tiny):  # noqa: F811
     clock = FakeClock(0.0)
     store = open_s3_store(seaweed_tiny.url(), seaweed_tiny.options(), timeout_s=5.0, max_retries=0)
     blocks = SharedBlockStore(store, ROOT, GEOM, clock=clock,
-                              config=ColdTierConfig(breaker=BreakerConfig(1, 5.0)))
+                              config=ColdTierConfig(breaker=BreakerConfig(1, 5.0)), trust=TRUST)
     written: list[bytes] = []
     refused = None
     for i in range(40):
@@ -287,7 +289,7 @@ def test_full_store_is_a_refused_write_not_a_loss(seaweed_tiny):  # noqa: F811
 def test_no_stray_prefix_is_used(seaweed):  # noqa: F811
     """Everything a shared store writes is under blocks/<root>/ of its own prefix."""
     prefix = "t-" + uuid.uuid4().hex[:10]
-    s = SharedBlockStore(seaweed.store(prefix), ROOT, GEOM)
+    s = SharedBlockStore(seaweed.store(prefix), ROOT, GEOM, trust=TRUST)
     for i in range(3):
         k = key_of(f"stray-{i}")
         assert s.publish(k, payload_of(k)).status is BlockStatus.WRITTEN

@@ -31,6 +31,7 @@ from seaweed_fixture import _seaweed_shared, seaweed, seaweed_faults  # noqa: F4
 from tiering.resources.base import ResourceStep, StepContext
 from tiering.resources.kv_cache import PagedKVCache
 from tiering.resources.kv_geometry import KVGeometry
+from tiering.resources.kv_prefix import derive_key_root
 
 from tiering.blocks import KeyRoot
 from tiering.coldtier import (
@@ -44,6 +45,7 @@ from tiering.coldtier import (
     frame,
 )
 from tiering.coldtier.frame import KIND_BLOCK
+from tiering.coldtier.trust import TrustConfig
 from tiering.disk import DiskConfig
 from tiering.types import RequestState
 
@@ -53,8 +55,16 @@ T = GEOM.page_tokens
 GEOM_ID = GEOM.fingerprint().encode()
 
 
+TRUST = TrustConfig(secret=b"the-deployment-secret-of-these-tests")
+
+
 def root(model: str = "m") -> KeyRoot:
     return KeyRoot(GEOM.fingerprint(), model, page_tokens=T)
+
+
+def key_root(model: str = "m") -> bytes:
+    """The root a cache of ``root(model)`` keys its blocks (and names its objects) under."""
+    return derive_key_root(root(model).key, GEOM.fingerprint())
 
 
 class FakeClock:
@@ -119,7 +129,7 @@ def local_hits(st: dict) -> int:
 def _publisher(url, opts, seed, out):
     """Worker A in its own process: publish random KV under the common root, send it back."""
     gen = torch.Generator().manual_seed(seed)
-    with make(shared=SharedTierConfig(url, opts)) as kv:
+    with make(shared=SharedTierConfig(url, opts, trust=TRUST)) as kv:
         ids, data = publish_random(kv, gen, n=17)
         kv.synchronize(60)
         raw = [(k.view(torch.int16).numpy(), v.view(torch.int16).numpy()) for k, v in data]
@@ -152,8 +162,8 @@ def test_two_worker_processes_share_a_prefix_bitwise(seaweed, tmp_path, closing)
     data = [(torch.from_numpy(k).view(GEOM.dtype), torch.from_numpy(v).view(GEOM.dtype))
             for k, v in got["data"]]
 
-    kv_b = closing(make(tmp_path / "b", shared=SharedTierConfig(url, opts)))
-    kv_c = closing(make(tmp_path / "c", shared=SharedTierConfig(url, opts), model="other"))  # another root
+    kv_b = closing(make(tmp_path / "b", shared=SharedTierConfig(url, opts, trust=TRUST)))
+    kv_c = closing(make(tmp_path / "c", shared=SharedTierConfig(url, opts, trust=TRUST), model="other"))  # another root
     kv_n = closing(make(tmp_path / "n"))  # no shared tier
     for kv in (kv_b, kv_c, kv_n):
         kv.synchronize(30)  # the first listing of the root's blocks lands
@@ -186,7 +196,7 @@ def test_two_worker_processes_share_a_prefix_bitwise(seaweed, tmp_path, closing)
 
 def test_two_caches_share_and_a_duplicate_is_harmless(seaweed, tmp_path, closing):  # noqa: F811
     gen = torch.Generator().manual_seed(21)
-    cfg = SharedTierConfig(seaweed.url(), seaweed.options())
+    cfg = SharedTierConfig(seaweed.url(), seaweed.options(), trust=TRUST)
     kv_a, kv_b = make(tmp_path / "a", shared=cfg), make(tmp_path / "b", shared=cfg)
     closing(kv_a)
     closing(kv_b)
@@ -205,8 +215,9 @@ def test_two_caches_share_and_a_duplicate_is_harmless(seaweed, tmp_path, closing
     assert st["shared_duplicates"] == 2 and st["shared_published"] == 0
     # A's objects hold exactly A's pages, framed; B's duplicate changed none of them
     for key in kv_a._prefix.keys(ids)[:2]:
-        raw = obstore.get(kv_a._prefix.shared.blocks.store, block_path(kv_a._prefix.root, key)).bytes()
-        assert raw == frame(KIND_BLOCK, key, kv_a._prefix.root, GEOM_ID, _page_bytes(data, key, kv_a, ids))
+        raw = obstore.get(kv_a._prefix.shared.blocks.store, block_path(kv_a._prefix.key_root, GEOM_ID, key)).bytes()
+        assert raw == frame(KIND_BLOCK, key, kv_a._prefix.key_root, GEOM_ID, _page_bytes(data, key, kv_a, ids),
+                            keys=TRUST.keys())
 
 
 def _page_bytes(data, key, kv, ids) -> bytes:
@@ -221,18 +232,18 @@ def _page_bytes(data, key, kv, ids) -> bytes:
 
 def test_damaged_shared_object_is_refused_and_recomputed(seaweed, tmp_path):  # noqa: F811
     gen = torch.Generator().manual_seed(31)
-    cfg = SharedTierConfig(seaweed.url(), seaweed.options())
+    cfg = SharedTierConfig(seaweed.url(), seaweed.options(), trust=TRUST)
     for damage in (False, True):  # the first pass is the control: nothing damaged, all hit
         with (make(tmp_path / f"a{damage}", shared=cfg, model=f"m{damage}") as kv_a,
               make(tmp_path / f"b{damage}", shared=cfg, model=f"m{damage}") as kv_b):
             ids, data = publish_random(kv_a, gen, n=13)
             kv_a.synchronize(30)
             keys = kv_a._prefix.keys(ids)
-            store, rt = kv_a._prefix.shared.blocks.store, kv_a._prefix.root
+            store, rt = kv_a._prefix.shared.blocks.store, kv_a._prefix.key_root
             if damage:  # overwrite block 1 with the raw client: one payload byte changes
-                raw = bytearray(obstore.get(store, block_path(rt, keys[1])).bytes())
+                raw = bytearray(obstore.get(store, block_path(rt, GEOM_ID, keys[1])).bytes())
                 raw[len(raw) // 2] ^= 0x40
-                obstore.put(store, block_path(rt, keys[1]), bytes(raw))
+                obstore.put(store, block_path(rt, GEOM_ID, keys[1]), bytes(raw))
             relist(kv_b)
             kv_b.ingest_request("b")
             assert kv_b.attach_prefix("b", ids) == 12  # optimistic until fetched
@@ -249,7 +260,7 @@ def test_damaged_shared_object_is_refused_and_recomputed(seaweed, tmp_path):  # 
             assert st["load_shared_lost"] == 1
             # the refused object was deleted (it can be published again); block 2 was let go
             with pytest.raises(FileNotFoundError):
-                obstore.head(store, block_path(rt, keys[1]))
+                obstore.head(store, block_path(rt, GEOM_ID, keys[1]))
             assert keys[1] not in kv_b._prefix.index and keys[2] not in kv_b._prefix.index
             # B recomputes the rest from the valid count: its own pages, its own bytes
             kv_b.check_integrity()
@@ -267,10 +278,10 @@ def test_frozen_server_mid_fetch_is_a_miss_and_no_step_waits(seaweed_faults, tmp
     srv = seaweed_faults
     gen = torch.Generator().manual_seed(41)
     url = srv.url()
-    kv_a = closing(make(shared=SharedTierConfig(url, srv.options())))
+    kv_a = closing(make(shared=SharedTierConfig(url, srv.options(), trust=TRUST)))
     clock = FakeClock()
     cfg_b = SharedTierConfig(url, srv.options(timeout_s=1.5, max_retries=0),
-                             ColdTierConfig(io_threads=2, breaker=BreakerConfig(1, cooldown_s=5.0)))
+                             ColdTierConfig(io_threads=2, breaker=BreakerConfig(1, cooldown_s=5.0)), trust=TRUST)
     kv_b = closing(make(tmp_path / "b", shared=cfg_b, clock=clock))
     ids, data = publish_random(kv_a, gen, n=13)
     kv_a.synchronize(30)
@@ -346,9 +357,9 @@ class GatedBlocks(SharedBlockStore):
         self.pub_gate = threading.Event()
         self.pub_gate.set()
 
-    def publish(self, key: bytes, payload):
+    def publish(self, key: bytes, payload, crc=None):
         assert self.pub_gate.wait(10), "test publish gate never opened"
-        return super().publish(key, payload)
+        return super().publish(key, payload, crc)
 
     def fetch(self, key: bytes):
         self.fetches += 1
@@ -363,10 +374,10 @@ class GatedBlocks(SharedBlockStore):
 def pair(host_pages=8, device_pages=16, io_threads=1, max_queued=256):
     """Worker A and worker B on one in-memory store; B's fetches and publishes can be gated."""
     mem = MemoryStore()
-    rt = root().key
+    rt = key_root()
     cfg = ColdTierConfig(io_threads=io_threads)
-    a = make(shared=SharedBlockStore(mem, rt, GEOM_ID, config=cfg))
-    gated = GatedBlocks(mem, rt, GEOM_ID, config=ColdTierConfig(io_threads=io_threads, max_queued=max_queued))
+    a = make(shared=SharedBlockStore(mem, rt, GEOM_ID, config=cfg, trust=TRUST))
+    gated = GatedBlocks(mem, rt, GEOM_ID, config=ColdTierConfig(io_threads=io_threads, max_queued=max_queued), trust=TRUST)
     b = make(shared=gated, host_pages=host_pages, device_pages=device_pages)
     return mem, a, b, gated
 
@@ -470,25 +481,25 @@ def test_an_unavailable_fetch_keeps_the_blocks_before_it(closing):
 
 def test_bad_shared_input_is_refused_and_changes_nothing():
     mem = MemoryStore()
-    rt = root().key
+    rt = key_root()
     with PagedKVCache(GEOM, "cpu", 4, 4) as kv:
         bad = [
             ("s3://bucket/p", "SharedTierConfig, SharedBlockStore or BlockQueue"),
-            (SharedBlockStore(mem, b"x" * 16, GEOM_ID), "another root"),
-            (SharedBlockStore(mem, rt, b"other-geometry"), "geometry"),
-            (BlockQueue(SharedBlockStore(mem, b"y" * 16, GEOM_ID)), "another root"),
+            (SharedBlockStore(mem, b"x" * 16, GEOM_ID, trust=TRUST), "another root"),
+            (SharedBlockStore(mem, rt, b"other-geometry", trust=TRUST), "geometry"),
+            (BlockQueue(SharedBlockStore(mem, b"y" * 16, GEOM_ID, trust=TRUST)), "another root"),
         ]
         for shared, what in bad:
             with pytest.raises(ValueError, match=what):
                 kv.enable_prefix_cache(root(), shared=shared)
             assert not kv.prefix_enabled
-        good = SharedBlockStore(mem, rt, GEOM_ID)
+        good = SharedBlockStore(mem, rt, GEOM_ID, trust=TRUST)
         with pytest.raises(ValueError, match="shared_refresh_s"):
             kv.enable_prefix_cache(root(), shared=good, shared_refresh_s=0)
         assert not kv.prefix_enabled
         assert kv.enable_prefix_cache(root())
         with pytest.raises(ValueError, match="first call"):
-            kv.enable_prefix_cache(root(), shared=SharedBlockStore(mem, rt, GEOM_ID))
+            kv.enable_prefix_cache(root(), shared=SharedBlockStore(mem, rt, GEOM_ID, trust=TRUST))
         assert kv._prefix.shared is None
         kv.check_integrity()
     for kwargs, what in [({"url": "s3://bucket"}, "bucket root"), ({"url": "http://x/y"}, "s3"),
@@ -496,22 +507,22 @@ def test_bad_shared_input_is_refused_and_changes_nothing():
                          ({"url": "s3://b/p", "storage_options": [1]}, "mapping"),
                          ({"url": "s3://b/p", "tier": 3}, "ColdTierConfig")]:
         with pytest.raises(ValueError, match=what):
-            SharedTierConfig(**kwargs)
+            SharedTierConfig(**kwargs, trust=TRUST)
     opts = {"region": "us-east-1"}
-    cfg = SharedTierConfig("s3://b/p", opts)
+    cfg = SharedTierConfig("s3://b/p", opts, trust=TRUST)
     opts["region"] = "changed"
     assert cfg.storage_options["region"] == "us-east-1"  # copied read-only
 
 
 def test_a_passed_queue_is_the_callers_and_the_built_one_is_closed():
     mem = MemoryStore()
-    rt = root().key
-    q = BlockQueue(SharedBlockStore(mem, rt, GEOM_ID))
+    rt = key_root()
+    q = BlockQueue(SharedBlockStore(mem, rt, GEOM_ID, trust=TRUST))
     kv = make(shared=q)
     kv.close()
     assert q.submit_refresh()  # still open: the caller's to close
     q.close(5)
-    kv = make(shared=SharedBlockStore(mem, rt, GEOM_ID))
+    kv = make(shared=SharedBlockStore(mem, rt, GEOM_ID, trust=TRUST))
     built = kv._prefix.shared.queue
     kv.close()
     assert built.closed and not built.submit_refresh()  # closed: a submit is refused
@@ -617,7 +628,7 @@ class SharedPrefixMachine(RuleBasedStateMachine):
     @rule(stem=st.integers(0, 2), page=st.integers(0, 2))
     def damage_object(self, stem, page):
         key = self.a._prefix.keys(self.stems[stem])[page]
-        path = block_path(self.a._prefix.root, key)
+        path = block_path(self.a._prefix.key_root, GEOM_ID, key)
         try:
             raw = bytearray(obstore.get(self.mem, path).bytes())
         except FileNotFoundError:
@@ -669,13 +680,13 @@ TestSharedPrefixMachine.settings = settings(max_examples=100, stateful_step_coun
 
 def test_enabling_again_with_the_same_shared_tier_does_nothing(closing):
     mem = MemoryStore()
-    blocks = SharedBlockStore(mem, root().key, GEOM_ID)
+    blocks = SharedBlockStore(mem, key_root(), GEOM_ID, trust=TRUST)
     kv = closing(make(shared=blocks))
     link = kv._prefix.shared
     assert kv.enable_prefix_cache(root(), shared=blocks)
     assert kv.enable_prefix_cache(root())
     assert kv._prefix.shared is link
-    other = SharedBlockStore(mem, root().key, GEOM_ID)
+    other = SharedBlockStore(mem, key_root(), GEOM_ID, trust=TRUST)
     with pytest.raises(ValueError, match="first call"):
         kv.enable_prefix_cache(root(), shared=other)
     assert kv._prefix.shared is link
@@ -685,7 +696,7 @@ def test_enabling_again_with_the_same_shared_tier_does_nothing(closing):
 def test_publishes_refused_by_a_full_queue_are_retried_from_poll(closing):
     gen = torch.Generator().manual_seed(54)
     mem = MemoryStore()
-    gated = GatedBlocks(mem, root().key, GEOM_ID, config=ColdTierConfig(io_threads=1, max_queued=3))
+    gated = GatedBlocks(mem, key_root(), GEOM_ID, config=ColdTierConfig(io_threads=1, max_queued=3), trust=TRUST)
     kv = closing(make(shared=gated))
     closing.call(gated.pub_gate.set)
     kv.synchronize(10)  # the first listing is done: the queue is empty
@@ -706,7 +717,7 @@ def test_publishes_refused_by_a_full_queue_are_retried_from_poll(closing):
     assert not kv._prefix.unpublished
     keys = kv._prefix.keys(ids)
     for key in keys:  # every block is on the store, framed with its own bytes
-        assert obstore.head(mem, block_path(root().key, key))["size"] == gated.object_size(key, GEOM.page_bytes)
+        assert obstore.head(mem, block_path(key_root(), GEOM_ID, key))["size"] == gated.object_size(key, GEOM.page_bytes)
     # a refused block that left the local cache before its retry is not written
     gated.pub_gate.clear()
     ids2, _ = publish_random(kv, gen, rid="b", n=21)
@@ -723,9 +734,9 @@ def test_publishes_refused_by_a_full_queue_are_retried_from_poll(closing):
     for key in keys2:
         if key in late:
             with pytest.raises(FileNotFoundError):
-                obstore.head(mem, block_path(root().key, key))
+                obstore.head(mem, block_path(key_root(), GEOM_ID, key))
         else:
-            obstore.head(mem, block_path(root().key, key))
+            obstore.head(mem, block_path(key_root(), GEOM_ID, key))
     kv.check_integrity()
 
 
@@ -756,7 +767,7 @@ def test_a_queue_closed_under_the_cache_refuses_and_breaks_nothing(closing):
     cache failed check_integrity for good. Its submits are now refusals."""
     gen = torch.Generator().manual_seed(59)
     mem = MemoryStore()
-    q = BlockQueue(SharedBlockStore(mem, root().key, GEOM_ID))
+    q = BlockQueue(SharedBlockStore(mem, key_root(), GEOM_ID, trust=TRUST))
     clock = FakeClock()
     kv = closing(make(shared=q, clock=clock))
     q.close(5)

@@ -9,6 +9,9 @@
   opens): writes checked against the lease, requests behind a breaker.
 - :class:`Sweeper`: the cap on shared bytes, enforced by one elected worker (LRU).
 - :class:`CircuitBreaker`: a store that stops answering is skipped until it answers again.
+- :class:`TrustConfig` / :class:`MacKeys`: the deployment secret every object's MAC is keyed
+  with (``TIERING_COLDTIER_SECRET``); without one the tier refuses to open unless
+  ``trust="unauthenticated"`` is given.
 """
 
 from .blocks import (
@@ -20,6 +23,7 @@ from .blocks import (
     SharedBlockStore,
     SharedTierConfig,
     block_path,
+    geometry_tag,
 )
 from .breaker import BreakerConfig, BreakerState, CircuitBreaker
 from .errors import ColdTierError, ColdTierUnavailable, LeaseHeld, LeaseLost
@@ -29,12 +33,13 @@ from .lease import Lease, LeaseConfig, LeaseInfo, LeaseKeeper
 from .private import PrivatePrefix
 from .s3 import S3Location, open_s3_store, open_zarr_store, parse_s3_url, probe
 from .sweeper import HitLog, Sweeper, SweeperConfig, SweepResult
+from .trust import PREVIOUS_SECRET_ENV, SECRET_ENV, MacKeys, TrustConfig
 
 __all__ = [
     "BlockQueue", "BlockResult", "BlockStatus", "BreakerConfig", "BreakerState", "CircuitBreaker",
     "ColdTierConfig", "ColdTierError", "ColdTierUnavailable", "FrameRefused", "HitLog",
-    "KnownBlocks", "Lease", "LeaseConfig", "LeaseHeld", "LeaseInfo", "LeaseKeeper", "LeaseLost",
+    "KnownBlocks", "Lease", "MacKeys", "PREVIOUS_SECRET_ENV", "SECRET_ENV", "TrustConfig", "LeaseConfig", "LeaseHeld", "LeaseInfo", "LeaseKeeper", "LeaseLost",
     "HeldPrefix", "LeasedZarrStore", "PrefixLeaseLost", "PrivatePrefix", "S3Location", "SharedBlockStore", "SharedTierConfig",
     "StoreNotAnswering", "SweepResult", "Sweeper", "SweeperConfig", "hold_zarr_prefix",
-    "block_path", "frame", "open_s3_store", "open_zarr_store", "parse_s3_url", "probe", "unframe",
+    "block_path", "frame", "geometry_tag", "open_s3_store", "open_zarr_store", "parse_s3_url", "probe", "unframe",
 ]

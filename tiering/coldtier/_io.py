@@ -14,6 +14,7 @@ class Fault(str, Enum):
     MISSING = "missing"  # the object is not there (404)
     EXISTS = "exists"  # create-if-absent found one (412 on If-None-Match)
     PRECONDITION = "precondition"  # ETag did not match (412 on If-Match)
+    RANGE = "range"  # a ranged read the object cannot satisfy (416: it is empty)
     TRANSIENT = "transient"  # connection error, timeout, 5xx, refused credentials: retry later
 
 
@@ -28,6 +29,9 @@ def classify(exc: BaseException) -> Fault:
         return Fault.PRECONDITION
     if isinstance(exc, FileNotFoundError):  # obstore's NotFoundError is one
         return Fault.MISSING
+    code = _STATUS.search(str(exc))
+    if code and code.group(1) == "416":
+        return Fault.RANGE
     return Fault.TRANSIENT
 
 

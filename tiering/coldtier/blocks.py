@@ -1,9 +1,16 @@
 """Shared, content-addressed blocks on an object store.
 
-A published block is a write-once object named ``blocks/<root hex>/<key hex>`` (relative to the
-store's prefix), framed with its key, root and geometry and a crc32c (:mod:`.frame`), written by
-create-if-absent. Any worker with the same root reads what another wrote; a duplicate write is
-refused by the store and counted as harmless. There is no manifest: the objects under a root's
+A published block is a write-once object named ``blocks/<root hex>/<geometry tag>/<key hex>``
+(relative to the store's prefix; the tag is a digest of the geometry, so workers of different
+models or dtypes never share a name), framed with its key, root and geometry, a crc32c and a
+keyed MAC under the deployment secret (:mod:`.frame`, :mod:`.trust`), written by
+create-if-absent. Any worker with the same root, geometry and secret reads what another wrote;
+a duplicate write is refused by the store and counted as harmless. Every read is bounded: the
+size known from the listing is checked against the largest frame a block may have before any
+request, and the GET asks for at most one byte more than that, so an oversized object costs
+one capped request and is refused (counted in ``refusals``). An object that fails the frame
+check is a miss, counted and logged, never served; only one that names exactly this block but
+is damaged is deleted (never one of another key, geometry or secret). There is no manifest: the objects under a root's
 prefix are the index, and a list of that prefix (``refresh_index``) is how a worker learns what
 others published. What a worker knows exists is kept in a bounded local LRU
 (:class:`KnownBlocks`); the step path only asks that cache, so a miss in it is a miss, never a
@@ -20,9 +27,11 @@ one timeout, after which queued requests are skipped at once until the cooldown'
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,11 +43,23 @@ from tiering.core.validate import check_budget
 
 from ._io import Fault, classify, short
 from .breaker import BreakerConfig, CircuitBreaker
-from .frame import KIND_BLOCK, MAX_ID_BYTES, FrameRefused, frame, framed_size, unframe
+from .frame import (
+    KIND_BLOCK,
+    MAX_ID_BYTES,
+    FrameDamaged,
+    FrameRefused,
+    crc32c_value,
+    frame,
+    framed_size,
+    unframe,
+)
 from .s3 import check_storage_options, parse_s3_url
+from .trust import TRUST_MODES, MacKeys, TrustConfig, resolve_keys
+
+log = logging.getLogger("tiering.coldtier")
 
 __all__ = ["BlockQueue", "BlockResult", "BlockStatus", "ColdTierConfig", "KnownBlocks",
-           "SharedBlockStore", "SharedTierConfig", "block_path"]
+           "SharedBlockStore", "SharedTierConfig", "block_path", "geometry_tag"]
 
 
 class BlockStatus(str, Enum):
@@ -48,6 +69,7 @@ class BlockStatus(str, Enum):
     LOST = "lost"  # missing, or refused by the frame check; reason says which
     UNAVAILABLE = "unavailable"  # transient fault: the block is left where it is, retry later
     SKIPPED = "skipped"  # the breaker is open: no request was made
+    REFUSED = "refused"  # a publish whose payload no longer matches its recorded crc: not sent
     DELETED = "deleted"
     LISTED = "listed"  # a refresh of the known cache finished
 
@@ -83,12 +105,16 @@ class ColdTierConfig:
 @dataclass(frozen=True)
 class SharedTierConfig:
     """Where a worker's shared block tier lives: ``s3://bucket/prefix`` plus ``storage_options``
-    (the names of :func:`~tiering.coldtier.open_s3_store`), and its :class:`ColdTierConfig`.
-    Checked here with no I/O; the store is opened (and probed) by whoever builds from it."""
+    (the names of :func:`~tiering.coldtier.open_s3_store`), its :class:`ColdTierConfig`, and
+    ``trust``: a :class:`~tiering.coldtier.TrustConfig` (the deployment secret, or the
+    environment variable it is read from when the tier is opened), or the words
+    ``"unauthenticated"``. Checked here with no I/O; the store is opened (and probed), and the
+    secret resolved, by whoever builds from it."""
 
     url: str
     storage_options: Mapping[str, Any] | None = None
     tier: ColdTierConfig = field(default_factory=ColdTierConfig)
+    trust: TrustConfig | str = field(default_factory=TrustConfig)
 
     def __post_init__(self) -> None:
         loc = parse_s3_url(self.url)
@@ -105,6 +131,13 @@ class SharedTierConfig:
         object.__setattr__(self, "storage_options", MappingProxyType(frozen))
         if not isinstance(self.tier, ColdTierConfig):
             raise ValueError(f"SharedTierConfig.tier must be a ColdTierConfig, got {type(self.tier).__name__}")
+        if isinstance(self.trust, str):
+            if self.trust not in TRUST_MODES:
+                raise ValueError(f"SharedTierConfig.trust must be a TrustConfig or one of {TRUST_MODES},"
+                                 f" got {self.trust!r}")
+            object.__setattr__(self, "trust", TrustConfig(trust=self.trust))
+        elif not isinstance(self.trust, TrustConfig):
+            raise ValueError(f"SharedTierConfig.trust must be a TrustConfig, got {type(self.trust).__name__}")
 
 
 def _check_wait(what: str, timeout_s: object) -> float:
@@ -113,8 +146,13 @@ def _check_wait(what: str, timeout_s: object) -> float:
     return check_budget(f"BlockQueue.{what}: timeout_s", timeout_s)
 
 
-def block_path(root: bytes, key: bytes) -> str:
-    return f"blocks/{bytes(root).hex()}/{bytes(key).hex()}"
+def geometry_tag(geometry: bytes) -> str:
+    """The path segment naming a geometry (16 hex digits of its BLAKE2b digest)."""
+    return hashlib.blake2b(bytes(geometry), digest_size=8, person=b"tiering/geometry").hexdigest()
+
+
+def block_path(root: bytes, geometry: bytes, key: bytes) -> str:
+    return f"blocks/{bytes(root).hex()}/{geometry_tag(geometry)}/{bytes(key).hex()}"
 
 
 class KnownBlocks:
@@ -149,6 +187,11 @@ class KnownBlocks:
                 return True
             return False
 
+    def size(self, key: bytes) -> int | None:
+        """The object size recorded for ``key`` (from a listing or a write), without a use."""
+        with self._lock:
+            return self._d.get(key)
+
     def peek(self, key: bytes) -> bool:
         """Whether ``key`` is known, without counting it as a use (a read-only lookup)."""
         with self._lock:
@@ -174,11 +217,18 @@ class KnownBlocks:
 
 
 class SharedBlockStore:
-    """Synchronous block I/O for one root and geometry; store faults come back as statuses."""
+    """Synchronous block I/O for one root and geometry; store faults come back as statuses.
 
-    def __init__(self, store, root: bytes, geometry: bytes, *, config: ColdTierConfig | None = None,
+    ``trust``: a :class:`TrustConfig`, :class:`MacKeys` or ``"unauthenticated"``; left out, the
+    secret is read from ``TIERING_COLDTIER_SECRET`` and the store refuses (ValueError) to open
+    without one. ``block_bytes``: the payload size every block has (a page), if fixed; it bounds
+    reads more tightly than ``config.max_block_bytes``."""
+
+    def __init__(self, store, root: bytes, geometry: bytes, *, trust: TrustConfig | MacKeys | str | None = None,
+                 block_bytes: int | None = None, config: ColdTierConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, breaker: CircuitBreaker | None = None,
-                 on_hit: Callable[[bytes], None] | None = None) -> None:
+                 on_hit: Callable[[bytes], None] | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
         if not isinstance(root, bytes) or not isinstance(geometry, bytes):
             raise ValueError("SharedBlockStore root and geometry must be bytes")
         if not root or len(root) > MAX_ID_BYTES or len(geometry) > MAX_ID_BYTES:
@@ -190,28 +240,70 @@ class SharedBlockStore:
             raise ValueError(f"SharedBlockStore config must be a ColdTierConfig, got {type(config).__name__}")
         if breaker is not None and not isinstance(breaker, CircuitBreaker):
             raise ValueError(f"SharedBlockStore breaker must be a CircuitBreaker, got {type(breaker).__name__}")
+        cfg = config or ColdTierConfig()
+        if block_bytes is not None and (not isinstance(block_bytes, int) or isinstance(block_bytes, bool)
+                                        or not 1 <= block_bytes <= cfg.max_block_bytes):
+            raise ValueError(f"SharedBlockStore block_bytes must be None or an int in 1..max_block_bytes"
+                             f" ({cfg.max_block_bytes}), got {block_bytes!r}")
+        self.keys = resolve_keys(trust, "SharedBlockStore", environ)  # last check: reads the secret
         self.store = store
         self.root = root
         self.geometry = geometry
-        self.config = config or ColdTierConfig()
+        self.block_bytes = block_bytes
+        self.config = cfg
         self.breaker = breaker or CircuitBreaker(self.config.breaker, clock=clock)
         self.known = KnownBlocks(self.config.known_capacity)
         self._on_hit = on_hit
-        self._prefix = f"blocks/{root.hex()}/"
+        self._prefix = f"blocks/{root.hex()}/{geometry_tag(geometry)}/"
+        self._refusals: Counter[str] = Counter()
+        self._count_lock = threading.Lock()
+
+    @property
+    def authenticated(self) -> bool:
+        return self.keys is not None
+
+    def path(self, key: bytes) -> str:
+        """The object name of block ``key`` (relative to the store's prefix)."""
+        return self._prefix + self._key(key).hex()
+
+    def max_object_bytes(self, key: bytes) -> int:
+        """The largest object block ``key`` may be: its frame around the largest payload."""
+        return framed_size(key, self.root, self.geometry, self.block_bytes or self.config.max_block_bytes)
+
+    def refusals(self) -> dict[str, int]:
+        """Objects refused, by reason: ``mac`` (no valid MAC under our keys), ``foreign`` (another
+        key, root, geometry or kind), ``damaged``, ``oversized`` (over the frame's maximum: not
+        downloaded), ``size`` (a payload that is not ``block_bytes``), ``crc`` (a publish whose
+        payload no longer matched its record)."""
+        with self._count_lock:
+            return dict(self._refusals)
+
+    def _refuse(self, why: str, key: bytes, detail: str) -> None:
+        with self._count_lock:
+            self._refusals[why] += 1
+        log.warning("shared block %s under %s refused (%s): %s", key.hex(), self._prefix, why, detail)
 
     # -- operations -------------------------------------------------------------------------
-    def publish(self, key: bytes, payload) -> BlockResult:
+    def publish(self, key: bytes, payload, crc: int | None = None) -> BlockResult:
+        """Write block ``key`` once. With ``crc`` (the crc32c the payload was recorded under),
+        a payload that no longer matches it is not sent (status REFUSED)."""
         key = self._key(key)
         nbytes = memoryview(payload).nbytes
         if nbytes > self.config.max_block_bytes:
             raise ValueError(f"block {key.hex()} is {nbytes} bytes; max_block_bytes is {self.config.max_block_bytes}")
-        data = frame(KIND_BLOCK, key, self.root, self.geometry, payload)
+        if self.block_bytes is not None and nbytes != self.block_bytes:
+            raise ValueError(f"block {key.hex()} is {nbytes} bytes; this store's blocks are {self.block_bytes}")
+        if crc is not None and crc32c_value(payload) != crc:
+            self._refuse("crc", key, "payload changed since it was recorded; not published")
+            return BlockResult("publish", key, BlockStatus.REFUSED,
+                               reason="refused: the payload no longer matches its recorded crc32c")
+        data = frame(KIND_BLOCK, key, self.root, self.geometry, payload, keys=self.keys)
         if not self.breaker.allow():
             return BlockResult("publish", key, BlockStatus.SKIPPED, reason="store not answering")
         import obstore
 
         try:
-            obstore.put(self.store, block_path(self.root, key), data, mode="create")
+            obstore.put(self.store, self.path(key), data, mode="create")
         except Exception as exc:
             fault = classify(exc)
             if fault is Fault.EXISTS or fault is Fault.PRECONDITION:
@@ -230,22 +322,40 @@ class SharedBlockStore:
             return BlockResult("fetch", key, BlockStatus.SKIPPED, reason="store not answering")
         import obstore
 
-        path = block_path(self.root, key)
+        path = self.path(key)
+        cap = self.max_object_bytes(key)
+        listed = self.known.size(key)
+        if listed is not None and listed > cap:  # known too large: no request at all
+            return self._lost_oversized(key, listed, cap)
         try:
-            raw = obstore.get(self.store, path).bytes()
+            got = obstore.get(self.store, path, options={"range": (0, cap + 1)})
+            size = int(got.meta["size"])
+            if size > cap:
+                self.breaker.record_success()
+                return self._lost_oversized(key, size, cap)
+            raw = got.bytes()
         except Exception as exc:
-            if classify(exc) is Fault.MISSING:
+            fault = classify(exc)
+            if fault is Fault.MISSING or fault is Fault.RANGE:
                 self.breaker.record_success()
                 self.known.discard(key)
-                return BlockResult("fetch", key, BlockStatus.LOST, reason="missing")
+                return BlockResult("fetch", key, BlockStatus.LOST,
+                                   reason="missing" if fault is Fault.MISSING else "refused: empty object")
             self.breaker.record_failure()
             return BlockResult("fetch", key, BlockStatus.UNAVAILABLE, reason=short(exc))
         self.breaker.record_success()
         try:
-            payload = bytes(unframe(KIND_BLOCK, raw, key, self.root, self.geometry))
+            payload = bytes(unframe(KIND_BLOCK, raw, key, self.root, self.geometry, keys=self.keys))
+            if self.block_bytes is not None and len(payload) != self.block_bytes:
+                raise FrameRefused(f"payload is {len(payload)} bytes, a block is {self.block_bytes}")
         except FrameRefused as exc:
             self.known.discard(key)
-            self._remove_bad(path)
+            text = str(exc)
+            why = ("damaged" if isinstance(exc, FrameDamaged) else
+                   "mac" if "MAC" in text else "size" if "a block is" in text else "foreign")
+            self._refuse(why, key, text)
+            if isinstance(exc, FrameDamaged):
+                self._remove_bad(path)  # ours, damaged: it can never become right
             return BlockResult("fetch", key, BlockStatus.LOST, nbytes=len(raw), reason=f"refused: {exc}")
         self.known.add(key, len(raw))
         if self._on_hit is not None:
@@ -260,7 +370,7 @@ class SharedBlockStore:
         import obstore
 
         try:
-            obstore.delete(self.store, block_path(self.root, key))
+            obstore.delete(self.store, self.path(key))
         except Exception as exc:
             if classify(exc) is not Fault.MISSING:
                 self.breaker.record_failure()
@@ -288,8 +398,9 @@ class SharedBlockStore:
                     except ValueError:
                         continue
                     size = int(meta["size"])
-                    if not key or size < framed_size(key, self.root, self.geometry, 0):
-                        continue  # too short to be a block's frame: not one of ours
+                    if not key or size < framed_size(key, self.root, self.geometry, 0) \
+                            or size > self.max_object_bytes(key):
+                        continue  # too short or too long to be a block's frame: not one of ours
                     seen.append((meta["last_modified"].timestamp(), key, size))
         except Exception as exc:
             if classify(exc) is not Fault.MISSING:
@@ -311,9 +422,15 @@ class SharedBlockStore:
             raise ValueError(f"block key must be non-empty bytes, got {key!r:.60}")
         return key
 
+    def _lost_oversized(self, key: bytes, size: int, cap: int) -> BlockResult:
+        self.known.discard(key)
+        self._refuse("oversized", key, f"object is {size} bytes, a frame at most {cap}")
+        return BlockResult("fetch", key, BlockStatus.LOST,
+                           reason=f"refused: object is {size} bytes, over the frame's maximum {cap}")
+
     def _remove_bad(self, path: str) -> None:
-        """A refused object can never become right (objects are write-once): delete it so the
-        block can be published again. Best effort."""
+        """A damaged object of this block can never become right (objects are write-once):
+        delete it so the block can be published again. Best effort."""
         import obstore
 
         try:
@@ -330,6 +447,8 @@ class BlockQueue:
     """The step path's side: enqueue publishes and fetches, poll results; never waits on I/O."""
 
     def __init__(self, blocks: SharedBlockStore) -> None:
+        if not isinstance(blocks, SharedBlockStore):
+            raise ValueError(f"BlockQueue needs a SharedBlockStore, got {type(blocks).__name__}")
         self.blocks = blocks
         self._pool = ThreadPoolExecutor(blocks.config.io_threads, thread_name_prefix="coldtier")
         self._lock = threading.Lock()
@@ -337,15 +456,41 @@ class BlockQueue:
         self._pending: dict[tuple[str, bytes], Future] = {}
         self._done: list[BlockResult] = []
         self._closed = False
+        self._owner: str | None = None
 
-    def submit_publish(self, key: bytes, payload) -> bool:
+    # -- ownership: poll hands every result to one reader -----------------------------------
+    def claim(self, owner: str) -> None:
+        """Make ``owner`` the one reader of this queue's results. ``poll`` hands each result to
+        whoever calls it, so a second reader would take the first one's fetches: a claim by
+        another name while one is held raises ValueError naming the holder. Idempotent."""
+        if not isinstance(owner, str) or not owner:
+            raise ValueError(f"BlockQueue.claim: owner must be a non-empty str, got {owner!r}")
+        with self._lock:
+            if self._owner is not None and self._owner != owner:
+                raise ValueError(f"BlockQueue is already used by {self._owner}; {owner} needs a"
+                                 " queue of its own (give it the SharedBlockStore or a SharedTierConfig)")
+            self._owner = owner
+
+    def release(self, owner: str) -> None:
+        """``owner`` stops reading this queue (a release by another name changes nothing)."""
+        with self._lock:
+            if self._owner == owner:
+                self._owner = None
+
+    @property
+    def owner(self) -> str | None:
+        with self._lock:
+            return self._owner
+
+    def submit_publish(self, key: bytes, payload, crc: int | None = None) -> bool:
         """Queue a publish; False (nothing queued) if the block is known to exist, the same
-        request is queued, the queue is full, or the breaker is open."""
+        request is queued, the queue is full, or the breaker is open. With ``crc`` the worker
+        thread checks the copied payload against it before anything is sent."""
         key = self.blocks._key(key)
         if key in self.blocks.known:
             return False
         data = bytes(memoryview(payload).cast("B"))  # the caller may reuse its buffer
-        return self._submit(("publish", key), lambda: self.blocks.publish(key, data))
+        return self._submit(("publish", key), lambda: self.blocks.publish(key, data, crc))
 
     def submit_fetch(self, key: bytes) -> bool:
         """Queue a reload of a block known to exist; False on a local miss (no network asked),

@@ -1,23 +1,33 @@
-"""The frame every cold-tier object carries: who it is, and a crc32c over all of it.
+"""The frame every cold-tier object carries: who it is, a crc32c, and a keyed MAC.
 
 Layout (little-endian)::
 
     magic  b"TKVB"       4 bytes
-    version              1 byte  (1)
+    version              1 byte  (2)
     kind                 1 byte  (1 = shared block, 2 = private object)
     key length           2 bytes
     root length          2 bytes
     geometry length      2 bytes
     payload length       8 bytes
+    key id               8 bytes (which deployment key made the MAC; zeros: no MAC)
     key, root, geometry  (their lengths)
     payload              (its length)
-    crc32c               4 bytes over everything before it
+    MAC                 32 bytes: keyed BLAKE2b (:mod:`.trust`) over everything before it
+                        (zeros without a key)
+    crc32c               4 bytes over everything before it, the MAC included
 
-An object is accepted only if its magic, version, kind, key, root, geometry and payload length
-all equal what the reader expects and the crc matches; otherwise :func:`unframe` raises
-:class:`FrameRefused` with the reason, and the caller treats the object as lost (never served).
-The frame adds ``HEADER_BYTES + len(key) + len(root) + len(geometry) + 4`` bytes; a payload is
-stored at its own length (no padding).
+The MAC covers the kind, the lengths, the key, root, geometry and payload, so only a holder of
+the deployment secret can make an object that a reader with ``keys`` accepts; the crc32c tells
+damage (a flipped bit anywhere, a cut) from a foreign object. An object is accepted only if its
+magic and version are ours, its length is the one its header states, the crc matches, its
+kind and ids equal what the reader expects and, when the reader has keys, the MAC verifies
+under its current or previous key. Otherwise :func:`unframe` raises :class:`FrameRefused` with
+the reason; :class:`FrameDamaged` (not a frame, cut, extended or failing its crc) is the only
+refusal after which a reader may delete the object: nobody can ever read it, whoever wrote it.
+An object of another frame version, kind, key, root, geometry or deployment key is refused and
+left alone. ``keys=None`` writes and
+reads without a MAC (the explicitly unauthenticated mode). The frame adds
+``framed_size(key, root, geometry, 0)`` bytes; a payload is stored at its own length.
 """
 
 from __future__ import annotations
@@ -25,19 +35,28 @@ from __future__ import annotations
 import struct
 
 import google_crc32c
+import numpy as np
 
+from tiering.disk.crc import crc32c_extend
 from tiering.errors import FrameRefused
 
-__all__ = ["HEADER_BYTES", "KIND_BLOCK", "KIND_PRIVATE", "MAX_ID_BYTES", "FrameRefused",
-           "frame", "framed_size", "unframe"]
+from .trust import KEY_ID_BYTES, MAC_BYTES, NO_KEY, MacKeys
+
+__all__ = ["HEADER_BYTES", "KIND_BLOCK", "KIND_PRIVATE", "MAX_ID_BYTES", "FrameDamaged",
+           "FrameRefused", "frame", "framed_size", "unframe"]
 
 MAGIC = b"TKVB"
-VERSION = 1
+VERSION = 2
 KIND_BLOCK = 1
 KIND_PRIVATE = 2
-_HEAD = struct.Struct("<4sBBHHHQ")
+_HEAD = struct.Struct(f"<4sBBHHHQ{KEY_ID_BYTES}s")
 HEADER_BYTES = _HEAD.size
+TRAILER_BYTES = 4 + MAC_BYTES
 MAX_ID_BYTES = 1024
+
+
+class FrameDamaged(FrameRefused):
+    """The object names exactly what was asked for but its bytes are cut, extended or damaged."""
 
 
 def _check_kind(kind: object) -> None:
@@ -56,19 +75,32 @@ def _check_ids(key: bytes, root: bytes, geometry: bytes) -> None:
         raise ValueError("block key must not be empty")
 
 
+def _check_keys(keys: object) -> None:
+    if keys is not None and not isinstance(keys, MacKeys):
+        raise ValueError(f"frame keys must be MacKeys or None (unauthenticated), got {type(keys).__name__}")
+
+
 def framed_size(key: bytes, root: bytes, geometry: bytes, payload_len: int) -> int:
-    return HEADER_BYTES + len(key) + len(root) + len(geometry) + payload_len + 4
+    return HEADER_BYTES + len(key) + len(root) + len(geometry) + payload_len + TRAILER_BYTES
 
 
-def frame(kind: int, key: bytes, root: bytes, geometry: bytes, payload) -> bytes:
-    """The object's bytes for ``payload`` (any contiguous buffer)."""
+def _crc(buf) -> int:
+    return crc32c_extend(0, np.frombuffer(buf, dtype=np.uint8))
+
+
+def frame(kind: int, key: bytes, root: bytes, geometry: bytes, payload, *,
+          keys: MacKeys | None) -> bytes:
+    """The object's bytes for ``payload`` (any contiguous buffer), tagged under ``keys``'s
+    current key (``None``: no MAC, the unauthenticated mode)."""
     _check_kind(kind)
     _check_ids(key, root, geometry)
+    _check_keys(keys)
     try:
         body = memoryview(payload).cast("B")
     except TypeError as err:
         raise TypeError(f"frame payload must be a contiguous bytes-like buffer ({err})") from err
-    head = _HEAD.pack(MAGIC, VERSION, kind, len(key), len(root), len(geometry), body.nbytes)
+    key_id = NO_KEY if keys is None else keys.key_id
+    head = _HEAD.pack(MAGIC, VERSION, kind, len(key), len(root), len(geometry), body.nbytes, key_id)
     out = bytearray(framed_size(key, root, geometry, body.nbytes))
     n = len(head)
     out[:n] = head
@@ -77,40 +109,63 @@ def frame(kind: int, key: bytes, root: bytes, geometry: bytes, payload) -> bytes
         n += len(part)
     out[n : n + body.nbytes] = body
     n += body.nbytes
-    crc = google_crc32c.value(bytes(out[:n]))
-    out[n:] = crc.to_bytes(4, "little")
+    view = memoryview(out)
+    if keys is not None:
+        out[n : n + MAC_BYTES] = keys.tag(view[:n])
+    n += MAC_BYTES
+    out[n:] = _crc(view[:n]).to_bytes(4, "little")
+    view.release()
     return bytes(out)
 
 
-def unframe(kind: int, data, key: bytes, root: bytes, geometry: bytes) -> memoryview:
-    """The payload of ``data`` if it is exactly the object for (kind, key, root, geometry)."""
+def unframe(kind: int, data, key: bytes, root: bytes, geometry: bytes, *,
+            keys: MacKeys | None) -> memoryview:
+    """The payload of ``data`` if it is exactly the object for (kind, key, root, geometry) and,
+    with ``keys``, carries a MAC made under one of them."""
     _check_kind(kind)
     _check_ids(key, root, geometry)
+    _check_keys(keys)
     buf = memoryview(data).cast("B")
-    if buf.nbytes < HEADER_BYTES + 4:
+    if buf.nbytes < HEADER_BYTES + TRAILER_BYTES:
         raise FrameRefused(f"object is {buf.nbytes} bytes, shorter than a frame")
-    magic, version, got_kind, klen, rlen, glen, plen = _HEAD.unpack_from(buf, 0)
-    if magic != MAGIC:
-        raise FrameRefused(f"not a cold-tier object (magic {bytes(magic)!r})")
+    magic, version, got_kind, klen, rlen, glen, plen, key_id = _HEAD.unpack_from(buf, 0)
+    if magic != MAGIC:  # not a frame at all: nobody can read it
+        raise FrameDamaged(f"not a cold-tier object (magic {bytes(magic)!r})")
     if version != VERSION:
         raise FrameRefused(f"frame version {version}, expected {VERSION}")
+    n = HEADER_BYTES + klen + rlen + glen
+    end = n + plen
+    if buf.nbytes != end + TRAILER_BYTES:
+        raise FrameDamaged(f"object is {buf.nbytes} bytes, its header says {end + TRAILER_BYTES}"
+                           " (truncated or extended)")
+    if _crc(buf[: end + MAC_BYTES]) != int.from_bytes(buf[end + MAC_BYTES :], "little"):
+        raise FrameDamaged("crc32c mismatch: the object is damaged")
     if got_kind != kind:
         raise FrameRefused(f"object kind {got_kind}, expected {kind}")
-    expect = HEADER_BYTES + klen + rlen + glen + plen + 4
-    if buf.nbytes != expect:
-        raise FrameRefused(f"object is {buf.nbytes} bytes, its header says {expect} (truncated or extended)")
-    n = HEADER_BYTES
     fields = []
+    at = HEADER_BYTES
     for length in (klen, rlen, glen):
-        fields.append(bytes(buf[n : n + length]))
-        n += length
+        fields.append(bytes(buf[at : at + length]))
+        at += length
     if fields[0] != bytes(key):
-        raise FrameRefused(f"object holds key {fields[0].hex()}, expected {bytes(key).hex()}")
+        raise FrameRefused(f"object holds key {fields[0][:64].hex()}, expected {bytes(key).hex()}")
     if fields[1] != bytes(root):
         raise FrameRefused("object was written under another root")
     if fields[2] != bytes(geometry):
         raise FrameRefused("object was written for another geometry")
-    crc = int.from_bytes(buf[expect - 4 :], "little")
-    if google_crc32c.value(bytes(buf[: expect - 4])) != crc:
-        raise FrameRefused("crc32c mismatch: the object is damaged")
-    return buf[n : n + plen]
+    if keys is not None:
+        tag = bytes(buf[end : end + MAC_BYTES])
+        if key_id == NO_KEY:
+            raise FrameRefused("object carries no MAC (written with trust='unauthenticated')")
+        if not keys.knows(key_id):
+            raise FrameRefused(f"object is tagged under key {bytes(key_id).hex()}, which is neither"
+                               " the current nor the previous deployment key")
+        if not keys.verify(key_id, tag, buf[:end]):
+            raise FrameRefused("MAC mismatch: the object was not written by a holder of the"
+                               " deployment secret")
+    return buf[n:end]
+
+
+def crc32c_value(data: bytes) -> int:
+    """crc32c of ``data`` (the checksum a payload is recorded under)."""
+    return google_crc32c.value(bytes(data))

@@ -3,9 +3,13 @@
 The lease is a small JSON object ``{"owner", "token", "expires_at"}`` at a fixed path. Acquire
 writes it by create-if-absent; if one is there and has expired on the (injected, wall) clock,
 it is taken over by a put conditioned on the ETag that was read, so of two workers racing for
-an expired lease exactly one wins. Renewal is the same ETag-conditioned put; a renewal refused
-with 412 means another worker took the lease over, and this worker must stop writing
-(:meth:`Lease.renew` returns False and :attr:`Lease.held` turns False). Release overwrites the
+an expired lease exactly one wins. Renewal is the same ETag-conditioned put. A renewal refused
+with 412 re-reads the lease first: a renewal whose reply was lost changed the ETag while the
+store still holds this worker's token, and then the lease is still ours (renewed again on the
+ETag just read). Only a lease holding another token, or none, means another worker took it
+over: this worker must stop writing (:meth:`Lease.renew` returns False and :attr:`Lease.held`
+turns False). A lease object is read with a ranged GET of at most ``MAX_LEASE_BYTES``; a larger
+one is unreadable (treated as expired). Release overwrites the
 lease, conditioned on its ETag, with an already expired one (never a blind delete, which could
 remove a successor's lease).
 
@@ -30,7 +34,9 @@ from tiering.core.validate import check_fields
 from ._io import Fault, classify, short
 from .errors import ColdTierUnavailable, LeaseHeld
 
-__all__ = ["Lease", "LeaseConfig", "LeaseInfo", "LeaseKeeper"]
+__all__ = ["MAX_LEASE_BYTES", "Lease", "LeaseConfig", "LeaseInfo", "LeaseKeeper"]
+
+MAX_LEASE_BYTES = 4096  # a lease is ~150 bytes of JSON; nothing larger is downloaded
 
 
 @dataclass(frozen=True)
@@ -131,17 +137,30 @@ class Lease:
             info = self._info
         if info is None:
             return False
-        body, expires = self._body(info.token)
-        try:
-            res = obstore.put(self.store, self.path, body, mode={"e_tag": info.e_tag})
-        except Exception as exc:
-            if classify(exc) in (Fault.PRECONDITION, Fault.MISSING, Fault.EXISTS):
-                with self._lock:
-                    self._info = None
-                    self.lost_reason = f"lease {self.path} was taken over"
-            return False
-        self._set(info.token, expires, res)
-        return True
+        e_tag = info.e_tag
+        for _attempt in range(2):
+            body, expires = self._body(info.token)
+            try:
+                res = obstore.put(self.store, self.path, body, mode={"e_tag": e_tag})
+            except Exception as exc:
+                if classify(exc) not in (Fault.PRECONDITION, Fault.MISSING, Fault.EXISTS):
+                    return False  # transient: still ours until it expires
+                try:
+                    current = self._read()
+                except ColdTierUnavailable:
+                    return False  # cannot tell: keep it until it expires, try again later
+                if current is None or current.token != info.token or current.owner != self.owner:
+                    with self._lock:
+                        if self._info is info:
+                            self._info = None
+                            holder = "nobody" if current is None else repr(current.owner)
+                            self.lost_reason = f"lease {self.path} was taken over (now held by {holder})"
+                    return False
+                e_tag = current.e_tag  # our own earlier renewal landed; its reply was lost
+                continue
+            self._set(info.token, expires, res)
+            return True
+        return False
 
     def release(self) -> bool:
         """Give the lease up (an expired lease conditioned on our ETag); True if it was ours."""
@@ -176,12 +195,15 @@ class Lease:
         import obstore
 
         try:
-            got = obstore.get(self.store, self.path)
-            raw = bytes(got.bytes())
+            got = obstore.get(self.store, self.path, options={"range": (0, MAX_LEASE_BYTES + 1)})
             meta = got.meta
+            raw = b"" if int(meta["size"]) > MAX_LEASE_BYTES else bytes(got.bytes())
         except Exception as exc:
-            if classify(exc) is Fault.MISSING:
+            fault = classify(exc)
+            if fault is Fault.MISSING:
                 return None
+            if fault is Fault.RANGE:  # an empty object: unreadable, its ETag from a HEAD
+                return self._unreadable()
             raise ColdTierUnavailable(f"cannot read lease {self.path}: {short(exc)}") from exc
         try:
             d = json.loads(raw)
@@ -189,6 +211,17 @@ class Lease:
         except (ValueError, KeyError, TypeError):
             # an unreadable lease is treated as expired so it can be replaced (conditionally)
             return LeaseInfo("<unreadable>", "", 0.0, meta.get("e_tag"))
+
+    def _unreadable(self) -> LeaseInfo | None:
+        import obstore
+
+        try:
+            meta = obstore.head(self.store, self.path)
+        except Exception as exc:
+            if classify(exc) is Fault.MISSING:
+                return None
+            raise ColdTierUnavailable(f"cannot read lease {self.path}: {short(exc)}") from exc
+        return LeaseInfo("<unreadable>", "", 0.0, meta.get("e_tag"))
 
     def check_integrity(self) -> None:
         with self._lock:

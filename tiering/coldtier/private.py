@@ -3,7 +3,9 @@
 ``PrivatePrefix.open`` takes the lease at ``private/<name>/LEASE`` (raising :class:`LeaseHeld`
 if another live worker holds it) and starts renewing it. Objects live at
 ``private/<name>/obj/<object name>``, framed like blocks (bound to their name and the prefix)
-and written whole (never multipart, so an interrupted write leaves nothing behind). Every write
+and written whole (never multipart, so an interrupted write leaves nothing behind), with the
+deployment MAC (``trust``, as for shared blocks). A read asks for at most the frame of
+``max_object_bytes`` (plus one byte) and refuses a larger object unread. Every write
 first checks that the lease is still held; a worker whose lease was taken over gets a SKIPPED
 result with reason "lease not held" and writes nothing. ``delete`` removes an object the worker
 released; ``clear`` removes all of them (only while held).
@@ -18,8 +20,9 @@ from collections.abc import Callable
 from ._io import Fault, classify, short
 from .blocks import BlockResult, BlockStatus
 from .breaker import CircuitBreaker
-from .frame import KIND_PRIVATE, FrameRefused, frame, unframe
+from .frame import KIND_PRIVATE, FrameRefused, frame, framed_size, unframe
 from .lease import Lease, LeaseConfig, LeaseKeeper
+from .trust import MacKeys, TrustConfig, resolve_keys
 
 __all__ = ["PrivatePrefix"]
 
@@ -35,9 +38,14 @@ def _check_name(what: str, name: str) -> str:
 class PrivatePrefix:
     def __init__(self, store, name: str, owner: str, *, lease_config: LeaseConfig | None = None,
                  clock: Callable[[], float] = time.time, breaker: CircuitBreaker | None = None,
-                 geometry: bytes = b"") -> None:
+                 geometry: bytes = b"", trust: TrustConfig | MacKeys | str | None = None,
+                 max_object_bytes: int = 256 << 20) -> None:
         if not isinstance(geometry, bytes):
             raise ValueError(f"PrivatePrefix geometry must be bytes, got {type(geometry).__name__}")
+        if not isinstance(max_object_bytes, int) or isinstance(max_object_bytes, bool) or max_object_bytes < 1:
+            raise ValueError(f"PrivatePrefix max_object_bytes must be an int >= 1, got {max_object_bytes!r}")
+        self.keys = resolve_keys(trust, "PrivatePrefix")
+        self.max_object_bytes = max_object_bytes
         self.store = store
         self.name = _check_name("private prefix", name)
         self.base = f"private/{name}/"
@@ -60,7 +68,7 @@ class PrivatePrefix:
     def put(self, obj: str, payload) -> BlockResult:
         path = self._path(obj)
         key = obj.encode()
-        data = frame(KIND_PRIVATE, key, self.base.encode(), self.geometry, payload)
+        data = frame(KIND_PRIVATE, key, self.base.encode(), self.geometry, payload, keys=self.keys)
         if not self.lease.held:
             return BlockResult("put", key, BlockStatus.SKIPPED, reason="lease not held")
         if not self.breaker.allow():
@@ -82,17 +90,26 @@ class PrivatePrefix:
             return BlockResult("get", key, BlockStatus.SKIPPED, reason="store not answering")
         import obstore
 
+        cap = framed_size(key, self.base.encode(), self.geometry, self.max_object_bytes)
         try:
-            raw = obstore.get(self.store, path).bytes()
-        except Exception as exc:
-            if classify(exc) is Fault.MISSING:
+            got = obstore.get(self.store, path, options={"range": (0, cap + 1)})
+            size = int(got.meta["size"])
+            if size > cap:
                 self.breaker.record_success()
-                return BlockResult("get", key, BlockStatus.LOST, reason="missing")
+                return BlockResult("get", key, BlockStatus.LOST,
+                                   reason=f"refused: object is {size} bytes, over the frame's maximum {cap}")
+            raw = got.bytes()
+        except Exception as exc:
+            fault = classify(exc)
+            if fault is Fault.MISSING or fault is Fault.RANGE:
+                self.breaker.record_success()
+                return BlockResult("get", key, BlockStatus.LOST,
+                                   reason="missing" if fault is Fault.MISSING else "refused: empty object")
             self.breaker.record_failure()
             return BlockResult("get", key, BlockStatus.UNAVAILABLE, reason=short(exc))
         self.breaker.record_success()
         try:
-            payload = bytes(unframe(KIND_PRIVATE, raw, key, self.base.encode(), self.geometry))
+            payload = bytes(unframe(KIND_PRIVATE, raw, key, self.base.encode(), self.geometry, keys=self.keys))
         except FrameRefused as exc:
             return BlockResult("get", key, BlockStatus.LOST, nbytes=len(raw), reason=f"refused: {exc}")
         return BlockResult("get", key, BlockStatus.HIT, payload=payload, nbytes=len(raw))

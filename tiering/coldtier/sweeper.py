@@ -8,8 +8,12 @@ every worker reads, and a dead worker's blocks would never be reclaimed.
 
 Recency: the later of an object's last-modified time and the latest hit reported for it.
 Workers report hits by writing small write-once objects ``hits/<owner>/<seq>-<token>`` (a
-:class:`HitLog` flushed on a timer: no shared object is ever overwritten); the sweeper reads
-and deletes them. Each pass lists ``blocks/``, and if the total is over ``cap_bytes`` deletes
+:class:`HitLog` flushed on a timer, at most ``MAX_HITS_PER_REPORT`` hits an object: no shared
+object is ever overwritten); the sweeper reads and deletes them. A report is read with a
+ranged GET of at most ``MAX_REPORT_BYTES`` (a larger one is dropped unread); a reported time is
+clamped to the report object's own last-modified time (the store's clock: no hit can be later
+than the report that carries it), and the table keeps only blocks the last listing found, so
+it never holds more entries than the tier has blocks. Each pass lists ``blocks/``, and if the total is over ``cap_bytes`` deletes
 the least recently used blocks until the total is at most ``low_fraction * cap_bytes``.
 
 What holds: after each pass the shared tier is under the cap; between passes it can exceed the
@@ -32,10 +36,15 @@ from typing import NamedTuple
 from tiering.core.validate import check_int, check_number
 
 from ._io import Fault, classify
+from .blocks import geometry_tag
 from .errors import ColdTierUnavailable, LeaseHeld
 from .lease import Lease, LeaseConfig
 
-__all__ = ["HitLog", "SweepResult", "Sweeper", "SweeperConfig"]
+__all__ = ["MAX_HITS_PER_REPORT", "MAX_REPORT_BYTES", "HitLog", "SweepResult", "Sweeper",
+           "SweeperConfig"]
+
+MAX_HITS_PER_REPORT = 8192  # about 100 bytes of JSON each
+MAX_REPORT_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -68,18 +77,20 @@ class HitLog:
         self._hits: dict[str, float] = {}
         self._seq = 0
 
-    def record(self, root: bytes, key: bytes, at: float) -> None:
-        if not isinstance(root, bytes) or not isinstance(key, bytes) or not key:
-            raise ValueError(f"HitLog.record: root and key must be bytes (a non-empty key), got"
-                             f" {type(root).__name__} and {key!r:.40}")
+    def record(self, root: bytes, geometry: bytes, key: bytes, at: float) -> None:
+        if not isinstance(root, bytes) or not isinstance(geometry, bytes) \
+                or not isinstance(key, bytes) or not key:
+            raise ValueError(f"HitLog.record: root, geometry and key must be bytes (a non-empty key),"
+                             f" got {type(root).__name__}, {type(geometry).__name__} and {key!r:.40}")
         if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
             raise ValueError(f"HitLog.record: at must be a finite time, got {at!r}")
         with self._lock:
-            self._hits[f"{root.hex()}/{key.hex()}"] = at
+            self._hits[f"{root.hex()}/{geometry_tag(geometry)}/{key.hex()}"] = at
 
-    def hook(self, root: bytes, clock: Callable[[], float] = time.time) -> Callable[[bytes], None]:
-        """An ``on_hit`` callback for a SharedBlockStore of ``root``."""
-        return lambda key: self.record(root, key, clock())
+    def hook(self, root: bytes, geometry: bytes,
+             clock: Callable[[], float] = time.time) -> Callable[[bytes], None]:
+        """An ``on_hit`` callback for a SharedBlockStore of ``root`` and ``geometry``."""
+        return lambda key: self.record(root, geometry, key, clock())
 
     def flush(self, store) -> bool:
         """Write the hits seen since the last flush; False (hits kept) if the store failed."""
@@ -89,16 +100,20 @@ class HitLog:
             if not self._hits:
                 return True
             hits, self._hits = self._hits, {}
-            self._seq += 1
-            name = f"hits/{self.owner}/{self._seq:012d}-{self._token()}"
-        try:
-            obstore.put(store, name, json.dumps(hits).encode(), mode="create")
-            return True
-        except Exception:
+        items = list(hits.items())
+        for i in range(0, len(items), MAX_HITS_PER_REPORT):
+            part = dict(items[i : i + MAX_HITS_PER_REPORT])
             with self._lock:
-                for k, t in hits.items():
-                    self._hits[k] = max(t, self._hits.get(k, t))
-            return False
+                self._seq += 1
+                name = f"hits/{self.owner}/{self._seq:012d}-{self._token()}"
+            try:
+                obstore.put(store, name, json.dumps(part).encode(), mode="create")
+            except Exception:
+                with self._lock:
+                    for k, t in items[i:]:
+                        self._hits[k] = max(t, self._hits.get(k, t))
+                return False
+        return True
 
 
 class Sweeper:
@@ -131,12 +146,16 @@ class Sweeper:
         try:
             reports = self._read_hits(obstore)
             objects: list[tuple[float, str, int]] = []
+            listed: dict[str, float] = {}
             for chunk in obstore.list(self.store, prefix="blocks/", chunk_size=1000):
                 for m in chunk:
                     name = m["path"]
                     rel = name[len("blocks/"):] if name.startswith("blocks/") else name
                     at = max(m["last_modified"].timestamp(), self._recency.get(rel, 0.0))
+                    if rel in self._recency:
+                        listed[rel] = self._recency[rel]
                     objects.append((at, name, int(m["size"])))
+            self._recency = listed  # what the listing did not find is forgotten
         except Exception as exc:
             if classify(exc) is Fault.TRANSIENT:
                 return None
@@ -167,25 +186,31 @@ class Sweeper:
         return SweepResult(before, total, deleted, freed, reports)
 
     def _read_hits(self, obstore) -> int:
-        names = [m["path"] for chunk in obstore.list(self.store, prefix="hits/", chunk_size=1000)
-                 for m in chunk]
-        for name in names:
-            try:
-                hits = json.loads(bytes(obstore.get(self.store, name).bytes()))
-            except Exception as exc:
-                if classify(exc) is Fault.MISSING:
-                    continue
-                if isinstance(exc, ValueError):
-                    hits = {}
-                else:
-                    raise
+        reports = [(m["path"], int(m["size"]), m["last_modified"].timestamp())
+                   for chunk in obstore.list(self.store, prefix="hits/", chunk_size=1000)
+                   for m in chunk]
+        for name, size, written in reports:
+            hits: object = {}
+            if 0 < size <= MAX_REPORT_BYTES:
+                try:
+                    got = obstore.get(self.store, name, options={"range": (0, MAX_REPORT_BYTES + 1)})
+                    if int(got.meta["size"]) <= MAX_REPORT_BYTES:
+                        hits = json.loads(bytes(got.bytes()))
+                except Exception as exc:
+                    if classify(exc) in (Fault.MISSING, Fault.RANGE):
+                        continue
+                    if not isinstance(exc, ValueError):
+                        raise
             if not isinstance(hits, dict):
                 hits = {}  # a damaged or foreign report: nothing to learn from it
             for k, t in hits.items():
-                if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
-                    self._recency[k] = max(float(t), self._recency.get(k, 0.0))
-        if names:
-            obstore.delete(self.store, names)
+                if isinstance(k, str) and isinstance(t, (int, float)) and not isinstance(t, bool) \
+                        and math.isfinite(t):
+                    t = min(float(t), written)  # no hit is later than the report holding it
+                    self._recency[k] = max(t, self._recency.get(k, 0.0))
+        names = [name for name, _, _ in reports]
+        for i in range(0, len(names), 500):
+            obstore.delete(self.store, names[i : i + 500])
         return len(names)
 
     def close(self) -> None:

@@ -12,6 +12,14 @@ owners or ledgers: ``reattach`` returns the manifest's entries, or raises
 All store calls go through zarr's event loop and are bounded by the configured
 timeout.
 
+Binding records (the zarr path, ``tiering-bind/<slot>``): the chunk's binding followed, on a
+local or in-memory store, by the crc32c of its page bytes and a crc32c of both; on an s3://
+path, where anyone with write access to the bucket could rewrite a chunk and recompute those
+crcs, by a keyed BLAKE2b MAC over the binding, the array geometry, the length and the page
+bytes (``tiering.coldtier.trust``). Its key is the deployment secret of ``DiskConfig.trust`` or
+``TIERING_COLDTIER_SECRET``; without one, a random key of this tier's own (``reattach`` then
+refuses what an earlier process wrote, since nothing can vouch for it).
+
 ``direct`` is the slot-file store when chunk I/O may bypass zarr's codec
 pipeline: the store is our own ``SlotFileStore``, nothing wraps it (a wrapper,
 such as the fault-injection store, must see every chunk operation, so a
@@ -23,6 +31,7 @@ through zarr.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import secrets
 import socket
@@ -31,6 +40,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
+import google_crc32c
 import numpy as np
 import zarr
 import zarr.api.asynchronous as zasync
@@ -46,10 +56,11 @@ from tiering.disk.array import (
     raw_crc_chunks,
 )
 from tiering.disk.config import DiskConfig, s3_url
+from tiering.disk.crc import crc32c_bytes, crc32c_extend
 from tiering.disk.lock import LOCK_FILE_NAME, DiskPathInUseError, LocalDirLock
 from tiering.disk.manifest import MANIFEST_KEY, Manifest, ManifestError
 from tiering.disk.slotfile import SLOT_FILE_NAME, SlotFileStore
-from tiering.errors import StartRefused
+from tiering.errors import ChunkChecksumError, StartRefused
 
 _T = TypeVar("_T")
 STORE_ID_ATTR = "tiering_store_id"  # the page array's attribute naming the store identity
@@ -124,6 +135,9 @@ class PageBackend:
         self.lease = config.lease
         self._leased = False
         self.hold: Any = None  # the cold tier's HeldPrefix of an s3:// path
+        self.mac: Any = None  # MacKeys of an s3:// path's binding records
+        self.mac_persistent = False  # keyed by a deployment secret (another process has it too)
+        self._geometry_tag = b""
         self._created: list[str] = []  # files (relative to a local root) this start created
         if isinstance(config.store, StorePath):
             base: Store = config.store.store
@@ -135,6 +149,7 @@ class PageBackend:
             local = local_dir(config.path)
             url = s3_url(config.path)
             if url is not None:
+                self.mac, self.mac_persistent = _chunk_keys(config)  # before any I/O
                 self.hold = _hold_s3(config, url)
                 base = self.hold.zarr_store
             elif local is None:
@@ -253,6 +268,7 @@ class PageBackend:
                 self.call(self.store.clear())
             except FileNotFoundError:
                 pass
+        self._geometry_tag = _geometry_tag(geometry)
         array = self.call(create_page_array(self.store_path, **asdict(geometry)))
         self.call(array.update_attributes({STORE_ID_ATTR: store_id}))
         self._set_array(array)
@@ -300,6 +316,11 @@ class PageBackend:
             raise StartRefused(f"manifest unreadable: {exc}") from exc
         if raw is None:
             raise StartRefused("no manifest", nothing_there=True)
+        if self.mac is not None and not self.mac_persistent:
+            raise StartRefused(
+                "no deployment secret (DiskConfig.trust or TIERING_COLDTIER_SECRET): the chunks an"
+                " earlier process wrote cannot be authenticated")
+        self._geometry_tag = _geometry_tag(geometry)
         try:
             array = self.call(zasync.open_array(store=self.store_path, zarr_format=3))
         except Exception as exc:  # noqa: BLE001 - any failure to open means "do not trust it"
@@ -317,6 +338,46 @@ class PageBackend:
         self._drop_unlisted_chunks({c for e in manifest.entries.values() for c in e.chunks})
         self._set_array(array)
         return store_id, manifest
+
+    def binding_record(self, binding: bytes, row: np.ndarray) -> bytes:
+        """The record that vouches for chunk bytes ``row`` under ``binding`` (see the module
+        docstring: a MAC on s3://, crc32c elsewhere)."""
+        if self.mac is not None:
+            return binding + self.mac.key_id + self.mac.tag(*self._mac_parts(binding, row))
+        body = binding + crc32c_bytes(crc32c_extend(0, row))
+        return body + crc32c_bytes(google_crc32c.value(body))
+
+    def check_binding_record(self, chunk: int, record: bytes, expected: bytes, dest: np.ndarray) -> None:
+        """ChunkChecksumError unless ``record`` vouches for ``dest`` under ``expected``."""
+        from tiering.disk.slotfile import describe_binding
+
+        n = len(expected)
+        if self.mac is not None:
+            if len(record) != n + 8 + 32:
+                raise ChunkChecksumError(f"chunk {chunk}: its binding record is damaged or unkeyed")
+        else:
+            if len(record) != n + 8 or crc32c_bytes(google_crc32c.value(record[: n + 4])) != record[n + 4 :]:
+                raise ChunkChecksumError(f"chunk {chunk}: its binding record is damaged")
+        if record[:n] != expected:
+            raise ChunkChecksumError(
+                f"chunk {chunk}: the chunk is bound to {describe_binding(record[:n])}, "
+                f"not to {describe_binding(expected)} (misplaced, stale or foreign)"
+            )
+        if self.mac is not None:
+            key_id, tag = record[n : n + 8], record[n + 8 :]
+            if not self.mac.verify(key_id, tag, *self._mac_parts(expected, dest)):
+                raise ChunkChecksumError(
+                    f"chunk {chunk}: its MAC does not verify: the pages were not written by a"
+                    " holder of the deployment secret (forged or damaged)")
+        elif record[n : n + 4] != crc32c_bytes(crc32c_extend(0, dest)):
+            raise ChunkChecksumError(
+                f"chunk {chunk}: its pages are not the ones its binding record vouches for"
+            )
+
+    def _mac_parts(self, binding: bytes, row: np.ndarray) -> tuple:
+        data = memoryview(np.ascontiguousarray(row).reshape(-1).view(np.uint8))
+        head = b"tiering/disk-chunk\0" + len(self._geometry_tag).to_bytes(4, "little")
+        return (head, self._geometry_tag, binding, data.nbytes.to_bytes(8, "little"), data)
 
     async def write_binding(self, chunk: int, record: bytes) -> None:
         """Store chunk ``chunk``'s binding record (the zarr path; see the store docstring)."""
@@ -400,6 +461,26 @@ def _hold_s3(config: DiskConfig, url: str) -> Any:
             else errno.EHOSTUNREACH
         )
         raise OSError(code, text) from exc
+
+
+def _chunk_keys(config: DiskConfig) -> tuple[Any, bool]:
+    """(MacKeys for an s3:// tier's binding records, whether they come from a deployment
+    secret). ``trust="unauthenticated"`` gives (None, False): crc32c records."""
+    from tiering.coldtier.trust import SECRET_ENV, MacKeys, TrustConfig
+
+    trust = config.trust
+    if trust is None:
+        if not os.environ.get(SECRET_ENV):
+            return MacKeys(secrets.token_bytes(32)), False
+        trust = TrustConfig()
+    keys = trust.keys()
+    return keys, keys is not None
+
+
+def _geometry_tag(geometry: ArrayGeometry) -> bytes:
+    text = repr((geometry.rows, geometry.row_elems, geometry.pages_per_chunk,
+                 np.dtype(geometry.dtype).str, geometry.codec))
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def _tier_key(key: str) -> bool:

@@ -73,7 +73,11 @@ class DiskConfig:
     environment variables); for another fsspec URL, what its filesystem takes. An s3://
     path is opened through obstore, probed at start-up, and held by a lease object
     ``<prefix>/LEASE`` (``lease_ttl_s``, renewed every third of it); it must name a prefix,
-    never a bucket root, and takes no ``lease`` of its own.
+    never a bucket root, and takes no ``lease`` of its own. ``trust``: for an s3:// path, the
+    ``tiering.coldtier.TrustConfig`` whose deployment secret keys the MAC on every chunk's
+    binding record; None reads ``TIERING_COLDTIER_SECRET`` if it is set, else the tier keys its
+    MAC with a random key of its own (chunks are still authenticated, but a later process cannot
+    reattach them: ``on_start="reattach"`` then starts empty).
     """
 
     path: str | os.PathLike[str] | None = None
@@ -87,6 +91,7 @@ class DiskConfig:
     lease: Any = None
     storage_options: Mapping[str, Any] | None = None
     lease_ttl_s: float = 30.0
+    trust: Any = None
 
     def __post_init__(self) -> None:
         if self.lease is not None and not all(
@@ -160,6 +165,8 @@ class DiskConfig:
             object.__setattr__(self, "storage_options", MappingProxyType(dict(opts)))
         url = s3_url(self.path) if self.store is None else None
         if url is None:
+            if self.trust is not None:
+                raise ValueError("DiskConfig.trust applies only to an s3:// path (its chunks' MAC)")
             return
         from tiering.coldtier.s3 import check_storage_options, parse_s3_url
 
@@ -178,3 +185,9 @@ class DiskConfig:
                 "do not pass one"
             )
         check_storage_options(self.storage_options)  # ValueError naming the option
+        if self.trust is not None:
+            from tiering.coldtier.trust import TrustConfig
+
+            if not isinstance(self.trust, TrustConfig):
+                raise ValueError(f"DiskConfig.trust must be a tiering.coldtier.TrustConfig or None,"
+                                 f" got {type(self.trust).__name__}")

@@ -13,6 +13,11 @@ the holder checks that the file it locked is still the one at the path (a lock
 file unlinked and recreated meanwhile would otherwise give two holders), then
 writes ``pid host`` into it for the error message of the next one.
 
+The lock file is opened with ``O_NOFOLLOW`` and must be a regular file: a symlink (or a FIFO,
+a device) planted at ``<dir>/.tiering.lock`` in a shared directory is refused with an
+``OSError`` naming it, never followed, so the tier cannot be made to truncate a file it does
+not own.
+
 ``PathLease`` is the seam for stores that are not a local directory (an object
 store, a shared filesystem): anything with ``acquire()`` (raise
 ``DiskPathInUseError`` when another holder has it) and ``release()`` can be passed
@@ -26,6 +31,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -69,8 +75,8 @@ class LocalDirLock:
                 errno.ENOTDIR, "disk tier path is not a directory", str(self.root)
             )
         for _ in range(8):  # the file may be unlinked and recreated under us; bounded retries
-            existed = self.path.exists()
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            existed = os.path.lexists(self.path)
+            fd = _open_own_file(self.path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -118,6 +124,23 @@ class LocalDirLock:
             except FileNotFoundError:
                 pass
         self.release()
+
+
+def _open_own_file(path: Path) -> int:
+    """Open (creating) a regular file at ``path`` without following a symlink there."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "disk tier lock file is a symlink; refusing to follow it"
+                                       " (remove it, or give the tier a directory of its own)",
+                          str(path)) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "disk tier lock file is not a regular file", str(path))
+    return fd
 
 
 def _read_holder(fd: int) -> str:

@@ -17,20 +17,18 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import torch
 import zarr
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from tiering.disk.crc import crc32c_bytes, crc32c_extend
 from tiering.disk.ledger import (
     DiskExtent,
     ExtentState,
     check_extent,
 )
-from tiering.disk.slotfile import ChunkChecksumError, describe_binding, make_binding
+from tiering.disk.slotfile import make_binding
 from tiering.errors import DiskCorruptionError, DiskIOError
 
 
@@ -46,29 +44,6 @@ def _leading(pages: object, name: str) -> int:
             f"{name} must be a torch.Tensor or numpy.ndarray of pages, got {type(pages).__name__}"
         )
     return int(shape[0])
-
-
-def _binding_record(binding: bytes, data_crc: int) -> bytes:
-    """The zarr path's binding record: the binding, the crc32c of the chunk's page bytes,
-    and a crc32c of both."""
-    body = binding + crc32c_bytes(data_crc)
-    return body + crc32c_bytes(google_crc32c.value(body))
-
-
-def _check_binding_record(chunk: int, record: bytes, expected: bytes, dest: np.ndarray) -> None:
-    n = len(expected)
-    body, vouch = record[: n + 4], record[n + 4 :]
-    if len(record) != n + 8 or crc32c_bytes(google_crc32c.value(body)) != vouch:
-        raise ChunkChecksumError(f"chunk {chunk}: its binding record is damaged")
-    if body[:n] != expected:
-        raise ChunkChecksumError(
-            f"chunk {chunk}: the chunk is bound to {describe_binding(body[:n])}, "
-            f"not to {describe_binding(expected)} (misplaced, stale or foreign)"
-        )
-    if body[n:] != crc32c_bytes(crc32c_extend(0, dest)):
-        raise ChunkChecksumError(
-            f"chunk {chunk}: its pages are not the ones its binding record vouches for"
-        )
 
 
 class ReadScratch:
@@ -217,7 +192,7 @@ class ChunkIOPart:
             if slots is not None:
                 await asyncio.to_thread(slots.bind_slot, slot, binding)
             else:
-                await backend.write_binding(slot, _binding_record(binding, crc32c_extend(0, row)))
+                await backend.write_binding(slot, backend.binding_record(binding, row))
 
         return [(one, pair) for batch in batches for pair in batch]
 
@@ -241,7 +216,7 @@ class ChunkIOPart:
             record = await backend.read_binding(slot)
             if record is None:
                 raise OSError(errno.ENODATA, f"chunk {slot} has no binding record")
-            _check_binding_record(slot, record, binding, dest)
+            backend.check_binding_record(slot, record, binding, dest)
 
         return [(one, pair) for batch in batches for pair in batch]
 
