@@ -3,8 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SITE ?= site
 
-.PHONY: test demo venv bench clean
+.PHONY: test demo venv bench docs figures clean
 
 venv: $(STAMP)
 
@@ -15,11 +16,12 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	  else $(PY) -m venv $(VENV); fi; \
 	fi
 	sh scripts/install_torch.sh $(BIN)/python
-	extra=$$(sh scripts/install_torch.sh --cuda-extra $(BIN)/python); $(BIN)/python -m pip install -q -e ".[test,prometheus,coldtier$${extra:+,$$extra}]"
+	extra=$$(sh scripts/install_torch.sh --cuda-extra $(BIN)/python); $(BIN)/python -m pip install -q -e ".[test,docs,apps,metrics,coldtier$${extra:+,$$extra}]"
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check tiering resources policies tests benchmarks
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(SITE)
 	$(BIN)/python -m pytest -q -n 2 --timeout=600 tests || { rc=$$?; [ $$rc -eq 5 ] && echo "no tests ran"; exit $$rc; }
 
 demo: $(STAMP)
@@ -31,5 +33,13 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/disk.py --out bench-out/disk.json
 	$(BIN)/python benchmarks/controller.py --out bench-out/controller.json
 
+# the docs site (site/); `make test` builds it with --strict as well
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir $(SITE)
+
+# the figures and measured numbers quoted in README.md and docs/, with the machine they came from
+figures: $(STAMP)
+	$(BIN)/python scripts/figures.py
+
 clean:
-	rm -rf $(VENV) bench-out .pytest_cache .hypothesis
+	rm -rf $(VENV) bench-out .pytest_cache .hypothesis $(SITE)

@@ -1,6 +1,6 @@
 """Prometheus export of the eviction controller's ``stats()``.
 
-``prometheus_client`` is an optional extra (``pip install tiering[prometheus]``);
+``prometheus_client`` is an optional extra (``pip install 'tiering[metrics]'``);
 it is imported only when an exporter is made.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiering._optional import require
 from tiering.control.stats import COUNTER_KEYS
 
 PREFIX = "tiering_controller_"
@@ -25,14 +26,9 @@ class PrometheusExporter:
     """
 
     def __init__(self, controller: Any, registry: Any = None) -> None:
-        try:
-            import prometheus_client
-            from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-        except ImportError as err:
-            raise ImportError(
-                "PrometheusExporter needs the optional prometheus_client package: "
-                "pip install 'tiering[prometheus]'"
-            ) from err
+        prometheus_client = require("prometheus_client", "metrics", "PrometheusExporter")
+        core = require("prometheus_client.core", "metrics", "PrometheusExporter")
+        CounterMetricFamily, GaugeMetricFamily = core.CounterMetricFamily, core.GaugeMetricFamily
         if not callable(getattr(controller, "stats", None)):
             raise TypeError(f"PrometheusExporter needs an object with stats(), got {controller!r}")
         self._controller = controller

@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
+
+from tiering.apps.console import Progress, add_common_options, log_level, verbosity
 
 DEFAULT_OUT = "demo-out"
 
@@ -35,6 +36,7 @@ def _parser(default_requests: int) -> argparse.ArgumentParser:
                    help="torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     p.add_argument("--out", default=None,
                    help=f"directory for summary.json and occupancy.png (default ./{DEFAULT_OUT})")
+    add_common_options(p)
     return p
 
 
@@ -76,32 +78,31 @@ def _prepare_torch(device: str) -> None:
 
 
 class _Progress:
-    """One tqdm bar per run, each opened when its run produces its first token."""
+    """One progress line or bar per run (``tiering.apps.console.Progress``), each opened
+    when its run produces its first token."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, quiet: bool = False) -> None:
         self.total = total
-        self._bars: dict[str, object] = {}
+        self._quiet = quiet
+        self._runs: dict[str, Progress] = {}
 
     def _tick(self, name: str) -> None:
-        bar = self._bars.get(name)
-        if bar is None:
-            from tqdm import tqdm
-
+        run = self._runs.get(name)
+        if run is None:
             self.close()  # the previous run has ended
-
-            bar = tqdm(total=self.total, desc=name, unit="tok", file=sys.stderr)
-            self._bars[name] = bar
-        bar.update(1)
+            run = Progress(self.total, desc=f"demo {name}", unit="tok", quiet=self._quiet)
+            self._runs[name] = run
+        run.update(1)
 
     def pressured(self) -> None:
         self._tick("under pressure")
 
     def reference(self) -> None:
-        self._tick("reference     ")
+        self._tick("reference")
 
     def close(self) -> None:
-        for bar in self._bars.values():
-            bar.close()  # closing twice is harmless
+        for run in self._runs.values():
+            run.close()  # closing twice is harmless
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = _parser(DemoConfig().requests)
     args = parser.parse_args(argv)
+    with log_level(verbosity(args)):
+        return _run(args, parser)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from tiering.apps.demo.scenario import DemoConfig
+
     if args.requests < 1:
         parser.error(f"--requests must be >= 1, got {args.requests}")
     try:
@@ -132,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     total = sum(r.max_new_tokens for r in cfg.draw_requests())
 
-    progress = _Progress(total)
+    progress = _Progress(total, quiet=verbosity(args) < 0)
     try:
         with tempfile.TemporaryDirectory(prefix="tiering-demo-disk-") as disk_dir:
             report = run_demo(

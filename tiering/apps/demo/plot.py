@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from tiering._optional import require
 from tiering.apps.demo.worker import StepSample
 
 _MIB = 1024 * 1024
@@ -26,8 +27,7 @@ def plot_occupancy(
     """
     if not samples:
         raise ValueError("plot_occupancy: no samples to plot")
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plots", "the demo's occupancy figure")
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 

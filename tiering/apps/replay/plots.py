@@ -1,16 +1,20 @@
 """Figures a person reads at a glance.
 
-- ``plot_compare``: one bar per run. Left, the token hit rate split by the
-  tier it came from, with the infinite-cache and Belady bounds as lines (the
-  axis reaches well above the highest bar or bound: room for the legend);
-  right, p99 time to first token, on a log axis when the runs, with the ends
-  of their intervals, span more than a factor of 20 (a slow baseline would
-  otherwise squash the rest). Error bars are the 95% intervals when several
-  seeds ran, cut at what the figure can be (a rate in [0, 1], a time >= 0; on
-  a log axis an interval reaching 0 is drawn to the bottom of the axis).
+- ``plot_compare`` (``compare_figure``): one bar per run, each with its value written on
+  it; a run's rejected requests, and a saturated worker, are named under its label. Left,
+  the token hit rate split by the tier it came from, with the infinite-cache bound (black,
+  dotted) and Belady's (red, dashed, drawn over it: both show when they coincide) as lines
+  (the axis reaches well above the highest bar or bound: room for the legend); left out
+  when the trace has no block hashes (no run could hit, no bound exists). Right, p99 time
+  to first token, on a log axis when the runs, with the ends of their intervals, span
+  more than a factor of 20 (a slow baseline would otherwise squash the rest). Error bars
+  are the 95% intervals when several seeds ran, cut at what the figure can be (a rate in
+  [0, 1], a time >= 0; on a log axis an interval reaching 0 is drawn to the bottom of the
+  axis).
 - ``plot_timeline``: per-tier occupancy (mean fraction of each tier's
   capacity) and the token hit rate over time, per window of simulated time,
-  one line (one colour in every panel) per run.
+  one line per run, told apart by colour, dash pattern and marker (the same in every
+  panel).
 - ``plot_sweep``: token hit rate and p99 TTFT against host size, one line per
   policy and one panel per watermark pair, baselines as grey lines (log
   axis for TTFT when the range needs it); with several seeds, each point
@@ -27,12 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
+from tiering._optional import require
 from tiering.apps.replay.bounds import BoundResult
 from tiering.apps.replay.results import Sample
 
 TIERS = ("device", "host", "disk")
 COLORS = {"device": "#2b6cb0", "host": "#dd6b20", "disk": "#718096"}
 _MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*")
+_DASHES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (8, 3)))
 
 
 
@@ -47,8 +53,7 @@ def _save(plt, fig, path: str | Path, title: str, dpi: int) -> Path:
     return out
 
 def _plt():
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plots", "the replay's figures")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -100,33 +105,49 @@ def _ci_of(rows: Sequence[Mapping], key: str) -> list[float]:
     return [float(r.get(f"{key}_ci95") or 0.0) for r in rows]
 
 
-def plot_compare(labels: Sequence[str], rows: Sequence[Mapping], bounds: Sequence[BoundResult],
-                 path: str | Path, title: str = "") -> list[Path]:
+# how each bound is drawn: the infinite cache under, Belady over it and apart in colour
+BOUND_STYLE = {
+    "infinite": {"color": "black", "linestyle": ":", "linewidth": 1.4, "zorder": 3},
+    "belady": {"color": "#c53030", "linestyle": (0, (6, 4)), "linewidth": 2.0, "zorder": 4},
+}
+
+
+def _run_label(label: str, row: Mapping) -> str:
+    """A bar's label, with what a reader must know about its run."""
+    notes = []
+    rejected = row.get("rejected") or 0
+    if rejected:
+        notes.append(f"{rejected:.0f} rejected")
+    if row.get("saturated"):
+        notes.append("saturated")
+    return "\n".join([label, *notes])
+
+
+def _has_hits(rows: Sequence[Mapping], bounds: Sequence[BoundResult]) -> bool:
+    """Whether a hit-rate panel has anything to show (a trace with block hashes)."""
+    return any(b.blocks for b in bounds) or any(
+        float(r.get("token_hit_rate") or 0.0) > 0 or r.get("lookup_blocks") for r in rows)
+
+
+def compare_figure(labels: Sequence[str], rows: Sequence[Mapping],
+                   bounds: Sequence[BoundResult], title: str = ""):
+    """The figure ``plot_compare`` writes (matplotlib's Figure, not yet saved)."""
     plt = _plt()
     n = len(rows)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(max(9.0, 1.3 * n + 5), 4.6))
+    hits = _has_hits(rows, bounds)
+    width = max(9.0, 1.3 * n + 5) if hits else max(5.5, 0.9 * n + 3)
+    fig, axes = plt.subplots(1, 2 if hits else 1, figsize=(width, 4.8), squeeze=False)
     x = np.arange(n)
-    bottom = np.zeros(n)
-    for tier in TIERS:
-        vals = np.array([float(r.get(f"token_hit_rate_{tier}", 0.0)) for r in rows])
-        left.bar(x, vals, bottom=bottom, color=COLORS[tier], label=f"from {tier}")
-        bottom += vals
-    err = interval(bottom, _ci_of(rows, "token_hit_rate"), 0.0, 1.0)
-    if err.any():
-        left.errorbar(x, bottom, yerr=err, fmt="none", ecolor="black", capsize=3)
-    for b, style in zip(bounds, ("--", ":"), strict=False):
-        if not b.blocks:  # a trace without block ids: nothing to bound
-            continue
-        left.axhline(b.token_hit_rate, color="black", linestyle=style,
-                     label=f"{b.name} bound {b.token_hit_rate:.3f}")
-    # room above the bars for the legend band (two rows), which then hides none of them
-    left.set_ylim(0, rate_top([*(bottom + err[1]).tolist(),
-                               *(b.token_hit_rate for b in bounds if b.blocks)], 1.45))
-    left.set_ylabel("prompt tokens reused (fraction)")
-    left.set_title("token hit rate by tier", fontsize=10)
+    shown = [_run_label(label, r) for label, r in zip(labels, rows, strict=True)]
+    if hits:
+        left, right = axes[0]
+        _hit_panel(left, x, rows, bounds)
+    else:
+        right = axes[0][0]
     ttft = [float(r["ttft_p99_s"]) if r.get("ttft_p99_s") is not None else math.nan
             for r in rows]
-    right.bar(x, ttft, color="#4a5568")
+    bars = right.bar(x, ttft, color="#4a5568")
+    right.bar_label(bars, labels=[_seconds(v) for v in ttft], fontsize=7, padding=2)
     terr = interval(ttft, _ci_of(rows, "ttft_p99_s"), 0.0)
     ends = [*ttft, *(np.asarray(ttft) + terr[1]).tolist(), *(np.asarray(ttft) - terr[0]).tolist()]
     log = needs_log(ends)
@@ -137,12 +158,58 @@ def plot_compare(labels: Sequence[str], rows: Sequence[Mapping], bounds: Sequenc
     if log:
         right.set_yscale("log")
     right.set_ylabel("p99 time to first token (s)")
-    right.set_title("p99 TTFT" + (" (log axis)" if log else ""), fontsize=10)
-    for ax in (left, right):
-        ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    note = "" if hits else "; the trace has no block hashes: no hit rate to show"
+    right.set_title("p99 TTFT" + (" (log axis)" if log else "") + note, fontsize=10)
+    right.margins(y=0.12)  # room for the value labels
+    for ax in axes[0]:
+        ax.set_xticks(x, shown, rotation=30, ha="right", fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
-    left.legend(fontsize=7, loc="upper center", ncol=3)
-    return [_save(plt, fig, path, title, dpi=110)]
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def _hit_panel(ax, x: np.ndarray, rows: Sequence[Mapping],
+               bounds: Sequence[BoundResult]) -> None:
+    n = len(rows)
+    bottom = np.zeros(n)
+    for tier in TIERS:
+        vals = np.array([float(r.get(f"token_hit_rate_{tier}", 0.0)) for r in rows])
+        ax.bar(x, vals, bottom=bottom, color=COLORS[tier], label=f"from {tier}")
+        bottom += vals
+    err = interval(bottom, _ci_of(rows, "token_hit_rate"), 0.0, 1.0)
+    if err.any():
+        ax.errorbar(x, bottom, yerr=err, fmt="none", ecolor="black", capsize=3)
+    for xi, total, above in zip(x, bottom, err[1], strict=True):
+        ax.text(xi, total + above, f"{total:.3f}", ha="center", va="bottom", fontsize=7)
+    for b in sorted(bounds, key=lambda b: b.name != "infinite"):  # Belady drawn last
+        if not b.blocks:  # a trace without block ids: nothing to bound
+            continue
+        style = BOUND_STYLE.get(b.name, {"color": "grey", "linestyle": "-."})
+        ax.axhline(b.token_hit_rate, label=f"{b.name} bound {b.token_hit_rate:.3f}", **style)
+    # room above the bars for the legend band (two rows), which then hides none of them
+    ax.set_ylim(0, rate_top([*(bottom + err[1]).tolist(),
+                             *(b.token_hit_rate for b in bounds if b.blocks)], 1.45))
+    ax.set_ylabel("prompt tokens reused (fraction)")
+    ax.set_title("token hit rate by tier", fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", ncol=3)
+
+
+def _seconds(v: float) -> str:
+    if not math.isfinite(v):
+        return "-"
+    return f"{v:.3g}" if v < 1000 else f"{v:,.0f}"
+
+
+def plot_compare(labels: Sequence[str], rows: Sequence[Mapping], bounds: Sequence[BoundResult],
+                 path: str | Path, title: str = "") -> list[Path]:
+    plt = _plt()
+    fig = compare_figure(labels, rows, bounds, title)
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return [out]
 
 
 def plot_timeline(timelines: Mapping[str, Sequence[Sample]], capacities: Mapping[str, Mapping],
@@ -158,8 +225,10 @@ def plot_timeline(timelines: Mapping[str, Sequence[Sample]], capacities: Mapping
         if not samples:
             continue
         t = np.array([s.t for s in samples])
-        # one colour per run in every panel, whichever tiers it has
-        style = {"label": label, "color": f"C{i % 10}", "linewidth": max(0.8, 1.8 - 0.15 * i)}
+        # one colour, dash pattern and marker per run in every panel, whichever tiers it has
+        style = {"label": label, "color": f"C{i % 10}", "linewidth": max(0.9, 1.8 - 0.15 * i),
+                 "linestyle": _DASHES[i % len(_DASHES)],
+                 "marker": _MARKERS[i % len(_MARKERS)], "markersize": 4}
         edges = np.arange(0.0, t[-1] + window, window)
         slot = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, max(len(edges) - 2, 0))
         counts = np.bincount(slot, minlength=max(len(edges) - 1, 1)).astype(np.float64)
@@ -172,7 +241,7 @@ def plot_timeline(timelines: Mapping[str, Sequence[Sample]], capacities: Mapping
             sums = np.bincount(slot, weights=used, minlength=len(counts))
             with np.errstate(invalid="ignore", divide="ignore"):
                 mean = np.where(counts > 0, sums / counts, np.nan)
-            ax.plot(mids[: len(mean)], mean, **style)  # mean occupancy per window
+            ax.plot(mids[: len(mean)], mean, markevery=_every(len(mean), i), **style)
         looked = np.array([s.lookup_tokens for s in samples], dtype=np.float64)
         reused = np.array([s.reused_device + s.reused_host + s.reused_disk for s in samples],
                           dtype=np.float64)
@@ -182,7 +251,7 @@ def plot_timeline(timelines: Mapping[str, Sequence[Sample]], capacities: Mapping
         d_reuse = np.diff(reused[idx])
         with np.errstate(invalid="ignore", divide="ignore"):
             rate = np.where(d_look > 0, d_reuse / d_look, np.nan)
-        axes[3].plot(edges[1:], rate, **style)
+        axes[3].plot(edges[1:], rate, markevery=_every(len(rate), i), **style)
     for ax, tier in zip(axes[:3], TIERS, strict=True):
         ax.set_ylabel(f"{tier} used\n(of capacity,\nmean per {window:.0f} s)")
         ax.set_ylim(0, 1.05)
@@ -194,6 +263,12 @@ def plot_timeline(timelines: Mapping[str, Sequence[Sample]], capacities: Mapping
     # below the panels, where it hides no line (the device panel is full near 1.0)
     axes[3].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3)
     return [_save(plt, fig, path, title, dpi=100)]
+
+
+def _every(n: int, i: int) -> tuple[int, int]:
+    """About eight markers on a line of ``n`` points, run ``i``'s shifted from the others'."""
+    step = max(1, n // 8)
+    return (i % step, step)
 
 
 SWEEP_PLOTS = (

@@ -4,25 +4,20 @@ On a terminal (a tty with a width), a tqdm bar over every request of every run, 
 the run being simulated. Anywhere else (a pipe, a log file, CI), plain lines:
 one when a run starts, one each time another tenth of its requests is done,
 and one when it ends, each naming the run (``[3/6 lru] 4,812/12,031
-requests``). ``clock`` is injected (wall seconds, for the elapsed figure).
+requests``). ``quiet``: nothing at all (``-q``). ``clock`` is injected (wall seconds, for
+the elapsed figure). The terminal test is the one every command uses
+(``tiering.apps.console.is_terminal``).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
 from typing import TextIO
 
-
-def _drawable(stream: TextIO) -> bool:
-    """A terminal a bar can be drawn on: a tty that says how wide it is (a pseudo-terminal
-    of width 0, as some CI runners give, would show nothing: plain lines there)."""
-    try:
-        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
-    except (AttributeError, OSError, ValueError):
-        return False
+from tiering._optional import require
+from tiering.apps.console import is_terminal
 
 
 class Progress:
@@ -30,9 +25,10 @@ class Progress:
 
     def __init__(self, runs: int, requests: int, *, stream: TextIO | None = None,
                  tty: bool | None = None, clock: Callable[[], float] = time.monotonic,
-                 prefix: str = "") -> None:
+                 prefix: str = "", quiet: bool = False) -> None:
         self._stream = stream if stream is not None else sys.stderr
-        self._tty = _drawable(self._stream) if tty is None else tty
+        self._quiet = quiet
+        self._tty = not quiet and (is_terminal(self._stream) if tty is None else tty)
         self._runs = runs
         self._requests = requests
         self._clock = clock
@@ -44,7 +40,7 @@ class Progress:
         self._started = clock()
         self._bar = None
         if self._tty:
-            from tqdm import tqdm
+            tqdm = require("tqdm", "apps", "tiering replay's progress bar").tqdm
 
             self._bar = tqdm(total=runs * requests, unit="req", file=self._stream,
                              desc="replay", dynamic_ncols=True)
@@ -87,4 +83,6 @@ class Progress:
             self._bar.close()
 
     def _line(self, text: str) -> None:
+        if self._quiet:
+            return
         print(f"replay {text}", file=self._stream, flush=True)

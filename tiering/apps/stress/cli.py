@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tiering.apps.console import Progress, add_common_options, log_level, verbosity
 from tiering.apps.stress.config import PATHS, parse_paths
 from tiering.apps.stress.faults import FAULT_KINDS, parse_faults
 
@@ -54,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="with the reattach path: how many times the cache restarts (default 2)")
     p.add_argument("--crash", action="store_true",
                    help="also kill a process mid-write and check the restart over its directory")
+    add_common_options(p)
     return p
 
 
@@ -69,20 +71,20 @@ def _quiet_library_logs():
         logger.setLevel(level)
 
 
-def _progress(total: float, unit: str, by_time: bool):
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, unit=unit, desc="stress", file=sys.stderr, disable=None,
-               dynamic_ncols=True)
-    started = time.monotonic()
+def _progress(total: float, unit: str, by_time: bool, *, quiet: bool = False,
+              stream=None, tty: bool | None = None,
+              clock=time.monotonic) -> tuple[Progress, Any]:
+    """The run's progress (a bar on a terminal, plain lines elsewhere) and the
+    ``on_step`` callback that feeds it."""
+    bar = Progress(total, desc="stress", unit=unit, quiet=quiet, stream=stream, tty=tty,
+                   clock=clock)
+    started = clock()
 
     def on_step(h) -> None:
-        done = min(total, time.monotonic() - started) if by_time else h.counts.steps
-        if done > bar.n:
-            bar.update(done - bar.n)
-        if h.counts.steps % 50 == 0:
-            bar.set_postfix(ops=h.counts.operations, live=h.live_requests(),
-                            lost=len(h.lost), errors=h.counts.data_errors, refresh=False)
+        if h.counts.steps % 50 == 0:  # before the line the update may print
+            bar.note(f"ops={h.counts.operations} live={h.live_requests()} "
+                     f"lost={len(h.lost)} errors={h.counts.data_errors}")
+        bar.set(min(total, clock() - started) if by_time else h.counts.steps)
 
     return bar, on_step
 
@@ -123,6 +125,11 @@ def _resolve_device(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    with log_level(verbosity(args)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from tiering.apps.stress.config import StressConfig
     from tiering.apps.stress.report import failures, format_report
     from tiering.apps.stress.runner import run_stress
@@ -148,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
     by_time = config.steps is None
     total = config.duration_s if by_time else config.steps
-    bar, on_step = _progress(total, "s" if by_time else "step", by_time)
+    bar, on_step = _progress(total, "s" if by_time else "steps", by_time,
+                             quiet=verbosity(args) < 0)
     with _quiet_library_logs():
         try:
             report = run_stress(config, args.dir, on_step=on_step)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 
-import psutil
+from tiering._optional import require
 
 
 def kernel_peak_rss_bytes() -> int:
@@ -18,7 +18,7 @@ class RssTracker:
     """Samples the current RSS on demand; remembers the first, last and largest sample."""
 
     def __init__(self) -> None:
-        self._proc = psutil.Process()
+        self._proc = require("psutil", "apps", "tiering stress's memory tracking").Process()
         self.first = self.last = self.peak = self._proc.memory_info().rss
         self.warm: int | None = None
 

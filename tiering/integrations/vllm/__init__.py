@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiering._optional import MissingExtra
 from tiering.integrations.vllm._core import (
     BlockView,
     TieredBlockManager,
@@ -44,7 +45,13 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _VLLM_NAMES:
-        from tiering.integrations.vllm import _spec
-
+        try:
+            from tiering.integrations.vllm import _spec
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] != "vllm":
+                raise
+            raise MissingExtra(
+                "vllm", "vllm", f"tiering.integrations.vllm.{name} (the vLLM offload backend)"
+            ) from exc
         return getattr(_spec, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

