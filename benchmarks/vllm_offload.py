@@ -1,20 +1,24 @@
-"""Multi-turn chat on a tiny Llama in vLLM: our offload backend against recompute.
+"""Long shared prefixes re-visited after vLLM evicted them: our offload backend against recompute.
 
 Run it with the vLLM environment's interpreter (``scripts/vllm_env.sh`` builds it)::
 
     .venv-vllm/bin/python benchmarks/vllm_offload.py --out bench-out/vllm_offload.json
 
-Each configuration is one engine, started in its own process, with so few KV
-blocks that a conversation's history cannot stay in vLLM's own cache while the
-other conversations take their turns. Configurations: ``recompute`` (no
-connector: vLLM recomputes the evicted prefix), ``tiered-host`` (our backend,
-host tier only), ``tiered-disk`` (a small host tier over the disk tier, block
-policy ``chain``, the default), ``tiered-disk-lru`` (the same with ``lru``) and, on
-a CUDA machine only, ``vllm-cpu`` (vLLM's own CPUOffloadingSpec). Reported per
-configuration: median and p90 time to first token over all turns after the
-first, total wall time, generated tokens per second, prefill tokens vLLM served
-from cache, and the ratio of each to recompute, measured in the same run. The
-first turn of every conversation (cold, identical for all) is excluded from TTFT.
+The model is a random Llama (seeded weights, default hidden 512, 6 layers) big
+enough that prefilling a long prefix costs more than copying its KV back. Each
+configuration is one engine, started in its own process, with vLLM KV blocks for
+about one prompt, so visiting another prefix evicts the last one from vLLM's own
+cache. ``--prefixes`` prefixes of ``--prefix-tokens`` tokens are visited
+``--visits`` times each, round-robin, every visit with a new suffix; the first
+visit of each prefix is cold (the same for every configuration) and is left out
+of the TTFT figures. Configurations: ``none`` (no connector: vLLM recomputes the
+evicted prefix), ``host`` (our host tier, holding every prefix), ``host+disk``
+(a host tier smaller than one prompt, ``--small-host-blocks``, in front of the
+disk tier) and, on a CUDA machine, ``vllm-cpu`` (vLLM's own CPUOffloadingSpec).
+Reported per configuration: TTFT p50 and p90 of the re-visits, generated tokens
+per second over the whole run, prompt tokens served from a cache, loads from
+host and from disk (our counters), whether the generated tokens equal the
+``none`` run's, and the ratios to ``none`` measured in the same run.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-BLOCK_BYTES = 2 * 2 * 32 * 2 * 32 * 4
+VOCAB = 512
 
 
 def _child(spec: dict) -> dict:
@@ -45,41 +49,46 @@ def _child(spec: dict) -> dict:
 
     kwargs = dict(model=spec["model"], skip_tokenizer_init=True, dtype="float32",
                   enforce_eager=True, block_size=32, num_gpu_blocks_override=spec["blocks"],
-                  max_model_len=spec["max_model_len"], max_num_seqs=4,
-                  gpu_memory_utilization=0.1, disable_log_stats=False, seed=0)
+                  max_model_len=spec["max_model_len"], max_num_seqs=2,
+                  max_num_batched_tokens=spec["max_model_len"],
+                  gpu_memory_utilization=0.1, seed=0)
     if spec.get("extra") is not None:
         kwargs["kv_transfer_config"] = {"kv_connector": "OffloadingConnector",
                                         "kv_role": "kv_both",
                                         "kv_connector_extra_config": spec["extra"]}
     llm = LLM(**kwargs)
     rng = np.random.default_rng(spec["seed"])
-    system = rng.integers(1, 512, spec["system_tokens"]).tolist()
-    history = [list(system) for _ in range(spec["conversations"])]
+    prefixes = [rng.integers(1, VOCAB, spec["prefix_tokens"]).tolist()
+                for _ in range(spec["prefixes"])]
     params = SamplingParams(temperature=0.0, max_tokens=spec["reply_tokens"], ignore_eos=True,
                             detokenize=False)
-    warm = llm.generate([TokensPrompt(prompt_token_ids=system[:40])], params, use_tqdm=False)
-    del warm
-    turns = []
+    llm.generate([TokensPrompt(prompt_token_ids=[1] * 40)], params, use_tqdm=False)  # warm-up
+    visits = []
     t_all = time.perf_counter()
-    for turn in range(spec["turns"]):
-        for c in range(spec["conversations"]):
-            history[c] += rng.integers(1, 512, spec["user_tokens"]).tolist()
+    for v in range(spec["visits"]):
+        for p, prefix in enumerate(prefixes):
+            prompt = prefix + rng.integers(1, VOCAB, spec["suffix_tokens"]).tolist()
             t = time.perf_counter()
-            res = llm.generate([TokensPrompt(prompt_token_ids=history[c])], params,
+            res = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
                                use_tqdm=False)[0]
             wall = time.perf_counter() - t
             m = res.metrics
             ttft = float(m.first_token_latency) if m is not None and m.first_token_latency else None
-            history[c] += list(res.outputs[0].token_ids)
-            turns.append({"turn": turn, "conv": c, "prompt_tokens": len(res.prompt_token_ids),
-                          "cached": res.num_cached_tokens, "ttft_s": ttft, "wall_s": wall,
-                          "gen": len(res.outputs[0].token_ids)})
+            visits.append({"visit": v, "prefix": p, "prompt_tokens": len(prompt),
+                           "cached": res.num_cached_tokens, "ttft_s": ttft, "wall_s": wall,
+                           "tokens": list(res.outputs[0].token_ids)})
     total = time.perf_counter() - t_all
+    counters = None
+    state_path = (spec.get("extra") or {}).get("state_path")
+    if state_path:
+        from vllm_helpers import _read_state
+
+        counters = _read_state(state_path)["counters"]
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # best effort
         pass
-    return {"turns": turns, "total_s": total}
+    return {"visits": visits, "total_s": total, "counters": counters}
 
 
 def _run(name: str, spec: dict, work: Path) -> dict:
@@ -88,23 +97,30 @@ def _run(name: str, spec: dict, work: Path) -> dict:
     env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, __file__, "--child", str(sp), str(op)], env=env,
-                          capture_output=True, text=True, timeout=1200)
+                          capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0 or not op.exists():
         raise RuntimeError(f"{name} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(op.read_text())
 
 
-def _summary(res: dict) -> dict:
-    later = [t for t in res["turns"] if t["turn"] > 0]
-    ttft = np.array([t["ttft_s"] if t["ttft_s"] is not None else t["wall_s"] for t in later])
-    gen = sum(t["gen"] for t in res["turns"])
+def _summary(res: dict, ref: dict | None) -> dict:
+    later = [v for v in res["visits"] if v["visit"] > 0]
+    ttft = np.array([v["ttft_s"] if v["ttft_s"] is not None else v["wall_s"] for v in later])
+    gen = sum(len(v["tokens"]) for v in res["visits"])
+    c = res["counters"] or {}
+    same = None if ref is None else all(
+        a["tokens"] == b["tokens"] for a, b in zip(res["visits"], ref["visits"], strict=True))
     return {
         "ttft_p50_ms": float(np.median(ttft) * 1e3),
         "ttft_p90_ms": float(np.percentile(ttft, 90) * 1e3),
         "total_s": res["total_s"],
         "gen_tok_per_s": gen / res["total_s"],
-        "cached_tokens": sum(t["cached"] for t in res["turns"]),
-        "prompt_tokens": sum(t["prompt_tokens"] for t in res["turns"]),
+        "cached_tokens": sum(v["cached"] for v in later),
+        "prompt_tokens": sum(v["prompt_tokens"] for v in later),
+        "loads_from_host": c.get("loads_from_host"),
+        "loads_from_disk": c.get("loads_from_disk"),
+        "stores_staged": c.get("stores_staged"),
+        "tokens_equal_none": same,
     }
 
 
@@ -116,9 +132,17 @@ def main() -> int:
         os._exit(0)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--conversations", type=int, default=6)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--blocks", type=int, default=24, help="vLLM KV blocks (32 tokens each)")
+    ap.add_argument("--prefixes", type=int, default=3)
+    ap.add_argument("--visits", type=int, default=3)
+    ap.add_argument("--prefix-tokens", type=int, default=1536)
+    ap.add_argument("--suffix-tokens", type=int, default=64)
+    ap.add_argument("--reply-tokens", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--small-host-blocks", type=int, default=16,
+                    help="host tier of the host+disk configuration, in 32-token blocks")
+    ap.add_argument("--configs", default="none,host,host+disk",
+                    help="comma-separated subset of none,host,host+disk (none always runs)")
     args = ap.parse_args()
     try:
         import torch
@@ -130,45 +154,61 @@ def main() -> int:
 
     from benchmarks._report import table, write_json
 
+    heads, kv_heads = max(1, args.hidden // 64), 2
+    block_bytes = args.layers * 2 * 32 * kv_heads * (args.hidden // heads) * 4  # fp32
+    prompt_tokens = args.prefix_tokens + args.suffix_tokens
+    prompt_blocks = -(-(prompt_tokens + args.reply_tokens) // 32)
     work = Path(tempfile.mkdtemp(prefix="tiering-vllm-bench-"))
     host_dir = tempfile.mkdtemp(prefix="tiering-vllm-bench-",
                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
-        model = write_tiny_llama(work / "model")
-        base = dict(model=model, blocks=args.blocks, max_model_len=(args.blocks - 1) * 32, seed=11,
-                    conversations=args.conversations, turns=args.turns, system_tokens=256,
-                    user_tokens=64, reply_tokens=16)
+        model = write_tiny_llama(work / "model", hidden=args.hidden, layers=args.layers,
+                                 heads=heads, kv_heads=kv_heads,
+                                 max_positions=max(2048, prompt_tokens + 64))
+        base = dict(model=model, blocks=prompt_blocks + 4,
+                    max_model_len=prompt_tokens + args.reply_tokens + 32, seed=11,
+                    prefixes=args.prefixes, visits=args.visits,
+                    prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
+                    reply_tokens=args.reply_tokens)
         ours = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.integrations.vllm",
                 "host_dir": host_dir}
-        configs = {
-            "recompute": None,
-            "tiered-host": dict(ours, host_bytes=512 * BLOCK_BYTES),
-            "tiered-disk": dict(ours, host_bytes=16 * BLOCK_BYTES, demote_headroom=16,
-                                disk_path=str(work / "disk"), disk_bytes=512 * BLOCK_BYTES),
-            # the same tiers with the LRU block policy instead of the default (chain)
-            "tiered-disk-lru": dict(ours, host_bytes=16 * BLOCK_BYTES, demote_headroom=16,
-                                    disk_path=str(work / "disk-lru"), disk_bytes=512 * BLOCK_BYTES,
-                                    policy="lru"),
-        }
+        every = args.prefixes * prompt_blocks + 16
+        configs: dict[str, dict | None] = {"none": None}
+        wanted = set(args.configs.split(","))
+        if "host" in wanted:
+            configs["host"] = dict(ours, host_bytes=every * block_bytes,
+                                   state_path=str(work / "host.json"))
+        if "host+disk" in wanted:
+            configs["host+disk"] = dict(ours, host_bytes=args.small_host_blocks * block_bytes,
+                                        disk_path=str(work / "disk"),
+                                        disk_bytes=2 * every * block_bytes,
+                                        state_path=str(work / "disk.json"))
         if torch.cuda.is_available():
             configs["vllm-cpu"] = {"spec_name": "CPUOffloadingSpec",
-                                   "cpu_bytes_to_use": 512 * BLOCK_BYTES}
-        summaries = {}
+                                   "cpu_bytes_to_use": every * block_bytes}
+        raw = {}
         for name, extra in configs.items():
-            res = _run(name, dict(base, extra=extra), work)
-            summaries[name] = _summary(res)
-        ref = summaries["recompute"]
+            raw[name] = _run(name, dict(base, extra=extra), work)
+        summaries = {name: _summary(r, raw["none"] if name != "none" else None)
+                     for name, r in raw.items()}
+        ref = summaries["none"]
         rows = []
         for name, s in summaries.items():
-            s["ttft_p50_ratio"] = s["ttft_p50_ms"] / ref["ttft_p50_ms"]
+            s["ttft_p50_speedup"] = ref["ttft_p50_ms"] / s["ttft_p50_ms"]
             s["throughput_ratio"] = s["gen_tok_per_s"] / ref["gen_tok_per_s"]
             rows.append((name, s["ttft_p50_ms"], s["ttft_p90_ms"], s["gen_tok_per_s"],
-                         s["cached_tokens"], s["prompt_tokens"], s["ttft_p50_ratio"],
-                         s["throughput_ratio"]))
-        print(table(rows, ("config", "ttft p50 ms", "ttft p90 ms", "gen tok/s", "cached tok",
-                           "prompt tok", "ttft/recompute", "tput/recompute")))
+                         f"{s['cached_tokens']}/{s['prompt_tokens']}",
+                         f"{s['loads_from_host']}/{s['loads_from_disk']}",
+                         "-" if s["tokens_equal_none"] is None else str(s["tokens_equal_none"]),
+                         s["ttft_p50_speedup"], s["throughput_ratio"]))
+        print(table(rows, ("config", "ttft p50 ms", "ttft p90 ms", "gen tok/s",
+                           "cached/prompt tok", "loads host/disk", "tokens = none",
+                           "ttft speed-up", "tput ratio")))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        write_json(args.out, {"benchmark": "vllm_offload", "workload": base | {"model": "tiny-llama"},
+        workload = {k: v for k, v in base.items() if k != "model"}
+        workload |= {"hidden": args.hidden, "layers": args.layers, "block_bytes": block_bytes,
+                     "small_host_blocks": args.small_host_blocks, "host_blocks": every}
+        write_json(args.out, {"benchmark": "vllm_offload", "workload": workload,
                               "results": summaries})
     finally:
         shutil.rmtree(work, ignore_errors=True)

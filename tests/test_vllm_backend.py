@@ -1568,3 +1568,117 @@ def test_mover_stages_blocks_past_the_slab_into_a_file_laid_out_as_slots(tmp_pat
         assert torch.equal(rows[row, 96:], layers[1][b])
     assert torch.equal(mv.slab.tensor[1, :96], layers[0][3])
     mv.shutdown()
+
+
+# ----------------------------------------------------------------------------- shared tier
+
+
+class FakeShared:
+    """An in-memory stand-in for ``tiering.coldtier.SharedBlockStore`` (publish/fetch)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[bytes, bytes] = {}
+        self.down = False
+        self.fetched: list[bytes] = []
+
+    def publish(self, key, payload):
+        from tiering.coldtier import BlockResult, BlockStatus
+
+        if self.down:
+            return BlockResult("publish", key, BlockStatus.UNAVAILABLE, reason="down")
+        dup = key in self.objects
+        self.objects.setdefault(key, bytes(payload))
+        return BlockResult("publish", key, BlockStatus.DUPLICATE if dup else BlockStatus.WRITTEN)
+
+    def fetch(self, key):
+        from tiering.coldtier import BlockResult, BlockStatus
+
+        self.fetched.append(key)
+        if self.down:
+            return BlockResult("fetch", key, BlockStatus.UNAVAILABLE, reason="down")
+        if key not in self.objects:
+            return BlockResult("fetch", key, BlockStatus.LOST, reason="missing")
+        return BlockResult("fetch", key, BlockStatus.HIT, payload=self.objects[key])
+
+
+def make_shared(path, shared, slots=4, disk_pages=32) -> TieredBlockManager:
+    path.mkdir()
+    c = TieredConfig(host_bytes=slots * PAGE, disk_path=str(path / "disk"),
+                     disk_bytes=disk_pages * PAGE)
+    slab = HostSlab(str(path / "slab"), slots, PAGE)
+    return TieredBlockManager(c, [slab], open_disk(c, PAGE, "test"), disk_root=c.disk_path,
+                              shared=shared)
+
+
+def test_a_second_engine_loads_what_the_first_published_to_the_shared_tier(tmp_path):
+    from tiering.integrations.vllm._core import LoadWindow
+
+    gen = torch.Generator().manual_seed(50)
+    shared = FakeShared()
+    a = make_shared(tmp_path / "a", shared)
+    keys = [key(i) for i in range(6)]
+    data = store(a, gen, keys, chained=True)  # 4 on host (written through), 2 straight to disk
+    a.maintain()
+    assert a.wait_io(10)
+    assert a.counters.shared_published == 6 and set(shared.objects) == set(keys)
+    a.shutdown()
+    b = make_shared(tmp_path / "b", shared)
+    w = LoadWindow()
+    for _ in range(6):  # vLLM's passes over the prefix until nothing is pending
+        answers = [b.lookup(k, w) for k in keys]
+        if Lookup.PENDING not in answers:
+            break
+        assert b.wait_io(10)
+        b.maintain()
+        b.check_integrity()
+    assert answers[:4] == [Lookup.HIT] * 4, answers  # the host tier's worth, then a miss
+    assert b.counters.shared_hits == 4 and b.counters.shared_misses == 0  # the budget
+    slots = b.prepare_load(keys[:4])
+    for k, s in zip(keys[:4], slots, strict=True):  # checked on the way: the stored bytes
+        assert torch.equal(b.slabs[0].tensor[s], data[k])
+    b.complete_load(keys[:4])
+    assert b.counters.loads_from_disk == 4
+    b.check_integrity()
+    # negative control: a block the shared tier refuses (or lacks) is a miss, not served
+    lone = key(99)
+    assert b.lookup(lone) is Lookup.PENDING
+    assert b.wait_io(10)
+    assert b.lookup(lone) is Lookup.MISS and b.counters.shared_misses == 1
+    n = len(shared.fetched)
+    assert b.lookup(lone) is Lookup.MISS and len(shared.fetched) == n  # not asked again soon
+    b.shutdown()
+
+
+def test_a_shared_tier_that_does_not_answer_is_a_miss_and_never_blocks_a_store(tmp_path):
+    gen = torch.Generator().manual_seed(51)
+    shared = FakeShared()
+    shared.down = True
+    m = make_shared(tmp_path / "m", shared)
+    data = store(m, gen, [key(1), key(2)])
+    m.maintain()
+    assert m.wait_io(10)
+    assert m.counters.shared_publish_failed == 2 and m.counters.demotions_ok == 2
+    assert m.lookup(key(7)) is Lookup.PENDING
+    assert m.wait_io(10)
+    assert m.lookup(key(7)) is Lookup.MISS and m.counters.shared_unavailable == 1
+    assert torch.equal(serve(m, key(1)), data[key(1)])  # local blocks unaffected
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_shared_option_is_checked_naming_what_is_wrong(tmp_path):
+    base = dict(host_bytes=4096, disk_path=str(tmp_path / "d"), disk_bytes=1 << 20)
+    for shared, why in [
+        ({"url": "s3://b/p", "secert": "x"}, "unknown key"),
+        ({"url": "http://b/p", "trust": "unauthenticated"}, "shared.url"),
+        ({"url": "s3://bucket", "trust": "unauthenticated"}, "bucket root"),
+        ({"url": "s3://b/p", "trust": "nobody"}, "trust"),
+        ("s3://b/p", "must be a mapping"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            TieredConfig.from_extra(dict(base, shared=shared))
+    with pytest.raises(ValueError, match="needs the disk tier"):
+        TieredConfig.from_extra({"host_bytes": 4096,
+                                 "shared": {"url": "s3://b/p", "trust": "unauthenticated"}})
+    c = TieredConfig.from_extra(dict(base, shared={"url": "s3://b/p", "secret": "s" * 32}))
+    assert c.shared_config().url == "s3://b/p"

@@ -9,7 +9,9 @@ with the reason. Four engine starts, each in its own process (tests/vllm_helpers
 - offload: few KV blocks, our host tier (24 blocks, twice vLLM's 12) and disk tier; three rounds of the
   same prompts (forward, reversed, forward), and between rounds 2 and 3 every block
   that is on disk only is damaged in the slot file;
-- negative control: as offload, with the test-only hook that corrupts every load.
+- negative control: as offload, with the test-only hook that corrupts every load;
+- small host: a 4-block host tier in front of the disk tier, smaller than one
+  prompt's store batch (9 blocks) and than its shared prefix (8 blocks): two rounds.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ FORWARD = list(range(N_PROMPTS))
 ORDERS = [FORWARD, FORWARD[::-1], FORWARD]
 
 
-def _run(spec: dict, workdir: Path, name: str) -> dict:
+def _run(spec: dict, workdir: Path, name: str, timeout: float = 900) -> dict:
     spec_path = workdir / f"{name}.spec.json"
     out_path = workdir / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
@@ -50,7 +52,7 @@ def _run(spec: dict, workdir: Path, name: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, str(HERE / "vllm_helpers.py"), str(spec_path), str(out_path)],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env, capture_output=True, text=True, timeout=timeout,
     )
     if proc.returncode != 0 or not out_path.exists():
         raise AssertionError(f"engine run {name} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}"
@@ -71,9 +73,9 @@ def runs(tmp_path_factory):
         hd = tempfile.mkdtemp(prefix="tiering-vllm-test-",
                               dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         host_dirs.append(hd)
-        return dict(host_bytes=24 * BLOCK_BYTES, disk_path=str(work / f"{name}-disk"),
-                    disk_bytes=128 * BLOCK_BYTES, host_dir=hd, demote_headroom=24,
-                    state_path=str(work / f"{name}-state.json"), **extra)
+        return dict(dict(host_bytes=24 * BLOCK_BYTES, disk_path=str(work / f"{name}-disk"),
+                         disk_bytes=128 * BLOCK_BYTES, host_dir=hd, demote_headroom=24,
+                         state_path=str(work / f"{name}-state.json")), **extra)
 
     try:
         out = {
@@ -84,7 +86,14 @@ def runs(tmp_path_factory):
             "negative": _run(dict(base, blocks=12, orders=ORDERS[:2],
                                   offload=offload("negative", test_corrupt_loads=True)),
                              work, "negative"),
+            # the engine's default demote_headroom; a wait past 5 s is reported as a miss
+            "small_host": _run(dict(base, blocks=12, orders=ORDERS[:2],
+                                    offload=offload("small_host", host_bytes=4 * BLOCK_BYTES,
+                                                    demote_headroom=None, load_wait_s=5.0)),
+                               work, "small_host", timeout=420),
         }
+        staging = work / "small_host-disk.staging"  # removed at shutdown
+        out["small_host_staging_left"] = sorted(os.listdir(staging)) if staging.exists() else []
         out["leftover_slabs"] = sorted(f for hd in host_dirs for f in os.listdir(hd))
     finally:
         for hd in host_dirs:
@@ -96,7 +105,7 @@ def runs(tmp_path_factory):
                    "cached_tokens_per_round": [sum(x["cached"] for x in rd) for rd in r["rounds"]],
                    "counters_per_round": [st["counters"] for st in r.get("states", [])],
                    "corrupted_blocks": len(r.get("corrupted") or [])}
-            for name, r in out.items() if name != "leftover_slabs"
+            for name, r in out.items() if isinstance(r, dict)
         }, indent=1))
     return out
 
@@ -160,6 +169,29 @@ def test_negative_control_a_wrong_load_fails_the_comparison(runs):
     assert bad, "a deliberately wrong load went unnoticed by the comparison"
 
 
+def test_a_host_tier_smaller_than_a_prompt_stores_everything_and_round_2_hits_disk(runs):
+    """4 host blocks, 9-block store batches: nothing was stored at all (every
+    prepare_store answered None), so round 2 got only vLLM's own cache."""
+    small, rec = runs["small_host"], runs["recompute"]
+    assert mismatches(small, runs["reference"], 2) == []
+    c1, c2 = (st["counters"] for st in small["states"])
+    assert c1["stores_staged"] > 0 and c1["stores_refused"] == 0, c1
+    assert c1["stores_staged_failed"] == 0 and c2["dropped"] == 0, c2
+    # round 2: blocks promoted from disk and loaded, beyond what vLLM alone kept
+    assert c2["loads_from_disk"] > c1["loads_from_disk"], (c1, c2)
+    assert cached(small, 1) >= cached(rec, 1) + 4 * 32, (cached(small, 1), cached(rec, 1))
+    assert runs["small_host_staging_left"] == []
+
+
+def test_a_prefix_longer_than_the_host_tier_is_served_up_to_it_never_hangs(runs):
+    """A shared prefix of 8 blocks on disk behind 4 host slots: the request that
+    shared it waited for ever (every pending answer needed a slot held by its own
+    promotions). Now it loads what fits and recomputes the rest (the run ended)."""
+    c2 = runs["small_host"]["states"][1]["counters"]
+    assert c2["lookups_over_budget"] + c2["lookups_timed_out"] > 0, c2
+    assert c2["loads_from_disk"] > 0 and c2["promotions_failed"] == 0, c2
+
+
 def test_no_host_slab_file_is_left_behind(runs):
     # the side that maps a slab second removes its name; nothing leaks into /dev/shm
     assert runs["leftover_slabs"] == []
@@ -198,6 +230,18 @@ def test_spec_is_loaded_from_outside_vllm_under_its_own_name():
         {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.integrations.vllm"}
     )
     assert cls.__module__ == "tiering.integrations.vllm._spec"
+
+
+def test_a_misspelt_key_of_ours_stops_the_spec_and_lists_ours():
+    """`demote_headrom` was accepted silently and changed what round 2 hit."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    with pytest.raises(ValueError, match="'demote_headrom'.*demote_headroom"):
+        OffloadingSpecFactory.create_spec(
+            _offloading_config({"host_bytes": 4096, "demote_headrom": 4}))
+    spec = OffloadingSpecFactory.create_spec(  # vLLM's own keys are vLLM's
+        _offloading_config({"host_bytes": 4096, "offload_prompt_only": True}))
+    assert spec.cfg.host_bytes == 4096
 
 
 def test_spec_rejects_bad_extra_config_naming_the_field():

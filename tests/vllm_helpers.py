@@ -26,8 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 
 
-def write_tiny_llama(path: str | os.PathLike, seed: int = 1234) -> str:
-    """A 2-layer Llama with seeded random weights (std 0.02), saved locally."""
+def write_tiny_llama(path: str | os.PathLike, seed: int = 1234, *, hidden: int = 128,
+                     layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                     max_positions: int = 2048) -> str:
+    """A Llama with seeded random weights (std 0.02), saved locally: by default 2
+    layers, hidden 128, 2 KV heads of dim 32 (``hidden // heads``)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -36,13 +39,13 @@ def write_tiny_llama(path: str | os.PathLike, seed: int = 1234) -> str:
         return path
     cfg = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_positions,
         initializer_range=0.02,
         tie_word_embeddings=False,
     )

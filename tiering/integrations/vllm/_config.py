@@ -51,8 +51,12 @@ OUR_KEYS = frozenset(
         "test_corrupt_loads",
         "load_wait_s",
         "staging_dir",
+        "shared",
     }
 )
+
+# the keys of ``shared`` (the cold tier shared by every engine of a deployment)
+SHARED_KEYS = frozenset({"url", "storage_options", "secret", "trust"})
 
 # Keys vLLM's OffloadingConnector and its OffloadingSpec base read from the same
 # mapping (vLLM 0.32); they are vLLM's, never checked here.
@@ -101,7 +105,11 @@ class TieredConfig:
     answers "pending" (a block being promoted or stored); after it, blocks not on
     host answer "miss" and vLLM recomputes them. ``staging_dir``: where a store
     batch larger than the free host slots is written by the workers on its way
-    to the disk tier (default ``<disk_path>.staging``). ``io_threads``/``copy_threads``: threads for disk I/O in
+    to the disk tier (default ``<disk_path>.staging``). ``shared``: the cold
+    tier every engine of a deployment shares (needs the disk tier): ``url``
+    (``s3://bucket/prefix``), ``storage_options`` (``tiering.coldtier.open_s3_store``'s),
+    ``secret`` (the deployment secret; default: the environment variable
+    ``TIERING_COLDTIER_SECRET``) or ``trust: "unauthenticated"``. ``io_threads``/``copy_threads``: threads for disk I/O in
     the scheduler and for copies in each worker. ``test_corrupt_loads``: TEST ONLY,
     the worker flips bytes of every block it loads (a negative control).
     """
@@ -118,6 +126,7 @@ class TieredConfig:
     test_corrupt_loads: bool = False
     load_wait_s: float = 2.0
     staging_dir: str | None = None
+    shared: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.host_bytes) or self.host_bytes <= 0:
@@ -204,11 +213,41 @@ class TieredConfig:
                 f"kv_connector_extra_config.staging_dir must be a directory, got "
                 f"{self.staging_dir!r} (an existing file)"
             )
+        if self.shared is not None:
+            self.shared_config()  # checked here; opened (and probed) by the spec
         if not isinstance(self.test_corrupt_loads, bool):
             raise ValueError(
                 "kv_connector_extra_config.test_corrupt_loads must be a bool, "
                 f"got {self.test_corrupt_loads!r}"
             )
+
+    def shared_config(self):
+        """``shared`` as a ``tiering.coldtier.SharedTierConfig`` (no I/O), or None."""
+        if self.shared is None:
+            return None
+        if not isinstance(self.shared, Mapping):
+            raise ValueError("kv_connector_extra_config.shared must be a mapping (url, "
+                             f"storage_options, secret, trust), got {self.shared!r}")
+        bad = sorted(str(k) for k in self.shared if k not in SHARED_KEYS)
+        if bad:
+            raise ValueError(f"kv_connector_extra_config.shared: unknown key(s) {bad}; its keys "
+                             f"are {', '.join(sorted(SHARED_KEYS))}")
+        if self.disk_path is None:
+            raise ValueError("kv_connector_extra_config.shared needs the disk tier (disk_path "
+                             "and disk_bytes): shared blocks are fetched into it")
+        url = self.shared.get("url")
+        if not isinstance(url, str) or not url.startswith(("s3://", "s3a://")):
+            raise ValueError("kv_connector_extra_config.shared.url must be an s3:// URL, "
+                             f"got {url!r}")
+        from tiering.coldtier import SharedTierConfig, TrustConfig
+
+        trust = self.shared.get("trust", "authenticated")
+        secret = self.shared.get("secret")
+        try:
+            tc = TrustConfig(secret=secret, trust=trust)
+            return SharedTierConfig(url, self.shared.get("storage_options"), trust=tc)
+        except ValueError as exc:
+            raise ValueError(f"kv_connector_extra_config.shared: {exc}") from None
 
     @property
     def staging(self) -> str | None:

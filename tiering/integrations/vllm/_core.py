@@ -163,10 +163,11 @@ class LoadWindow:
     waited ``load_wait_s`` since its first pending answer, a key not on host
     answers miss. Either way vLLM loads the leading hits and recomputes the rest."""
 
-    __slots__ = ("held", "pending", "seen", "since")
+    __slots__ = ("held", "last", "pending", "seen", "since")
 
     def __init__(self) -> None:
         self.seen: set[bytes] = set()
+        self.last: bytes | None = None  # the key before, in this pass (a fetched block's parent)
         self.held = 0
         self.pending = False  # this pass answered pending at least once
         self.since: float | None = None  # first pending answer of the current wait
@@ -177,13 +178,15 @@ class LoadWindow:
         self.seen.clear()
         self.held = 0
         self.pending = False
+        self.last = None
 
 
 Counters = counter_record(
     "Counters",
     """lookups host_hits pending_answers stores_started stores_completed stores_failed
     stores_refused stores_not_admitted stores_staged stores_staged_failed
-    lookups_over_budget lookups_timed_out loads_from_host loads_from_disk promotions_started
+    lookups_over_budget lookups_timed_out shared_published shared_publish_failed
+    shared_fetches shared_hits shared_misses shared_unavailable loads_from_host loads_from_disk promotions_started
     promotions_ok promotions_failed promotions_deferred promotions_unused demotions_started
     demotions_ok demotions_failed demotions_not_admitted host_evictions disk_evictions dropped
     drops_deferred""",
@@ -195,6 +198,10 @@ Counters = counter_record(
     ``stores_staged_failed``: of those, blocks whose staging or disk write failed.
     ``lookups_over_budget``: a miss because the request held ``load_budget`` blocks.
     ``lookups_timed_out``: a miss because the request waited ``load_wait_s``.
+    ``shared_published``: blocks written to the shared tier (or found there already).
+    ``shared_fetches`` / ``shared_hits``: local misses asked of the shared tier / found
+    there, checked and written to disk; ``shared_misses``: not there (or refused by
+    its check); ``shared_unavailable``: the shared tier did not answer.
     ``stores_not_admitted``: the retention policy refused the block (not stored).
     ``loads_from_host``: blocks handed to vLLM whose bytes were stored into host.
     ``loads_from_disk``: blocks handed to vLLM whose bytes were promoted from disk.
@@ -245,6 +252,9 @@ def _payload_offset(disk: DiskPageStore | None, chunk: int) -> int | None:
     return disk.chunk_offset(chunk) if disk is not None else None
 
 
+SHARED_ABSENT_HOLD_S = 30.0  # a block the shared tier did not have is not asked again sooner
+MAX_ABSENT = 65536  # such blocks remembered
+MAX_FETCHES = 64  # fetches from the shared tier in flight
 PROMOTED_HOLD_STEPS = 16  # steps a promoted, not yet loaded block is not a host victim
 # Steps after a reset before the slots of stores and loads that were in flight are
 # taken back: vLLM flushes those jobs at the reset and never completes them.
@@ -287,6 +297,7 @@ class TieredBlockManager:
         clock: Callable[[], float] = time.monotonic,
         executor: PriorityExecutor | None = None,
         disk_root: str | None = None,
+        shared: Any = None,
     ) -> None:
         if not slabs:
             raise ValueError("TieredBlockManager: at least one host slab is needed")
@@ -326,6 +337,14 @@ class TieredBlockManager:
         self._stage_jobs: dict[str, tuple[Future, list[tuple[bytes, DiskExtent, bytes | None]],
                                           bool]] = {}
         self._refusing = False  # the last store batch was refused (logged once)
+        # the shared cold tier (a tiering.coldtier.SharedBlockStore), below the disk tier
+        if shared is not None and disk is None:
+            raise ValueError("TieredBlockManager: a shared tier needs the disk tier")
+        self.shared = shared
+        # key -> (job, its disk extent once the block was found, parent)
+        self._fetching: dict[bytes, tuple[Future, DiskExtent | None, bytes | None]] = {}
+        self._fetch_abandoned: list[tuple[Future, DiskExtent | None]] = []  # by a reset
+        self._absent: dict[bytes, float] = {}  # not in the shared tier: key -> when asked
         self.counters = Counters()
         self._reported = Counters()
         self.events: list[Event] = []
@@ -596,6 +615,8 @@ class TieredBlockManager:
         now = self._clock()
         if self._stage_jobs:
             self._reap_staging(now)
+        if self._fetching or self._fetch_abandoned:
+            self._reap_fetches(now)
         for key, fut in list(self._promoting.items()):
             if not fut.done():
                 continue
@@ -633,6 +654,7 @@ class TieredBlockManager:
                 self.disk_policy.on_insert(info, now)
                 self.events.append(Event((key,), "disk", False))
                 self.counters.demotions_ok += 1
+                self._count_publish(fut.result())
             else:
                 log.warning("tiering: demotion of %s failed: %s", key.hex(), exc)
                 self.counters.demotions_failed += 1
@@ -663,7 +685,7 @@ class TieredBlockManager:
             return Lookup.MISS
         now = self._clock()
         waited = window.since is not None and now - window.since >= self.cfg.load_wait_s
-        r = self._lookup(key, may_wait=not waited)
+        r = self._lookup(key, may_wait=not waited, parent=window.last)
         if r is Lookup.MISS:
             if waited and self._would_wait(key):
                 self.counters.lookups_timed_out += 1
@@ -673,22 +695,28 @@ class TieredBlockManager:
             if window.since is None:
                 window.since = now
         window.held += 1
+        window.last = key
         return r
 
     def _would_wait(self, key: bytes) -> bool:
         loc = self.index.location(key)
-        return key in self._storing or key in self._staged or (
+        return key in self._storing or key in self._staged or key in self._fetching or (
             loc is not None and loc.tier is not Tier.HOST and key not in self._lost
         )
 
-    def _lookup(self, key: bytes, may_wait: bool) -> Lookup:
+    def _lookup(self, key: bytes, may_wait: bool, parent: bytes | None = None) -> Lookup:
         if not may_wait and self._would_wait(key):
             return Lookup.MISS
-        if key in self._storing or key in self._staged:
+        if key in self._storing or key in self._staged or key in self._fetching:
             self.counters.pending_answers += 1
             return Lookup.PENDING
         loc = self.index.location(key)
-        if loc is None or key in self._lost:
+        if key in self._lost:
+            return Lookup.MISS
+        if loc is None:
+            if may_wait and self._start_fetch(key, parent):
+                self.counters.pending_answers += 1
+                return Lookup.PENDING
             return Lookup.MISS
         if loc.tier is Tier.HOST:
             # A hit is about to be loaded: make it recent, so that promotions started
@@ -705,6 +733,104 @@ class TieredBlockManager:
                 self.counters.promotions_deferred += 1
         self.counters.pending_answers += 1
         return Lookup.PENDING
+
+    # ------------------------------------------------------------------ the shared tier
+
+    def _start_fetch(self, key: bytes, parent: bytes | None) -> bool:
+        """Ask the shared tier for a block no local tier has. Two jobs: the fetch (its
+        frame and MAC checked), then, once a disk extent is reserved for the block
+        found, its write to disk; the block enters the index at DISK after both."""
+        if self.shared is None:
+            return False
+        at = self._absent.get(key)
+        if at is not None and self._clock() - at < SHARED_ABSENT_HOLD_S:
+            return False
+        if len(self._fetching) >= MAX_FETCHES:
+            return False
+        self.counters.shared_fetches += 1
+        self._fetching[key] = (self._io.submit(RELOAD, self._fetch, key), None, parent)
+        self._dirty = True
+        return True
+
+    def _fetch(self, key: bytes) -> tuple[str, torch.Tensor | None]:
+        """I/O thread: the shared tier's answer for ``key``: (status, page or None)."""
+        assert self.shared is not None
+        res = self.shared.fetch(key)
+        if res.status.value != "hit":
+            return res.status.value, None
+        if len(res.payload) != self.page_bytes:
+            return "lost", None
+        return "hit", torch.frombuffer(bytearray(res.payload), dtype=torch.uint8).view(1, -1)
+
+    def _write_fetched(self, ext: DiskExtent, page: torch.Tensor) -> tuple[str, None]:
+        assert self.disk is not None
+        self.disk.write(ext, page)
+        return "written", None
+
+    def _publish(self, key: bytes | None, page: torch.Tensor) -> bool | None:
+        """I/O thread: offer a block that just reached the disk tier to the shared tier;
+        whether it is there now (None: no shared tier). Counted by the reaper."""
+        if self.shared is None or key is None:
+            return None
+        try:
+            res = self.shared.publish(key, page.numpy().tobytes())
+        except Exception as exc:  # a store fault is a status; anything else is logged
+            log.warning("tiering: publishing %s to the shared tier: %r", key.hex(), exc)
+            return False
+        return res.status.value in ("written", "duplicate")
+
+    def _count_publish(self, ok: bool | None) -> None:
+        if ok is True:
+            self.counters.shared_published += 1
+        elif ok is False:
+            self.counters.shared_publish_failed += 1
+
+    def _reap_fetches(self, now: float) -> None:
+        for fut, ext in [f for f in self._fetch_abandoned if f[0].done()]:
+            self._fetch_abandoned.remove((fut, ext))
+            if ext is not None:
+                self._release_disk(ext)
+        for key, (fut, ext, parent) in list(self._fetching.items()):
+            if not fut.done():
+                continue
+            del self._fetching[key]
+            self._dirty = True
+            exc = fut.exception()
+            status, page = ("error", None) if exc is not None else fut.result()
+            if status == "hit":  # found: now a disk extent for it (evicting, as a store)
+                evicted: list[bytes] = []
+                ext = None if key in self.index else self._reserve_disk(key, evicted)
+                if ext is not None:
+                    self._fetching[key] = (self._io.submit(RELOAD, self._write_fetched, ext,
+                                                           page), ext, parent)
+                continue
+            if status != "written":
+                if ext is not None:
+                    self._release_disk(ext)
+                if status in ("unavailable", "skipped", "error"):
+                    self.counters.shared_unavailable += 1
+                    if exc is not None:
+                        log.warning("tiering: block %s from the shared tier: %r", key.hex(), exc)
+                else:
+                    self.counters.shared_misses += 1
+                self._absent[key] = now
+                if len(self._absent) > MAX_ABSENT:
+                    del self._absent[next(iter(self._absent))]
+                continue
+            assert ext is not None
+            if key in self.index:  # stored meanwhile by this engine: keep that copy
+                self._release_disk(ext)
+                continue
+            self._absent.pop(key, None)
+            if parent is not None and (parent not in self.index or parent in self._lost):
+                parent = None
+            ok = self.index.insert(key, parent, Tier.DISK, ext, now)
+            assert ok
+            info = self.index.get(key)
+            assert info is not None and self.disk_policy is not None
+            self.disk_policy.on_insert(info, now)
+            self.counters.shared_hits += 1
+            self.events.append(Event((key,), "disk", False))
 
     def _start_promotion(self, key: bytes) -> bool:
         evicted: list[bytes] = []
@@ -750,12 +876,14 @@ class TieredBlockManager:
             _unlink_staging(staging, len(self.slabs))
             self._dirty = True
             return
-        fut = self._io.submit(OFFLOAD, self._stage_in, staging, [(e, r) for _, e, _, r in items])
+        fut = self._io.submit(OFFLOAD, self._stage_in, staging,
+                              [(k, e, r) for k, e, _, r in items])
         self._stage_jobs[staging] = (fut, [(k, e, p) for k, e, p, _ in items], False)
 
-    def _stage_in(self, staging: str, items: list[tuple[DiskExtent, int]]) -> list:
-        """Copy staging rows into their disk extents (I/O thread); per item None or
-        the exception. The staging files are removed whatever happens."""
+    def _stage_in(self, staging: str, items: list[tuple[bytes, DiskExtent, int]]) -> list:
+        """Copy staging rows into their disk extents, then publish them (I/O thread);
+        per item (None or the exception, what ``_publish`` said). The staging files
+        are removed whatever happens."""
         assert self.disk is not None
         fds: list[int] = []
         try:
@@ -763,11 +891,11 @@ class TieredBlockManager:
                 for r in range(len(self.slabs)):
                     fds.append(os.open(f"{staging}.r{r}", os.O_RDONLY))
             except OSError as exc:
-                return [exc] * len(items)
+                return [(exc, None)] * len(items)
             buf = torch.empty((1, self.page_bytes), dtype=torch.uint8)
             arr = buf.numpy()
             out: list = []
-            for ext, row in items:
+            for key, ext, row in items:
                 try:
                     off = 0
                     for fd, slab in zip(fds, self.slabs, strict=True):
@@ -778,9 +906,10 @@ class TieredBlockManager:
                                           f"{slab.slot_bytes} bytes")
                         off += slab.slot_bytes
                     self.disk.write(ext, buf)
-                    out.append(None)
                 except Exception as exc:  # handed back per block; the others go on
-                    out.append(exc)
+                    out.append((exc, None))
+                    continue
+                out.append((None, self._publish(key, buf)))
             return out
         finally:
             for fd in fds:
@@ -794,9 +923,9 @@ class TieredBlockManager:
             del self._stage_jobs[staging]
             self._dirty = True
             exc = fut.exception()
-            results = fut.result() if exc is None else [exc] * len(items)
+            results = fut.result() if exc is None else [(exc, None)] * len(items)
             landed = []
-            for (k, ext, parent), err in zip(items, results, strict=True):
+            for (k, ext, parent), (err, published) in zip(items, results, strict=True):
                 if not abandoned:
                     del self._staged[k]
                 if abandoned or err is not None:
@@ -815,16 +944,20 @@ class TieredBlockManager:
                 assert info is not None and self.disk_policy is not None
                 self.disk_policy.on_insert(info, now)
                 self.counters.stores_completed += 1
+                self._count_publish(published)
                 landed.append(k)
             if landed:
                 self.events.append(Event(tuple(landed), "disk", False))
 
-    def _write_page(self, extent: DiskExtent, slot: int) -> None:
+    def _write_page(self, extent: DiskExtent, slot: int, key: bytes | None = None) -> bool | None:
+        """Write a host slot to disk, then (with ``key``) publish it; see ``_publish``."""
         assert self.disk is not None
         if len(self.slabs) == 1:
-            self.disk.write(extent, self.slabs[0].tensor[slot : slot + 1])
-            return
-        self.disk.write(extent, torch.cat(self._slot_view(slot)).view(1, -1))
+            page = self.slabs[0].tensor[slot : slot + 1]
+        else:
+            page = torch.cat(self._slot_view(slot)).view(1, -1)
+        self.disk.write(extent, page)
+        return self._publish(key, page)
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
         self._open("prepare_load")
@@ -1081,12 +1214,13 @@ class TieredBlockManager:
             self._disk_copy[k] = ext
             self.index.acquire(k)  # pinned until the write is reaped
             self.counters.demotions_started += 1
-            self._demoting[k] = self._io.submit(OFFLOAD, self._write_page, ext, loc.handle)
+            self._demoting[k] = self._io.submit(OFFLOAD, self._write_page, ext, loc.handle, k)
             spare += 1
             self._dirty = True
 
     def has_pending_work(self) -> bool:
-        return bool(self._promoting or self._demoting or self._stage_jobs) or (
+        return bool(self._promoting or self._demoting or self._stage_jobs or self._fetching
+                    or self._fetch_abandoned) or (
             self.cfg.state_path is not None
             and (self._dirty or (self._dump is not None and not self._dump.done()))
         )
@@ -1165,6 +1299,10 @@ class TieredBlockManager:
             self._stage_jobs[staging] = (fut, items, True)  # its extents go when it ends
             for k, _, _ in items:
                 self._staged.pop(k, None)
+        for fut, ext, _ in self._fetching.values():  # its extent goes when it ends
+            self._fetch_abandoned.append((fut, ext))
+        self._fetching.clear()
+        self._absent.clear()
         for ext, _, _, _ in self._staged.values():  # not written yet: a late
             self._release_disk(ext)  # complete_store finds nothing to do
         self._staged.clear()
@@ -1193,15 +1331,22 @@ class TieredBlockManager:
         not a finite number >= 0 is a ValueError."""
         timeout = check_timeout("TieredBlockManager.wait_io", timeout)
         deadline = time.monotonic() + timeout
-        for fut in [*self._promoting.values(), *self._demoting.values(),
+        while True:  # a job reaped may start the next (a block found in the shared tier)
+            futs = [*self._promoting.values(), *self._demoting.values(),
                     *(j[0] for j in self._stage_jobs.values()),
-                    *([self._dump] if self._dump is not None else [])]:
-            try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # a fault is handled (and logged) by reap
-                pass
-        self.reap()
-        return not (self._promoting or self._demoting or self._stage_jobs)
+                    *(f[0] for f in self._fetching.values()),
+                    *(f[0] for f in self._fetch_abandoned),
+                    *([self._dump] if self._dump is not None else [])]
+            for fut in futs:
+                try:
+                    fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except Exception:  # a fault is handled (and logged) by reap
+                    pass
+            self.reap()
+            idle = not (self._promoting or self._demoting or self._stage_jobs
+                        or self._fetching or self._fetch_abandoned)
+            if idle or time.monotonic() >= deadline:
+                return idle
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Wait (bounded) for disk I/O, write the final state, stop the I/O threads and
@@ -1305,6 +1450,12 @@ class TieredBlockManager:
                     extents[ext] = ("abandoned", k)
                 elif self._staged.get(k, (None,))[0] != ext:
                     problems.append(f"{k.hex()}: a job of {staging} for a block not staged")
+        for k, (_, ext, _) in self._fetching.items():
+            if ext is not None:
+                extents[ext] = ("fetch", k)
+        for _, ext in self._fetch_abandoned:
+            if ext is not None:
+                extents[ext] = ("fetch abandoned", ext)
         stray = [k for k in self._fresh if k not in host_ready]
         if stray:
             problems.append(f"{stray[0].hex()}: held as freshly promoted but not on host")

@@ -8,6 +8,7 @@ engine id; the manager's store and load specs carry the host slots.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Collection, Iterable
@@ -279,6 +280,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             g = self.geometry
             slabs: list[HostSlab] = []
             disk = None
+            shared = None
             remove_leftover_slabs(g.host_dir)  # of processes that died (nobody holds them)
             try:  # a failure here (a disk tier that cannot open, say) leaves no slab file
                 for r in range(g.world):
@@ -290,7 +292,9 @@ class TieredOffloadingSpec(OffloadingSpec):
                     g.slot_bytes * g.world,
                     fingerprint=f"vllm:{self.config.model.name}:{g.slot_bytes}x{g.world}",
                 )
-                core = TieredBlockManager(self.cfg, slabs, disk, disk_root=self.cfg.disk_path)
+                shared = self._open_shared()
+                core = TieredBlockManager(self.cfg, slabs, disk, disk_root=self.cfg.disk_path,
+                                          shared=shared)
             except BaseException:
                 if disk is not None:
                     disk.close()
@@ -300,10 +304,29 @@ class TieredOffloadingSpec(OffloadingSpec):
             self._manager = TieredOffloadingManager(
                 core, self.kv_events_config.enable_kv_cache_events
             )
-            log.info("tiering: %d host slots of %d B per rank (x%d ranks), disk %s",
+            log.info("tiering: %d host slots of %d B per rank (x%d ranks), disk %s, shared %s",
                      g.num_slots, g.slot_bytes, g.world,
-                     "off" if disk is None else f"{disk.capacity_pages} blocks")
+                     "off" if disk is None else f"{disk.capacity_pages} blocks",
+                     "off" if shared is None else self.cfg.shared_config().url)
         return self._manager
+
+    def _open_shared(self):
+        """The shared cold tier (``shared``), opened and probed; None without one. Its
+        blocks are named by the model (root) and the page geometry, so only engines of
+        the same model and layout see each other's blocks."""
+        sc = self.cfg.shared_config()
+        if sc is None:
+            return None
+        from tiering.coldtier import SharedBlockStore, open_s3_store
+
+        g = self.geometry
+        root = f"vllm:{self.config.model.name}".encode()
+        if len(root) > 512:  # a very long model path: its digest names it
+            root = b"vllm:" + hashlib.sha256(root).hexdigest().encode()
+        geometry = f"{g.slot_bytes}x{g.world}:{self.config.model.dtype}".encode()
+        store = open_s3_store(sc.url, sc.storage_options)  # unreachable: ColdTierUnavailable
+        return SharedBlockStore(store, root, geometry, trust=sc.trust,
+                                block_bytes=g.slot_bytes * g.world, config=sc.tier)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
