@@ -871,3 +871,26 @@ def test_a_disk_capacity_past_what_the_ledger_can_hold_is_refused_by_name(geom, 
     assert not path.exists()
     fits = DiskConfig(path=str(path), capacity_bytes=MAX_DISK_PAGES * geom.page_bytes)
     assert _config(geom, disk=fits).disk is fits  # the limit itself is taken
+
+
+def test_sizes_are_bytes_written_with_helpers_and_pools_can_be_given_in_bytes(geom):
+    import tiering
+    from tiering import gib, kib, mib, tib
+
+    assert (kib(1), mib(1), gib(2), tib(1)) == (1 << 10, 1 << 20, 2 << 30, 1 << 40)
+    assert gib(1.5) == 3 << 29 and isinstance(gib(1.5), int)
+    assert {"kib", "mib", "gib", "tib"} <= set(tiering.__all__)
+    with pytest.raises(TypeError, match="gib"):
+        gib("2")
+    with pytest.raises(ValueError, match="gib"):
+        gib(-1)
+    pb = geom.page_bytes
+    cfg = TieredKVConfig.from_bytes(geom, device_bytes=8 * pb + pb // 2, host_bytes=32 * pb,
+                                    policy="lru")
+    assert (cfg.device_pages, cfg.host_pages, cfg.policy) == (8, 32, "lru")
+    with pytest.raises(ValueError, match="device_bytes must be an int of at least one page"):
+        TieredKVConfig.from_bytes(geom, device_bytes=pb - 1, host_bytes=32 * pb)
+    with pytest.raises(ValueError, match="give host_bytes, not host_pages"):
+        TieredKVConfig.from_bytes(geom, device_bytes=pb, host_bytes=pb, host_pages=3)
+    with TieredKV(cfg) as tkv:
+        assert tkv.kv.device_capacity_bytes == 8 * pb

@@ -8,6 +8,7 @@ The front door: ``from tiering import ...`` gives the whole public API.
   ``KVGeometry``, ``DiskConfig``, ``EvictionController``, ``ControllerConfig``,
   the pressure sources, ``make_policy`` / ``register_policy``.
 - The vocabulary: ``Tier``, ``RequestState``, ``Move``, ``TransferResult``.
+- Sizes are bytes; ``kib`` / ``mib`` / ``gib`` / ``tib`` write them (``tiering.units``).
 - The errors a caller may catch (all defined in ``tiering.errors``).
 
 Names are loaded on first use, so ``import tiering`` stays cheap and the
@@ -48,6 +49,11 @@ _EXPORTS: dict[str, str] = {
     "Policy": "tiering.policies.base",
     "make_policy": "tiering.policies",
     "register_policy": "tiering.policies",
+    # sizes in bytes (tiering.units states the convention)
+    "kib": "tiering.units",
+    "mib": "tiering.units",
+    "gib": "tiering.units",
+    "tib": "tiering.units",
     # vocabulary
     "Tier": "tiering.types",
     "RequestState": "tiering.types",

@@ -68,7 +68,9 @@ def _check_pages(name: str, value: object) -> None:
 class TieredKVConfig:
     """What a ``TieredKV`` is built from.
 
-    ``policy``: a registered policy name or a ``Policy`` instance.
+    ``device_pages`` / ``host_pages``: the pools' sizes in KV pages of
+    ``geometry.page_bytes`` (``from_bytes`` takes bytes); every other size is bytes
+    (``tiering.units``). ``policy``: a registered policy name or a ``Policy`` instance.
     ``pressure``: builds the pressure source from the cache (default
     ``cache_pressure``: the pool's own occupancy on a CPU; on a GPU the worse of
     that and the whole device as NVML sees it). ``cache_options``: further keyword
@@ -150,6 +152,31 @@ class TieredKVConfig:
             )
         # a read-only copy: the caller's dict may change later, this checked config may not
         object.__setattr__(self, "cache_options", MappingProxyType(dict(self.cache_options)))
+
+
+    @classmethod
+    def from_bytes(cls, geometry: KVGeometry, *, device_bytes: int, host_bytes: int,
+                   **fields: Any) -> TieredKVConfig:
+        """A config whose pools hold the whole pages that fit in ``device_bytes`` and
+        ``host_bytes`` (``from_bytes(geom, device_bytes=gib(2), host_bytes=gib(8))``);
+        ``fields``: the config's other fields. ValueError naming the size that holds no
+        page."""
+        if not isinstance(geometry, KVGeometry):
+            raise TypeError(
+                f"TieredKVConfig.from_bytes: geometry must be a KVGeometry, got "
+                f"{type(geometry).__name__}")
+        for name in ("device_pages", "host_pages"):
+            if name in fields:
+                raise ValueError(f"TieredKVConfig.from_bytes: give {name[:-6]}_bytes, "
+                                 f"not {name}")
+        pages = {}
+        for name, nbytes in (("device", device_bytes), ("host", host_bytes)):
+            if not is_int(nbytes) or nbytes < geometry.page_bytes:
+                raise ValueError(
+                    f"TieredKVConfig.from_bytes: {name}_bytes must be an int of at least one "
+                    f"page ({geometry.page_bytes} bytes), got {nbytes!r}")
+            pages[f"{name}_pages"] = nbytes // geometry.page_bytes
+        return cls(geometry=geometry, **pages, **fields)
 
 
 _CACHE_METHODS = tuple(sorted({

@@ -1,0 +1,57 @@
+"""Sizes: one convention for the whole library.
+
+- The API takes and reports **bytes** (``DiskConfig.capacity_bytes``, ``stats()``'s
+  ``*_bytes``, the vLLM config). These helpers write them readably: ``gib(2)`` is
+  ``2 * 2**30`` bytes. Binary units throughout (a GiB is 2**30 bytes).
+- The two device and host pool sizes of ``TieredKVConfig`` are counts of KV pages
+  (``device_pages``, ``host_pages``), because a pool holds whole pages;
+  ``TieredKVConfig.from_bytes`` takes them in bytes instead (``pages_for`` does the
+  division: the whole pages that fit).
+- The command line takes **GiB** (``--device-gib 2.5``) and prints GiB.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+
+
+def _size(n: object, unit: int, name: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Real):
+        raise TypeError(f"{name}: a size must be a number, got {n!r}")
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(f"{name}: a size must be a finite number >= 0, got {n!r}")
+    return int(n * unit) if isinstance(n, numbers.Integral) else round(float(n) * unit)
+
+
+def kib(n: float) -> int:
+    """``n`` KiB in bytes (an int; a fraction is rounded to the nearest byte)."""
+    return _size(n, KiB, "kib")
+
+
+def mib(n: float) -> int:
+    """``n`` MiB in bytes."""
+    return _size(n, MiB, "mib")
+
+
+def gib(n: float) -> int:
+    """``n`` GiB in bytes: ``gib(2) == 2 * 2**30``."""
+    return _size(n, GiB, "gib")
+
+
+def tib(n: float) -> int:
+    """``n`` TiB in bytes."""
+    return _size(n, TiB, "tib")
+
+
+def pages_for(nbytes: int, page_bytes: int) -> int:
+    """The whole pages of ``page_bytes`` that fit in ``nbytes`` (both ints > 0)."""
+    for name, v in (("nbytes", nbytes), ("page_bytes", page_bytes)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+            raise ValueError(f"pages_for: {name} must be an int > 0, got {v!r}")
+    return int(nbytes) // int(page_bytes)
