@@ -78,3 +78,84 @@ def test_a_bool_count_is_refused():
     with pytest.raises(ValueError, match="n must be an int"):
         synthetic_chains(True, seed=0)
     assert len(synthetic_chains(1, seed=0)) == 1  # the control
+
+
+# -- the other generators -------------------------------------------------------------------
+
+from tiering.blocks import synth  # noqa: E402
+
+_GENERATORS = [
+    lambda n, s: synth.session_chains(n, s),
+    lambda n, s: synth.agent_chains(n, s),
+    lambda n, s: synth.scan_mix_chains(n, s),
+    lambda n, s: synth.shift_chains(n, s, 200, n // 2),
+    lambda n, s: synth.scan_chains(n, s, 200, 500, n // 2),
+]
+
+
+@pytest.mark.parametrize("gen", _GENERATORS, ids=["sessions", "agents", "scan-mix", "shift", "scan"])
+def test_other_generators_are_seeded_and_deterministic(gen):
+    a = gen(400, 3)
+    assert len(a) == 400 and all(a)
+    assert a == gen(400, 3)
+    assert a != gen(400, 4)
+
+
+def test_sessions_reread_their_whole_conversation():
+    chains = synth.session_chains(2000, 1, synth.SessionConfig(live=20, regen_prob=0.0))
+    system = chains[0][:2]
+    assert all(c[:2] == system for c in chains)
+    seen = {tuple(c) for c in chains}
+    # a later turn of a session extends an earlier request of it by new blocks
+    extends = sum(1 for c in chains if any(tuple(c[:k]) in seen for k in range(3, len(c))))
+    assert extends > 0.5 * len(chains)
+
+
+def test_agents_share_long_prefixes_and_extend_their_steps():
+    cfg = synth.AgentConfig(agents=3, system_blocks=10, toolsets=2, tool_blocks=4, live=5)
+    chains = synth.agent_chains(1500, 2, cfg)
+    heads = {tuple(c[:14]) for c in chains}
+    assert len(heads) <= 3 * 2, "every request opens with one agent's prompt and tool set"
+    seen = {tuple(c) for c in chains}
+    steps = sum(1 for c in chains if any(tuple(c[:k]) in seen for k in range(15, len(c))))
+    assert steps > 0.5 * len(chains)
+
+
+def test_scan_mix_scans_are_read_once_and_the_hot_set_again():
+    chains = synth.scan_mix_chains(3000, 5, synth.ScanMixConfig(hot=50, scan_prob=0.4))
+    counts: dict[int, int] = {}
+    for c in chains:
+        for b in c:
+            counts[b] = counts.get(b, 0) + 1
+    once = sum(1 for v in counts.values() if v == 1)
+    assert once > 0.5 * len(counts), "most blocks are scanned once"
+    assert max(counts.values()) > 50, "the hot documents are read again and again"
+
+
+def test_loop_cycles_over_its_blocks():
+    chains = synth.loop_chains(30, 40, chain_blocks=8)
+    assert chains[0] == list(range(8)) and chains[5] == chains[0]
+    assert {b for c in chains for b in c} == set(range(40))
+
+
+def test_shift_replaces_the_working_set():
+    chains = synth.shift_chains(1000, 0, 100, 500)
+    before = {b for c in chains[:500] for b in c}
+    after = {b for c in chains[500:] for b in c}
+    assert before and after and not before & after
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: synth.SessionConfig(live=0), "live"),
+    (lambda: synth.SessionConfig(end_prob=1.5), "end_prob"),
+    (lambda: synth.AgentConfig(system_blocks=0), "system_blocks"),
+    (lambda: synth.AgentConfig(zipf=0.0), "zipf"),
+    (lambda: synth.ScanMixConfig(scan_prob=-0.1), "scan_prob"),
+    (lambda: synth.ScanMixConfig(scan_blocks_mean=0.5), "scan_blocks_mean"),
+    (lambda: synth.loop_chains(5, 0), "loop_blocks"),
+    (lambda: synth.shift_chains(5, 0, 10, -1), "at"),
+    (lambda: synth.scan_chains(-1, 0, 10, 10, 1), "n"),
+])
+def test_other_generators_name_a_bad_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
