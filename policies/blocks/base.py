@@ -116,20 +116,56 @@ class BlockPolicy(ABC):
         for k in hits:
             on_hit(get(k), now)
 
-    def on_publish(self, keys: Sequence[Hashable], depth: int,
-                   insert: Callable[[Hashable], bool], get: Callable[[Hashable], BlockInfo],
-                   now: float) -> tuple[int, bool]:
+    def on_publish(self, keys: Sequence[Hashable], depth: int, room: Callable[[], int],
+                   insert: Callable[[Sequence[Hashable]], int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> tuple[int, bool]:
         """Offer ``keys``, blocks the tier lacks that follow one another in a chain
         (``keys[0]`` at ``depth``), root first. Each in turn: ``admit``, stopping if it
-        refuses; ``insert(key)`` (the caller puts it in its index if it has room; False:
-        stop); ``on_insert_key``. Returns (blocks inserted, whether one was refused)."""
+        refuses; ``insert([key])`` (the caller puts it in its index, making room if it
+        must and may; 0: it could not, stop); ``on_insert_key``. Returns (blocks
+        inserted, whether one was refused).
+
+        ``insert(run)`` takes several blocks at once and answers how many of them, from
+        the first, it inserted; ``room()``: how many blocks it can take now without
+        making room. A policy whose ``admit`` of those is certain (True, changing
+        nothing) may insert them in one call and then track them (``publish_room``)."""
         admit, on_insert = self.admit, self.on_insert_key
         n = 0
         for k in keys:
             d = depth + n
             if not admit(k, d, now):
                 return n, True
-            if not insert(k):
+            if insert((k,)) != 1:
+                return n, False
+            on_insert(k, d, get, now)
+            n += 1
+        return n, False
+
+    def publish_room(self, keys: Sequence[Hashable], depth: int, certain: Callable[[], int],
+                     insert: Callable[[Sequence[Hashable]], int],
+                     get: Callable[[Hashable], BlockInfo], now: float) -> tuple[int, bool]:
+        """``on_publish`` for a policy that knows how many blocks ``admit`` would take
+        with True, changing nothing (``certain()``, asked again as blocks arrive): those
+        in one ``insert`` and one ``on_inserts``, each other one as
+        ``BlockPolicy.on_publish`` does."""
+        admit, on_insert = self.admit, self.on_insert_key
+        n, total = 0, len(keys)
+        while n < total:
+            c = certain()
+            if c > 0:
+                part = keys[n:n + c]
+                got = insert(part)
+                if got:
+                    self.on_inserts(part[:got], range(depth + n, depth + n + got), get, now)
+                n += got
+                if got < len(part):
+                    return n, False
+                continue
+            k = keys[n]
+            d = depth + n
+            if not admit(k, d, now):
+                return n, True
+            if insert((k,)) != 1:
                 return n, False
             on_insert(k, d, get, now)
             n += 1

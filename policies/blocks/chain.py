@@ -409,24 +409,19 @@ class ChainOdds(BlockPolicy):
                 raise not_tracked(self, "on_hit", k)
             track(k, d)
 
-    def on_publish(self, keys: Sequence[Hashable], depth: int,
-                   insert: Callable[[Hashable], bool], get: Callable[[Hashable], BlockInfo],
-                   now: float) -> tuple[int, bool]:
-        if self.overrides(ChainOdds, "admit", "on_insert", "on_insert_key"):
-            return super().on_publish(keys, depth, insert, get, now)
-        admit, track, meta = self.admit, self._track, self._meta
-        n = 0
-        for k in keys:
-            d = depth + n
-            if not admit(k, d, now):
-                return n, True
-            if not insert(k):
-                break
-            if k in meta:
-                raise already_tracked(self, k)
-            track(k, d)
-            n += 1
-        return n, False
+    def on_publish(self, keys: Sequence[Hashable], depth: int, room: Callable[[], int],
+                   insert: Callable[[Sequence[Hashable]], int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> tuple[int, bool]:
+        if self.overrides(ChainOdds, "admit", "on_insert", "on_insert_key", "on_inserts"):
+            return super().on_publish(keys, depth, room, insert, get, now)
+        if not self.admission:
+            return self.publish_room(keys, depth, room, insert, get, now)
+        meta, cap = self._meta, self.capacity
+
+        def certain() -> int:  # admit answers True, changing nothing, below capacity
+            return min(room(), cap - len(meta))
+
+        return self.publish_room(keys, depth, certain, insert, get, now)
 
     def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
         """The first of ``victims_except``: nearly always the lowest end, found without

@@ -71,20 +71,16 @@ class LRUBlocks(BlockPolicy):
             except KeyError:
                 raise not_tracked(self, "on_hit", k) from None
 
-    def on_publish(self, keys: Sequence[Hashable], depth: int,
-                   insert: Callable[[Hashable], bool], get: Callable[[Hashable], BlockInfo],
-                   now: float) -> tuple[int, bool]:
+    def on_publish(self, keys: Sequence[Hashable], depth: int, room: Callable[[], int],
+                   insert: Callable[[Sequence[Hashable]], int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> tuple[int, bool]:
         if self.overrides(LRUBlocks, "admit", "on_insert", "on_insert_key"):
-            return super().on_publish(keys, depth, insert, get, now)
-        order = self._order
-        n = 0
-        for k in keys:
-            if not insert(k):
-                break
-            if k in order:
-                raise already_tracked(self, k)
-            order[k] = None
-            n += 1
+            return super().on_publish(keys, depth, room, insert, get, now)
+        # admit is always True and the order of the others does not depend on the new
+        # blocks (mapped while they arrive): all in one call, room made as needed
+        n = insert(keys)
+        if n:
+            self.on_inserts(keys[:n], range(depth, depth + n), get, now)
         return n, False
 
     def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
@@ -277,6 +273,27 @@ class S3FIFOBlocks(BlockPolicy):
                 q[k] = min(q[k] + 1, 3)
             except KeyError:
                 raise not_tracked(self, "on_hit", k) from None
+
+    def on_publish(self, keys: Sequence[Hashable], depth: int, room: Callable[[], int],
+                   insert: Callable[[Sequence[Hashable]], int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> tuple[int, bool]:
+        if self.overrides(S3FIFOBlocks, "admit", "on_insert", "on_insert_key", "on_inserts"):
+            return super().on_publish(keys, depth, room, insert, get, now)
+        return self.publish_room(keys, depth, room, insert, get, now)  # admit: always True
+
+    def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> None:
+        if self.overrides(S3FIFOBlocks, "on_insert", "on_insert_key"):
+            return super().on_inserts(keys, depths, get, now)
+        s, m, g = self._s, self._m, self._g
+        for k in keys:
+            if k in s or k in m:
+                raise already_tracked(self, k)
+            if k in g:
+                del g[k]
+                m[k] = 0
+            else:
+                s[k] = 0
 
     def on_remove(self, key: Hashable) -> None:
         if key in self._s:

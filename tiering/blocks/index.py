@@ -312,6 +312,63 @@ class BlockIndex:
         self._counts[tier] += 1
         return True
 
+    def insert_run(self, keys: Sequence[Hashable], parent: Hashable | None, tier: Tier,
+                   handles: Sequence[Hashable], now: float, acquire: bool = False) -> bool:
+        """``insert`` of a run of new blocks that follow one another (``keys[0]`` after
+        ``parent``, each next after the one before), at ``handles``; with ``acquire``, each
+        mapped once as well. Checked as a whole first (a key cached or repeated, None, a
+        handle used or repeated, a bad tier or ``now``: ValueError, nothing changed);
+        False if the parent is not cached."""
+        n = len(keys)
+        if not n:
+            return True
+        where = self._tier
+        _check_tier(tier, f"insert of block {keys[0]!r}")
+        _check_now(now, "insert", keys[0])
+        slots = self._slots[tier]
+        if not where.keys().isdisjoint(keys) or len(set(keys)) != n or None in keys:
+            for k in keys:  # the per-block error
+                if k in where or k is None:
+                    self.insert(k, None, tier, object(), now)
+            raise ValueError(f"insert_run: the run {list(keys)[:4]!r}... repeats a block")
+        if len(handles) != n or not slots.keys().isdisjoint(handles) or len(set(handles)) != n:
+            raise ValueError(f"insert_run of block {keys[0]!r}: {n} blocks need {n} unused, "
+                             f"distinct {tier.value} handles, got {list(handles)[:4]!r}...")
+        if parent is None:
+            d0 = 0
+        else:
+            pd = self._depth.get(parent)
+            if pd is None:
+                return False
+            d0 = pd + 1
+            kids = self._kids.get(parent, _NONE)
+            k0 = keys[0]
+            if kids is _NONE:
+                self._kids[parent] = k0
+            elif isinstance(kids, set):
+                kids.add(k0)
+            else:
+                self._kids[parent] = {kids, k0}
+        self._parent[keys[0]] = parent
+        if n > 1:
+            self._parent.update(zip(keys[1:], keys[:-1], strict=False))
+            self._kids.update(zip(keys[:-1], keys[1:], strict=False))
+        self._depth.update(zip(keys, range(d0, d0 + n), strict=False))
+        where.update(dict.fromkeys(keys, tier))
+        self._handle.update(zip(keys, handles, strict=False))
+        self._hits.update(dict.fromkeys(keys, 0))
+        times = dict.fromkeys(keys, now)
+        self._first.update(times)
+        self._last.update(times)
+        slots.update(zip(handles, keys, strict=False))
+        self._counts[tier] += n
+        if acquire:
+            self._refs.update(dict.fromkeys(keys, 1))
+            self._now_busy(keys[0])  # held now: the blocks above it, as acquire walks them
+            if n > 1:  # each one's only child is busy
+                self._below.update(dict.fromkeys(keys[:-1], 1))
+        return True
+
     def touch(self, key: Hashable, now: float) -> BlockInfo:
         """Record an access of a cached block (a hit); returns its new snapshot."""
         self._check_known(key, "touch")
@@ -358,6 +415,44 @@ class BlockIndex:
         if n == 1 and dest is None:
             self._now_busy(key)
         return n
+
+    def acquire_many(self, keys: Sequence[Hashable]) -> None:
+        """``acquire`` of each of ``keys`` in order (one request mapping its chain). Every
+        key is checked first: one ``acquire`` would refuse raises the same ValueError
+        and nothing changes."""
+        refs, dest, tier = self._refs, self._dest, self._tier
+        dev = Tier.DEVICE
+        for key in keys:
+            if key not in tier:
+                self._check_known(key, "acquire")
+            if key in dest and tier[key] is dev:
+                self.acquire(key)  # raises, naming the move
+        now_busy = self._now_busy
+        for key in keys:
+            n = refs.get(key, 0) + 1
+            refs[key] = n
+            if n == 1 and key not in dest:
+                now_busy(key)
+
+    def release_many(self, keys: Sequence[Hashable]) -> None:
+        """``release`` of each of ``keys`` in order. Checked first: a key released more
+        often than it is mapped raises the ValueError ``release`` would, and nothing
+        changes."""
+        refs, dest = self._refs, self._dest
+        need = Counter(keys) if len(set(keys)) != len(keys) else None
+        for key in keys:
+            if refs.get(key, 0) < (1 if need is None else need[key]):
+                self._check_known(key, "release")
+                raise ValueError(f"release: block {key!r} is not mapped by any request")
+        now_idle, below = self._now_idle, self._below
+        for key in keys:
+            n = refs[key]
+            if n == 1:
+                del refs[key]
+                if key not in dest and key not in below:  # held by a block below: no walk
+                    now_idle(key)
+            else:
+                refs[key] = n - 1
 
     def release(self, key: Hashable) -> int:
         """A live request stops mapping the block; never below zero."""
@@ -457,6 +552,23 @@ class BlockIndex:
                 else:
                     stack.append(c)
 
+    def _subtree_list(self, key: Hashable) -> list[Hashable]:
+        """``list(_subtree(key))``, in the same order, without a generator."""
+        kids = self._kids
+        out: list[Hashable] = []
+        stack = [key]
+        pop, push, extend, append = stack.pop, stack.append, stack.extend, out.append
+        while stack:
+            x = pop()
+            append(x)
+            c = kids.get(x, _NONE)
+            if c is not _NONE:
+                if c.__class__ is set:
+                    extend(c)
+                else:
+                    push(c)
+        return out
+
     def drop(self, key: Hashable, reason: str = "evicted") -> list[Dropped]:
         """Remove a block and its cached descendants; returns what each one held, deepest first.
 
@@ -466,7 +578,7 @@ class BlockIndex:
         self._check_known(key, "drop")
         if not isinstance(reason, str) or not reason:
             raise ValueError(f"drop of block {key!r}: reason must be a non-empty str, got {reason!r}")
-        subtree = list(self._subtree(key))
+        subtree = self._subtree_list(key)
         if not self.evictable(key):
             for d in subtree:
                 if d in self._refs:
@@ -488,14 +600,18 @@ class BlockIndex:
             else:
                 del self._kids[parent]
         out: list[Dropped] = []
+        where, handles, parents, depths = self._tier, self._handle, self._parent, self._depth
+        hits, first, last, kids = self._hits, self._first, self._last, self._kids
+        slots, counts = self._slots, self._counts
+        append = out.append
         for d in reversed(subtree):
-            tier = self._tier.pop(d)
-            handle = self._handle.pop(d)
-            del self._parent[d], self._depth[d], self._hits[d], self._first[d], self._last[d]
-            self._kids.pop(d, None)
-            del self._slots[tier][handle]
-            self._counts[tier] -= 1
-            out.append(Dropped(d, tier, handle, reason if d == key else "orphaned"))
+            tier = where.pop(d)
+            handle = handles.pop(d)
+            del parents[d], depths[d], hits[d], first[d], last[d]
+            kids.pop(d, None)
+            del slots[tier][handle]
+            counts[tier] -= 1
+            append(_new(Dropped, (d, tier, handle, reason if d == key else "orphaned")))
         self.dropped[reason] += 1
         if len(subtree) > 1:
             self.dropped["orphaned"] += len(subtree) - 1

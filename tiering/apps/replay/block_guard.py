@@ -196,11 +196,11 @@ class Guarded(BlockPolicy):
         self._call("on_commit", self.inner.on_commit, keys, hits, depths, get, now,
                    events=1 + len(hits))
 
-    def on_publish(self, keys, depth, insert, get, now) -> tuple[int, bool]:
+    def on_publish(self, keys, depth, room, insert, get, now) -> tuple[int, bool]:
         if "on_publish" not in self._own:
-            return super().on_publish(keys, depth, insert, get, now)
-        out = self._call("on_publish", self.inner.on_publish, keys, depth, insert, get, now,
-                         events=len(keys))
+            return super().on_publish(keys, depth, room, insert, get, now)
+        out = self._call("on_publish", self.inner.on_publish, keys, depth, room, insert, get,
+                         now, events=len(keys))
         if self._check and not (
                 isinstance(out, tuple) and len(out) == 2 and type(out[0]) is int
                 and 0 <= out[0] <= len(keys) and isinstance(out[1], bool)):

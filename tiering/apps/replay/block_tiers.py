@@ -348,16 +348,23 @@ class PrefixBlocks:
                 j += 1
             last = [parent]
 
-            def insert(key: Hashable, last=last) -> bool:
-                if kv.free_pages(Tier.DEVICE) < bp or not index.insert(
-                        key, last[0], Tier.DEVICE, self._new_handle(), now):
-                    return False
-                self._reserve(key, Tier.DEVICE)
-                last[0] = key
-                return True
+            def room() -> int:
+                return kv.free_pages(Tier.DEVICE) // bp
+
+            def insert(run: Sequence[Hashable], last=last) -> int:
+                """As many of ``run`` as the device has room for, into the index."""
+                k = min(len(run), room())
+                if k <= 0:
+                    return 0
+                handles = [self._new_handle() for _ in range(k)]
+                if not index.insert_run(run[:k], last[0], Tier.DEVICE, handles, now):
+                    return 0
+                self._reserve_many(run[:k], Tier.DEVICE)
+                last[0] = run[k - 1]
+                return k
 
             depth = 0 if parent is None else index.depth(parent) + 1
-            got, refused = dev.on_publish(keys[i:j], depth, insert, index.get, now)
+            got, refused = dev.on_publish(keys[i:j], depth, room, insert, index.get, now)
             added += got
             if refused:
                 self._refused += 1
@@ -471,6 +478,12 @@ class PrefixBlocks:
             raise RuntimeError(f"block {key!r}: no {tier.value} page for it once unmapped "
                                "(block pages were miscounted)")
         self._st[tier].held += 1
+
+    def _reserve_many(self, keys: Sequence[Hashable], tier: Tier) -> None:
+        if not self._kv.take_block_pages(tier, len(keys) * self.block_pages):
+            raise RuntimeError(f"blocks {list(keys)[:3]!r}...: no {tier.value} pages for them "
+                               "(block pages were miscounted)")
+        self._st[tier].held += len(keys)
 
     def _unreserve(self, tier: Tier, blocks: int = 1) -> None:
         self._kv.give_block_pages(tier, blocks * self.block_pages)
