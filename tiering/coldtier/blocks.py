@@ -48,6 +48,7 @@ from .frame import (
     MAX_ID_BYTES,
     FrameDamaged,
     FrameRefused,
+    FrameUnauthenticated,
     crc32c_value,
     frame,
     framed_size,
@@ -352,7 +353,8 @@ class SharedBlockStore:
             self.known.discard(key)
             text = str(exc)
             why = ("damaged" if isinstance(exc, FrameDamaged) else
-                   "mac" if "MAC" in text else "size" if "a block is" in text else "foreign")
+                   "mac" if isinstance(exc, FrameUnauthenticated) else
+                   "size" if "a block is" in text else "foreign")
             self._refuse(why, key, text)
             if isinstance(exc, FrameDamaged):
                 self._remove_bad(path)  # ours, damaged: it can never become right

@@ -42,7 +42,7 @@ from tiering.errors import FrameRefused
 
 from .trust import KEY_ID_BYTES, MAC_BYTES, NO_KEY, MacKeys
 
-__all__ = ["HEADER_BYTES", "KIND_BLOCK", "KIND_PRIVATE", "MAX_ID_BYTES", "FrameDamaged",
+__all__ = ["HEADER_BYTES", "KIND_BLOCK", "KIND_PRIVATE", "MAX_ID_BYTES", "FrameDamaged", "FrameUnauthenticated",
            "FrameRefused", "frame", "framed_size", "unframe"]
 
 MAGIC = b"TKVB"
@@ -57,6 +57,11 @@ MAX_ID_BYTES = 1024
 
 class FrameDamaged(FrameRefused):
     """The object names exactly what was asked for but its bytes are cut, extended or damaged."""
+
+
+class FrameUnauthenticated(FrameRefused):
+    """The object is intact but no key this reader holds made its MAC (forged, unkeyed, or
+    written under a deployment key retired since)."""
 
 
 def _check_kind(kind: object) -> None:
@@ -156,12 +161,12 @@ def unframe(kind: int, data, key: bytes, root: bytes, geometry: bytes, *,
     if keys is not None:
         tag = bytes(buf[end : end + MAC_BYTES])
         if key_id == NO_KEY:
-            raise FrameRefused("object carries no MAC (written with trust='unauthenticated')")
+            raise FrameUnauthenticated("object carries no MAC (written with trust='unauthenticated')")
         if not keys.knows(key_id):
-            raise FrameRefused(f"object is tagged under key {bytes(key_id).hex()}, which is neither"
+            raise FrameUnauthenticated(f"object is tagged under key {bytes(key_id).hex()}, which is neither"
                                " the current nor the previous deployment key")
         if not keys.verify(key_id, tag, buf[:end]):
-            raise FrameRefused("MAC mismatch: the object was not written by a holder of the"
+            raise FrameUnauthenticated("MAC mismatch: the object was not written by a holder of the"
                                " deployment secret")
     return buf[n:end]
 
