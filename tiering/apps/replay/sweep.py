@@ -125,8 +125,13 @@ def run_grid(
     on_result: Callable[[dict, RunResult], None] | None = None,
     registry: PolicyRegistry | None = None,
     block_registry: BlockPolicyRegistry | None = None,
+    only: Sequence[int] | None = None,
 ) -> list[dict]:
     """Run every configuration of ``grid``; one row per run, baselines first.
+
+    ``only``: the indexes of the runs to run (their rows in grid order), the others
+    skipped (a process pool runs each one apart; ``on_start`` is told the run's own
+    index).
 
     ``registry``: where policy names are looked up (default: the built-ins);
     ``block_registry``: where block policy names are (default: the built-ins).
@@ -142,6 +147,13 @@ def run_grid(
     hw = hardware.with_sizes(grid.device_bytes, None, grid.disk_bytes)
     check_fits(model, hw)
 
+    wanted = None if only is None else set(only)
+    if wanted is not None and not all(
+            isinstance(i, int) and 0 <= i < grid.runs() for i in wanted):
+        raise ValueError(f"run_grid: only must hold run indexes in [0, {grid.runs()}), "
+                         f"got {list(only)!r}")
+    seen = [0]  # runs passed so far, run or skipped
+
     blocks = grid.blocks()
     for b in blocks:  # each one is known before any run starts
         if b is not None:
@@ -149,8 +161,12 @@ def run_grid(
 
     def one(spec: RunSpec, hw: HardwarePreset, host: int | None, block: str | None) -> None:
         label = grid.label(spec.label, block) if spec.mode == "tiering" else spec.label
+        i = seen[0]
+        seen[0] += 1
+        if wanted is not None and i not in wanted:
+            return
         if on_start is not None:
-            on_start(len(rows), label)
+            on_start(i, label)
         cost = StepCost(model, hw)
         run_sim = sim if block is None else dataclasses.replace(sim, block_policy=block)
         result = simulate(trace, cost, spec, run_sim, time_scale=time_scale,
