@@ -11,7 +11,10 @@ with the reason. Four engine starts, each in its own process (tests/vllm_helpers
   that is on disk only is damaged in the slot file;
 - negative control: as offload, with the test-only hook that corrupts every load;
 - small host: a 4-block host tier in front of the disk tier, smaller than one
-  prompt's store batch (9 blocks) and than its shared prefix (8 blocks): two rounds.
+  prompt's store batch (9 blocks) and than its shared prefix (8 blocks): two rounds;
+- shared: two engines in turn, each with its own host and disk tiers, on one
+  bucket of a SeaweedFS server the test starts, with one deployment secret: the
+  second engine's first round must load the first engine's prefixes.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ pytestmark = pytest.mark.vllm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from seaweed_fixture import _seaweed_shared  # noqa: E402,F401  (the server fixture)
 from vllm_helpers import shared_prefix_prompts, write_tiny_llama  # noqa: E402
 
 BLOCK_BYTES = 2 * 2 * 32 * 2 * 32 * 4  # layers * (K,V) * tokens * heads * dim * fp32
@@ -44,11 +48,12 @@ FORWARD = list(range(N_PROMPTS))
 ORDERS = [FORWARD, FORWARD[::-1], FORWARD]
 
 
-def _run(spec: dict, workdir: Path, name: str, timeout: float = 900) -> dict:
+def _run(spec: dict, workdir: Path, name: str, timeout: float = 900,
+         env_extra: dict | None = None) -> dict:
     spec_path = workdir / f"{name}.spec.json"
     out_path = workdir / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="1")
+    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="1", **(env_extra or {}))
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, str(HERE / "vllm_helpers.py"), str(spec_path), str(out_path)],
@@ -61,12 +66,22 @@ def _run(spec: dict, workdir: Path, name: str, timeout: float = 900) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("vllm")
-    model = write_tiny_llama(work / "model", seed=1234)
+def work(tmp_path_factory):
+    w = tmp_path_factory.mktemp("vllm")
+    write_tiny_llama(w / "model", seed=1234)
+    return w
+
+
+def _base(work: Path) -> dict:
     prompts = shared_prefix_prompts(seed=7, n_prefixes=4, prefix_tokens=256, per_prefix=2,
                                     suffix_tokens=40)
-    base = dict(model=model, prompts=prompts, orders=ORDERS, max_tokens=8, max_model_len=352)
+    return dict(model=str(work / "model"), prompts=prompts, orders=ORDERS, max_tokens=8,
+                max_model_len=352)
+
+
+@pytest.fixture(scope="module")
+def runs(work):
+    base = _base(work)
     host_dirs = []
 
     def offload(name: str, **extra) -> dict:
@@ -190,6 +205,44 @@ def test_a_prefix_longer_than_the_host_tier_is_served_up_to_it_never_hangs(runs)
     c2 = runs["small_host"]["states"][1]["counters"]
     assert c2["lookups_over_budget"] + c2["lookups_timed_out"] > 0, c2
     assert c2["loads_from_disk"] > 0 and c2["promotions_failed"] == 0, c2
+
+
+@pytest.fixture(scope="module")
+def shared_runs(work, _seaweed_shared):  # noqa: F811  (the fixture imported above)
+    """Two engines in turn on one bucket prefix, one deployment secret."""
+    base = dict(_base(work), orders=[FORWARD])
+    url = _seaweed_shared.url()
+    secret = {"TIERING_COLDTIER_SECRET": "e2e-" + os.urandom(16).hex()}
+    out = {}
+    for name in ("shared_a", "shared_b"):
+        hd = tempfile.mkdtemp(prefix="tiering-vllm-test-",
+                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+            off = dict(host_bytes=24 * BLOCK_BYTES, disk_path=str(work / f"{name}-disk"),
+                       disk_bytes=128 * BLOCK_BYTES, host_dir=hd, load_wait_s=60.0,
+                       state_path=str(work / f"{name}-state.json"),
+                       shared={"url": url, "storage_options": _seaweed_shared.options()})
+            out[name] = _run(dict(base, blocks=12, offload=off), work, name, timeout=420,
+                             env_extra=secret)
+        finally:
+            shutil.rmtree(hd, ignore_errors=True)
+    return out
+
+
+def test_a_second_engine_gets_the_first_engines_prefixes_from_the_shared_tier(shared_runs, runs):
+    """Each engine's tiers were its own: a second engine recomputed every prefix
+    the first had computed."""
+    a, b = shared_runs["shared_a"], shared_runs["shared_b"]
+    ca, cb = a["states"][0]["counters"], b["states"][0]["counters"]
+    assert ca["shared_published"] > 0 and ca["shared_publish_failed"] == 0, ca
+    # B's first round: blocks fetched (MAC and frame checked), written to its disk,
+    # promoted (crc checked) and loaded; more prompt tokens cached than A's first round
+    assert cb["shared_hits"] > 0 and cb["loads_from_disk"] > 0, cb
+    assert cb["promotions_failed"] == 0 and cb["shared_unavailable"] == 0, cb
+    assert cached(b, 0) >= cached(a, 0) + 4 * 32, (cached(a, 0), cached(b, 0))
+    assert cached(a, 0) == cached(runs["recompute"], 0)  # A had nothing to share from
+    for run in (a, b):
+        assert mismatches(run, runs["reference"], 1) == []
 
 
 def test_no_host_slab_file_is_left_behind(runs):
