@@ -354,7 +354,7 @@ def test_cli_reports_rejections(tmp_path, capsys):
     assert runs["lru"]["rejected"] > 0
     assert runs["lru"]["finished"] + runs["lru"]["rejected"] == 50
     err = capsys.readouterr().err
-    assert f"lru: {runs['lru']['rejected']} of 50 requests were rejected" in err
+    assert "requests rejected" in err and f"lru {runs['lru']['rejected']} of 50" in err
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -387,11 +387,6 @@ def test_cli_bad_arguments_exit_2_and_create_nothing(tmp_path, capsys, args, mes
     assert message in err
     assert "Traceback" not in err
     assert not out.exists()
-
-
-def test_cli_without_out_exits_2(capsys):
-    assert replay_main([str(MOONCAKE)]) == 2
-    assert "--out" in capsys.readouterr().err
 
 
 # -- 5. plots and progress ----------------------------------------------------------------------

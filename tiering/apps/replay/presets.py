@@ -34,7 +34,9 @@ def _positive(owner: str, name: str, value: object, *, allow_zero: bool = False)
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """KV geometry and size of a model. ``params_b``: parameters, in billions."""
+    """KV geometry and size of a model. ``params_b``: parameters, in billions.
+    ``kv_bytes``: the KV bytes of one token when given (another model's figure, with
+    ``--kv-bytes-per-token``); 0: from the geometry."""
 
     name: str
     num_layers: int
@@ -42,6 +44,7 @@ class ModelPreset:
     head_dim: int
     dtype_bytes: int
     params_b: float
+    kv_bytes: int = 0
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
@@ -49,11 +52,22 @@ class ModelPreset:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ModelPreset.{f} must be an int >= 1, got {v!r}")
         _positive("ModelPreset", "params_b", self.params_b)
+        if isinstance(self.kv_bytes, bool) or not isinstance(self.kv_bytes, int) or (
+                self.kv_bytes < 0):
+            raise ValueError(f"ModelPreset.kv_bytes must be an int >= 0, got {self.kv_bytes!r}")
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token."""
+        """K and V of every layer for one token (``kv_bytes`` when given)."""
+        if self.kv_bytes:
+            return self.kv_bytes
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def describe(self) -> str:
+        """One line for ``--help``."""
+        return (f"{self.num_layers} layers, {self.num_kv_heads} KV heads of {self.head_dim}, "
+                f"{self.kv_bytes_per_token // 1024} KiB of KV a token, {self.params_b:g}B "
+                "parameters")
 
     @property
     def weight_bytes(self) -> float:
@@ -108,6 +122,12 @@ class HardwarePreset:
                 f"HardwarePreset.device_mem_bytes must be an int, got {self.device_mem_bytes!r}")
         _positive("HardwarePreset", "device_mem_bytes", self.device_mem_bytes, allow_zero=True)
 
+    def describe(self) -> str:
+        """One line for ``--help``."""
+        return (f"{_gib_text(self.device_kv_bytes)} device KV, {_gib_text(self.host_bytes)} "
+                f"host, {_gib_text(self.disk_bytes)} disk, {self.h2d_bps / 1e9:g} GB/s to the "
+                "device")
+
     def with_host_bytes(self, host_bytes: int) -> HardwarePreset:
         """The same worker with a host tier of ``host_bytes`` (an int, checked)."""
         return dataclasses.replace(self, host_bytes=host_bytes)
@@ -121,6 +141,58 @@ class HardwarePreset:
             host_bytes=self.host_bytes if host_bytes is None else host_bytes,
             disk_bytes=self.disk_bytes if disk_bytes is None else disk_bytes,
         )
+
+
+def _gib_text(nbytes: int) -> str:
+    return f"{nbytes / TiB:g} TiB" if nbytes >= TiB else f"{nbytes / GiB:g} GiB"
+
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
+                "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "int8": 1}
+
+
+def model_from_file(path: str) -> ModelPreset:
+    """A model from a JSON file: either this class's fields (``name``, ``num_layers``,
+    ``num_kv_heads``, ``head_dim``, ``dtype_bytes``, ``params_b``), or a Hugging Face
+    ``config.json`` (``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` or
+    ``hidden_size / num_attention_heads``, ``torch_dtype``; the parameter count is estimated
+    from ``hidden_size``, ``intermediate_size`` and ``vocab_size`` unless ``params_b`` is
+    given). ValueError naming the file and the missing or bad field."""
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--model-config {path}: cannot be read as JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--model-config {path}: expected a JSON object")
+    name = str(data.get("name") or data.get("_name_or_path") or Path(path).stem)
+    try:
+        if "num_layers" in data:
+            return ModelPreset(name, data["num_layers"], data["num_kv_heads"], data["head_dim"],
+                               data.get("dtype_bytes", 2), data["params_b"])
+        layers = data["num_hidden_layers"]
+        heads = data["num_attention_heads"]
+        kv_heads = data.get("num_key_value_heads", heads)
+        hidden = data["hidden_size"]
+        head_dim = data.get("head_dim") or hidden // heads
+        dtype = str(data.get("torch_dtype", "bfloat16")).replace("torch.", "")
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(f"torch_dtype {dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
+        params_b = data.get("params_b")
+        if params_b is None:
+            inter = data["intermediate_size"]
+            vocab = data["vocab_size"]
+            attn = hidden * (heads * head_dim) * 2 + hidden * (kv_heads * head_dim) * 2
+            mlp = 3 * hidden * inter
+            embed = vocab * hidden * (1 if data.get("tie_word_embeddings") else 2)
+            params_b = (layers * (attn + mlp) + embed) / 1e9
+        return ModelPreset(name, layers, kv_heads, head_dim, _DTYPE_BYTES[dtype], params_b)
+    except KeyError as err:
+        raise ValueError(f"--model-config {path}: missing field {err.args[0]!r}") from None
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--model-config {path}: {err}") from None
 
 
 def check_fits(model: ModelPreset, hardware: HardwarePreset) -> None:
