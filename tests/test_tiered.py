@@ -894,3 +894,22 @@ def test_sizes_are_bytes_written_with_helpers_and_pools_can_be_given_in_bytes(ge
         TieredKVConfig.from_bytes(geom, device_bytes=pb, host_bytes=pb, host_pages=3)
     with TieredKV(cfg) as tkv:
         assert tkv.kv.device_capacity_bytes == 8 * pb
+
+
+def test_a_stall_with_after_step_running_names_the_aging_wait(geom, tmp_path, closing, caplog):
+    """after_step runs every step but the clock stands still: the reload waits for aging_s
+    (nothing is offloaded below high), and the warning says so rather than blame
+    after_step."""
+    from tiering.tiered import Readiness
+
+    tkv, _ = _stall_setup(geom, tmp_path, 0.7, torch.Generator().manual_seed(14),
+                          stall_warn_steps=5)
+    closing(tkv)
+    with caplog.at_level("WARNING", logger="tiering.tiered"):
+        for step in range(8):
+            tkv.poll()
+            assert tkv.ready("a", step) is Readiness.ASKED_BACK
+            tkv.after_step(["b", "c", "d", "e"])
+    warned = [r.getMessage() for r in caplog.records if "'a'" in r.getMessage()]
+    assert len(warned) == 1
+    assert "aging_s = 10 s" in warned[0] and "after_step has not run" not in warned[0]

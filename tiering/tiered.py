@@ -478,6 +478,11 @@ class TieredKV:
             text += ("; after_step has not run since it was asked back, and only "
                      "after_step offloads idle requests to make room: call it every step, "
                      "with an empty ran when nothing ran")
+        else:
+            text += (f"; after_step offloads idle requests for it once it has waited "
+                     f"aging_s = {cfg.aging_s:g} s (below high = {cfg.high:g} nothing is "
+                     "offloaded before that); a device where (1 - high) x capacity holds "
+                     "the largest reload never waits so")
         return text
 
     def knows(self, rid: str) -> bool:
