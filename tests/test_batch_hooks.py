@@ -1,0 +1,281 @@
+"""The block policies' batch hooks give the runs of the per-event hooks, for every built-in
+and for a user's policy; ``--jobs`` gives the runs of one process; the policy meter counts
+and warns."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import OrderedDict
+from unittest import mock
+
+import pytest
+from conftest import conversation_trace
+from tiering.policies.blocks import (
+    BlockPolicy,
+    ChainOdds,
+    LRUBlocks,
+    default_block_registry,
+    register_block_policy,
+)
+
+from tiering.apps.replay import cli
+from tiering.apps.replay import jobs as jobs_mod
+from tiering.apps.replay.block_guard import PolicyMeter
+from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
+from tiering.apps.replay.presets import StepCost, get_hardware, get_model
+from tiering.apps.replay.simulator import RunSpec, SimConfig, simulate
+from tiering.blocks.index import BlockIndex
+from tiering.blocks.replay import replay_blocks
+from tiering.blocks.synth import SynthConfig, synthetic_chains
+from tiering.types import Tier
+
+COST = StepCost(get_model("llama-3.1-8b"), get_hardware("h100-80g"))
+SIM = SimConfig(max_batch=16, max_step_tokens=1024, page_tokens=16, block_tokens=64)
+BUILTINS = default_block_registry().names
+
+
+class MyLRU(BlockPolicy):
+    """A user's policy with the per-event hooks only (the batch hooks are the defaults)."""
+
+    name = "my-lru"
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._order: OrderedDict = OrderedDict()
+        self.calls: dict[str, int] = {}
+
+    def _count(self, hook: str) -> None:
+        self.calls[hook] = self.calls.get(hook, 0) + 1
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def admit(self, key, depth, now) -> bool:
+        self._count("admit")
+        return depth < 14  # refuses deep blocks, so a refusal happens
+
+    def on_insert(self, info, now) -> None:
+        self._count("on_insert")
+        self._order[info.key] = info.depth
+
+    def on_hit(self, info, now) -> None:
+        self._count("on_hit")
+        self._order.move_to_end(info.key)
+
+    def on_remove(self, key) -> None:
+        self._count("on_remove")
+        del self._order[key]
+
+    def victims(self, now):
+        yield from self._order
+
+
+class DropsLastHit(LRUBlocks):
+    """Negative control: an on_commit that forgets the request's last hit."""
+
+    name = "drops-last-hit"
+
+    def on_commit(self, keys, hits, depths, get, now) -> None:
+        super().on_commit(keys, hits[:-1], depths[:-1], get, now)
+
+
+def _chains(seed: int, n: int) -> list[list[int]]:
+    return synthetic_chains(n, seed, SynthConfig(gap_median=6.0))
+
+
+@pytest.mark.parametrize("name", [*BUILTINS, "user"])
+def test_block_replay_batch_equals_per_event(name):
+    """replay_blocks through the batch hooks gives the per-event loop's hits, inserts,
+    refusals, evictions and orphans, over random workloads and tight capacities."""
+    rng = random.Random(hash(name) & 0xFFFF)
+    for trial in range(3):
+        chains = _chains(rng.randrange(1 << 30), 120)
+        cap = rng.randint(8, 60)
+        make = (lambda c: MyLRU(c)) if name == "user" else (
+            lambda c: default_block_registry().make(name, capacity=c))
+        per = replay_blocks(chains, cap, make(cap), check_every=7, batch=False)
+        bat = replay_blocks(chains, cap, make(cap), check_every=7, batch=True)
+        assert per[:9] == bat[:9], (name, trial, cap)
+        assert per.evicted > 0 and per.hits > 0  # the capacity was tight enough to matter
+
+
+def test_block_replay_batch_hooks_ran_and_a_broken_one_shows():
+    chains = _chains(3, 150)
+    with mock.patch.object(LRUBlocks, "pop_victim", autospec=True,
+                           side_effect=LRUBlocks.pop_victim) as pop, \
+            mock.patch.object(LRUBlocks, "on_publish", autospec=True,
+                              side_effect=LRUBlocks.on_publish) as publish:
+        replay_blocks(chains, 20, LRUBlocks(20), batch=True)
+    assert pop.call_count > 0 and publish.call_count > 0
+    # the same comparison catches a batch hook that is not the per-event hooks' work
+    per = replay_blocks(chains, 20, DropsLastHit(20), batch=False)
+    bat = replay_blocks(chains, 20, DropsLastHit(20), batch=True)
+    assert per[:9] != bat[:9]
+
+
+def _kv_factory(device, host, disk):
+    def factory(clock):
+        return ModeledKVCache(COST.model.kv_bytes_per_token, 16, device, host, disk,
+                              LinkRates(2e9, 2e9, 5e8, 1e9, 1e-5, 1e-5, 1e-4, 1e-4), clock)
+    return factory
+
+
+def _digest(res) -> tuple:
+    return (res.requests, res.counters, res.decisions, res.timeline, res.kv_stats,
+            res.controller_stats, res.makespan_s)
+
+
+@pytest.mark.parametrize("name", [*BUILTINS, "user"])
+@pytest.mark.parametrize("make_room", ["offload", "drop"])
+def test_full_replay_batch_equals_per_event(name, make_room):
+    """A whole simulated run (commit, publish, loads, bursts down the tiers) is the same
+    with the batch hooks and with the per-event hooks, checked after every round."""
+    registry = register_block_policy("user", MyLRU) if name == "user" else None
+    trace = conversation_trace(11, 160, shared=0.6)
+    runs = []
+    for batch in (False, True):
+        sim = SimConfig(**{**SIM.__dict__, "block_policy": name, "batch_hooks": batch,
+                           "make_room": make_room})
+        runs.append(simulate(trace, COST, RunSpec("tiering", "lru"), sim,
+                             kv_factory=_kv_factory(200, 60, 300), block_registry=registry,
+                             check=True))
+    per, bat = runs
+    assert _digest(per) == _digest(bat)
+    c = per.counters
+    assert c.block_moves_host and c.block_loads and c.reused_tokens  # every point was used
+
+
+def test_full_replay_used_the_batch_hooks():
+    trace = conversation_trace(4, 120, shared=0.6)
+    calls = {}
+    spies = {h: mock.patch.object(ChainOdds, h, autospec=True, side_effect=getattr(ChainOdds, h))
+             for h in ("on_commit", "on_publish", "pop_victim", "on_inserts", "on_request")}
+    for batch in (True, False):
+        with spies["on_commit"] as commit, spies["pop_victim"] as pop, \
+                spies["on_inserts"] as inserts, spies["on_publish"] as publish:
+            sim = SimConfig(**{**SIM.__dict__, "block_policy": "chain", "batch_hooks": batch})
+            simulate(trace, COST, RunSpec("tiering", "lru"), sim,
+                     kv_factory=_kv_factory(200, 60, 300))
+            calls[batch] = (commit.call_count, publish.call_count, pop.call_count,
+                            inserts.call_count)
+    assert all(calls[True]) and not any(calls[False])
+
+
+def test_the_meter_counts_every_hook_and_warns_once_over_budget():
+    trace = conversation_trace(8, 100, shared=0.6)
+    registry = register_block_policy("user", MyLRU)
+    ticks = iter(range(10**9))
+    warned: list[str] = []
+    # a fake clock: every call into the policy takes 1 ms, over a 20 µs budget
+    meter = PolicyMeter("user", budget_s=20e-6, warn=warned.append,
+                        timer=lambda: next(ticks) * 1e-3)
+    sim = SimConfig(**{**SIM.__dict__, "block_policy": "user"})
+    res = simulate(trace, COST, RunSpec("tiering", "lru"), sim,
+                   kv_factory=_kv_factory(200, 60, 300), block_registry=registry,
+                   block_meter=meter)
+    assert len(warned) == 1 and "'user' is slow" in warned[0] and "budget 20 µs" in warned[0]
+    by_hook: dict[str, int] = {}
+    for row in res.policy_cost:
+        by_hook[row.hook] = by_hook.get(row.hook, 0) + row.calls
+        assert row.seconds == pytest.approx(row.calls * 1e-3)
+    assert {"on_request", "on_hit", "admit", "on_insert", "on_remove"} <= set(by_hook)
+    assert by_hook["on_request"] == 3 * len(trace)  # every tier is told every request
+
+    quiet: list[str] = []
+    fast = PolicyMeter("user", budget_s=20e-6, warn=quiet.append, timer=lambda: 0.0)
+    simulate(trace, COST, RunSpec("tiering", "lru"), sim, kv_factory=_kv_factory(200, 60, 300),
+             block_registry=registry, block_meter=fast)
+    assert quiet == [] and fast.events > 0
+
+
+def test_meter_refuses_a_bad_budget():
+    with pytest.raises(ValueError, match="budget_s"):
+        PolicyMeter("x", budget_s=0)
+
+
+def test_insert_run_equals_inserts_and_refuses_bad_runs_whole():
+    rng = random.Random(5)
+    a, b = BlockIndex(), BlockIndex()
+    for idx in (a, b):
+        idx.insert(1, None, Tier.DEVICE, "h1", 0.5)
+    keys = [rng.randrange(10, 10**6) for _ in range(7)]
+    handles = [f"h{k}" for k in keys]
+    assert a.insert_run(keys, 1, Tier.DEVICE, handles, 2.0, acquire=True)
+    parent = 1
+    for k, h in zip(keys, handles, strict=True):
+        assert b.insert(k, parent, Tier.DEVICE, h, 2.0)
+        b.acquire(k)
+        parent = k
+    a.check_integrity()
+    for name in ("_parent", "_depth", "_tier", "_handle", "_refs", "_hits", "_first", "_last",
+                 "_kids", "_below", "_counts"):
+        assert getattr(a, name) == getattr(b, name), name
+    before = dict(a._tier)
+    with pytest.raises(ValueError, match="already in the index"):
+        a.insert_run([10**7, keys[3]], keys[-1], Tier.DEVICE, ["x1", "x2"], 3.0)
+    with pytest.raises(ValueError, match="handles"):
+        a.insert_run([10**7, 10**7 + 1], keys[-1], Tier.DEVICE, ["x1", "x1"], 3.0)
+    assert a._tier == before
+    assert not a.insert_run([10**7], 999, Tier.DEVICE, ["x1"], 3.0)  # parent not cached
+    with pytest.raises(ValueError, match="not mapped"):
+        a.release_many([keys[0], keys[0]])  # mapped once
+    assert a._refs[keys[0]] == 1
+    a.release_many(keys)
+    a.check_integrity()
+
+
+def _cli(tmp_path, name, *extra):
+    trace = conversation_trace(21, 90, shared=0.6)
+    path = tmp_path / "trace.jsonl"
+    with path.open("w") as f:
+        for t in trace:
+            f.write(json.dumps({"timestamp": int(t.arrival_s * 1000),
+                                "input_length": t.input_tokens,
+                                "output_length": t.output_tokens,
+                                "hash_ids": list(t.hash_ids)}) + "\n")
+    out = tmp_path / name
+    argv = [str(path), "--out", str(out), "--sweep", "--policy", "lru,cost",
+            "--host-gib", "0,4", "--watermarks", "0.9:0.75", "--device-gib", "1",
+            "--no-plots", "--seeds", "2", *extra]
+    return cli.main(argv), out
+
+
+def test_jobs_gives_the_runs_of_one_process(tmp_path):
+    code1, one = _cli(tmp_path, "one")
+    code2, two = _cli(tmp_path, "two", "--jobs", "2")
+    assert code1 == code2 == 0
+    a = json.loads((one / "summary.json").read_text())
+    b = json.loads((two / "summary.json").read_text())
+    assert list(a["runs"]) == list(b["runs"]) and a["runs"] == b["runs"]
+    assert a["bounds"] == b["bounds"]
+    assert (one / "sweep.csv").read_text() == (two / "sweep.csv").read_text()
+    assert not (one / "runs.jsonl").exists() and not (two / "runs.jsonl").exists()
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_ctrl_c_keeps_every_finished_run(tmp_path, jobs, monkeypatch):
+    """Ctrl-C after the second run came back: those runs are on disk, named, with the
+    rows a whole replay gives them; nothing else is written; exit status 130."""
+    code, full = _cli(tmp_path, "full", "--seeds", "1")
+    assert code == 0
+    rows = json.loads((full / "summary.json").read_text())["runs"]
+    real = jobs_mod.Keeper.__call__
+
+    def keep_then_interrupt(self, done):
+        real(self, done)
+        if self.kept == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(jobs_mod.Keeper, "__call__", keep_then_interrupt)
+    code, out = _cli(tmp_path, "cut", "--seeds", "1", "--jobs", jobs)
+    assert code == 130
+    kept = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert len(kept) == 2 and len(rows) > 2
+    for k in kept:  # the run's own row (summary.json adds report columns to it)
+        assert k["row"] and {c: rows[k["name"]][c] for c in k["row"]} == k["row"]
+    assert sorted(p.name for p in out.iterdir()) == ["runs.jsonl"]
