@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 
 test: $(STAMP)
 	$(BIN)/ruff check tiering resources policies tests benchmarks
-	$(BIN)/mkdocs build --strict --quiet --site-dir $(SITE)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(SITE)
 	$(BIN)/python -m pytest -q -n 2 --timeout=600 tests || { rc=$$?; [ $$rc -eq 5 ] && echo "no tests ran"; exit $$rc; }
 
 demo: $(STAMP)
@@ -35,7 +35,7 @@ bench: $(STAMP)
 
 # the docs site (site/); `make test` builds it with --strict as well
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --site-dir $(SITE)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(SITE)
 
 # the figures and measured numbers quoted in README.md and docs/, with the machine they came from
 figures: $(STAMP)

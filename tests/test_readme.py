@@ -1,31 +1,43 @@
-"""The README's examples run as written (with their disk paths moved to a temp dir)."""
+"""The README is a front page: short, the two set-up commands, and figures that came from a run.
+
+Its code blocks run in tests/test_docs_snippets.py with every other page's.
+"""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
-def _block(opening: str) -> str:
+def test_readme_is_a_front_page_with_the_two_set_up_commands():
     text = README.read_text()
-    start = text.index("```python\n" + opening)
-    return text[start + len("```python\n") : text.index("```", start + 10)]
+    assert len(text.splitlines()) <= 250
+    assert "make test" in text and "make demo" in text
+    assert "```python" in text and "![" in text
 
 
-def _run(body: str, tmp_path) -> None:
-    for path in ('"/tmp/kv-disk"', '"/tmp/kv-tier"'):
-        body = body.replace(path, repr(str(tmp_path / path.strip('"').rsplit("/", 1)[1])))
-    exec(compile(body, str(README), "exec"), {"__name__": "readme_example"})
+def test_quoted_figures_are_the_recorded_ones_with_their_machine():
+    record = json.loads((ROOT / "docs" / "figures" / "demo.json").read_text())
+    assert record["runs"] and record["machine"]["cores"] >= 1
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "figures.py"), "--check"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert record["machine"]["cpu"] in README.read_text()
 
 
-def test_readme_kv_cache_example_runs(tmp_path):
-    body = _block("import torch")
-    assert "kv.reload" in body and "torch.equal" in body
-    _run(body, tmp_path)
-
-
-def test_readme_front_door_example_runs(tmp_path):
-    body = _block("from tiering import ControllerConfig")
-    assert "TieredKV(" in body and "after_step" in body
-    _run(body, tmp_path)
+def test_the_figures_check_fails_on_edited_text(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import figures
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    record = json.loads((ROOT / "docs" / "figures" / "demo.json").read_text())
+    text = README.read_text()
+    assert figures.rewrite(text, record) == text
+    edited = text.replace("| whole command, wall |", "| whole command, wall | 1 s |", 1)
+    assert figures.rewrite(edited, record) != edited
