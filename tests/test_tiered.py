@@ -913,3 +913,33 @@ def test_a_stall_with_after_step_running_names_the_aging_wait(geom, tmp_path, cl
     warned = [r.getMessage() for r in caplog.records if "'a'" in r.getMessage()]
     assert len(warned) == 1
     assert "aging_s = 10 s" in warned[0] and "after_step has not run" not in warned[0]
+
+
+def _disk_run(geom, path, gen, **disk_kw):
+    from tiering.disk.config import DiskConfig
+
+    disk = DiskConfig(path=str(path), capacity_bytes=64 * geom.page_bytes,
+                      chunk_bytes=2 * geom.page_bytes, **disk_kw)
+    tkv = TieredKV(_config(geom, host_pages=1, disk=disk), clock=FakeClock())
+    _fill(tkv, "a", 8, gen)
+    assert tkv.kv.offload("a") > 0  # host full: to disk
+    tkv.synchronize(timeout=10)
+    assert tkv.kv.state_of("a") is RequestState.ON_DISK
+    assert sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) >= 64 * geom.page_bytes
+    tkv.close()
+
+
+def test_close_removes_the_disk_directory_the_cache_created_and_only_that(geom, tmp_path):
+    """A snippet with a fresh disk path leaves no preallocated slot file behind; a directory
+    the caller made, or a reattach store meant for a later process, is kept."""
+    gen = torch.Generator().manual_seed(15)
+    fresh = tmp_path / "new" / "disk"
+    _disk_run(geom, fresh, gen)
+    assert not (tmp_path / "new").exists()
+    made = tmp_path / "mine"
+    made.mkdir()
+    _disk_run(geom, made, gen)
+    assert any(made.iterdir())  # the caller's directory and what it holds stay
+    kept = tmp_path / "reattach"
+    _disk_run(geom, kept, gen, on_start="reattach")
+    assert any(kept.iterdir())

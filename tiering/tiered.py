@@ -24,9 +24,12 @@ from __future__ import annotations
 import enum
 import inspect
 import logging
+import os
+import shutil
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +78,10 @@ class TieredKVConfig:
     ``cache_pressure``: the pool's own occupancy on a CPU; on a GPU the worse of
     that and the whole device as NVML sees it). ``cache_options``: further keyword
     arguments of ``PagedKVCache`` (``copy_workers``, ``disk_wrap_store``, ...).
+    ``disk``: a local directory that does not exist yet, with ``on_start="clear"``, is
+    created by the cache and removed with everything in it (its preallocated slot file
+    too) by ``close()``; create the directory first, or use ``on_start="reattach"``, to
+    keep it for a later process.
     ``stall_warn_steps``: a request ``ready`` or ``prepare`` has asked back this many
     steps in a row without its reload starting is logged once as stalled, naming what it
     waits for (``None``: never).
@@ -198,6 +205,33 @@ def _close_cache(kv: Any) -> None:
     kv.close()
 
 
+def _disk_dir_to_create(disk: DiskConfig | None) -> Path | None:
+    """The topmost directory a cache over ``disk`` will create (a local path that does
+    not exist yet, cleared at start), which ``close`` removes; None when there is none."""
+    if disk is None or disk.store is not None or disk.path is None or disk.on_start != "clear":
+        return None
+    text = os.fspath(disk.path)
+    if "://" in text:
+        return None
+    path = Path(text).absolute()
+    if path.exists():
+        return None
+    top = path
+    while not top.parent.exists() and top.parent != top:
+        top = top.parent
+    return top
+
+
+def _remove_dir(path: Path) -> None:
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("TieredKV.close: could not remove the disk directory it created, %s: %s",
+                    path, exc)
+
+
 def _stop_source(source: Any) -> None:
     """Stop a pressure source the front door built (a poller's thread): ``stop()``, else
     ``close()``, where it has one. A failure is logged; the cache is closed regardless."""
@@ -271,15 +305,22 @@ class TieredKV:
             PagedKVCache,  # paid only by a TieredKV that builds one
         )
 
-        kv = PagedKVCache(
-            config.geometry, device=config.device, device_pages=config.device_pages,
-            host_pages=config.host_pages, disk=config.disk, verify=config.verify,
-            offload_to_disk_when_host_full=config.offload_to_disk_when_host_full,
-            clock=clock, **config.cache_options,
-        )
-        self.config: TieredKVConfig | None = config
-        self._assemble(kv, policy, config.pressure, config.controller, clock,
-                       stall_warn_steps=config.stall_warn_steps)
+        created = _disk_dir_to_create(config.disk)
+        try:
+            kv = PagedKVCache(
+                config.geometry, device=config.device, device_pages=config.device_pages,
+                host_pages=config.host_pages, disk=config.disk, verify=config.verify,
+                offload_to_disk_when_host_full=config.offload_to_disk_when_host_full,
+                clock=clock, **config.cache_options,
+            )
+            self.config: TieredKVConfig | None = config
+            self._assemble(kv, policy, config.pressure, config.controller, clock,
+                           stall_warn_steps=config.stall_warn_steps)
+        except BaseException:
+            if created is not None:  # the cache was closed (or never built): nothing left
+                _remove_dir(created)
+            raise
+        self._created_disk = created
 
     @classmethod
     def around(
@@ -324,6 +365,7 @@ class TieredKV:
         factory = _pressure_factory(pressure)
         self = cls.__new__(cls)
         self.config = None
+        self._created_disk = None  # the cache's disk is the caller's
         self._assemble(cache, _resolve_policy(policy, policy_registry), factory, controller,
                        clock, owns_pressure=not _is_source(pressure),
                        stall_warn_steps=stall_warn_steps)
@@ -568,7 +610,8 @@ class TieredKV:
         """Finish or abandon transfers and stop every thread (idempotent): a pressure
         source the front door built (from ``TieredKVConfig.pressure`` or a callable
         given to ``around``) is stopped (``stop()``, else ``close()``) before the cache
-        closes; a source instance handed to ``around`` is the caller's and left running."""
+        closes; a source instance handed to ``around`` is the caller's and left running.
+        A disk directory the cache created (see ``TieredKVConfig.disk``) is removed last."""
         if self._closed:
             return
         self._closed = True
@@ -576,7 +619,11 @@ class TieredKV:
             if self._owns_pressure:  # first: a poller reads the cache until it stops
                 _stop_source(self.pressure)
         finally:
-            _close_cache(self.kv)
+            try:
+                _close_cache(self.kv)
+            finally:
+                if self._created_disk is not None:
+                    _remove_dir(self._created_disk)
 
     def __enter__(self) -> TieredKV:
         return self
