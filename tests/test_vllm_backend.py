@@ -908,7 +908,8 @@ class ManagerMachine(RuleBasedStateMachine):
 def test_machine_rules_reach_the_disk_and_corruption_paths():
     """The machine's rules, driven by seeded random walks, reach every path the
     hypothesis run may only sample: loads from disk, damaged blocks dropped (with
-    their descendants), deferred drops, disk evictions; integrity after each step."""
+    their descendants), deferred drops, disk evictions, stores straight to disk
+    (completed and failed); integrity after each step."""
     import random
 
     rules = ManagerMachine
@@ -941,7 +942,8 @@ def test_machine_rules_reach_the_disk_and_corruption_paths():
             seen[name] = seen.get(name, 0) + (v > 0)
         mm.teardown()
     for name in ("loads_from_disk", "promotions_failed", "corrupt", "orphaned",
-                 "disk_evictions", "demotions_ok", "host_evictions"):
+                 "disk_evictions", "demotions_ok", "host_evictions", "stores_staged",
+                 "stores_staged_failed"):
         assert seen.get(name, 0) > 0, (name, seen)
 
 
