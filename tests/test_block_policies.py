@@ -29,8 +29,8 @@ from tiering.types import Tier
 NAMES = default_block_registry().names
 
 
-def test_registry_holds_the_four_policies():
-    assert set(NAMES) == {"lru", "arc", "s3fifo", "chain"}
+def test_registry_holds_the_six_policies():
+    assert set(NAMES) == {"lru", "arc", "s3fifo", "lirs", "chain", "adaptive"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -600,7 +600,7 @@ def _policy_state(p):
     return len(p), list(p.victims(9.0))
 
 
-@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "chain"])
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "lirs", "chain", "adaptive"])
 def test_an_event_for_a_block_the_policy_does_not_hold_is_refused_by_name(name):
     """A second on_insert of a tracked block was taken silently (ARC then held a block read
     once in T2 and again in T1, counted twice by len); on_hit and on_remove of an untracked

@@ -95,10 +95,18 @@ def test_cli_writes_summary(tmp_path):
         == 0
     )
     s = json.loads((out / "summary.json").read_text())
-    assert set(s["policies"]) == {"lru", "arc", "s3fifo", "chain"}
+    assert set(s["policies"]) == {"lru", "arc", "s3fifo", "lirs", "chain", "adaptive"}
     for p in s["policies"].values():
         assert 0 < p["block_hit_rate"] <= s["belady_hit_rate"]
         assert p["belady_hit_rate"] == s["belady_hit_rate"]
+    # beside each policy: its ratio to the best established policy of the run
+    best = s["best_established"]
+    assert best in ("lru", "arc", "s3fifo", "lirs")
+    top = s["policies"][best]["block_hit_rate"]
+    assert all(s["policies"][n]["block_hit_rate"] <= top for n in ("lru", "arc", "s3fifo", "lirs"))
+    assert s["policies"][best]["of_best_established"] == 1.0
+    for p in s["policies"].values():
+        assert p["of_best_established"] == pytest.approx(p["block_hit_rate"] / top)
     assert (
         main(
             [

@@ -132,10 +132,11 @@ def test_scan_mix_scans_are_read_once_and_the_hot_set_again():
     assert max(counts.values()) > 50, "the hot documents are read again and again"
 
 
-def test_loop_cycles_over_its_blocks():
-    chains = synth.loop_chains(30, 40, chain_blocks=8)
-    assert chains[0] == list(range(8)) and chains[5] == chains[0]
-    assert {b for c in chains for b in c} == set(range(40))
+def test_loop_cycles_over_exactly_its_blocks():
+    chains = synth.loop_chains(30, 44, chain_blocks=8)
+    assert chains[0] == list(range(8)) and chains[6] == chains[0]
+    assert chains[5] == list(range(40, 44)), "the last chain of the loop is shorter"
+    assert {b for c in chains for b in c} == set(range(44))
 
 
 def test_shift_replaces_the_working_set():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tiering.policies.blocks.adaptive import AdaptiveBlocks, LIRSBlocks
 from tiering.policies.blocks.base import BlockInfo, BlockPolicy
 from tiering.policies.blocks.chain import ChainOdds
 from tiering.policies.blocks.generic import ARCBlocks, LRUBlocks, S3FIFOBlocks
@@ -27,11 +28,13 @@ DEFAULT_BLOCK_POLICY = "chain"
 
 __all__ = [
     "ARCBlocks",
+    "AdaptiveBlocks",
     "BlockInfo",
     "BlockPolicy",
     "BlockPolicyRegistry",
     "ChainOdds",
     "DEFAULT_BLOCK_POLICY",
+    "LIRSBlocks",
     "LRUBlocks",
     "S3FIFOBlocks",
     "default_block_registry",
@@ -49,9 +52,11 @@ class BlockPolicyRegistry(Registry):
 
 
 def default_block_registry() -> BlockPolicyRegistry:
-    """A fresh registry with the built-ins: "lru", "arc", "s3fifo", "chain"."""
+    """A fresh registry with the built-ins: "lru", "arc", "s3fifo", "lirs", "chain",
+    "adaptive"."""
     return BlockPolicyRegistry(
-        {"lru": LRUBlocks, "arc": ARCBlocks, "s3fifo": S3FIFOBlocks, "chain": ChainOdds}
+        {"lru": LRUBlocks, "arc": ARCBlocks, "s3fifo": S3FIFOBlocks, "lirs": LIRSBlocks,
+         "chain": ChainOdds, "adaptive": AdaptiveBlocks}
     )
 
 

@@ -332,9 +332,9 @@ def loop_chains(n: int, loop_blocks: int, chain_blocks: int = 8) -> list[list[in
     for name, v in (("loop_blocks", loop_blocks), ("chain_blocks", chain_blocks)):
         if not is_int(v) or v < 1:
             raise ValueError(f"loop_chains: {name} must be an int >= 1, got {v!r}")
-    per = max(1, loop_blocks // chain_blocks)
-    return [list(range((i % per) * chain_blocks, (i % per + 1) * chain_blocks))
-            for i in range(n)]
+    starts = range(0, loop_blocks, chain_blocks)  # the last chain may be shorter
+    chains = [list(range(s, min(s + chain_blocks, loop_blocks))) for s in starts]
+    return [list(chains[i % len(chains)]) for i in range(n)]
 
 
 def shift_chains(n: int, seed: int, working_blocks: int, at: int,

@@ -1,0 +1,383 @@
+"""Two policies: a LIRS-like baseline, and the adaptive default that follows whichever
+of several experts pays on the workload in front of it.
+
+``AdaptiveBlocks`` ("adaptive") keeps a full instance of each expert (by default
+ChainOdds, S3-FIFO and ARC), tells every one of them every event of the tier, and
+takes its victims and admission answers from one of them, the leader. ChainOdds
+leads first. Which one leads is decided by miniature simulations: each expert also
+runs in a shadow tier of ``capacity / rate`` blocks over the blocks whose key falls
+in a fixed 1-in-``rate`` hash sample, told the same requests in the same order (the
+sampled part of each chain). Each request's shadow prefix hits are summed with an
+exponential decay of ``window`` requests, with the decayed sums of their products,
+so the variance of the difference between two experts is known. The lead passes to
+an expert whose decayed hits exceed the leader's by ``z`` standard errors of that
+difference and by ``margin`` of the leader's hits: a clear, lasting advantage moves
+it; a near tie, whose noise the shadows cannot resolve, never does.
+
+Bounds: each shadow holds at most ``capacity / rate`` blocks; the ghost keys of the
+experts and shadows (ARC's B1 and B2, S3-FIFO's ghost FIFO, LIRS's non-resident HIR
+keys) are at most ``GHOST_FACTOR`` x capacity in all (``ghost_entries`` counts
+them); ChainOdds' reuse history is bounded by its horizon (the blocks read in its
+last ``horizon`` requests), counted apart (``history_entries``). Per event: each
+expert's hook once, plus the shadows' share (1 / ``rate`` of the blocks, with
+``rate`` = capacity / 500 capped at 8 by default); per request, a few products
+per pair of experts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Container, Hashable, Iterator, Sequence
+
+from tiering.policies.blocks.base import BlockInfo, BlockPolicy, already_tracked, not_tracked
+from tiering.policies.blocks.chain import ChainOdds
+from tiering.policies.blocks.generic import ARCBlocks, LRUBlocks, S3FIFOBlocks
+
+__all__ = ["GHOST_FACTOR", "AdaptiveBlocks", "LIRSBlocks"]
+
+#: Ghost keys of the experts and the shadows, at most this many times the capacity: per
+#: expert at most 2x (ARC, LIRS; S3-FIFO 1x, LRU and ChainOdds none), five experts at
+#: most, and the shadows as much again at 1 / rate of the capacity.
+GHOST_FACTOR = 10
+
+
+def _check_capacity(name: str, capacity: object) -> int:
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        raise ValueError(f"{name}: capacity must be an int >= 1 (blocks), got {capacity!r}")
+    return capacity
+
+
+class LIRSBlocks(BlockPolicy):
+    """LIRS: blocks read twice within a short reuse distance (LIR) hold most of the
+    tier; the rest (resident HIR, ``hir_fraction`` of it) wait in a FIFO and go
+    first. The recency stack also keeps non-resident HIR keys (ghosts), at most
+    ``ghost_factor`` x capacity of them, so a block read again soon after leaving
+    becomes LIR."""
+
+    name = "lirs"
+
+    def __init__(self, capacity: int, hir_fraction: float = 0.01,
+                 ghost_factor: float = 2.0) -> None:
+        self.capacity = _check_capacity(self.name, capacity)
+        if isinstance(hir_fraction, bool) or not isinstance(hir_fraction, (int, float)) or not (
+                0.0 < hir_fraction < 1.0):
+            raise ValueError(f"lirs: hir_fraction must be in (0, 1), got {hir_fraction!r}")
+        if isinstance(ghost_factor, bool) or not isinstance(ghost_factor, (int, float)) or not (
+                0.0 <= ghost_factor <= 16.0):
+            raise ValueError(f"lirs: ghost_factor must be in [0, 16], got {ghost_factor!r}")
+        self._lir_target = max(1, capacity - max(1, int(capacity * hir_fraction)))
+        self.ghost_bound = int(capacity * ghost_factor)
+        self._s: OrderedDict[Hashable, None] = OrderedDict()  # recency stack, bottom first
+        self._q: OrderedDict[Hashable, None] = OrderedDict()  # resident HIR, oldest first
+        self._lir: set[Hashable] = set()
+        self._ghost: OrderedDict[Hashable, None] = OrderedDict()  # non-resident HIR in S
+
+    def __len__(self) -> int:
+        return len(self._lir) + len(self._q)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._lir or key in self._q
+
+    @property
+    def ghosts(self) -> int:
+        return len(self._ghost)
+
+    def _prune(self) -> None:
+        """Drop HIR entries from the bottom of the stack until an LIR block is there."""
+        s, lir, ghost = self._s, self._lir, self._ghost
+        while s:
+            k = next(iter(s))
+            if k in lir:
+                return
+            del s[k]
+            ghost.pop(k, None)
+
+    def _demote_bottom(self) -> None:
+        """The bottom LIR block becomes resident HIR (end of the FIFO)."""
+        s = self._s
+        if not s:
+            return
+        k, _ = s.popitem(last=False)
+        self._lir.discard(k)
+        self._q[k] = None
+        self._prune()
+
+    def on_insert(self, info: BlockInfo, now: float) -> None:
+        k = info.key
+        if k in self._lir or k in self._q:
+            raise already_tracked(self, k)
+        s = self._s
+        if len(self._lir) < self._lir_target:
+            self._ghost.pop(k, None)
+            s.pop(k, None)
+            s[k] = None
+            self._lir.add(k)
+        elif k in self._ghost:  # read again within its reuse distance: LIR
+            del self._ghost[k]
+            s.move_to_end(k)
+            self._lir.add(k)
+            self._demote_bottom()
+        else:
+            s[k] = None
+            self._q[k] = None
+
+    def on_hit(self, info: BlockInfo, now: float) -> None:
+        k, s = info.key, self._s
+        if k in self._lir:
+            bottom = next(iter(s)) == k
+            s.move_to_end(k)
+            if bottom:
+                self._prune()
+        elif k in self._q:
+            if k in s:  # a resident HIR block inside the stack: LIR
+                s.move_to_end(k)
+                del self._q[k]
+                self._lir.add(k)
+                self._demote_bottom()
+            else:
+                s[k] = None
+                self._q.move_to_end(k)
+        else:
+            raise not_tracked(self, "on_hit", k)
+
+    def on_remove(self, key: Hashable) -> None:
+        if key in self._q:
+            del self._q[key]
+            if key in self._s:
+                ghost = self._ghost
+                ghost[key] = None
+                if len(ghost) > self.ghost_bound:
+                    old, _ = ghost.popitem(last=False)
+                    del self._s[old]
+        elif key in self._lir:
+            self._lir.discard(key)
+            del self._s[key]
+            self._prune()
+        else:
+            raise not_tracked(self, "on_remove", key)
+
+    def victims(self, now: float) -> Iterator[Hashable]:
+        yield from self._q
+        lir = self._lir
+        for k in self._s:
+            if k in lir:
+                yield k
+
+
+_EXPERTS: dict[str, Callable[..., BlockPolicy]] = {
+    "chain": ChainOdds,
+    "s3fifo": S3FIFOBlocks,
+    "arc": ARCBlocks,
+    "lirs": LIRSBlocks,
+    "lru": LRUBlocks,
+}
+_MASK = (1 << 64) - 1
+_GOLD = 0x9E3779B97F4A7C15
+
+
+def _sample_value(key: Hashable) -> int:
+    """A value of ``key`` that is the same in every process (a block key is a digest)."""
+    if type(key) is int:
+        return key
+    if isinstance(key, bytes):
+        return int.from_bytes(key[-8:], "little")
+    return hash(key)
+
+
+def _ghosts(p: BlockPolicy) -> int:
+    if isinstance(p, ARCBlocks):
+        return len(p._b1) + len(p._b2)
+    if isinstance(p, S3FIFOBlocks):
+        return len(p._g)
+    if isinstance(p, LIRSBlocks):
+        return len(p._ghost)
+    return 0
+
+
+class _Shadow:
+    """One expert in a miniature tier over the sampled blocks, counting its prefix hits."""
+
+    __slots__ = ("capacity", "policy")
+
+    def __init__(self, policy: BlockPolicy, capacity: int) -> None:
+        self.policy = policy
+        self.capacity = capacity
+
+    def request(self, keys: list, now: float) -> int:
+        """Serve one request's sampled chain; its prefix hits."""
+        p = self.policy
+        hits = 0
+        for k in keys:
+            if k not in p:
+                break
+            hits += 1
+        p.on_request(keys, now)
+        self._serve(keys, now)
+        return hits
+
+    def _serve(self, keys: list, now: float) -> None:
+        p = self.policy
+        parent = None
+        for depth, k in enumerate(keys):
+            info = BlockInfo(k, parent, depth, 1, 0, now, now, 0)
+            if k in p:
+                p.on_hit(info, now)
+            else:
+                if not p.admit(k, depth, now):
+                    return
+                if len(p) >= self.capacity:
+                    mine = keys[:depth]
+                    victim = next((v for v in p.victims(now) if v not in mine), None)
+                    if victim is None:
+                        return
+                    p.on_remove(victim)
+                p.on_insert(info, now)
+            parent = k
+
+
+class AdaptiveBlocks(BlockPolicy):
+    """Follow the expert whose miniature simulation scores best lately (module docstring)."""
+
+    name = "adaptive"
+
+    def __init__(self, capacity: int, experts: Sequence[str] = ("chain", "s3fifo", "arc"),
+                 rate: int | None = None, window: int = 3000, margin: float = 0.01,
+                 z: float = 3.0) -> None:
+        self.capacity = _check_capacity(self.name, capacity)
+        experts = tuple(experts)
+        if not experts or any(e not in _EXPERTS for e in experts) or len(set(experts)) != len(
+                experts):
+            raise ValueError(f"adaptive: experts must be distinct names among "
+                             f"{', '.join(_EXPERTS)}, got {experts!r}")
+        if rate is None:
+            rate = max(1, min(8, capacity // 500))
+        if not isinstance(rate, int) or isinstance(rate, bool) or not 1 <= rate <= capacity:
+            raise ValueError(f"adaptive: rate must be an int in [1, capacity], got {rate!r}")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"adaptive: window must be an int >= 1 (requests), got {window!r}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not (
+                0.0 <= margin <= 1.0):
+            raise ValueError(f"adaptive: margin must be in [0, 1], got {margin!r}")
+        if isinstance(z, bool) or not isinstance(z, (int, float)) or not 0.0 <= z <= 100.0:
+            raise ValueError(f"adaptive: z must be in [0, 100] (standard errors), got {z!r}")
+        self.z = float(z)
+        self.expert_names = experts
+        self.rate = rate
+        self.window = window
+        self.margin = float(margin)
+        self._decay = 1.0 - 1.0 / window
+        self._experts = [_EXPERTS[e](capacity=capacity) for e in experts]
+        small = max(1, capacity // rate)
+        self._shadows = [_Shadow(_EXPERTS[e](capacity=small), small) for e in experts]
+        k = len(experts)
+        self._sums = [0.0] * k  # decayed shadow hits per expert
+        self._cross = [[0.0] * k for _ in range(k)]  # decayed products, upper triangle
+        self._lead = 0
+        self.leader = self._experts[0]
+        self.switches = 0
+
+    # -- reading -------------------------------------------------------------------
+
+    @property
+    def leader_name(self) -> str:
+        return self.expert_names[self._lead]
+
+    @property
+    def scores(self) -> dict[str, float]:
+        """Each expert's decayed shadow hits (what the leader is chosen by)."""
+        return dict(zip(self.expert_names, self._sums, strict=True))
+
+    @property
+    def ghost_entries(self) -> int:
+        """Ghost keys held by the experts and the shadows (bounded by GHOST_FACTOR x capacity)."""
+        return sum(_ghosts(p) for p in self._experts) + sum(
+            _ghosts(s.policy) for s in self._shadows)
+
+    @property
+    def history_entries(self) -> int:
+        """Records in ChainOdds' reuse histories (bounded by its horizon, in requests)."""
+        return sum(len(p._ghost) for p in (*self._experts, *(s.policy for s in self._shadows))
+                   if isinstance(p, ChainOdds))
+
+    def __len__(self) -> int:
+        return len(self.leader)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.leader
+
+    # -- events ----------------------------------------------------------------------
+
+    def on_request(self, keys: Sequence[Hashable], now: float) -> None:
+        for p in self._experts:
+            p.on_request(keys, now)
+        rate = self.rate
+        if rate == 1:
+            sampled = list(keys)
+        else:
+            sampled = [k for k in keys if (((_sample_value(k) * _GOLD) & _MASK) >> 32) % rate == 0]
+        self._choose([s.request(sampled, now) for s in self._shadows])
+
+    def _choose(self, hits: list[int]) -> None:
+        """Decay the sums, add this request's shadow hits, and hand the lead to the expert
+        that beats the leader by ``z`` standard errors and by ``margin``."""
+        g, n = self._decay, len(hits)
+        sums, cross = self._sums, self._cross
+        for i in range(n):
+            hi = hits[i]
+            sums[i] = sums[i] * g + hi
+            row = cross[i]
+            for j in range(i, n):
+                row[j] = row[j] * g + hi * hits[j]
+        lead = self._lead
+        sl = sums[lead]
+        best, best_gap = lead, 0.0
+        for i in range(n):
+            if i == lead:
+                continue
+            d = sums[i] - sl
+            if d <= best_gap or d <= self.margin * sl + 1.0:
+                continue
+            a, b = (i, lead) if i < lead else (lead, i)
+            var = cross[i][i] - 2.0 * cross[a][b] + cross[lead][lead]
+            if d * d > self.z * self.z * var:
+                best, best_gap = i, d
+        if best != lead:
+            self._lead = best
+            self.leader = self._experts[best]
+            self.switches += 1
+
+    def admit(self, key: Hashable, depth: int, now: float) -> bool:
+        answer = True
+        for p in self._experts:
+            a = p.admit(key, depth, now)
+            if p is self.leader:
+                answer = a
+        return answer
+
+    def on_insert(self, info: BlockInfo, now: float) -> None:
+        if info.key in self.leader:
+            raise already_tracked(self, info.key)
+        for p in self._experts:
+            p.on_insert(info, now)
+
+    def on_insert_key(self, key: Hashable, depth: int, get: Callable[[Hashable], BlockInfo],
+                      now: float) -> None:
+        self.on_insert(get(key), now)
+
+    def on_hit(self, info: BlockInfo, now: float) -> None:
+        if info.key not in self.leader:
+            raise not_tracked(self, "on_hit", info.key)
+        for p in self._experts:
+            p.on_hit(info, now)
+
+    def on_remove(self, key: Hashable) -> None:
+        if key not in self.leader:
+            raise not_tracked(self, "on_remove", key)
+        for p in self._experts:
+            p.on_remove(key)
+
+    def victims(self, now: float) -> Iterator[Hashable]:
+        return self.leader.victims(now)
+
+    def victims_except(self, now: float, *busy: Container) -> Iterator[Hashable]:
+        return self.leader.victims_except(now, *busy)

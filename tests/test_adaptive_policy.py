@@ -1,0 +1,200 @@
+"""The adaptive block policy and the LIRS-like baseline: the shared contract, a state
+machine over a real ``BlockIndex`` (with the lead changing hands often), bounded ghost
+state, and that the lead goes to the expert that pays."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant
+from test_block_policy_state_machine import PolicyMachine
+from tiering.policies.blocks import AdaptiveBlocks, LIRSBlocks, LRUBlocks
+from tiering.policies.blocks.adaptive import GHOST_FACTOR, _sample_value
+
+from tiering.blocks import BlockIndex, synth
+from tiering.blocks.replay import replay_blocks
+from tiering.testing.blocks import check_block_policy
+from tiering.types import Tier
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("factory", [
+    AdaptiveBlocks,
+    lambda capacity: AdaptiveBlocks(capacity, window=8, margin=0.0, z=0.0),  # leads swap often
+    lambda capacity: AdaptiveBlocks(capacity, rate=1 if capacity < 4 else 4),
+    LIRSBlocks,
+], ids=["default", "restless", "sampled", "lirs"])
+def test_contract(factory, seed):
+    check_block_policy(factory, seed=seed)
+
+
+class AdaptiveMachine(PolicyMachine):
+    """The shared machine, with an adaptive policy whose lead changes hands at the
+    slightest difference; after every step every expert tracks exactly the index's
+    blocks and the ghost state is within its bound."""
+
+    @initialize(capacity=st.integers(1, 8), window=st.integers(1, 6),
+                experts=st.permutations(["chain", "s3fifo", "arc", "lirs", "lru"]))
+    def setup(self, capacity, window, experts):
+        self.name, self.capacity = "adaptive", capacity
+        self.policy = AdaptiveBlocks(capacity, experts=experts, window=window,
+                                     margin=0.0, z=0.0)
+        self.index = BlockIndex()
+        self.now = 0.0
+        self.next_key = 0
+        self.slot = 0
+        self.pinned = {}
+
+    @invariant()
+    def experts_agree_and_ghosts_are_bounded(self):
+        if not hasattr(self, "policy"):
+            return
+        tracked = set(self.index.keys())
+        for name, p in zip(self.policy.expert_names, self.policy._experts, strict=True):
+            assert len(p) == len(tracked), (name, len(p), len(tracked))
+            assert all(k in p for k in tracked), name
+        assert self.policy.ghost_entries <= GHOST_FACTOR * self.capacity
+
+
+AdaptiveMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestAdaptiveMachine = AdaptiveMachine.TestCase
+
+
+def _replay_watching(chains, capacity, policy, watch):
+    """``replay_blocks`` with ``watch(policy)`` after every request (through on_request
+    of the next one, and once at the end)."""
+    seen = []
+    inner_request = policy.on_request
+
+    def on_request(keys, now):
+        seen.append(watch(policy))
+        inner_request(keys, now)
+
+    policy.on_request = on_request
+    r = replay_blocks(chains, capacity, policy)
+    seen.append(watch(policy))
+    return r, seen
+
+
+@pytest.mark.parametrize("capacity", [50, 300])
+def test_ghost_state_stays_within_its_bound_and_is_used(capacity):
+    """A scan-heavy workload fills every ghost list: the ghosts reach a good part of the
+    bound (so it is the bound, not a quiet workload, that holds them) and never pass it.
+    ChainOdds' own history is bounded by its horizon in requests, not by capacity."""
+    chains = synth.scan_mix_chains(1500, 3, synth.ScanMixConfig(hot=60, scan_blocks_mean=40.0))
+    policy = AdaptiveBlocks(capacity)
+    longest = max(map(len, chains))
+    _, seen = _replay_watching(chains, capacity, policy,
+                               lambda p: (p.ghost_entries, p.history_entries))
+    ghosts = [g for g, _ in seen]
+    assert max(ghosts) <= GHOST_FACTOR * capacity
+    assert max(ghosts) >= capacity, "the ghost lists were never filled: the test proves nothing"
+    chain_policies = 2  # the chain expert and its shadow
+    horizon = policy._experts[policy.expert_names.index("chain")].horizon
+    assert max(h for _, h in seen) <= chain_policies * horizon * longest
+
+
+def test_lirs_ghosts_are_cut_at_their_bound():
+    """The negative control of the bound: on a scan past blocks that are never read again
+    (they stay LIR at the bottom of the stack, so nothing prunes the ghosts above them)
+    LIRS holds exactly as many ghosts as its bound allows, and more with a larger one."""
+    rng = random.Random(4)
+    chains = [[rng.randbytes(16)] for _ in range(600)]
+    held = {}
+    for factor in (0.5, 4.0):
+        p = LIRSBlocks(40, ghost_factor=factor)
+        _, seen = _replay_watching(chains, 40, p, lambda q: q.ghosts)
+        assert max(seen) <= p.ghost_bound
+        held[factor] = max(seen)
+    assert held[0.5] == LIRSBlocks(40, ghost_factor=0.5).ghost_bound
+    assert held[4.0] > held[0.5]
+
+
+def test_lirs_keeps_a_loop_slightly_larger_than_the_tier_where_lru_keeps_nothing():
+    chains = synth.loop_chains(400, 110, chain_blocks=1)
+    lirs = replay_blocks(chains, 100, LIRSBlocks(100))
+    lru = replay_blocks(chains, 100, LRUBlocks(100))
+    assert lru.hits == 0
+    assert lirs.hits > 0.8 * (400 - 110)  # all but the first pass, nearly
+
+
+def test_the_lead_goes_to_the_expert_that_pays_and_the_result_follows_it():
+    """On a loop a little larger than the tier, recency (LRU) gets nothing and LIRS
+    nearly everything: an adaptive policy told to start from LRU hands the lead to LIRS
+    and ends far above LRU. The control: the same policy with the lead never changing
+    hands (z too high to pass) stays with LRU and gets what LRU gets."""
+    chains = synth.loop_chains(1500, 330, chain_blocks=3)
+    cap = 300
+    lru = replay_blocks(chains, cap, AdaptiveBlocks(cap, experts=("lru",)))
+    moving = AdaptiveBlocks(cap, experts=("lru", "lirs"), rate=1, window=200)
+    stuck = AdaptiveBlocks(cap, experts=("lru", "lirs"), rate=1, window=200, z=100.0,
+                           margin=1.0)
+    r_moving = replay_blocks(chains, cap, moving)
+    r_stuck = replay_blocks(chains, cap, stuck)
+    assert moving.leader_name == "lirs" and moving.switches >= 1
+    assert stuck.leader_name == "lru" and stuck.switches == 0
+    assert r_stuck.hits == lru.hits
+    assert r_moving.hit_rate > lru.hit_rate + 0.5
+
+
+def test_sampling_is_the_same_for_equal_keys_of_any_process():
+    """The shadow sample reads a key's bytes, not Python's per-process hash of them."""
+    rng = random.Random(5)
+    key = rng.randbytes(16)
+    assert _sample_value(key) == int.from_bytes(key[-8:], "little")
+    assert _sample_value(12345) == 12345
+
+
+@pytest.mark.parametrize("kw, word", [
+    ({"capacity": 0}, "capacity"),
+    ({"capacity": 10, "experts": ()}, "experts"),
+    ({"capacity": 10, "experts": ("lru", "nope")}, "experts"),
+    ({"capacity": 10, "experts": ("lru", "lru")}, "experts"),
+    ({"capacity": 10, "rate": 0}, "rate"),
+    ({"capacity": 10, "rate": 11}, "rate"),
+    ({"capacity": 10, "window": 0}, "window"),
+    ({"capacity": 10, "margin": -0.1}, "margin"),
+    ({"capacity": 10, "z": -1.0}, "z"),
+])
+def test_adaptive_rejects_bad_parameters_by_name(kw, word):
+    with pytest.raises(ValueError, match=word):
+        AdaptiveBlocks(**kw)
+
+
+@pytest.mark.parametrize("kw, word", [
+    ({"capacity": 0}, "capacity"),
+    ({"capacity": 10, "hir_fraction": 0.0}, "hir_fraction"),
+    ({"capacity": 10, "ghost_factor": -1.0}, "ghost_factor"),
+])
+def test_lirs_rejects_bad_parameters_by_name(kw, word):
+    with pytest.raises(ValueError, match=word):
+        LIRSBlocks(**kw)
+
+
+def test_a_refused_admission_of_the_leader_inserts_nothing_anywhere():
+    """The leader's answer is the policy's answer; the other experts are still asked (ARC
+    reads its ghosts there) and none of them is told of a block that was not inserted."""
+    idx = BlockIndex()
+    p = AdaptiveBlocks(2, experts=("chain", "lru"), rate=1)
+    rng = random.Random(2)
+    keys = [rng.randbytes(16) for _ in range(40)]
+    refused = 0
+    for t, k in enumerate(keys):
+        p.on_request([k], float(t))
+        if not p.admit(k, 0, float(t)):
+            refused += 1
+            assert all(k not in e for e in p._experts)
+            continue
+        while len(idx) >= 2:
+            v = idx.choose_victim(p, float(t))
+            for d in idx.drop(v):
+                p.on_remove(d.key)
+        idx.insert(k, None, Tier.DEVICE, t, float(t))
+        p.on_insert(idx.get(k), float(t))
+        assert all(k in e for e in p._experts)
+    assert refused > 0, "chain never refused a block read once: the test proves nothing"
