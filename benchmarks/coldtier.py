@@ -3,11 +3,14 @@
 Part 1, throughput (same obstore client object, same object sizes, same number of requests in
 flight, measured in the same run):
 
-- ``demote / raw PUT``: publishing blocks through ``BlockQueue`` (frame + crc32c +
-  create-if-absent PUT on the I/O threads) against raw ``obstore.put`` of the same bytes from a
-  thread pool of the same size;
-- ``reload / raw GET``: fetching them back through ``BlockQueue`` (GET + frame check) against
-  raw ``obstore.get(...).bytes()``.
+- ``demote / raw PUT``: publishing blocks through ``BlockQueue`` (frame + crc32c + keyed
+  BLAKE2b MAC + create-if-absent PUT on the I/O threads) against raw ``obstore.put`` of the same
+  bytes from a thread pool of the same size;
+- ``reload / raw GET``: fetching them back through ``BlockQueue`` (bounded GET + frame check +
+  MAC check) against raw ``obstore.get(...).bytes()``;
+- the MAC's cost per block: framing and unframing one block with the deployment key against
+  without one (``trust="unauthenticated"``: crc32c only), on one thread, beside the time one raw
+  PUT and one raw GET of that block took (per request, from the same passes).
 
 Part 2, cross-worker hit rate on the bundled conversation trace
 (``benchmarks/traces/mooncake/conversation_trace.jsonl``; each request's ``hash_ids`` are its
@@ -74,9 +77,12 @@ from tiering.coldtier import (  # noqa: E402
     BlockQueue,
     BlockStatus,
     ColdTierConfig,
+    MacKeys,
     SharedBlockStore,
+    TrustConfig,
     open_s3_store,
 )
+from tiering.coldtier.frame import KIND_BLOCK, frame, unframe  # noqa: E402
 
 TRACE = REPO / "benchmarks" / "traces" / "mooncake" / "conversation_trace.jsonl"
 
@@ -106,7 +112,29 @@ def options(endpoint: str, key: str, secret: str) -> dict:
 
 
 # -- part 1: throughput -----------------------------------------------------------------------
-def throughput(url: str, opts: dict, *, blocks: int, block_bytes: int, threads: int, repeats: int):
+def mac_cost(block_bytes: int, keys: MacKeys, repeats: int) -> dict:
+    """Seconds per block to frame and to unframe one block, with the MAC and without it."""
+    key, root, geom = os.urandom(16), os.urandom(16), b"bench-geometry"
+    payload = os.urandom(block_bytes)
+    n = max(3, min(200, (256 << 20) // block_bytes))  # about 256 MiB a measurement
+    out = {}
+    for name, k in (("mac", keys), ("crc_only", None)):
+        frame_s, unframe_s = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(n):
+                data = frame(KIND_BLOCK, key, root, geom, payload, keys=k)
+            frame_s.append((time.perf_counter() - t) / n)
+            t = time.perf_counter()
+            for _ in range(n):
+                unframe(KIND_BLOCK, data, key, root, geom, keys=k)
+            unframe_s.append((time.perf_counter() - t) / n)
+        out[name] = {"frame_s": statistics.median(frame_s), "unframe_s": statistics.median(unframe_s)}
+    return out
+
+
+def throughput(url: str, opts: dict, *, blocks: int, block_bytes: int, threads: int, repeats: int,
+               trust: TrustConfig):
     store = open_s3_store(url, opts, timeout_s=60.0)
     rng_data = [os.urandom(block_bytes) for _ in range(blocks)]  # random, never zeros
     # warm-up (unmeasured): a fresh server grows its volumes on the first writes
@@ -131,8 +159,9 @@ def throughput(url: str, opts: dict, *, blocks: int, block_bytes: int, threads: 
             raw_get = total / (time.perf_counter() - t)
             assert all(len(g) == block_bytes for g in got)
             del got
-        tier = SharedBlockStore(store, root, b"bench-geometry",
-                                config=ColdTierConfig(io_threads=threads, max_queued=blocks))
+        tier = SharedBlockStore(store, root, b"bench-geometry", trust=trust, block_bytes=block_bytes,
+                                config=ColdTierConfig(io_threads=threads, max_queued=blocks,
+                                                      max_block_bytes=max(block_bytes, 256 << 20)))
         q = BlockQueue(tier)
         t = time.perf_counter()
         for k, d in zip(keys, rng_data, strict=True):
@@ -149,8 +178,10 @@ def throughput(url: str, opts: dict, *, blocks: int, block_bytes: int, threads: 
         assert len(back) == blocks and all(back[k] == d for k, d in zip(keys, rng_data, strict=True))
         q.close(60)
         obstore.delete(store, raw_paths)
-        obstore.delete(store, [f"blocks/{root.hex()}/{k.hex()}" for k in keys])
+        obstore.delete(store, [tier.path(k) for k in keys])
         passes.append({"raw_put_MBps": raw_put / 1e6, "demote_MBps": demote / 1e6,
+                       "raw_put_s_per_block": block_bytes * threads / raw_put,
+                       "raw_get_s_per_block": block_bytes * threads / raw_get,
                        "raw_get_MBps": raw_get / 1e6, "reload_MBps": reload / 1e6,
                        "demote_over_put": demote / raw_put, "reload_over_get": reload / raw_get})
     med = {k: statistics.median(p[k] for p in passes) for k in passes[0]}
@@ -163,7 +194,7 @@ def throughput(url: str, opts: dict, *, blocks: int, block_bytes: int, threads: 
 
 # -- part 3: the disk tier on s3:// ----------------------------------------------------------
 def disk_tier(url: str, opts: dict, *, requests: int, pages: int, page_bytes: int, threads: int,
-              repeats: int) -> dict:
+              repeats: int, trust: TrustConfig) -> dict:
     import numpy as np
     import torch
 
@@ -177,7 +208,8 @@ def disk_tier(url: str, opts: dict, *, requests: int, pages: int, page_bytes: in
     passes = []
     for rep in range(repeats):
         cfg = DiskConfig(path=f"{url}/{rep}", capacity_bytes=total, io_threads=threads,
-                         chunk_bytes=page_bytes, storage_options={**opts, "timeout_s": 60.0})
+                         chunk_bytes=page_bytes, storage_options={**opts, "timeout_s": 60.0},
+                         trust=trust)
         store = DiskPageStore(cfg, (elems,), torch.bfloat16)
         raw = open_s3_store(f"{url}/raw-{rep}", opts, timeout_s=60.0)
         raw_pages = [bytes(d[i].view(torch.int16).numpy().tobytes()) for d in data for i in range(pages)]
@@ -250,12 +282,12 @@ def payload_of(key: bytes, size: int) -> bytes:
 
 
 def real_hit_rate(url: str, opts: dict, reqs: list[list[bytes]], *, shared: bool, workers: int,
-                  refresh_every: int, block_bytes: int) -> dict:
+                  refresh_every: int, block_bytes: int, trust: TrustConfig) -> dict:
     store = open_s3_store(url, opts, timeout_s=30.0)
     tiers = []
     for w in range(workers):
         root = b"shared-root" if shared else f"private-root-{w}".encode()
-        tiers.append(SharedBlockStore(store, root, b"g"))
+        tiers.append(SharedBlockStore(store, root, b"g", trust=trust))
     hits = total = mismatches = 0
     done = [0] * workers
     for i, keys in enumerate(reqs):
@@ -304,7 +336,7 @@ def model_hit_rate(reqs: list[list[bytes]], capacity: int, workers: int, shared:
 
 # -- part 4: two PagedKVCache workers sharing prefixes --------------------------------------
 def kv_share(url: str | None, opts: dict, reqs: list[list[int]], *, max_blocks: int,
-             refresh_every: int) -> dict:
+             refresh_every: int, trust: TrustConfig) -> dict:
     """Two caches with one root, requests round-robin; ``url`` None: no shared tier."""
     import torch
     from tiering.resources.base import ResourceStep, StepContext
@@ -333,7 +365,7 @@ def kv_share(url: str | None, opts: dict, reqs: list[list[int]], *, max_blocks: 
     caches = [PagedKVCache(g, "cpu", device_pages=pages, host_pages=4 * pages, clock=c) for c in clocks]
     try:
         for kv in caches:
-            shared = SharedTierConfig(url, opts) if url is not None else None
+            shared = SharedTierConfig(url, opts, trust=trust) if url is not None else None
             kv.enable_prefix_cache(root, shared=shared, shared_refresh_s=float(refresh_every))
             kv.synchronize(60)
         tokens = hits_shared = hits_local = mismatches = 0
@@ -437,31 +469,35 @@ def main(argv: list[str] | None = None) -> int:
     else:
         server = Server()
         opts = options(server.endpoint, server.key, server.secret)
+    trust = TrustConfig(secret=os.urandom(32))  # this run's deployment secret
+    block_bytes = int(a.block_mib * (1 << 20))
     try:
         run = f"bench-{time.time_ns()}"
-        tp = throughput(f"s3://{a.bucket}/{run}/tp", opts, blocks=a.blocks,
-                        block_bytes=int(a.block_mib * (1 << 20)), threads=a.threads, repeats=a.repeats)
+        tp = throughput(f"s3://{a.bucket}/{run}/tp", opts, blocks=a.blocks, trust=trust,
+                        block_bytes=block_bytes, threads=a.threads, repeats=a.repeats)
+        mac = mac_cost(block_bytes, trust.keys(), a.repeats)
         disk = disk_tier(f"s3://{a.bucket}/{run}/disk", opts, requests=a.disk_requests,
                          pages=a.disk_pages, page_bytes=a.disk_page_kib << 10, threads=a.threads,
-                         repeats=a.repeats)
+                         repeats=a.repeats, trust=trust)
         reqs = load_trace()
         head = reqs[: a.trace_requests]
         real = {
             "shared": real_hit_rate(f"s3://{a.bucket}/{run}/shared", opts, head, shared=True, workers=4,
-                                    refresh_every=a.refresh_every, block_bytes=a.trace_block_bytes),
+                                    refresh_every=a.refresh_every, block_bytes=a.trace_block_bytes,
+                                    trust=trust),
             "private": real_hit_rate(f"s3://{a.bucket}/{run}/private", opts, head, shared=False,
                                      workers=4, refresh_every=a.refresh_every,
-                                     block_bytes=a.trace_block_bytes),
+                                     block_bytes=a.trace_block_bytes, trust=trust),
         }
         # the same requests through the LRU model with no cap and no listing lag: the ceiling
         head_distinct = len({k for r in head for k in r})
         for name, shared in (("shared", True), ("private", False)):
             real[name]["model_no_lag"] = model_hit_rate(head, head_distinct * 4, 4, shared)
         hids = load_hash_ids(a.kv_requests)
-        kv = {"two, shared tier": kv_share(f"s3://{a.bucket}/{run}/kv", opts, hids,
+        kv = {"two, shared tier": kv_share(f"s3://{a.bucket}/{run}/kv", opts, hids, trust=trust,
                                            max_blocks=a.kv_max_blocks, refresh_every=a.refresh_every),
               "two, no shared tier": kv_share(None, opts, hids, max_blocks=a.kv_max_blocks,
-                                              refresh_every=a.refresh_every)}
+                                              refresh_every=a.refresh_every, trust=trust)}
         distinct = len({k for r in reqs for k in r})
         model = []
         for frac in (0.02, 0.05, 0.1, 0.25, 1.0):
@@ -481,6 +517,18 @@ def main(argv: list[str] | None = None) -> int:
         ("reload / raw GET", m["reload_MBps"], m["raw_get_MBps"], m["reload_over_get"],
          (tp["min_reload_over_get"], tp["max_reload_over_get"])),
     ]))
+    put_s, get_s = m["raw_put_s_per_block"], m["raw_get_s_per_block"]
+    print(f"\nMAC cost per block of {block_bytes / (1 << 20):.1f} MiB (one thread, medians), beside one raw"
+          " request of that block (its latency in the passes above, with the same requests in flight):")
+    mc, co = mac["mac"], mac["crc_only"]
+    print(table([
+        ["frame (publish)", f"{co['frame_s'] * 1e3:.2f}", f"{mc['frame_s'] * 1e3:.2f}",
+         f"{(mc['frame_s'] - co['frame_s']) * 1e3:.2f}", f"{put_s * 1e3:.2f}",
+         f"{(mc['frame_s'] - co['frame_s']) / put_s:.3f}"],
+        ["unframe (fetch)", f"{co['unframe_s'] * 1e3:.2f}", f"{mc['unframe_s'] * 1e3:.2f}",
+         f"{(mc['unframe_s'] - co['unframe_s']) * 1e3:.2f}", f"{get_s * 1e3:.2f}",
+         f"{(mc['unframe_s'] - co['unframe_s']) / get_s:.3f}"],
+    ], ["step", "crc only ms", "crc + MAC ms", "MAC ms", "raw request ms", "MAC / raw request"]))
     d = disk["median"]
     print(f"\ndisk tier on s3://: {disk['requests']} requests of {disk['pages']} pages of "
           f"{disk['page_bytes'] >> 10} KiB, {disk['threads']} in flight, {a.repeats} passes")
@@ -508,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                  for k, v in kv.items()],
                 ["workers", "tokens", "local hit tokens", "cross-worker hit tokens", "hit rate",
                  "vs no shared tier", "mismatches", "publishes not written"]))
-    result = {"throughput": tp, "disk_tier_s3": disk, "hit_rate_real": real, "hit_rate_model": model,
+    result = {"throughput": tp, "mac_cost_per_block": mac, "disk_tier_s3": disk, "hit_rate_real": real, "hit_rate_model": model,
               "kv_workers": kv,
               "trace": str(TRACE.relative_to(REPO)), "args": vars(a)}
     Path(a.out).write_text(json.dumps(result, indent=2))
