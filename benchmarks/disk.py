@@ -18,10 +18,18 @@ Method:
   first; ratios are store / raw.
 - Codecs: compression ratio (on an in-memory zarr store) and write/read rate
   (through the store on disk) for each codec, on a smaller sample of the same data.
+- Floor (warm reads only): the same bytes read from the raw file by bare loops
+  on the store's ``io_threads`` threads, 32 MiB a job in 1 MiB pieces, each piece
+  checksummed (the store's crc32c) as it lands. ``staged`` reads into a scratch
+  buffer copied into the output once every piece passed, as the store must (a
+  failed read leaves the output untouched); ``unstaged`` reads straight into the
+  output (no such guarantee). They bound what the store's warm read can reach on
+  this machine: ``staged`` moves every byte through memory twice where pread moves
+  it once.
 - Recorded with the figures: whether the store used its direct path (codec
-  ``none`` on the local slot file), whether crc32c ran without the GIL, and the
-  1-minute load average before and after the timed passes, since other work on
-  a small shared machine moves both sides.
+  ``none`` on the local slot file), which crc32c implementation ran and whether
+  it released the GIL, and the 1-minute load average before and after the timed
+  passes, since other work on a small shared machine moves both sides.
 
 Usage: python benchmarks/disk.py --out FILE.json [--bytes N] [--dir D]
 """
@@ -35,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +53,7 @@ from zarr.storage import MemoryStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._report import table, write_json  # noqa: E402
-from tiering.disk.crc import RELEASES_GIL  # noqa: E402
+from tiering.disk.crc import IMPLEMENTATION, RELEASES_GIL, ByteSpan  # noqa: E402
 from tiering.disk.store import CODECS, DiskConfig, DiskPageStore  # noqa: E402
 
 PAGE_SHAPE = (32, 2, 16, 8, 128)  # layers, K/V, tokens per page, KV heads, head dim
@@ -172,6 +181,42 @@ class _RawFile:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+class _Floor:
+    """Bare warm reads of the raw file with the store's checksum, on ``threads`` threads."""
+
+    PIECE = 1 << 20
+
+    def __init__(self, raw: _RawFile, threads: int) -> None:
+        self.raw = raw
+        self.pool = ThreadPoolExecutor(threads)
+        self.scratch = np.empty(raw.nbytes, dtype=np.uint8)
+
+    def _job(self, dst: np.ndarray, off: int) -> int:
+        span = ByteSpan(dst)
+        end = min(dst.nbytes, off + CHUNK_BYTES)
+        crc = 0
+        for start in range(off, end, self.PIECE):
+            stop = min(end, start + self.PIECE)
+            got = os.preadv(self.raw.fd, [span.view[start:stop]], start)
+            if got != stop - start:
+                raise OSError("raw baseline file ended early")
+            crc = span.extend(crc, start, stop)
+        return crc
+
+    def _read_into(self, dst: np.ndarray) -> None:
+        list(self.pool.map(lambda off: self._job(dst, off), range(0, dst.nbytes, CHUNK_BYTES)))
+
+    def staged(self, dst: np.ndarray) -> None:
+        self._read_into(self.scratch)
+        np.copyto(dst, self.scratch)
+
+    def unstaged(self, dst: np.ndarray) -> None:
+        self._read_into(dst)
+
+    def close(self) -> None:
+        self.pool.shutdown()
 
 
 def _store_for(root: Path, num_pages: int, codec: str) -> DiskPageStore:
@@ -303,6 +348,7 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
         raw = _RawFile(work / "raw.bin", nbytes)
         side = _StoreSide(work / "store", pages)
         direct_io = side.store.direct_io
+        io_threads = side.store.config.io_threads
         evictor = _Evictor()
         try:
 
@@ -332,6 +378,25 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
                 return _timed(lambda: raw.read(dst))
 
             store_r, raw_r = _alternate(WARM_PASSES, store_read, raw_read)
+
+            floor = _Floor(raw, side.store.config.io_threads)
+            try:
+
+                def floor_read(read: Callable[[np.ndarray], None]) -> Callable[[], float]:
+                    def go() -> float:
+                        out.zero_()
+                        t = _timed(lambda: read(dst))
+                        check()
+                        return t
+
+                    return go
+
+                staged_r, raw_r2 = _alternate(WARM_PASSES, floor_read(floor.staged), raw_read)
+                unstaged_r, raw_r3 = _alternate(
+                    WARM_PASSES, floor_read(floor.unstaged), raw_read
+                )
+            finally:
+                floor.close()
 
             def cold(
                 read: Callable[[], float], paths: Callable[[], list[Path]]
@@ -371,6 +436,8 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
         "store": "SlotFileStore (zarr v3 array, crc32c on every chunk, one preallocated file)",
         "direct_io": direct_io,
         "crc_releases_gil": RELEASES_GIL,
+        "crc_implementation": IMPLEMENTATION,
+        "io_threads": io_threads,
         "load_avg_1min": [load_before, load_after],
         "write_gbps": best(store_w),
         "raw_write_gbps": best(raw_w),
@@ -390,6 +457,13 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
             "read_cold": [_gbps(nbytes, t) for t in store_c if t == t],
             "raw_read_cold": [_gbps(nbytes, t) for t in raw_c if t == t],
         },
+        "floor": {
+            "staged_gbps": best(staged_r),
+            "staged_ratio": _ratio(best(staged_r), best(raw_r2)),
+            "unstaged_gbps": best(unstaged_r),
+            "unstaged_ratio": _ratio(best(unstaged_r), best(raw_r3)),
+            "raw_read_gbps": [best(raw_r2), best(raw_r3)],
+        },
         "codecs": codecs,
         "codec_sample_bytes": sample_pages * page_bytes,
         "cpus": os.cpu_count(),
@@ -399,8 +473,12 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
         ("read_ratio", "read_gbps", "raw_read_gbps"),
         ("read_cold_ratio", "read_cold_gbps", "raw_read_cold_gbps"),
     ):
-        result[key] = result[a] / result[b] if result[a] and result[b] else None
+        result[key] = _ratio(result[a], result[b])
     return result
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
 def print_table(r: dict) -> None:
@@ -415,8 +493,17 @@ def print_table(r: dict) -> None:
     ]
     print(table(rows, ("", "store GB/s", "raw GB/s", "store/raw")))
     print(f"cold reads: {r['cold_method'] or 'page cache could not be dropped'}")
+    f = r["floor"]
+    print(f"floor of a warm read, bare loops on {r['io_threads']} threads (ratio to pread "
+          "measured alongside each):")
+    rows = [
+        ("staged (out untouched on failure)", f["staged_gbps"], f["staged_ratio"]),
+        ("unstaged (reads into out)", f["unstaged_gbps"], f["unstaged_ratio"]),
+    ]
+    print(table(rows, ("", "GB/s", "/raw")))
     print(
-        f"direct path: {r['direct_io']}, crc32c without the GIL: {r['crc_releases_gil']}, "
+        f"direct path: {r['direct_io']}, crc32c: {r['crc_implementation']} "
+        f"(without the GIL: {r['crc_releases_gil']}), "
         f"{r['cpus']} CPUs, 1-min load before/after: "
         + "/".join(f"{x:.2f}" for x in r["load_avg_1min"])
     )

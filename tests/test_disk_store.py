@@ -11,6 +11,7 @@ import json
 import logging
 import random
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -1250,14 +1251,26 @@ def test_slot_store_direct_calls_validate_and_round_trip(tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_crc32c_matches_the_reference_in_place(monkeypatch, native):
+def _crc_implementations() -> list[str]:
+    """The crc32c implementations this machine can run (the reference binding always)."""
+    found = ["binding"]
+    if disk_crc._NATIVE is not None:
+        found.append("ctypes")
+    if disk_crc._RS is not None:
+        found.append("rs")
+    return found
+
+
+@pytest.mark.parametrize("impl", ["rs", "ctypes", "binding"])
+def test_crc32c_matches_the_reference_in_place(monkeypatch, impl):
+    if impl not in _crc_implementations():
+        pytest.skip(f"the {impl} crc32c is not installed here")
+    if impl != "rs":
+        monkeypatch.setattr(disk_crc, "_RS", None)
+    if impl == "binding":
+        monkeypatch.setattr(disk_crc, "_NATIVE", None)  # the fallback through the binding
     rng = np.random.default_rng(4)
     buf = rng.integers(0, 255, 3 << 20, dtype=np.uint8)
-    if native:
-        assert disk_crc.RELEASES_GIL, "crc32c would hold the GIL: the I/O threads cannot overlap"
-    else:
-        monkeypatch.setattr(disk_crc, "_NATIVE", None)  # the fallback through the binding
     for start, stop in [(0, 0), (0, 1), (3, 1001), (7, buf.nbytes), (0, 1 << 20)]:
         want = google_crc32c.value(buf[start:stop].tobytes())
         assert disk_crc.crc32c_extend(0, buf[start:stop]) == want
@@ -1270,6 +1283,28 @@ def test_crc32c_matches_the_reference_in_place(monkeypatch, native):
         disk_crc.ByteSpan(buf).extend(0, 10, buf.nbytes + 1)
     with pytest.raises(ValueError, match="contiguous"):
         disk_crc.crc32c_extend(0, buf[::2])
+
+
+def test_the_fastest_crc32c_installed_is_the_one_in_use():
+    assert disk_crc.RELEASES_GIL, "crc32c would hold the GIL: the I/O threads cannot overlap"
+    best = {"rs": "crc32c-rs", "ctypes": "google-crc32c (ctypes)"}.get(
+        _crc_implementations()[-1], "google-crc32c")
+    assert disk_crc.IMPLEMENTATION == best
+
+
+def test_a_crc32c_that_disagrees_with_the_reference_is_not_used():
+    data = np.random.default_rng(5).integers(0, 255, 4000, dtype=np.uint8)
+    reference = google_crc32c.value
+    assert disk_crc._agrees(lambda crc, a: google_crc32c.extend(crc, a.tobytes()))  # control
+    assert not disk_crc._agrees(lambda crc, a: reference(a.tobytes()))  # ignores the seed
+    assert not disk_crc._agrees(lambda crc, a: google_crc32c.extend(crc, a.tobytes()) ^ 1)
+    assert not disk_crc._agrees(lambda crc, a: zlib.crc32(a.tobytes(), crc))  # CRC-32, not -32C
+
+    def broken(crc: int, a: np.ndarray) -> int:
+        raise OSError("no such instruction")
+
+    assert not disk_crc._agrees(broken)
+    assert disk_crc.crc32c_extend(0, data) == reference(data.tobytes())
 
 
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), True, "1"])

@@ -19,7 +19,7 @@ from tiering._optional import EXTRAS, MissingExtra, require
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-CORE = {"torch", "numpy", "zarr", "google-crc32c", "nvidia-ml-py"}
+CORE = {"torch", "numpy", "zarr", "google-crc32c", "crc32c-rs", "nvidia-ml-py"}
 # import names of every optional package (what a blocked import hides)
 OPTIONAL_MODULES = ("matplotlib", "tqdm", "psutil", "obstore", "prometheus_client", "vllm",
                     "cupy")

@@ -1,7 +1,7 @@
 """Optional dependencies: import one, or fail with the extra that installs it.
 
 The core (tiers, pools, disk store, blocks, controller) needs only torch, numpy,
-zarr, google-crc32c and nvidia-ml-py. Everything else is an extra of the
+zarr, google-crc32c, crc32c-rs and nvidia-ml-py. Everything else is an extra of the
 ``tiering`` distribution, imported where it is first needed through
 :func:`require`, so a serving environment installs only what it uses.
 """

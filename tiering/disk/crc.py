@@ -1,16 +1,19 @@
-"""crc32c over numpy buffers without holding the GIL.
+"""crc32c over numpy buffers, as fast as this machine allows, without holding the GIL.
 
-zarr's crc32c codec uses ``google_crc32c``. Its Python binding releases the
-GIL only for ``bytes`` objects of 1 MiB or more, so over a numpy array (what
-the disk tier checksums) it holds the GIL for the whole pass and two I/O
-threads cannot checksum at the same time. The binding is a thin layer over
-the C library ``crc32c`` that ships in the same wheel; calling that library's
-``crc32c_extend`` through ``ctypes`` (which drops the GIL for the duration of
-every foreign call) gives the same checksum with the GIL released.
+The disk tier checksums every byte it moves, so the checksum's speed is a large part of
+the tier's. Three implementations, the first that is installed and agrees with the
+reference (``google_crc32c``) on a self-test at import is used; ``IMPLEMENTATION`` names
+it and ``RELEASES_GIL`` says whether it runs with the GIL released:
 
-``crc32c_extend`` uses that route when the library can be found and agrees
-with the binding on a self-test at import; otherwise it falls back to the
-binding (same values, GIL held). ``RELEASES_GIL`` says which one is in use.
+- ``crc32c-rs``: vectorised (carry-less multiply folding, AVX-512 where the CPU has it),
+  about 2.5x the speed of the next one in the CPU cache; releases the GIL.
+- ``google-crc32c (ctypes)``: the C library inside the ``google_crc32c`` wheel, called
+  through ``ctypes`` (which drops the GIL for every foreign call). The wheel's own Python
+  binding releases the GIL only for ``bytes`` of 1 MiB or more, never for a numpy array.
+- ``google-crc32c``: that binding (same values, GIL held).
+
+Every implementation computes the same function (CRC-32C, the one zarr's ``crc32c`` codec
+stores), so data written under one is read under any other.
 """
 
 from __future__ import annotations
@@ -21,7 +24,32 @@ from collections.abc import Callable
 import google_crc32c
 import numpy as np
 
-__all__ = ["RELEASES_GIL", "ByteSpan", "crc32c_bytes", "crc32c_extend"]
+__all__ = ["IMPLEMENTATION", "RELEASES_GIL", "ByteSpan", "crc32c_bytes", "crc32c_extend"]
+
+_PROBE = np.frombuffer(bytes(range(256)) * 17, dtype=np.uint8)[3:]
+
+
+def _agrees(fn: Callable[[int, np.ndarray], int]) -> bool:
+    """Whether ``fn(crc, array)`` extends a crc32c exactly as the reference does."""
+    whole = google_crc32c.value(_PROBE.tobytes())
+    try:
+        head = fn(0, _PROBE[:1000])
+        return (
+            fn(0, _PROBE) == whole
+            and fn(head, _PROBE[1000:]) == whole
+            and fn(0x1234ABCD, _PROBE[:0]) == 0x1234ABCD
+        )
+    except (OSError, ValueError, TypeError, ctypes.ArgumentError):
+        return False
+
+
+def _load_rs() -> Callable[..., int] | None:
+    """``crc32c(buffer, crc)`` from ``crc32c_rs``, or None."""
+    try:
+        from crc32c_rs import crc32c as fn
+    except ImportError:
+        return None
+    return fn if _agrees(lambda crc, a: fn(memoryview(a), crc)) else None
 
 
 def _load_native() -> Callable[[int, int, int], int] | None:
@@ -41,19 +69,24 @@ def _load_native() -> Callable[[int, int, int], int] | None:
         return None
     fn.restype = ctypes.c_uint32
     fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-    probe = np.frombuffer(bytes(range(256)) * 17, dtype=np.uint8)[3:]
-    try:
-        if fn(0, probe.ctypes.data, probe.nbytes) != google_crc32c.value(probe.tobytes()):
-            return None
-        if fn(0x1234ABCD, probe.ctypes.data, 0) != 0x1234ABCD:
-            return None
-    except (OSError, ValueError, ctypes.ArgumentError):
-        return None
-    return fn
+    return fn if _agrees(lambda crc, a: fn(crc, a.ctypes.data, a.nbytes)) else None
 
 
+_RS = _load_rs()
 _NATIVE = _load_native()
-RELEASES_GIL = _NATIVE is not None
+
+
+def implementation() -> str:
+    """The name of the implementation in use (see the module docstring)."""
+    if _RS is not None:
+        return "crc32c-rs"
+    if _NATIVE is not None:
+        return "google-crc32c (ctypes)"
+    return "google-crc32c"
+
+
+IMPLEMENTATION = implementation()
+RELEASES_GIL = _RS is not None or _NATIVE is not None
 
 
 def _as_bytes_view(buf: np.ndarray) -> np.ndarray:
@@ -98,6 +131,8 @@ class ByteSpan:
             raise ValueError(f"byte range [{start}, {stop}) is outside a span of {self.nbytes}")
         if start == end:
             return crc
+        if _RS is not None:
+            return int(_RS(self.view[start:end], crc))
         if _NATIVE is not None:
             return int(_NATIVE(crc, self._address + start, end - start))
         return int(google_crc32c.extend(crc, self._array[start:end]))

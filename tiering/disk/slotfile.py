@@ -44,12 +44,12 @@ Direct chunk I/O. Besides the zarr ``Store`` API, ``write_chunk`` and
 followed by its crc32c codec: the raw bytes, then their crc32c as 4
 little-endian bytes) straight between the caller's buffer and the slot, with
 no intermediate copy. The bytes on disk are exactly those zarr's pipeline
-writes and reads, so either side can read what the other wrote. The payload
-moves in pieces of ``PIECE_BYTES``; each piece is checksummed just before it
-is written, or just after it is read, while it is likely still in the CPU
-cache, so the checksum mostly reads cache rather than memory. The checksum
-still costs CPU time (about as much as the copy itself), which is what
-separates this path from a bare ``pwrite``/``pread``; it runs with the GIL
+writes and reads, so either side can read what the other wrote. A write
+checksums the payload, then sends the binding block, header, payload and
+crc32c in one ``pwritev``. A read moves the payload in pieces of
+``PIECE_BYTES``, each checksummed just after it lands, while it is still in
+the CPU cache. The checksum is what separates this path from a bare
+``pwrite``/``pread``; it runs on the fastest crc32c installed, with the GIL
 released (``tiering.disk.crc``), so threads working on distinct slots
 checksum in parallel when there are cores for them. A read of an empty slot
 raises ``OSError(ENODATA)``; one whose length or checksum is wrong raises
@@ -366,9 +366,10 @@ class SlotFileStore(SyncBackedStoreMethods, Store):
         """Store ``data``'s bytes then ``pad`` zero bytes as slot ``index``'s chunk.
 
         ``binding`` (``BINDING_BYTES`` bytes: who the chunk belongs to) is written,
-        after the chunk itself, into a block just before the slot header together
-        with crc32c(binding + the chunk's crc32c), so the block vouches for exactly
-        these bytes. zarr does not see the block; ``read_chunk`` checks it.
+        in the same ``pwritev`` as the chunk, into a block just before the slot header
+        together with crc32c(binding + the chunk's crc32c), so the block vouches for
+        exactly these bytes (a write torn anywhere leaves a block that does not vouch
+        for what the slot holds). zarr does not see the block; ``read_chunk`` checks it.
 
         The slot receives what zarr's bytes + crc32c codecs would encode from
         that payload: the bytes followed by their crc32c. ``data`` (any
@@ -391,19 +392,19 @@ class SlotFileStore(SyncBackedStoreMethods, Store):
                 f"encoded chunk of {length} bytes exceeds the slot capacity {self.slot_capacity}",
                 slot_chunk_key(index),
             )
-        fd = self._require_fd()
+        span = ByteSpan(payload)
+        crc = span.extend(0, 0, None)
+        parts: list[bytes | memoryview] = [_SLOT_HEADER.pack(_SLOT_MAGIC, length), span.view]
+        for zeros, start, stop in _pieces(ByteSpan(payload[:0]), pad, self._zeros):
+            crc = zeros.extend(crc, start, stop)
+            parts.append(zeros.view[start:stop])
+        trailer = crc32c_bytes(crc)
+        parts.append(trailer)
         offset = self._header_offset(index)
-        pending: list[bytes | memoryview] = [_SLOT_HEADER.pack(_SLOT_MAGIC, length)]
-        crc = 0
-        for span, start, stop in _pieces(ByteSpan(payload), pad, self._zeros):
-            crc = span.extend(crc, start, stop)
-            pending.append(span.view[start:stop])
-            offset = _pwrite_all(fd, pending, offset)
-            pending = []
-        pending.append(crc32c_bytes(crc))
-        _pwrite_all(fd, pending, offset)
-        if binding is not None:
-            self._write_block(index, binding, crc32c_bytes(crc))
+        if binding is not None:  # the block goes down with the chunk: one pwritev
+            parts.insert(0, self._block(binding, trailer))
+            offset -= _BINDING_BLOCK
+        _pwrite_all(self._require_fd(), parts, offset)
 
     def read_chunk(
         self, index: int, out: np.ndarray, pad: int = 0, binding: bytes | None = None
@@ -461,8 +462,13 @@ class SlotFileStore(SyncBackedStoreMethods, Store):
         if binding is not None:
             _verify_block(index, bytes(block), trailer.tobytes(), binding)
 
+    @staticmethod
+    def _block(binding: bytes, chunk_crc: bytes) -> bytes:
+        """The binding block: the binding, then crc32c(binding + the chunk's crc32c)."""
+        return binding + crc32c_bytes(google_crc32c.value(binding + chunk_crc))
+
     def _write_block(self, index: int, binding: bytes, chunk_crc: bytes) -> None:
-        block = binding + crc32c_bytes(google_crc32c.value(binding + chunk_crc))
+        block = self._block(binding, chunk_crc)
         _pwrite_all(self._require_fd(), [block], self._header_offset(index) - _BINDING_BLOCK)
 
     def _stored_crc(self, index: int) -> tuple[bytes, bytes]:

@@ -26,6 +26,7 @@ from tiering.errors import ChunkChecksumError
 
 BINDING_BYTES = 36  # what a direct write binds its chunk to (see ``make_binding``)
 PIECE_BYTES = 1 << 20  # direct I/O granule: about one core's L2, so crc and copy share it
+_IOV_MAX = 512  # buffers one pwritev/preadv is handed (the kernel takes at most IOV_MAX)
 
 
 class _BufferPool:
@@ -192,7 +193,7 @@ def _positional_all(io: Callable[[int, list, int], int], fd: int, parts: list, o
     views = [memoryview(p).cast("B") for p in parts]
     views = [v for v in views if len(v)]
     while views:
-        moved = io(fd, views, offset)
+        moved = io(fd, views[:_IOV_MAX], offset)
         if moved <= 0:
             raise OSError(errno.EIO, short(views))
         offset += moved

@@ -12,6 +12,7 @@ state stays in one owner.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import threading
 from collections.abc import Awaitable, Callable
@@ -44,6 +45,14 @@ def _leading(pages: object, name: str) -> int:
             f"{name} must be a torch.Tensor or numpy.ndarray of pages, got {type(pages).__name__}"
         )
     return int(shape[0])
+
+
+def _copy_bytes(dest: np.ndarray, src: np.ndarray) -> None:
+    """Copy ``src``'s bytes over ``dest``'s (both C-contiguous, the same size) in one
+    ``memmove``, with the GIL released."""
+    if not (dest.flags.c_contiguous and src.flags.c_contiguous and dest.nbytes == src.nbytes):
+        raise ValueError("a copy needs two C-contiguous buffers of the same size")
+    ctypes.memmove(dest.ctypes.data, src.ctypes.data, dest.nbytes)
 
 
 class ReadScratch:
@@ -121,7 +130,7 @@ class ChunkIOPart:
             raise
         self._run_io(extent, state, jobs, kind)  # on a failure the scratch is dropped
         if scratch is not None:
-            np.copyto(rows, target)
+            _copy_bytes(rows, scratch)
             self._read_scratch.give(scratch)
         with self._stats_lock:
             if reading:
