@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module may import its own layer and any below):
 
-0. ``tiering.types``, ``tiering.errors``, ``tiering._optional``: the vocabulary
+0. ``tiering.types``, ``tiering.errors``, ``tiering._optional``, ``tiering.units``: the vocabulary
 1. ``tiering.policies`` (folder ``policies/``): ranking, pure (no torch, no I/O)
 2. ``tiering.core``, ``tiering.disk``, ``tiering.blocks``, ``tiering.coldtier``,
    ``tiering.control``: the mechanism and the controller
@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[tuple[str, ...]] = [
-    ("tiering.types", "tiering.errors", "tiering._optional"),
+    ("tiering.types", "tiering.errors", "tiering._optional", "tiering.units"),
     ("tiering.policies",),
     ("tiering.core", "tiering.disk", "tiering.blocks", "tiering.coldtier", "tiering.control"),
     ("tiering.resources",),
