@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import struct
 
-import google_crc32c
 import numpy as np
 
 from tiering.disk.crc import crc32c_extend
@@ -171,6 +170,6 @@ def unframe(kind: int, data, key: bytes, root: bytes, geometry: bytes, *,
     return buf[n:end]
 
 
-def crc32c_value(data: bytes) -> int:
-    """crc32c of ``data`` (the checksum a payload is recorded under)."""
-    return google_crc32c.value(bytes(data))
+def crc32c_value(data) -> int:
+    """crc32c of the bytes of ``data`` (any contiguous buffer; read in place, not copied)."""
+    return _crc(memoryview(data).cast("B"))
