@@ -943,3 +943,42 @@ def test_close_removes_the_disk_directory_the_cache_created_and_only_that(geom, 
     kept = tmp_path / "reattach"
     _disk_run(geom, kept, gen, on_start="reattach")
     assert any(kept.iterdir())
+
+
+def test_an_allocate_refused_below_high_gets_room_from_make_room(geom):
+    """32 pages, high 0.9: three 8-page requests hold 75%, so no pass offloads and a
+    12-page allocate stays refused for ever; make_room offloads idle requests (not
+    the kept one) until the pages are free, and the allocate then succeeds."""
+    gen = torch.Generator().manual_seed(16)
+    cfg = _config(geom, device_pages=32, host_pages=64,
+                  controller=ControllerConfig(high=0.9, low=0.5, min_residency_s=0.0))
+    with TieredKV(cfg, clock=FakeClock()) as tkv:
+        data = {rid: _fill(tkv, rid, 32, gen) for rid in ("a", "b", "c")}
+        tkv.add("d")
+        for step in range(5):  # the loop without make_room: nothing ever frees room
+            assert tkv.prepare(["a"], step) == ["a"]
+            tkv.after_step(["a"])
+            tkv.synchronize(timeout=10)
+            assert not tkv.kv.allocate("d", 48)
+        with pytest.raises(ValueError, match="nbytes"):
+            tkv.make_room(-1)
+        with pytest.raises(TypeError, match="keep"):
+            tkv.make_room(8, keep="a")
+        assert tkv.make_room(8 * geom.page_bytes) == ()  # 8 pages are free: nothing to do
+        gone = tkv.make_room(12 * geom.page_bytes)
+        assert len(gone) == 1 and "a" not in gone  # 'a' ran at the last after_step
+        tkv.synchronize(timeout=10)
+        assert tkv.kv.allocate("d", 48)
+        tkv.check_integrity()
+        for rid in gone:  # and each comes back with its bytes
+            for step in range(50):
+                if tkv.prepare([rid], step) == [rid]:
+                    break
+                tkv.after_step([])
+                tkv.synchronize(timeout=10)
+                if tkv.knows("d"):
+                    tkv.remove("d")  # room for the one coming back
+            for layer, (k, v) in enumerate(data[rid]):
+                got_k, got_v = tkv.kv.read(rid, layer)
+                assert torch.equal(got_k, k) and torch.equal(got_v, v)
+        tkv.check_integrity()

@@ -549,6 +549,19 @@ class TieredKV:
             self._running = running
         return self.controller.evict_if_needed(self._running)
 
+    def make_room(self, nbytes: int, keep: Collection[str] = ()) -> tuple[str, ...]:
+        """Offload idle requests, in policy order, until ``nbytes`` of the device will be
+        free once their copies land (a later step); the rids offloaded, none when the room
+        is there already or nothing idle has bytes to give. For an ``allocate`` that
+        answered False below ``high``, where ``after_step`` offloads nothing. Never
+        offloads ``keep`` or what the last ``after_step`` was told ran or keeps."""
+        self._check_open()
+        keep = _as_ids(keep, "make_room", "keep")
+        _check_ids(keep, "make_room", "keep")
+        if not is_int(nbytes) or nbytes < 0:
+            raise ValueError(f"TieredKV.make_room: nbytes must be an int >= 0, got {nbytes!r}")
+        return self.controller.make_room(nbytes, self._running.union(keep))
+
     def synchronize(self, timeout: float = 60.0) -> None:
         """Wait for every copy in flight (at most ``timeout`` seconds; then
         TimeoutError naming what is still moving) and apply them all. A

@@ -433,6 +433,32 @@ class EvictionController:
             raise
         return tuple(started)
 
+    def make_room(self, need_bytes: int, running: Collection[str]) -> tuple[str, ...]:
+        """Offload idle requests, in policy order, until ``need_bytes`` of the device will be
+        free once their copies land; the rids offloaded (none when that much is free
+        already, or when no idle request has anything to give). For a worker whose
+        ``allocate`` answered False: a pass offloads only above ``high``. ``running`` as for
+        ``evict_if_needed``; ``need_bytes`` an int >= 0 (ValueError otherwise, nothing done)."""
+        _check_running(running, "make_room")
+        if not is_integral(need_bytes) or need_bytes < 0:
+            raise ValueError(f"make_room: need_bytes must be an int >= 0, got {need_bytes!r}")
+        try:
+            self._poll()
+            fraction = self._sample()
+            if fraction is None:
+                return _NO_RIDS
+            current = self._effective(fraction) * self._capacity
+            target = self._capacity - int(need_bytes)
+            if current <= target:
+                return _NO_RIDS
+            out: list[str] = []
+            self._eviction.offload_until(target, current, running, self._clock(), out,
+                                         inclusive=True)
+        except BaseException:
+            self._eviction.forget_finding()
+            raise
+        return tuple(out)
+
     def reload_refusal(self, rid: str) -> Exception | None:
         """The error ``request_reload(rid)`` would raise now (an unknown request, one with
         nothing offloaded, one that could never fit under the admission limit), or None
