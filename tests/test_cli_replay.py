@@ -243,3 +243,25 @@ def test_timeline_lines_differ_in_more_than_colour(tmp_path):
     assert set(styles) == set(labels)
     assert all(len(s) == 1 for s in styles.values())  # one style per run in every panel
     assert len({next(iter(s)) for s in styles.values()}) == len(labels)
+
+
+def test_a_sweep_without_block_hashes_draws_no_hit_rate_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tiering.apps.replay.plots import plot_sweep
+
+    def rows(hit: float):
+        out = [{"mode": "recompute", "label": "recompute", "token_hit_rate": hit,
+                "ttft_p99_s": 9.0, "lookup_blocks": 0}]
+        for policy in ("lru", "largest"):
+            for host in (0.0, 4.0):
+                out.append({"mode": "tiering", "policy": policy, "high": 0.9, "low": 0.75,
+                            "host_gib": host, "token_hit_rate": hit, "ttft_p99_s": 3.0 + host,
+                            "lookup_blocks": 0})
+        return out
+
+    (tmp_path / "none").mkdir()
+    names = {p.name for p in plot_sweep(rows(0.0), tmp_path / "none")}
+    assert names == {"ttft_p99_vs_host.png"}
+    (tmp_path / "some").mkdir()
+    names = {p.name for p in plot_sweep(rows(0.25), tmp_path / "some")}
+    assert names == {"ttft_p99_vs_host.png", "hit_rate_vs_host.png"}

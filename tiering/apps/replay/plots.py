@@ -15,8 +15,8 @@
   capacity) and the token hit rate over time, per window of simulated time,
   one line per run, told apart by colour, dash pattern and marker (the same in every
   panel).
-- ``plot_sweep``: token hit rate and p99 TTFT against host size, one line per
-  policy and one panel per watermark pair, baselines as grey lines (log
+- ``plot_sweep``: token hit rate (not for a trace without block hashes) and p99 TTFT
+  against host size, one line per policy and one panel per watermark pair, baselines as grey lines (log
   axis for TTFT when the range needs it); with several seeds, each point
   has its 95% interval, cut as above.
 
@@ -286,7 +286,10 @@ def plot_sweep(rows: Sequence[Mapping], out_dir: str | Path, title: str = "") ->
     pairs = sorted({(r["high"], r["low"]) for r in tiered}, reverse=True)
     policies = sorted({r["policy"] for r in tiered})
     written = []
+    hits = _has_hits(rows, ())
     for metric, ylabel, filename in SWEEP_PLOTS:
+        if metric == "token_hit_rate" and not hits:  # no block hashes: nothing to draw
+            continue
         fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 4.2), sharey=True,
                                  squeeze=False)
         rate = metric == "token_hit_rate"
