@@ -404,7 +404,8 @@ def test_a_bad_device_is_a_value_error_naming_the_field(device):
 
 
 # -- 11. any root -----------------------------------------------------------------------------
-@pytest.mark.parametrize("root", [hashlib.sha256(b"m").digest(), b"llama", b"\x00", os.urandom(100)])
+@pytest.mark.parametrize("root", [hashlib.sha256(b"m").digest(), b"llama", b"\x00", bytes(random.Random(7).randrange(256) for _ in range(100))],
+                         ids=["sha256", "tag", "one-byte", "random-100"])
 def test_any_non_empty_root_is_taken_and_the_key_root_covers_the_geometry(root):
     gen = torch.Generator().manual_seed(len(root))
     kv = PagedKVCache(GEOM, "cpu", 16, 8)
