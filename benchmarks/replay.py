@@ -1,173 +1,199 @@
-"""Trace replay benchmark: how fast one configuration replays a whole trace.
+"""Trace replay benchmark: each figure as a ratio to the trace's load time, in one run.
 
-Measures, in one run:
+The base is ``load``: ``tiering.blocks.replay.load_chains`` of the trace (reading
+its JSON lines and every block id), CPU seconds, best of ``--repeat``. Then, each
+in CPU seconds (best of ``--repeat``) and as ``x load``:
 
-- ``raw``: loading the trace file and iterating its requests once (summing
-  their tokens): the floor any replay pays;
-- ``replay``: ``simulate`` of one policy over the whole trace (default: the
-  Mooncake conversation trace, lru, llama-3.1-8b on h100-80g), with the
-  recompute and no-tiering baselines for scale, and the same policy once more
-  at request level (``prefix_reuse=False``: no block cached, moved or looked
-  up), which shows what the block layer costs.
+- ``blocks <policy>``: ``tiering replay --blocks`` (``replay_blocks``) at
+  ``--capacity-blocks`` for every built-in block policy, and ``blocks user``: a
+  policy written with the per-event hooks only (its batch hooks are the base
+  class's defaults), the way a user writes one; each also through the per-event
+  loop (``batch=False``, the loop before the batch hooks), with the speed-up;
+- ``full <policy>``: the whole trace, default full replay (``simulate``, the CLI's
+  defaults: block decisions not logged) with one policy, and the same run through
+  the per-event hooks with every block decision logged (as before), with the
+  speed-up;
+- ``jobs``: a sweep of ``--sweep-runs`` runs (``--sweep-limit`` requests each), one
+  process against ``--jobs`` worker processes, wall seconds (the pool's work is in
+  other processes), with the speed-up. Its figure means something only on idle
+  cores: the load average is printed beside it.
 
-For each it reports the wall time, requests simulated per wall second, the
-ratio to ``raw``, the simulated time covered and the steps (with how many ran
-in the decode-only tight loop). Wall time is the best of ``--repeat`` runs.
-The target for the tiering run is at most 10 times ``raw``. ``--policy``
-takes a built-in name or a ``module:Class`` path.
+Targets (README): blocks of a generic built-in at most 3x load, of ``chain`` at
+most 8x, of the user's per-event policy at most 5x; full at most 40x; jobs 2 at
+least 1.8x the one-process sweep.
 
-``--before DIR`` first runs this same benchmark in another checkout ``DIR``
-(a subprocess with ``DIR`` as its working directory, the same interpreter
-and arguments) and reports both, back to back in one run, each with its own
-``raw`` and ratios (``before`` in the JSON).
-
-Usage: ``python benchmarks/replay.py --out replay.json [--limit N] [--repeat K] [--before DIR]``
+Usage: ``python benchmarks/replay.py --out replay.json [--cases blocks,full,jobs]
+[--repeat K] [--limit N]``
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import subprocess
+import gc
+import os
 import sys
-import tempfile
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tiering.policies.blocks import BlockPolicy, default_block_registry  # noqa: E402
+
 from benchmarks._report import table, write_json  # noqa: E402
-from tiering.apps.replay.presets import StepCost, get_hardware, get_model  # noqa: E402
+from tiering.apps.replay import jobs as jobs_mod  # noqa: E402
+from tiering.apps.replay.presets import GiB, StepCost, get_hardware, get_model  # noqa: E402
 from tiering.apps.replay.simulator import RunSpec, SimConfig, simulate  # noqa: E402
+from tiering.apps.replay.sweep import Grid  # noqa: E402
 from tiering.apps.replay.traces import load_trace  # noqa: E402
+from tiering.blocks.replay import load_chains, replay_blocks  # noqa: E402
 
 DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake" / "conversation_trace.jsonl"
+TARGETS = {"generic": 3.0, "chain": 8.0, "user": 5.0, "full": 40.0, "jobs": 1.8}
 
 
-def _raw(path: Path, limit: int | None) -> tuple[float, int]:
-    start = time.perf_counter()
-    trace = load_trace(path, limit=limit)
-    tokens = 0
-    for req in trace:
-        tokens += req.input_tokens + req.output_tokens + len(req.hash_ids)
-    return time.perf_counter() - start, tokens
+class UserLRU(BlockPolicy):
+    """Least recently used, written as a user would: per-event hooks only."""
+
+    name = "user-lru"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._order: OrderedDict = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def on_insert(self, info, now) -> None:
+        self._order[info.key] = None
+
+    def on_hit(self, info, now) -> None:
+        self._order.move_to_end(info.key)
+
+    def on_remove(self, key) -> None:
+        del self._order[key]
+
+    def victims(self, now):
+        yield from self._order
+
+
+def _cpu(fn, repeat: int) -> tuple[float, object]:
+    best, out = None, None
+    for _ in range(max(1, repeat)):
+        gc.collect()
+        t = time.process_time()
+        out = fn()
+        dt = time.process_time() - t
+        best = dt if best is None else min(best, dt)
+    return best, out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    parser.add_argument("--policy", default="lru")
-    parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--hardware", default="h100-80g")
-    parser.add_argument("--time-scale", type=float, default=1.0)
-    parser.add_argument("--limit", type=int, default=None, help="only the first N requests")
-    parser.add_argument("--repeat", type=int, default=1, help="best of K runs (default 1)")
-    parser.add_argument("--before", type=Path, default=None,
-                        help="another checkout to run first, for a before/after comparison")
-    args = parser.parse_args(argv)
-    before = None
-    if args.before is not None:
-        before = _run_before(args, argv if argv is not None else sys.argv[1:])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--cases", default="blocks,full,jobs")
+    p.add_argument("--policy", default="lru", help="request policy of the full replay")
+    p.add_argument("--capacity-blocks", type=int, default=4000)
+    p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    p.add_argument("--repeat", type=int, default=1, help="best of K runs (default 1)")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--sweep-runs", type=int, default=4)
+    p.add_argument("--sweep-limit", type=int, default=1500)
+    args = p.parse_args(argv)
+    cases = {c.strip() for c in args.cases.split(",") if c.strip()}
+    unknown = cases - {"blocks", "full", "jobs"}
+    if unknown:
+        p.error(f"--cases: unknown {sorted(unknown)}; known: blocks, full, jobs")
 
-    raw_s = min(_raw(args.trace, args.limit)[0] for _ in range(max(1, args.repeat)))
-    trace = load_trace(args.trace, limit=args.limit)
-    cost = StepCost(get_model(args.model), get_hardware(args.hardware))
-    sim = SimConfig()
-    rows = [("raw load+iterate", len(trace), raw_s, len(trace) / raw_s, 1.0, 0.0, 0, 0)]
-    results = {"raw": {"wall_s": raw_s, "requests": len(trace)}}
-    # the block-level runs (the default), then the policy's run at request level: the same
-    # worker without prefix reuse, so no block is cached, moved or looked up
-    plain = dataclasses.replace(sim, prefix_reuse=False)
-    runs = [(RunSpec("tiering", args.policy), sim, None),
-            (RunSpec("recompute"), sim, None), (RunSpec("no-tiering"), sim, None),
-            (RunSpec("tiering", args.policy), plain, "no prefix reuse")]
-    for spec, run_sim, note in runs:
-        best = None
-        for _ in range(max(1, args.repeat)):
-            start = time.perf_counter()
-            res = simulate(trace, cost, spec, run_sim, time_scale=args.time_scale)
-            wall = time.perf_counter() - start
-            best = wall if best is None else min(best, wall)
-        key = spec.label if note is None else f"{spec.label}, {note}"
-        label = f"replay {key}"
-        rows.append((label, len(trace), best, len(trace) / best, best / raw_s, res.makespan_s,
-                     res.counters.steps, res.counters.fast_steps))
-        results[key] = {
-            "wall_s": best,
-            "requests_per_s": len(trace) / best,
-            "ratio_to_raw": best / raw_s,
-            "simulated_s": res.makespan_s,
-            "steps": res.counters.steps,
-            "fast_steps": res.counters.fast_steps,
-            "steps_per_s": res.counters.steps / best,
-        }
-    headers = ("case", "requests", "wall s", "req/s", "x raw", "simulated s", "steps",
-               "fast steps")
-    speedup = None
-    if before is not None:
-        print(f"before ({args.before}):")
-        old = before["results"]
-        order = [c for c in results if c in old] + [c for c in old if c not in results]
-        brows = [(_label(case), r.get("requests", len(trace)), r["wall_s"],
-                  r.get("requests_per_s", r.get("requests", 0) / r["wall_s"]),
-                  r.get("ratio_to_raw", 1.0), r.get("simulated_s", 0.0), r.get("steps", 0),
-                  r.get("fast_steps", 0)) for case, r in ((c, old[c]) for c in order)]
-        print(table(brows, headers))
-        print("after (this checkout):")
-    print(table(rows, headers))
-    if before is not None:
-        old = before["results"]
-        speedup = {c: old[c]["wall_s"] / results[c]["wall_s"]
-                   for c in results if c in old and c != "raw"}
-        print("before -> after (each against its own raw load):")
-        print(table([(_label(c), old[c]["wall_s"], results[c]["wall_s"],
-                      old[c].get("ratio_to_raw", 0.0), results[c]["ratio_to_raw"], speedup[c])
-                     for c in speedup],
-                    ("case", "before s", "after s", "before x raw", "after x raw", "speed-up")))
-    write_json(args.out, {
-        "before": before,
-        "speedup": speedup,
-        "benchmark": "replay",
-        "trace": str(args.trace),
-        "model": args.model,
-        "hardware": args.hardware,
-        "policy": args.policy,
-        "time_scale": args.time_scale,
-        "target_ratio_to_raw": 10.0,
-        "results": results,
-    })
+    load_s, chains = _cpu(lambda: load_chains(args.trace, args.limit), args.repeat)
+    rows = [("load (load_chains)", load_s, 1.0, "", "", "")]
+    results: dict = {"load": {"cpu_s": load_s, "requests": len(chains)}}
+
+    def add(name, target, batch_s, before_s=None):
+        ratio = batch_s / load_s
+        results[name] = {"cpu_s": batch_s, "x_load": ratio, "target_x_load": target,
+                         "per_event_cpu_s": before_s,
+                         "speedup": before_s / batch_s if before_s else None}
+        rows.append((name, batch_s, ratio, f"{target:g}" if target else "",
+                     f"{before_s / load_s:.1f}" if before_s else "",
+                     f"{before_s / batch_s:.2f}" if before_s else ""))
+
+    gc.freeze()  # as the CLI does once the trace is loaded
+    if "blocks" in cases:
+        cap = args.capacity_blocks
+        registry = default_block_registry()
+        makers = [(n, lambda n=n: registry.make(n, capacity=cap)) for n in registry.names]
+        makers.append(("user", lambda: UserLRU(cap)))
+        for name, make in makers:
+            batch_s, res = _cpu(lambda make=make: replay_blocks(chains, cap, make()),
+                                args.repeat)
+            per_s, per = _cpu(lambda make=make: replay_blocks(chains, cap, make(), batch=False),
+                              args.repeat)
+            if per[:9] != res[:9]:
+                raise SystemExit(f"blocks {name}: the batch hooks changed the result")
+            target = TARGETS["user"] if name == "user" else (
+                TARGETS["chain"] if name == "chain" else TARGETS["generic"])
+            add(f"blocks {name}", target, batch_s, per_s)
+
+    if "full" in cases:
+        trace = load_trace(args.trace, limit=args.limit)
+        cost = StepCost(get_model("llama-3.1-8b"), get_hardware("h100-80g"))
+        spec = RunSpec("tiering", args.policy)
+        sim = SimConfig(block_decisions=False)
+        batch_s, res = _cpu(lambda: simulate(trace, cost, spec, sim), args.repeat)
+        before = SimConfig(batch_hooks=False, block_decisions=True)
+        per_s, per = _cpu(lambda: simulate(trace, cost, spec, before), args.repeat)
+        if (per.requests, per.counters) != (res.requests, res.counters):
+            raise SystemExit("full: the batch hooks changed the run")
+        add(f"full {args.policy} (block policy {sim.block_policy})", TARGETS["full"], batch_s,
+            per_s)
+
+    if "jobs" in cases:
+        trace = load_trace(args.trace, limit=args.sweep_limit)
+        model, hw = get_model("llama-3.1-8b"), get_hardware("h100-80g")
+        hosts = tuple(int(hw.host_bytes * f) for f in (0.25, 0.5, 0.75, 1.0))
+        n = max(1, args.sweep_runs)
+        policies = ("lru", "cost")[: min(2, n)]
+        grid = Grid(policies, ((0.9, 0.75),), hosts[: max(1, (n + 1) // len(policies))],
+                    baselines=False)
+        sim = SimConfig(block_decisions=False)
+        keys = [f"{i}" for i in range(grid.runs())]
+        ctx = jobs_mod.JobContext(trace, model, hw, grid, sim, 1.0, None, keys, 1, True, False)
+        walls = {}
+        rows_by = {}
+        for j in (1, args.jobs):
+            got = []
+            t = time.perf_counter()
+            jobs_mod.run_all(ctx, j, got.append)
+            walls[j] = time.perf_counter() - t
+            rows_by[j] = [d.row for d in got]
+        if rows_by[1] != rows_by[args.jobs]:
+            raise SystemExit("jobs: the pool's rows differ from one process's")
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        speed = walls[1] / walls[args.jobs]
+        results["jobs"] = {"runs": grid.runs(), "wall_s_1": walls[1],
+                           f"wall_s_{args.jobs}": walls[args.jobs], "speedup": speed,
+                           "target_speedup": TARGETS["jobs"], "cores": os.cpu_count(),
+                           "load_average_1min": load}
+        rows.append((f"jobs: {grid.runs()} runs, 1 -> {args.jobs} processes (wall s)",
+                     walls[args.jobs], "", f"{TARGETS['jobs']:g}x", f"{walls[1]:.2f} s",
+                     f"{speed:.2f}"))
+        print(f"jobs measured with load average {load:.2f} on {os.cpu_count()} cores "
+              "(the figure holds only on idle cores)")
+
+    print(table(rows, ("case", "cpu s", "x load", "target", "per-event x load", "speed-up")))
+    write_json(args.out, {"benchmark": "replay", "trace": str(args.trace),
+                          "capacity_blocks": args.capacity_blocks, "policy": args.policy,
+                          "limit": args.limit, "results": results,
+                          "sim": dataclasses.asdict(SimConfig(block_decisions=False)),
+                          "gib": GiB})
     return 0
-
-
-def _label(case: str) -> str:
-    return "raw load+iterate" if case == "raw" else f"replay {case}"
-
-
-def _run_before(args: argparse.Namespace, argv: list[str]) -> dict:
-    """This benchmark, run in the checkout ``args.before`` with the same arguments."""
-    rest, skip = [], False
-    for a in argv:  # drop --out and --before (and their values); the rest is passed on
-        if skip:
-            skip = False
-            continue
-        if a in ("--out", "--before"):
-            skip = True
-            continue
-        if a.startswith(("--out=", "--before=")):
-            continue
-        rest.append(a)
-    script = args.before / "benchmarks" / "replay.py"
-    if not script.is_file():
-        raise SystemExit(f"--before: {script} does not exist")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "before.json"
-        trace = ["--trace", str(args.trace.resolve())] if "--trace" not in rest else []
-        subprocess.run([sys.executable, str(script), "--out", str(out), *trace, *rest],
-                       cwd=args.before, check=True, timeout=3600)
-        return json.loads(out.read_text())
 
 
 if __name__ == "__main__":

@@ -473,8 +473,14 @@ class ChainOdds(BlockPolicy):
         dens, now, top = self._dens, self._t, _BUCKETS - 1
         cend, lists = self._cend, self._lists
         if self._cend_t != now or self._cend_d != self._dens_at:
+            if self._cend_d == self._dens_at:
+                # a new request, the same table: the ends of a class nothing changed are
+                # the same blocks, only their ages moved; their densities are read again
+                self._age_ends(now)
+                dirty = self._dirty
+            else:
+                dirty = range(len(lists))
             self._cend_t, self._cend_d = now, self._dens_at
-            dirty = range(len(lists))
             full = True
         else:
             dirty = self._dirty
@@ -527,7 +533,7 @@ class ChainOdds(BlockPolicy):
             old = (row[b_old if b_old < top else top], k)
             young = (row[b_young if b_young < top else top], k2)
             low = old if old[0] <= young[0] else young
-            cend[cls] = (low, old, young)
+            cend[cls] = (low, old, young, t0, lst[k2][0])
             e = lows[cls] = (low[0], cls, low[1])
             if not full:
                 if e[0] < best[0] or (e[0] == best[0] and cls < best[1]):
@@ -542,6 +548,23 @@ class ChainOdds(BlockPolicy):
         best = None if m[2] is None else (m[0], m[2])
         self._ends_memo, self._ends_at = best, self._version
         return best
+
+    def _age_ends(self, now: int) -> None:
+        """The cached ends of every class ``_dirty`` does not hold, at request count
+        ``now``: the same two blocks, each one's density read at its age now."""
+        dens, top, lows, dirty = self._dens, _BUCKETS - 1, self._lows, self._dirty
+        cend = self._cend
+        for cls, c in enumerate(cend):
+            if not c or cls in dirty:
+                continue
+            _, (_, k), (_, k2), t0, ty = c
+            row = dens[cls]
+            b_old, b_young = (now - t0).bit_length(), (now - ty).bit_length()
+            old = (row[b_old if b_old < top else top], k)
+            young = (row[b_young if b_young < top else top], k2)
+            low = old if old[0] <= young[0] else young
+            cend[cls] = (low, old, young, t0, ty)
+            lows[cls] = (low[0], cls, low[1])
 
     def admit(self, key: Hashable, depth: int, now: float) -> bool:
         if not self.admission or len(self._meta) < self.capacity:
@@ -570,7 +593,7 @@ class ChainOdds(BlockPolicy):
         if not (k0 in r or k0 in d or k0 in b):
             yield k0  # nearly always taken: sort the rest only when it is not
         seen = {k0}
-        ends = [e for c in self._cend if c for e in c[1:]]
+        ends = [e for c in self._cend if c for e in c[1:3]]
         for _, k in sorted(ends, key=_first):
             if k not in seen:
                 seen.add(k)

@@ -20,6 +20,20 @@ def _check_capacity(name: str, capacity: object) -> int:
     return capacity
 
 
+def _first_free(keys, busy: tuple) -> Hashable | None:
+    """The first of ``keys`` in none of the ``busy`` containers (None: there is none)."""
+    if len(busy) == 3:
+        r, d, b = busy
+        for k in keys:
+            if not (k in r or k in d or k in b):
+                return k
+        return None
+    for k in keys:
+        if not any(k in c for c in busy):
+            return k
+    return None
+
+
 class LRUBlocks(BlockPolicy):
     """Least recently used block first."""
 
@@ -86,10 +100,7 @@ class LRUBlocks(BlockPolicy):
     def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
         if self.overrides(LRUBlocks, "victims", "victims_except"):
             return super().pop_victim(now, *busy)
-        for k in self._order:
-            if not any(k in c for c in busy):
-                return k
-        return None
+        return _first_free(self._order, busy)
 
     def on_removes(self, keys: Sequence[Hashable]) -> None:
         if self.overrides(LRUBlocks, "on_remove"):
@@ -137,7 +148,26 @@ class ARCBlocks(BlockPolicy):
         return True
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
-        k, c = info.key, self.capacity
+        self._insert(info.key)
+
+    def on_publish(self, keys: Sequence[Hashable], depth: int, room: Callable[[], int],
+                   insert: Callable[[Sequence[Hashable]], int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> tuple[int, bool]:
+        if self.overrides(ARCBlocks, "admit", "on_insert", "on_insert_key", "on_inserts"):
+            return super().on_publish(keys, depth, room, insert, get, now)
+        # admit answers True; what it records (the block is a B2 ghost) only steers a
+        # victim chosen before the block is inserted, and none is while there is room
+        return self.publish_room(keys, depth, room, insert, get, now)
+
+    def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> None:
+        if self.overrides(ARCBlocks, "on_insert", "on_insert_key"):
+            return super().on_inserts(keys, depths, get, now)
+        for k in keys:
+            self._insert(k)
+
+    def _insert(self, k: Hashable) -> None:
+        c = self.capacity
         if k in self._t1 or k in self._t2:
             raise already_tracked(self, k)
         if k in self._b1:
@@ -200,9 +230,9 @@ class ARCBlocks(BlockPolicy):
         else:
             lists = (self._t2, self._t1)
         for lst in lists:
-            for k in lst:
-                if not any(k in c for c in busy):
-                    return k
+            k = _first_free(lst, busy)
+            if k is not None:
+                return k
         return None
 
     def on_commit(self, keys: Sequence[Hashable], hits: Sequence[Hashable],

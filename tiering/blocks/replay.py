@@ -20,6 +20,7 @@ the printed lines show both ratios.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -329,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--policy: unknown block policy {n!r}; known: {', '.join(registry.names)}, all"
             )
     chains = load_chains(args.trace, args.limit)
+    gc.freeze()  # the chains live all run: the collector need not walk them
     results = run_policies(chains, args.capacity_blocks, names, registry)
     belady = belady_hit_rate(chains, args.capacity_blocks)
     # the best of the established policies run here: what a policy must at least match

@@ -240,3 +240,34 @@ class Guarded(BlockPolicy):
         check = getattr(self.inner, "check_integrity", None)
         if check is not None:
             check()
+
+
+def cost_summary(costs: Sequence[HookCost]) -> dict:
+    """``costs`` as summary.json keeps them: per tier and hook, calls, events and seconds,
+    with the totals and the mean microseconds per event."""
+    events = sum(c.events for c in costs)
+    seconds = sum(c.seconds for c in costs)
+    return {
+        "hooks": [c._asdict() for c in costs],
+        "events": events,
+        "seconds": seconds,
+        "us_per_event": 1e6 * seconds / events if events else None,
+    }
+
+
+def format_costs(run: str, costs: Sequence[HookCost]) -> str:
+    """A short table of one run's block policy cost: per hook (the tiers added up), calls,
+    events and seconds, the busiest first."""
+    by_hook: dict[str, list] = {}
+    for c in costs:
+        row = by_hook.setdefault(c.hook, [0, 0, 0.0])
+        row[0] += c.calls
+        row[1] += c.events
+        row[2] += c.seconds
+    total = cost_summary(costs)
+    per = total["us_per_event"]
+    lines = [f"block policy cost, {run}: {total['seconds']:.2f} s in the policy, "
+             f"{total['events']:,} events" + (f", {per:.1f} µs each" if per is not None else "")]
+    for hook, (calls, events, seconds) in sorted(by_hook.items(), key=lambda kv: -kv[1][2]):
+        lines.append(f"  {hook:<16} {calls:>12,} calls {events:>12,} events {seconds:>9.3f} s")
+    return "\n".join(lines)
