@@ -333,6 +333,7 @@ def test_a_retried_publish_of_a_page_damaged_on_the_host_is_not_uploaded():
     clock = FakeClock()
     blocks = shared_blocks(mem, clock=clock, config=ColdTierConfig(breaker=BreakerConfig(cooldown_s=5.0)))
     kv = cache(blocks, device_pages=4, host_pages=8, clock=clock)
+    kv.synchronize(10)  # the first listing is done (its success would close the breaker)
     blocks.breaker.record_failure()  # the store stopped answering: the breaker is open
     ids, _, got = publish(kv, gen, rid="a", n=13)
     assert got == 12 and kv.prefix_stats()["shared_publish_refused"] == 3
@@ -343,10 +344,15 @@ def test_a_retried_publish_of_a_page_damaged_on_the_host_is_not_uploaded():
     loc = kv._prefix.index.location(keys[1])
     assert loc.tier is Tier.HOST
     kv._host[loc.handle].view(torch.uint8).view(-1)[17] ^= 0x10  # a bit flips there
-    clock.t += 10  # past the cooldown: the poll retries the refused publishes
+    clock.t += 10  # past the cooldown: polls retry the refused publishes (the first is the
+    # breaker's trial, so the others may wait for a later poll)
+    for _ in range(50):
+        kv.poll()
+        kv.synchronize(10)
+        if not kv._prefix.unpublished and kv._prefix.shared.queue.in_flight == 0:
+            break
     kv.poll()
-    kv.synchronize(10)
-    kv.poll()
+    assert not kv._prefix.unpublished
     stored = {m["path"] for c in obstore.list(mem, prefix="blocks/") for m in c}
     assert blocks.path(keys[1]) not in stored  # the damaged page never left
     assert blocks.path(keys[0]) in stored and blocks.path(keys[2]) in stored  # the control

@@ -56,7 +56,9 @@ __all__ = [
     "ColdTierUnavailable",
     "LeaseHeld",
     "LeaseLost",
+    "FrameDamaged",
     "FrameRefused",
+    "FrameUnauthenticated",
     "PrefixLeaseLost",
     "StoreNotAnswering",
     "CorruptBlock",
@@ -208,6 +210,16 @@ class CorruptBlock(RuntimeError):
 
 class FrameRefused(Exception):
     """An object is not the one asked for (foreign, truncated, damaged); the reason says which."""
+
+
+class FrameDamaged(FrameRefused):
+    """The object is not a readable frame: cut, extended, or failing its crc32c (nobody can
+    read it, whoever wrote it)."""
+
+
+class FrameUnauthenticated(FrameRefused):
+    """The object is intact but no key the reader holds made its MAC (forged, unkeyed, or
+    written under a deployment key retired since)."""
 
 
 # -- integrations and applications ------------------------------------------------------------

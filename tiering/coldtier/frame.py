@@ -37,7 +37,7 @@ import struct
 import numpy as np
 
 from tiering.disk.crc import crc32c_extend
-from tiering.errors import FrameRefused
+from tiering.errors import FrameDamaged, FrameRefused, FrameUnauthenticated
 
 from .trust import KEY_ID_BYTES, MAC_BYTES, NO_KEY, MacKeys
 
@@ -52,15 +52,6 @@ _HEAD = struct.Struct(f"<4sBBHHHQ{KEY_ID_BYTES}s")
 HEADER_BYTES = _HEAD.size
 TRAILER_BYTES = 4 + MAC_BYTES
 MAX_ID_BYTES = 1024
-
-
-class FrameDamaged(FrameRefused):
-    """The object names exactly what was asked for but its bytes are cut, extended or damaged."""
-
-
-class FrameUnauthenticated(FrameRefused):
-    """The object is intact but no key this reader holds made its MAC (forged, unkeyed, or
-    written under a deployment key retired since)."""
 
 
 def _check_kind(kind: object) -> None:
