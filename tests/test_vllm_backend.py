@@ -90,6 +90,17 @@ def land(m: TieredBlockManager, d, slot: int, pages: list[torch.Tensor]) -> None
             f.write(page.numpy().tobytes())
 
 
+def loaded(m: TieredBlockManager, slot: int, rank: int = 0) -> torch.Tensor:
+    """What a worker's load copies for a block at ``slot`` (from ``prepare_load``): its
+    host slot, or its row of the load staging file (a block loaded straight from disk)."""
+    if slot < m.num_slots:
+        return m.slabs[rank].tensor[slot].clone()
+    n = m.slabs[rank].slot_bytes
+    with open(f"{m.load_staging}.r{rank}", "rb") as f:
+        f.seek((slot - m.num_slots) * n)
+        return torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8)
+
+
 def store(
     m: TieredBlockManager, gen: torch.Generator, keys: list[bytes], chained: bool = False
 ) -> dict[bytes, torch.Tensor]:
@@ -235,7 +246,7 @@ def test_every_registered_block_policy_runs_the_manager(tmp_path, name):
             r = m.lookup(k)
         if r is Lookup.HIT:
             (slot,) = m.prepare_load([k])
-            assert torch.equal(m.slabs[0].tensor[slot], page)
+            assert torch.equal(loaded(m, slot), page)
             m.complete_load([k])
             served += 1
         m.check_integrity()
@@ -291,7 +302,7 @@ def test_cascade_to_disk_and_checked_promotion_returns_the_same_bytes(tmp_path):
     assert m.wait_io(10)
     assert m.lookup(k) is Lookup.HIT
     (slot,) = m.prepare_load([k])
-    assert torch.equal(m.slabs[0].tensor[slot], data[k])  # the bytes stored, from disk
+    assert torch.equal(loaded(m, slot), data[k])  # the bytes stored, from disk
     assert m.counters.loads_from_disk == 1 and m.counters.loads_from_host == 0
     m.complete_load([k])
     m.check_integrity()
@@ -450,7 +461,7 @@ def test_a_damaged_block_with_a_busy_descendant_is_a_miss_then_dropped(tmp_path,
         assert m.wait_io(10)
     assert m.lookup(key(4)) is Lookup.HIT  # a block outside the chain is untouched
     (slot,) = m.prepare_load([key(4)])
-    assert torch.equal(m.slabs[0].tensor[slot], data[key(4)])
+    assert torch.equal(loaded(m, slot), data[key(4)])
     m.complete_load([key(4)])
     m.check_integrity()
     m.shutdown()
@@ -468,20 +479,29 @@ def test_a_promoted_block_is_held_for_its_load_so_promotions_do_not_undo_each_ot
     assert [m.block(key(i)).host for i in (1, 2, 3)] == [HostState.NONE] * 3
     assert m.lookup(key(1)) is Lookup.PENDING and m.lookup(key(2)) is Lookup.PENDING
     assert m.wait_io(10)  # 1 and 2 are on host now, waiting for vLLM to ask again
-    assert m.lookup(key(3)) is Lookup.PENDING  # a third request: no slot yet, no eviction
-    assert m.counters.promotions_deferred == 1 and m.counters.promotions_started == 2
+    # a third request: no host slot, and the held promotions are not evicted; its block
+    # is read (checked) into a row of the load staging file instead
+    assert m.lookup(key(3)) is Lookup.PENDING
+    assert m.counters.promotions_started == 2 and m.counters.direct_reads_started == 1
     assert m.lookup(key(1)) is Lookup.HIT and m.lookup(key(2)) is Lookup.HIT
     (slot,) = m.prepare_load([key(1)])
-    assert torch.equal(m.slabs[0].tensor[slot], data[key(1)])
+    assert torch.equal(loaded(m, slot), data[key(1)])
     m.complete_load([key(1)])  # loaded: an ordinary block again
-    assert m.lookup(key(3)) is Lookup.PENDING and m.counters.promotions_started == 3
-    assert m.block(key(1)).host is HostState.NONE and m.block(key(2)).host is HostState.READY
+    assert m.wait_io(10)
+    assert m.lookup(key(3)) is Lookup.HIT  # from its row
+    (row,) = m.prepare_load([key(3)])
+    assert row >= m.num_slots and m.block(key(3)).host is HostState.NONE
+    with open(f"{m.load_staging}.r0", "rb") as f:
+        f.seek((row - m.num_slots) * PAGE)
+        assert f.read(PAGE) == data[key(3)].numpy().tobytes()
+    m.complete_load([key(3)])  # the row is free again
+    assert not m._rows and m.rows.free_pages == m.rows.num_pages
+    assert m.block(key(2)).host is HostState.READY
     m.check_integrity()
     # the hold ends after PROMOTED_HOLD_STEPS steps even if nobody loads the block
-    assert m.wait_io(10)
     for _ in range(PROMOTED_HOLD_STEPS):
         m.maintain()
-    assert m.lookup(key(4)) is Lookup.PENDING and m.counters.promotions_started == 4
+    assert m.lookup(key(4)) is Lookup.PENDING and m.counters.promotions_started == 3
     assert m.counters.promotions_unused == 1  # key 2: promoted, never loaded
     m.check_integrity()
     m.shutdown()
@@ -502,8 +522,9 @@ def test_the_promotion_hold_counts_scheduler_steps_not_store_completions(tmp_pat
     assert m.wait_io(10)
     for _ in range(2 * PROMOTED_HOLD_STEPS):  # completions within one scheduler step
         m.complete_store([key(99)])  # (keys repeat across jobs: nothing in flight)
-    assert m.lookup(key(3)) is Lookup.PENDING  # still held: no slot, no eviction
-    assert m.counters.promotions_started == 2 and m.counters.promotions_deferred == 1
+    assert m.lookup(key(3)) is Lookup.PENDING  # still held: no host slot, no eviction
+    assert m.counters.promotions_started == 2 and m.counters.direct_reads_started == 1
+    assert m.wait_io(10)  # key 3 waits in its staging row, held as long as a promotion
     assert m.lookup(key(1)) is Lookup.HIT and m.lookup(key(2)) is Lookup.HIT
     for _ in range(PROMOTED_HOLD_STEPS):  # real steps end the hold
         m.maintain()
@@ -646,7 +667,7 @@ def test_stores_and_loads_in_flight_at_a_reset_are_taken_back_later(tmp_path):
     for k, page in again.items():
         assert m.lookup(k) is Lookup.HIT
         (slot,) = m.prepare_load([k])
-        assert torch.equal(m.slabs[0].tensor[slot], page)
+        assert torch.equal(loaded(m, slot), page)
         m.complete_load([k])
     m.check_integrity()
     m.shutdown()
@@ -841,7 +862,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert k not in self.damaged, "a block damaged on disk was reported loadable"
             (slot,) = self.m.prepare_load([k])
             # never a wrong byte: what a load would copy is what was stored
-            assert torch.equal(self.m.slabs[0].tensor[slot], self.data[k])
+            assert torch.equal(loaded(self.m, slot), self.data[k])
             self.loads.append([k])
 
     @precondition(lambda self: self.loads)
@@ -999,7 +1020,7 @@ def test_disk_faults_never_hand_back_a_wrong_byte(tmp_path, seed):
             k = key(r.randrange(12))
             if m.lookup(k) is Lookup.HIT:
                 (slot,) = m.prepare_load([k])
-                assert torch.equal(m.slabs[0].tensor[slot], data[k])
+                assert torch.equal(loaded(m, slot), data[k])
                 loads.append(k)
         elif c == 3 and loads:
             m.complete_load([loads.pop(0)])
@@ -1011,8 +1032,8 @@ def test_disk_faults_never_hand_back_a_wrong_byte(tmp_path, seed):
     injected = plan.injected
     assert sum(injected[k] for k in ("eio_write", "enospc_write")) > 0
     assert m.counters.demotions_failed > 0 and m.counters.loads_from_disk + m.counters.loads_from_host > 0
-    if injected["eio_read"] + injected["corrupt"]:
-        assert m.counters.promotions_failed > 0
+    if injected["eio_read"] + injected["corrupt"]:  # a promotion's or a direct load's read
+        assert m.counters.promotions_failed + m.counters.direct_reads_failed > 0
     m.shutdown()
 
 
@@ -1371,12 +1392,12 @@ class Clock:
         return self.t
 
 
-def make_clocked(tmp_path, slots, disk_pages, clock, **cfg) -> TieredBlockManager:
+def make_clocked(tmp_path, slots, disk_pages, clock, executor=None, **cfg) -> TieredBlockManager:
     c = TieredConfig(host_bytes=slots * PAGE, disk_path=str(tmp_path / "disk"),
                      disk_bytes=disk_pages * PAGE, **cfg)
     slab = HostSlab(str(tmp_path / "slab"), slots, PAGE)
     return TieredBlockManager(c, [slab], open_disk(c, PAGE, "test"), disk_root=c.disk_path,
-                              clock=clock)
+                              clock=clock, executor=executor)
 
 
 def serve(m: TieredBlockManager, k: bytes) -> torch.Tensor | None:
@@ -1391,7 +1412,7 @@ def serve(m: TieredBlockManager, k: bytes) -> torch.Tensor | None:
     if r is not Lookup.HIT:
         return None
     (slot,) = m.prepare_load([k])
-    page = m.slabs[0].tensor[slot].clone()
+    page = loaded(m, slot)
     m.complete_load([k])
     return page
 
@@ -1407,7 +1428,7 @@ def test_a_store_batch_larger_than_the_host_tier_goes_to_disk_and_is_served(tmp_
     assert m.counters.stores_staged == 5 and m.counters.stores_refused == 0
     assert m.wait_io(10)
     m.check_integrity()
-    assert not os.listdir(m.staging), "staging files left behind"
+    assert [f for f in os.listdir(m.staging) if f.startswith("store-")] == [], "left behind"
     assert all(m.block(k) is not None for k in keys)
     buf = torch.empty((1, PAGE), dtype=torch.uint8)
     for k in keys[4:]:  # straight to disk: the bytes the worker staged, checked on read
@@ -1469,9 +1490,11 @@ def test_a_refused_store_is_counted_logged_once_and_marks_the_state_changed(tmp_
     m.shutdown()
 
 
-def test_a_prefix_longer_than_the_host_tier_is_served_up_to_it_then_misses(tmp_path):
+def test_a_prefix_longer_than_the_host_tier_is_served_whole_the_rest_straight_from_disk(
+        tmp_path):
     """A prefix on disk longer than the host tier: each pending key promoted one
-    block, the promotions held every slot, and the request waited for ever."""
+    block, the promotions held every slot, and the request waited for ever. Now the
+    blocks that find no host slot are read (checked) into load staging rows."""
     from tiering.integrations.vllm._core import LoadWindow
 
     gen = torch.Generator().manual_seed(43)
@@ -1497,28 +1520,37 @@ def test_a_prefix_longer_than_the_host_tier_is_served_up_to_it_then_misses(tmp_p
             break
         assert m.wait_io(10)
         m.maintain()
-    assert answers == [Lookup.HIT] * 4 + [Lookup.MISS], answers
-    assert m.counters.lookups_over_budget >= 1
-    slots = m.prepare_load(keys[:4])  # the load vLLM then makes: all on host
-    for k, s in zip(keys[:4], slots, strict=True):
-        assert torch.equal(m.slabs[0].tensor[s], data[k])
-    m.complete_load(keys[:4])
+    assert answers == [Lookup.HIT] * 9, answers
+    assert m.counters.promotions_ok == 4 and m.counters.direct_reads_started == 5
+    slots = m.prepare_load(keys)  # the load vLLM then makes: 4 host slots, 5 staging rows
+    assert sum(s >= m.num_slots for s in slots) == 5
+    m.check_integrity()
+    for k, s in zip(keys, slots, strict=True):
+        assert torch.equal(loaded(m, s), data[k])
+    m.complete_load(keys)
+    assert m.rows.free_pages == m.rows.num_pages and m.counters.loads_from_disk == 9
     m.check_integrity()
     m.shutdown()
 
 
 def test_a_request_that_waits_past_load_wait_s_gets_a_miss(tmp_path):
-    """Without a bound, a request whose blocks cannot be promoted (every host slot
-    pinned) answered pending at every step for as long as the pins lasted."""
+    """Without a bound, a request whose blocks could not be promoted answered
+    pending at every step for as long as that lasted. Here every host slot is
+    pinned and the disk read of the block does not finish (a slow disk)."""
     from tiering.integrations.vllm._core import LoadWindow
 
     gen = torch.Generator().manual_seed(44)
     clock = Clock()
-    m = make_clocked(tmp_path, 2, 16, clock, load_wait_s=3.0, policy="lru")
-    store(m, gen, [key(1), key(2), key(3)])
-    assert m.wait_io(10)
+    ex = ManualExecutor()
+    m = make_clocked(tmp_path, 2, 16, clock, executor=ex, load_wait_s=3.0, policy="lru")
+    store(m, gen, [key(1), key(2), key(3)])  # two on host, one straight to disk
+    for _ in range(2):
+        m.maintain()
+        ex.run_all()
+    m.reap()
     on_host = [k for k in (key(1), key(2), key(3)) if m.block(k).host is HostState.READY]
     (on_disk,) = [k for k in (key(1), key(2), key(3)) if k not in on_host]
+    assert m.block(on_disk).disk is DiskState.READY
     m.prepare_load(on_host)  # both slots pinned: nothing can be promoted
     w = LoadWindow()
     assert m.lookup(on_disk, w) is Lookup.PENDING
@@ -1526,9 +1558,11 @@ def test_a_request_that_waits_past_load_wait_s_gets_a_miss(tmp_path):
     assert m.lookup(on_disk, w) is Lookup.PENDING  # a new pass, still within the bound
     clock.t += 0.2
     assert m.lookup(on_disk, w) is Lookup.MISS  # past it: vLLM recomputes
-    assert m.counters.lookups_timed_out == 1
+    assert m.counters.lookups_timed_out == 1 and m.counters.direct_reads_started == 1
     assert m.lookup(on_disk) is Lookup.PENDING  # another request's wait starts afresh
+    ex.run_all()  # the read ends at last
     m.complete_load(on_host)
+    assert m.lookup(on_disk) is Lookup.HIT
     m.check_integrity()
     m.shutdown()
 
@@ -1559,7 +1593,6 @@ def test_mover_stages_blocks_past_the_slab_into_a_file_laid_out_as_slots(tmp_pat
     blocks = [3, 4, 5, 9]
     slots = [1, n, n + 1, n + 20]  # one host slot, three staged rows (one past a piece)
     staging = str(tmp_path / "store-1")
-    assert not mv.submit(1, False, blocks, [4], [0], slots, staging)  # loads never stage
     assert not mv.submit(1, True, blocks, [4], [0], slots)  # past the slab without staging
     assert mv.submit(1, True, blocks, [4], [0], slots, staging)
     _finish(mv, 1)
@@ -1569,6 +1602,14 @@ def test_mover_stages_blocks_past_the_slab_into_a_file_laid_out_as_slots(tmp_pat
         assert torch.equal(rows[row, :96], layers[0][b])
         assert torch.equal(rows[row, 96:], layers[1][b])
     assert torch.equal(mv.slab.tensor[1, :96], layers[0][3])
+    want = [t[blocks].clone() for t in layers]
+    for t in layers:  # other bytes in vLLM's blocks, then load the same slots back elsewhere
+        t[:] = torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8)
+    dst = [0, 7, 8, 15]
+    assert mv.submit(2, False, dst, [4], [0], slots, staging)
+    _finish(mv, 2)
+    for t, w in zip(layers, want, strict=True):
+        assert torch.equal(t[dst], w)
     mv.shutdown()
 
 
@@ -1633,13 +1674,13 @@ def test_a_second_engine_loads_what_the_first_published_to_the_shared_tier(tmp_p
         assert b.wait_io(10)
         b.maintain()
         b.check_integrity()
-    assert answers[:4] == [Lookup.HIT] * 4, answers  # the host tier's worth, then a miss
-    assert b.counters.shared_hits == 4 and b.counters.shared_misses == 0  # the budget
-    slots = b.prepare_load(keys[:4])
-    for k, s in zip(keys[:4], slots, strict=True):  # checked on the way: the stored bytes
-        assert torch.equal(b.slabs[0].tensor[s], data[k])
-    b.complete_load(keys[:4])
-    assert b.counters.loads_from_disk == 4
+    assert answers == [Lookup.HIT] * 6, answers
+    assert b.counters.shared_hits == 6 and b.counters.shared_misses == 0
+    slots = b.prepare_load(keys)
+    for k, s in zip(keys, slots, strict=True):  # checked on the way: the stored bytes
+        assert torch.equal(loaded(b, s), data[k])
+    b.complete_load(keys)
+    assert b.counters.loads_from_disk == 6
     b.check_integrity()
     # negative control: a block the shared tier refuses (or lacks) is a miss, not served
     lone = key(99)

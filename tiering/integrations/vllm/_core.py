@@ -186,7 +186,8 @@ Counters = counter_record(
     """lookups host_hits pending_answers stores_started stores_completed stores_failed
     stores_refused stores_not_admitted stores_staged stores_staged_failed
     lookups_over_budget lookups_timed_out shared_published shared_publish_failed
-    shared_fetches shared_hits shared_misses shared_unavailable loads_from_host loads_from_disk promotions_started
+    shared_fetches shared_hits shared_misses shared_unavailable direct_reads_started
+    direct_reads_failed loads_from_host loads_from_disk promotions_started
     promotions_ok promotions_failed promotions_deferred promotions_unused demotions_started
     demotions_ok demotions_failed demotions_not_admitted host_evictions disk_evictions dropped
     drops_deferred""",
@@ -198,6 +199,8 @@ Counters = counter_record(
     ``stores_staged_failed``: of those, blocks whose staging or disk write failed.
     ``lookups_over_budget``: a miss because the request held ``load_budget`` blocks.
     ``lookups_timed_out``: a miss because the request waited ``load_wait_s``.
+    ``direct_reads_started`` / ``direct_reads_failed``: disk blocks read (and checked)
+    into the load staging file because no host slot was free for them.
     ``shared_published``: blocks written to the shared tier (or found there already).
     ``shared_fetches`` / ``shared_hits``: local misses asked of the shared tier / found
     there, checked and written to disk; ``shared_misses``: not there (or refused by
@@ -234,13 +237,13 @@ def _unlink_staging(staging: str, ranks: int) -> None:
 
 
 def _clear_staging(path: str) -> None:
-    """Remove this backend's staging files (``store-*.r*``) from ``path``."""
+    """Remove this backend's staging files (``store-*.r*``, ``load-*.r*``) from ``path``."""
     try:
         names = os.listdir(path)
     except OSError:
         return
     for n in names:
-        if n.startswith("store-") and ".r" in n:
+        if n.startswith(("store-", "load-")) and ".r" in n:
             try:
                 os.unlink(os.path.join(path, n))
             except OSError:
@@ -255,6 +258,7 @@ def _payload_offset(disk: DiskPageStore | None, chunk: int) -> int | None:
 SHARED_ABSENT_HOLD_S = 30.0  # a block the shared tier did not have is not asked again sooner
 MAX_ABSENT = 65536  # such blocks remembered
 MAX_FETCHES = 64  # fetches from the shared tier in flight
+MAX_LOAD_ROWS = 1 << 16  # rows of the load staging file (blocks loaded straight from disk)
 PROMOTED_HOLD_STEPS = 16  # steps a promoted, not yet loaded block is not a host victim
 # Steps after a reset before the slots of stores and loads that were in flight are
 # taken back: vLLM flushes those jobs at the reset and never completes them.
@@ -324,7 +328,7 @@ class TieredBlockManager:
         )
         # write-through by default: a host block with a disk copy is evicted for free
         self.headroom = cfg.demote_headroom if cfg.demote_headroom is not None else n
-        self.load_budget = n  # blocks one request may hold on host for one load
+        self.load_budget = n  # blocks one request may hold for one load (rows added below)
         self.staging = cfg.staging if disk is not None else None
         if self.staging is not None:
             os.makedirs(self.staging, exist_ok=True)
@@ -337,6 +341,25 @@ class TieredBlockManager:
         self._stage_jobs: dict[str, tuple[Future, list[tuple[bytes, DiskExtent, bytes | None]],
                                           bool]] = {}
         self._refusing = False  # the last store batch was refused (logged once)
+        # Loads straight from disk: a disk block with no host slot free for it is read
+        # (checked) into a row of the load staging file (one per rank) and loaded from
+        # there; the row is freed when its loads complete.
+        self.load_staging: str | None = None
+        self.rows: PagePool | None = None  # see load_budget: host slots + these rows
+        self._row_fds: list[int] = []
+        if self.staging is not None:
+            assert disk is not None
+            self.load_staging = os.path.join(self.staging, f"load-{os.getpid()}")
+            self.rows = PagePool("load rows", max(1, min(disk.capacity_pages, MAX_LOAD_ROWS)),
+                                 self.page_bytes)
+            for r in range(len(self.slabs)):
+                self._row_fds.append(os.open(f"{self.load_staging}.r{r}",
+                                             os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
+        self._row_jobs: dict[bytes, tuple[Future, int]] = {}  # key -> (read job, row)
+        self._rows: dict[bytes, int] = {}  # key -> row holding its checked bytes
+        self._row_at: dict[bytes, int] = {}  # ready and not loaded yet: key -> step
+        if self.rows is not None:
+            self.load_budget = n + self.rows.num_pages
         # the shared cold tier (a tiering.coldtier.SharedBlockStore), below the disk tier
         if shared is not None and disk is None:
             raise ValueError("TieredBlockManager: a shared tier needs the disk tier")
@@ -483,6 +506,7 @@ class TieredBlockManager:
                 assert self.disk_policy is not None
                 self.disk_policy.on_remove(k)
                 disk_gone.append(k)
+                self._drop_row(k)
             self._lost.pop(k, None)
             self.counters.dropped += 1
             if evicted is not None:
@@ -617,6 +641,8 @@ class TieredBlockManager:
             self._reap_staging(now)
         if self._fetching or self._fetch_abandoned:
             self._reap_fetches(now)
+        if self._row_jobs:
+            self._reap_rows()
         for key, fut in list(self._promoting.items()):
             if not fut.done():
                 continue
@@ -702,6 +728,7 @@ class TieredBlockManager:
         loc = self.index.location(key)
         return key in self._storing or key in self._staged or key in self._fetching or (
             loc is not None and loc.tier is not Tier.HOST and key not in self._lost
+            and key not in self._rows
         )
 
     def _lookup(self, key: bytes, may_wait: bool, parent: bytes | None = None) -> Lookup:
@@ -726,13 +753,78 @@ class TieredBlockManager:
             self.host_policy.on_hit(info, self._clock())
             self.counters.host_hits += 1
             return Lookup.HIT
-        if loc.moving_to is None:
-            # Without a host slot now, every slot is held by something that ends on its
-            # own (a store, a promotion, a load, a demotion): ask vLLM to come back.
-            if not self._start_promotion(key):
+        if key in self._rows:  # read into the load staging file, checked
+            self.counters.host_hits += 1
+            return Lookup.HIT
+        if loc.moving_to is None and key not in self._row_jobs:
+            # Without a host slot (or a staging row) now, every one is held by something
+            # that ends on its own (a store, a promotion, a load): ask vLLM to come back.
+            if not self._start_promotion(key) and not self._start_row_read(key, loc.handle):
                 self.counters.promotions_deferred += 1
         self.counters.pending_answers += 1
         return Lookup.PENDING
+
+    # ------------------------------------------------------------------ loads straight from disk
+
+    def _start_row_read(self, key: bytes, ext: DiskExtent) -> bool:
+        if self.rows is None:
+            return False
+        got = self.rows.allocate(key, 1)
+        if got is None:
+            return False
+        self.index.acquire(key)  # not evicted from disk while it is read
+        self.counters.direct_reads_started += 1
+        self._row_jobs[key] = (self._io.submit(RELOAD, self._read_to_row, ext, got[0]), got[0])
+        self._dirty = True
+        return True
+
+    def _read_to_row(self, ext: DiskExtent, row: int) -> None:
+        """I/O thread: read a block from disk (checked) into ``row`` of every rank's file."""
+        assert self.disk is not None
+        buf = torch.empty((1, self.page_bytes), dtype=torch.uint8)
+        self.disk.read(ext, buf)  # checked before any byte reaches the file
+        data = buf.numpy()
+        off = 0
+        for fd, slab in zip(self._row_fds, self.slabs, strict=True):
+            view = memoryview(data[0, off : off + slab.slot_bytes])
+            done = 0
+            while done < slab.slot_bytes:
+                done += os.pwrite(fd, view[done:], row * slab.slot_bytes + done)
+            off += slab.slot_bytes
+
+    def _reap_rows(self) -> None:
+        for key, (fut, row) in list(self._row_jobs.items()):
+            if not fut.done():
+                continue
+            del self._row_jobs[key]
+            self.index.release(key)
+            self._dirty = True
+            exc = fut.exception()
+            if exc is None and key not in self._lost:
+                self._rows[key] = row
+                self._row_at[key] = self._step
+                continue
+            assert self.rows is not None
+            self.rows.release(key, [row])
+            if exc is not None:
+                log.warning("tiering: block %s failed its read from disk (%s): dropped, will be "
+                            "recomputed", key.hex(), exc)
+                self.counters.direct_reads_failed += 1
+                reason = "corrupt" if isinstance(exc, DiskCorruptionError) else "read_failed"
+                self._remove(key, reason)
+
+    def _drop_row(self, key: bytes) -> None:
+        row = self._rows.pop(key, None)
+        self._row_at.pop(key, None)
+        if row is not None:
+            assert self.rows is not None
+            self.rows.release(key, [row])
+
+    def _expire_rows(self) -> None:
+        for key, at in list(self._row_at.items()):
+            if self._step - at >= PROMOTED_HOLD_STEPS and not self._load_pins.get(key):
+                self.counters.promotions_unused += 1
+                self._drop_row(key)
 
     # ------------------------------------------------------------------ the shared tier
 
@@ -960,11 +1052,16 @@ class TieredBlockManager:
         return self._publish(key, page)
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        """Pin the keys for a load; per key its host slot, or ``num_slots + row`` for a
+        block loaded straight from disk through row ``row`` of ``load_staging``'s file
+        (``f"{load_staging}.r{rank}"``). Every key must have answered HIT."""
         self._open("prepare_load")
         keys = self._keys("prepare_load", keys)
         for k in keys:
             loc = self.index.location(k)
-            if loc is None or loc.tier is not Tier.HOST or k in self._lost:
+            if loc is None or (loc.tier is not Tier.HOST and k not in self._rows) or (
+                k in self._lost
+            ):
                 b = self.block(k)
                 raise ValueError(
                     f"prepare_load: block {k.hex()} is not loadable from host "
@@ -979,6 +1076,15 @@ class TieredBlockManager:
             self._load_pins[k] = self._load_pins.get(k, 0) + 1
             self._fresh.pop(k, None)
             info = self.index.touch(k, now)
+            loc = self.index.location(k)
+            assert loc is not None
+            if loc.tier is not Tier.HOST:  # straight from disk, through its staging row
+                assert self.disk_policy is not None
+                self.disk_policy.on_hit(info, now)
+                self._row_at.pop(k, None)
+                self.counters.loads_from_disk += 1
+                slots.append(self.num_slots + self._rows[k])
+                continue
             self.host_policy.on_hit(info, now)
             if self._disk_ready_copy(k):
                 assert self.disk_policy is not None
@@ -987,8 +1093,6 @@ class TieredBlockManager:
                 self.counters.loads_from_disk += 1
             else:
                 self.counters.loads_from_host += 1
-            loc = self.index.location(k)
-            assert loc is not None
             slots.append(loc.handle)
         self._dirty = True
         return slots
@@ -1016,6 +1120,8 @@ class TieredBlockManager:
                 self._load_pins[k] = left
             else:
                 del self._load_pins[k]
+                if k in self._rows:  # its staging row has served its loads
+                    self._drop_row(k)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         self._open("touch")
@@ -1174,6 +1280,8 @@ class TieredBlockManager:
         self._step += 1
         if self._abandoned or self._reset_loads:
             self._take_back_after_reset()
+        if self._row_at:
+            self._expire_rows()
         self._settle()
 
     def _settle(self) -> None:
@@ -1220,7 +1328,7 @@ class TieredBlockManager:
 
     def has_pending_work(self) -> bool:
         return bool(self._promoting or self._demoting or self._stage_jobs or self._fetching
-                    or self._fetch_abandoned) or (
+                    or self._fetch_abandoned or self._row_jobs) or (
             self.cfg.state_path is not None
             and (self._dirty or (self._dump is not None and not self._dump.done()))
         )
@@ -1336,6 +1444,7 @@ class TieredBlockManager:
                     *(j[0] for j in self._stage_jobs.values()),
                     *(f[0] for f in self._fetching.values()),
                     *(f[0] for f in self._fetch_abandoned),
+                    *(j[0] for j in self._row_jobs.values()),
                     *([self._dump] if self._dump is not None else [])]
             for fut in futs:
                 try:
@@ -1344,7 +1453,7 @@ class TieredBlockManager:
                     pass
             self.reap()
             idle = not (self._promoting or self._demoting or self._stage_jobs
-                        or self._fetching or self._fetch_abandoned)
+                        or self._fetching or self._fetch_abandoned or self._row_jobs)
             if idle or time.monotonic() >= deadline:
                 return idle
 
@@ -1372,6 +1481,9 @@ class TieredBlockManager:
                 self.disk.close()
             except Exception as exc:  # closing is best effort; the process may be ending
                 log.warning("tiering: closing the disk tier failed: %r", exc)
+        for fd in self._row_fds:
+            os.close(fd)
+        self._row_fds = []
         if self.staging is not None:
             _clear_staging(self.staging)
             try:
@@ -1407,7 +1519,8 @@ class TieredBlockManager:
             info = self.index.get(k)
             if not (loc is not None and info is not None):
                 raise AssertionError(f"block {k.hex()}: listed by the index without a location")
-            pins = self._load_pins.get(k, 0) + (1 if k in self._demoting else 0)
+            pins = (self._load_pins.get(k, 0) + (1 if k in self._demoting else 0)
+                    + (1 if k in self._row_jobs else 0))
             if info.refs != pins:
                 problems.append(f"{k.hex()}: {info.refs} refs, {pins} load/demotion pins")
             if loc.tier is Tier.HOST:
@@ -1431,7 +1544,9 @@ class TieredBlockManager:
                     problems.append(f"{k.hex()}: promoting state and job disagree")
                 if loc.moving_to is Tier.HOST:
                     holdings[k] = [loc.dest_handle]
-                if self._load_pins.get(k) or k in self._disk_copy or k in self._from_disk:
+                if (self._load_pins.get(k) and k not in self._rows) or k in self._disk_copy or (
+                    k in self._from_disk
+                ):
                     problems.append(f"{k.hex()}: a disk-only block with host-side state")
             else:
                 problems.append(f"{k.hex()}: on {loc.tier.value}, which this manager has not")
@@ -1482,6 +1597,21 @@ class TieredBlockManager:
             self.pool.check_integrity(holdings)
         except AssertionError as exc:
             problems.append(f"host pool: {exc}")
+        if self.rows is not None:
+            rows = {k: [r] for k, r in self._rows.items()}
+            for k, (_, r) in self._row_jobs.items():
+                if k in rows:
+                    problems.append(f"{k.hex()}: a staging row ready and being read")
+                rows[k] = [r]
+            stray = [k for k in rows if k not in self.index]
+            if stray:
+                problems.append(f"staging rows of blocks not in the index: {stray[0].hex()}")
+            if not set(self._row_at) <= set(self._rows):
+                problems.append("a staging row hold without its row")
+            try:
+                self.rows.check_integrity(rows)
+            except AssertionError as exc:
+                problems.append(f"load staging rows: {exc}")
         if self.disk is not None:
             try:
                 self.disk.check_integrity()

@@ -205,13 +205,14 @@ class TieredMover:
     def submit(self, job_id: int, store: bool, block_ids, group_sizes, block_indices, slots,
                staging: str | None = None) -> bool:
         """Queue one copy job; False (logged, nothing queued, no byte moved) for a spec
-        that does not add up or points outside the slab (without ``staging``, which
-        only a store may name) or vLLM's tensors, a job id that is not an int or
-        already in flight, or a shut down mover."""
+        that does not add up or points outside the slab (without ``staging``) or
+        vLLM's tensors, a job id that is not an int or already in flight, or a shut
+        down mover. With ``staging``, slots past the slab are rows of its file: a
+        store writes them, a load reads them."""
         with self._lock:
             try:
-                if staging is not None and (not store or not isinstance(staging, str)):
-                    raise ValueError(f"a staging path is for stores only, got {staging!r}")
+                if staging is not None and not isinstance(staging, str):
+                    raise ValueError(f"a staging path must be a str, got {staging!r}")
                 plan = plan_blocks(block_ids, group_sizes, block_indices, slots, self.bpc)
                 self._check(job_id, plan, staging)
             except ValueError as exc:
@@ -234,7 +235,9 @@ class TieredMover:
             assert staging is not None
             plan = [(g, [b for b, r in zip(blocks, rows, strict=True) if r < n_rows],
                      [r for r in rows if r < n_rows]) for g, blocks, rows in plan]
-            nbytes += self._stage(staged, marker, f"{staging}.r{self.rank}")
+            path = f"{staging}.r{self.rank}"
+            nbytes += (self._stage(staged, marker, path) if store
+                       else self._unstage(staged, marker, path))
         for g, blocks, rows in plan:
             layout = self.groups[g]
             if store:
@@ -283,6 +286,43 @@ class TieredMover:
                 done = 0
                 while done < len(data):
                     done += os.pwrite(fd, data[done:], base * self.row_bytes + done)
+        finally:
+            os.close(fd)
+        return nbytes
+
+    def _unstage(self, staged: list[tuple[int, int, int]], marker, path: str) -> int:
+        """Read blocks (group, vLLM block, staging row) from the staging file into
+        vLLM's tensors, ``STAGE_SLOTS`` slots at a time."""
+        piece_rows = self.STAGE_SLOTS * self.bpc
+        buf = torch.empty((piece_rows, self.row_bytes), dtype=torch.uint8)
+        data = memoryview(buf.numpy()).cast("B")
+        nbytes = 0
+        last = max(r for _, _, r in staged)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for base in range(0, last + 1, piece_rows):
+                part = [(g, b, r - base) for g, b, r in staged if base <= r < base + piece_rows]
+                if not part:
+                    continue
+                used = max(r for _, _, r in part) + 1
+                want = used * self.row_bytes
+                done = 0
+                while done < want:
+                    n = os.preadv(fd, [data[done:want]], base * self.row_bytes + done)
+                    if n <= 0:
+                        raise OSError(f"staging file {path}: short read at row {base}")
+                    done += n
+                for g in sorted({g for g, _, _ in part}):
+                    blocks = [b for gg, b, _ in part if gg == g]
+                    rows = [r for gg, _, r in part if gg == g]
+                    runs = coalesce(rows, blocks)
+                    for c in self.groups[g].copies:
+                        copy_runs(self.streams, buf[:, c.offset : c.offset + c.nbytes],
+                                  c.tensor[:, : c.nbytes], runs, "h2d", after=marker)
+                        if self.corrupt_loads:  # TEST ONLY negative control
+                            for b in blocks:
+                                c.tensor[b, : c.nbytes].bitwise_xor_(0x5A)
+                        nbytes += len(blocks) * c.nbytes
         finally:
             os.close(fd)
         return nbytes

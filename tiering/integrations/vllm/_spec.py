@@ -65,8 +65,9 @@ METRIC_PREFIX = "tiering_kv_"
 
 class TieredLoadStoreSpec(LoadStoreSpec):
     """Host slots (one per offloaded key, in the order of the keys) of our host tier;
-    for a store, slots past the host tier are rows of the ``staging`` file (the
-    blocks go straight to disk, see ``StoreDecision``)."""
+    slots past the host tier are rows of the ``staging`` file: a store's blocks going
+    straight to disk (see ``StoreDecision``), a load's blocks read (checked) from disk
+    (see ``TieredBlockManager.prepare_load``)."""
 
     def __init__(self, slots: Iterable[int], staging: str | None = None):
         self.slots = np.asarray(list(slots), dtype=np.int64)
@@ -156,7 +157,9 @@ class TieredOffloadingManager(OffloadingManager):
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        return TieredLoadStoreSpec(self.core.prepare_load([bytes(k) for k in keys]))
+        slots = self.core.prepare_load([bytes(k) for k in keys])
+        direct = any(s >= self.core.num_slots for s in slots)
+        return TieredLoadStoreSpec(slots, self.core.load_staging if direct else None)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext):
         self.core.touch(bytes(k) for k in keys)
@@ -236,7 +239,7 @@ class TieredOffloadingWorker(OffloadingWorker):
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, TieredLoadStoreSpec), type(src_spec)
         return self.mover.submit(job_id, False, dst_spec.block_ids, dst_spec.group_sizes,
-                                 dst_spec.block_indices, src_spec.slots)
+                                 dst_spec.block_indices, src_spec.slots, src_spec.staging)
 
     def get_finished(self) -> list[TransferResult]:
         return [TransferResult(r.job_id, r.success, r.nbytes, r.seconds)
