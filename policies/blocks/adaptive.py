@@ -242,7 +242,7 @@ class AdaptiveBlocks(BlockPolicy):
 
     def __init__(self, capacity: int, experts: Sequence[str] = ("chain", "s3fifo", "arc"),
                  rate: int | None = None, window: int = 3000, margin: float = 0.01,
-                 z: float = 3.0) -> None:
+                 z: float = 4.0) -> None:
         self.capacity = _check_capacity(self.name, capacity)
         experts = tuple(experts)
         if not experts or any(e not in _EXPERTS for e in experts) or len(set(experts)) != len(
