@@ -434,3 +434,33 @@ def test_a_shared_store_of_another_page_size_is_refused():
     s = shared_blocks(mem, block_bytes=GEOM.page_bytes * 2)
     with pytest.raises(ValueError, match="blocks are .* bytes, the cache's pages"):
         cache(s)
+
+
+def test_the_sweeper_does_not_read_an_oversized_hit_report():
+    """A report past MAX_REPORT_BYTES is dropped unread: the hit it carries (made after every
+    block was written, so it would be believed) does not keep its block."""
+    import time
+
+    from tiering.coldtier.sweeper import MAX_REPORT_BYTES
+
+    rng = random.Random(9)
+    mem = MemoryStore()
+    s = SharedBlockStore(mem, b"r" * 16, b"g", trust=TRUST)
+    keys = [rng.randbytes(16) for _ in range(3)]
+    for k in keys:
+        assert s.publish(k, rng.randbytes(1000)).status is BlockStatus.WRITTEN
+    rel = s.path(keys[0])[len("blocks/"):]
+    pad = {f"pad-{i:08d}": 1.0 for i in range(MAX_REPORT_BYTES // 16)}
+    report = json.dumps({rel: time.time(), **pad}).encode()
+    assert len(report) > MAX_REPORT_BYTES
+    obstore.put(mem, "hits/big/000000000001-x", report)
+    size = s.object_size(keys[0], 1000)
+    sw = Sweeper(mem, "sweeper", SweeperConfig(cap_bytes=2 * size, low_fraction=0.5))
+    res = sw.sweep_once()
+    assert res.hit_reports == 1 and res.deleted == 2
+    assert not list(obstore.list(mem, prefix="hits/"))  # dropped: it is not read again
+    s.known = type(s.known)(100)
+    s.refresh_index()
+    assert s.fetch(keys[0]).status is BlockStatus.LOST  # the oldest went, its report unread
+    assert s.fetch(keys[2]).status is BlockStatus.HIT
+    sw.close()
