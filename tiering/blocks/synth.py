@@ -153,10 +153,9 @@ def _check_fields(obj: object, ints: tuple[str, ...], fractions: tuple[str, ...]
             raise ValueError(f"{name}.{f} must be a finite number >= 1, got {v!r}")
 
 
-def _check_exponent(obj: object) -> None:
-    v = getattr(obj, "zipf")
+def _check_exponent(record: str, v: object) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 4.0:
-        raise ValueError(f"{type(obj).__name__}.zipf must be a number in (0, 4], got {v!r}")
+        raise ValueError(f"{record}.zipf must be a number in (0, 4], got {v!r}")
 
 
 class _Ids:
@@ -251,7 +250,7 @@ class AgentConfig:
     def __post_init__(self) -> None:
         _check_fields(self, ("agents", "system_blocks", "toolsets", "tool_blocks", "live"), (),
                       ("steps_mean", "result_blocks_mean"))
-        _check_exponent(self)
+        _check_exponent(type(self).__name__, self.zipf)
 
 
 def agent_chains(n: int, seed: int, config: AgentConfig | None = None) -> list[list[int]]:
@@ -298,7 +297,7 @@ class ScanMixConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self, ("hot", "hot_blocks"), ("scan_prob",), ("scan_blocks_mean",))
-        _check_exponent(self)
+        _check_exponent(type(self).__name__, self.zipf)
 
 
 def scan_mix_chains(n: int, seed: int, config: ScanMixConfig | None = None) -> list[list[int]]:
