@@ -29,7 +29,7 @@ Part 3, the disk tier on ``s3://bucket/prefix`` (``DiskConfig(path="s3://...",
 storage_options=...)``: a leased prefix through obstore): ``DiskPageStore.write`` / ``read`` of
 whole requests against raw ``obstore.put`` / ``get`` of the same page-sized objects with as
 many requests in flight (``io_threads``). The tier stores each page as a zarr chunk (bytes codec
-+ crc32c) plus a 44-byte binding record, so it makes two PUTs per page where the raw baseline
++ crc32c) plus a 76-byte binding record (its MAC), so it makes two PUTs per page where the raw baseline
 makes one; every read checks both, and the pages read back are compared bitwise.
 
 Part 4, two ``PagedKVCache`` workers sharing prefixes through the store
