@@ -34,7 +34,7 @@ from tiering.policies.blocks import BlockPolicy
 from tiering.policies.blocks.base import BlockInfo
 
 #: The default budget of a block policy: mean seconds inside it per event.
-DEFAULT_BUDGET_S = 20e-6
+DEFAULT_BUDGET_S = 50e-6
 MIN_EVENTS = 2000  # events seen before a mean is trusted for the warning
 
 _BATCH = ("on_commit", "on_publish", "pop_victim", "on_removes", "on_inserts")
