@@ -34,6 +34,11 @@ The life of a block:
   dropped with its cached descendants. Moves down change the books at once;
   their copies occupy the links (``move_block_pages``).
 
+Each of these points calls a tier's policy once, through its batch hooks
+(``on_commit``, ``on_publish``, ``pop_victim`` with ``on_removes``, ``on_inserts``;
+see ``tiering.policies.blocks.base``), and updates the index in bulk; with
+``batch=False`` the per-event hooks are called one by one instead, for the same run.
+
 ``check_integrity`` checks the index, that every policy tracks exactly its
 tier's blocks, and that the pages held match the blocks.
 """
