@@ -3,8 +3,9 @@ test of which is which must follow the installed package names."""
 
 from __future__ import annotations
 
-from tiering.apps.replay.block_guard import is_builtin
 from tiering.policies.blocks import LRUBlocks, default_block_registry, make_block_policy
+
+from tiering.apps.replay.block_guard import is_builtin
 
 
 def test_every_built_in_block_policy_is_recognised():

@@ -1282,20 +1282,18 @@ def test_prometheus_exporter_exposes_stats():
 
 
 def test_prometheus_exporter_says_what_is_missing(monkeypatch):
-    import builtins
+    import sys
 
     from tiering.control.metrics import PrometheusExporter
 
-    real_import = builtins.__import__
+    class Stats:
+        def stats(self):
+            return {}
 
-    def no_prometheus(name, *args, **kwargs):
-        if name.startswith("prometheus_client"):
-            raise ImportError("no module named prometheus_client")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_prometheus)
-    with pytest.raises(ImportError, match="prometheus_client.*tiering\\[prometheus\\]"):
-        PrometheusExporter(object())
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "prometheus_client.core", None)
+    with pytest.raises(ImportError, match="prometheus_client.*tiering\\[metrics\\]"):
+        PrometheusExporter(Stats())
 
 
 # -- a scan that found nothing to offload is not repeated ------------------------------------

@@ -7,10 +7,10 @@ import importlib
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"tiering": "tiering", "resources": "tiering.resources", "policies": "tiering.policies"}

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from tiering.errors import MissingExtra
+
 #: extra -> what it installs (the same lists as pyproject.toml's optional-dependencies).
 EXTRAS: dict[str, tuple[str, ...]] = {
     "plots": ("matplotlib",),
@@ -19,18 +21,6 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "metrics": ("prometheus-client",),
     "vllm": ("vllm",),
 }
-
-
-class MissingExtra(ImportError):
-    """An optional package is not installed; the message names the extra to install."""
-
-    def __init__(self, module: str, extra: str, needed_for: str) -> None:
-        super().__init__(
-            f"{needed_for} needs the optional package {module!r}, which is not installed: "
-            f"pip install 'tiering[{extra}]'",
-            name=module,
-        )
-        self.extra = extra
 
 
 def require(module: str, extra: str, needed_for: str) -> ModuleType:

@@ -67,6 +67,8 @@ __all__ = [
     "TraceFormatError",
     "PolicyFailed",
     "WorkerStalled",
+    # packaging
+    "MissingExtra",
 ]
 
 
@@ -241,3 +243,15 @@ class PolicyFailed(ValueError):
 
 class WorkerStalled(RuntimeError):
     """The demo worker could run nothing for too many steps in a row."""
+
+
+class MissingExtra(ImportError):
+    """An optional package is not installed; the message names the extra to install."""
+
+    def __init__(self, module: str, extra: str, needed_for: str) -> None:
+        super().__init__(
+            f"{needed_for} needs the optional package {module!r}, which is not installed: "
+            f"pip install 'tiering[{extra}]'",
+            name=module,
+        )
+        self.extra = extra
