@@ -196,6 +196,9 @@ class ChainOdds(BlockPolicy):
         self._followers: tuple[ChainOdds, ...] = ()
         self._leader: ChainOdds | None = None
         self._told: Sequence[Hashable] | None = None
+        # pop_victim's own path, unless a subclass changed how victims are found
+        self._own_pop = not self.overrides(ChainOdds, "victims", "victims_except", "_victims",
+                                           "_ends")
 
     def share_history(self, others: Sequence[BlockPolicy]) -> bool:
         """Let ``others`` (the other tiers' policies of one store, told the same requests
@@ -424,17 +427,30 @@ class ChainOdds(BlockPolicy):
         return self.publish_room(keys, depth, certain, insert, get, now)
 
     def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
-        """The first of ``victims_except``: nearly always the lowest end, found without
-        a generator."""
-        if self.overrides(ChainOdds, "victims", "victims_except", "_victims", "_ends"):
+        """The first of ``victims_except``, without a generator: nearly always the lowest
+        end; else the first free one in ``_victims``' order."""
+        if not self._own_pop or len(busy) != 3:
             return super().pop_victim(now, *busy)
         low = self._ends()
         if low is None:
             return None
+        r, d, b = busy
         k0 = low[1]
-        if not any(k0 in c for c in busy):
+        if not (k0 in r or k0 in d or k0 in b):
             return k0
-        return super().pop_victim(now, *busy)
+        # _victims' order: the class ends by density, then each class from its young end
+        # (a key refused once is refused again, so the first free key is the answer)
+        for _, k in sorted([e for c in self._cend if c for e in c[1:3]], key=_first):
+            if not (k in r or k in d or k in b):
+                return k
+        lists = self._lists
+        order = sorted((self._density(cls, lst[next(reversed(lst))][0]), cls)
+                       for cls, lst in enumerate(lists) if lst)
+        for _, cls in order:
+            for k in reversed(lists[cls]):
+                if not (k in r or k in d or k in b):
+                    return k
+        return None
 
     def on_removes(self, keys: Sequence[Hashable]) -> None:
         if self.overrides(ChainOdds, "on_remove"):

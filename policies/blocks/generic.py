@@ -43,6 +43,7 @@ class LRUBlocks(BlockPolicy):
         if capacity is not None:
             _check_capacity(self.name, capacity)
         self._order: OrderedDict[Hashable, None] = OrderedDict()
+        self._own_pop = not self.overrides(LRUBlocks, "victims", "victims_except")
 
     def __len__(self) -> int:
         return len(self._order)
@@ -98,7 +99,7 @@ class LRUBlocks(BlockPolicy):
         return n, False
 
     def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
-        if self.overrides(LRUBlocks, "victims", "victims_except"):
+        if not self._own_pop:
             return super().pop_victim(now, *busy)
         return _first_free(self._order, busy)
 
@@ -136,6 +137,7 @@ class ARCBlocks(BlockPolicy):
         self._b1: OrderedDict[Hashable, None] = OrderedDict()
         self._b2: OrderedDict[Hashable, None] = OrderedDict()
         self._incoming_in_b2 = False
+        self._own_pop = not self.overrides(ARCBlocks, "victims", "victims_except")
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
@@ -222,7 +224,7 @@ class ARCBlocks(BlockPolicy):
 
     def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
         """The first of ``victims_except``, without a generator."""
-        if self.overrides(ARCBlocks, "victims", "victims_except"):
+        if not self._own_pop:
             return super().pop_victim(now, *busy)
         t1 = len(self._t1)
         if t1 and (t1 > self.p or (self._incoming_in_b2 and t1 == int(self.p))):
