@@ -206,3 +206,41 @@ def test_the_scratch_copy_refuses_buffers_that_do_not_match():
         _copy_bytes(np.zeros(63, dtype=np.uint8), src)
     with pytest.raises(ValueError, match="contiguous"):
         _copy_bytes(np.zeros(128, dtype=np.uint8)[::2], src)
+
+
+def test_a_read_takes_every_slot_once_and_stops_at_the_first_failure(tmp_path, monkeypatch):
+    """The direct read's jobs share one cursor over the range: each slot is read exactly
+    once; after a bad chunk no job starts more than one slot past it per thread."""
+    rng = np.random.default_rng(16)
+    cfg = DiskConfig(path=tmp_path / "d", capacity_bytes=64 * 4096, chunk_bytes=4 * 4096,
+                     io_threads=2)
+    store = DiskPageStore(cfg, (1024,), torch.float32, fingerprint="cursor")
+    extent = store.reserve("a", 40)
+    data = torch.from_numpy(rng.standard_normal((40, 1024)).astype(np.float32))
+    store.write(extent, data)
+    direct = store._backend.direct
+    started: list[int] = []
+    real = direct.read_chunk
+
+    def spy(slot, out, pad=0, binding=None):
+        started.append(slot)
+        return real(slot, out, pad, binding)
+
+    monkeypatch.setattr(direct, "read_chunk", spy)
+    out = torch.zeros_like(data)
+    store.read(extent, out)
+    assert torch.equal(out, data)
+    assert sorted(started) == sorted(extent.chunks)  # every slot, once
+    bad = 5
+    at = store.chunk_offset(extent.chunks[bad]) + 9
+    good = peek(direct.slot_path, at, 1)
+    poke(direct.slot_path, at, bytes([good[0] ^ 0x40]))
+    started.clear()
+    before = out.clone()
+    with pytest.raises(DiskCorruptionError):
+        store.read(extent, out)
+    assert torch.equal(out, before)
+    assert extent.chunks[bad] in started
+    assert set(started) <= set(extent.chunks[: bad + 1 + cfg.io_threads])
+    assert len(started) == len(set(started))
+    store.close()

@@ -28,8 +28,10 @@ owner never reads, rewrites or tears another owner's bytes.
 pages times ``page_bytes`` (``chunk_alloc_bytes`` is that unit) and never
 exceeds ``capacity_bytes``. A reservation that would exceed it returns None and
 is counted as a refusal. Large requests keep large sequential I/O: their
-slots are adjacent, and one job moves a run of up to ``pages_per_chunk``
-adjacent slots (``chunk_bytes`` of pages) in slot order on the direct path.
+slots are adjacent; on the direct path one write job moves a run of up to
+``pages_per_chunk`` adjacent slots (``chunk_bytes`` of pages) in slot order, and
+a read's ``io_threads`` jobs take its slots in order from one shared cursor, so
+the device sees one sequential stream.
 
 Chunk binding. A crc32c over a chunk's own bytes cannot tell an intact chunk in
 the wrong place from the right one. So every chunk is also bound to the store

@@ -118,9 +118,10 @@ class ChunkIOPart:
             target = rows if scratch is None else scratch.view(rows.dtype).reshape(rows.shape)
             batches = self._batches(extent, positions, target)
             direct = self._backend.direct
-            if direct is not None:
-                chunk_io = direct.read_chunk if reading else direct.write_chunk
-                jobs = self._direct_jobs(chunk_io, state, batches)
+            if direct is not None and reading:
+                jobs = self._direct_read_jobs(state, batches)
+            elif direct is not None:
+                jobs = self._direct_jobs(direct.write_chunk, state, batches)
             else:
                 jobs = (self._read_jobs if reading else self._write_jobs)(state, batches)
         except BaseException:
@@ -186,6 +187,38 @@ class ChunkIOPart:
             await asyncio.to_thread(run, batch)
 
         return [(one_direct, (batch,)) for batch in batches]
+
+    def _direct_read_jobs(
+        self, state: ExtentState, batches: list[list[tuple[int, np.ndarray]]]
+    ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
+        """Reads on the slot file's direct path: ``io_threads`` jobs take the range's
+        slots one at a time, in order, from one shared cursor, so the device sees one
+        sequential stream (jobs on runs far apart would make it seek between them) while
+        adjacent slots are checksummed in parallel. Every job stops at the first failure."""
+        direct = self._backend.direct
+        assert direct is not None
+        pairs = iter([pair for batch in batches for pair in batch])
+        cursor = threading.Lock()
+        failed = threading.Event()
+
+        def run() -> None:
+            while not failed.is_set():
+                with cursor:
+                    pair = next(pairs, None)
+                if pair is None:
+                    return
+                slot, row = pair
+                try:
+                    direct.read_chunk(slot, row, 0, self._binding(state, slot))
+                except BaseException:
+                    failed.set()
+                    raise
+
+        async def one_reader() -> None:
+            await asyncio.to_thread(run)
+
+        count = sum(len(batch) for batch in batches)
+        return [(one_reader, ()) for _ in range(min(self.config.io_threads, count))]
 
     def _write_jobs(
         self, state: ExtentState, batches: list[list[tuple[int, np.ndarray]]]
