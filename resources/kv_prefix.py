@@ -181,7 +181,8 @@ class PrefixCache(TierMovesPart, SharedTierPart):
             c.device_pool.transfer_ownership(r.rid, BLOCKS, [own])
             self.index.acquire(key)
             self.crc[key] = crc
-            self.policies[Tier.DEVICE].on_request(keys[: i + 1], now)
+            for pol in self.policies.values():  # every tier learns the same requests
+                pol.on_request(keys[: i + 1], now)
             self._insert_policy(key, Tier.DEVICE)
             r.device.pop(0)
             r.shared.append(own)
