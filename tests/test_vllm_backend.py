@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from tiering.policies.blocks import default_block_registry
+from tiering.policies.blocks import DEFAULT_BLOCK_POLICY, default_block_registry
 
 from tiering.blocks import BlockIndex
 from tiering.disk.slotfile import SLOT_FILE_NAME
@@ -212,7 +212,7 @@ def test_extra_config_keeps_ours_and_ignores_vllms():
          "offload_prompt_only": True}
     )
     assert (c.host_bytes, c.policy, c.disk_path) == (4096, "s3fifo", None)
-    assert TieredConfig(host_bytes=4096).policy == "chain"  # ours by default
+    assert TieredConfig(host_bytes=4096).policy == DEFAULT_BLOCK_POLICY == "adaptive"  # ours by default
 
 
 def test_bad_policy_error_lists_the_registered_names():
@@ -1610,6 +1610,11 @@ def test_mover_stages_blocks_past_the_slab_into_a_file_laid_out_as_slots(tmp_pat
     _finish(mv, 2)
     for t, w in zip(layers, want, strict=True):
         assert torch.equal(t[dst], w)
+    # the worker keeps a load staging file open and removes its name: nothing is left
+    # behind even if the engine's processes are killed rather than shut down
+    assert not os.path.exists(staging + ".r0")
+    assert mv.submit(3, False, dst, [4], [0], slots, staging)  # still readable
+    _finish(mv, 3)
     mv.shutdown()
 
 

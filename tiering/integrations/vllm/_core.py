@@ -352,9 +352,6 @@ class TieredBlockManager:
             self.load_staging = os.path.join(self.staging, f"load-{os.getpid()}")
             self.rows = PagePool("load rows", max(1, min(disk.capacity_pages, MAX_LOAD_ROWS)),
                                  self.page_bytes)
-            for r in range(len(self.slabs)):
-                self._row_fds.append(os.open(f"{self.load_staging}.r{r}",
-                                             os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
         self._row_jobs: dict[bytes, tuple[Future, int]] = {}  # key -> (read job, row)
         self._rows: dict[bytes, int] = {}  # key -> row holding its checked bytes
         self._row_at: dict[bytes, int] = {}  # ready and not loaded yet: key -> step
@@ -769,6 +766,10 @@ class TieredBlockManager:
     def _start_row_read(self, key: bytes, ext: DiskExtent) -> bool:
         if self.rows is None:
             return False
+        if not self._row_fds:  # created at the first use; each worker removes its file's name
+            for r in range(len(self.slabs)):  # once it has opened it (TieredMover)
+                self._row_fds.append(os.open(f"{self.load_staging}.r{r}",
+                                             os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
         got = self.rows.allocate(key, 1)
         if got is None:
             return False

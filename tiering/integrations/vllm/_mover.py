@@ -171,6 +171,8 @@ class TieredMover:
         self._exec = PriorityExecutor(threads, "tiering-vllm-copy")
         self._jobs: dict[int, Future] = {}
         self._lock = threading.Lock()
+        # load staging files opened (their names removed: the manager holds them open too)
+        self._load_fds: dict[str, int] = {}
         self._closed = False
         # per group: how many vLLM blocks every one of its tensors has
         self._group_blocks = [min((int(c.tensor.shape[0]) for c in g.copies), default=0)
@@ -298,33 +300,37 @@ class TieredMover:
         data = memoryview(buf.numpy()).cast("B")
         nbytes = 0
         last = max(r for _, _, r in staged)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for base in range(0, last + 1, piece_rows):
-                part = [(g, b, r - base) for g, b, r in staged if base <= r < base + piece_rows]
-                if not part:
-                    continue
-                used = max(r for _, _, r in part) + 1
-                want = used * self.row_bytes
-                done = 0
-                while done < want:
-                    n = os.preadv(fd, [data[done:want]], base * self.row_bytes + done)
-                    if n <= 0:
-                        raise OSError(f"staging file {path}: short read at row {base}")
-                    done += n
-                for g in sorted({g for g, _, _ in part}):
-                    blocks = [b for gg, b, _ in part if gg == g]
-                    rows = [r for gg, _, r in part if gg == g]
-                    runs = coalesce(rows, blocks)
-                    for c in self.groups[g].copies:
-                        copy_runs(self.streams, buf[:, c.offset : c.offset + c.nbytes],
-                                  c.tensor[:, : c.nbytes], runs, "h2d", after=marker)
-                        if self.corrupt_loads:  # TEST ONLY negative control
-                            for b in blocks:
-                                c.tensor[b, : c.nbytes].bitwise_xor_(0x5A)
-                        nbytes += len(blocks) * c.nbytes
-        finally:
-            os.close(fd)
+        with self._lock:
+            fd = self._load_fds.get(path)
+            if fd is None:  # the first load through this file: keep it open, drop its name
+                fd = self._load_fds[path] = os.open(path, os.O_RDONLY)
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        for base in range(0, last + 1, piece_rows):
+            part = [(g, b, r - base) for g, b, r in staged if base <= r < base + piece_rows]
+            if not part:
+                continue
+            used = max(r for _, _, r in part) + 1
+            want = used * self.row_bytes
+            done = 0
+            while done < want:
+                n = os.preadv(fd, [data[done:want]], base * self.row_bytes + done)
+                if n <= 0:
+                    raise OSError(f"staging file {path}: short read at row {base}")
+                done += n
+            for g in sorted({g for g, _, _ in part}):
+                blocks = [b for gg, b, _ in part if gg == g]
+                rows = [r for gg, _, r in part if gg == g]
+                runs = coalesce(rows, blocks)
+                for c in self.groups[g].copies:
+                    copy_runs(self.streams, buf[:, c.offset : c.offset + c.nbytes],
+                              c.tensor[:, : c.nbytes], runs, "h2d", after=marker)
+                    if self.corrupt_loads:  # TEST ONLY negative control
+                        for b in blocks:
+                            c.tensor[b, : c.nbytes].bitwise_xor_(0x5A)
+                    nbytes += len(blocks) * c.nbytes
         return nbytes
 
     def get_finished(self) -> list[JobResult]:
@@ -365,3 +371,7 @@ class TieredMover:
         with self._lock:
             self._closed = True
         self._exec.shutdown(30.0)
+        with self._lock:
+            fds, self._load_fds = list(self._load_fds.values()), {}
+        for fd in fds:
+            os.close(fd)
