@@ -1,4 +1,5 @@
-"""A drop-in KV offload backend for vLLM (0.32 or newer): host and disk tiers.
+"""A drop-in KV offload backend for vLLM (0.32 or newer): host and disk tiers, and
+optionally the cold tier every engine of a deployment shares (``shared``).
 
 Enable it with::
 
@@ -12,7 +13,7 @@ Only ``TieredOffloadingSpec`` (and the classes next to it in ``_spec``) needs vL
 it is imported on first access, so the engine-independent core (``_core``) can
 be used and tested without vLLM installed. The ``policy`` extra-config field
 names one of the registered block policies (``tiering.policies.blocks``: lru, arc,
-s3fifo, chain; default chain).
+s3fifo, chain; default chain). docs/vllm.md lists every option.
 """
 
 from __future__ import annotations

@@ -254,7 +254,8 @@ class TieredOffloadingWorker(OffloadingWorker):
 
 
 class TieredOffloadingSpec(OffloadingSpec):
-    """Host (shared slab) and optional disk (zarr, crc32c) tiers on our block table."""
+    """Host (shared slab), optional disk (zarr, crc32c) and optional shared cold tier
+    (object store, authenticated) on the project's block index."""
 
     @classmethod
     def build_metric_definitions(
