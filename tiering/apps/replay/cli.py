@@ -1,11 +1,12 @@
 """``tiering replay``: replay a trace against simulated tiers and report.
 
-    tiering replay TRACE --out DIR [--policy P[,P...]|all] [--policy-option KEY=VALUE ...]
-                   [--model M] [--hardware H] [--device-gib G] [--host-gib G[,G...]]
+    tiering replay TRACE [--out DIR] [--policy P[,P...]|all] [--policy-option KEY=VALUE ...]
+                   [--model M | --model-config FILE] [--kv-bytes-per-token N]
+                   [--hardware H] [--device-gib G] [--host-gib G[,G...]]
                    [--disk-gib G] [--limit N] [--time-scale X] [--seeds N]
                    [--watermarks HIGH:LOW[,...]] [--sweep] [--format F] [--no-prefix-reuse]
                    [--make-room drop|offload] [--preempt latest|policy]
-                   [--block-policy B] [--requests-csv] [--decisions] [--no-plots]
+                   [--block-policy B] [--requests-csv] [--decisions] [--no-plots] [-v|-q]
 
 ``P`` is a built-in name (``lru``, ``priority``, ``largest``, ``cost``) or a
 ``module:Class`` path to a ``tiering.policies.Policy`` subclass (or a factory
@@ -20,11 +21,13 @@ size, next to the ``recompute`` and ``no-tiering`` baselines. With
 ``--sweep``: every policy at every watermark pair and host size (defaults:
 the built-ins, three watermark pairs, five host sizes up to the preset's).
 
-Written to ``DIR``: ``summary.json`` (every run's figures, the bounds, the
+Written to ``DIR`` (default ``./replay-out``): ``summary.json`` (every run's figures, the bounds, the
 tier sizes of every run, rejected requests), ``compare.png`` (hit rate by
 tier with the bounds, p99 TTFT), ``timeline.png`` (per-tier occupancy and hit
 rate over time), with ``--sweep`` also ``sweep.csv`` and two plots against host
-size; ``requests.csv`` and ``decisions.csv`` on request. A table is printed.
+size; ``requests.csv`` and ``decisions.csv`` on request. A compact table is printed
+(``tiering.apps.replay.report``), then a warning for each run whose figures need one:
+rejected requests, a policy that made no decision, a saturated worker.
 Bad arguments: a message naming the argument on stderr, exit status 2, and
 nothing created.
 """
@@ -41,7 +44,9 @@ import os
 import sys
 from pathlib import Path
 
-from tiering.apps.replay.bounds import BoundResult, belady, infinite
+from tiering.apps.console import add_common_options, log_level, verbosity
+from tiering.apps.replay import report
+from tiering.apps.replay.bounds import belady, infinite
 from tiering.apps.replay.policy_spec import PolicySpec, load_factory, parse_option
 from tiering.apps.replay.presets import (
     HARDWARE,
@@ -51,6 +56,7 @@ from tiering.apps.replay.presets import (
     check_fits,
     get_hardware,
     get_model,
+    model_from_file,
 )
 from tiering.apps.replay.progress import Progress
 from tiering.apps.replay.seeds import aggregate, jitter
@@ -70,6 +76,8 @@ from tiering.policies.blocks import (
 DEFAULT_WATERMARKS = ((0.9, 0.75),)
 SWEEP_WATERMARKS = ((0.9, 0.75), (0.95, 0.85), (0.8, 0.6))
 SWEEP_HOST_FRACTIONS = (0.0, 0.125, 0.25, 0.5, 1.0)
+DEFAULT_OUT = "replay-out"
+DEFAULT_MODEL = "llama-3.1-8b"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,14 +93,25 @@ def _parser() -> argparse.ArgumentParser:
         description="Replay a production trace through a simulated serving worker.",
     )
     p.add_argument("trace", help="trace file (.jsonl Mooncake, .csv Azure or BurstGPT)")
-    p.add_argument("--out", required=True, help="directory for summary.json and plots")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"directory for summary.json and plots (default ./{DEFAULT_OUT})")
     p.add_argument("--policy", default=None,
                    help="policy name or module:Class, comma list, or 'all' (the built-ins; "
                         "default: lru, with --sweep: all)")
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword option for the policies (repeat for several)")
-    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
-    p.add_argument("--hardware", default="h100-80g", choices=sorted(HARDWARE))
+    p.add_argument("--model", default=None, choices=sorted(MODELS),
+                   help="model preset (default llama-3.1-8b): " + "; ".join(
+                       f"{m.name}: {m.describe()}" for m in MODELS.values()))
+    p.add_argument("--model-config", default=None, metavar="FILE",
+                   help="another model, from a JSON file instead of --model: a Hugging Face "
+                        "config.json, or num_layers, num_kv_heads, head_dim, dtype_bytes, "
+                        "params_b")
+    p.add_argument("--kv-bytes-per-token", default=None, metavar="N",
+                   help="KV bytes of one token (all layers, K and V), replacing the model's")
+    p.add_argument("--hardware", default="h100-80g", choices=sorted(HARDWARE),
+                   help="worker preset (default h100-80g): " + "; ".join(
+                       f"{h.name}: {h.describe()}" for h in HARDWARE.values()))
     p.add_argument("--device-gib", default=None,
                    help="device memory for KV in GiB (default: the preset's)")
     p.add_argument("--host-gib", default=None,
@@ -128,6 +147,7 @@ def _parser() -> argparse.ArgumentParser:
                         f"{', '.join(default_block_registry().names)} or module:Class, comma "
                         f"list to compare several (default {DEFAULT_BLOCK_POLICY})")
     p.add_argument("--no-plots", action="store_true", help="write no PNG")
+    add_common_options(p)
     return p
 
 
@@ -235,55 +255,6 @@ def _check_unique_runs(policies, options, watermarks, hosts, sweep: bool) -> Non
         keys[key] = (policy, high, low, host)
 
 
-def _pct(v: float) -> str:
-    return f"{100 * v:.1f}"
-
-
-TABLE = ("run", "done", "rejected", "tok/s", "ttft p50", "ttft p99", "tpot p50", "preempt",
-         "offl host/disk", "reload host/disk", "tok hit % dev/host/disk", "tok hit %",
-         "block hit %")
-
-
-def _ci(row: dict, key: str, fmt: str) -> str:
-    v = row.get(key)
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "-"
-    text = fmt.format(v)
-    half = row.get(f"{key}_ci95")
-    if half:
-        text += "±" + fmt.format(half)
-    return text
-
-
-def format_table(keys: list[str], rows: list[dict], bounds: list[BoundResult] = ()) -> str:
-    """A plain-text table of the main figures, one line per run, then the bounds."""
-    lines = []
-    for key, r in zip(keys, rows, strict=True):
-        lines.append([
-            key, f"{r['finished']:.0f}", f"{r['rejected']:.0f}", _ci(r, "throughput_tok_s", "{:.0f}"),
-            _ci(r, "ttft_p50_s", "{:.2f}"), _ci(r, "ttft_p99_s", "{:.2f}"),
-            _ci(r, "tpot_p50_s", "{:.4f}"), f"{r['preemptions']:.0f}",
-            f"{r['offloads_to_host']:.0f}/{r['offloads_to_disk']:.0f}",
-            f"{r['reloads_from_host']:.0f}/{r['reloads_from_disk']:.0f}",
-            "/".join(_pct(r[f"token_hit_rate_{t}"]) for t in ("device", "host", "disk")),
-            _ci({k: 100 * v for k, v in r.items() if k.startswith("token_hit_rate")
-                 and isinstance(v, (int, float))}, "token_hit_rate", "{:.1f}"),
-            _ci({k: 100 * v for k, v in r.items() if k.startswith("block_hit_rate")
-                 and isinstance(v, (int, float))}, "block_hit_rate", "{:.1f}"),
-        ])
-    for b in bounds:
-        cap = "inf" if math.isinf(b.capacity_blocks) else f"{b.capacity_blocks:,.0f} blocks"
-        # a trace without block ids has no bound to show (not a bound of 0)
-        tok, blk = (_pct(b.token_hit_rate), _pct(b.block_hit_rate)) if b.blocks else ("-", "-")
-        lines.append([f"bound: {b.name} ({cap})", "", "", "", "", "", "", "", "", "", "",
-                      tok, blk])
-    widths = [max(len(x) for x in col) for col in zip(TABLE, *lines, strict=True)]
-    out = ["  ".join(h.rjust(w) for h, w in zip(TABLE, widths, strict=True)),
-           "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
-    return "\n".join(out)
-
-
 def _check(args: argparse.Namespace):
     """Everything the run needs, validated; ValueError naming the argument otherwise."""
     policies = _policies(args.policy, args.sweep)
@@ -291,7 +262,7 @@ def _check(args: argparse.Namespace):
     for name in policies:  # build each once now, so a bad name or option stops here
         PolicySpec(name, options).build()
     watermarks = _watermarks(args.watermarks, args.sweep)
-    model = get_model(args.model)
+    model = _model(args)
     hardware = get_hardware(args.hardware)
     if args.device_gib is not None:
         device = int(_number("--device-gib", args.device_gib, minimum=0, strict=True) * GiB)
@@ -329,6 +300,20 @@ def _check(args: argparse.Namespace):
         raise ValueError(f"--out: {out} exists and is not a directory")
     _check_creatable(out)
     return policies, model, hardware, grid, sim, block_registry, trace, time_scale, seeds, out
+
+
+def _model(args: argparse.Namespace):
+    """The model of ``--model`` or ``--model-config``, with ``--kv-bytes-per-token``."""
+    if args.model_config is not None:
+        if args.model is not None:
+            raise ValueError("--model and --model-config: give one of them")
+        model = model_from_file(args.model_config)
+    else:
+        model = get_model(args.model or DEFAULT_MODEL)
+    if args.kv_bytes_per_token is not None:
+        n = _count("--kv-bytes-per-token", args.kv_bytes_per_token)
+        model = dataclasses.replace(model, name=f"{model.name} ({n} B/token KV)", kv_bytes=n)
+    return model
 
 
 def _block_policies(text: str):
@@ -385,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as stop:
         return int(stop.code or 0)
+    with log_level(verbosity(args)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         policies, model, hardware, grid, sim, block_registry, trace, time_scale, seeds, out = (
             _check(args))
@@ -397,13 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     block_bytes = bt * model.kv_bytes_per_token
     per_seed: list[list[dict]] = []
     first_results: dict[str, object] = {}
+    saturated: dict[str, report.Saturation] = {}
     requests_rows: list[list] = []
     decision_rows: list[list] = []
     labels = grid.labels()
     run_keys = _run_keys(grid, args.sweep)
     for seed in range(seeds):
         run_trace = jitter(trace, seed)
-        progress = Progress(grid.runs(), len(trace),
+        progress = Progress(grid.runs(), len(trace), quiet=verbosity(args) < 0,
                             prefix=f"seed {seed + 1}/{seeds} " if seeds > 1 else "")
 
         def on_start(i, label, progress=progress):
@@ -418,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             # kept for the bounds and the timeline plot: not the decision log, the bulk of a
             # run (about 600,000 records on the whole trace), copied below when asked for
             first_results[key] = result._replace(decisions=[])
+            saturated[key] = report.saturation(result.requests)
             if args.requests_csv:
                 requests_rows.extend([key, *rec] for rec in result.requests)
             if args.decisions:
@@ -447,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = aggregate(per_seed) if seeds > 1 else per_seed[0]
     keys = [_run_key(r, args.sweep) for r in rows]
     assert len(labels) == len(rows) and keys == run_keys
+    for key, r in zip(keys, rows, strict=True):  # in summary.json, the table and the CSV
+        r["policy_decisions"] = report.policy_decisions(r)
+        r["saturated"] = bool(saturated[key].saturated)
+    cautions = report.warnings(keys, rows, saturated)
 
     host_bytes = list(grid.host_bytes) if args.sweep else grid.host_bytes[0]  # as run
     try:  # a write that fails (disk full, permissions) is named, not a traceback
@@ -482,14 +478,12 @@ def main(argv: list[str] | None = None) -> int:
                    else "")
                 + f"), not per tier; over the {len(accepted)} requests not rejected"),
             "runs": {k: _finite(r) for k, r in zip(keys, rows, strict=True)},
+            "warnings": cautions,
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(format_table(keys, rows, bounds))
-        for key, r in zip(keys, rows, strict=True):
-            if r["rejected"]:
-                print(f"warning: {key}: {r['rejected']:.0f} of {r['requests']:.0f} requests were "
-                      "rejected (their KV could never fit on the device); latency and hit figures "
-                      "cover the others only", file=sys.stderr)
+        print(report.format_table(keys, rows, bounds))
+        for line in cautions:
+            print(f"warning: {line}", file=sys.stderr)
         if args.requests_csv:
             _write_rows(out / "requests.csv", ["run", "rid", "arrival_s", "first_token_s",
                         "finish_s", "input_tokens", "output_tokens", "status", "prefix_tier",
