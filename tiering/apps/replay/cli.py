@@ -3,7 +3,7 @@
     tiering replay TRACE [--out DIR] [--policy P[,P...]|all] [--policy-option KEY=VALUE ...]
                    [--model M | --model-config FILE] [--kv-bytes-per-token N]
                    [--hardware H] [--device-gib G] [--host-gib G[,G...]]
-                   [--disk-gib G] [--limit N] [--time-scale X] [--seeds N]
+                   [--disk-gib G] [--limit N] [--time-scale X] [--seeds N] [--jobs N]
                    [--watermarks HIGH:LOW[,...]] [--sweep] [--format F] [--no-prefix-reuse]
                    [--make-room drop|offload] [--preempt latest|policy]
                    [--block-policy B] [--requests-csv] [--decisions] [--no-plots] [-v|-q]
@@ -28,6 +28,10 @@ rate over time), with ``--sweep`` also ``sweep.csv`` and two plots against host
 size; ``requests.csv`` and ``decisions.csv`` on request. A compact table is printed
 (``tiering.apps.replay.report``), then a warning for each run whose figures need one:
 rejected requests, a policy that made no decision, a saturated worker.
+``--jobs N`` runs the independent runs in N worker processes (the same outputs);
+each finished run's row is kept in ``DIR/runs.jsonl`` until ``summary.json`` is
+written, so Ctrl-C (exit status 130) keeps them. A user's block policy is metered:
+its cost per hook is printed after the table and kept in ``summary.json``.
 Bad arguments: a message naming the argument on stderr, exit status 2, and
 nothing created.
 """
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import gc
 import itertools
 import json
 import math
@@ -45,7 +50,8 @@ import sys
 from pathlib import Path
 
 from tiering.apps.console import add_common_options, log_level, verbosity
-from tiering.apps.replay import report
+from tiering.apps.replay import jobs, report
+from tiering.apps.replay.block_guard import cost_summary, format_costs
 from tiering.apps.replay.bounds import belady, infinite
 from tiering.apps.replay.policy_spec import PolicySpec, load_factory, parse_option
 from tiering.apps.replay.presets import (
@@ -123,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", default="1",
                    help="run N times, arrivals jittered from the second on; means and 95%% "
                         "intervals (default 1)")
+    p.add_argument("--jobs", default="1",
+                   help="run the independent runs (every seed x configuration) in N worker "
+                        "processes; the same results as one (default 1)")
     p.add_argument("--watermarks", default=None,
                    help="device watermark pair(s) HIGH:LOW, comma list (default 0.9:0.75)")
     p.add_argument("--sweep", action="store_true",
@@ -285,7 +294,9 @@ def _check(args: argparse.Namespace):
     blocks, block_registry = _block_policies(args.block_policy)
     grid = dataclasses.replace(grid, block_policies=blocks if len(blocks) > 1 else ())
     sim = SimConfig(prefix_reuse=not args.no_prefix_reuse, make_room=args.make_room,
-                    block_policy=blocks[0], preempt=args.preempt)
+                    block_policy=blocks[0], preempt=args.preempt,
+                    block_decisions=bool(args.decisions))
+    args.jobs = _count("--jobs", args.jobs)
     page_bytes = model.kv_bytes_per_token * sim.page_tokens
     if hardware.device_kv_bytes < page_bytes:
         raise ValueError(f"--device-gib: {hardware.device_kv_bytes} bytes hold no KV page "
@@ -381,6 +392,7 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"tiering replay: {err}", file=sys.stderr)
         return 2
+    gc.freeze()  # the trace and the presets live all run: the collector need not walk them
 
     bt = sim.block_tokens
     total_bytes = hardware.device_kv_bytes + max(grid.host_bytes) + hardware.disk_bytes
@@ -392,7 +404,38 @@ def _run(args: argparse.Namespace) -> int:
     decision_rows: list[list] = []
     labels = grid.labels()
     run_keys = _run_keys(grid, args.sweep)
-    for seed in range(seeds):
+    # every finished run's row, on disk as it finishes: what a Ctrl-C leaves
+    keeper = jobs.Keeper(out / "runs.jsonl", run_keys)
+    if args.jobs > 1:
+        per_seed = [[None] * len(run_keys) for _ in range(seeds)]
+
+        def deliver(done: jobs.RunDone) -> None:  # in the sequential order
+            per_seed[done.seed][done.index] = done.row
+            if not done.seed:
+                _first_result(done.row, done.result)
+
+    def _first_result(row, result) -> None:
+        key = _run_key(row, args.sweep)
+        # kept for the bounds and the timeline plot: not the decision log, the bulk of a
+        # run (about 600,000 records on the whole trace), copied below when asked for
+        first_results[key] = result._replace(decisions=[])
+        saturated[key] = report.saturation(result.requests)
+        if args.requests_csv:
+            requests_rows.extend([key, *rec] for rec in result.requests)
+        if args.decisions:
+            decision_rows.extend([key, *d] for d in result.decisions)
+
+    try:
+        if args.jobs > 1:
+            ctx = jobs.JobContext(trace, model, hardware, grid, sim, time_scale, block_registry,
+                                  run_keys, seeds, verbosity(args) < 0, bool(args.decisions))
+            jobs.run_all(ctx, args.jobs, deliver, keeper)
+    except PolicyFailed as err:
+        print(f"tiering replay: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return _interrupted(keeper)
+    for seed in range(seeds if args.jobs == 1 else 0):
         run_trace = jitter(trace, seed)
         progress = Progress(grid.runs(), len(trace), quiet=verbosity(args) < 0,
                             prefix=f"seed {seed + 1}/{seeds} " if seeds > 1 else "")
@@ -403,17 +446,10 @@ def _run(args: argparse.Namespace) -> int:
 
         def on_result(row, result, seed=seed, progress=progress):
             progress.finished(row)
-            if seed:
-                return
-            key = _run_key(row, args.sweep)
-            # kept for the bounds and the timeline plot: not the decision log, the bulk of a
-            # run (about 600,000 records on the whole trace), copied below when asked for
-            first_results[key] = result._replace(decisions=[])
-            saturated[key] = report.saturation(result.requests)
-            if args.requests_csv:
-                requests_rows.extend([key, *rec] for rec in result.requests)
-            if args.decisions:
-                decision_rows.extend([key, *d] for d in result.decisions)
+            keeper(jobs.RunDone(seed, run_keys.index(_run_key(row, args.sweep)), row, None,
+                                None))
+            if not seed:
+                _first_result(row, result)
 
         try:
             rows = run_grid(run_trace, model, hardware, grid, sim, time_scale=time_scale,
@@ -428,6 +464,9 @@ def _run(args: argparse.Namespace) -> int:
             print(f"tiering replay: run {progress.running!r}{where} stopped: {err}",
                   file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            progress.close()
+            return _interrupted(keeper)
         finally:
             progress.close()
         per_seed.append(rows)
@@ -479,9 +518,15 @@ def _run(args: argparse.Namespace) -> int:
                 + f"), not per tier; over the {len(accepted)} requests not rejected"),
             "runs": {k: _finite(r) for k, r in zip(keys, rows, strict=True)},
             "warnings": cautions,
+            # per run of the first seed, where its block policy was metered (a user's is)
+            "block_policy_cost": {k: cost_summary(r.policy_cost)
+                                  for k, r in first_results.items() if r.policy_cost},
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(report.format_table(keys, rows, bounds))
+        for key in keys:
+            if key in first_results and first_results[key].policy_cost:
+                print(format_costs(key, first_results[key].policy_cost))
         for line in cautions:
             print(f"warning: {line}", file=sys.stderr)
         if args.requests_csv:
@@ -510,11 +555,20 @@ def _run(args: argparse.Namespace) -> int:
             for path in written:
                 print(f"wrote {path}")
         print(f"wrote {out / 'summary.json'}")
+        keeper.discard()  # the partial record of finished runs: summary.json has them all
         return 0
     except OSError as err:
         print(f"tiering replay: --out: writing the results under {out} failed: {err}",
               file=sys.stderr)
         return 1
+
+
+def _interrupted(keeper: jobs.Keeper) -> int:
+    """Ctrl-C: the runs that finished are in ``keeper``'s file; exit status 130."""
+    where = f": {keeper.kept} finished run(s) kept in {keeper.path}" if keeper.kept else (
+        ": no run had finished")
+    print(f"tiering replay: interrupted{where}", file=sys.stderr)
+    return 130
 
 
 def _accepted(trace, results: dict) -> list:
