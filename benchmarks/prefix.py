@@ -200,10 +200,12 @@ class _Recorder(BlockPolicy):
         return key in self.inner
 
 
-def recovery(acc: list[int], hits: list[int], event: int, window: int, level: float = 0.9):
-    """Accesses from request ``event`` until the hit rate over the last ``window``
-    accesses is back to ``level`` of its rate over the ``window`` accesses before it
-    (None if it never is; 0 when there was nothing to recover)."""
+def recovery(acc: list[int], hits: list[int], event: int, window: int, level: float = 0.9,
+             after: int | None = None):
+    """Accesses from request ``after`` (the end of the event; ``event`` when None) until
+    the hit rate over the last ``window`` accesses is back to ``level`` of its rate over
+    the ``window`` accesses before request ``event`` (None if it never is; 0 when there
+    was nothing to recover)."""
     a = h = 0
     i = event
     while i > 0 and a < window:
@@ -217,7 +219,7 @@ def recovery(acc: list[int], hits: list[int], event: int, window: int, level: fl
     tail: list[tuple[int, int]] = []
     start = 0
     seen = 0
-    for j in range(event, len(acc)):
+    for j in range(event if after is None else after, len(acc)):
         tail.append((acc[j], hits[j]))
         win_a += acc[j]
         win_h += hits[j]
@@ -251,9 +253,9 @@ def adversarial(cap: int, names: Sequence[str]) -> list[dict]:
             r = replay_blocks(chains, cap, rec)
             rates[n] = r.hit_rate
             if event is not None:
-                # a scan's own requests come first: count from the end of the scan
-                ev = event + (-(-4 * cap // 64) if label == "scan" else 0)
-                recover[n] = recovery(rec.accesses, rec.hits, ev, cap)
+                # the rate before the scan; recovery counted from the end of the scan
+                end = event + (-(-4 * cap // 64) if label == "scan" else 0)
+                recover[n] = recovery(rec.accesses, rec.hits, event, cap, after=end)
         rows.append({"case": label, "what": what, "capacity_blocks": cap, "belady": opt,
                      "hit_rate": rates, "recover_accesses": recover or None})
         print(f"  adversarial {label} @ {cap}: done", file=sys.stderr, flush=True)
@@ -315,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print()
     print(f"adversarial cases at {args.adversarial_capacity} blocks: hit rate "
-          f"(accesses to recover to 0.9 of the rate before the event)")
+          f"(accesses after the event until the hit rate over the last "
+          f"{args.adversarial_capacity} accesses is back to 0.9 of its rate before)")
     print(table(
         [(a["case"], *(_pct(a["hit_rate"][n]) + (
             "" if a["recover_accesses"] is None else f" ({a['recover_accesses'][n]})")

@@ -160,7 +160,7 @@ def test_second_round_loads_from_host_and_disk(runs):
 
 def test_the_manager_runs_on_the_block_index_with_the_default_policy(runs):
     st = runs["offload"]["states"][1]
-    assert st["policy"] == "chain", st["policy"]  # the default: ours
+    assert st["policy"] == "adaptive", st["policy"]  # the default: ours
     ix = st["index"]
     # vLLM's blocks were inserted after the previous block of their request
     assert ix["blocks"] > 0 and ix["chained"] > 0, ix

@@ -24,7 +24,7 @@ from tiering.policies.registry import Registry, registry_or_default
 BlockPolicyFactory = Callable[..., BlockPolicy]
 
 #: The block policy the cache, the replay and the vLLM backend use when none is named.
-DEFAULT_BLOCK_POLICY = "chain"
+DEFAULT_BLOCK_POLICY = "adaptive"
 
 __all__ = [
     "ARCBlocks",

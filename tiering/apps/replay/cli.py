@@ -14,8 +14,8 @@ returning one); ``--policy-option`` keyword options go to every policy named.
 ``P`` orders the live requests (device offloads, host demotions and, with
 ``--preempt policy``, which request of the batch is paused when memory runs
 out; by default the latest-arrived is, vLLM's rule); ``B`` (a
-block policy of ``tiering.policies.blocks``: ``lru``, ``arc``, ``s3fifo``, ``chain``,
-default ``chain``) keeps the cached prefix blocks of every tier.
+block policy of ``tiering.policies.blocks``: ``lru``, ``arc``, ``s3fifo``, ``lirs``, ``chain``,
+``adaptive``, default ``adaptive``) keeps the cached prefix blocks of every tier.
 Without ``--sweep``: each policy runs at the first watermark pair and host
 size, next to the ``recompute`` and ``no-tiering`` baselines. With
 ``--sweep``: every policy at every watermark pair and host size (defaults:

@@ -45,7 +45,7 @@ class SimConfig:
     tier down while one has room (the books change at once, the copy occupies
     the link), else drop them; or ``drop`` them all. The baselines have no tier
     below and always drop. ``block_policy``: the block retention policy (a name of
-    ``tiering.policies.blocks``, default ``chain``) of every tier's cached prefix
+    ``tiering.policies.blocks``, default ``adaptive``) of every tier's cached prefix
     blocks, made per tier with ``capacity`` (its size in blocks) and
     ``block_policy_options``. ``block_decisions``: the decision log also holds every
     move down and drop of a cached block (most of a long run's records; the CLI keeps
