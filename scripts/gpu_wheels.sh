@@ -20,9 +20,9 @@ fi
 PY="${PYTHON:-python3}"
 # Runtime (pyproject dependencies) and test/extra needs, less torch and numpy,
 # which the GPU machine brings in its own CUDA builds. crc32c is zarr's optional
-# crc32c codec backend; google-crc32c is ours.
+# crc32c codec backend; google-crc32c and crc32c-rs (the disk tier's fast checksum) are ours.
 PACKAGES=(
-  "zarr>=3.0" numcodecs donfig crc32c google-crc32c typing-extensions packaging
+  "zarr>=3.0" numcodecs donfig crc32c google-crc32c "crc32c-rs>=0.0.7" typing-extensions packaging
   "nvidia-ml-py>=12.0" "tqdm>=4.60" "matplotlib>=3.7" "psutil>=5.9"
   "pytest>=7.4" "pytest-xdist>=3.3" "pytest-timeout>=2.2" "hypothesis>=6.80"
   "prometheus-client>=0.17" "ruff>=0.4"
