@@ -198,3 +198,16 @@ def test_a_refused_admission_of_the_leader_inserts_nothing_anywhere():
         p.on_insert(idx.get(k), float(t))
         assert all(k in e for e in p._experts)
     assert refused > 0, "chain never refused a block read once: the test proves nothing"
+
+
+def test_check_integrity_names_an_expert_that_fell_out_of_step():
+    """The control first: a replay leaves every expert in step. Then one expert is told
+    of a removal the others were not: the check names it."""
+    chains = synth.session_chains(300, 1, synth.SessionConfig(live=10))
+    p = AdaptiveBlocks(40)
+    replay_blocks(chains, 40, p, check_every=1)
+    p.check_integrity()
+    arc = p._experts[p.expert_names.index("arc")]
+    arc.on_remove(next(iter(p.leader.victims(0.0))))
+    with pytest.raises(AssertionError, match="expert arc tracks"):
+        p.check_integrity()

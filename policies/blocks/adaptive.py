@@ -305,6 +305,22 @@ class AdaptiveBlocks(BlockPolicy):
     def __contains__(self, key: object) -> bool:
         return key in self.leader
 
+    def check_integrity(self) -> None:
+        """Every expert tracks as many blocks as the leader, and each passes its own
+        check (ChainOdds'); raises AssertionError naming the expert otherwise."""
+        n = len(self.leader)
+        for name, p in zip(self.expert_names, self._experts, strict=True):
+            if len(p) != n:
+                raise AssertionError(f"adaptive: expert {name} tracks {len(p)} blocks, "
+                                     f"the leader {self.leader_name} {n}")
+            check = getattr(p, "check_integrity", None)
+            if check is not None:
+                check()
+        for name, s in zip(self.expert_names, self._shadows, strict=True):
+            if len(s.policy) > s.capacity:
+                raise AssertionError(f"adaptive: the {name} shadow holds {len(s.policy)} "
+                                     f"blocks, more than its {s.capacity}")
+
     # -- events ----------------------------------------------------------------------
 
     def on_request(self, keys: Sequence[Hashable], now: float) -> None:
