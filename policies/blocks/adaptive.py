@@ -326,12 +326,44 @@ class AdaptiveBlocks(BlockPolicy):
     def on_request(self, keys: Sequence[Hashable], now: float) -> None:
         for p in self._experts:
             p.on_request(keys, now)
+        self._shadow_step(keys, now)
+
+    def _shadow_step(self, keys: Sequence[Hashable], now: float) -> None:
+        """The request in every shadow, then the choice of leader."""
         rate = self.rate
         if rate == 1:
             sampled = list(keys)
         else:
             sampled = [k for k in keys if (((_sample_value(k) * _GOLD) & _MASK) >> 32) % rate == 0]
         self._choose([s.request(sampled, now) for s in self._shadows])
+
+    def on_commit(self, keys: Sequence[Hashable], hits: Sequence[Hashable],
+                  depths: Sequence[int], get: Callable[[Hashable], BlockInfo],
+                  now: float) -> None:
+        """Each expert's own ``on_commit``; then the shadows and the choice of leader, as
+        ``on_request`` (the hits change nothing the choice reads)."""
+        if self.overrides(AdaptiveBlocks, "on_request", "on_hit"):
+            super().on_commit(keys, hits, depths, get, now)
+            return
+        for p in self._experts:
+            p.on_commit(keys, hits, depths, get, now)
+        self._shadow_step(keys, now)
+
+    def on_removes(self, keys: Sequence[Hashable]) -> None:
+        if self.overrides(AdaptiveBlocks, "on_remove"):
+            super().on_removes(keys)
+            return
+        leader = self.leader
+        for k in keys:
+            if k not in leader:
+                raise not_tracked(self, "on_remove", k)
+        for p in self._experts:
+            p.on_removes(keys)
+
+    def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
+        if self.overrides(AdaptiveBlocks, "victims", "victims_except"):
+            return super().pop_victim(now, *busy)
+        return self.leader.pop_victim(now, *busy)
 
     def _choose(self, hits: list[int]) -> None:
         """Decay the sums, add this request's shadow hits, and hand the lead to the expert
