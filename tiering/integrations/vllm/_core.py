@@ -915,15 +915,20 @@ class TieredBlockManager:
                 self._release_disk(ext)
                 continue
             self._absent.pop(key, None)
-            if parent is not None and (parent not in self.index or parent in self._lost):
-                parent = None
-            ok = self.index.insert(key, parent, Tier.DISK, ext, now)
-            assert ok
-            info = self.index.get(key)
-            assert info is not None and self.disk_policy is not None
-            self.disk_policy.on_insert(info, now)
+            self._insert_on_disk(key, parent, ext, now)
             self.counters.shared_hits += 1
             self.events.append(Event((key,), "disk", False))
+
+    def _insert_on_disk(self, key: bytes, parent: bytes | None, ext: Any, now: float) -> None:
+        """Index ``key`` as held on the disk tier at ``ext`` and tell the disk policy; a
+        parent that is gone or lost is not linked."""
+        if parent is not None and (parent not in self.index or parent in self._lost):
+            parent = None
+        ok = self.index.insert(key, parent, Tier.DISK, ext, now)
+        assert ok
+        info = self.index.get(key)
+        assert info is not None and self.disk_policy is not None
+        self.disk_policy.on_insert(info, now)
 
     def _start_promotion(self, key: bytes) -> bool:
         evicted: list[bytes] = []
@@ -1029,13 +1034,7 @@ class TieredBlockManager:
                         self.counters.stores_staged_failed += 1
                     self._release_disk(ext)
                     continue
-                if parent is not None and (parent not in self.index or parent in self._lost):
-                    parent = None
-                ok = self.index.insert(k, parent, Tier.DISK, ext, now)
-                assert ok
-                info = self.index.get(k)
-                assert info is not None and self.disk_policy is not None
-                self.disk_policy.on_insert(info, now)
+                self._insert_on_disk(k, parent, ext, now)
                 self.counters.stores_completed += 1
                 self._count_publish(published)
                 landed.append(k)
