@@ -104,6 +104,18 @@ class PolicyMeter:
         return tuple(HookCost(t, h, c, e, s) for (t, h), (c, e, s) in self._rows.items())
 
 
+def _defined_by_user(cls: type, hook: str, check: bool) -> bool:
+    """Whether ``cls`` has its own ``hook`` (not the base class's): with ``check``, only
+    one written outside the library counts (a library class's batch hook would call the
+    user's per-event hooks unchecked)."""
+    for c in cls.__mro__:
+        if hook in c.__dict__:
+            if c is BlockPolicy:
+                return False
+            return not check or not c.__module__.startswith("tiering.policies.")
+    return False
+
+
 class Guarded(BlockPolicy):
     """``inner`` with each hook checked (``check``) and metered (``meter``); see the
     module docstring. ``tier`` names its tier and ``clock`` gives the simulated time in
@@ -117,11 +129,10 @@ class Guarded(BlockPolicy):
         self._clock = clock
         self._meter = meter
         self._check = check
-        cls = type(inner)
-        # the batch hooks the policy's class defines (or a built-in inherits from its own
-        # library class); the others run the base class's defaults over the hooks below
-        self._own = frozenset(h for h in _BATCH
-                              if getattr(cls, h) is not getattr(BlockPolicy, h))
+        # the batch hooks the policy's own code defines (a built-in's, when only metered);
+        # the others, a library class's among them, run the base class's defaults over
+        # the checked per-event hooks below
+        self._own = frozenset(h for h in _BATCH if _defined_by_user(type(inner), h, check))
 
     def _fail(self, hook: str, what: str) -> PolicyFailed:
         cls = type(self.inner)

@@ -134,7 +134,7 @@ class PrefixBlocks:
         self.meter = meter
         self.policies = {
             t: p if is_builtin(p) and meter is None
-            else Guarded(p, t.value, clock, meter, check=not is_builtin(p))
+            else Guarded(p, t.value, clock, meter, not is_builtin(p))
             for t, p in made.items()}
         # the batch hooks (one call per commit, publish, load and burst), or the per-event
         # hooks as they were called before the batch hooks (tests compare the two)

@@ -431,10 +431,14 @@ def _run(args: argparse.Namespace) -> int:
                                   run_keys, seeds, verbosity(args) < 0, bool(args.decisions))
             jobs.run_all(ctx, args.jobs, deliver, keeper)
     except PolicyFailed as err:
+        keeper.forget()  # nothing is written
         print(f"tiering replay: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return _interrupted(keeper)
+    except Exception:
+        keeper.forget()  # the replay's own defect: its traceback, and nothing written
+        raise
     for seed in range(seeds if args.jobs == 1 else 0):
         run_trace = jitter(trace, seed)
         progress = Progress(grid.runs(), len(trace), quiet=verbosity(args) < 0,
@@ -460,6 +464,7 @@ def _run(args: argparse.Namespace) -> int:
             # it did); any other error is the replay's own defect and keeps its traceback
             # rather than pass for a bad argument
             progress.close()  # nothing is written
+            keeper.forget()
             where = f" (seed {seed + 1} of {seeds})" if seeds > 1 else ""
             print(f"tiering replay: run {progress.running!r}{where} stopped: {err}",
                   file=sys.stderr)
@@ -467,6 +472,9 @@ def _run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             progress.close()
             return _interrupted(keeper)
+        except Exception:
+            keeper.forget()  # the replay's own defect: its traceback, and nothing written
+            raise
         finally:
             progress.close()
         per_seed.append(rows)

@@ -149,9 +149,17 @@ class Keeper:
         self.path = Path(path)
         self._keys = keys
         self.kept = 0
+        self._made: list[Path] = []  # folders this keeper created, deepest last
 
     def __call__(self, done: RunDone) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.kept:
+            missing = []
+            d = self.path.parent
+            while not d.exists() and d.parent != d:
+                missing.append(d)
+                d = d.parent
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._made = missing[::-1]
         row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                for k, v in done.row.items()}
         line = json.dumps({"seed": done.seed, "run": done.index,
@@ -163,3 +171,13 @@ class Keeper:
     def discard(self) -> None:
         """The whole replay is written: the partial record goes."""
         self.path.unlink(missing_ok=True)
+
+    def forget(self) -> None:
+        """The replay failed and writes nothing: the record goes, and the folders made
+        for it if nothing else is in them."""
+        self.discard()
+        for d in reversed(self._made):
+            try:
+                d.rmdir()
+            except OSError:
+                break
