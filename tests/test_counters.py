@@ -57,6 +57,10 @@ def test_the_project_records_keep_their_fields():
     h = HarnessCounts()
     assert h.steps == 0 and h.steps_at_high == 0 and len(h.as_dict()) == 29
     c = Counters(lookups=2)
-    assert c.lookups == 2 and c.drops_deferred == 0 and len(dataclasses.fields(c)) == 23
+    names = [f.name for f in dataclasses.fields(c)]
+    assert c.lookups == 2 and c.drops_deferred == 0 and len(names) == len(set(names)) == 35
+    # the store-to-disk, bounded-lookup and shared-tier counters of the vLLM manager
+    for name in ("stores_staged", "lookups_timed_out", "shared_hits", "direct_reads_failed"):
+        assert getattr(c, name) == 0, name
     with pytest.raises(TypeError):
         Counters(no_such_counter=1)
