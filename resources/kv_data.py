@@ -127,8 +127,8 @@ class KVDataPlane:
         check_int(f"mark_written({rid!r})", "num_tokens", num_tokens)
         if num_tokens > r.num_tokens:
             raise ValueError(f"mark_written({rid!r}): {num_tokens} tokens but {r.num_tokens} are allocated")
-        for layer in range(self.geometry.num_layers):
-            if num_tokens:
+        if num_tokens:
+            for layer in range(self.geometry.num_layers):
                 r.note_written(layer, 0, num_tokens)
 
     def read(self, rid: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,7 +49,17 @@ class RequestRecord(Record):
 
     def note_written(self, layer: int, start: int, end: int) -> None:
         """Layer ``layer`` now holds tokens [start, end)."""
-        spans = self.written.setdefault(layer, [])
+        spans = self.written.get(layer)
+        if not spans:
+            self.written[layer] = [(start, end)]
+            return
+        last_start, last_end = spans[-1]
+        if start >= last_start:  # the usual case, a write after the last one: no re-sort
+            if start > last_end:
+                spans.append((start, end))
+            elif end > last_end:
+                spans[-1] = (last_start, end)
+            return
         spans.append((start, end))
         spans.sort()
         merged = [spans[0]]
