@@ -12,8 +12,9 @@ Enable it with::
 Only ``TieredOffloadingSpec`` (and the classes next to it in ``_spec``) needs vLLM;
 it is imported on first access, so the engine-independent core (``_core``) can
 be used and tested without vLLM installed. The ``policy`` extra-config field
-names one of the registered block policies (``tiering.policies.blocks``: lru, arc,
-s3fifo, chain; default chain). docs/vllm.md lists every option.
+names one of the registered block policies (``tiering.policies.blocks``: adaptive,
+arc, chain, lirs, lru, s3fifo; default ``DEFAULT_BLOCK_POLICY``, adaptive).
+docs/vllm.md lists every option.
 """
 
 from __future__ import annotations

@@ -95,8 +95,8 @@ class TieredConfig:
 
     ``host_bytes``: bytes of host slots per rank (required, > 0). ``disk_path`` and
     ``disk_bytes``: the disk tier (both or neither; host only without them).
-    ``policy``: a registered block policy name (``tiering.policies.blocks``: lru, arc,
-    s3fifo, chain; default chain), used for both tiers. ``host_dir``: where
+    ``policy``: a registered block policy name (``tiering.policies.blocks``: adaptive,
+    arc, chain, lirs, lru, s3fifo; default ``DEFAULT_BLOCK_POLICY``), used for both tiers. ``host_dir``: where
     the shared slab files live (default /dev/shm when present). ``state_path``: a
     JSON file the manager rewrites (off the step path) with its counters and disk
     table, for tests and monitoring. ``demote_headroom``: host slots the manager
