@@ -84,6 +84,14 @@ def publish(kv, gen, rid="a", n=13, written=None):
     return ids, data, got
 
 
+def publish_random(s: SharedBlockStore, rng: random.Random, n: int) -> list[bytes]:
+    """``n`` random 16-byte keys, each published to ``s`` with 1,000 random bytes; the keys."""
+    keys = [rng.randbytes(16) for _ in range(n)]
+    for k in keys:
+        assert s.publish(k, rng.randbytes(1000)).status is BlockStatus.WRITTEN
+    return keys
+
+
 def attach_and_land(kv, rid, ids, timeout=10.0) -> int:
     kv.ingest_request(rid)
     kv.attach_prefix(rid, ids)
@@ -270,18 +278,14 @@ def test_the_sweeper_forgets_unknown_blocks_and_clamps_reported_times():
     rng = random.Random(8)
     mem = MemoryStore()
     s = SharedBlockStore(mem, b"r" * 16, b"g", trust=TRUST)
-    old = [rng.randbytes(16) for _ in range(4)]
-    for k in old:
-        assert s.publish(k, rng.randbytes(1000)).status is BlockStatus.WRITTEN
+    old = publish_random(s, rng, 4)
     log = HitLog("fast-clock")
     log.record(s.root, s.geometry, old[0], 1e15)  # a worker whose clock counts microseconds
     for _ in range(5000):  # and reports for blocks that do not exist
         log.record(s.root, s.geometry, rng.randbytes(16), time.time())
     assert log.flush(mem)
     time.sleep(1.1)  # store times have whole seconds: the new blocks are strictly newer
-    new = [rng.randbytes(16) for _ in range(2)]
-    for k in new:
-        assert s.publish(k, rng.randbytes(1000)).status is BlockStatus.WRITTEN
+    new = publish_random(s, rng, 2)
     size = s.object_size(old[0], 1000)
     sw = Sweeper(mem, "sweeper", SweeperConfig(cap_bytes=3 * size, low_fraction=0.67))
     res = sw.sweep_once()
@@ -446,9 +450,7 @@ def test_the_sweeper_does_not_read_an_oversized_hit_report():
     rng = random.Random(9)
     mem = MemoryStore()
     s = SharedBlockStore(mem, b"r" * 16, b"g", trust=TRUST)
-    keys = [rng.randbytes(16) for _ in range(3)]
-    for k in keys:
-        assert s.publish(k, rng.randbytes(1000)).status is BlockStatus.WRITTEN
+    keys = publish_random(s, rng, 3)
     rel = s.path(keys[0])[len("blocks/"):]
     pad = {f"pad-{i:08d}": 1.0 for i in range(MAX_REPORT_BYTES // 16)}
     report = json.dumps({rel: time.time(), **pad}).encode()
