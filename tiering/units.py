@@ -5,8 +5,7 @@
   ``2 * 2**30`` bytes. Binary units throughout (a GiB is 2**30 bytes).
 - The two device and host pool sizes of ``TieredKVConfig`` are counts of KV pages
   (``device_pages``, ``host_pages``), because a pool holds whole pages;
-  ``TieredKVConfig.from_bytes`` takes them in bytes instead (``pages_for`` does the
-  division: the whole pages that fit).
+  ``TieredKVConfig.from_bytes`` takes them in bytes instead (the whole pages that fit).
 - The command line takes **GiB** (``--device-gib 2.5``) and prints GiB.
 """
 
@@ -48,10 +47,3 @@ def tib(n: float) -> int:
     """``n`` TiB in bytes."""
     return _size(n, TiB, "tib")
 
-
-def pages_for(nbytes: int, page_bytes: int) -> int:
-    """The whole pages of ``page_bytes`` that fit in ``nbytes`` (both ints > 0)."""
-    for name, v in (("nbytes", nbytes), ("page_bytes", page_bytes)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
-            raise ValueError(f"pages_for: {name} must be an int > 0, got {v!r}")
-    return int(nbytes) // int(page_bytes)
