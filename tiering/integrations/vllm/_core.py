@@ -708,10 +708,11 @@ class TieredBlockManager:
             return Lookup.MISS
         now = self._clock()
         waited = window.since is not None and now - window.since >= self.cfg.load_wait_s
+        if waited and self._would_wait(key):
+            self.counters.lookups_timed_out += 1
+            return Lookup.MISS
         r = self._lookup(key, may_wait=not waited, parent=window.last)
         if r is Lookup.MISS:
-            if waited and self._would_wait(key):
-                self.counters.lookups_timed_out += 1
             return r
         if r is Lookup.PENDING:
             window.pending = True
@@ -729,8 +730,7 @@ class TieredBlockManager:
         )
 
     def _lookup(self, key: bytes, may_wait: bool, parent: bytes | None = None) -> Lookup:
-        if not may_wait and self._would_wait(key):
-            return Lookup.MISS
+        """``may_wait``: a miss may start a fetch from the shared tier (a wait)."""
         if key in self._storing or key in self._staged or key in self._fetching:
             self.counters.pending_answers += 1
             return Lookup.PENDING
