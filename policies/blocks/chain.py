@@ -453,10 +453,10 @@ class ChainOdds(BlockPolicy):
         return None
 
     def on_removes(self, keys: Sequence[Hashable]) -> None:
-        if self.overrides(ChainOdds, "on_remove"):
-            return super().on_removes(keys)
+        # its own, so a meter counts one call; a subclass's on_remove is called here too
+        on_remove = self.on_remove
         for k in keys:
-            self.on_remove(k)
+            on_remove(k)
 
     def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
                    get: Callable[[Hashable], BlockInfo], now: float) -> None:
