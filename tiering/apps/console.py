@@ -111,10 +111,6 @@ class Progress:
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=self._stream,
                              dynamic_ncols=True)
 
-    @property
-    def done(self) -> float:
-        return self._done
-
     def update(self, n: float = 1) -> None:
         self.set(self._done + n)
 
