@@ -263,7 +263,7 @@ class TieredMover:
         """Write blocks (group, vLLM block, staging row) to the staging file, laid out
         as slab slots, ``STAGE_SLOTS`` slots at a time."""
         piece_rows = self.STAGE_SLOTS * self.bpc
-        buf = torch.zeros((piece_rows, self.row_bytes), dtype=torch.uint8)
+        buf = torch.empty((piece_rows, self.row_bytes), dtype=torch.uint8)  # zeroed per piece
         nbytes = 0
         last = max(r for _, _, r in staged)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
