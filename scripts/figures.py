@@ -11,7 +11,7 @@
 
 A marked region is the text between ``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->``;
 everything in it is generated, so the quoted numbers are the recorded ones and say which
-machine they came from. tests/test_docs_figures.py runs the check.
+machine they came from. tests/test_readme.py runs the check.
 """
 
 from __future__ import annotations
