@@ -54,12 +54,6 @@ class RunDone(NamedTuple):
     failed: str | None
 
 
-def check_jobs(jobs: object) -> int:
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"--jobs: must be a whole number >= 1, got {jobs!r}")
-    return jobs
-
-
 def run_one(ctx: JobContext, task: tuple[int, int], stream=None) -> RunDone:
     """Run ``task`` (seed, run index) alone, as the sequential loop would run it."""
     seed, i = task
