@@ -232,6 +232,19 @@ def test_an_oversized_object_is_refused_unread_for_blocks_private_objects_and_le
     assert lease._read().owner == "<unreadable>"
 
 
+def test_a_block_of_another_payload_size_is_a_counted_miss_and_left_in_place():
+    rng = random.Random(15)
+    mem = MemoryStore()
+    loose = SharedBlockStore(mem, b"r" * 16, b"g", trust=TRUST)  # no fixed block size
+    key = rng.randbytes(16)
+    assert loose.publish(key, rng.randbytes(300)).status is BlockStatus.WRITTEN
+    s = SharedBlockStore(mem, b"r" * 16, b"g", trust=TRUST, block_bytes=512)
+    r = s.fetch(key)
+    assert r.status is BlockStatus.LOST and "payload is 300 bytes, a block is 512" in r.reason
+    assert s.refusals() == {"size": 1}
+    assert loose.fetch(key).status is BlockStatus.HIT  # a valid frame: not deleted
+
+
 # -- 6. a renewal whose reply was lost --------------------------------------------------------
 def test_a_renewal_that_landed_without_its_reply_keeps_the_lease():
     mem = MemoryStore()

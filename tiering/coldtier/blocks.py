@@ -347,22 +347,26 @@ class SharedBlockStore:
         self.breaker.record_success()
         try:
             payload = bytes(unframe(KIND_BLOCK, raw, key, self.root, self.geometry, keys=self.keys))
-            if self.block_bytes is not None and len(payload) != self.block_bytes:
-                raise FrameRefused(f"payload is {len(payload)} bytes, a block is {self.block_bytes}")
         except FrameRefused as exc:
-            self.known.discard(key)
-            text = str(exc)
             why = ("damaged" if isinstance(exc, FrameDamaged) else
-                   "mac" if isinstance(exc, FrameUnauthenticated) else
-                   "size" if "a block is" in text else "foreign")
-            self._refuse(why, key, text)
+                   "mac" if isinstance(exc, FrameUnauthenticated) else "foreign")
+            lost = self._lost_refused(key, why, str(exc), len(raw))
             if isinstance(exc, FrameDamaged):
                 self._remove_bad(path)  # ours, damaged: it can never become right
-            return BlockResult("fetch", key, BlockStatus.LOST, nbytes=len(raw), reason=f"refused: {exc}")
+            return lost
+        if self.block_bytes is not None and len(payload) != self.block_bytes:
+            return self._lost_refused(key, "size", f"payload is {len(payload)} bytes, a block is"
+                                      f" {self.block_bytes}", len(raw))
         self.known.add(key, len(raw))
         if self._on_hit is not None:
             self._on_hit(key)
         return BlockResult("fetch", key, BlockStatus.HIT, payload=payload, nbytes=len(raw))
+
+    def _lost_refused(self, key: bytes, why: str, detail: str, nbytes: int) -> BlockResult:
+        """A fetched object refused for reason ``why``: forgotten, counted, a LOST result."""
+        self.known.discard(key)
+        self._refuse(why, key, detail)
+        return BlockResult("fetch", key, BlockStatus.LOST, nbytes=nbytes, reason=f"refused: {detail}")
 
     def delete(self, key: bytes) -> BlockResult:
         key = self._key(key)
