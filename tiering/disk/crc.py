@@ -121,7 +121,7 @@ class ByteSpan:
     def __init__(self, buf: np.ndarray) -> None:
         self._array = _as_bytes_view(buf)
         self.nbytes = int(self._array.nbytes)
-        self._address = self._array.ctypes.data if _NATIVE is not None else 0
+        self._address = self._array.ctypes.data if _RS is None and _NATIVE is not None else 0
         self.view = memoryview(self._array)
 
     def extend(self, crc: int, start: int, stop: int | None) -> int:
