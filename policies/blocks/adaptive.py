@@ -408,10 +408,6 @@ class AdaptiveBlocks(BlockPolicy):
         for p in self._experts:
             p.on_insert(info, now)
 
-    def on_insert_key(self, key: Hashable, depth: int, get: Callable[[Hashable], BlockInfo],
-                      now: float) -> None:
-        self.on_insert(get(key), now)
-
     def on_hit(self, info: BlockInfo, now: float) -> None:
         if info.key not in self.leader:
             raise not_tracked(self, "on_hit", info.key)
