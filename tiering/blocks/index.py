@@ -169,6 +169,11 @@ class BlockIndex:
         except KeyError as err:
             raise ValueError(f"depths: block {err.args[0]!r} is not in the index") from None
 
+    def moving_to(self, key: Hashable) -> Tier | None:
+        """The destination of the block's move in flight (None: not moving)."""
+        dest = self._dest.get(key)
+        return None if dest is None else dest[0]
+
     def location(self, key: Hashable) -> BlockLocation | None:
         tier = self._tier.get(key)
         if tier is None:
