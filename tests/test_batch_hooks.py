@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from collections import OrderedDict
 from unittest import mock
 
@@ -92,7 +93,7 @@ def _chains(seed: int, n: int) -> list[list[int]]:
 def test_block_replay_batch_equals_per_event(name):
     """replay_blocks through the batch hooks gives the per-event loop's hits, inserts,
     refusals, evictions and orphans, over random workloads and tight capacities."""
-    rng = random.Random(hash(name) & 0xFFFF)
+    rng = random.Random(zlib.crc32(name.encode()))  # the same workloads in every process
     for trial in range(3):
         chains = _chains(rng.randrange(1 << 30), 120)
         cap = rng.randint(8, 60)
@@ -154,7 +155,7 @@ def test_full_replay_used_the_batch_hooks():
     trace = conversation_trace(4, 120, shared=0.6)
     calls = {}
     spies = {h: mock.patch.object(ChainOdds, h, autospec=True, side_effect=getattr(ChainOdds, h))
-             for h in ("on_commit", "on_publish", "pop_victim", "on_inserts", "on_request")}
+             for h in ("on_commit", "on_publish", "pop_victim", "on_inserts")}
     for batch in (True, False):
         with spies["on_commit"] as commit, spies["pop_victim"] as pop, \
                 spies["on_inserts"] as inserts, spies["on_publish"] as publish:
