@@ -819,6 +819,25 @@ def test_a_request_asked_back_only_now_and_then_is_not_called_stalled(geom, tmp_
     assert not [r for r in caplog.records if "asked back" in r.getMessage()]
 
 
+def test_a_worker_that_polls_and_then_prepares_each_step_is_warned_all_the_same(
+        geom, tmp_path, closing, caplog):
+    """poll() then prepare() each step is one step of them: counted as two, every request
+    looked checked only every other step and the warning never came."""
+    from tiering.tiered import Readiness
+
+    tkv, _ = _stall_setup(geom, tmp_path, 0.7, torch.Generator().manual_seed(15),
+                          stall_warn_steps=5)
+    closing(tkv)
+    with caplog.at_level("WARNING", logger="tiering.tiered"):
+        for step in range(12):
+            tkv.poll()
+            assert "a" not in tkv.prepare(["a", "b"], step)
+            assert tkv.ready("a", step) is Readiness.ASKED_BACK
+    warned = [r.getMessage() for r in caplog.records if "'a'" in r.getMessage()]
+    assert len(warned) == 1 and "asked back for 5 steps" in warned[0], warned
+    assert tkv.stalled() == {"a": 12}
+
+
 @pytest.mark.parametrize("value", [0, -1, 2.5, True, "50"])
 def test_stall_warn_steps_is_an_int_of_at_least_one_or_none(geom, value):
     with pytest.raises(ValueError, match="stall_warn_steps"):

@@ -445,7 +445,7 @@ class TieredKV:
             seen: set[str] = set()
             twice = sorted({rid for rid in batch if rid in seen or seen.add(rid)})
             raise ValueError(f"TieredKV.prepare: batch names request(s) {twice[:5]} more than once")
-        self._poll()
+        self._poll(in_prepare=True)
         kv, controller = self.kv, self.controller
         for rid in batch:  # a reload refused for good is raised before any request is asked
             if kv.is_offloaded(rid):
@@ -462,10 +462,10 @@ class TieredKV:
         self._check_open()
         self._poll()
 
-    def _poll(self) -> None:
+    def _poll(self, in_prepare: bool = False) -> None:
         self.controller.poll()
         self.controller.serve_reloads()
-        self._stalls.step()
+        self._stalls.step(in_prepare)
 
     def ready(self, rid: str, step: int = 0) -> Readiness:
         """One request of a batch, for a worker that picks its batch itself (a
@@ -659,17 +659,26 @@ class TieredKV:
 class _StallWatch:
     """Counts, per request, the steps in a row it was asked back in one state.
 
-    A step is one ``poll``; a request not checked in a step starts again from zero, so
-    only requests a worker keeps asking for can stall. ``limit`` None: never reports."""
+    A step is one ``poll``, or one ``prepare`` not right after a ``poll`` (a worker that
+    calls both each step makes one step of them); a request not checked in a step starts
+    again from zero, so only requests a worker keeps asking for can stall. ``limit``
+    None: never reports."""
 
     def __init__(self, limit: int | None) -> None:
         self._limit = limit
         self._step = 0
         self._after_step: int | None = None  # the step of the last after_step
+        self._polled = False  # a poll counted a step and nothing was checked since
         self._seen: dict[str, list[Any]] = {}  # rid -> [what, first step, last step, warned]
 
-    def step(self) -> None:
+    def step(self, in_prepare: bool = False) -> None:
+        """One poll; ``in_prepare``: prepare's own, which is the same step as a poll
+        just before it."""
+        if in_prepare and self._polled:
+            self._polled = False
+            return
         self._step += 1
+        self._polled = not in_prepare
 
     def after_step(self) -> None:
         self._after_step = self._step
@@ -679,11 +688,13 @@ class _StallWatch:
         return None if self._after_step is None else self._step - self._after_step
 
     def forget(self, rid: str) -> None:
+        self._polled = False
         self._seen.pop(rid, None)
 
     def check(self, rid: str, what: object) -> int | None:
         """Note ``rid`` not ready as ``what``; the steps so far when it first reaches the
         limit (once), else None."""
+        self._polled = False
         if self._limit is None:
             return None
         now = self._step
