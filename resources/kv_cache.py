@@ -407,6 +407,11 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
                 problems.append(f"{rid}: device page table {r.index.tolist()} != slots {r.shared + r.device}")
             if self._prefix is None and (r.blocks or r.shared):
                 problems.append(f"{rid}: maps prefix blocks with no prefix cache")
+            for layer, spans in r.written.items():  # sorted, apart, within the request
+                ends = [0] + [x for span in spans for x in span]
+                if any(b <= a for a, b in zip(ends[1:], ends[2:], strict=False)) or ends[-1] > r.num_tokens:
+                    problems.append(f"{rid}: layer {layer} written spans {spans[:4]} (of"
+                                    f" {len(spans)}) for {r.num_tokens} tokens")
         for key, t in self._tombstones.items():
             dev[key], host[key] = t.device, t.host
         if self._prefix is not None:

@@ -108,6 +108,14 @@ def _wrong_state(kv):
     kv._reqs["h"].state = S.RESIDENT
 
 
+def _written_past_the_end(kv):
+    kv._reqs["b"].written[1] = [(16, 23)]  # b holds 22 tokens
+
+
+def _written_spans_overlap(kv):
+    kv._reqs["b"].written[0] = [(16, 20), (18, 22)]  # a merge left undone
+
+
 @pytest.mark.parametrize(("breakage", "what"), [
     (_drop_own_device_page, r"b: \d+ device pages for 22 tokens"),
     (_swap_page_table, r"b: device page table \[.*\] != slots"),
@@ -121,6 +129,8 @@ def _wrong_state(kv):
     (_map_the_wrong_page, r"b: block 0 on page \d+, index says"),
     (_hold_a_staging_buffer, r"staging ring: 1 of 2 buffers still held"),
     (_wrong_state, r"h: state resident"),
+    (_written_past_the_end, r"b: layer 1 written spans \[\(16, 23\)\] \(of 1\) for 22 tokens"),
+    (_written_spans_overlap, r"b: layer 0 written spans \[\(16, 20\), \(18, 22\)\]"),
 ])
 def test_each_broken_record_is_named(tmp_path, closing, breakage, what):
     kv = world(tmp_path)
