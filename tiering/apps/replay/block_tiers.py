@@ -299,7 +299,8 @@ class PrefixBlocks:
                     self.policies[t].on_removes(landed[t])
             # the device policy is told in the order the blocks landed
             if landed[Tier.HOST] and landed[Tier.DISK]:
-                done = [k for k in moves if k in set(done)]
+                both = set(done)
+                done = [k for k in moves if k in both]
             self.policies[Tier.DEVICE].on_inserts(done, index.depths(done), index.get, now)
             self._loaded += len(done)
         self.changes += 1
