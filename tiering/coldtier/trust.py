@@ -58,7 +58,7 @@ def _secret_bytes(what: str, value: object) -> bytes | None:
 class MacKeys:
     """The keys one worker tags and verifies with: the current one, and the previous one."""
 
-    __slots__ = ("_current", "_current_id", "_previous")
+    __slots__ = ("_current", "_current_id", "_previous", "_named")
 
     def __init__(self, current: bytes, previous: bytes | None = None) -> None:
         cur = _secret_bytes("MacKeys current secret", current)
@@ -67,6 +67,8 @@ class MacKeys:
         self._current = self._derive(cur)
         self._current_id = self._key_id(self._current)
         self._previous = None if prev is None else self._derive(prev)
+        # (key id, key) of the keys a tag may name, the current one first
+        self._named = tuple((self._key_id(k), k) for k in (self._current, self._previous) if k is not None)
 
     @staticmethod
     def _derive(secret: bytes) -> bytes:
@@ -88,14 +90,13 @@ class MacKeys:
     def verify(self, key_id: bytes, tag: bytes, *parts) -> bool:
         """Whether ``tag`` is the MAC of ``parts`` under the key named ``key_id`` (current or
         previous); constant-time comparison."""
-        for key in (self._current, self._previous):
-            if key is not None and hmac.compare_digest(self._key_id(key), bytes(key_id)):
+        for kid, key in self._named:
+            if hmac.compare_digest(kid, bytes(key_id)):
                 return hmac.compare_digest(self._mac(key, parts), bytes(tag))
         return False
 
     def knows(self, key_id: bytes) -> bool:
-        return any(key is not None and hmac.compare_digest(self._key_id(key), bytes(key_id))
-                   for key in (self._current, self._previous))
+        return any(hmac.compare_digest(kid, bytes(key_id)) for kid, _ in self._named)
 
     @staticmethod
     def _mac(key: bytes, parts) -> bytes:
