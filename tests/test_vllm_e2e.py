@@ -406,3 +406,107 @@ def test_two_engines_in_one_host_dir_never_share_a_slot(tmp_path):
     a.shutdown()
     b.shutdown()
     assert os.listdir(tmp_path) == []
+
+
+def test_vllm_offloading_connector_has_no_per_layer_step():
+    """docs/vllm.md, "Why a load is whole-request": what vLLM's OffloadingConnector
+    does with a load, run on its own code (only construction is bypassed). If a vLLM
+    release forwards the layer hooks or loads synchronously, this fails."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        OffloadingWorkerMetadata,
+        TransferJob,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
+
+    # a spec's worker has job calls only; a result names a job, never a layer
+    assert OffloadingWorker.__abstractmethods__ == {
+        "submit_load", "submit_store", "get_finished", "wait"}
+    assert [f.name for f in dataclasses.fields(TransferResult)] == [
+        "job_id", "success", "transfer_size", "transfer_time"]
+    assert (OffloadingConnector.get_block_ids_with_load_errors
+            is KVConnectorBase_V1.get_block_ids_with_load_errors)
+
+    class Recorder(OffloadingWorker):  # every call the connector makes on a spec's worker
+        def __init__(self):
+            self.calls: list[tuple] = []
+            self.results: list[TransferResult] = []
+
+        def submit_store(self, job_id, src_spec, dst_spec):
+            self.calls.append(("submit_store", job_id))
+            return True
+
+        def submit_load(self, job_id, src_spec, dst_spec):
+            self.calls.append(("submit_load", job_id, tuple(dst_spec.block_ids.tolist())))
+            return True
+
+        def get_finished(self):
+            self.calls.append(("get_finished",))
+            out, self.results = self.results, []
+            return out
+
+        def wait(self, job_ids):
+            self.calls.append(("wait", tuple(job_ids)))
+
+        def __getattr__(self, name):  # a per-layer call a later vLLM might add
+            raise AssertionError(f"the connector asked the worker for {name!r}")
+
+    rec = Recorder()
+    cw = object.__new__(OffloadingConnectorWorker)
+    cw.worker, cw._load_jobs, cw._unsubmitted_store_jobs = rec, {}, []
+    cw._connector_worker_meta = OffloadingWorkerMetadata()
+    conn = object.__new__(OffloadingConnector)
+    conn.connector_worker = cw
+    conn._connector_metadata = OffloadingConnectorMetadata(
+        load_jobs={7: TransferJob("req-a", object(), GPULoadStoreSpec([3, 4, 5], [3], [0]))},
+        store_jobs={})
+
+    conn.start_load_kv(None)  # one job for all of the request's blocks and layers
+    assert rec.calls == [("submit_load", 7, (3, 4, 5))]
+    kv = torch.randn(2, 6, 32)
+    for layer in ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"):
+        conn.wait_for_layer_load(layer)
+        conn.save_kv_layer(layer, kv, None)
+    assert rec.calls == [("submit_load", 7, (3, 4, 5))]  # the layer hooks reach no one
+    assert conn.get_finished(set()) == (set(), set())  # nothing landed: not received
+    rec.results = [TransferResult(7, True)]
+    assert conn.get_finished(set()) == (set(), {"req-a"})  # received only as a whole
+    # negative control: the Recorder does see a call the connector makes
+    conn._connector_metadata = OffloadingConnectorMetadata(
+        load_jobs={8: TransferJob("req-b", object(), GPULoadStoreSpec([1], [1], [0]))},
+        store_jobs={})
+    conn.start_load_kv(None)
+    rec.results = [TransferResult(8, False)]
+    with pytest.raises(AssertionError):  # no failure path for a load
+        conn.get_finished(set())
+
+    # the scheduler side answers every hit as an asynchronous load
+    status = SimpleNamespace(
+        group_states=[], transfer_jobs={}, update_offload_keys=lambda: None,
+        num_locally_computed_tokens=0, deferred_lookup_start_time=None,
+        update_num_hit_chunks=lambda n: None)
+
+    def answer(hits: int):
+        sched = SimpleNamespace(
+            _req_status={"req-c": status}, _lookup=lambda st, cap: hits,
+            _connector_stats=SimpleNamespace(observe_histogram=lambda *a: None),
+            _maybe_observe_lookup_async_delay=lambda st: None)
+        req = SimpleNamespace(request_id="req-c", skip_reading_prefix_cache=False)
+        return OffloadingConnectorScheduler.get_num_new_matched_tokens(sched, req, 0)
+
+    assert answer(96) == (96, True)
+    assert answer(0) == (0, False)
