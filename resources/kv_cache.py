@@ -120,6 +120,8 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         host_runtime: HostRuntime | None = None,
         staging: StagingConfig | None = None,
         stage_disk_io: bool | None = None,
+        layerwise_reload: bool = False,
+        layer_wait_timeout_s: float = 60.0,
     ) -> None:
         if not isinstance(geometry, KVGeometry):
             raise TypeError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
@@ -130,7 +132,8 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"PagedKVCache: {name} must be an int >= 1, got {v!r}")
         for name, v in (("verify", verify),
-                        ("offload_to_disk_when_host_full", offload_to_disk_when_host_full)):
+                        ("offload_to_disk_when_host_full", offload_to_disk_when_host_full),
+                        ("layerwise_reload", layerwise_reload)):
             if not isinstance(v, bool):
                 raise ValueError(f"PagedKVCache: {name} must be a bool, got {v!r}")
         if stage_disk_io is not None and not isinstance(stage_disk_io, bool):
@@ -160,6 +163,9 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.verify = bool(verify)
+        self.layerwise_reload = layerwise_reload
+        self.layer_wait_timeout_s = check_timeout("PagedKVCache: layer_wait_timeout_s",
+                                                  layer_wait_timeout_s)
         self.offload_to_disk_when_host_full = bool(offload_to_disk_when_host_full)
         self._clock = clock
         self._fault = copy_fault_hook
@@ -271,7 +277,8 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         shrinking). False, with nothing changed, when the device pool is short."""
         r = self._req(rid, "allocate")
         check_int(f"allocate({rid!r})", "num_tokens", num_tokens)
-        guard(r, Op.ALLOCATE)
+        if not self._admitted_early(r):
+            guard(r, Op.ALLOCATE)
         if num_tokens <= r.num_tokens:
             return True
         extra = self.geometry.pages_for(num_tokens) - len(r.device) - len(r.shared)
@@ -382,16 +389,20 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         self._open("check_integrity")
         pages = self.geometry.pages_for
 
-        def pending_load(r: RequestRecord) -> bool:
-            return r.prefix_load is not None
+        def checked_here(r: RequestRecord) -> bool:
+            # a pending prefix load, or a layer-wise reload whose early-admitted step grew
+            # the request: its source holds the pages it had when the reload started
+            return r.prefix_load is not None or (
+                r.layers is not None and r.num_tokens != r.layers.base_tokens)
 
         problems = self._life.check(lambda r: pages(r.num_tokens) - len(r.shared),
-                                    skip=pending_load)
+                                    skip=checked_here)
         dev: dict = {}
         host: dict = {}
         for rid, r in self._reqs.items():
             dev[rid], host[rid] = r.device, r.host
             st = r.state
+            problems += self._check_layers(r)
             if r.prefix_load is not None:  # a pending prefix load holds only mapped blocks
                 if r.held() != (0, 0, 0):
                     problems.append(f"{rid}: a pending prefix load holds {r.held()}")
@@ -438,6 +449,34 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
             problems.append(str(exc))
         if problems:
             raise PoolIntegrityError("PagedKVCache integrity: " + "; ".join(problems[:20]))
+
+    def _check_layers(self, r: RequestRecord) -> list[str]:
+        """A reload's layer progress: only while it is in flight, consistent, and (once a
+        step was admitted early and grew the request) device pages for every token with
+        the source still holding the pages it had."""
+        p, rid = r.layers, r.rid
+        if p is None:
+            return [f"{rid}: admitted early with no reload in flight"] if r.admitted_early else []
+        if r.state is not S.RELOADING or r.job is None:
+            return [f"{rid}: layer progress in state {r.state.value}"]
+        out = [f"{rid}: {m}" for m in p.check()]
+        if p.num_layers != self.geometry.num_layers:
+            out.append(f"{rid}: progress over {p.num_layers} layers, the cache has"
+                       f" {self.geometry.num_layers}")
+        if r.admitted_early and not p.layerwise:
+            out.append(f"{rid}: admitted early from a whole-request reload")
+        if r.num_tokens < p.base_tokens:
+            out.append(f"{rid}: {r.num_tokens} tokens, fewer than the {p.base_tokens} reloaded")
+        if r.num_tokens != p.base_tokens:
+            if not r.admitted_early:
+                out.append(f"{rid}: grew while reloading without a step admitted")
+            need = self.geometry.pages_for(r.num_tokens) - len(r.shared)
+            src = len(r.host) if r.job.move is Move.RELOAD_FROM_HOST else (
+                r.disk.num_pages if r.disk is not None else 0)
+            if len(r.device) != need or src != p.base_pages:
+                out.append(f"{rid}: grown reload holds {len(r.device)} device pages (needs"
+                           f" {need}) and {src} source pages (reloaded {p.base_pages})")
+        return out
 
     # -- engine lifecycle -----------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from tiering.resources.kv_records import RequestLost, RequestRecord
 
+from tiering.errors import LayerNotReady
 from tiering.types import IllegalTransition, RequestState
 
 S = RequestState
@@ -32,16 +33,51 @@ class KVDataPlane:
     """Page tables, layer views, writes and reads (a part of ``PagedKVCache``)."""
 
     def page_table(self, rid: str) -> list[int]:
-        """Device slots of the request, in token order. Only while it is resident."""
+        """Device slots of the request, in token order. Only while it is resident (or
+        admitted from layer 0 of a layer-wise reload: ``wait_layer`` before each layer)."""
         r = self._req(rid, "page_table")
-        if r.state is not S.RESIDENT:
+        if r.state is not S.RESIDENT and not self._admitted_early(r):
             raise IllegalTransition(f"request {rid!r} is {r.state.value}; it has no page table")
         return list(r.shared) + list(r.device)
 
     def device_page_table(self, rid: str) -> torch.Tensor:
         """The request's device slots as a long tensor on the device (kept per
-        request, rebuilt only when its slots change; no host sync to use it)."""
-        return self._index(self._readable(rid, "device_page_table"))
+        request, rebuilt only when its slots change; no host sync to use it). During a
+        layer-wise reload admitted from layer 0, read layer L only after ``wait_layer``."""
+        return self._index(self._readable(rid, "device_page_table", partial_ok=True))
+
+    def wait_layer(self, rid: str, layer: int, timeout: float | None = None) -> bool:
+        """Whether layer ``layer`` of ``rid`` may be read and written now. A resident
+        request: True at once. During a layer-wise reload: True once that layer has
+        landed (a CPU waits for its copy, at most ``timeout`` seconds, default the
+        cache's ``layer_wait_timeout_s``; a GPU makes the compute stream wait on its
+        copy's event and returns at once). False when it will not land (its copy
+        failed: the request goes back to where it was, ``poll`` reports why), when the
+        time ran out, or when the request is not on the device."""
+        r = self._req(rid, "wait_layer")
+        self._check_layer(f"wait_layer({rid!r})", layer)
+        if timeout is not None:
+            from tiering.core.validate import check_timeout
+
+            timeout = check_timeout(f"wait_layer({rid!r})", timeout)
+        return self._wait_layer(r, layer, timeout)
+
+    def _wait_layer(self, r: RequestRecord, layer: int, timeout: float | None = None) -> bool:
+        if r.state is S.RELOADING and r.layers is not None and r.layers.layerwise:
+            w = r.layers.wait(layer, self.layer_wait_timeout_s if timeout is None else timeout)
+            if w.ok:
+                self._streams.wait_on_compute(w.event)
+                return True
+            if r.job is not None and r.job.future.done():
+                self._finish_now(r)  # the failed copy is applied; the next poll reports it
+            return False
+        if r.state is S.RELOADING:
+            self._finish_now(r)
+        if r.state is S.RESIDENT:
+            self._streams.wait_on_compute(r.ready_event)
+            r.ready_event = None
+            return True
+        return False
 
     def _index(self, r: RequestRecord) -> torch.Tensor:
         if r.index is None or r.index.numel() != len(r.shared) + len(r.device):
@@ -112,7 +148,7 @@ class KVDataPlane:
                 f"{what}: tokens from {start} fall in published page {start // self.geometry.page_tokens}"
                 f" (the first {len(r.shared) * self.geometry.page_tokens} tokens are published and immutable)"
             )
-        r = self._readable(rid, "write")
+        r = self._readable(rid, "write", layer)
         for slot, off, i, take in self._token_pages(r, start, n):
             self._dev[slot, layer, 0, off : off + take].copy_(k[i : i + take])
             self._dev[slot, layer, 1, off : off + take].copy_(v[i : i + take])
@@ -136,19 +172,35 @@ class KVDataPlane:
         through the request's device page table (no host sync)."""
         self._req(rid, "read")
         self._check_layer(f"read({rid!r})", layer)
-        r = self._readable(rid, "read")
+        r = self._readable(rid, "read", layer)
         g = self.geometry
         pages = self._dev[:, layer].index_select(0, self._index(r))  # [p, 2, T, H, D]
         k = pages[:, 0].reshape(-1, g.num_kv_heads, g.head_dim)[: r.num_tokens]
         v = pages[:, 1].reshape(-1, g.num_kv_heads, g.head_dim)[: r.num_tokens]
         return k, v
 
-    def _readable(self, rid: str, what: str) -> RequestRecord:
+    def _readable(self, rid: str, what: str, layer: int | None = None,
+                  partial_ok: bool = False) -> RequestRecord:
+        """``rid``'s record when its KV (or, given ``layer``, that layer) may be used
+        now; else IllegalTransition (LayerNotReady for a layer that did not land),
+        RequestLost for a lost request."""
         r = self._req(rid, what)
         if r.state is S.LOST:
             raise RequestLost(rid, r.lost_reason or "unknown")
         if r.state is S.RELOADING:
             self._finish_now(r)  # maybe the copy is done already
+        if self._admitted_early(r):
+            if partial_ok:
+                return r
+            if layer is None:
+                raise IllegalTransition(
+                    f"{what}: request {rid!r} is reloading layer by layer; name the layer")
+            progress = r.layers
+            if self._wait_layer(r, layer):
+                return r
+            raise LayerNotReady(
+                f"{what}: layer {layer} of request {rid!r} is not on the device"
+                f" ({progress.wait(layer, 0).reason}); the request is now {r.state.value}")
         if r.state is not S.RESIDENT:
             raise IllegalTransition(
                 f"{what}: request {rid!r} is {r.state.value}; it must be resident on the device"

@@ -73,7 +73,19 @@ class KVEvictionHooks(LifecycleAnswers):
         if r.state is S.RESIDENT:
             self._streams.wait_on_compute(r.ready_event)
             r.ready_event = None
+        if self._admitted_early(r):
+            if not r.admitted_early:
+                r.admitted_early = True
+                self.stats.reloads_admitted_early += 1
+            return AdmitOutcome(True, "")
         return AdmitOutcome(*self._life.admission(r))
+
+    def _admitted_early(self, r) -> bool:
+        """A layer-wise reload whose layer 0 is on the device: its step may run, each
+        layer read only once it has landed (``wait_layer``)."""
+        p = r.layers
+        return (r.state is S.RELOADING and p is not None and p.layerwise and p.ready >= 1
+                and p.failed_at is None)
 
     # -- eviction hooks -------------------------------------------------------------
 

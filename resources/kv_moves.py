@@ -14,7 +14,7 @@ import torch
 
 from tiering.core.checksum import ChecksumMismatch, crc_of, crc_of_pages
 from tiering.core.staging import StagingTimeout
-from tiering.core.transfer import coalesce, copy_runs, issue_runs
+from tiering.core.transfer import coalesce, copy_runs, issue_layer_runs, issue_runs
 
 
 class CopyJobs:
@@ -48,13 +48,40 @@ class CopyJobs:
         for r in coalesce(host_slots, range(len(host_slots))):
             self._c.disk.write(extent, self._c._host[r.src : r.src + r.length], first_page=r.dst)
 
-    def reload_host(self, host_slots, dev_slots, checksum, marker):
-        if checksum is not None and crc_of_pages(self._c._host, host_slots) != checksum:
-            raise ChecksumMismatch("host copy does not match the checksum taken at offload")
-        return copy_runs(self._c._streams, self._c._host, self._c._dev, coalesce(host_slots, dev_slots),
-                         "h2d", after=marker, fault_hook=self._c._fault)
+    def reload_host(self, host_slots, dev_slots, checksum, marker, progress):
+        try:
+            if checksum is not None and crc_of_pages(self._c._host, host_slots) != checksum:
+                raise ChecksumMismatch("host copy does not match the checksum taken at offload")
+            runs = coalesce(host_slots, dev_slots)
+            if not progress.layerwise:
+                done = copy_runs(self._c._streams, self._c._host, self._c._dev, runs,
+                                 "h2d", after=marker, fault_hook=self._c._fault)
+                progress.landed_all(done)
+                return done
+            done = None
+            for layer in range(progress.num_layers):  # layer L is readable while L+1 copies
+                done = issue_layer_runs(self._c._streams, self._c._host, self._c._dev, runs, layer,
+                                        after=marker if layer == 0 else None,
+                                        fault_hook=self._c._fault)
+                progress.landed(layer, done)
+            if done is not None:
+                done.synchronize()  # the job ends (and the host slots go back) after the last copy
+            return done
+        except BaseException as exc:
+            progress.fail(progress.ready, f"{type(exc).__name__}: {exc}")
+            raise
 
-    def reload_disk(self, extent, dev_slots, checksum, marker):
+    def reload_disk(self, extent, dev_slots, checksum, marker, progress):
+        """Every layer of a disk reload lands at once: a page on disk is one verified
+        chunk holding all its layers."""
+        try:
+            self._reload_disk(extent, dev_slots, checksum, marker)
+        except BaseException as exc:
+            progress.fail(0, f"{type(exc).__name__}: {exc}")
+            raise
+        progress.landed_all()
+
+    def _reload_disk(self, extent, dev_slots, checksum, marker):
         if self._c._stage:
             crc = self._staged_read(extent, dev_slots, marker)
         else:

@@ -34,6 +34,8 @@ class RequestRecord(Record):
     disk: Any = None  # DiskExtent while the request holds disk chunks
     checksum: int | None = None
     ready_event: Any = None
+    layers: Any = None  # LayerProgress of the reload in flight (tiering.core.layers)
+    admitted_early: bool = False  # a step was admitted before that reload landed in full
     index: Any = None  # device page table (a long tensor on the device), built on demand
     # prefix reuse (resources.kv_prefix): leading blocks the request maps, their
     # device pages (-1 while a load is pending), a pending load and one in flight
@@ -114,4 +116,9 @@ class KVStats(Counters):
 
     FIELDS = Counters.FIELDS + (
         "commit_failures", "completion_errors", "disk_release_faults", "page_tables_built",
+        # reloads: seconds from the start of each until its first layer could be read
+        # (every layer at once without layer-wise reload), and the steps' time blocked
+        # waiting for a later layer; admitted before the whole copy landed; undone
+        "reload_first_layer_s_total", "layer_wait_s_total", "reloads_admitted_early",
+        "reloads_undone",
     )

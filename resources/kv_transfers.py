@@ -20,6 +20,7 @@ from tiering.resources.kv_records import RequestRecord, Tombstone, TransferJob
 from tiering.control.protocols import CompletionFeed
 from tiering.core.checksum import ChecksumMismatch
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
+from tiering.core.layers import LayerProgress
 from tiering.core.lifecycle import IN_FLIGHT, RELOAD_FROM, Op, guard, offload_move
 from tiering.core.staging import StagingTimeout
 from tiering.core.validate import check_timeout
@@ -130,19 +131,40 @@ class KVTransfers:
             return False
         marker = self._streams.compute_marker()
         move = RELOAD_FROM[r.state.tier]
+        progress = LayerProgress(self.geometry.num_layers,
+                                 layerwise=self.layerwise_reload and move is Move.RELOAD_FROM_HOST,
+                                 base_tokens=r.num_tokens, base_pages=n)
         if move is Move.RELOAD_FROM_HOST:
             fut = self._submit(self._h2d, RELOAD, self._moves.reload_host, list(r.host),
-                               list(slots), r.checksum, marker)
+                               list(slots), r.checksum, marker, progress)
         else:
             fut = self._submit(self._io, RELOAD, self._moves.reload_disk, r.disk, list(slots),
-                               r.checksum, marker)
+                               r.checksum, marker, progress)
         if fut is None:
             self.device_pool.release(rid, slots)
             return False
         r.device = slots
         r.index = None
+        r.layers = progress
         self._start(r, move, fut, S.RELOADING)
         return True
+
+    def _reload_ended(self, r: RequestRecord, ok: bool) -> None:
+        """Count what the reload's layers did and take its progress off the record;
+        a failed one admitted early gives back what the step added since it started
+        (tokens, written spans, device pages: the source holds only the rest)."""
+        p, r.layers = r.layers, None
+        r.admitted_early = False
+        if p is None:
+            return
+        first = p.first_layer_s()
+        if first is not None:
+            self.stats.reload_first_layer_s_total += first
+        self.stats.layer_wait_s_total += p.waited_s
+        if not ok and r.num_tokens != p.base_tokens:
+            self.stats.reloads_undone += 1
+            r.num_tokens = p.base_tokens
+            r.forget_written_from(p.base_tokens)
 
     def _start(self, r: RequestRecord, move: Move, fut: cf.Future, state: RequestState) -> None:
         if IN_FLIGHT[move] is not state:
@@ -228,6 +250,7 @@ class KVTransfers:
             self.stats.completion_errors += 1
             log.exception("request %r: completing %s failed", r.rid, job.move.value)
             reason = f"completing {job.move.value} failed: {_why(err)}"
+            r.layers = None
             if r.state is not S.LOST:
                 try:
                     self._life.mark_lost(r, reason)
@@ -268,6 +291,7 @@ class KVTransfers:
         return self._survived(r, job, exc) if exc is not None else self._land(r, job)
 
     def _done_reload_host(self, r, job, exc):
+        self._reload_ended(r, exc is None)
         if isinstance(exc, ChecksumMismatch):
             return self._life.lose(r, job.move, f"checksum mismatch on reload from host: {exc}")
         if exc is not None:
@@ -276,6 +300,7 @@ class KVTransfers:
         return self._land(r, job)
 
     def _done_reload_disk(self, r, job, exc):
+        self._reload_ended(r, exc is None)
         if isinstance(exc, StagingTimeout) or (
             exc is not None and not isinstance(exc, (OSError, ChecksumMismatch))
         ) or (isinstance(exc, OSError) and exc.errno in TRANSIENT_IO_ERRNOS):

@@ -33,6 +33,7 @@ TRANSIENT_IO_ERRNOS = frozenset({
 __all__ = [
     # requests and their states
     "IllegalTransition",
+    "LayerNotReady",
     "UnknownRequest",
     "UnknownRequestError",
     "RequestLost",
@@ -80,6 +81,12 @@ class IllegalTransition(RuntimeError):
 
     The message names the request and its state; nothing changed.
     """
+
+
+class LayerNotReady(IllegalTransition):
+    """A layer of a request reloading layer by layer was read or written before it
+    landed, and it did not land in time (or will not: its copy failed). Ask
+    ``wait_layer`` first; it answers False instead of raising."""
 
 
 class UnknownRequest(KeyError):

@@ -155,3 +155,41 @@ def copy_runs(*args, **kwargs):
     if done is not None:
         done.synchronize()
     return done
+
+
+def issue_layer_runs(
+    streams: StreamSet,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    runs: Sequence[PageRun],
+    layer: int,
+    after=None,
+    fault_hook: Callable[[str], None] = no_fault,
+):
+    """``issue_runs`` host-to-device for one layer of every page of ``runs``.
+
+    A page holds its layers one after the other, so one layer of a run of pages
+    is strided: on a CPU each run is one strided copy; on CUDA each page's
+    layer slice (contiguous) is one asynchronous copy. Returns the event
+    recorded after them (None on a CPU, where they are done)."""
+    if streams.cuda and (src.is_cuda or dst.is_cuda):
+        stream = streams.h2d
+        with torch.cuda.device(streams.device), torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            done = streams.new_event()
+            try:
+                for r in runs:
+                    fault_hook("h2d")
+                    for i in range(r.length):
+                        dst[r.dst + i, layer].copy_(src[r.src + i, layer], non_blocking=True)
+            except BaseException:
+                done.record(stream)
+                done.synchronize()
+                raise
+            done.record(stream)
+        return done
+    for r in runs:
+        fault_hook("h2d")
+        dst[r.dst : r.dst + r.length, layer].copy_(src[r.src : r.src + r.length, layer])
+    return None

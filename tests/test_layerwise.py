@@ -1,0 +1,228 @@
+"""Layer-wise reload: a request reloading from host is admitted once layer 0 is on the
+device, each layer is read only after it landed, and a fault on a middle layer sends
+the request back to the host with nothing of it lost or changed."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tiering.resources.base import ResourceStep, StepContext
+from tiering.resources.kv_cache import PagedKVCache
+from tiering.resources.kv_geometry import KVGeometry
+
+from tiering.errors import IllegalTransition, LayerNotReady
+from tiering.types import Move, RequestState
+
+S = RequestState
+GEOM = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=8, page_tokens=4, dtype=torch.float32)
+
+
+class LayerGate:
+    """A copy fault hook that holds (or fails) the host-to-device copy of one layer.
+
+    Each layer of a one-run reload calls the hook once, in order, so the n-th
+    ``h2d`` call is layer n."""
+
+    def __init__(self, hold: int | None = None, fail: int | None = None) -> None:
+        self.hold, self.fail = hold, fail
+        self.calls = 0
+        self.release = threading.Event()
+        self.reached = threading.Event()
+
+    def __call__(self, kind: str) -> None:
+        if kind != "h2d":
+            return
+        layer = self.calls
+        self.calls += 1
+        if layer == self.hold:
+            self.reached.set()
+            assert self.release.wait(10), "the test never released the held layer"
+        if layer == self.fail:
+            raise OSError(5, f"injected fault on layer {layer}")
+
+
+def make(gate=None, layerwise=True, **kw) -> PagedKVCache:
+    return PagedKVCache(GEOM, device_pages=16, host_pages=16, layerwise_reload=layerwise,
+                        copy_fault_hook=gate or (lambda kind: None), **kw)
+
+
+def fill(kv: PagedKVCache, rid: str, tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    kv.ingest_request(rid)
+    assert kv.allocate(rid, tokens)
+    out = []
+    for layer in range(GEOM.num_layers):
+        k = torch.randn(tokens, 2, 8, generator=gen)
+        v = torch.randn(tokens, 2, 8, generator=gen)
+        kv.write(rid, layer, 0, k, v)
+        out.append((k, v))
+    return out
+
+
+def offload(kv: PagedKVCache, rid: str) -> None:
+    assert kv.offload(rid) > 0
+    kv.synchronize()
+    assert kv.state_of(rid) is S.ON_HOST
+    kv.check_integrity()
+
+
+def admitted(kv: PagedKVCache, rid: str) -> bool:
+    return kv.admit(ResourceStep(rid), StepContext(0)).ok
+
+
+def same(kv, rid, want, layers=range(GEOM.num_layers)):
+    for layer in layers:
+        k, v = kv.read(rid, layer)
+        assert torch.equal(k, want[layer][0]) and torch.equal(v, want[layer][1]), layer
+
+
+def test_admitted_from_layer_zero_and_each_layer_read_once_landed():
+    gate = LayerGate(hold=2)
+    with make(gate) as kv:
+        want = fill(kv, "a", 13, seed=1)
+        offload(kv, "a")
+        gate.calls = 0
+        assert kv.reload("a")
+        assert gate.reached.wait(10)  # layers 0 and 1 landed, layer 2 is held
+        assert kv.state_of("a") is S.RELOADING
+        assert admitted(kv, "a")  # ready from layer 0
+        kv.check_integrity()
+        same(kv, "a", want, layers=[0, 1])
+        assert not kv.wait_layer("a", 2, timeout=0.05)  # still copying
+        assert not kv.wait_layer("a", 3, timeout=0.0)
+        with pytest.raises(IllegalTransition, match="name the layer"):
+            kv._readable("a", "read")  # a whole-request read needs every layer
+        gate.release.set()
+        assert kv.wait_layer("a", 3, timeout=10)
+        same(kv, "a", want)
+        done = kv.synchronize()
+        assert [(r.rid, r.move, r.ok) for r in done] == [("a", Move.RELOAD_FROM_HOST, True)]
+        assert kv.state_of("a") is S.RESIDENT
+        assert kv.stats.reloads_admitted_early == 1
+        kv.check_integrity()
+
+
+def test_whole_request_reload_is_not_admitted_before_it_lands():
+    """The negative control: without layer-wise reload the held copy keeps the step out."""
+    gate = LayerGate(hold=0)
+    with make(gate, layerwise=False) as kv:
+        want = fill(kv, "a", 13, seed=2)
+        offload(kv, "a")
+        gate.calls = 0
+        assert kv.reload("a")
+        assert gate.reached.wait(10)
+        assert not admitted(kv, "a")
+        assert not kv.wait_layer("a", 0)
+        gate.release.set()
+        kv.synchronize()
+        assert admitted(kv, "a")
+        same(kv, "a", want)
+        assert kv.stats.reloads_admitted_early == 0
+        kv.check_integrity()
+
+
+def test_a_fault_on_a_middle_layer_fails_the_reload_from_there_and_keeps_the_host_copy():
+    gate = LayerGate(hold=1, fail=2)
+    with make(gate) as kv:
+        want = fill(kv, "a", 10, seed=3)
+        offload(kv, "a")
+        gate.calls = 0
+        assert kv.reload("a")
+        assert gate.reached.wait(10)
+        assert admitted(kv, "a")
+        same(kv, "a", want, layers=[0])
+        gate.release.set()
+        assert not kv.wait_layer("a", 2, timeout=10)  # never readable
+        with pytest.raises((LayerNotReady, IllegalTransition)):
+            kv.read("a", 2)
+        done = kv.synchronize()
+        res = [r for r in done if r.rid == "a"]
+        assert len(res) == 1 and not res[0].ok and "injected fault on layer 2" in res[0].reason
+        assert kv.state_of("a") is S.ON_HOST
+        assert not admitted(kv, "a")
+        kv.check_integrity()
+        gate.fail = None  # the host copy is intact: the next reload brings every layer
+        assert kv.reload("a")
+        kv.synchronize()
+        same(kv, "a", want)
+        kv.check_integrity()
+
+
+def test_a_failed_reload_gives_back_what_the_early_step_added():
+    gate = LayerGate(hold=1, fail=3)
+    with make(gate) as kv:
+        want = fill(kv, "a", 8, seed=4)  # two full pages: growing takes a new page
+        offload(kv, "a")
+        gate.calls = 0
+        assert kv.reload("a")
+        assert gate.reached.wait(10)
+        assert admitted(kv, "a")
+        assert kv.allocate("a", 11)  # the early step's new tokens
+        k = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(9))
+        kv.write("a", 0, 8, k, k + 1)
+        kv.check_integrity()
+        gate.release.set()
+        kv.synchronize()
+        assert kv.state_of("a") is S.ON_HOST and kv.num_tokens("a") == 8
+        assert kv.stats.reloads_undone == 1
+        kv.check_integrity()
+        gate.fail = None
+        assert kv.reload("a")
+        kv.synchronize()
+        same(kv, "a", want)
+        assert kv.allocate("a", 11)  # grows again from the reloaded 8 tokens
+        kv.check_integrity()
+
+
+def test_removed_during_a_layerwise_reload():
+    gate = LayerGate(hold=1)
+    with make(gate) as kv:
+        fill(kv, "a", 9, seed=5)
+        offload(kv, "a")
+        gate.calls = 0
+        assert kv.reload("a")
+        assert gate.reached.wait(10)
+        assert admitted(kv, "a")
+        kv.remove_request("a")
+        kv.check_integrity()
+        assert kv.device_pool.used_pages > 0  # the copy still writes them
+        gate.release.set()
+        kv.synchronize()
+        assert kv.device_pool.used_pages == 0 and kv.host_pool.used_pages == 0
+        kv.check_integrity()
+        want = fill(kv, "a", 5, seed=6)  # the id behaves like a new one
+        same(kv, "a", want)
+
+
+def test_disk_reloads_land_every_layer_at_once(tmp_path):
+    from tiering.disk.config import DiskConfig
+
+    gate = LayerGate()
+    disk = DiskConfig(path=str(tmp_path / "d"), capacity_bytes=64 * GEOM.page_bytes)
+    with PagedKVCache(GEOM, device_pages=16, host_pages=1, layerwise_reload=True, disk=disk,
+                      copy_fault_hook=gate) as kv:
+        want = fill(kv, "a", 9, seed=7)
+        assert kv.offload("a") > 0
+        kv.synchronize()
+        assert kv.state_of("a") is S.ON_DISK
+        assert kv.reload("a")
+        kv.synchronize()
+        assert kv.stats.reloads_admitted_early == 0
+        same(kv, "a", want)
+        kv.check_integrity()
+
+
+def test_bad_input_names_what_was_wrong():
+    with pytest.raises(ValueError, match="layerwise_reload"):
+        PagedKVCache(GEOM, layerwise_reload="yes")
+    with pytest.raises(ValueError, match="layer_wait_timeout_s"):
+        PagedKVCache(GEOM, layer_wait_timeout_s=-1)
+    with make() as kv:
+        fill(kv, "a", 4, seed=8)
+        with pytest.raises(ValueError, match="layer 4 out of range"):
+            kv.wait_layer("a", 4)
+        with pytest.raises(ValueError, match="timeout"):
+            kv.wait_layer("a", 0, timeout=float("nan"))
+        assert kv.wait_layer("a", 3)  # resident: every layer at once
