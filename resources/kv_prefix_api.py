@@ -127,6 +127,9 @@ class KVPrefixReuse:
             raise IllegalTransition(
                 f"publish_prefix: request {rid!r} is {r.state.value}; it must be resident"
             )
+        if r.head:
+            raise IllegalTransition(f"publish_prefix: request {rid!r} streams from the host (it is"
+                                    " longer than the device); its pages are not published")
         return p.publish(r, arr) * self.geometry.page_tokens
 
     def cached_prefix(self, token_ids) -> PrefixHit:
