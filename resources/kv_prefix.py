@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,7 @@ import numpy as np
 import torch
 from tiering.policies.blocks import DEFAULT_BLOCK_POLICY, make_block_policy
 from tiering.resources.kv_prefix_moves import TierMovesPart
+from tiering.resources.kv_prefix_rules import BlockRules
 from tiering.resources.kv_prefix_shared import SharedLink, SharedTierPart, _Fetch
 from tiering.resources.kv_prefix_types import BLOCKS, PrefixHit, PrefixLoad, crc_page
 
@@ -86,7 +88,11 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         self.index = BlockIndex()
         cap = {Tier.DEVICE: cache.device_pool.num_pages, Tier.HOST: cache.host_pool.num_pages,
                Tier.DISK: max(1, 1 << 20)}
-        self.policies = {t: make_block_policy(policy, capacity=cap[t]) for t in Tier}
+        # every policy call goes through the rules the replay runs too (kv_prefix_rules)
+        self.rules = BlockRules(self.index, {t: make_block_policy(policy, capacity=cap[t])
+                                             for t in Tier})
+        self.policies = self.rules.policies
+        self.told: weakref.WeakSet[RequestRecord] = weakref.WeakSet()  # told since attach
         self.crc: dict[Hashable, int] = {}
         self.disk_batch_pages = disk_batch_pages
         self.extents: dict[int, list] = {}  # extent id -> [DiskExtent, live blocks]
@@ -123,11 +129,6 @@ class PrefixCache(TierMovesPart, SharedTierPart):
     def _now(self) -> float:
         return float(self.cache._clock())
 
-    # -- bookkeeping helpers ------------------------------------------------------
-
-    def _insert_policy(self, key: Hashable, tier: Tier) -> None:
-        self.policies[tier].on_insert(self.index.get(key), self._now())
-
     # -- making room, dropping (caller's thread): TierMovesPart, resources.kv_prefix_moves
 
     # -- publish / lookup / attach ----------------------------------------------------
@@ -155,42 +156,62 @@ class PrefixCache(TierMovesPart, SharedTierPart):
                     f"publish_prefix({r.rid!r}): page {i} was published from other token ids"
                 )
         now = self._now()
-        for i in range(have, len(keys)):
+        if r not in self.told:  # a request that never attached is told at its first publish
+            self.rules.tell(keys, (), now)
+            self.told.add(r)
+        index, fetching = self.index, self.fetching
+        i, n = have, len(keys)
+        while i < n:
             key = keys[i]
-            parent = keys[i - 1] if i else None
-            own = r.device[0]
-            loc = self.index.location(key)
-            if key in self.fetching:
+            if key in fetching:
                 break  # on its way from the shared tier for another request
+            loc = index.location(key)
             if loc is not None:
                 if loc.tier is not Tier.DEVICE or loc.moving_to is not None:
                     break  # held elsewhere: stop here, the rest stays the request's own
-                self.index.acquire(key)  # the same bytes are cached: map them, free ours
-                self.index.touch(key, now)
-                self.policies[Tier.DEVICE].on_hit(self.index.get(key), now)
-                r.device.pop(0)
+                index.acquire(key)  # the same bytes are cached: map them, free ours
+                own = r.device.pop(0)
                 c.device_pool.release(r.rid, [own])
                 r.shared.append(loc.handle)
                 r.blocks.append(key)
                 self.stats["publish_dedup"] += 1
+                i += 1
                 continue
+            j = i + 1  # the run of blocks the index lacks, keys[i:j]
+            while j < n and keys[j] not in index and keys[j] not in fetching:
+                j += 1
+            run = keys[i:j]
+            got, refused = self.rules.offer(run, i, lambda run=run: len(run),
+                                            lambda part: self._publish_own(r, part, now), now)
+            if refused:
+                self.stats["publish_refused"] += 1
+            if refused or got < len(run):
+                break
+            i = j
+        r.index = None
+        return len(r.blocks)
+
+    def _publish_own(self, r: RequestRecord, keys: Sequence[bytes], now: float) -> int:
+        """``r``'s next own pages become the blocks ``keys`` (admitted); returns how many."""
+        c = self.cache
+        n = 0
+        for key in keys:
+            own = r.device[0]
             page = c._dev[own].cpu()
             crc = crc_page(page)
-            if not self.index.insert(key, parent, Tier.DEVICE, own, now):
+            if not self.index.insert(key, r.blocks[-1] if r.blocks else None, Tier.DEVICE, own,
+                                     now):
                 break
             c.device_pool.transfer_ownership(r.rid, BLOCKS, [own])
             self.index.acquire(key)
             self.crc[key] = crc
-            for pol in self.policies.values():  # every tier learns the same requests
-                pol.on_request(keys[: i + 1], now)
-            self._insert_policy(key, Tier.DEVICE)
             r.device.pop(0)
             r.shared.append(own)
             r.blocks.append(key)
             self.stats["blocks_published"] += 1
             self._publish_shared(key, page)  # last: the block is whole in the cache first
-        r.index = None
-        return len(r.blocks)
+            n += 1
+        return n
 
     def lookup(self, token_ids) -> PrefixHit:
         keys = self.keys(token_ids)
@@ -207,43 +228,38 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         return PrefixHit((m.blocks + remote) * T, m.count(Tier.DEVICE) * T, m.count(Tier.HOST) * T,
                          m.count(Tier.DISK) * T, remote * T)
 
-    def attach(self, r: RequestRecord, token_ids) -> int:
-        """Map the longest usable cached prefix of ``token_ids`` into fresh request ``r``."""
+    def attach(self, r: RequestRecord, token_ids, chain=None) -> int:
+        """Map the longest usable cached prefix of ``token_ids`` into fresh request ``r``;
+        the policies are told the request as reading the full pages of ``chain`` (default
+        ``token_ids``)."""
         c = self.cache
         T = c.geometry.page_tokens
         keys = self.keys(token_ids)
         n_tok = len(token_ids)
         limit = max(0, (n_tok - 1) // T)  # the last token is always run (its logits are needed)
         idx = self.index
-        now = self._now()
-        positions, tiers = [], []
-        for i, key in enumerate(keys[:limit]):
-            loc = idx.location(key)
-            if loc is None and self.shared is not None:
-                self._attach_shared(r, keys, i, limit, positions, tiers)
-                break
-            if loc is None or loc.moving_to is not None:
-                break
-            info = idx.get(key)
-            if loc.tier is Tier.DEVICE:
-                idx.acquire(key)
-                r.shared.append(loc.handle)
+        tiers = self.rules.attachable(keys, n_tok, T)
+        positions, loads = [], []
+        for i, (key, t) in enumerate(zip(keys, tiers, strict=False)):
+            idx.acquire(key)
+            if t is Tier.DEVICE:
+                r.shared.append(idx.location(key).handle)
             else:
-                if info.refs > 0:
-                    break  # another request is loading it
-                idx.acquire(key)
                 r.shared.append(-1)
                 positions.append(i)
-                tiers.append(loc.tier)
-            idx.touch(key, now)
-            self.policies[loc.tier].on_hit(idx.get(key), now)
+                loads.append(t)
             r.blocks.append(key)
-            self.stats[f"hit_tokens_{loc.tier.value}"] += T
+            self.stats[f"hit_tokens_{t.value}"] += T
+        self.rules.tell(keys if chain is None else self.keys(chain), tiers, self._now())
+        self.told.add(r)
+        d = len(tiers)
+        if self.shared is not None and d < limit and keys[d] not in idx:
+            self._attach_shared(r, keys, d, limit, positions, loads)
         r.num_tokens = len(r.blocks) * T
         r.index = None
         self.stats["attached_tokens"] += r.num_tokens
         if positions:
-            r.prefix_load = PrefixLoad(tuple(positions), tuple(tiers))
+            r.prefix_load = PrefixLoad(tuple(positions), tuple(loads))
         return r.num_tokens
 
     def release_request(self, r: RequestRecord) -> None:
@@ -303,11 +319,12 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         """Apply a finished load. Returns (blocks kept of those loaded, reason of the first failure)."""
         first_bad = None
         reason = None
+        landed, sources = [], []
         for j, ((key, tier, _h, page, _crc), res) in enumerate(zip(work, results, strict=True)):
             if res is None and first_bad is None:
                 old = self.index.finish_move(key)
-                self.policies[tier].on_remove(key)
-                self._insert_policy(key, Tier.DEVICE)
+                landed.append(key)
+                sources.append(tier)
                 self._free_location(old.tier, old.handle)
                 self.stats[f"blocks_{tier.value}_to_device"] += 1
                 if r is not None:
@@ -317,6 +334,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
             self.cache.device_pool.release(BLOCKS, [dest.handle])
             if first_bad is None:
                 first_bad, reason = j, res
+        self.rules.landed(landed, sources, self._now())
         return (len(work) if first_bad is None else first_bad), reason
 
     def truncate(self, r: RequestRecord, keep: int, reason: str | None) -> None:

@@ -150,15 +150,19 @@ class KVPrefixReuse:
         load finds a block corrupt or unreadable, the request keeps only the
         blocks before it, and ``num_tokens(rid)`` (read after ``admit`` says
         ready) is the number of valid tokens the caller continues from."""
+        return self._attach(rid, self._token_array(f"attach_prefix({rid!r})", token_ids))
+
+    def _attach(self, rid: str, arr: np.ndarray, chain: np.ndarray | None = None) -> int:
+        """``attach_prefix`` of checked token ids; the block policies are told the request
+        as reading the pages of ``chain`` (default ``arr``: all it is known to read)."""
         p = self._prefix_on("attach_prefix")
         r = self._req(rid, "attach_prefix")
-        arr = self._token_array(f"attach_prefix({rid!r})", token_ids)
         if r.state is not S.RESIDENT or r.num_tokens or r.device or r.blocks:
             raise IllegalTransition(
                 f"attach_prefix: request {rid!r} already holds tokens; attach only a fresh request"
             )
         r.chain_tokens = arr.tolist()
-        n = p.attach(r, arr)
+        n = p.attach(r, arr, chain)
         if r.prefix_load is not None:
             on_host = Tier.HOST in r.prefix_load.tiers
             r.state = S.ON_HOST if on_host else S.ON_DISK  # offloaded for the pages to load
@@ -241,7 +245,7 @@ class KVPrefixReuse:
         if prefix is None or prefix.tokens == 0:
             r.chain_tokens = arr.tolist()
             return
-        got = self.attach_prefix(rid, arr[: prefix.tokens + 1])
+        got = self._attach(rid, arr[: prefix.tokens + 1], arr)
         r.chain_tokens = arr.tolist()
         if got < prefix.tokens:
             log.info("request %r: %d of %d agreed prefix tokens attached", rid, got, prefix.tokens)

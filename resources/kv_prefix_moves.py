@@ -3,8 +3,11 @@
 ``TierMovesPart`` holds the methods of ``PrefixCache`` (``tiering.resources.kv_prefix``)
 that free a block's location, drop a block with its descendants, and move unmapped
 blocks down (device -> host -> disk) when the cache needs room, on the caller's
-thread. It is a part of that one class, not an object of its own: it reads and
-writes ``PrefixCache``'s state (``index``, ``policies``, ``crc``, ``extents``,
+thread. Which block leaves, and whether the tier below takes it, are the store's rules
+(``tiering.resources.kv_prefix_rules.BlockRules``, which the replay runs too): a victim
+moves down when the tier below admits it and room can be made there, else it is
+dropped. It is a part of that one class, not an object of its own: it reads and
+writes ``PrefixCache``'s state (``index``, ``rules``, ``crc``, ``extents``,
 ``stats``), set up in ``PrefixCache.__init__``.
 """
 
@@ -45,8 +48,8 @@ class TierMovesPart:
         except ValueError as exc:
             log.error("could not drop block %s: %s", key.hex() if isinstance(key, bytes) else key, exc)
             return 0
+        self.rules.dropped(gone)
         for d in gone:
-            self.policies[d.tier].on_remove(d.key)
             self.crc.pop(d.key, None)
             self._free_location(d.tier, d.handle)
         self.stats[f"dropped_{reason}"] += 1
@@ -63,7 +66,7 @@ class TierMovesPart:
         if self._out_of_reach(Tier.DEVICE, pool, n):
             return False
         while pool.free_pages < n:
-            key = self.index.choose_victim(self.policies[Tier.DEVICE], self._now(), Tier.DEVICE)
+            key = self.rules.victim(Tier.DEVICE, self._now())
             if key is None:
                 return False
             self._move_device_block_down(key)
@@ -93,6 +96,9 @@ class TierMovesPart:
         c = self.cache
         page = self.index.location(key).handle
         slot = None
+        if not self.rules.admits(Tier.HOST, key, self._now()):
+            self._drop(key, "evicted")  # the host does not take it: it leaves the cache
+            return
         room = c.host_pool.free_pages > 0 or self.ensure_host(1)
         if key not in self.index:
             # making room on the host dropped an ancestor of this block (a host victim takes
@@ -117,54 +123,61 @@ class TierMovesPart:
             self._drop(key, "demote_failed")
             return
         old = self.index.finish_move(key)
-        self.policies[Tier.DEVICE].on_remove(key)
-        self._insert_policy(key, Tier.HOST)
+        self.rules.moved(key, Tier.DEVICE, Tier.HOST, self._now())
         self._free_location(old.tier, old.handle)
         self.stats["blocks_device_to_host"] += 1
 
     def _host_blocks_down(self, want: int) -> bool:
-        """Move up to a batch of unmapped host blocks to disk in one write; drop them when
-        there is no disk or it is full. False when there is nothing to move."""
+        """Move up to a batch of unmapped host blocks to disk in one write: each victim the
+        disk policy admits is marked for disk, one it refuses is dropped; then room is
+        made on disk (its victims dropped) and the batch written. The batch is dropped
+        when there is no room, no disk, or the write fails. False when there is nothing
+        to move."""
         c = self.cache
-        pol = self.policies[Tier.HOST]
+        rules = self.rules
         if c.disk is None:
-            key = self.index.choose_victim(pol, self._now(), Tier.HOST)
+            key = rules.victim(Tier.HOST, self._now())
             if key is None:
                 return False
             self._drop(key, "evicted")
             return True
         batch = max(want, min(self.disk_batch_pages, self.index.count(Tier.HOST)))
-        extent = c.disk.reserve(DISK_OWNER, batch)
-        while extent is None:
-            # the bottom tier: its retention policy's victim leaves
-            key = self.index.choose_victim(self.policies[Tier.DISK], self._now(), Tier.DISK)
-            if key is None:
-                break
-            self._drop(key, "evicted")
-            extent = c.disk.reserve(DISK_OWNER, batch)
-        if extent is None:
-            key = self.index.choose_victim(pol, self._now(), Tier.HOST)
-            if key is None:
-                return False
-            self._drop(key, "evicted")
-            return True
-        ext_id = self._extent_ids = self._extent_ids + 1
+        ext_id = self._extent_ids + 1
         chosen: list[tuple[Hashable, int]] = []
-        for i in range(batch):
-            key = self.index.choose_victim(pol, self._now(), Tier.HOST)
+        refused = 0
+        for _ in range(batch):
+            now = self._now()
+            key = rules.victim(Tier.HOST, now)
             if key is None:
                 break
-            self.index.begin_move(key, Tier.DISK, (ext_id, i))
+            if not rules.admits(Tier.DISK, key, now):
+                self._drop(key, "evicted")  # the disk does not take it: it leaves the cache
+                refused += 1
+                continue
+            self.index.begin_move(key, Tier.DISK, (ext_id, len(chosen)))
             chosen.append((key, self.index.location(key).handle))
         if not chosen:
-            c._disk_call(c.disk.release, extent)
-            return False
+            return refused > 0
+        extent = c.disk.reserve(DISK_OWNER, len(chosen))
+        while extent is None:
+            # the bottom tier: its retention policy's victim leaves (never an ancestor of a
+            # chosen block: those are held while their descendants move)
+            key = rules.victim(Tier.DISK, self._now())
+            if key is None:
+                break
+            self._drop(key, "evicted")
+            extent = c.disk.reserve(DISK_OWNER, len(chosen))
+        if extent is None:
+            for key, _ in chosen:
+                self.index.fail_move(key)
+            for key, _ in chosen:  # ancestors first: a drop takes the chosen blocks below it
+                if key in self.index:
+                    self._drop(key, "evicted")
+            return True
+        self._extent_ids = ext_id
         slots = [s for _, s in chosen]
         try:
             pages = c._host[torch.tensor(slots, dtype=torch.long)]
-            if len(chosen) < batch:  # a write covers whole chunks of the extent
-                pad = torch.zeros((batch - len(chosen), *pages.shape[1:]), dtype=pages.dtype)
-                pages = torch.cat([pages, pad])
             c.disk.write(extent, pages.contiguous(), first_page=0)
         except Exception as exc:
             log.error("block demotion host->disk failed, dropping %d blocks: %s", len(chosen), exc)
@@ -176,10 +189,10 @@ class TierMovesPart:
                     self._drop(key, "demote_failed")
             return True
         self.extents[ext_id] = [extent, len(chosen)]
+        now = self._now()
         for key, _slot in chosen:
             old = self.index.finish_move(key)
-            pol.on_remove(key)
-            self._insert_policy(key, Tier.DISK)
+            rules.moved(key, Tier.HOST, Tier.DISK, now)
             self._free_location(old.tier, old.handle)
         self.stats["blocks_host_to_disk"] += len(chosen)
         self.stats["disk_block_writes"] += 1

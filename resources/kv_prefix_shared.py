@@ -311,7 +311,7 @@ class SharedTierPart:
         if mapped:
             self.index.acquire(f.key)
         self.crc[f.key] = crc
-        self._insert_policy(f.key, Tier.HOST)
+        self.rules.arrived(f.key, Tier.HOST, self._now())
         del self.fetching[f.key]
         self.stats["shared_fetched" if mapped else "shared_prefetched"] += 1
         return True

@@ -63,9 +63,13 @@ def test_hand_checked_reuse_moves_down_and_back_up():
     store.check_integrity()
     assert store.count(Tier.DEVICE) == 3 and kv.block_pages(Tier.DEVICE) == 6
     assert kv.device_used_bytes() == 6 * kv.page_bytes  # the request itself is gone
-    # on the device: a hit of all three, the last token always computed
+    # on the device: the last token is always computed, so (as the cache attaches) the
+    # block that holds it is not mapped; one more token and all three are
     p = store.peek(a, 3 * BT)
-    assert (p.blocks, p.reused, p.tiers) == (3, 3 * BT - 1, (Tier.DEVICE,) * 3)
+    assert (p.blocks, p.reused, p.tiers) == (2, 2 * BT, (Tier.DEVICE,) * 2)
+    assert p.lent_pages == 4
+    p = store.peek(a, 3 * BT + 1)
+    assert (p.blocks, p.reused, p.tiers) == (3, 3 * BT, (Tier.DEVICE,) * 3)
     assert p.lent_pages == 6
     # pushed down: the host takes what it has room for (12 pages = 6 blocks)
     assert store.shed_device(lambda: store.count(Tier.DEVICE) > 0) == 3
