@@ -56,6 +56,7 @@ from tiering.resources.kv_records import (  # noqa: F401 (the errors are re-expo
     TransferJob,
     UnknownRequest,
 )
+from tiering.resources.kv_stream import STREAM_BUFFER, StreamBuffer
 from tiering.resources.kv_transfers import KVTransfers, _why
 
 from tiering.control.protocols import CompletionFeed
@@ -122,6 +123,8 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         stage_disk_io: bool | None = None,
         layerwise_reload: bool = False,
         layer_wait_timeout_s: float = 60.0,
+        stream_window_pages: int = 0,
+        stream_buffer_pages: int = 0,
     ) -> None:
         if not isinstance(geometry, KVGeometry):
             raise TypeError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
@@ -136,6 +139,19 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
                         ("layerwise_reload", layerwise_reload)):
             if not isinstance(v, bool):
                 raise ValueError(f"PagedKVCache: {name} must be a bool, got {v!r}")
+        for name, v in (("stream_window_pages", stream_window_pages),
+                        ("stream_buffer_pages", stream_buffer_pages)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"PagedKVCache: {name} must be an int >= 0, got {v!r}")
+        if (stream_window_pages == 0) != (stream_buffer_pages == 0):
+            raise ValueError(
+                "PagedKVCache: stream_window_pages and stream_buffer_pages are both 0 (no"
+                f" streaming) or both >= 1, got {stream_window_pages} and {stream_buffer_pages}")
+        if stream_window_pages and stream_window_pages + stream_buffer_pages >= device_pages:
+            raise ValueError(
+                f"PagedKVCache: stream_window_pages ({stream_window_pages}) plus"
+                f" stream_buffer_pages ({stream_buffer_pages}) must leave device pages for other"
+                f" requests (device_pages={device_pages})")
         if stage_disk_io is not None and not isinstance(stage_disk_io, bool):
             raise ValueError(f"PagedKVCache: stage_disk_io must be a bool or None, got {stage_disk_io!r}")
         for name, fn in (("clock", clock), ("copy_fault_hook", copy_fault_hook)):
@@ -151,6 +167,9 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
             release_all=self._release_all, on_lost=self._on_lost,
         )
         self._prefix: PrefixCache | None = None
+        self._stream: StreamBuffer | None = None
+        self.stream_window_pages = stream_window_pages
+        self._stream_pages = stream_buffer_pages
         self._executors: list[PriorityExecutor] = []
         self._slab: PinnedSlab | None = None
         self.disk = None
@@ -194,6 +213,11 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
                 (host_pages, *shape), geometry.dtype, self.device, runtime=host_runtime
             )
             self._host = self._slab.tensor
+            if stream_buffer_pages:  # the ring's pages are set aside once (admission counts them)
+                ring = self.device_pool.allocate(STREAM_BUFFER, stream_buffer_pages)
+                assert ring == list(range(stream_buffer_pages)), ring
+                self._stream = StreamBuffer(self._dev[:stream_buffer_pages], geometry.num_layers,
+                                            self._host, self._streams, lambda kind: self._fault(kind))
             self._d2h = self._executor(copy_workers, "tiering-d2h")
             self._h2d = self._executor(copy_workers, "tiering-h2d")
             self._io = self._executor(io_workers, "tiering-io")
@@ -281,7 +305,10 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
             guard(r, Op.ALLOCATE)
         if num_tokens <= r.num_tokens:
             return True
-        extra = self.geometry.pages_for(num_tokens) - len(r.device) - len(r.shared)
+        extra = self.geometry.pages_for(num_tokens) - len(r.device) - len(r.shared) - len(r.head)
+        if extra > 0 and self._stream is not None and (
+                r.head or self.geometry.pages_for(num_tokens) - len(r.shared) > self._longest()):
+            return self._allocate_streamed(r, num_tokens, extra)
         if extra > 0:
             if self._prefix is not None and not self._prefix.ensure_device(extra):
                 return False
@@ -291,6 +318,44 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
             r.device.extend(slots)
             r.index = None
         r.num_tokens = num_tokens
+        return True
+
+    def _longest(self) -> int:
+        """The most pages a request can ever hold on the device (past it, it streams)."""
+        return self.device_pool.num_pages - self._stream_pages
+
+    def _allocate_streamed(self, r: RequestRecord, num_tokens: int, extra: int) -> bool:
+        """Grow a request longer than the device: its window keeps its last
+        ``stream_window_pages`` pages (where the new tokens go); older window pages move
+        to the host head. False (nothing changed) when the host or device is short."""
+        what, W, T = f"allocate({r.rid!r})", self.stream_window_pages, self.geometry.page_tokens
+        if r.shared or r.blocks or r.prefix_load is not None:
+            raise ValueError(f"{what}: a request mapping prefix blocks cannot stream past the device")
+        total = self.geometry.pages_for(num_tokens)
+        touched = total - r.num_tokens // T  # the pages the coming writes fill
+        if touched > W:
+            raise ValueError(
+                f"{what}: growing from {r.num_tokens} to {num_tokens} tokens writes {touched} pages"
+                f" at once; a streamed request's window (stream_window_pages) holds {W}")
+        spill = max(0, len(r.device) + extra - W)
+        host = self.host_pool.allocate(r.rid, spill) if spill else []
+        if host is None or self.device_pool.free_pages + spill < extra:
+            if host:
+                self.host_pool.release(r.rid, host)
+            return False
+        old = r.device[:spill]
+        for d, h in zip(old, host, strict=True):  # in stream order before the slots are reused
+            self._host[h].copy_(self._dev[d], non_blocking=self.device.type == "cuda")
+        if old and self.device.type == "cuda":
+            self._streams.compute_marker().synchronize()  # the head is read by the copy thread
+        self.device_pool.release(r.rid, old)
+        new = self.device_pool.allocate(r.rid, extra)
+        r.head.extend(host)
+        r.device = r.device[spill:] + new
+        r.index = None
+        r.num_tokens = num_tokens
+        if spill:
+            self._stream.forget(r.rid)
         return True
 
     def remove_request(self, rid: str):
@@ -347,6 +412,10 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
     def _release_host(self, r: RequestRecord) -> None:
         self.host_pool.release(r.rid, r.host)
         r.host = []
+        if r.head:
+            self._stream.forget(r.rid)
+            self.host_pool.release(r.rid, r.head)
+            r.head = []
 
     def _release_disk(self, r: RequestRecord) -> None:
         extent, r.disk = r.disk, None
@@ -392,7 +461,7 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         def checked_here(r: RequestRecord) -> bool:
             # a pending prefix load, or a layer-wise reload whose early-admitted step grew
             # the request: its source holds the pages it had when the reload started
-            return r.prefix_load is not None or (
+            return r.prefix_load is not None or bool(r.head) or (
                 r.layers is not None and r.num_tokens != r.layers.base_tokens)
 
         problems = self._life.check(lambda r: pages(r.num_tokens) - len(r.shared),
@@ -400,9 +469,11 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         dev: dict = {}
         host: dict = {}
         for rid, r in self._reqs.items():
-            dev[rid], host[rid] = r.device, r.host
+            dev[rid], host[rid] = r.device, r.host + r.head
             st = r.state
             problems += self._check_layers(r)
+            if r.head:
+                problems += self._check_streamed(r)
             if r.prefix_load is not None:  # a pending prefix load holds only mapped blocks
                 if r.held() != (0, 0, 0):
                     problems.append(f"{rid}: a pending prefix load holds {r.held()}")
@@ -412,7 +483,7 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
                     problems.append(f"{rid}: load in flight {r.load_work is not None}, state {st.value}")
                 if st.in_flight != (r.job is not None) or st.in_flight != (rid in self._inflight):
                     problems.append(f"{rid}: state {st.value} but job={r.job is not None}")
-            if st is S.RESIDENT and len(r.device) != pages(r.num_tokens) - len(r.shared):
+            if st is S.RESIDENT and len(r.device) != pages(r.num_tokens) - len(r.shared) - len(r.head):
                 problems.append(f"{rid}: {len(r.device)} device pages for {r.num_tokens} tokens")
             if r.index is not None and r.index.tolist() != r.shared + r.device:
                 problems.append(f"{rid}: device page table {r.index.tolist()} != slots {r.shared + r.device}")
@@ -425,6 +496,8 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
                                     f" {len(spans)}) for {r.num_tokens} tokens")
         for key, t in self._tombstones.items():
             dev[key], host[key] = t.device, t.host
+        if self._stream is not None:
+            dev[STREAM_BUFFER] = list(range(self._stream_pages))
         if self._prefix is not None:
             dev[BLOCKS], host[BLOCKS] = self._prefix.pages_on(Tier.DEVICE), self._prefix.pages_on(Tier.HOST)
             problems += self._prefix.check_integrity(self._reqs.values())
@@ -449,6 +522,25 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
             problems.append(str(exc))
         if problems:
             raise PoolIntegrityError("PagedKVCache integrity: " + "; ".join(problems[:20]))
+
+    def _check_streamed(self, r: RequestRecord) -> list[str]:
+        """A streamed request: resident, nothing in flight, no prefix blocks, its head
+        and window covering its tokens with the window within its size."""
+        rid, out = r.rid, []
+        if self._stream is None:
+            return [f"{rid}: streams with no stream buffer"]
+        if r.state is not S.RESIDENT or r.job is not None or r.host or r.disk is not None:
+            out.append(f"{rid}: streamed in state {r.state.value} (job={r.job is not None},"
+                       f" host={len(r.host)}, disk={r.disk is not None})")
+        if r.shared or r.blocks:
+            out.append(f"{rid}: streamed while mapping prefix blocks")
+        if len(r.head) + len(r.device) != self.geometry.pages_for(r.num_tokens):
+            out.append(f"{rid}: {len(r.head)} head and {len(r.device)} window pages for"
+                       f" {r.num_tokens} tokens")
+        if not 0 < len(r.device) <= self.stream_window_pages:
+            out.append(f"{rid}: a window of {len(r.device)} pages (at most"
+                       f" {self.stream_window_pages})")
+        return out
 
     def _check_layers(self, r: RequestRecord) -> list[str]:
         """A reload's layer progress: only while it is in flight, consistent, and (once a
@@ -501,6 +593,8 @@ class PagedKVCache(KVPrefixReuse, KVEvictionHooks, KVTransfers, KVDataPlane, Res
         """Stop every worker, close the disk tier, then unregister the host slab
         (only once every worker has joined: a copy may still read it)."""
         self._closed = True
+        if self._stream is not None:
+            self._stream.stop()
         if self._prefix is not None:
             self._prefix.close(timeout)  # the shared tier's queue, if the cache built it
         joined = all([ex.shutdown(timeout=timeout) for ex in self._executors])

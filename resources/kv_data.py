@@ -36,6 +36,7 @@ class KVDataPlane:
         """Device slots of the request, in token order. Only while it is resident (or
         admitted from layer 0 of a layer-wise reload: ``wait_layer`` before each layer)."""
         r = self._req(rid, "page_table")
+        self._not_streamed(r, "page_table")
         if r.state is not S.RESIDENT and not self._admitted_early(r):
             raise IllegalTransition(f"request {rid!r} is {r.state.value}; it has no page table")
         return list(r.shared) + list(r.device)
@@ -44,7 +45,20 @@ class KVDataPlane:
         """The request's device slots as a long tensor on the device (kept per
         request, rebuilt only when its slots change; no host sync to use it). During a
         layer-wise reload admitted from layer 0, read layer L only after ``wait_layer``."""
-        return self._index(self._readable(rid, "device_page_table", partial_ok=True))
+        r = self._readable(rid, "device_page_table", partial_ok=True)
+        self._not_streamed(r, "device_page_table")
+        return self._index(r)
+
+    def _not_streamed(self, r: RequestRecord, what: str) -> None:
+        if r.head:
+            raise IllegalTransition(
+                f"{what}: request {r.rid!r} is longer than the device and streams its first"
+                f" {len(r.head)} pages from the host; it has no device page table (use read)")
+
+    def is_streamed(self, rid: str) -> bool:
+        """Whether ``rid`` is longer than the device: its last ``stream_window_pages`` pages
+        on the device, the rest read from the host layer by layer (``read``)."""
+        return bool(self._req(rid, "is_streamed").head)
 
     def wait_layer(self, rid: str, layer: int, timeout: float | None = None) -> bool:
         """Whether layer ``layer`` of ``rid`` may be read and written now. A resident
@@ -101,11 +115,12 @@ class KVDataPlane:
         """(slot, offset in page, token index in the input, count) pieces of a token range."""
         T = self.geometry.page_tokens
         table = r.shared + r.device
+        skip = len(r.head)  # a streamed request's window starts after its head
         pos, end = start, start + n
         while pos < end:
             page, off = divmod(pos, T)
             take = min(T - off, end - pos)
-            yield table[page], off, pos - start, take
+            yield table[page - skip], off, pos - start, take
             pos += take
 
     def _check_kv(self, what: str, k: Any, v: Any) -> None:
@@ -143,6 +158,10 @@ class KVDataPlane:
                 f"{what}: tokens [{start}, {start + n}) are past the {r.num_tokens}"
                 " allocated tokens"
             )
+        if start < len(r.head) * self.geometry.page_tokens:
+            raise ValueError(
+                f"{what}: tokens from {start} fall in the first {len(r.head)} pages of a request"
+                " longer than the device, which stream from the host and are not written again")
         if start < len(r.shared) * self.geometry.page_tokens:
             raise ValueError(
                 f"{what}: tokens from {start} fall in published page {start // self.geometry.page_tokens}"
@@ -174,9 +193,28 @@ class KVDataPlane:
         self._check_layer(f"read({rid!r})", layer)
         r = self._readable(rid, "read", layer)
         g = self.geometry
+        if r.head:
+            return self._read_streamed(r, layer)
         pages = self._dev[:, layer].index_select(0, self._index(r))  # [p, 2, T, H, D]
         k = pages[:, 0].reshape(-1, g.num_kv_heads, g.head_dim)[: r.num_tokens]
         v = pages[:, 1].reshape(-1, g.num_kv_heads, g.head_dim)[: r.num_tokens]
+        return k, v
+
+    def _read_streamed(self, r: RequestRecord, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``read`` of a streamed request: its head through the stream buffer, its
+        window from the device; the same bytes a resident request's read gives."""
+        g = self.geometry
+        shape = (r.num_tokens, g.num_kv_heads, g.head_dim)
+        k = torch.empty(shape, dtype=g.dtype, device=self.device)
+        v = torch.empty(shape, dtype=g.dtype, device=self.device)
+        if not self._stream.read_layer(r.rid, r.head, layer, k, v, g.page_tokens,
+                                       self.layer_wait_timeout_s):
+            raise LayerNotReady(f"read({r.rid!r}): layer {layer} of its head could not be"
+                                " brought from the host (the copy failed or timed out)")
+        h = len(r.head) * g.page_tokens
+        pages = self._dev[:, layer].index_select(0, self._index(r))
+        k[h:] = pages[:, 0].reshape(-1, g.num_kv_heads, g.head_dim)[: r.num_tokens - h]
+        v[h:] = pages[:, 1].reshape(-1, g.num_kv_heads, g.head_dim)[: r.num_tokens - h]
         return k, v
 
     def _readable(self, rid: str, what: str, layer: int | None = None,

@@ -73,6 +73,8 @@ class KVEvictionHooks(LifecycleAnswers):
         if r.state is S.RESIDENT:
             self._streams.wait_on_compute(r.ready_event)
             r.ready_event = None
+            if r.head:  # a streamed request: its layer 0 starts copying now
+                self._stream.start(r.rid, r.head, 0)
         if self._admitted_early(r):
             if not r.admitted_early:
                 r.admitted_early = True
@@ -95,7 +97,7 @@ class KVEvictionHooks(LifecycleAnswers):
 
     def reclaimable(self, rid: str) -> int:
         r = self._req(rid, "reclaimable")
-        if r.state is not S.RESIDENT or not r.device:
+        if r.state is not S.RESIDENT or not r.device or r.head:
             return 0
         n = len(r.device)
         return n * self.geometry.page_bytes if self._room_below(n) else 0
@@ -121,7 +123,7 @@ class KVEvictionHooks(LifecycleAnswers):
         reqs = self._reqs
         try:
             pages = [
-                len(r.device) if r.state is S.RESIDENT else 0
+                len(r.device) if r.state is S.RESIDENT and not r.head else 0
                 for r in (reqs[rid] for rid in rids)
             ]
         except KeyError as exc:

@@ -57,7 +57,7 @@ class KVTransfers:
         r = self._req(rid, "offload")
         guard(r, Op.OFFLOAD)
         n = len(r.device)
-        if n == 0:
+        if n == 0 or r.head:  # a streamed request stays: its head is on the host already
             return 0
         freed = n * self.geometry.page_bytes
         marker = self._streams.compute_marker()
