@@ -1,19 +1,22 @@
-"""A modeled paged KV cache: byte accounting over three tiers, transfers in simulated time.
+"""A modeled paged KV cache: page accounting over a chain of tiers, transfers in simulated time.
 
 ``ModeledKVCache`` offers the same request lifecycle (``ingest_request``,
 ``allocate``, ``remove_request``) and the same eviction hooks as
 ``tiering.resources.kv_cache.PagedKVCache``, with the same answers, but holds no
-tensors: each tier is a page counter and each request a record. A transfer
-reserves its destination pages at once, occupies the links it crosses for
-``bytes / bandwidth`` seconds of the injected clock (links are FIFO: a copy
-starts when the previous one on the same link ends), and is applied by the
-first ``poll()`` at or after its completion time, which frees the source
-pages. With infinite bandwidth a transfer still completes only at the next
-``poll()``, exactly like a real cache that is synchronized at each poll.
+tensors: each tier is a ``PageTier`` (a page ledger) of a ``TierChain`` and each
+request a record. A transfer reserves its destination pages at once, occupies the
+links of its route (``ModelledLink``: FIFO, ``latency + bytes / bandwidth`` of the
+injected clock, a route of several cut through), and is applied by the first
+``poll()`` at or after its completion time, which frees the source pages. With
+infinite bandwidth a transfer still completes only at the next ``poll()``, exactly
+like a real cache that is synchronized at each poll. The mover itself is the shared
+``tiering.core.tiers.PageMover``.
 
-Links: ``d2h`` and ``h2d`` (device <-> host), ``disk_write`` and
-``disk_read``. An offload straight to disk crosses ``d2h`` and
-``disk_write``; a reload from disk crosses ``disk_read`` and ``h2d``.
+The default chain (``LinkRates.chain``): device, host, disk, with links ``d2h`` and
+``h2d`` (device <-> host), ``disk_write`` and ``disk_read`` (host <-> disk). An
+offload straight to disk crosses ``d2h`` and ``disk_write``; a reload from disk
+crosses ``disk_read`` and ``h2d``. ``ModeledKVCache.from_chain`` runs any other
+chain (a remote memory tier beside the host, say: docs/tiers.md).
 """
 
 from __future__ import annotations
@@ -25,8 +28,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiering.core import lifecycle as lc
-from tiering.core.lifecycle import Counters, LifecycleAnswers, Op, PageRecord, guard
+from tiering.core.lifecycle import Counters, LifecycleAnswers, Op, guard
+from tiering.core.tiers import (
+    BLOCKS,
+    ChainRecord,
+    ModelledLink,
+    PageMover,
+    PageTier,
+    Role,
+    TierChain,
+)
+from tiering.core.tiers import Tier as ChainTier
 from tiering.errors import UnknownRequest
 from tiering.resources.base import AdmitOutcome
 from tiering.resources.engine_types import ResourceReqConfig, retention_offload_priority
@@ -42,13 +54,9 @@ S = RequestState
 
 LINKS = ("d2h", "h2d", "disk_write", "disk_read")
 
-# tier indices of the page counters (plain ints: this is the simulator's hot path)
-_DEV, _HOST, _DISK = 0, 1, 2
-_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)  # ``_TIERS.index(tier)``: faster than a dict here
-# a copy of cached blocks a tier down: (source index, destination index, links it crosses)
-_BLOCK_MOVES = {(Tier.DEVICE, Tier.HOST): (_DEV, _HOST, ("d2h",)),
-                (Tier.DEVICE, Tier.DISK): (_DEV, _DISK, ("d2h", "disk_write")),
-                (Tier.HOST, Tier.DISK): (_HOST, _DISK, ("disk_write",))}
+#: The owner of the pages a prefix copied into the device lands in (``copy_in``: the
+#: caller allocated them; the copy only occupies the links).
+PREFIX = ("prefix copy",)
 
 
 def _removed(rid: str, move: Move, nbytes: int) -> TransferResult:  # reported by ``poll``
@@ -85,38 +93,63 @@ class LinkRates:
     def instant(cls) -> LinkRates:
         return cls(math.inf, math.inf, math.inf, math.inf)
 
+    def links(self) -> tuple[ModelledLink, ...]:
+        """Fresh ``ModelledLink`` objects at these rates, joining tiers named device, host
+        and disk: ``d2h``, ``h2d``, ``disk_write``, ``disk_read``."""
+        ends = {"d2h": ("device", "host"), "h2d": ("host", "device"),
+                "disk_write": ("host", "disk"), "disk_read": ("disk", "host")}
+        return tuple(ModelledLink(*ends[f], getattr(self, f), getattr(self, f"{f}_latency_s"),
+                                  name=f) for f in LINKS)
+
+    def chain(self, page_bytes: int, device_pages: int, host_pages: int,
+              disk_pages: int) -> TierChain:
+        """The three-tier chain of ``PageTier`` objects (device, host, disk) with ``links()``."""
+        return TierChain((PageTier("device", Role.DEVICE, device_pages, page_bytes),
+                          PageTier("host", Role.HOST, host_pages, page_bytes),
+                          PageTier("disk", Role.DISK, disk_pages, page_bytes)), self.links())
+
 
 class ModelStats(Counters):
-    """The shared counters (``tiering.core.lifecycle.Counters``), plus bytes per
-    link, prefix loads and the most pages each tier held."""
+    """The shared counters (``tiering.core.lifecycle.Counters``), plus prefix loads, the
+    bytes each link copied (``bytes_<link>``, read off the chain's links) and the most
+    pages each tier held (``max_<tier>_pages``, read off its tiers)."""
 
-    FIELDS = Counters.FIELDS + (
-        "prefix_loads_from_host", "prefix_loads_from_disk",
-        *(f"bytes_{link}" for link in LINKS),
-        "max_device_pages", "max_host_pages", "max_disk_pages")
+    FIELDS = Counters.FIELDS + ("prefix_loads_from_host", "prefix_loads_from_disk")
+
+    def __init__(self, chain: TierChain) -> None:
+        super().__init__()
+        derived: dict[str, Callable[[], int]] = {}
+        for link in chain.links:
+            derived[f"bytes_{link.name}"] = lambda link=link: link.bytes_copied
+        for t in chain.tiers:
+            derived[f"max_{t.name}_pages"] = lambda t=t: t.peak_pages
+        self._derived = derived
+        self.FIELDS = type(self).FIELDS + tuple(derived)
+
+    def __getattr__(self, name: str) -> int:  # only names not set as plain counters
+        derived = self.__dict__.get("_derived")
+        if derived is not None and name in derived:
+            return derived[name]()
+        raise AttributeError(f"{type(self).__name__} has no counter {name!r}")
 
 
 NO_OVERRIDES = ResourceReqConfig()
-_PEAKS = ("max_device_pages", "max_host_pages", "max_disk_pages")
-
-# the links each move crosses
-_MOVE_LINKS = {
-    Move.OFFLOAD_TO_HOST: ("d2h",), Move.OFFLOAD_TO_DISK: ("d2h", "disk_write"),
-    Move.DEMOTE: ("disk_write",), Move.RELOAD_FROM_HOST: ("h2d",),
-    Move.RELOAD_FROM_DISK: ("disk_read", "h2d"),
-}
 
 
 class ModeledKVCache(LifecycleAnswers):
-    """Byte-accounting stand-in for ``PagedKVCache`` (see the module docstring).
+    """Page-accounting stand-in for ``PagedKVCache`` (see the module docstring).
 
     ``page_bytes`` = ``bytes_per_token * page_tokens``; each tier holds a whole
-    number of pages (``host_pages`` and ``disk_pages`` may be 0: no such tier).
+    number of pages (``host_pages`` and ``disk_pages`` may be 0: no room there).
     ``offload`` goes to the host, or straight to disk when the host is full and
     ``offload_to_disk_when_host_full`` (as the real cache decides,
     ``tiering.core.lifecycle.offload_move``). The records, transitions and
     counters are the shared ``Lifecycle``'s. Not thread-safe; driven from the
     simulator's loop only.
+
+    Calls that name a tier (``free_pages``, ``take_block_pages``, ``copy_in``, ...) take
+    its role (``tiering.types.Tier``) and mean the chain's first tier of that role; the
+    host and disk byte gauges sum every tier of their role.
     """
 
     def __init__(
@@ -140,30 +173,57 @@ class ModeledKVCache(LifecycleAnswers):
                 raise ValueError(f"ModeledKVCache.{name} must be an int >= {low}, got {v!r}")
         if not isinstance(rates, LinkRates):
             raise TypeError(f"rates must be LinkRates, got {type(rates).__name__}")
+        self.rates = rates
+        self._build(rates.chain(bytes_per_token * page_tokens, device_pages, host_pages,
+                                disk_pages), page_tokens, clock, offload_to_disk_when_host_full)
+
+    @classmethod
+    def from_chain(cls, chain: TierChain, page_tokens: int, clock: Callable[[], float], *,
+                   offload_to_disk_when_host_full: bool = True) -> ModeledKVCache:
+        """A modelled cache over ``chain``: its tiers are ``PageTier`` objects of one
+        ``page_bytes`` (a multiple of ``page_tokens``), its links modelled ones, at least
+        one device page and one tier of each role."""
+        if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1:
+            raise ValueError(f"ModeledKVCache.page_tokens must be an int >= 1, "
+                             f"got {page_tokens!r}")
+        if not isinstance(chain, TierChain):
+            raise TypeError(f"chain must be a TierChain, got {type(chain).__name__}")
+        for t in chain.tiers:
+            if not isinstance(t, PageTier):
+                raise ValueError(f"ModeledKVCache: tier {t.name!r} is a {type(t).__name__}, "
+                                 f"not a PageTier")
+            if t.page_bytes % page_tokens:
+                raise ValueError(f"ModeledKVCache: tier {t.name!r} has pages of "
+                                 f"{t.page_bytes} B, not a multiple of {page_tokens} tokens")
+        if chain.device.capacity_pages < 1:
+            raise ValueError("ModeledKVCache: the device tier needs at least one page")
+        self = cls.__new__(cls)
+        self.rates = None
+        self._build(chain, page_tokens, clock, offload_to_disk_when_host_full)
+        return self
+
+    def _build(self, chain: TierChain, page_tokens: int, clock: Callable[[], float],
+               offload_to_disk_when_host_full: bool) -> None:
         if not isinstance(offload_to_disk_when_host_full, bool):
             raise TypeError("ModeledKVCache.offload_to_disk_when_host_full must be a bool, "
                             f"got {offload_to_disk_when_host_full!r}")
+        self.chain = chain
+        self.stats = ModelStats(chain)
+        self._mover = PageMover("ModeledKVCache", chain, self.stats, clock)
+        self._life = self._mover.life
+        self._reqs: dict[str, ChainRecord] = self._life.records
+        self._dev = self._mover.device
+        self._hosts = self._mover.hosts
+        self._disks = self._mover.disks
+        self._by_role = {Role.DEVICE: self._dev, Role.HOST: self._hosts[0],
+                         Role.DISK: self._disks[0]}
         self.page_tokens = page_tokens
-        self.page_bytes = bytes_per_token * page_tokens
-        self.device_pages = device_pages
-        self.host_pages = host_pages
-        self.disk_pages = disk_pages
-        self.rates = rates
+        self.page_bytes = self._mover.page_bytes
+        self.device_pages = self._dev.capacity_pages
+        self.host_pages = sum(t.capacity_pages for t in self._hosts)
+        self.disk_pages = sum(t.capacity_pages for t in self._disks)
         self.offload_to_disk_when_host_full = offload_to_disk_when_host_full
         self._clock = clock
-        self.ledger = lc.PageLedger(device_pages, host_pages, disk_pages)
-        self._used = self.ledger.used  # the same list: read directly on the hot path
-        self._cap = self.ledger.cap
-        self._peak = [0, 0, 0]  # the most pages each tier held (``stats.max_*_pages``)
-        self._blocks = [0, 0, 0]  # pages held by cached prefix blocks (``take_block_pages``)
-        self._free_at = dict.fromkeys(LINKS, 0.0)
-        # links -> (rates, bandwidth, latency, byte counters): ``_occupy``'s constants
-        self._link_costs: dict[tuple[str, ...], tuple] = {}
-        self.stats = ModelStats()
-        self._life = lc.Lifecycle("ModeledKVCache", self.stats, clock,
-                                  lc.page_releasers(self.ledger),
-                                  release_all=lc.page_release_all(self.ledger))
-        self._reqs: dict[str, PageRecord] = self._life.records
         # (done_at, seq, rid, move, nbytes), a heap; a job whose request was removed is
         # reported by the next poll as not ok, with state None
         self._jobs: list[tuple[float, int, str, Move, int]] = []
@@ -188,16 +248,22 @@ class ModeledKVCache(LifecycleAnswers):
         return self.disk_pages * self.page_bytes
 
     def device_used_bytes(self) -> int:
-        return self._used[_DEV] * self.page_bytes
+        return self._dev.used_pages * self.page_bytes
 
     def host_used_bytes(self) -> int:
-        return self._used[_HOST] * self.page_bytes
+        return sum(t.used_pages for t in self._hosts) * self.page_bytes
 
     def disk_used_bytes(self) -> int:
-        return self._used[_DISK] * self.page_bytes
+        return sum(t.used_pages for t in self._disks) * self.page_bytes
 
     def device_free_pages(self) -> int:
-        return self.device_pages - self._used[_DEV]
+        return self._dev.free_pages
+
+    @property
+    def _used(self) -> list[int]:
+        """Pages in use per role (device, host-like, disk-like): a fresh list."""
+        return [self._dev.used_pages, sum(t.used_pages for t in self._hosts),
+                sum(t.used_pages for t in self._disks)]
 
     # -- records ----------------------------------------------------------------
 
@@ -207,7 +273,7 @@ class ModeledKVCache(LifecycleAnswers):
     def ingest_request(self, rid: str, overrides: ResourceReqConfig | None = None) -> None:
         """Register ``rid`` with no KV yet (idempotent for identical overrides)."""
         now = self._clock()
-        self._life.register(rid, overrides, lambda: PageRecord(rid, overrides, now),
+        self._life.register(rid, overrides, lambda: ChainRecord(rid, overrides, now),
                             ResourceReqConfig)
 
     def allocate(self, rid: str, num_tokens: int) -> bool:
@@ -222,7 +288,7 @@ class ModeledKVCache(LifecycleAnswers):
             return True
         extra = self.pages_for(num_tokens) - r.device
         if extra > 0:
-            if not self._take(_DEV, extra):
+            if not self._dev.reserve(rid, extra):
                 return False
             r.device += extra
         r.num_tokens = num_tokens
@@ -242,110 +308,80 @@ class ModeledKVCache(LifecycleAnswers):
 
     # -- cached prefix blocks --------------------------------------------------------
 
+    def _tier(self, role: Tier, what: str) -> ChainTier:
+        t = self._by_role.get(role) if isinstance(role, Tier) else None
+        if t is None:
+            raise ValueError(f"{what}: tier must be a tiering.types.Tier, got {role!r}")
+        return t
+
     def block_pages(self, tier: Tier) -> int:
         """Pages held in ``tier`` by cached prefix blocks (not by any request)."""
-        return self._blocks[_TIERS.index(tier)]
+        return self._tier(tier, "block_pages").held(BLOCKS)
 
     def free_pages(self, tier: Tier) -> int:
-        i = _TIERS.index(tier)
-        return self._cap[i] - self._used[i]
+        return self._tier(tier, "free_pages").free_pages
 
     def take_block_pages(self, tier: Tier, n: int) -> bool:
         """``n`` pages of ``tier`` now hold cached blocks; False (nothing changed) if short."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"take_block_pages: n must be an int >= 0, got {n!r}")
-        i = _TIERS.index(tier)
-        if not self._take(i, n):
-            return False
-        self._blocks[i] += n
-        return True
+        return self._tier(tier, "take_block_pages").reserve(BLOCKS, n)
 
     def give_block_pages(self, tier: Tier, n: int) -> None:
         """``n`` pages of ``tier`` held by cached blocks are free again."""
-        i = _TIERS.index(tier)
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._blocks[i]:
-            raise ValueError(f"give_block_pages: n must be an int in [0, {self._blocks[i]}] "
+        t = self._tier(tier, "give_block_pages")
+        held = t.held(BLOCKS)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= held:
+            raise ValueError(f"give_block_pages: n must be an int in [0, {held}] "
                              f"for {tier.value}, got {n!r}")
-        self._used[i] -= n
-        self._blocks[i] -= n
+        t.release(BLOCKS, n)
 
     def move_block_pages(self, src: Tier, dst: Tier, n: int) -> bool:
-        """Cached blocks of ``n`` pages go from ``src`` down to ``dst`` (HOST or DISK): the
+        """Cached blocks of ``n`` pages go from ``src`` down to ``dst`` (a slower tier): the
         destination is taken and the source freed at once, and the copy occupies its links
         (so transfers started after it queue behind it). False (nothing changed) if ``dst``
         is short."""
-        move = _BLOCK_MOVES.get((src, dst))
-        if move is None:
+        a = self._by_role.get(src) if isinstance(src, Tier) else None
+        b = self._by_role.get(dst) if isinstance(dst, Tier) else None
+        chain = self.chain
+        if a is None or b is None or chain.index(a) >= chain.index(b):
             raise ValueError(f"move_block_pages: no move from {src!r} to {dst!r}")
-        si, di, links = move
-        blocks = self._blocks
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= blocks[si]:
-            raise ValueError(f"move_block_pages: n must be an int in [0, {blocks[si]}] "
+        held = a.held(BLOCKS)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= held:
+            raise ValueError(f"move_block_pages: n must be an int in [0, {held}] "
                              f"for {src.value}, got {n!r}")
-        if not self._take(di, n):
+        if not b.reserve(BLOCKS, n):
             return False
-        blocks[di] += n
-        self._used[si] -= n
-        blocks[si] -= n
-        self._occupy(links, n * self.page_bytes)
-        return True
-
-    def _take(self, tier: int, n: int) -> bool:
-        used = self._used[tier] + n
-        if used > self._cap[tier]:
-            return False
-        self._used[tier] = used
-        peak = self._peak
-        if used > peak[tier]:
-            peak[tier] = used
-            setattr(self.stats, _PEAKS[tier], used)
+        a.release(BLOCKS, n)
+        chain.copy(a, b, BLOCKS, n * self.page_bytes, now=self._clock())
         return True
 
     # -- transfers --------------------------------------------------------------------
 
-    def _occupy(self, links: tuple[str, ...], nbytes: int) -> float:
-        """Reserve ``links`` for a copy of ``nbytes``; return its completion time."""
-        now = self._clock()
-        rates = self.rates
-        cost = self._link_costs.get(links)
-        if cost is None or cost[0] is not rates:  # per link set, while ``rates`` stays
-            cost = self._link_costs[links] = (
-                rates,
-                min(getattr(rates, name) for name in links),
-                sum(getattr(rates, f"{name}_latency_s") for name in links),
-                tuple(f"bytes_{name}" for name in links),
-            )
-        _, rate, latency, counted = cost
-        free_at = self._free_at
-        start = now
-        for name in links:
-            if free_at[name] > start:
-                start = free_at[name]
-        done = start + latency + nbytes / rate
-        stats = self.stats
-        for name, attr in zip(links, counted, strict=True):
-            free_at[name] = done
-            setattr(stats, attr, getattr(stats, attr) + nbytes)
-        return done
-
-    def _start(self, r: PageRecord, move: Move, nbytes: int) -> None:
-        done = self._occupy(_MOVE_LINKS[move], nbytes)
-        self._seq += 1
-        self._life.begin(r, lc.Job(move, self._clock(), self._seq))
-        heapq.heappush(self._jobs, (done, self._seq, r.rid, move, nbytes))
+    def _start(self, r: ChainRecord, dst: ChainTier, pages: int) -> bool:
+        """Start moving ``r`` to ``dst`` (``pages`` reserved there); False if it is short."""
+        nbytes = pages * self.page_bytes
+        seq = self._seq + 1
+        copy = self._mover.start(r, dst, pages, nbytes, handle=seq)
+        if copy is None:
+            return False
+        self._seq = seq
+        heapq.heappush(self._jobs, (copy.done, seq, r.rid, r.job.move, nbytes))
+        return True
 
     def copy_in(self, nbytes: int, source: Tier) -> float:
         """A copy of ``nbytes`` from ``source`` (HOST or DISK) into pages the caller
         already allocated on the device, e.g. a reused prefix; returns when it lands."""
         if source is Tier.HOST:
             self.stats.prefix_loads_from_host += 1
-            return self._occupy(("h2d",), nbytes)
-        if source is Tier.DISK:
+        elif source is Tier.DISK:
             self.stats.prefix_loads_from_disk += 1
-            return self._occupy(("disk_read", "h2d"), nbytes)
-        raise ValueError(f"copy_in: source must be HOST or DISK, got {source!r}")
+        else:
+            raise ValueError(f"copy_in: source must be HOST or DISK, got {source!r}")
+        return self.chain.copy(self._by_role[source], self._dev, PREFIX, nbytes,
+                               now=self._clock()).done
 
-    def _current(self, rid: str, seq: int) -> PageRecord | None:
+    def _current(self, rid: str, seq: int) -> ChainRecord | None:
         r = self._reqs.get(rid)
         return r if r is not None and r.job is not None and r.job.handle == seq else None
 
@@ -392,11 +428,10 @@ class ModeledKVCache(LifecycleAnswers):
         return True
 
     def _room_below(self) -> int:
-        """The most pages an offload could take now (host, or disk where allowed)."""
-        used, cap = self._used, self._cap
-        room = cap[_HOST] - used[_HOST]
+        """The most pages an offload could take now (host-like, or disk where allowed)."""
+        room = max(t.free_pages for t in self._hosts)
         if self.offload_to_disk_when_host_full:
-            room = max(room, cap[_DISK] - used[_DISK])
+            room = max(room, max(t.free_pages for t in self._disks))
         return room
 
     def reclaimable(self, rid: str) -> int:
@@ -406,9 +441,7 @@ class ModeledKVCache(LifecycleAnswers):
         n = r.device
         if r.state is not S.RESIDENT or not n:
             return 0
-        used, cap = self._used, self._cap
-        if used[_HOST] + n <= cap[_HOST] or (
-                self.offload_to_disk_when_host_full and used[_DISK] + n <= cap[_DISK]):
+        if self._mover.offload_to(n, self.offload_to_disk_when_host_full) is not None:
             return n * self.page_bytes
         return 0
 
@@ -447,28 +480,20 @@ class ModeledKVCache(LifecycleAnswers):
         return self.pages_for(r.num_tokens) * self.page_bytes
 
     def offload(self, rid: str) -> int:
-        """Start moving a resident request to host, or to disk when the host is full (and
-        that is allowed). Returns the device bytes it will free; 0 (nothing changed) when
-        no tier below has room or the request holds no pages."""
+        """Start moving a resident request to the host (the first host-like tier with room),
+        or to disk when those are full (and that is allowed). Returns the device bytes it
+        will free; 0 (nothing changed) when no tier below has room or it holds no pages."""
         r = self._req(rid, "offload")
         guard(r, Op.OFFLOAD)
         n = r.device
-        used, cap = self._used, self._cap
-        move = lc.offload_move(used[_HOST] + n <= cap[_HOST], used[_DISK] + n <= cap[_DISK],
-                            self.offload_to_disk_when_host_full) if n else None
-        if move is None:
-            if n:
-                self.stats.offload_refusals += 1
+        if not n:
             return 0
-        if move is Move.OFFLOAD_TO_HOST:
-            self._take(_HOST, n)
-            r.host = n
-        else:
-            self._take(_DISK, n)
-            r.disk = n
-        nbytes = n * self.page_bytes
-        self._start(r, move, nbytes)
-        return nbytes
+        dst = self._mover.offload_to(n, self.offload_to_disk_when_host_full)
+        if dst is None:
+            self.stats.offload_refusals += 1
+            return 0
+        self._start(r, dst, n)
+        return n * self.page_bytes
 
     def demote(self, rid: str) -> bool:
         """Start moving an on-host request to disk; False (nothing changed) if it does not fit."""
@@ -476,33 +501,27 @@ class ModeledKVCache(LifecycleAnswers):
         guard(r, Op.DEMOTE)
         if not r.host:
             return False
-        if not self._take(_DISK, r.host):
+        dst = self._mover.demote_to(r.host)
+        if dst is None:
             self.stats.demote_refusals_disk_full += 1
             return False
-        r.disk = r.host
-        self._start(r, Move.DEMOTE, r.host * self.page_bytes)
-        return True
+        return self._start(r, dst, r.host)
 
     def reload(self, rid: str) -> bool:
         """Start bringing an offloaded request back; False (nothing changed) if it does not fit."""
         r = self._req(rid, "reload")
         guard(r, Op.RELOAD)
-        n = self.pages_for(r.num_tokens)
-        if not self._take(_DEV, n):
+        if not self._start(r, self._dev, self.pages_for(r.num_tokens)):
             self.stats.reload_refusals += 1
             return False
-        r.device = n
-        self._start(r, lc.RELOAD_FROM[r.state.tier], n * self.page_bytes)
         return True
 
     # -- integrity ------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Page counters equal what the records (and cached blocks) hold; no tier over
-        capacity; each record holds exactly what its state allows (``Lifecycle.check``)."""
-        used, cap = lc.ledger_maps(self.ledger)
-        extra = dict(zip(lc.TIERS, self._blocks, strict=True))
-        problems = self._life.check(lambda r: self.pages_for(r.num_tokens), used=used,
-                                    capacity=cap, extra=extra)
+        """Each tier's ledger is sound and equals what the records (and cached blocks) hold,
+        owner by owner; no tier over capacity; each record holds exactly what its state
+        allows (``Lifecycle.check``)."""
+        problems = self._mover.problems(lambda r: self.pages_for(r.num_tokens))
         if problems:
             raise AssertionError("ModeledKVCache integrity: " + "; ".join(problems[:20]))
