@@ -103,6 +103,19 @@ def test_outputs_are_bitwise_identical_with_and_without_pressure(report):
     assert report.summary["identical"] is True
 
 
+def test_both_readiness_modes_give_the_reference_outputs(report):
+    lw = report.summary["layerwise"]
+    assert lw["whole_identical"] is True and lw["whole_mismatches"] == []
+    assert report.whole is not None
+    assert report.whole.kv_stats["reloads_admitted_early"] == 0  # whole-request readiness
+    assert report.pressured.kv_stats["reloads_from_host"] > 0
+    for side in ("layer", "whole"):
+        assert lw[side]["first_layer_s"] > 0 and lw[side]["reloads_from_disk"] > 0
+    assert compare_outputs(report.reference.result.outputs, report.whole.result.outputs) == []
+    long = report.summary["long_request"]
+    assert long["streamed"] is True and long["identical"] is True
+
+
 def test_summary_counts_agree_with_the_cache(report):
     s = report.summary
     kv = report.pressured.kv_stats

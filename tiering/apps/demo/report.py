@@ -57,13 +57,29 @@ def format_summary(s: dict[str, Any]) -> str:
                          f"{px['wrong_root_cached_tokens']:,} cached tokens "
                          f"(right root {px['right_root_cached_tokens']:,})"),
         ]
+    lw = s.get("layerwise")
+    if lw:
+        a, b = lw["layer"], lw["whole"]
+        rows.append(("layer-wise", f"reload stall {a['stall_s']:.3f} s layer by layer vs "
+                                   f"{b['stall_s']:.3f} s whole-request (until layer 0 readable"
+                                   f" plus waits for later layers; {a['admitted_early']} steps"
+                                   f" admitted early; {a['reloads_from_disk']} disk reloads land"
+                                   " whole)"))
+    lr = s.get("long_request")
+    if lr:
+        rows.append(("long request", f"{lr['prompt_tokens']:,}+{lr['generated_tokens']} tokens, "
+                                     f"KV {_mib(lr['request_kv_bytes'])} = {lr['times_device']}x "
+                                     f"the device: decode {_rate(lr['decode_tokens_per_s'], 'tok/s')}"
+                                     f" streamed vs {_rate(lr['compute_only_tokens_per_s'], 'tok/s')}"
+                                     f" compute only; whole run {lr['slowdown']}x"))
     width = max(len(k) for k, _ in rows)
     head = (f"tiering demo: {s['requests']} requests, seed {s['seed']}, "
             f"device {s['device']}")
     lines = [head] + [f"  {k:<{width}}  {v}" for k, v in rows]
     verdict = "true" if s["identical"] else "false"
     lines.append(f"identical: {verdict} (tokens and final logits of every request, bitwise, "
-                 f"vs the unpressured run)")
+                 f"vs the unpressured run{', in both readiness modes' if lw else ''}"
+                 f"{' and for the long request' if lr else ''})")
     for m in s.get("mismatches", []):
         lines.append(f"  mismatch: {m}")
     return "\n".join(lines)

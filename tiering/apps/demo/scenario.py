@@ -92,6 +92,10 @@ class DemoConfig:
     that many steps of the pressured run, until one is detected (at most
     ``max_corruptions``), one value of a cached host block is changed (the
     negative control: the load must detect it and the request recompute).
+    The pressured run reloads from host layer by layer; ``compare_readiness``
+    serves it once more with whole-request readiness (the same requests and
+    tiers) to compare the reload stall. ``long_request`` also serves one request
+    several times the device's KV capacity, streamed (``tiering.apps.demo.long``).
     """
 
     requests: int = 48
@@ -120,6 +124,8 @@ class DemoConfig:
     settle_each_step: bool = False
     min_residency_steps: float = 2.0
     aging_steps: float = 3.0
+    compare_readiness: bool = True
+    long_request: bool = True
 
     def __post_init__(self) -> None:
         for name in ("requests", "page_tokens", "batch", "prefill_chunk", "quantum",
@@ -150,7 +156,7 @@ class DemoConfig:
             raise ValueError(
                 f"DemoConfig.workload must be 'conversations' or 'synthetic', got {self.workload!r}"
             )
-        for name in ("prefix", "disk", "settle_each_step"):
+        for name in ("prefix", "disk", "settle_each_step", "compare_readiness", "long_request"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"DemoConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -287,9 +293,11 @@ def serve(
     on_token: Callable[[], None] | None = None,
     *,
     prefix: bool = True,
+    layerwise: bool = True,
 ) -> RunOutcome:
     """Serve ``requests`` once on tiers sized by ``plan`` (disk under ``disk_path``),
-    reusing cached prefixes when ``prefix`` and ``cfg.prefix``."""
+    reusing cached prefixes when ``prefix`` and ``cfg.prefix``; host reloads land
+    layer by layer when ``layerwise`` (else each request waits for all its layers)."""
     geometry = cfg.model.kv_geometry(cfg.page_tokens)
     disk = None
     if plan.disk_bytes:
@@ -302,7 +310,10 @@ def serve(
         )
     torch.manual_seed(cfg.seed)
     model = TinyDecoder(cfg.model, cfg.seed, cfg.device)
-    kv = PagedKVCache(geometry, cfg.device, plan.device_pages, plan.host_pages, disk=disk)
+    # admitting a step from layer 0 depends on how fast the copy threads are, which
+    # settle_each_step rules out: such a run reloads whole requests
+    kv = PagedKVCache(geometry, cfg.device, plan.device_pages, plan.host_pages, disk=disk,
+                      layerwise_reload=layerwise and not cfg.settle_each_step)
     reuse = cfg.prefix and prefix
     try:
         corrupter = None
@@ -474,6 +485,25 @@ class DemoReport(NamedTuple):
     summary: dict[str, Any]
     pressured: RunOutcome
     reference: RunOutcome
+    whole: RunOutcome | None = None
+
+
+def _layerwise_summary(layer: RunOutcome, whole: RunOutcome, problems: list[str]) -> dict[str, Any]:
+    """Per-layer against whole-request readiness: the same requests, the same tiers."""
+    def side(run: RunOutcome) -> dict[str, Any]:
+        s = run.kv_stats
+        return {
+            "first_layer_s": round(float(s["reload_first_layer_s_total"]), 4),
+            "layer_wait_s": round(float(s["layer_wait_s_total"]), 4),
+            "stall_s": round(float(s["reload_first_layer_s_total"] + s["layer_wait_s_total"]), 4),
+            "admitted_early": int(s["reloads_admitted_early"]),
+            "reloads_from_host": int(s["reloads_from_host"]),
+            "reloads_from_disk": int(s["reloads_from_disk"]),
+            "wall_s": round(run.result.wall_s, 3),
+        }
+
+    return {"layer": side(layer), "whole": side(whole), "whole_identical": not problems,
+            "whole_mismatches": problems[:5]}
 
 
 def run_demo(
@@ -492,4 +522,19 @@ def run_demo(
     roomy = plan_tiers(cfg, requests, pressured=False)
     reference = serve(cfg, requests, roomy, None, on_reference_token, prefix=False)
     problems = compare_outputs(reference.result.outputs, pressured.result.outputs)
-    return DemoReport(summarize(cfg, pressured, reference, problems), pressured, reference)
+    summary = summarize(cfg, pressured, reference, problems)
+    whole = None
+    if cfg.compare_readiness:
+        whole_dir = None if disk_path is None else disk_path / "whole"
+        whole = serve(cfg, requests, tight, whole_dir, layerwise=False)
+        whole_problems = compare_outputs(reference.result.outputs, whole.result.outputs)
+        summary["layerwise"] = _layerwise_summary(pressured, whole, whole_problems)
+        summary["identical"] = summary["identical"] and not whole_problems
+    if cfg.long_request:
+        from tiering.apps.demo.long import LongConfig, run_long
+
+        long = run_long(LongConfig(seed=cfg.seed, page_tokens=cfg.page_tokens), cfg.model,
+                        cfg.device)
+        summary["long_request"] = long
+        summary["identical"] = summary["identical"] and long["identical"]
+    return DemoReport(summary, pressured, reference, whole)
