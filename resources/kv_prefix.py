@@ -86,8 +86,9 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         self.root = root  # what the engine gave; keys chain from key_root (root + geometry)
         self._derived: tuple[bytes, bytes] | None = None
         self.index = BlockIndex()
+        # each tier's policy is sized by the tier (a block is one page), as the replay's
         cap = {Tier.DEVICE: cache.device_pool.num_pages, Tier.HOST: cache.host_pool.num_pages,
-               Tier.DISK: max(1, 1 << 20)}
+               Tier.DISK: max(1, getattr(cache.disk, "capacity_pages", 1))}
         # every policy call goes through the rules the replay runs too (kv_prefix_rules)
         self.rules = BlockRules(self.index, {t: make_block_policy(policy, capacity=cap[t])
                                              for t in Tier})

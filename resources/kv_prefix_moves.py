@@ -88,9 +88,7 @@ class TierMovesPart:
         than its cached blocks that may leave would free (asked before any block moves)."""
         if n > pool.num_pages:
             return True
-        short = n - pool.free_pages
-        return short > 0 and self.index.count_evictable(
-            self.policies[tier], self._now(), tier, short) < short
+        return not self.rules.reachable(tier, n - pool.free_pages, self._now())
 
     def _move_device_block_down(self, key: Hashable) -> None:
         c = self.cache

@@ -14,8 +14,9 @@ decision a policy makes for them is taken here, so a replay runs the rules a cac
   the request's full blocks and its hits in that tier (``on_commit``), device first.
 - **Publish** (``offer``): a request's blocks the index lacks, root first, are offered to
   the device policy (``on_publish``: ``admit`` each in turn; a refusal stops the publish).
-- **Make room** (``victim``, ``admits``): when a tier needs pages, its policy names the
-  victim (unmapped, not moving, nothing below it busy). The victim moves one tier down
+- **Make room** (``reachable``, ``victim``, ``admits``): when the device or the host
+  needs pages, the room is refused at once, nothing moved, unless enough of its blocks
+  may leave; then its policy names each victim (unmapped, not moving, nothing below it busy). The victim moves one tier down
   when that tier's policy admits it and room can be made there by the same rule
   (device -> host -> disk); otherwise it is dropped with its cached descendants. A disk
   victim is dropped.
@@ -24,9 +25,10 @@ decision a policy makes for them is taken here, so a replay runs the rules a cac
   one's, in bulk where several go at once.
 
 ``watch(kind, key, tier)``, when set, is told every event in the order it happens:
-``hit`` (the tier it was found on), ``publish``, ``refuse`` (the block the device
-policy did not admit), ``load`` (the tier it came from), ``move`` (the tier it went to)
-and ``drop`` (the tier it left, descendants included).
+``hit`` (the tier it was found on), ``publish``, ``refuse`` (a block the device policy
+did not admit for a publish, or the tier below for a victim), ``load`` (the tier it came from), ``move`` (the tier it went to)
+and ``drop`` (the tier it left), after an ``orphan`` for each cached descendant that
+left with it (deepest first).
 
 ``admission=False`` never asks ``admit``: every offered block is taken while there is
 room, and a victim moves down whenever the tier below can take it (benchmarks compare
@@ -146,6 +148,16 @@ class BlockRules:
 
     # -- making room ------------------------------------------------------------------------
 
+    def reachable(self, tier: Tier, short: int, now: float) -> bool:
+        """Whether ``short`` more blocks can leave ``tier`` now: its unmapped, unmoving
+        blocks are enough, and so are those its policy offers that may leave (asked
+        before anything moves, so a shortage is refused with nothing changed)."""
+        if short <= 0:
+            return True
+        index = self.index
+        return short <= index.idle_count(tier) and index.count_evictable(
+            self.policies[tier], now, tier, short) >= short
+
     def victim(self, tier: Tier, now: float) -> Hashable | None:
         """The block ``tier``'s policy sends away first among those that may leave; None
         when none may. The policy still tracks it (``moved`` or ``dropped`` tells it)."""
@@ -157,7 +169,11 @@ class BlockRules:
 
     def admits(self, tier: Tier, key: Hashable, now: float) -> bool:
         """Whether ``tier``'s policy takes ``key``, a victim of the tier above."""
-        return not self.admission or self.policies[tier].admit(key, self.index.depth(key), now)
+        if not self.admission or self.policies[tier].admit(key, self.index.depth(key), now):
+            return True
+        if self.watch is not None:
+            self.watch("refuse", key, tier)
+        return False
 
     # -- arrivals and departures --------------------------------------------------------
 
@@ -202,7 +218,7 @@ class BlockRules:
                 self.policies[t].on_removes(ks)
         if self.watch is not None:
             for d in gone:
-                self.watch("drop", d.key, d.tier)
+                self.watch("orphan" if d.reason == "orphaned" else "drop", d.key, d.tier)
 
     def check(self) -> list[str]:
         """Problems found (empty: none): each tier's policy tracks exactly its blocks."""

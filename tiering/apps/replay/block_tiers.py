@@ -340,7 +340,8 @@ class PrefixBlocks:
         free = free_pages()
         if free >= need_pages:
             return True
-        if free + self.device_pages < need_pages:
+        if free + self.device_pages < need_pages or not self.rules.reachable(
+                Tier.DEVICE, -(-(need_pages - free) // self.block_pages), self._clock()):
             return False
         dev = self._st[Tier.DEVICE]
         while free_pages() < need_pages:
@@ -417,10 +418,15 @@ class PrefixBlocks:
 
     def _room(self, st: _TierState) -> bool:
         """Make room for one block in ``st`` by its own rule (its victims move down or are
-        dropped); False if its blocks that may leave would not do."""
+        dropped); False if its blocks that may leave would not do (on the host, known
+        before any leaves, as ``BlockRules.reachable``)."""
         free = self._kv.free_pages
         bp = self.block_pages
-        while free(st.tier) < bp:
+        tier = st.tier
+        short = -(-(bp - free(tier)) // bp)
+        if tier is Tier.HOST and not self.rules.reachable(tier, short, self._clock()):
+            return False
+        while free(tier) < bp:
             if not self._evict_one(st, True):
                 return False
         return True
