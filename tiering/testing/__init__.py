@@ -19,33 +19,19 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from itertools import pairwise
 from operator import itemgetter
 from typing import NamedTuple
 
 import numpy as np
 
-from tiering.core.lifecycle import (
-    AT_REST,
-    TIER_INDEX,
-    Counters,
-    Job,
-    Lifecycle,
-    LifecycleAnswers,
-    Op,
-    PageLedger,
-    PageRecord,
-    guard,
-    ledger_maps,
-    offload_move,
-    page_release_all,
-    page_releasers,
-)
+from tiering.core.lifecycle import AT_REST, Counters, LifecycleAnswers, Op, guard
+from tiering.core.tiers import ChainRecord, InstantLink, PageMover, PageTier, TierChain
 from tiering.errors import UnknownRequest
 from tiering.resources.base import AdmitOutcome
 from tiering.testing.blocks import check_block_policy  # the contracts, importable from here
 from tiering.testing.policies import PolicyCheck, check_policy
 from tiering.types import (
-    Move,
     RequestState,
     Tier,
     TransferResult,
@@ -83,30 +69,50 @@ class FakeClock:
         self.now = moved
 
 
-_ON_HOST = RequestState.ON_HOST
-_ON_DISK = RequestState.ON_DISK
 _RESIDENT = RequestState.RESIDENT
 
-_MOVES = {
-    (_RESIDENT, _ON_HOST): Move.OFFLOAD_TO_HOST,
-    (_RESIDENT, _ON_DISK): Move.OFFLOAD_TO_DISK,
-    (_ON_HOST, _ON_DISK): Move.DEMOTE,
-    (_ON_HOST, _RESIDENT): Move.RELOAD_FROM_HOST,
-    (_ON_DISK, _RESIDENT): Move.RELOAD_FROM_DISK,
-}
 
 
-def _move(source: RequestState, dest: RequestState) -> Move:
-    return _MOVES[(source, dest)]
+class _UsedPages(list):
+    """Pages in use per tier, fastest first; a write sets that tier's count behind its
+    ledger's back (how a test corrupts a ledger to see ``check_integrity`` catch it)."""
+
+    def __init__(self, tiers: Sequence[PageTier]) -> None:
+        super().__init__(t.used_pages for t in tiers)
+        self._tiers = tiers
+
+    def __setitem__(self, i, value) -> None:  # noqa: ANN001 - list's signature
+        super().__setitem__(i, value)
+        self._tiers[i]._used = value
+
+
+class LedgerView(NamedTuple):
+    """Pages used and capacity per tier of the chain, fastest first (fresh lists;
+    see ``_UsedPages`` for what a write to ``used`` does)."""
+
+    used: list[int]
+    cap: list[int]
+
+
+def fake_chain(device: int, host: int, disk: int, *, overcommit_device: bool = False
+               ) -> TierChain:
+    """The fake's chain: device, host and disk ``PageTier`` objects of one-byte pages,
+    joined both ways by ``InstantLink`` objects."""
+    tiers = (PageTier("device", Tier.DEVICE, device, overcommit=overcommit_device),
+             PageTier("host", Tier.HOST, host), PageTier("disk", Tier.DISK, disk))
+    links = [InstantLink(a.name, b.name) for x, y in pairwise(tiers)
+             for a, b in ((x, y), (y, x))]
+    return TierChain(tiers, links)
 
 
 class FakeTieredResource(LifecycleAnswers):
     """A resource that keeps only byte counts per request and tier.
 
     Its records, transitions, guards and counters (``stats``) are the shared
-    ``tiering.core.lifecycle.Lifecycle``'s, with a page of one byte: only the
-    mover differs from the real cache (no bytes move; a transfer is instant, or
-    waits for ``poll`` or the test).
+    ``tiering.core.lifecycle.Lifecycle``'s, with a page of one byte, and its mover
+    the shared ``tiering.core.tiers.PageMover`` over ``chain`` (``fake_chain``:
+    ``PageTier`` ledgers, ``InstantLink`` copies): no bytes move; a transfer lands
+    at once, or waits for ``poll`` or the test.
 
     ``async_transfers``: offloads, demotions and reloads stay in flight (both
     tiers held) until completed; ``complete_on_poll`` makes ``poll`` complete
@@ -163,12 +169,13 @@ class FakeTieredResource(LifecycleAnswers):
         self.enforce_device_capacity = enforce_device_capacity
         self.offload_to_disk_when_host_full = bool(offload_to_disk_when_host_full)
         self._clock = clock if clock is not None else FakeClock()
-        self.ledger = PageLedger(self._device_capacity, max(0, self._host_capacity),
-                                 max(0, self.disk_capacity))
+        self.chain = fake_chain(self._device_capacity, self._host_capacity,
+                                self.disk_capacity, overcommit_device=not enforce_device_capacity)
         self.stats = Counters()
-        self._life = Lifecycle("FakeTieredResource", self.stats, self._clock,
-                               page_releasers(self.ledger),
-                               release_all=page_release_all(self.ledger))
+        self._mover = PageMover("FakeTieredResource", self.chain, self.stats, self._clock)
+        self._life = self._mover.life
+        self._dev, self._host, self._disk = self.chain.tiers
+        self._by_role = {t.role: t for t in self.chain.tiers}
         self.state: dict[str, RequestState] = {}  # mirror of the records' states
         self.size: dict[str, int] = {}  # mirror of the records' sizes (bytes)
         # rid -> what get_offload_priority answers: 0.0 from add() until a test sets it
@@ -183,19 +190,23 @@ class FakeTieredResource(LifecycleAnswers):
         # so that reclaimable_many is one dict lookup a request
         self._reclaimable_now: dict[str, int] = {}
 
-    # -- byte gauges (the ledger's) ---------------------------------------------------
+    # -- byte gauges (the chain's tiers') ----------------------------------------------
+
+    @property
+    def ledger(self) -> LedgerView:
+        return LedgerView(_UsedPages(self.chain.tiers), self.chain.capacity_pages())
 
     @property
     def device_used(self) -> int:
-        return self.ledger.used[0]
+        return self._dev.used_pages
 
     @property
     def host_used(self) -> int:
-        return self.ledger.used[1]
+        return self._host.used_pages
 
     @property
     def disk_used(self) -> int:
-        return self.ledger.used[2]
+        return self._disk.used_pages
 
     # -- set-up -------------------------------------------------------------------
 
@@ -215,12 +226,12 @@ class FakeTieredResource(LifecycleAnswers):
             raise ValueError(f"request {rid!r} already exists")
         if nbytes <= 0:
             raise ValueError(f"request {rid!r}: nbytes must be > 0, got {nbytes!r}")
-        i = TIER_INDEX[tier]
-        if not self.ledger.take(i, nbytes):
-            raise ValueError(f"request {rid!r} does not fit on {'the ' if i < 2 else ''}"
-                             f"{tier.value}")
-        r = PageRecord(rid, None, self._clock(), nbytes, AT_REST[tier])
-        setattr(r, tier.value, nbytes)
+        t = self.chain.with_role(tier)[0]
+        if t.free_pages < nbytes:
+            raise ValueError(f"request {rid!r} does not fit on "
+                             f"{'the ' if tier is not Tier.DISK else ''}{tier.value}")
+        r = ChainRecord(rid, None, self._clock(), nbytes, AT_REST[tier])
+        self._mover.place(r, t, nbytes)
         self._life.records[rid] = r
         self.priorities[rid] = 0.0
         self._sync(r)
@@ -228,7 +239,7 @@ class FakeTieredResource(LifecycleAnswers):
     def ingest_request(self, rid: str, overrides: object = None) -> None:
         """Register ``rid`` resident with no bytes yet (idempotent; ``allocate`` grows it)."""
         now = self._clock()
-        if self._life.register(rid, overrides, lambda: PageRecord(rid, overrides, now)):
+        if self._life.register(rid, overrides, lambda: ChainRecord(rid, overrides, now)):
             self.priorities[rid] = 0.0
             self._sync(self._life.records[rid])
 
@@ -240,9 +251,9 @@ class FakeTieredResource(LifecycleAnswers):
         guard(r, Op.ALLOCATE)
         extra = nbytes - r.num_tokens
         if extra > 0:
-            if not self.ledger.take(0, extra):
+            if self._dev.free_pages < extra:  # also when reloads overcommitted it
                 return False
-            r.device += extra
+            self._mover.place(r, self._dev, extra)
             r.num_tokens = nbytes
             self._note_device()
             self._sync(r)
@@ -269,28 +280,27 @@ class FakeTieredResource(LifecycleAnswers):
         """Every later call that looks a request up raises CacheClosed (idempotent)."""
         self._life.closed = True
 
-    def _sync(self, r: PageRecord) -> None:
+    def _sync(self, r: ChainRecord) -> None:
         rid = r.rid
         self.state[rid] = r.state
         self.size[rid] = r.num_tokens
         self._reclaimable_now[rid] = r.num_tokens if r.state is _RESIDENT else 0
 
     def _note_device(self) -> None:
-        self.max_device_used = max(self.max_device_used, self.ledger.used[0])
+        self.max_device_used = max(self.max_device_used, self._dev.used_pages)
 
     def _move(self, rid: str, in_flight: RequestState, dest: RequestState) -> None:
-        """Reserve the destination; free the source now or when the transfer completes."""
+        """Start moving ``rid`` to the tier it rests in as ``dest`` (its room was checked;
+        ``in_flight``: the state it moves in); it lands now unless ``async_transfers``."""
         r = self._life.records[rid]
-        move = _move(r.state, dest)
+        dst = self._by_role[dest.tier]
         n = r.num_tokens
-        tier = move.destination
-        self.ledger.take(TIER_INDEX[tier], n, force=True)
-        setattr(r, tier.value, n)
-        if tier is Tier.DEVICE:
+        if self._mover.start(r, dst, n, n) is None:  # pragma: no cover - room was checked
+            raise AssertionError(f"{dst.name} refused {n} pages it had room for")
+        if dst is self._dev:
             self._note_device()
-        self._life.begin(r, Job(move, self._clock()))
         if not self.async_transfers:
-            self._life.end(r)
+            move = self._life.end(r).move
             self._life.land(r, move, n)
         self._sync(r)
 
@@ -345,15 +355,15 @@ class FakeTieredResource(LifecycleAnswers):
         return self._host_capacity
 
     def device_used_bytes(self) -> int:
-        return self.ledger.used[0]
+        return self._dev.used_pages
 
     def host_used_bytes(self) -> int:
         self.calls["host_used_bytes"] += 1
-        return self.ledger.used[1]
+        return self._host.used_pages
 
     def disk_used_bytes(self) -> int:
         self.calls["disk_used_bytes"] += 1
-        return self.ledger.used[2]
+        return self._disk.used_pages
 
     def reclaimable(self, rid: str) -> int:
         self.calls["reclaimable"] += 1
@@ -386,14 +396,11 @@ class FakeTieredResource(LifecycleAnswers):
         n = r.num_tokens
         if n == 0:
             return 0
-        led = self.ledger
-        move = offload_move(led.used[1] + n <= self._host_capacity,
-                            led.used[2] + n <= self.disk_capacity,
-                            self.offload_to_disk_when_host_full)
-        if move is None:
+        dst = self._mover.offload_to(n, self.offload_to_disk_when_host_full)
+        if dst is None:
             self.stats.offload_refusals += 1
             return 0
-        self._move(rid, RequestState.OFFLOADING, AT_REST[move.destination])
+        self._move(rid, RequestState.OFFLOADING, AT_REST[dst.role])
         self.offloaded_rids.append(rid)
         return n
 
@@ -414,7 +421,7 @@ class FakeTieredResource(LifecycleAnswers):
         r = self._life.get(rid, "reload")
         guard(r, Op.RELOAD)
         n = r.num_tokens
-        if self.enforce_device_capacity and self.ledger.used[0] + n > self._device_capacity:
+        if self.enforce_device_capacity and self._dev.free_pages < n:
             self.stats.reload_refusals += 1
             return False
         self._move(rid, RequestState.RELOADING, _RESIDENT)
@@ -429,10 +436,10 @@ class FakeTieredResource(LifecycleAnswers):
         self.calls["demote"] += 1
         r = self._life.get(rid, "demote")
         guard(r, Op.DEMOTE)
-        if self.ledger.used[2] + r.num_tokens > self.disk_capacity:
+        if self._mover.demote_to(r.num_tokens) is None:
             self.stats.demote_refusals_disk_full += 1
             return False
-        self._move(rid, RequestState.DEMOTING, _ON_DISK)
+        self._move(rid, RequestState.DEMOTING, RequestState.ON_DISK)
         return True
 
     def drop(self, rid: str) -> None:
@@ -457,13 +464,10 @@ class FakeTieredResource(LifecycleAnswers):
     # -- checking -----------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """The shared machine's check (holdings per state, byte ledger, in-flight
-        table), the mirrors against the records, and host and disk within capacity."""
-        used, cap = ledger_maps(self.ledger, (Tier.HOST, Tier.DISK))
-        used[Tier.DEVICE] = self.ledger.used[0]
-        if self.enforce_device_capacity:
-            cap[Tier.DEVICE] = self._device_capacity
-        problems = self._life.check(lambda r: r.num_tokens, used=used, capacity=cap)
+        """The shared mover's check (holdings per state, each tier's ledger owner by
+        owner, the in-flight table; host and disk, and the device unless it may
+        overcommit, within capacity) and the mirrors against the records."""
+        problems = self._mover.problems(lambda r: r.num_tokens)
         records = self._life.records
         if self.state != {rid: r.state for rid, r in records.items()}:
             problems.append("the state mirror disagrees with the records")
@@ -550,9 +554,11 @@ __all__ = [
     "FakeClock",
     "FakeTieredResource",
     "LaggingPressure",
+    "LedgerView",
     "PolicyCheck",
     "Reading",
     "ScriptedFraction",
     "check_block_policy",
     "check_policy",
+    "fake_chain",
 ]

@@ -182,12 +182,11 @@ class PageMover:
 
     # -- integrity --------------------------------------------------------------------------
 
-    def problems(self, need: Callable[[ChainRecord], int], *,
-                 capacity: bool = True) -> list[str]:
+    def problems(self, need: Callable[[ChainRecord], int]) -> list[str]:
         """What is wrong, as messages (empty: nothing): each tier's own check, the
         lifecycle's check of the records against the ledgers (summed per role, pages of
-        ``BLOCKS`` as others' holdings; ``capacity``: also no role over its capacity), and
-        each tier's owners against the records' holdings, owner by owner."""
+        ``BLOCKS`` as others' holdings; no role over its capacity unless one of its tiers
+        may overcommit), and each tier's owners against the records' holdings."""
         problems = []
         try:
             self.chain.check_integrity()
@@ -200,8 +199,10 @@ class PageMover:
             used[t.role] += t.used_pages
             cap[t.role] += t.capacity_pages
             extra[t.role] += t.held(BLOCKS)
-        problems += self.life.check(need, used=used, capacity=cap if capacity else None,
-                                    extra=extra)
+        for t in self.chain.tiers:
+            if getattr(t, "overcommit", False):
+                cap.pop(t.role, None)
+        problems += self.life.check(need, used=used, capacity=cap, extra=extra)
         records = self.life.records
         for t in self.chain.tiers:
             for owner, n in t.owners().items():
