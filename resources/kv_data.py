@@ -9,6 +9,7 @@ finished is applied first).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from typing import Any
 
 import torch
@@ -65,9 +66,10 @@ class KVDataPlane:
         request: True at once. During a layer-wise reload: True once that layer has
         landed (a CPU waits for its copy, at most ``timeout`` seconds, default the
         cache's ``layer_wait_timeout_s``; a GPU makes the compute stream wait on its
-        copy's event and returns at once). False when it will not land (its copy
-        failed: the request goes back to where it was, ``poll`` reports why), when the
-        time ran out, or when the request is not on the device."""
+        copy's event and returns at once); during a whole-request reload, once every
+        layer has. False when it will not land (its copy failed: the request goes back
+        to where it was, ``poll`` reports why), when the time ran out, or when the
+        request is not on the device or on its way there."""
         r = self._req(rid, "wait_layer")
         self._check_layer(f"wait_layer({rid!r})", layer)
         if timeout is not None:
@@ -77,14 +79,17 @@ class KVDataPlane:
         return self._wait_layer(r, layer, timeout)
 
     def _wait_layer(self, r: RequestRecord, layer: int, timeout: float | None = None) -> bool:
-        if r.state is S.RELOADING and r.layers is not None and r.layers.layerwise:
-            w = r.layers.wait(layer, self.layer_wait_timeout_s if timeout is None else timeout)
-            if w.ok:
+        limit = self.layer_wait_timeout_s if timeout is None else timeout
+        if r.state is S.RELOADING and r.layers is not None:
+            progress = r.layers
+            w = progress.wait(layer, limit)
+            if w.ok and progress.layerwise:
                 self._streams.wait_on_compute(w.event)
                 return True
+            if w.ok:  # a whole-request copy has landed: its job is ending
+                cf.wait([r.job.future], timeout=limit)
             if r.job is not None and r.job.future.done():
-                self._finish_now(r)  # the failed copy is applied; the next poll reports it
-            return False
+                self._finish_now(r)  # applied now (a failed copy too); the next poll reports it
         if r.state is S.RELOADING:
             self._finish_now(r)
         if r.state is S.RESIDENT:

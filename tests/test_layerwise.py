@@ -114,7 +114,7 @@ def test_whole_request_reload_is_not_admitted_before_it_lands():
         assert kv.reload("a")
         assert gate.reached.wait(10)
         assert not admitted(kv, "a")
-        assert not kv.wait_layer("a", 0)
+        assert not kv.wait_layer("a", 0, timeout=0.05)
         gate.release.set()
         kv.synchronize()
         assert admitted(kv, "a")
