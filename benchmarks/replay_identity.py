@@ -14,8 +14,16 @@ differing configurations are named when any digest differs.
 
 ``--against FILE`` compares with the runs of an earlier ``--out`` file instead.
 
+``--admission`` measures what block admission changes, in the same run: every
+configuration with prefix reuse runs again with block policies whose ``admit`` is never
+asked (each built-in's subclass answering True without looking: what ``PagedKVCache``
+did before its store took the replay's rules, ``tiering.resources.kv_prefix_rules``),
+and the report says, per configuration, whether any figure changed and the prefix hit
+rates (reused / looked-up prompt tokens, and per tier) without and with admission, as a
+table and under ``admission`` in the JSON.
+
 Usage: ``python benchmarks/replay_identity.py --out ids.json [--before DIR | --against FILE]
-[--quick] [--only SUBSTRING]``
+[--quick] [--only SUBSTRING] [--admission]``
 (``--quick``: the synthetic part and one short trace run only).
 """
 
@@ -36,6 +44,25 @@ TRACE = HERE / "traces" / "mooncake" / "conversation_trace.jsonl"
 
 # counters that say how the loop ran, not what happened
 LOOP_COUNTERS = ("fast_steps", "quiet_safe_points")
+TIERS = ("device", "host", "disk")
+
+
+def _always(self, key, depth, now) -> bool:
+    return True
+
+
+def _without_admission():
+    """A block policy registry with every built-in's name, each policy's ``admit``
+    answering True without asking the policy (a subclass, so the store checks and meters
+    it as a user's policy; its answers are otherwise the built-in's)."""
+    from tiering.policies.blocks import BlockPolicyRegistry, default_block_registry
+
+    base = default_block_registry()
+    made = {}
+    for name in base.names:
+        cls = type(base.make(name, capacity=1))
+        made[name] = type(f"{cls.__name__}WithoutAdmission", (cls,), {"admit": _always})
+    return BlockPolicyRegistry(made)
 
 
 def _configs(quick: bool) -> list[dict]:
@@ -93,7 +120,7 @@ def _preempt(c: dict) -> dict:
     return {"preempt": c["preempt"]} if "preempt" in c else {}
 
 
-def _run_one(c: dict) -> dict:
+def _run_one(c: dict, admission: bool = True) -> dict:
     from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
     from tiering.apps.replay.presets import StepCost, get_hardware, get_model
     from tiering.apps.replay.simulator import RunSpec, SimConfig, simulate
@@ -133,8 +160,9 @@ def _run_one(c: dict) -> dict:
 
     cost = StepCost(model, hw)
     start = time.perf_counter()
+    registry = None if admission else _without_admission()
     res = simulate(trace, cost, spec, sim, time_scale=c.get("time_scale", 1.0),
-                   kv_factory=factory)
+                   kv_factory=factory, block_registry=registry)
     wall = time.perf_counter() - start
     counters = dataclasses.asdict(res.counters)
     loop = {k: counters.pop(k) for k in LOOP_COUNTERS}
@@ -154,7 +182,13 @@ def _run_one(c: dict) -> dict:
             h.update(line.encode())
             h.update(b"\n")
         h.update(b"--\n")
+    sc = res.counters
+    looked = max(1, getattr(sc, "lookup_tokens", 0))
+    rates = {"hit_rate": sc.reused_tokens / looked}
+    for t in TIERS:
+        rates[f"hit_rate_{t}"] = getattr(sc, f"reused_tokens_{t}", 0) / looked
     return {
+        **rates,
         "digest": h.hexdigest(),
         "requests": len(res.requests),
         "decisions": len(res.decisions),
@@ -178,6 +212,42 @@ def _matrix(quick: bool, only: str | None) -> dict:
     return out
 
 
+def _reuses(c: dict) -> bool:
+    """Whether a configuration keeps cached prefix blocks (admission can matter)."""
+    return c.get("prefix_reuse", True)
+
+
+def _admission(quick: bool, only: str | None, after: dict) -> dict:
+    """Each configuration with prefix reuse run again without admission (``after``: its
+    runs with it): per configuration, whether any figure changed and the hit rates."""
+    out = {}
+    print("\nwhat block admission changes (hit rate: reused / looked-up prompt tokens):")
+    head = (f"{'configuration':36s} {'changed':>7s} {'hit before':>10s} {'hit after':>10s}"
+            f" {'delta':>7s}  " + "  ".join(f"{t + ' b->a':>15s}" for t in TIERS))
+    print(head)
+    for c in _configs(quick):
+        if (only and only not in c["name"]) or not _reuses(c) or c["name"] not in after:
+            continue
+        b, a = _run_one(c, admission=False), after[c["name"]]
+        keys = ["hit_rate", *(f"hit_rate_{t}" for t in TIERS)]
+        row = {
+            "changed": b["digest"] != a["digest"],
+            "before": {k: b[k] for k in keys}, "after": {k: a[k] for k in keys},
+            "delta_hit_rate": a["hit_rate"] - b["hit_rate"],
+            "reused_tokens": [b["reused_tokens"], a["reused_tokens"]],
+        }
+        out[c["name"]] = row
+        tiers = "  ".join(f"{100 * b[f'hit_rate_{t}']:6.2f}->{100 * a[f'hit_rate_{t}']:6.2f}"
+                          for t in TIERS)
+        print(f"{c['name']:36s} {'yes' if row['changed'] else 'no':>7s}"
+              f" {100 * b['hit_rate']:9.2f}% {100 * a['hit_rate']:9.2f}%"
+              f" {100 * row['delta_hit_rate']:+6.2f}  {tiers}", flush=True)
+    changed = [n for n, r in out.items() if r["changed"]]
+    print(f"admission changed the figures of {len(changed)} of {len(out)} configurations"
+          + (f": {', '.join(changed)}" if changed else ""))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -186,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="compare with the runs of an earlier --out file instead of --before")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default=None, help="only configurations whose name has this")
+    p.add_argument("--admission", action="store_true",
+                   help="also run each configuration without block admission and report"
+                        " what admission changes")
     p.add_argument("--root", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     before = None
@@ -206,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         before = json.loads(args.against.read_text())["runs"]
     runs = _matrix(args.quick, args.only)
     doc = {"runs": runs}
+    if args.admission:
+        doc["admission"] = _admission(args.quick, args.only, runs)
     status = 0
     if before is not None:
         if args.only:
