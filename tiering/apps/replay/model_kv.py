@@ -93,6 +93,12 @@ class LinkRates:
     def instant(cls) -> LinkRates:
         return cls(math.inf, math.inf, math.inf, math.inf)
 
+    @classmethod
+    def of(cls, hardware: object) -> LinkRates:
+        """The rates of a ``HardwarePreset`` (``<link>_bps`` and ``<link>_latency_s``)."""
+        return cls(*(getattr(hardware, f"{f}_bps") for f in LINKS),
+                   *(getattr(hardware, f"{f}_latency_s") for f in LINKS))
+
     def links(self) -> tuple[ModelledLink, ...]:
         """Fresh ``ModelledLink`` objects at these rates, joining tiers named device, host
         and disk: ``d2h``, ``h2d``, ``disk_write``, ``disk_read``."""
@@ -112,7 +118,8 @@ class LinkRates:
 class ModelStats(Counters):
     """The shared counters (``tiering.core.lifecycle.Counters``), plus prefix loads, the
     bytes each link copied (``bytes_<link>``, read off the chain's links) and the most
-    pages each tier held (``max_<tier>_pages``, read off its tiers)."""
+    pages each tier held (``max_<tier>_pages``, read off the tiers that count a
+    ``peak_pages``, as ``PageTier`` does)."""
 
     FIELDS = Counters.FIELDS + ("prefix_loads_from_host", "prefix_loads_from_disk")
 
@@ -122,7 +129,8 @@ class ModelStats(Counters):
         for link in chain.links:
             derived[f"bytes_{link.name}"] = lambda link=link: link.bytes_copied
         for t in chain.tiers:
-            derived[f"max_{t.name}_pages"] = lambda t=t: t.peak_pages
+            if hasattr(t, "peak_pages"):
+                derived[f"max_{t.name}_pages"] = lambda t=t: t.peak_pages
         self._derived = derived
         self.FIELDS = type(self).FIELDS + tuple(derived)
 
@@ -180,18 +188,15 @@ class ModeledKVCache(LifecycleAnswers):
     @classmethod
     def from_chain(cls, chain: TierChain, page_tokens: int, clock: Callable[[], float], *,
                    offload_to_disk_when_host_full: bool = True) -> ModeledKVCache:
-        """A modelled cache over ``chain``: its tiers are ``PageTier`` objects of one
-        ``page_bytes`` (a multiple of ``page_tokens``), its links modelled ones, at least
-        one device page and one tier of each role."""
+        """A modelled cache over ``chain``: tiers of one ``page_bytes`` (a multiple of
+        ``page_tokens``), at least one device page and one tier of each role, and links
+        that model time (``ModelledLink``; any ``Link`` runs, timed as it says)."""
         if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1:
             raise ValueError(f"ModeledKVCache.page_tokens must be an int >= 1, "
                              f"got {page_tokens!r}")
         if not isinstance(chain, TierChain):
             raise TypeError(f"chain must be a TierChain, got {type(chain).__name__}")
         for t in chain.tiers:
-            if not isinstance(t, PageTier):
-                raise ValueError(f"ModeledKVCache: tier {t.name!r} is a {type(t).__name__}, "
-                                 f"not a PageTier")
             if t.page_bytes % page_tokens:
                 raise ValueError(f"ModeledKVCache: tier {t.name!r} has pages of "
                                  f"{t.page_bytes} B, not a multiple of {page_tokens} tokens")

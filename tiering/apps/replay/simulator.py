@@ -111,9 +111,7 @@ KVFactory = Callable[[SimClock], Any]
 def modeled_kv_factory(model: ModelPreset, hardware: HardwarePreset, sim: SimConfig) -> KVFactory:
     """Build ``ModeledKVCache`` instances sized by the presets."""
     page_bytes = model.kv_bytes_per_token * sim.page_tokens
-    rates = LinkRates(hardware.d2h_bps, hardware.h2d_bps, hardware.disk_write_bps,
-                      hardware.disk_read_bps, hardware.d2h_latency_s, hardware.h2d_latency_s,
-                      hardware.disk_write_latency_s, hardware.disk_read_latency_s)
+    rates = LinkRates.of(hardware)
 
     def factory(clock: SimClock) -> ModeledKVCache:
         device_pages = hardware.device_kv_bytes // page_bytes

@@ -20,10 +20,11 @@ class TierChain:
 
     A valid chain: at least one tier, unique tier and link names, exactly one DEVICE tier
     and it comes first, then the HOST-role tiers, then the DISK-role ones; each link joins
-    two of its tiers, at most one link a direction between two tiers, and each pair of
-    neighbours is joined both ways (a chain that is not connected is refused, naming the
-    pair). The route from one tier to another is the direct link when there is one, else
-    the neighbour links in between, in order.
+    two of its tiers, at most one link a direction between two tiers, and every tier can
+    be reached from the device and reach it back (a chain that is not connected is
+    refused, naming a pair with no route). The route from one tier to another is the
+    fewest links that join them (the direct link when there is one; ties go to the links
+    given first).
     """
 
     def __init__(self, tiers: Sequence[Tier], links: Sequence[Link]) -> None:
@@ -64,31 +65,35 @@ class TierChain:
                 raise ValueError(f"TierChain: links {direct[lk.src, lk.dst].name!r} and "
                                  f"{lk.name!r} both copy {lk.src} -> {lk.dst}")
             direct[lk.src, lk.dst] = lk
-        for a, b in pairwise(names):
-            for pair in ((a, b), (b, a)):
-                if pair not in direct:
-                    raise ValueError(f"TierChain is not connected: no link copies "
-                                     f"{pair[0]} -> {pair[1]}")
         self.tiers: tuple[Tier, ...] = tiers
         self.links: tuple[Link, ...] = links
         self._index = {t.name: i for i, t in enumerate(tiers)}
         self._direct = direct
         self._routes: dict[tuple[str, str], tuple[Hop, ...]] = {}
-        for i, a in enumerate(tiers):
-            for j, b in enumerate(tiers):
-                if i != j:
-                    self._routes[a.name, b.name] = self._route(i, j)
+        for a in tiers:
+            for b, hops in self._paths_from(a).items():
+                self._routes[a.name, b] = hops
+        for t in tiers[1:]:
+            for pair in ((tiers[0].name, t.name), (t.name, tiers[0].name)):
+                if pair not in self._routes:
+                    raise ValueError(f"TierChain is not connected: no route "
+                                     f"{pair[0]} -> {pair[1]} over the links {link_names}")
 
-    def _route(self, i: int, j: int) -> tuple[Hop, ...]:
-        a, b = self.tiers[i], self.tiers[j]
-        if (a.name, b.name) in self._direct:
-            return ((self._direct[a.name, b.name], a, b),)
-        step = 1 if j > i else -1
-        hops = []
-        for k in range(i, j, step):
-            x, y = self.tiers[k], self.tiers[k + step]
-            hops.append((self._direct[x.name, y.name], x, y))
-        return tuple(hops)
+    def _paths_from(self, a: Tier) -> dict[str, tuple[Hop, ...]]:
+        """The fewest-links route from ``a`` to every tier it reaches (breadth first)."""
+        out: dict[str, tuple[Hop, ...]] = {a.name: ()}
+        frontier = [a]
+        while frontier:
+            nxt = []
+            for x in frontier:
+                for lk in self.links:
+                    if lk.src == x.name and lk.dst not in out:
+                        y = self._by_name[lk.dst]
+                        out[y.name] = (*out[x.name], (lk, x, y))
+                        nxt.append(y)
+            frontier = nxt
+        del out[a.name]
+        return out
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -150,7 +155,7 @@ class TierChain:
         a, b = self.tier(src).name, self.tier(dst).name
         if a == b:
             raise ValueError(f"route: {a!r} to itself is not a move")
-        return self._routes[a, b]
+        return self._routes[a, b]  # every pair has one: each tier reaches the device and back
 
     def moves(self) -> tuple[tuple[Tier, Tier], ...]:
         """Every (source, destination) pair of the chain."""

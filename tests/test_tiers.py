@@ -1,0 +1,301 @@
+"""Tiers, links and chains (``tiering.core.tiers``): the contracts on every built-in
+implementation, a state machine over a tier's ledger, the chain's rules, the shared mover in
+the modelled cache and the fake, and a fourth, remote tier run in the modelled cache."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import settings
+
+from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
+from tiering.apps.replay.simulator import SimClock
+from tiering.core.tiers import (
+    BLOCKS,
+    Copy,
+    InstantLink,
+    ModelledLink,
+    PageTier,
+    Role,
+    TierChain,
+)
+from tiering.testing import FakeClock, FakeTieredResource
+from tiering.testing.tiers import LinkContract, TierContract, tier_ledger_machine
+from tiering.types import RequestState, Tier
+
+S = RequestState
+
+
+# -- the contracts on the built-ins -------------------------------------------------------------
+
+
+class TestPageTier(TierContract):
+    def make_tier(self, capacity_pages):
+        return PageTier("host", Role.HOST, capacity_pages, page_bytes=4096)
+
+    def corrupt_tier(self, tier):
+        tier._used += 1  # the count no longer the owners' sum
+
+
+class TestModelledLink(LinkContract):
+    def make_link(self):
+        a = PageTier("host", Role.HOST, 64, 512)
+        b = PageTier("disk", Role.DISK, 64, 512)
+        return ModelledLink("host", "disk", 3e9, 2e-5, name="disk_write"), a, b
+
+
+class TestInfiniteModelledLink(LinkContract):
+    def make_link(self):
+        a = PageTier("device", Role.DEVICE, 16, 256)
+        b = PageTier("host", Role.HOST, 16, 256)
+        return ModelledLink("device", "host", math.inf), a, b
+
+
+class TestInstantLink(LinkContract):
+    def make_link(self):
+        a = PageTier("disk", Role.DISK, 8, 64)
+        b = PageTier("host", Role.HOST, 8, 64)
+        return InstantLink("disk", "host"), a, b
+
+
+TestPageTierLedger = tier_ledger_machine(lambda cap: PageTier("t", Role.HOST, cap, 8)).TestCase
+TestPageTierLedger.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+# -- the contracts can fail -------------------------------------------------------------------------
+
+
+class _CountsRefusals(PageTier):
+    """Broken on purpose: a refused reserve still moves the count."""
+
+    def reserve(self, owner, pages):
+        ok = super().reserve(owner, pages)
+        if not ok:
+            self._used += pages
+        return ok
+
+
+class _LandsEarly(ModelledLink):
+    """Broken on purpose: reports a landing before the copy was issued."""
+
+    def copy(self, src, dst, owner, nbytes, *, now, layers=None):
+        c = super().copy(src, dst, owner, nbytes, now=now, layers=layers)
+        return c._replace(done=now - 1.0)
+
+
+def test_the_tier_contract_fails_a_broken_tier():
+    class Broken(TierContract):
+        def make_tier(self, capacity_pages):
+            return _CountsRefusals("x", Role.HOST, capacity_pages)
+
+    with pytest.raises(AssertionError):
+        Broken().test_a_refused_reserve_changes_nothing()
+    with pytest.raises(AssertionError, match="tier 'x'"):  # its own check sees it too
+        t = _CountsRefusals("x", Role.HOST, 4)
+        t.reserve("a", 9)
+        t.check_integrity()
+
+
+def test_the_link_contract_fails_a_broken_link():
+    class Broken(LinkContract):
+        def make_link(self):
+            a, b = PageTier("a", Role.HOST, 4), PageTier("b", Role.DISK, 4)
+            return _LandsEarly("a", "b", 1e9), a, b
+
+    with pytest.raises(AssertionError, match="lands before"):
+        Broken().test_a_copy_reports_what_it_copied_and_lands_after_it_is_issued()
+
+
+def test_bad_tier_and_link_settings_are_refused_naming_them():
+    for args, what in ((("", Role.HOST, 4), "name"), (("t", "host", 4), "role"),
+                       (("t", Role.HOST, -1), "capacity_pages"),
+                       (("t", Role.HOST, 4, 0), "page_bytes")):
+        with pytest.raises(ValueError, match=what):
+            PageTier(*args)
+    for kwargs, what in (({"bandwidth": 0}, "bandwidth"), ({"bandwidth": True}, "bandwidth"),
+                         ({"bandwidth": 1e9, "latency_s": -1}, "latency_s"),
+                         ({"bandwidth": 1e9, "latency_s": math.inf}, "latency_s")):
+        with pytest.raises(ValueError, match=what):
+            ModelledLink("a", "b", **kwargs)
+    with pytest.raises(ValueError, match="same tier"):
+        InstantLink("a", "a")
+
+
+# -- modelled time ------------------------------------------------------------------------------
+
+
+def _three(rng, pages=100, pb=1000):
+    tiers = (PageTier("device", Role.DEVICE, pages, pb), PageTier("host", Role.HOST, pages, pb),
+             PageTier("disk", Role.DISK, pages, pb))
+    rates = LinkRates(rng.uniform(1e6, 1e9), rng.uniform(1e6, 1e9), rng.uniform(1e5, 1e8),
+                      rng.uniform(1e5, 1e8), rng.uniform(0, 1e-3), rng.uniform(0, 1e-3),
+                      rng.uniform(0, 1e-2), rng.uniform(0, 1e-2))
+    return TierChain(tiers, rates.links()), rates
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_modelled_link_is_fifo_at_its_bandwidth_plus_latency(seed):
+    rng = random.Random(seed)
+    chain, rates = _three(rng)
+    link = chain.link("device", "host")
+    now = rng.uniform(0, 10)
+    n1, n2 = rng.randint(1, 10**7), rng.randint(1, 10**7)
+    first = chain.copy("device", "host", "a", n1, now=now)
+    assert first.started == now
+    assert first.done == pytest.approx(now + rates.d2h_latency_s + n1 / rates.d2h)
+    second = chain.copy("device", "host", "b", n2, now=now)  # queues behind the first
+    assert second.started == first.done
+    assert second.done == pytest.approx(first.done + rates.d2h_latency_s + n2 / rates.d2h)
+    later = first.done + second.done  # idle again by then: starts when issued
+    assert chain.copy("device", "host", "c", 5, now=later).started == later
+    assert link.bytes_copied == n1 + n2 + 5 and link.copies == 3
+    assert chain.link("host", "device").copies == 0  # the other direction is its own link
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_route_of_modelled_links_is_cut_through(seed):
+    rng = random.Random(seed)
+    chain, rates = _three(rng)
+    n = rng.randint(1, 10**8)
+    c = chain.copy("device", "disk", "a", n, now=1.0)
+    assert c.links == ("d2h", "disk_write") and (c.src, c.dst) == ("device", "disk")
+    want = 1.0 + rates.d2h_latency_s + rates.disk_write_latency_s + n / min(
+        rates.d2h, rates.disk_write)
+    assert c.done == pytest.approx(want)
+    # both links are held until it lands: a host -> disk copy issued meanwhile waits for it
+    assert chain.copy("host", "disk", "b", 1, now=1.0).started == c.done
+    up = chain.copy("disk", "device", "a", n, now=c.done)
+    assert up.links == ("disk_read", "h2d")
+
+
+def test_a_route_with_a_link_of_another_kind_is_store_and_forward():
+    a, b, c = (PageTier("d", Role.DEVICE, 4), PageTier("h", Role.HOST, 4),
+               PageTier("k", Role.DISK, 4))
+    slow = ModelledLink("d", "h", 100.0, 0.5)
+    chain = TierChain((a, b, c), (slow, ModelledLink("h", "d", 100.0), InstantLink("h", "k"),
+                                  InstantLink("k", "h")))
+    out = chain.copy("d", "k", "x", 200, now=2.0)
+    assert out == Copy(("d->h", "h->k"), "d", "k", "x", 200, None, 2.0, 2.0 + 0.5 + 2.0)
+    assert chain.link("h", "k").bytes_copied == 200
+
+
+# -- the chain's rules ------------------------------------------------------------------------------
+
+
+def _tiers():
+    return (PageTier("device", Role.DEVICE, 8), PageTier("host", Role.HOST, 8),
+            PageTier("disk", Role.DISK, 8))
+
+
+def _both(a, b):
+    return [InstantLink(a, b), InstantLink(b, a)]
+
+
+def test_a_chain_that_is_not_connected_is_refused_naming_the_pair():
+    with pytest.raises(ValueError, match="not connected: no route device -> disk"):
+        TierChain(_tiers(), _both("device", "host") + [InstantLink("disk", "host")])
+    with pytest.raises(ValueError, match="not connected: no route host -> device"):
+        TierChain(_tiers(), [InstantLink("device", "host")] + _both("host", "disk"))
+
+
+@pytest.mark.parametrize(("tiers", "links", "what"), [
+    ((), (), "no tiers"),
+    (lambda: (PageTier("host", Role.HOST, 1), PageTier("device", Role.DEVICE, 1)), (),
+     "first tier must have role DEVICE"),
+    (lambda: (PageTier("device", Role.DEVICE, 1), PageTier("disk", Role.DISK, 1),
+              PageTier("host", Role.HOST, 1)), (), "cannot come after 'disk'"),
+    (lambda: (PageTier("device", Role.DEVICE, 1), PageTier("device", Role.HOST, 1)), (),
+     "two tiers are named 'device'"),
+    (_tiers, lambda: _both("device", "host") + _both("host", "tape"), "names tier 'tape'"),
+    (_tiers, lambda: _both("device", "host") + _both("host", "disk")
+     + [InstantLink("host", "disk", name="again")], "both copy host -> disk"),
+    (_tiers, lambda: [InstantLink("device", "host", name="x"), InstantLink("host", "device",
+                                                                           name="x")],
+     "two links are named 'x'"),
+    (lambda: ("device",), (), "is not a Tier"),
+    (_tiers, lambda: ["d2h"], "is not a Link"),
+])
+def test_a_malformed_chain_is_refused_naming_what_is_wrong(tiers, links, what):
+    with pytest.raises(ValueError, match=what):
+        TierChain(tiers() if callable(tiers) else tiers, links() if callable(links) else links)
+
+
+def test_chain_lookups_by_name_and_object():
+    tiers = _tiers()
+    chain = TierChain(tiers, _both("device", "host") + _both("host", "disk"))
+    device, host, disk = tiers
+    assert chain["host"] is chain.tier(host) is host and "disk" in chain and disk in chain
+    stranger = PageTier("host", Role.HOST, 8)  # same name, another object
+    assert stranger not in chain and "tape" not in chain
+    with pytest.raises(KeyError, match="'tape' is not in the chain"):
+        chain.tier("tape")
+    with pytest.raises(KeyError, match="not in the chain"):
+        chain.tier(stranger)
+    assert chain.device is device and list(chain) == list(tiers) and len(chain) == 3
+    assert chain.below(device) == (host, disk) and chain.below("disk") == ()
+    assert chain.above("disk") == (host, device)
+    assert chain.index("disk") == 2
+    assert chain.with_role(Role.HOST) == (host,)
+    assert len(chain.moves()) == 6 and (device, disk) in chain.moves()
+    assert [h[0].name for h in chain.route("device", "disk")] == ["device->host", "host->disk"]
+    with pytest.raises(KeyError, match="no direct link device -> disk"):
+        chain.link("device", "disk")
+    with pytest.raises(ValueError, match="to itself"):
+        chain.route("host", host)
+
+
+def test_a_direct_link_is_the_route_when_there_is_one():
+    chain = TierChain(_tiers(), _both("device", "host") + _both("host", "disk")
+                      + [InstantLink("device", "disk", name="gds")])
+    assert [h[0].name for h in chain.route("device", "disk")] == ["gds"]
+    assert [h[0].name for h in chain.route("disk", "device")] == ["disk->host", "host->device"]
+
+
+def test_chain_check_integrity_names_the_broken_tier():
+    tiers = _tiers()
+    chain = TierChain(tiers, _both("device", "host") + _both("host", "disk"))
+    assert tiers[2].reserve("a", 3)
+    chain.check_integrity()
+    tiers[2]._used = 1
+    with pytest.raises(AssertionError, match="tier 'disk'"):
+        chain.check_integrity()
+
+
+# -- the shared mover in the modelled cache and the fake -------------------------------------------
+
+
+def test_the_modelled_cache_keeps_its_ledgers_in_the_chain():
+    rng = random.Random(3)
+    kv = ModeledKVCache(64, 4, 20, 6, 30, LinkRates.instant(), SimClock())
+    device, host, disk = kv.chain.tiers
+    kv.ingest_request("a")
+    n = rng.randint(5, 20)
+    assert kv.allocate("a", n)
+    assert device.held("a") == kv.pages_for(n) and device.used_pages == kv.pages_for(n)
+    assert kv.take_block_pages(Tier.DEVICE, 2) and device.held(BLOCKS) == 2
+    kv.offload("a")
+    assert kv.offload_destination("a") is (Tier.HOST if kv.pages_for(n) <= 6 else Tier.DISK)
+    kv.poll()
+    where = host if kv.pages_for(n) <= 6 else disk
+    assert where.held("a") == kv.pages_for(n) and device.held("a") == 0
+    kv.check_integrity()
+    where._held["a"] += 1  # a tier's ledger behind the records' back
+    where._used += 1
+    with pytest.raises(AssertionError, match=f"{where.name}: 'a' holds"):
+        kv.check_integrity()
+
+
+def test_the_fake_moves_through_its_chain():
+    fake = FakeTieredResource(100, 50, 200, async_transfers=True, complete_on_poll=False,
+                              clock=FakeClock())
+    fake.add("a", 30)
+    assert fake.offload("a") == 30
+    device, host, _ = fake.chain.tiers
+    assert device.held("a") == host.held("a") == 30  # both tiers held while in flight
+    assert fake.chain.link("device", "host").bytes_copied == 30
+    fake.complete_transfers()
+    assert device.held("a") == 0 and fake.state["a"] is S.ON_HOST
+    fake.check_integrity()
+    assert fake.ledger.used == [0, 30, 0] and fake.ledger.cap == [100, 50, 200]
