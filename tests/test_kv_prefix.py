@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_leading, write_random
+from tiering.policies.blocks import LRUBlocks
 from tiering.resources.kv_cache import PagedKVCache
 from tiering.resources.kv_geometry import KVGeometry
 from tiering.resources.kv_prefix import BLOCKS
@@ -547,3 +548,110 @@ def test_a_refused_allocation_moves_no_cached_block(seed):
         assert kv.allocate("c", room * T) is True
         assert [p.index.location(k).tier for k in keys[2:]] == [Tier.HOST, Tier.HOST]
         kv.check_integrity()
+
+
+class Judging(LRUBlocks):
+    """LRU that records what it is asked to admit and told of, refusing ``refuse`` (all when
+    None); its own ``admit`` and ``on_request`` make the store use the per-event hooks."""
+
+    def __init__(self, capacity: int, refuse=()) -> None:
+        super().__init__(capacity)
+        self.refuse = refuse
+        self.asked: list[tuple[bytes, int]] = []
+        self.told: list[tuple[bytes, ...]] = []
+
+    def admit(self, key, depth, now) -> bool:
+        self.asked.append((key, depth))
+        return self.refuse is not None and key not in self.refuse
+
+    def on_request(self, keys, now) -> None:
+        self.told.append(tuple(keys))
+
+
+def judged(kv, tier, refuse=()) -> Judging:
+    """Put a fresh ``Judging`` policy on ``tier`` of an empty block store."""
+    p = kv._prefix
+    assert len(p.index) == 0
+    pol = Judging(64, refuse)
+    p.policies[tier] = pol  # the rules' own table (one dict)
+    assert p.rules.policies[tier] is pol
+    return pol
+
+
+def test_published_pages_are_admitted_by_the_device_policy_and_a_refusal_stops_there():
+    gen = torch.Generator().manual_seed(11)
+    with make() as kv:
+        ids = tokens(gen, 18)
+        keys = kv._prefix.keys(ids)
+        dev = judged(kv, Tier.DEVICE, refuse={keys[2]})
+        kv.ingest_request("a")
+        data = write_random(kv, "a", gen, 18)
+        assert kv.publish_prefix("a", ids) == 2 * T  # pages 2 and 3 stay the request's own
+        assert dev.asked == [(keys[0], 0), (keys[1], 1), (keys[2], 2)]
+        stats = kv.prefix_stats()
+        assert stats["blocks_published"] == 2 and stats["publish_refused"] == 1
+        assert keys[2] not in kv._prefix.index and len(kv._prefix.index) == 2
+        assert_leading(kv, "a", data, 18)
+        kv.check_integrity()
+        kv.remove_request("a")
+        assert kv.cached_prefix(ids).tokens == 2 * T
+        kv.check_integrity()
+
+
+def test_a_victim_the_host_policy_does_not_admit_is_dropped_not_moved():
+    gen = torch.Generator().manual_seed(12)
+    with make() as kv:
+        host = judged(kv, Tier.HOST, refuse=None)  # refuses every block
+        ids, _ = published(kv, gen)
+        keys = kv._prefix.keys(ids)
+        kv.remove_request("a")
+        squeeze_device(kv, gen)
+        stats = kv.prefix_stats()
+        assert stats.get("blocks_device_to_host", 0) == 0 and stats["dropped_evicted"] >= 1
+        assert kv._prefix.index.count(Tier.HOST) == 0 and kv.cached_prefix(ids).tokens == 0
+        assert {k for k, _ in host.asked} <= set(keys) and host.asked
+        kv.check_integrity()
+
+
+def test_a_block_the_host_admits_moves_down():
+    """The control of the test above: a host policy that admits takes the victims."""
+    gen = torch.Generator().manual_seed(12)
+    with make() as kv:
+        host = judged(kv, Tier.HOST)
+        ids, _ = published(kv, gen)
+        kv.remove_request("a")
+        squeeze_device(kv, gen)
+        assert kv.prefix_stats()["blocks_device_to_host"] == len(host.asked) >= 1
+        assert kv._prefix.index.count(Tier.HOST) >= 1
+        kv.check_integrity()
+
+
+def test_every_tier_is_told_a_request_once_not_once_per_published_page():
+    gen = torch.Generator().manual_seed(13)
+    with make() as kv:
+        pols = {t: judged(kv, t) for t in Tier}
+        ids = tokens(gen, 18)
+        keys = tuple(kv._prefix.keys(ids))
+        kv.ingest_request("a")
+        assert kv.attach_prefix("a", ids) == 0  # nothing cached: told, with no hits
+        write_random(kv, "a", gen, 18)
+        assert kv.publish_prefix("a", ids[:9]) == 8
+        assert kv.publish_prefix("a", ids) == 16
+        assert all(p.told == [keys] for p in pols.values())
+        # a request that never attached is told at its first publish, once
+        kv.ingest_request("b")
+        other = tokens(gen, 12)
+        write_random(kv, "b", gen, 12)
+        kv.publish_prefix("b", other[:4])
+        kv.publish_prefix("b", other)
+        assert all(p.told == [keys, tuple(kv._prefix.keys(other[:4]))] for p in pols.values())
+        kv.check_integrity()
+
+
+def test_each_tier_policy_is_sized_by_its_tier(tmp_path):
+    disk = DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=32 * GEOM.page_bytes,
+                      chunk_bytes=2 * GEOM.page_bytes)
+    with PagedKVCache(GEOM, "cpu", 16, 8, disk=disk) as kv:
+        assert kv.enable_prefix_cache(root(), policy="arc")
+        caps = {t: kv._prefix.policies[t].capacity for t in Tier}
+        assert caps == {Tier.DEVICE: 16, Tier.HOST: 8, Tier.DISK: 32}
