@@ -160,9 +160,14 @@ def _run_one(c: dict, admission: bool = True) -> dict:
 
     cost = StepCost(model, hw)
     start = time.perf_counter()
-    registry = None if admission else _without_admission()
+    extra = {}
+    if not admission:  # metered as a user's policy would be, without the budget warning
+        from tiering.apps.replay.block_guard import PolicyMeter
+
+        extra = {"block_registry": _without_admission(),
+                 "block_meter": PolicyMeter("without-admission", warn=None)}
     res = simulate(trace, cost, spec, sim, time_scale=c.get("time_scale", 1.0),
-                   kv_factory=factory, block_registry=registry)
+                   kv_factory=factory, **extra)
     wall = time.perf_counter() - start
     counters = dataclasses.asdict(res.counters)
     loop = {k: counters.pop(k) for k in LOOP_COUNTERS}
