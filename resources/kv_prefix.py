@@ -13,6 +13,9 @@ every rule below spans them: this module (set-up, publish / lookup / attach, loa
 integrity), ``kv_prefix_moves`` (``TierMovesPart``: making room, dropping) and
 ``kv_prefix_shared`` (``SharedTierPart`` and ``SharedLink``: the shared cold tier).
 Its small types are in ``kv_prefix_types``; every name stays importable from here.
+Every call into a block policy goes through ``kv_prefix_rules.BlockRules``, the rules
+the replay's block store runs too (what an attach maps, who is told what and when,
+what each tier admits, which block leaves first).
 
 Rules (``check_integrity`` proves them together with the cache's own check):
 
@@ -413,16 +416,12 @@ class PrefixCache(TierMovesPart, SharedTierPart):
                 problems.append(f"block {key.hex()} off the device is mapped {info.refs} times")
             if key not in self.crc:
                 problems.append(f"block {key.hex()} has no crc32c")
-            if key not in self.policies[loc.tier]:
-                problems.append(f"block {key.hex()} is not tracked by the {loc.tier.value} policy")
         for t in Tier:
             slow = sum(1 for k in self.index.keys(t)
                        if self.index.get(k).refs == 0 and self.index.location(k).moving_to is None)
             if slow != self.index.idle_count(t):
                 problems.append(f"{t.value}: idle_count {self.index.idle_count(t)}, counted {slow}")
-            if len(self.policies[t]) != self.index.count(t):
-                problems.append(f"{t.value} policy tracks {len(self.policies[t])} blocks,"
-                                f" index holds {self.index.count(t)}")
+        problems += self.rules.check()  # each tier's policy tracks exactly its blocks
         if set(self.crc) != set(self.index.keys()):
             problems.append("crc table does not cover exactly the cached blocks")
         live: Counter = Counter()

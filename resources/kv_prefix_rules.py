@@ -230,5 +230,6 @@ class BlockRules:
         for k in index.keys():
             t = index.location(k).tier
             if k not in self.policies[t]:
-                out.append(f"block {k!r} is not tracked by the {t.value} policy")
+                name = k.hex() if isinstance(k, bytes) else repr(k)
+                out.append(f"block {name} is not tracked by the {t.value} policy")
         return out
