@@ -84,6 +84,22 @@ def _span(values: list[float], fmt: str = "{:.0f}") -> str:
     return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
 
 
+def _readiness_rows(s: list[dict]) -> str:
+    """The rows of the layer-wise comparison and the long request (runs that have them)."""
+    if not all("layerwise" in x and "long_request" in x for x in s):
+        return ""
+    lw = [x["layerwise"] for x in s]
+    lr = [x["long_request"] for x in s]
+    return (
+        f"| reload stall, layer by layer vs whole-request (same requests) | "
+        f"{_span([x['layer']['stall_s'] for x in lw], '{:.2f}')} s vs "
+        f"{_span([x['whole']['stall_s'] for x in lw], '{:.2f}')} s |\n"
+        f"| long request ({lr[0]['times_device']}x the device's KV), decode streamed vs compute"
+        f" only | {_span([x['decode_tokens_per_s'] for x in lr])} vs "
+        f"{_span([x['compute_only_tokens_per_s'] for x in lr])} tok/s |\n"
+    )
+
+
 def render(record: dict, name: str) -> str:
     """The text of region ``name`` from a record (the same for every file that has it)."""
     m, runs = record["machine"], record["runs"]
@@ -109,6 +125,7 @@ def render(record: dict, name: str) -> str:
             f"{_span([x['offloads']['device_to_host'] + x['offloads']['device_to_disk'] for x in s])} |\n"
             f"| reloads (host or disk to device) | "
             f"{_span([x['reloads']['from_host'] + x['reloads']['from_disk'] for x in s])} |\n"
+            + _readiness_rows(s) +
             f"| outputs identical to the reference | "
             f"{'all runs' if all(x['identical'] for x in s) else 'NOT all runs'} |\n\n"
             "The two runs share the machine's cores with the copy threads, so which of them "
