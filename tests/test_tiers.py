@@ -299,3 +299,162 @@ def test_the_fake_moves_through_its_chain():
     assert device.held("a") == 0 and fake.state["a"] is S.ON_HOST
     fake.check_integrity()
     assert fake.ledger.used == [0, 30, 0] and fake.ledger.cap == [100, 50, 200]
+
+
+# -- the worked example of docs/tiers.md: a remote memory tier, a fourth in the chain --------------
+
+
+def _doc_namespace() -> dict:
+    """The names docs/tiers.md defines, from its python blocks (the replay run left out: the
+    tests below run their own)."""
+    import builtins
+    from pathlib import Path
+
+    from test_docs_snippets import blocks
+
+    ns = {"__name__": "docs_tiers", "__builtins__": builtins}
+    page = Path(__file__).resolve().parents[1] / "docs" / "tiers.md"
+    for b in blocks(page):
+        if b.lang == "python" and not b.directives and "simulate(" not in b.code:
+            exec(compile(b.code, b.where, "exec"), ns)
+    return ns
+
+
+DOC = _doc_namespace()
+RemoteMemory, four_tiers = DOC["RemoteMemory"], DOC["four_tiers"]
+GIB = 1 << 30
+
+
+class TestRemoteMemory(TierContract):
+    def make_tier(self, capacity_pages):
+        return RemoteMemory("remote", capacity_pages, 4096)
+
+    def corrupt_tier(self, tier):
+        tier._slots["a"].append(tier._slots["a"][0])  # one slot held twice
+
+
+TestRemoteMemoryLedger = tier_ledger_machine(lambda cap: RemoteMemory("r", cap, 8)).TestCase
+TestRemoteMemoryLedger.settings = settings(max_examples=40, stateful_step_count=30,
+                                           deadline=None)
+
+
+def _four(remote_pages, host_pages=10, disk_pages=100, device_pages=60, seed=0):
+    from tiering.apps.replay.presets import get_hardware
+
+    pb = 16 * 64
+    hw = get_hardware("small").with_sizes(device_kv_bytes=device_pages * pb,
+                                          host_bytes=host_pages * pb, disk_bytes=disk_pages * pb)
+    clock = SimClock()
+    return ModeledKVCache.from_chain(four_tiers(hw, pb, remote_pages * pb), 16, clock), clock
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_remote_tier_takes_what_the_host_cannot(seed):
+    rng = random.Random(seed)
+    kv, clock = _four(remote_pages=rng.randint(12, 20), seed=seed)
+    assert [t.name for t in kv.chain] == ["device", "host", "remote", "disk"]
+    host, remote, disk = kv.chain["host"], kv.chain["remote"], kv.chain["disk"]
+    sizes = {}
+    for i in range(5):
+        rid = f"r{i}"
+        sizes[rid] = rng.randint(4, 9)
+        kv.ingest_request(rid)
+        assert kv.allocate(rid, sizes[rid] * 16 - rng.randrange(16))
+    placed = {}
+    for rid in sizes:
+        free = (host.free_pages, remote.free_pages)
+        assert kv.offload(rid) == sizes[rid] * kv.page_bytes
+        # the first host-like tier with room, else the disk
+        placed[rid] = "host" if free[0] >= sizes[rid] else (
+            "remote" if free[1] >= sizes[rid] else "disk")
+        kv.check_integrity()
+    clock.now += 10.0
+    kv.poll()
+    assert "remote" in placed.values(), placed
+    for rid, where in placed.items():
+        assert kv.chain[where].held(rid) == sizes[rid], (rid, where)
+        assert kv.tier_of(rid) is (Tier.DISK if where == "disk" else Tier.HOST)
+    assert kv.host_used_bytes() == (host.used_pages + remote.used_pages) * kv.page_bytes
+    on_remote = [rid for rid, w in placed.items() if w == "remote"]
+    # a request on the remote tier demotes to the disk over r2h and disk_write ...
+    before = kv.stats.bytes_r2h
+    assert kv.demote(on_remote[0])
+    clock.now += 10.0
+    kv.poll()
+    assert disk.held(on_remote[0]) == sizes[on_remote[0]] and remote.held(on_remote[0]) == 0
+    assert kv.stats.bytes_r2h == before + sizes[on_remote[0]] * kv.page_bytes
+    # ... and reloads from wherever it is
+    for rid in placed:
+        assert kv.reload(rid)
+    clock.now += 10.0
+    kv.poll()
+    assert all(kv.state_of(rid) is S.RESIDENT for rid in placed)
+    assert host.used_pages == remote.used_pages == disk.used_pages == 0
+    assert kv.stats.max_remote_pages >= sizes[on_remote[0]]
+    kv.check_integrity()
+
+
+def test_without_its_chain_entry_nothing_lands_in_remote_memory():
+    """The negative control: the same requests with a remote tier of no pages go to disk."""
+    kv, clock = _four(remote_pages=0)
+    for i in range(4):
+        kv.ingest_request(f"r{i}")
+        assert kv.allocate(f"r{i}", 8 * 16)
+        kv.offload(f"r{i}")
+    clock.now += 10.0
+    kv.poll()
+    assert kv.stats.bytes_h2r == 0 and kv.chain["disk"].used_pages == 3 * 8
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_block_pages_spread_over_the_host_like_tiers(seed):
+    rng = random.Random(seed)
+    kv, clock = _four(remote_pages=rng.randint(5, 15), host_pages=rng.randint(3, 8))
+    host, remote, disk = kv.chain["host"], kv.chain["remote"], kv.chain["disk"]
+    room = host.free_pages + remote.free_pages
+    assert kv.free_pages(Tier.HOST) == room
+    assert not kv.take_block_pages(Tier.HOST, room + 1)  # short: nothing changed
+    assert host.used_pages == remote.used_pages == 0
+    n = rng.randint(host.free_pages + 1, room)
+    assert kv.take_block_pages(Tier.HOST, n)  # fills the host first
+    assert host.held(BLOCKS) == host.capacity_pages and remote.held(BLOCKS) == n - host.capacity_pages
+    assert kv.block_pages(Tier.HOST) == n
+    k = rng.randint(1, n)
+    assert kv.move_block_pages(Tier.HOST, Tier.DISK, k)  # leaves the slowest first
+    assert kv.block_pages(Tier.HOST) == n - k and disk.held(BLOCKS) == k
+    assert remote.held(BLOCKS) == max(0, n - host.capacity_pages - k)
+    moved = kv.stats.bytes_disk_write
+    assert moved == k * kv.page_bytes
+    kv.give_block_pages(Tier.HOST, n - k)
+    assert kv.block_pages(Tier.HOST) == 0
+    kv.check_integrity()
+
+
+def test_the_replay_runs_the_four_tier_chain_and_the_remote_tier_takes_disk_traffic():
+    from tiering.apps.replay.config import RunSpec, SimConfig
+    from tiering.apps.replay.presets import StepCost, get_hardware, get_model
+    from tiering.apps.replay.simulator import simulate
+    from tiering.apps.replay.traces import TraceRequest
+
+    hardware = get_hardware("h100-80g").with_sizes(device_kv_bytes=3 * GIB, host_bytes=GIB,
+                                                   disk_bytes=64 * GIB)
+    cost = StepCost(get_model("llama-3.1-8b"), hardware)
+    sim = SimConfig(preempt="policy")
+    pb = cost.model.kv_bytes_per_token * sim.page_tokens
+    rng = random.Random(11)
+    trace, t = [], 0.0
+    for _ in range(80):
+        t += rng.expovariate(4.0)
+        conv, blocks = rng.randrange(10), rng.randint(2, 24)
+        trace.append(TraceRequest(t, 512 * blocks + 100, rng.randint(10, 300),
+                                  tuple(1000 * conv + i for i in range(blocks))))
+    stats = {}
+    for remote in (0, 8):
+        run = simulate(trace, cost, RunSpec("tiering", "lru"), sim, check=True,
+                       kv_factory=lambda clock, r=remote: ModeledKVCache.from_chain(
+                           four_tiers(hardware, pb, r * GIB), sim.page_tokens, clock))
+        assert all(r.status == "finished" for r in run.requests)
+        stats[remote] = run.kv_stats
+    assert stats[0]["bytes_h2r"] == 0 and stats[8]["bytes_h2r"] > 0
+    assert stats[8]["max_remote_pages"] > 0
+    assert stats[8]["bytes_disk_write"] < stats[0]["bytes_disk_write"]

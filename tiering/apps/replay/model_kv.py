@@ -156,8 +156,9 @@ class ModeledKVCache(LifecycleAnswers):
     simulator's loop only.
 
     Calls that name a tier (``free_pages``, ``take_block_pages``, ``copy_in``, ...) take
-    its role (``tiering.types.Tier``) and mean the chain's first tier of that role; the
-    host and disk byte gauges sum every tier of their role.
+    its role (``tiering.types.Tier``) and mean every tier of that role together: cached
+    block pages fill them fastest first and leave them slowest first, a prefix copy comes
+    from the one holding the most of them, and the byte gauges sum them.
     """
 
     def __init__(
@@ -220,8 +221,8 @@ class ModeledKVCache(LifecycleAnswers):
         self._dev = self._mover.device
         self._hosts = self._mover.hosts
         self._disks = self._mover.disks
-        self._by_role = {Role.DEVICE: self._dev, Role.HOST: self._hosts[0],
-                         Role.DISK: self._disks[0]}
+        self._by_role = {Role.DEVICE: (self._dev,), Role.HOST: self._hosts,
+                         Role.DISK: self._disks}
         self.page_tokens = page_tokens
         self.page_bytes = self._mover.page_bytes
         self.device_pages = self._dev.capacity_pages
@@ -313,33 +314,45 @@ class ModeledKVCache(LifecycleAnswers):
 
     # -- cached prefix blocks --------------------------------------------------------
 
-    def _tier(self, role: Tier, what: str) -> ChainTier:
-        t = self._by_role.get(role) if isinstance(role, Tier) else None
-        if t is None:
+    def _role(self, role: Tier, what: str) -> tuple[ChainTier, ...]:
+        tiers = self._by_role.get(role) if isinstance(role, Tier) else None
+        if tiers is None:
             raise ValueError(f"{what}: tier must be a tiering.types.Tier, got {role!r}")
-        return t
+        return tiers
 
     def block_pages(self, tier: Tier) -> int:
         """Pages held in ``tier`` by cached prefix blocks (not by any request)."""
-        return self._tier(tier, "block_pages").held(BLOCKS)
+        tiers = self._role(tier, "block_pages")
+        if len(tiers) == 1:
+            return tiers[0].held(BLOCKS)
+        return sum(t.held(BLOCKS) for t in tiers)
 
     def free_pages(self, tier: Tier) -> int:
-        return self._tier(tier, "free_pages").free_pages
+        tiers = self._role(tier, "free_pages")
+        if len(tiers) == 1:
+            return tiers[0].free_pages
+        return sum(t.free_pages for t in tiers)
 
     def take_block_pages(self, tier: Tier, n: int) -> bool:
         """``n`` pages of ``tier`` now hold cached blocks; False (nothing changed) if short."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"take_block_pages: n must be an int >= 0, got {n!r}")
-        return self._tier(tier, "take_block_pages").reserve(BLOCKS, n)
+        tiers = self._role(tier, "take_block_pages")
+        if len(tiers) == 1:
+            return tiers[0].reserve(BLOCKS, n)
+        if self.free_pages(tier) < n:
+            return False
+        self._spread(tiers, n)
+        return True
 
     def give_block_pages(self, tier: Tier, n: int) -> None:
         """``n`` pages of ``tier`` held by cached blocks are free again."""
-        t = self._tier(tier, "give_block_pages")
-        held = t.held(BLOCKS)
+        tiers = self._role(tier, "give_block_pages")
+        held = self.block_pages(tier)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= held:
             raise ValueError(f"give_block_pages: n must be an int in [0, {held}] "
                              f"for {tier.value}, got {n!r}")
-        t.release(BLOCKS, n)
+        self._gather(tiers, n)
 
     def move_block_pages(self, src: Tier, dst: Tier, n: int) -> bool:
         """Cached blocks of ``n`` pages go from ``src`` down to ``dst`` (a slower tier): the
@@ -349,17 +362,56 @@ class ModeledKVCache(LifecycleAnswers):
         a = self._by_role.get(src) if isinstance(src, Tier) else None
         b = self._by_role.get(dst) if isinstance(dst, Tier) else None
         chain = self.chain
-        if a is None or b is None or chain.index(a) >= chain.index(b):
+        if a is None or b is None or chain.index(a[0]) >= chain.index(b[0]):
             raise ValueError(f"move_block_pages: no move from {src!r} to {dst!r}")
-        held = a.held(BLOCKS)
+        held = self.block_pages(src)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= held:
             raise ValueError(f"move_block_pages: n must be an int in [0, {held}] "
                              f"for {src.value}, got {n!r}")
-        if not b.reserve(BLOCKS, n):
+        if self.free_pages(dst) < n:
             return False
-        a.release(BLOCKS, n)
-        chain.copy(a, b, BLOCKS, n * self.page_bytes, now=self._clock())
+        now = self._clock()
+        if len(a) == 1 and len(b) == 1:
+            b[0].reserve(BLOCKS, n)
+            a[0].release(BLOCKS, n)
+            chain.copy(a[0], b[0], BLOCKS, n * self.page_bytes, now=now)
+            return True
+        froms = [list(p) for p in self._gather(a, n)]
+        tos = [list(p) for p in self._spread(b, n)]
+        while froms:  # pair the pieces (both add up to n): each copies over its own route
+            k = min(froms[0][1], tos[0][1])
+            chain.copy(froms[0][0], tos[0][0], BLOCKS, k * self.page_bytes, now=now)
+            froms[0][1] -= k
+            tos[0][1] -= k
+            if not froms[0][1]:
+                froms.pop(0)
+            if not tos[0][1]:
+                tos.pop(0)
         return True
+
+    @staticmethod
+    def _spread(tiers: Sequence[ChainTier], n: int) -> list[tuple[ChainTier, int]]:
+        """Reserve ``n`` block pages over ``tiers``, fastest first (they have room)."""
+        out = []
+        for t in tiers:
+            k = min(n, t.free_pages)
+            if k > 0:
+                t.reserve(BLOCKS, k)
+                out.append((t, k))
+                n -= k
+        return out
+
+    @staticmethod
+    def _gather(tiers: Sequence[ChainTier], n: int) -> list[tuple[ChainTier, int]]:
+        """Release ``n`` block pages from ``tiers``, slowest first (they hold them)."""
+        out = []
+        for t in reversed(tiers):
+            k = min(n, t.held(BLOCKS))
+            if k > 0:
+                t.release(BLOCKS, k)
+                out.append((t, k))
+                n -= k
+        return out
 
     # -- transfers --------------------------------------------------------------------
 
@@ -383,8 +435,9 @@ class ModeledKVCache(LifecycleAnswers):
             self.stats.prefix_loads_from_disk += 1
         else:
             raise ValueError(f"copy_in: source must be HOST or DISK, got {source!r}")
-        return self.chain.copy(self._by_role[source], self._dev, PREFIX, nbytes,
-                               now=self._clock()).done
+        tiers = self._by_role[source]  # the one holding the most block pages of its role
+        src = tiers[0] if len(tiers) == 1 else max(tiers, key=lambda t: t.held(BLOCKS))
+        return self.chain.copy(src, self._dev, PREFIX, nbytes, now=self._clock()).done
 
     def _current(self, rid: str, seq: int) -> ChainRecord | None:
         r = self._reqs.get(rid)

@@ -14,11 +14,11 @@ and latency), ``InstantLink`` (lands at once), and ``PageMover``, the mover of t
 that count pages. ``tiering.testing.tiers`` holds the contracts every implementation passes.
 """
 
-from tiering.core.tiers.base import Copy, Link, Role, Tier
+from tiering.core.tiers.base import Copy, Link, Role, Tier, check_name, check_pages
 from tiering.core.tiers.chain import TierChain
 from tiering.core.tiers.counted import PageTier
 from tiering.core.tiers.links import InstantLink, ModelledLink
 from tiering.core.tiers.mover import BLOCKS, ChainRecord, PageMover
 
 __all__ = ["BLOCKS", "ChainRecord", "Copy", "InstantLink", "Link", "ModelledLink",
-           "PageMover", "PageTier", "Role", "Tier", "TierChain"]
+           "PageMover", "PageTier", "Role", "Tier", "TierChain", "check_name", "check_pages"]
