@@ -121,8 +121,8 @@ class StreamBuffer:
                 self._streams.wait_on_compute(event)
             rows = slice(first * T, (first + k) * T)
             src = self.ring[buf][:k]
-            out_k[rows].copy_(src[:, 0].reshape(k * T, *out_k.shape[1:]))
-            out_v[rows].copy_(src[:, 1].reshape(k * T, *out_v.shape[1:]))
+            out_k[rows].view(k, T, *out_k.shape[1:]).copy_(src[:, 0])  # no staging copy
+            out_v[rows].view(k, T, *out_v.shape[1:]).copy_(src[:, 1])
             gathered = self._streams.compute_marker()  # the refill waits for this gather
             with self._cond:
                 self._free.append((buf, gathered))
