@@ -353,6 +353,18 @@ def test_baselines_run_and_finish(mode):
         assert m["preemptions"] > 0 and m["recomputed_tokens"] > 0
 
 
+def test_without_a_host_tier_cached_blocks_never_reach_the_disk():
+    """As in the cache: a device block moves down only to the host; with none it is
+    dropped, so B finds nothing although the disk had room."""
+    sim = SimConfig(page_tokens=16, block_tokens=16, block_policy="lru")
+    res = simulate(_prefix_trace(0.5), COST, RunSpec("tiering", "lru"), sim,
+                   kv_factory=_checked_factory(120, 0, 200, sim=sim))
+    b = res.requests[2]
+    assert b.prefix_tier is None and b.reused_tokens == 0
+    kinds = Counter(d.kind for d in res.decisions)
+    assert kinds["block-drop"] > 0 and kinds["block-disk"] == kinds["block-host"] == 0
+
+
 def test_tiering_preempts_offloads_and_reloads_without_recomputing():
     trace = conversation_trace(23, 100, shared=0.0)
     res = simulate(trace, COST, RunSpec("tiering", "lru"), SMALL_SIM,
@@ -375,9 +387,12 @@ def _prefix_trace(gap_s: float) -> list[TraceRequest]:
 
 
 @pytest.mark.parametrize(("host_pages", "disk_pages", "tier"), [(200, 0, "host"),
-                                                                 (0, 200, "disk")])
+                                                                 (1, 200, "disk")])
 def test_prefix_reuse_hits_the_tier_that_holds_it(host_pages, disk_pages, tier):
-    sim = SimConfig(page_tokens=16, block_tokens=16)
+    # lru admits every block (this test is about where they are, not which are kept); a
+    # block reaches the disk through the host, as in the cache (a one-page host passes
+    # A's blocks on)
+    sim = SimConfig(page_tokens=16, block_tokens=16, block_policy="lru")
     res = simulate(_prefix_trace(0.5), COST, RunSpec("tiering", "lru"), sim,
                    kv_factory=_checked_factory(120, host_pages, disk_pages, sim=sim))
     a, c, b = res.requests
