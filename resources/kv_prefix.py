@@ -185,8 +185,10 @@ class PrefixCache(TierMovesPart, SharedTierPart):
             while j < n and keys[j] not in index and keys[j] not in fetching:
                 j += 1
             run = keys[i:j]
-            got, refused = self.rules.offer(run, i, lambda run=run: len(run),
-                                            lambda part: self._publish_own(r, part, now), now)
+            first = len(r.blocks)  # each of the run has an own page of the request: room
+            got, refused = self.rules.offer(
+                run, i, lambda run=run, first=first: len(run) - (len(r.blocks) - first),
+                lambda part: self._publish_own(r, part, now), now)
             if refused:
                 self.stats["publish_refused"] += 1
             if refused or got < len(run):
