@@ -150,13 +150,14 @@ class KVPrefixReuse:
         load finds a block corrupt or unreadable, the request keeps only the
         blocks before it, and ``num_tokens(rid)`` (read after ``admit`` says
         ready) is the number of valid tokens the caller continues from."""
-        return self._attach(rid, self._token_array(f"attach_prefix({rid!r})", token_ids))
+        return self._attach(rid, token_ids)
 
-    def _attach(self, rid: str, arr: np.ndarray, chain: np.ndarray | None = None) -> int:
-        """``attach_prefix`` of checked token ids; the block policies are told the request
-        as reading the pages of ``chain`` (default ``arr``: all it is known to read)."""
+    def _attach(self, rid: str, token_ids, chain: np.ndarray | None = None) -> int:
+        """``attach_prefix``; the block policies are told the request as reading the pages
+        of ``chain`` (default ``token_ids``: all it is known to read)."""
         p = self._prefix_on("attach_prefix")
         r = self._req(rid, "attach_prefix")
+        arr = self._token_array(f"attach_prefix({rid!r})", token_ids)
         if r.state is not S.RESIDENT or r.num_tokens or r.device or r.blocks:
             raise IllegalTransition(
                 f"attach_prefix: request {rid!r} already holds tokens; attach only a fresh request"
