@@ -10,25 +10,25 @@ decision a policy makes for them is taken here, so a replay runs the rules a cac
   index holds, not moving, and, off the device, mapped by no other request (a block off
   the device is mapped by at most one request: its loader). At most ``(n - 1) // T``
   blocks of an ``n``-token prompt: its last token is always computed.
-- **Tell** (``tell``): once per admitted request, every tier's policy hears the chain of
-  the request's full blocks and its hits in that tier (``on_commit``), device first.
+- **Tell** (``tell``): once per attach, every tier's policy hears the chain of the
+  request's full blocks and its hits in that tier (``on_commit``), device first.
 - **Publish** (``offer``): a request's blocks the index lacks, root first, are offered to
   the device policy (``on_publish``: ``admit`` each in turn; a refusal stops the publish).
 - **Make room** (``reachable``, ``victim``, ``admits``): when the device or the host
   needs pages, the room is refused at once, nothing moved, unless enough of its blocks
-  may leave; then its policy names each victim (unmapped, not moving, nothing below it busy). The victim moves one tier down
-  when that tier's policy admits it and room can be made there by the same rule
-  (device -> host -> disk); otherwise it is dropped with its cached descendants. A disk
-  victim is dropped.
-- **Arrivals** (``moved``, ``landed``, ``dropped``): blocks that move, land on the
-  device from a load, or leave are taken off their old tier's policy and put on the new
-  one's, in bulk where several go at once.
+  may leave; then its policy names each victim (unmapped, not moving, nothing below it
+  busy). The victim moves one tier down when that tier's policy admits it and room can
+  be made there by the same rule (device -> host -> disk); otherwise it is dropped with
+  its cached descendants. A disk victim is dropped.
+- **Arrivals** (``moved``, ``landed``, ``arrived``, ``dropped``): blocks that move, land
+  on the device from a load, come from outside, or leave are taken off their old tier's
+  policy and put on the new one's, in bulk where several go at once.
 
 ``watch(kind, key, tier)``, when set, is told every event in the order it happens:
 ``hit`` (the tier it was found on), ``publish``, ``refuse`` (a block the device policy
-did not admit for a publish, or the tier below for a victim), ``load`` (the tier it came from), ``move`` (the tier it went to)
-and ``drop`` (the tier it left), after an ``orphan`` for each cached descendant that
-left with it (deepest first).
+did not admit for a publish, or the tier below for a victim), ``load`` (the tier it
+came from), ``move`` (the tier it went to) and ``drop`` (the tier it left), after an
+``orphan`` for each cached descendant that left with it (deepest first).
 
 ``admission=False`` never asks ``admit``: every offered block is taken while there is
 room, and a victim moves down whenever the tier below can take it (benchmarks compare
