@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from tiering.types import Tier as Role
 
-__all__ = ["Copy", "Link", "Role", "Tier", "check_name", "check_pages"]
+__all__ = ["Copy", "Link", "Role", "Tier", "check_int", "check_name", "check_pages"]
 
 
 def check_name(what: str, name: object) -> str:
@@ -19,11 +19,16 @@ def check_name(what: str, name: object) -> str:
     return name
 
 
+def check_int(what: str, value: object, low: int) -> int:
+    """``value`` if it is an int >= ``low``; ValueError naming ``what`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{what} must be an int >= {low}, got {value!r}")
+    return value
+
+
 def check_pages(what: str, pages: object) -> int:
-    """``pages`` if it is an int >= 0; ValueError naming ``what`` otherwise."""
-    if isinstance(pages, bool) or not isinstance(pages, int) or pages < 0:
-        raise ValueError(f"{what}: pages must be an int >= 0, got {pages!r}")
-    return pages
+    """``pages`` if it is an int >= 0; ValueError naming ``what`` and pages otherwise."""
+    return check_int(f"{what}: pages", pages, 0)
 
 
 class Tier(ABC):

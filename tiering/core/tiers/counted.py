@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from types import MappingProxyType
 
-from tiering.core.tiers.base import Role, Tier, check_name, check_pages
+from tiering.core.tiers.base import Role, Tier, check_int, check_name, check_pages
 
 __all__ = ["PageTier"]
 
@@ -27,9 +27,8 @@ class PageTier(Tier):
         self.name = check_name("PageTier name", name)
         if not isinstance(role, Role):
             raise ValueError(f"PageTier {name!r}: role must be a tiering.types.Tier, got {role!r}")
-        for field, v, low in (("capacity_pages", capacity_pages, 0), ("page_bytes", page_bytes, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"PageTier {name!r}: {field} must be an int >= {low}, got {v!r}")
+        check_int(f"PageTier {name!r}: capacity_pages", capacity_pages, 0)
+        check_int(f"PageTier {name!r}: page_bytes", page_bytes, 1)
         if not isinstance(overcommit, bool):
             raise ValueError(f"PageTier {name!r}: overcommit must be a bool, got {overcommit!r}")
         self.role = role

@@ -36,6 +36,8 @@ _MOVES = {
     (Role.DISK, Role.DEVICE): Move.RELOAD_FROM_DISK,
 }
 _S = RequestState
+#: A ``ChainRecord``'s page count and tier for each role below the device.
+_HOLDINGS = {Role.HOST: ("host", "host_at"), Role.DISK: ("disk", "disk_at")}
 
 
 @dataclass(eq=False, slots=True)
@@ -110,26 +112,20 @@ class PageMover:
         """``pages`` more of ``tier`` for ``r`` (and ``r`` counts them); False (nothing
         changed) when the tier is short. The record may hold one tier of each role."""
         role = tier.role
-        if role is Role.HOST:
-            if r.host_at is not None and r.host_at is not tier:
-                raise ValueError(f"request {r.rid!r} holds host pages in {r.host_at.name!r},"
-                                 f" not {tier.name!r}")
-            if not tier.reserve(r.rid, pages):
-                return False
-            r.host += pages
-            r.host_at = tier
-        elif role is Role.DISK:
-            if r.disk_at is not None and r.disk_at is not tier:
-                raise ValueError(f"request {r.rid!r} holds disk pages in {r.disk_at.name!r},"
-                                 f" not {tier.name!r}")
-            if not tier.reserve(r.rid, pages):
-                return False
-            r.disk += pages
-            r.disk_at = tier
-        else:
+        if role is Role.DEVICE:
             if not tier.reserve(r.rid, pages):
                 return False
             r.device += pages
+            return True
+        count, at = _HOLDINGS[role]
+        where = getattr(r, at)
+        if where is not None and where is not tier:
+            raise ValueError(f"request {r.rid!r} holds {role.value} pages in "
+                             f"{where.name!r}, not {tier.name!r}")
+        if not tier.reserve(r.rid, pages):
+            return False
+        setattr(r, count, getattr(r, count) + pages)
+        setattr(r, at, tier)
         return True
 
     def at(self, r: ChainRecord) -> Tier:
