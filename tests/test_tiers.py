@@ -287,6 +287,25 @@ def test_the_modelled_cache_keeps_its_ledgers_in_the_chain():
         kv.check_integrity()
 
 
+def test_the_modelled_cache_reports_the_counters_it_always_did():
+    """The replay's summaries read these names, in this order."""
+    from tiering.apps.replay.model_kv import LINKS
+    from tiering.core.lifecycle import Counters
+
+    kv = ModeledKVCache(8, 2, 10, 4, 4, LinkRates(1e9, 2e9, 3e8, 4e8), SimClock())
+    assert list(kv.stats.as_dict()) == [
+        *Counters.FIELDS, "prefix_loads_from_host", "prefix_loads_from_disk",
+        *(f"bytes_{link}" for link in LINKS), "max_device_pages", "max_host_pages",
+        "max_disk_pages"]
+    kv.ingest_request("a")
+    assert kv.allocate("a", 7)
+    kv.offload("a")
+    assert kv.stats.bytes_d2h == kv.chain.link("device", "host").bytes_copied == 4 * 16
+    assert kv.stats.max_host_pages == 4 and kv.stats.as_dict()["max_device_pages"] == 4
+    with pytest.raises(AttributeError, match="no counter 'bytes_tape'"):
+        kv.stats.bytes_tape  # noqa: B018 - the lookup is the test
+
+
 def test_the_fake_moves_through_its_chain():
     fake = FakeTieredResource(100, 50, 200, async_transfers=True, complete_on_poll=False,
                               clock=FakeClock())
