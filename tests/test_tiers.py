@@ -477,3 +477,22 @@ def test_the_replay_runs_the_four_tier_chain_and_the_remote_tier_takes_disk_traf
     assert stats[0]["bytes_h2r"] == 0 and stats[8]["bytes_h2r"] > 0
     assert stats[8]["max_remote_pages"] > 0
     assert stats[8]["bytes_disk_write"] < stats[0]["bytes_disk_write"]
+
+
+def test_a_pair_that_is_no_lifecycle_move_is_refused_and_changes_nothing():
+    kv, clock = _four(remote_pages=20)
+    kv.ingest_request("a")
+    assert kv.allocate("a", 5 * 16)
+    kv.offload("a")
+    clock.now += 1.0
+    kv.poll()
+    host, remote = kv.chain["host"], kv.chain["remote"]
+    r = kv._reqs["a"]
+    before = (host.held("a"), remote.held("a"), r.state, kv.chain.link("host", "remote").copies)
+    with pytest.raises(ValueError, match="no lifecycle move from 'host' .* to 'remote'"):
+        kv._mover.start(r, remote, 5, 5 * kv.page_bytes)
+    with pytest.raises(ValueError, match="holds host pages in 'host', not 'remote'"):
+        kv._mover.place(r, remote, 1)
+    assert (host.held("a"), remote.held("a"), r.state,
+            kv.chain.link("host", "remote").copies) == before
+    kv.check_integrity()
