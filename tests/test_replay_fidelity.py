@@ -1,8 +1,8 @@
 """Replay fidelity: the replay's block store runs the cache's rules.
 
 One seeded conversation trace (``tiering.blocks.synth``: shared system prompts,
-conversations continued a few requests later, one-offs) is driven through the
-cache users run (``PagedKVCache`` on CPU with its prefix cache, random KV bytes, a
+conversations continued a few requests later, one-offs), and a seeded slice of the
+bundled Mooncake conversation trace, are each driven through the cache users run (``PagedKVCache`` on CPU with its prefix cache, random KV bytes, a
 disk tier) and through the replay's modelled cache (``PrefixBlocks`` over
 ``ModeledKVCache``), one request after another: its arrival, the prefix attach, the
 loads of host and disk hits, the allocation of its prompt (the pressure: cached
@@ -23,11 +23,13 @@ from collections.abc import Callable, Hashable
 import pytest
 import torch
 import zarr
-from tiering.policies.blocks import default_block_registry
+from replay_helpers import MOONCAKE
+from tiering.policies.blocks import DEFAULT_BLOCK_POLICY, default_block_registry
 
 from tiering import DiskConfig, KVGeometry, PagedKVCache
 from tiering.apps.replay.block_tiers import PrefixBlocks
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
+from tiering.apps.replay.traces import load_trace
 from tiering.blocks.synth import SynthConfig, synthetic_chains
 from tiering.types import Tier
 
@@ -209,9 +211,33 @@ def run_replay(policy: str, reqs: list[Request], move: bool = True,
     return log
 
 
+def mooncake_slice(seed: int) -> list[Request]:
+    """``N`` consecutive requests of the bundled Mooncake trace from a seeded start, each
+    512-token block one page; prompts longer than the device could hold are left out."""
+    trace = load_trace(MOONCAKE)
+    start = random.Random(seed).randrange(len(trace) - 4 * N)
+    out = []
+    for t in trace[start:start + 4 * N]:
+        n_in = min(len(t.hash_ids) * T, max(1, round(t.input_tokens * T / 512)))
+        if -(-n_in // T) <= DEVICE - 4 and len(out) < N:
+            out.append(Request(len(out), tuple(t.hash_ids), n_in))
+    return out
+
+
 @pytest.fixture(scope="module")
 def requests() -> list[Request]:
     return conversations(seed=5)
+
+
+def test_a_slice_of_the_mooncake_trace_runs_alike_in_the_replay_and_the_cache():
+    """Real hash-id chains (mostly shared system prompts, far-apart continuations):
+    device hits, and every tier filled and emptied, for the default policy."""
+    reqs = mooncake_slice(seed=2024)
+    assert len(reqs) == N
+    cache = run_cache(DEFAULT_BLOCK_POLICY, reqs, seed=3)
+    assert first_difference(cache, run_replay(DEFAULT_BLOCK_POLICY, reqs), reqs) is None
+    events = Counter((kind, tier) for per in cache.events for kind, _k, tier in per)
+    assert events["hit", "device"] and events["move", "disk"] and events["drop", "disk"]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
