@@ -9,6 +9,8 @@ import random
 
 import pytest
 from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.apps.replay.simulator import SimClock
@@ -496,3 +498,80 @@ def test_a_pair_that_is_no_lifecycle_move_is_refused_and_changes_nothing():
     assert (host.held("a"), remote.held("a"), r.state,
             kv.chain.link("host", "remote").copies) == before
     kv.check_integrity()
+
+
+# -- a state machine over the four-tier modelled cache --------------------------------------------
+
+class FourTierCache(RuleBasedStateMachine):
+    """Random requests through device, host, remote and disk, with cached block pages
+    beside them: every step leaves the chain's ledgers, the records and the lifecycle
+    consistent (``check_integrity``), and no tier past its capacity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv, self.clock = _four(remote_pages=12, host_pages=6, disk_pages=30,
+                                    device_pages=40)
+        self.n = 0
+
+    def _rids(self, *states):
+        return [rid for rid in self.kv.requests() if self.kv.state_of(rid) in states]
+
+    @rule(tokens=st.integers(1, 9 * 16))
+    def arrive(self, tokens):
+        rid = f"r{self.n}"
+        self.n += 1
+        self.kv.ingest_request(rid)
+        if not self.kv.allocate(rid, tokens):
+            self.kv.remove_request(rid)
+
+    @rule(data=st.data())
+    def offload(self, data):
+        rids = self._rids(S.RESIDENT)
+        if rids:
+            self.kv.offload(data.draw(st.sampled_from(rids)))
+
+    @rule(data=st.data())
+    def demote(self, data):
+        rids = self._rids(S.ON_HOST)
+        if rids:
+            self.kv.demote(data.draw(st.sampled_from(rids)))
+
+    @rule(data=st.data())
+    def reload(self, data):
+        rids = self._rids(S.ON_HOST, S.ON_DISK)
+        if rids:
+            self.kv.reload(data.draw(st.sampled_from(rids)))
+
+    @precondition(lambda self: self.kv.requests())
+    @rule(data=st.data())
+    def remove(self, data):
+        self.kv.remove_request(data.draw(st.sampled_from(self.kv.requests())))
+
+    @rule(role=st.sampled_from([Tier.DEVICE, Tier.HOST, Tier.DISK]), n=st.integers(0, 8))
+    def take_blocks(self, role, n):
+        self.kv.take_block_pages(role, n)
+
+    @rule(src=st.sampled_from([Tier.DEVICE, Tier.HOST]), n=st.integers(0, 8))
+    def move_blocks(self, src, n):
+        dst = Tier.HOST if src is Tier.DEVICE else Tier.DISK
+        self.kv.move_block_pages(src, dst, min(n, self.kv.block_pages(src)))
+
+    @rule(role=st.sampled_from([Tier.DEVICE, Tier.HOST, Tier.DISK]), n=st.integers(0, 8))
+    def give_blocks(self, role, n):
+        self.kv.give_block_pages(role, min(n, self.kv.block_pages(role)))
+
+    @rule(dt=st.floats(0, 1e-3))
+    def poll(self, dt):
+        self.clock.now += dt
+        for res in self.kv.poll():
+            assert res.ok or res.state is None, res
+
+    @invariant()
+    def consistent(self):
+        self.kv.check_integrity()
+        for t in self.kv.chain:
+            assert 0 <= t.used_pages <= t.capacity_pages, t
+
+
+TestFourTierCache = FourTierCache.TestCase
+TestFourTierCache.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)

@@ -547,10 +547,9 @@ class ModeledKVCache(LifecycleAnswers):
         if not n:
             return 0
         dst = self._mover.offload_to(n, self.offload_to_disk_when_host_full)
-        if dst is None:
+        if dst is None or not self._start(r, dst, n):
             self.stats.offload_refusals += 1
             return 0
-        self._start(r, dst, n)
         return n * self.page_bytes
 
     def demote(self, rid: str) -> bool:
