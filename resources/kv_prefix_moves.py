@@ -128,9 +128,9 @@ class TierMovesPart:
     def _host_blocks_down(self, want: int) -> bool:
         """Move up to a batch of unmapped host blocks to disk in one write: each victim the
         disk policy admits is marked for disk, one it refuses is dropped; then room is
-        made on disk (its victims dropped) and the batch written. The batch is dropped
-        when there is no room, no disk, or the write fails. False when there is nothing
-        to move."""
+        made on disk (its victims dropped) and the batch written. With no disk, or no room
+        there, the first victim is dropped instead (the rest stay); a failed write drops
+        the batch. False when there is nothing to move."""
         c = self.cache
         rules = self.rules
         if c.disk is None:
@@ -165,12 +165,10 @@ class TierMovesPart:
                 break
             self._drop(key, "evicted")
             extent = c.disk.reserve(DISK_OWNER, len(chosen))
-        if extent is None:
+        if extent is None:  # the disk cannot take them: the best victim leaves, the rest stay
             for key, _ in chosen:
                 self.index.fail_move(key)
-            for key, _ in chosen:  # ancestors first: a drop takes the chosen blocks below it
-                if key in self.index:
-                    self._drop(key, "evicted")
+            self._drop(chosen[0][0], "evicted")
             return True
         self._extent_ids = ext_id
         slots = [s for _, s in chosen]
