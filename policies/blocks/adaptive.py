@@ -195,13 +195,22 @@ def _ghosts(p: BlockPolicy) -> int:
 
 
 class _Shadow:
-    """One expert in a miniature tier over the sampled blocks, counting its prefix hits."""
+    """One expert in a miniature tier over the sampled blocks, counting its prefix hits.
 
-    __slots__ = ("capacity", "policy")
+    Like the block index, it drops a block's held descendants with it (a sampled
+    block's parent is the sampled block before it in its chain): a policy whose victims
+    orphan descendants gets that room back, as in the real tier, rather than a tier
+    cluttered with blocks no prefix reaches. A block read below another parent than
+    the one it was held under moves there, so no victim takes a block of the request
+    being served with it."""
+
+    __slots__ = ("capacity", "kids", "parents", "policy")
 
     def __init__(self, policy: BlockPolicy, capacity: int) -> None:
         self.policy = policy
         self.capacity = capacity
+        self.parents: dict[Hashable, Hashable | None] = {}  # every block it holds
+        self.kids: dict[Hashable, dict[Hashable, None]] = {}  # held children, where any
 
     def request(self, keys: list, now: float) -> int:
         """Serve one request's sampled chain; its prefix hits."""
@@ -216,11 +225,13 @@ class _Shadow:
         return hits
 
     def _serve(self, keys: list, now: float) -> None:
-        p = self.policy
+        p, parents = self.policy, self.parents
         parent = None
         for depth, k in enumerate(keys):
             info = BlockInfo(k, parent, depth, 1, 0, now, now, 0)
             if k in p:
+                if parents[k] != parent:
+                    self._move(k, parent)
                 p.on_hit(info, now)
             else:
                 if not p.admit(k, depth, now):
@@ -230,9 +241,40 @@ class _Shadow:
                     victim = next((v for v in p.victims(now) if v not in mine), None)
                     if victim is None:
                         return
-                    p.on_remove(victim)
+                    self._drop(victim)
                 p.on_insert(info, now)
+                parents[k] = parent
+                if parent is not None:
+                    self.kids.setdefault(parent, {})[k] = None
             parent = k
+
+    def _move(self, k: Hashable, parent: Hashable | None) -> None:
+        self._detach(k)
+        self.parents[k] = parent
+        if parent is not None:
+            self.kids.setdefault(parent, {})[k] = None
+
+    def _detach(self, k: Hashable) -> None:
+        up = self.parents[k]
+        if up is not None:
+            sib = self.kids[up]
+            del sib[k]
+            if not sib:
+                del self.kids[up]
+
+    def _drop(self, victim: Hashable) -> None:
+        """``victim`` and its held descendants leave, deepest first."""
+        kids = self.kids
+        gone, stack = [], [victim]
+        while stack:
+            k = stack.pop()
+            gone.append(k)
+            stack.extend(kids.pop(k, ()))
+        self._detach(victim)
+        parents, remove = self.parents, self.policy.on_remove
+        for k in reversed(gone):
+            del parents[k]
+            remove(k)
 
 
 class AdaptiveBlocks(BlockPolicy):
@@ -241,8 +283,8 @@ class AdaptiveBlocks(BlockPolicy):
     name = "adaptive"
 
     def __init__(self, capacity: int, experts: Sequence[str] = ("chain", "s3fifo", "arc"),
-                 rate: int | None = None, window: int = 3000, margin: float = 0.01,
-                 z: float = 4.0) -> None:
+                 rate: int | None = None, window: int = 10000, margin: float = 0.01,
+                 z: float = 3.0, hold: int | None = None) -> None:
         self.capacity = _check_capacity(self.name, capacity)
         experts = tuple(experts)
         if not experts or any(e not in _EXPERTS for e in experts) or len(set(experts)) != len(
@@ -260,18 +302,25 @@ class AdaptiveBlocks(BlockPolicy):
             raise ValueError(f"adaptive: margin must be in [0, 1], got {margin!r}")
         if isinstance(z, bool) or not isinstance(z, (int, float)) or not 0.0 <= z <= 100.0:
             raise ValueError(f"adaptive: z must be in [0, 100] (standard errors), got {z!r}")
+        if hold is None:
+            hold = min(2048, capacity // 2)
+        if not isinstance(hold, int) or isinstance(hold, bool) or hold < 0:
+            raise ValueError(f"adaptive: hold must be an int >= 0 (requests), got {hold!r}")
         self.z = float(z)
+        self.hold = hold
+        self._seen = 0  # requests the shadows have served
         self.expert_names = experts
         self.rate = rate
         self.window = window
         self.margin = float(margin)
         self._decay = 1.0 - 1.0 / window
+        self._decay2 = self._decay * self._decay  # the weights' squares: the sums' variance
         self._experts = [_EXPERTS[e](capacity=capacity) for e in experts]
         small = max(1, capacity // rate)
         self._shadows = [_Shadow(_EXPERTS[e](capacity=small), small) for e in experts]
         k = len(experts)
         self._sums = [0.0] * k  # decayed shadow hits per expert
-        self._cross = [[0.0] * k for _ in range(k)]  # decayed products, upper triangle
+        self._cross = [[0.0] * k for _ in range(k)]  # products, squared decay, upper half
         self._lead = 0
         self.leader = self._experts[0]
         self.switches = 0
@@ -368,14 +417,17 @@ class AdaptiveBlocks(BlockPolicy):
     def _choose(self, hits: list[int]) -> None:
         """Decay the sums, add this request's shadow hits, and hand the lead to the expert
         that beats the leader by ``z`` standard errors and by ``margin``."""
-        g, n = self._decay, len(hits)
+        self._seen += 1
+        if self._seen <= self.hold:
+            return
+        g, g2, n = self._decay, self._decay2, len(hits)
         sums, cross = self._sums, self._cross
         for i in range(n):
             hi = hits[i]
             sums[i] = sums[i] * g + hi
             row = cross[i]
             for j in range(i, n):
-                row[j] = row[j] * g + hi * hits[j]
+                row[j] = row[j] * g2 + hi * hits[j]
         lead = self._lead
         sl = sums[lead]
         best, best_gap = lead, 0.0
