@@ -18,6 +18,7 @@ s, under 8 minutes), and writes every figure as JSON into OUTDIR:
     OUTDIR/probe.json          exact-size pinning; NVML against torch pressure readings
     OUTDIR/transfer.json       transfer benchmark: pages 2 MiB / 128 KiB / 8 KiB, each way,
                                both ways at once, and under a matmul on another stream
+    OUTDIR/layerwise.json      layer 0 ready/computed against a whole reload; a streamed step
     OUTDIR/demo/summary.json   tiering demo --device cuda
     OUTDIR/logs/STEP.log       each step's output
 
@@ -81,7 +82,9 @@ def steps(py: str, out: Path) -> list[Step]:
              30, "probe.json"),
         Step("transfer", (py, "benchmarks/transfer.py", "--out", str(out / "transfer.json"),
                           "--gib", "0.25", "--reps", "3", "--page-kib", "2048,128,8",
-                          "--both-ways", "--under-matmul"), 110, "transfer.json"),
+                          "--both-ways", "--under-matmul"), 95, "transfer.json"),
+        Step("layerwise", (py, "benchmarks/layerwise.py", "--device", "cuda", "--quick",
+                           "--out", str(out / "layerwise.json")), 25, "layerwise.json"),
         Step("demo", (py, "-m", "tiering.apps.cli", "demo", "--device", "cuda",
                       "--out", str(out / "demo")), 80, "demo/summary.json"),
     ]
@@ -312,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=460.0, help="all steps together (s)")
     ap.add_argument("--only", default=None,
                     help="comma-separated steps to run (default: all of "
-                         "pytest_cuda,race,probe,transfer,demo)")
+                         "pytest_cuda,race,probe,transfer,layerwise,demo)")
     ap.add_argument("--setup-only", action="store_true",
                     help="install what is missing, write setup.json, run no step")
     a = ap.parse_args(argv)

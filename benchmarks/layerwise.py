@@ -10,7 +10,7 @@
    its layers, where compute is the same step on a device that holds the whole
    request (the target: at most 1.3; the sum would be the no-overlap figure).
 
-    python benchmarks/layerwise.py --out bench-out/layerwise.json [--quick]
+    python benchmarks/layerwise.py --out bench-out/layerwise.json [--quick] [--device cuda]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def _fill(kv: PagedKVCache, rid: str, tokens: int, gen: torch.Generator, step: i
         assert kv.allocate(rid, start + n)
         for layer in range(g.num_layers):
             k = torch.randn(n, g.num_kv_heads, g.head_dim, generator=gen, dtype=g.dtype)
+            k = k.to(kv.device)
             kv.write(rid, layer, start, k, k * 0.5)
 
 
@@ -49,16 +50,21 @@ def _layer0(model: TinyDecoder, kv: PagedKVCache, rid: str, q: torch.Tensor) -> 
     model._attend(q, k, v, k.shape[0] - 1)
 
 
-def first_layer(cfg: ModelConfig, tokens: int, repeats: int) -> dict:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def first_layer(cfg: ModelConfig, tokens: int, repeats: int, device: str = "cpu") -> dict:
     g = cfg.kv_geometry(PAGE_TOKENS)
     pages = g.pages_for(tokens)
-    model = TinyDecoder(cfg, 0)
+    model = TinyDecoder(cfg, 0, device)
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(1, cfg.q_heads, cfg.head_dim, generator=gen)
+    q = torch.randn(1, cfg.q_heads, cfg.head_dim, generator=gen).to(device)
     med: dict[str, dict[str, float]] = {}
     for mode, layerwise in (("whole", False), ("layer", True)):
         got: dict[str, list[float]] = {"ready": [], "first": [], "total": [], "compute": []}
-        with PagedKVCache(g, device_pages=pages + 1, host_pages=pages + 1,
+        with PagedKVCache(g, device, device_pages=pages + 1, host_pages=pages + 1,
                           layerwise_reload=layerwise) as kv:
             _fill(kv, "r", tokens, gen, 64 * PAGE_TOKENS)
             for _ in range(repeats):
@@ -68,8 +74,10 @@ def first_layer(cfg: ModelConfig, tokens: int, repeats: int) -> dict:
                 assert kv.reload("r")
                 assert kv.wait_layer("r", 0)  # blocks (no spinning) until layer 0 may be read
                 assert kv.admit(ResourceStep("r"), StepContext(0)).ok
+                _sync(device)  # on a GPU the compute stream now waits for layer 0's copy
                 t_ready = time.perf_counter()
                 _layer0(model, kv, "r", q)
+                _sync(device)
                 t_first = time.perf_counter()
                 kv.synchronize()
                 got["ready"].append(t_ready - t0)
@@ -82,6 +90,7 @@ def first_layer(cfg: ModelConfig, tokens: int, repeats: int) -> dict:
                 got["total"].append(time.perf_counter() - t0)
                 c0 = time.perf_counter()
                 _layer0(model, kv, "r", q)
+                _sync(device)
                 got["compute"].append(time.perf_counter() - c0)
         med[mode] = {k: statistics.median(v) for k, v in got.items()}
     L = cfg.layers
@@ -107,16 +116,16 @@ def first_layer(cfg: ModelConfig, tokens: int, repeats: int) -> dict:
 
 
 def streaming(cfg: ModelConfig, tokens: int, device_pages: int, window: int, buffer: int,
-              repeats: int) -> dict:
+              repeats: int, device: str = "cpu") -> dict:
     g = cfg.kv_geometry(PAGE_TOKENS)
     pages = g.pages_for(tokens + repeats + 1)
-    model = TinyDecoder(cfg, 0)
+    model = TinyDecoder(cfg, 0, device)
     res = {}
     for name, kw in (("streamed", dict(device_pages=device_pages, host_pages=pages + 1,
                                        stream_window_pages=window, stream_buffer_pages=buffer)),
                      ("resident", dict(device_pages=pages + 1, host_pages=1))):
         gen = torch.Generator().manual_seed(2)
-        with PagedKVCache(g, **kw) as kv:
+        with PagedKVCache(g, device, **kw) as kv:
             _fill(kv, "long", tokens, gen, (window - 1) * PAGE_TOKENS)
             assert kv.is_streamed("long") == (name == "streamed")
             steps, copies = [], []
@@ -125,8 +134,10 @@ def streaming(cfg: ModelConfig, tokens: int, device_pages: int, window: int, buf
                 assert kv.allocate("long", pos + 1)
                 before = kv._stream.copy_s if kv._stream is not None else 0.0
                 kv.admit(ResourceStep("long"), StepContext(0))
+                _sync(device)
                 t0 = time.perf_counter()
                 model.forward(kv, "long", torch.tensor([pos % cfg.vocab]), pos)
+                _sync(device)
                 steps.append(time.perf_counter() - t0)
                 copies.append((kv._stream.copy_s if kv._stream is not None else 0.0) - before)
                 pos += 1
@@ -171,21 +182,25 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench-out/layerwise.json")
     ap.add_argument("--quick", action="store_true", help="smaller requests, fewer repeats")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     a = ap.parse_args(argv)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: CUDA is not available")
     cfg = ModelConfig()
-    torch.set_num_threads(1)  # the copy thread gets the other core
+    if a.device == "cpu":
+        torch.set_num_threads(1)  # the copy thread gets the other core
     n, reps = (4096, 3) if a.quick else (16384, 7)
-    fl = first_layer(cfg, n, reps)
+    fl = first_layer(cfg, n, reps, a.device)
     floor = copy_floor(cfg, n, reps)
     # the demo model (4 layers): a ring of 16 of the 64 device pages holds 1/16 of a layer
     # of a 16x head, so most of each layer copies while the step waits
-    st = streaming(cfg, n, device_pages=64, window=8, buffer=16, repeats=reps)
+    st = streaming(cfg, n, device_pages=64, window=8, buffer=16, repeats=reps, device=a.device)
     # the same model 32 layers deep (a real model's depth): the same share of the device
     # holds two layers of a 4x head, so the next layer copies while this one computes
     deep = ModelConfig(layers=32)
     dn = n // 4
     st_deep = streaming(deep, dn, device_pages=dn // PAGE_TOKENS // 4, window=8,
-                        buffer=dn // PAGE_TOKENS // 16, repeats=reps)
+                        buffer=dn // PAGE_TOKENS // 16, repeats=reps, device=a.device)
     per_layer = fl["whole_reload_s"] / fl["layers"]
     print(table([
         ("layer 0 readable", fl["layerwise_ready_s"] * 1e3, per_layer * 1e3, fl["ready_ratio"],
@@ -207,7 +222,7 @@ def main(argv=None) -> dict:
           f" streamed step / (copy + compute) {st['ratio_to_sum']:.2f}"
           f" (copy {st['copy_s'] * 1e3:.2f} ms, compute {st['compute_s'] * 1e3:.2f} ms,"
           f" {st['times_device']}x the device)")
-    res = {"first_layer": fl, "copy_floor": floor, "streaming": st, "streaming_32_layers": st_deep}
+    res = {"device": a.device, "first_layer": fl, "copy_floor": floor, "streaming": st, "streaming_32_layers": st_deep}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(a.out, res)
     return res

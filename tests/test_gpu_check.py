@@ -59,7 +59,7 @@ def test_dry_run_writes_the_layout_and_says_what_is_missing(tmp_path):
     summary = json.loads((out / "gpu_check.json").read_text())
     setup = json.loads((out / "setup.json").read_text())
     assert summary["dry_run"] is True and summary["ok"] is False and summary["schema"] == 1
-    assert [s["name"] for s in summary["steps"]] == ["pytest_cuda", "race", "probe", "transfer", "demo"]
+    assert [s["name"] for s in summary["steps"]] == ["pytest_cuda", "race", "probe", "transfer", "layerwise", "demo"]
     assert {s["status"] for s in summary["steps"]} == {"dry-run"}
     assert sum(s["limit_s"] for s in summary["steps"]) <= 480 - 60  # room for set-up: < 8 min
     by_name = {s["name"]: s for s in summary["steps"]}
