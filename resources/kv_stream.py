@@ -37,7 +37,7 @@ class _Feed:
         self.cancelled = False
         self.error: BaseException | None = None
         self.done = False
-        self.next = (first_layer, 0)  # the (layer, chunk) the thread copies next
+        self.next = (first_layer, 0)  # the first (layer, chunk) nobody has claimed yet
 
 
 class StreamBuffer:
@@ -64,7 +64,7 @@ class StreamBuffer:
         self._filled: deque[tuple[int, int, int, int, Any]] = deque()  # layer, chunk, buf, count, event
         self._feed: _Feed | None = None
         self._thread: threading.Thread | None = None
-        self.copy_s = 0.0  # seconds the thread spent copying (a measurement)
+        self.copy_s = 0.0  # seconds spent copying, by the thread or a reader (a measurement)
         self.wait_s = 0.0  # seconds readers waited for a chunk
 
     # -- the reader (the step thread) ---------------------------------------------
@@ -97,29 +97,42 @@ class StreamBuffer:
     def read_layer(self, rid: str, head: list[int], layer: int, out_k: torch.Tensor,
                    out_v: torch.Tensor, page_tokens: int, timeout: float) -> bool:
         """Copy layer ``layer`` of the head into ``out_k``/``out_v`` (token rows
-        ``[0, len(head) * page_tokens)``), chunk by chunk as they land. False when the
-        copy failed or did not come within ``timeout`` seconds."""
+        ``[0, len(head) * page_tokens)``), chunk by chunk: from the ring where the copy
+        thread has brought it, straight from the host where the thread has not started
+        it (the reader claims it; no handing over). False when a copy failed or did not
+        come within ``timeout`` seconds."""
         if not head:
             return True
         self.start(rid, head, layer)
         feed = self._feed
         T = page_tokens
         for chunk, first in enumerate(range(0, len(head), self.chunk_pages)):
+            want = (layer, chunk)
             t0 = time.perf_counter()
             with self._cond:
-                ok = self._cond.wait_for(
-                    lambda: bool(self._filled) or feed.error is not None or feed.done, timeout)
+                got = self._take(feed, want, len(head))
+                while got is None and feed.error is None and not feed.cancelled:
+                    left = timeout - (time.perf_counter() - t0)
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                    got = self._take(feed, want, len(head))
                 self.wait_s += time.perf_counter() - t0
-                if not ok or not self._filled:
-                    self.stop()
-                    return False
-                got_layer, got_chunk, buf, k, event = self._filled.popleft()
-            if (got_layer, got_chunk) != (layer, chunk):  # the thread must run in order
+            if got is None:
                 self.stop()
                 return False
+            rows = slice(first * T, (first + min(self.chunk_pages, len(head) - first)) * T)
+            if got == "direct":
+                try:
+                    self._copy_out(head[first : first + self.chunk_pages], layer, out_k[rows],
+                                   out_v[rows], T)
+                except Exception:  # a copy fault: nothing wrong was handed back
+                    self.stop()
+                    return False
+                continue
+            _, _, buf, k, event = got
             if event is not None:
                 self._streams.wait_on_compute(event)
-            rows = slice(first * T, (first + k) * T)
             src = self.ring[buf][:k]
             out_k[rows].view(k, T, *out_k.shape[1:]).copy_(src[:, 0])  # no staging copy
             out_v[rows].view(k, T, *out_v.shape[1:]).copy_(src[:, 1])
@@ -128,6 +141,38 @@ class StreamBuffer:
                 self._free.append((buf, gathered))
                 self._cond.notify_all()
         return True
+
+    def _take(self, feed: _Feed, want: tuple[int, int], head_pages: int):
+        """(Under the lock.) The ring entry of chunk ``want`` if it has landed; "direct"
+        if nobody has claimed it (now the reader's to copy); None while the thread
+        copies it."""
+        if self._filled and self._filled[0][:2] == want:
+            return self._filled.popleft()
+        if feed.next == want:
+            feed.next = self._after(want, head_pages)
+            return "direct"
+        return None
+
+    def _after(self, pos: tuple[int, int], head_pages: int) -> tuple[int, int]:
+        chunks = -(-head_pages // self.chunk_pages)
+        layer, chunk = pos
+        return (layer, chunk + 1) if chunk + 1 < chunks else (layer + 1, 0)
+
+    def _copy_out(self, slots: list[int], layer: int, out_k: torch.Tensor,
+                  out_v: torch.Tensor, T: int) -> None:
+        """One chunk of the head straight from the host into the reader's rows (on the
+        compute stream on a GPU)."""
+        t0 = time.perf_counter()
+        k_rows = out_k.view(len(slots), T, *out_k.shape[1:])
+        v_rows = out_v.view(len(slots), T, *out_v.shape[1:])
+        cuda = self._streams.cuda
+        for r in coalesce(slots, range(len(slots))):
+            self._fault("h2d")
+            src = self._host[r.src : r.src + r.length, layer]
+            k_rows[r.dst : r.dst + r.length].copy_(src[:, 0], non_blocking=cuda)
+            v_rows[r.dst : r.dst + r.length].copy_(src[:, 1], non_blocking=cuda)
+        with self._cond:
+            self.copy_s += time.perf_counter() - t0
 
     def stop(self) -> None:
         """Stop the copy thread (it finishes the chunk it is copying)."""
@@ -151,25 +196,26 @@ class StreamBuffer:
     # -- the copy thread -----------------------------------------------------------------
 
     def _run(self, feed: _Feed) -> None:
+        n = len(feed.head)
         try:
-            starts = range(0, len(feed.head), self.chunk_pages)
-            for layer in range(feed.first_layer, feed.num_layers):
-                for chunk, first in enumerate(starts):
-                    with self._cond:
-                        self._cond.wait_for(lambda: bool(self._free) or feed.cancelled)
-                        if feed.cancelled:
-                            return
-                        buf, gathered = self._free.popleft()
-                    slots = feed.head[first : first + self.chunk_pages]
-                    t0 = time.perf_counter()
-                    event = self._copy(slots, buf, layer, gathered)
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: bool(self._free) or feed.cancelled)
+                    pos = feed.next
+                    if feed.cancelled or pos[0] >= feed.num_layers:
+                        return
+                    feed.next = self._after(pos, n)  # claimed: the reader will wait for it
+                    buf, gathered = self._free.popleft()
+                first = pos[1] * self.chunk_pages
+                slots = feed.head[first : first + self.chunk_pages]
+                t0 = time.perf_counter()
+                event = self._copy(slots, buf, pos[0], gathered)
+                with self._cond:
                     self.copy_s += time.perf_counter() - t0
-                    with self._cond:
-                        if feed.cancelled:
-                            return
-                        self._filled.append((layer, chunk, buf, len(slots), event))
-                        feed.next = (layer, chunk + 1) if chunk + 1 < len(starts) else (layer + 1, 0)
-                        self._cond.notify_all()
+                    if feed.cancelled:
+                        return
+                    self._filled.append((pos[0], pos[1], buf, len(slots), event))
+                    self._cond.notify_all()
         except BaseException as exc:  # reported to the reader, who answers False
             feed.error = exc
         finally:
