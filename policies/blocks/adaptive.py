@@ -7,12 +7,16 @@ takes its victims and admission answers from one of them, the leader. ChainOdds
 leads first. Which one leads is decided by miniature simulations: each expert also
 runs in a shadow tier of ``capacity / rate`` blocks over the blocks whose key falls
 in a fixed 1-in-``rate`` hash sample, told the same requests in the same order (the
-sampled part of each chain). Each request's shadow prefix hits are summed with an
-exponential decay of ``window`` requests, with the decayed sums of their products,
-so the variance of the difference between two experts is known. The lead passes to
-an expert whose decayed hits exceed the leader's by ``z`` standard errors of that
-difference and by ``margin`` of the leader's hits: a clear, lasting advantage moves
-it; a near tie, whose noise the shadows cannot resolve, never does.
+sampled part of each chain), and dropping a block's held descendants with it as the
+block index does. Each request's shadow prefix hits are summed with an exponential
+decay of ``window`` requests, and their products with the squared decay, which
+gives the variance of the decayed difference between two experts. The lead passes
+to an expert whose decayed hits exceed the leader's by ``z`` standard errors of
+that difference and by ``margin`` of the leader's hits: a clear, lasting advantage
+moves it; a near tie, whose noise the shadows cannot resolve, never does. Nothing
+is counted in the first ``hold`` requests (by default ``min(2048, capacity / 2)``):
+ChainOdds learns its odds from reuse it has seen, and on a large tier it trails
+the generic policies until it has, so that early lead is not taken as lasting.
 
 Bounds: each shadow holds at most ``capacity / rate`` blocks; the ghost keys of the
 experts and shadows (ARC's B1 and B2, S3-FIFO's ghost FIFO, LIRS's non-resident HIR
@@ -284,7 +288,7 @@ class AdaptiveBlocks(BlockPolicy):
 
     def __init__(self, capacity: int, experts: Sequence[str] = ("chain", "s3fifo", "arc"),
                  rate: int | None = None, window: int = 10000, margin: float = 0.01,
-                 z: float = 3.0, hold: int | None = None) -> None:
+                 z: float = 4.0, hold: int | None = None) -> None:
         self.capacity = _check_capacity(self.name, capacity)
         experts = tuple(experts)
         if not experts or any(e not in _EXPERTS for e in experts) or len(set(experts)) != len(
