@@ -36,13 +36,20 @@ def _store(clock, policy="lru", **sizes):
 
 
 def _admit(kv, store, rid, chain, n_in):
-    """What the worker does at admission: peek, lend, allocate, commit."""
+    """What the worker does at admission: peek, attach (ingest, map, tell, start the
+    loads), and allocate the prompt at once when nothing loads (else ``_land``)."""
     peek = store.peek(chain, n_in)
-    mapped = store.lend(peek) if peek.blocks else []
-    kv.ingest_request(rid)
+    att = store.attach_request(rid, peek)
+    assert att is not None
+    if not att.moves:
+        assert kv.allocate(rid, n_in)
+    return peek, att.mapped, att.moves
+
+
+def _land(kv, store, rid, moves, n_in):
+    """The loads landed: the request allocates its prompt (as on the cache)."""
+    store.loaded(moves)
     assert kv.allocate(rid, n_in)
-    moves = store.commit(peek)
-    return peek, mapped, moves
 
 
 def _finish(kv, store, rid, mapped, keys=()):
@@ -62,7 +69,8 @@ def test_hand_checked_reuse_moves_down_and_back_up():
     assert _finish(kv, store, "a", mapped, a) == 3
     store.check_integrity()
     assert store.count(Tier.DEVICE) == 3 and kv.block_pages(Tier.DEVICE) == 6
-    assert kv.device_used_bytes() == 6 * kv.page_bytes  # the request itself is gone
+    # the request itself is gone, and blocks no request maps are not counted as used
+    assert kv.device_used_bytes() == 0 and store.idle_pages(Tier.DEVICE) == 6
     # on the device: the last token is always computed, so (as the cache attaches) the
     # block that holds it is not mapped; one more token and all three are
     p = store.peek(a, 3 * BT)
@@ -71,19 +79,25 @@ def test_hand_checked_reuse_moves_down_and_back_up():
     p = store.peek(a, 3 * BT + 1)
     assert (p.blocks, p.reused, p.tiers) == (3, 3 * BT, (Tier.DEVICE,) * 3)
     assert p.lent_pages == 6
-    # pushed down: the host takes what it has room for (12 pages = 6 blocks)
-    assert store.shed_device(lambda: store.count(Tier.DEVICE) > 0) == 3
+    # pushed down when the device needs their room (the host has 12 pages = 6 blocks)
+    assert store.ensure_device(40)
+    assert store.count(Tier.DEVICE) == 0
     store.check_integrity()
     assert store.count(Tier.HOST) == 3 and kv.block_pages(Tier.HOST) == 6
     assert kv.stats.bytes_d2h == 6 * kv.page_bytes
     # reused from the host: they move up when the copy lands
     peek, mapped, moves = _admit(kv, store, "b", a + (21,), 4 * BT + 3)
     assert peek.tiers == (Tier.HOST,) * 3 and moves == list(a)
+    # the loads' device pages are taken (the store's), the host copies stay until they land
+    assert kv.block_pages(Tier.DEVICE) == 6 and kv.block_pages(Tier.HOST) == 6
     store.check_integrity()
-    store.loaded(moves)
+    _land(kv, store, "b", moves, 4 * BT + 3)
     store.check_integrity()
     assert store.count(Tier.DEVICE) == 3 and store.count(Tier.HOST) == 0
-    assert kv.block_pages(Tier.HOST) == 0 and kv.block_pages(Tier.DEVICE) == 0  # all mapped
+    # the mapped blocks' pages are the store's; the request holds only its own 3 (35 tokens)
+    assert kv.block_pages(Tier.HOST) == 0 and kv.block_pages(Tier.DEVICE) == 6
+    assert kv.device_used_bytes() == (6 + 3) * kv.page_bytes
+    assert store.idle_pages(Tier.DEVICE) == 0
     assert _finish(kv, store, "b", mapped, a + (21,)) == 1
     store.check_integrity()
     assert kv.block_pages(Tier.DEVICE) == 8 and store.counters.loaded == 3
@@ -99,17 +113,18 @@ def test_mapped_blocks_never_leave():
     assert mapped == list(chain)
     free = kv.device_free_pages
     # everything is mapped: no block may go, and nothing changes
-    assert not store.make_room(free() + 1, free, move=False)
-    assert store.shed_device(lambda: True) == 0 and store.count(Tier.DEVICE) == 4
+    assert not store.ensure_device(free() + 1)
+    assert not store.drop_all_device() and store.count(Tier.DEVICE) == 4
     store.check_integrity()
     _finish(kv, store, "b", mapped, chain)
-    assert store.shed_device(lambda: store.count(Tier.DEVICE) > 0) == 4
+    assert store.ensure_device(40) and store.count(Tier.DEVICE) == 0
     store.check_integrity()
 
 
 def test_make_room_drops_in_the_block_policy_order_and_refuses_when_it_cannot():
     clock = SimClock()
-    kv, store = _store(clock, device=20, host=0, disk=0)
+    kv = _kv(clock, device=20, host=0, disk=0)
+    store = PrefixBlocks(kv, "lru", BT, clock, move=False)
     for i, chain in enumerate([(1, 2), (3, 4), (5, 6)]):
         clock.now = float(i)
         _, mapped, _ = _admit(kv, store, f"r{i}", chain, 2 * BT + 1)
@@ -117,11 +132,12 @@ def test_make_room_drops_in_the_block_policy_order_and_refuses_when_it_cannot():
     clock.now = 5.0
     _admit(kv, store, "x", (3, 4), 2 * BT + 1)  # maps (3, 4): the most recent, and pinned
     free = kv.device_free_pages
-    assert free() == 20 - 8 - 5  # 8 pages of unmapped blocks, 5 of request x
+    # 8 pages of unmapped blocks, 4 of the blocks x maps, 1 of request x's own
+    assert free() == 20 - 8 - 4 - 1
     # 16 free pages are out of reach: nothing is dropped
-    assert not store.make_room(16, free, move=False)
+    assert not store.ensure_device(16)
     assert len(store) == 6
-    assert store.make_room(11, free, move=False)
+    assert store.ensure_device(11)
     store_keys = set(store.index.keys())
     assert store_keys == {3, 4, 5, 6}  # the least recently used chain went first
     with pytest.raises(ValueError, match="unknown block policy 'nope'"):
@@ -137,7 +153,7 @@ class BlockStoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = SimClock()
         self.kv, self.store = _store(self.clock, policy="chain", device=48, host=10, disk=14)
-        self.live: dict[str, tuple[list, list, bool]] = {}  # rid -> mapped, moves, computed
+        self.live: dict[str, tuple] = {}  # rid -> (its attach, prompt tokens, loads landed)
         self.n = 0
 
     @rule(base=st.integers(0, 3), extra=st.integers(0, 4), first=st.integers(0, 2),
@@ -146,58 +162,82 @@ class BlockStoreMachine(RuleBasedStateMachine):
         chain = tuple(range(first * 100, first * 100 + base)) + tuple(
             range(1000 + 10 * self.n, 1000 + 10 * self.n + extra))
         n_in = len(chain) * BT + tail
-        if self.kv.pages_for(n_in) > self.kv.device_free_pages():
-            return
         self.clock.now += 1.0
         rid = f"r{self.n}"
         self.n += 1
-        peek, mapped, moves = _admit(self.kv, self.store, rid, chain, n_in)
-        assert mapped == list(peek.keys[: peek.blocks])
-        self.live[rid] = (mapped, moves, peek.keys)
+        store, kv = self.store, self.kv
+        peek = store.peek(chain, n_in)
+        att = store.attach_request(rid, peek)
+        if att is None:  # no room for the loads: nothing of it is left behind
+            assert rid not in kv
+            return
+        assert att.mapped == list(peek.keys[: peek.blocks])
+        if not att.moves and not kv.allocate(rid, n_in):
+            store.abandon(rid, att)
+            assert rid not in kv
+            return
+        self.live[rid] = (att, n_in, not att.moves)
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: any(not landed for _, _, landed in self.live.values()))
     @rule(data=st.data())
     def land(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.live)))
-        mapped, moves, keys = self.live[rid]
-        self.store.loaded(moves)
-        self.live[rid] = (mapped, [], keys)
+        rid = data.draw(st.sampled_from(sorted(r for r, v in self.live.items() if not v[2])))
+        att, n_in, _ = self.live[rid]
+        self.store.loaded(att.moves)
+        if self.kv.allocate(rid, n_in):
+            self.live[rid] = (att, n_in, True)
+        else:  # no room for its prompt once landed: it is given up
+            self.store.abandon(rid, self.live.pop(rid)[0])
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def finish(self, data):
         rid = data.draw(st.sampled_from(sorted(self.live)))
-        mapped, moves, keys = self.live.pop(rid)
-        self.store.loaded(moves)
+        att, _, landed = self.live.pop(rid)
+        if not landed:  # removed while its loads were in flight: they are given up
+            self.store.abandon(rid, att)
+            return
         self.kv.remove_request(rid)
-        self.store.release(mapped)
+        self.store.release(att.mapped)
         if not data.draw(st.booleans()):  # finished, not freed to be recomputed
+            keys = att.peek.keys
             before = self.store.index.match_length(keys)
             added = self.store.publish(keys)
             assert self.store.index.match_length(keys) >= before + added
 
-    @rule(low=st.integers(0, 40))
-    def shed(self, low):
+    @precondition(lambda self: any(landed for _, _, landed in self.live.values()))
+    @rule(data=st.data(), tokens=st.integers(1, 4 * BT))
+    def grow(self, data, tokens):
+        """A decode under pressure: cached blocks make room as the cache's allocate does."""
+        rid = data.draw(st.sampled_from(sorted(r for r, v in self.live.items() if v[2])))
         kv = self.kv
-        self.store.shed_device(lambda: kv.device_free_pages() < low)
+        want = kv.num_tokens(rid) + tokens
+        need = kv.pages_for(want - kv.mapped_pages(rid) * PT) - kv._reqs[rid].device
+        free, before = kv.device_free_pages(), kv.num_tokens(rid)
+        ok = kv.allocate(rid, want)
+        assert kv.num_tokens(rid) == (want if ok else before)
+        assert ok or need > kv.device_free_pages()
+        if need <= free:
+            assert ok
 
-    @rule()
-    def relieve(self):
-        self.store.relieve_lower(0.5, 0.3)
-
-    @rule(need=st.integers(1, 48), move=st.booleans())
-    def make_room(self, need, move):
+    @rule(need=st.integers(1, 48))
+    def ensure_device(self, need):
         before = len(self.store)
-        ok = self.store.make_room(need, self.kv.device_free_pages, move)
+        ok = self.store.ensure_device(need)
         assert ok == (self.kv.device_free_pages() >= need) or (not ok and len(self.store) <= before)
+
+    @rule(need=st.integers(1, 10))
+    def ensure_host(self, need):
+        ok = self.store.ensure_host(need)
+        assert ok == (self.kv.free_pages(Tier.HOST) >= need) or not ok
 
     @invariant()
     def sound(self):
         self.store.check_integrity()
         self.kv.check_integrity()
         refs: dict = {}
-        for mapped, _, _ in self.live.values():
-            for k in mapped:
+        for att, _, _ in self.live.values():
+            for k in att.mapped:
                 refs[k] = refs.get(k, 0) + 1
         for k, n in refs.items():
             assert self.store.index.get(k).refs == n

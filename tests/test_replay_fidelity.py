@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Hashable
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -123,15 +124,22 @@ class Clock:
         return self.now
 
 
-def run_cache(policy: str, reqs: list[Request], seed: int,
-              change: Callable[[PagedKVCache], None] | None = None) -> Log:
-    """The slice through ``PagedKVCache`` on CPU (random KV bytes, an in-memory disk)."""
-    clock = Clock()
+def make_cache(policy: str, clock: Clock) -> PagedKVCache:
+    """``PagedKVCache`` on CPU with an in-memory disk and its prefix cache (default
+    ``disk_batch_pages``: 16 blocks a host -> disk write)."""
     page_bytes = GEOMETRY.page_bytes
     kv = PagedKVCache(GEOMETRY, "cpu", device_pages=DEVICE, host_pages=HOST, clock=clock,
                       disk=DiskConfig(store=zarr.storage.MemoryStore(),
                                       capacity_bytes=DISK * page_bytes, chunk_bytes=page_bytes))
-    kv.enable_prefix_cache(b"replay-fidelity", policy=policy, disk_batch_pages=1)
+    kv.enable_prefix_cache(b"replay-fidelity", policy=policy)
+    return kv
+
+
+def run_cache(policy: str, reqs: list[Request], seed: int,
+              change: Callable[[PagedKVCache], None] | None = None) -> Log:
+    """The slice through ``PagedKVCache`` on CPU (random KV bytes, an in-memory disk)."""
+    clock = Clock()
+    kv = make_cache(policy, clock)
     p = kv._prefix
     names: dict[Hashable, int] = {}
     log = Log()
@@ -170,43 +178,41 @@ def run_cache(policy: str, reqs: list[Request], seed: int,
     return log
 
 
-def run_replay(policy: str, reqs: list[Request], move: bool = True,
-               change: Callable[[PrefixBlocks], None] | None = None) -> Log:
-    """The slice through the replay's store and modelled cache, in the cache's order:
-    attach (lend, commit), room for the loads, the loads, room for the prompt."""
-    clock = Clock()
+def make_replay(policy: str, clock: Clock, move: bool = True,
+                disk_batch: int = 16) -> tuple[ModeledKVCache, PrefixBlocks]:
+    """The replay's modelled cache and block store (it registers with the cache)."""
     kv = ModeledKVCache(GEOMETRY.page_bytes // T, T, DEVICE, HOST, DISK, LinkRates.instant(),
                         clock)
-    store = PrefixBlocks(kv, policy, T, clock, events=False)
+    return kv, PrefixBlocks(kv, policy, T, clock, events=False, move=move,
+                            disk_batch=disk_batch)
+
+
+def run_replay(policy: str, reqs: list[Request], move: bool = True,
+               change: Callable[[PrefixBlocks], None] | None = None) -> Log:
+    """The slice through the replay's worker path (``PrefixBlocks.attach_request``: the
+    attach, the loads; the prompt allocated once they landed) and modelled cache."""
+    clock = Clock()
+    kv, store = make_replay(policy, clock, move)
     log = Log()
     store.rules.watch = log.watch(lambda k: k)
     if change is not None:
         change(store)
-
-    def free() -> int:
-        return kv.free_pages(Tier.DEVICE)
-
     for i, r in enumerate(reqs):
         clock.now = float(i + 1)
         log.start()
         peek = store.peek(r.hash_ids, r.n_in)
-        mapped = store.lend(peek) if peek.blocks else []
-        moves = store.commit(peek)
+        att = store.attach_request(r.rid, peek)
+        assert att is not None
         n = Counter(peek.tiers)
         log.hits.append((n[Tier.DEVICE] * T, n[Tier.HOST] * T, n[Tier.DISK] * T))
-        kv.ingest_request(r.rid)
-        held = 0  # pages the request holds (its lent device hits are free pages until then)
-        if moves:
-            assert store.make_room(peek.blocks, free, move)
-            assert kv.allocate(r.rid, peek.blocks * T)
-            held = peek.blocks
-            store.loaded(moves)
-        assert store.make_room(kv.pages_for(r.n_in) - held, free, move)
+        if att.moves:
+            store.loaded(att.moves)
         assert kv.allocate(r.rid, r.n_in)
         kv.remove_request(r.rid)
-        store.release(mapped)
+        store.release(att.mapped)
         store.publish(peek.keys)
         store.check_integrity()
+        kv.check_integrity()
         log.tiers.append({k: store.index.location(k).tier.value for k in store.index.keys()})
     return log
 
@@ -268,3 +274,279 @@ def test_a_store_that_makes_room_by_another_rule_is_caught(requests):
     assert any(kind == "refuse" for per in chain.events for kind, *_ in per)
     blind = run_cache("chain", requests, seed=7, change=no_admission)
     assert first_difference(blind, chain, requests) is not None
+
+
+# -- several requests live at once ---------------------------------------------------------
+
+LIVE = 4  # requests live at most at once
+SMALL = 14  # the most pages a prompt of the concurrent slice takes
+
+
+class Op(NamedTuple):
+    """One step of a concurrent schedule: ``admit`` the next request, ``grow`` the
+    ``which``-th live request by ``tokens`` (a decode under pressure), or ``finish`` it."""
+
+    kind: str
+    which: int = 0
+    tokens: int = 0
+
+
+def schedule(reqs: list[Request], seed: int) -> list[Op]:
+    """A seeded interleaving of admissions, growth and finishes with up to ``LIVE``
+    requests live (the same for both sides: which live request an op names is an index
+    into the live requests in admission order)."""
+    rng = random.Random(seed)
+    out, live, nxt = [], 0, 0
+    while nxt < len(reqs) or live:
+        x = rng.random()
+        if nxt < len(reqs) and live < LIVE and (x < 0.5 or not live):
+            out.append(Op("admit"))
+            nxt += 1
+            live += 1  # an admission refused for room counts as live until its finish op
+        elif live and x < 0.75:
+            out.append(Op("grow", rng.randrange(live), rng.randint(1, 3 * T)))
+        elif live:
+            out.append(Op("finish", rng.randrange(live)))
+            live -= 1
+    return out
+
+
+def concurrent_requests(seed: int) -> list[Request]:
+    """The conversation slice with small prompts (several fit the device at once)."""
+    out = []
+    for r in conversations(seed):
+        if -(-r.n_in // T) <= SMALL:
+            out.append(Request(len(out), r.hash_ids, r.n_in))
+    return out
+
+
+def attachable(p, tokens: list[int]) -> tuple[Tier, ...]:
+    """The tiers of the blocks an attach of ``tokens`` maps in the cache (its own rule)."""
+    return tuple(p.rules.attachable(p.keys(tokens), len(tokens), T))
+
+
+def run_cache_live(policy: str, reqs: list[Request], ops: list[Op], seed: int) -> Log:
+    """The schedule through ``PagedKVCache`` as a worker drives it: a request the device
+    could not hold even with every unmapped block gone is left waiting (refused); else
+    ``ingest_request``, ``attach_prefix``, the ``reload`` of host and disk hits (landed by
+    ``synchronize``), ``allocate`` of the prompt and its KV written (a refusal removes
+    it); growth is ``allocate``; a finish publishes the prompt and removes it."""
+    clock = Clock()
+    kv = make_cache(policy, clock)
+    p = kv._prefix
+    names: dict[Hashable, int] = {}
+    log = Log()
+    p.rules.watch = log.watch(names.__getitem__)
+    gen = torch.Generator().manual_seed(seed)
+    live: list[tuple[Request, bool]] = []  # (request, admitted)
+    nxt = 0
+    try:
+        for i, op in enumerate(ops):
+            clock.now = float(i + 1)
+            log.start()
+            if op.kind == "admit":
+                r = reqs[nxt]
+                nxt += 1
+                names.update(zip(p.keys(r.tokens), r.hash_ids, strict=False))
+                tiers = attachable(p, r.tokens)
+                loads = sum(1 for t in tiers if t is not Tier.DEVICE)
+                need = loads + kv.geometry.pages_for(r.n_in - len(tiers) * T)
+                room = (kv.device_capacity_bytes - kv.device_used_bytes()) // GEOMETRY.page_bytes
+                ok = need <= room
+                if ok:
+                    before = kv.prefix_stats()
+                    kv.ingest_request(r.rid)
+                    kv.attach_prefix(r.rid, r.tokens)
+                    after = kv.prefix_stats()
+                    log.hits.append(tuple(after[f"hit_tokens_{t}"] - before[f"hit_tokens_{t}"]
+                                          for t in ("device", "host", "disk")))
+                    if kv.is_offloaded(r.rid):
+                        ok = kv.reload(r.rid)
+                        if ok:
+                            assert all(res.ok for res in kv.synchronize())
+                    start = kv.num_tokens(r.rid)
+                    ok = ok and kv.allocate(r.rid, r.n_in)
+                    if ok:
+                        for layer in range(GEOMETRY.num_layers):
+                            shape = (r.n_in - start, GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
+                            k = (torch.rand(shape, generator=gen) + 0.5).to(GEOMETRY.dtype)
+                            kv.write(r.rid, layer, start, k, -k)
+                    else:
+                        kv.remove_request(r.rid)
+                log.events[-1].append(("admitted" if ok else "refused", r.rid, "device"))
+                live.append((r, ok))
+            elif op.kind == "grow":
+                r, ok = live[op.which]
+                if ok:
+                    got = kv.allocate(r.rid, kv.num_tokens(r.rid) + op.tokens)
+                    log.events[-1].append(("grew" if got else "short", r.rid, "device"))
+            else:
+                r, ok = live.pop(op.which)
+                if ok:
+                    kv.publish_prefix(r.rid, r.tokens)
+                    kv.remove_request(r.rid)
+            kv.check_integrity()
+            log.tiers.append({names[k]: p.index.location(k).tier.value for k in p.index.keys()})
+    finally:
+        kv.close()
+    return log
+
+
+def run_replay_live(policy: str, reqs: list[Request], ops: list[Op], disk_batch: int = 16,
+                    change: Callable[[ModeledKVCache, PrefixBlocks], None] | None = None
+                    ) -> Log:
+    """The schedule through the replay's worker path over the modelled cache: the
+    simulator's admission check (``_Worker._hopeless``: ``need_pages`` against what the
+    used figure leaves), ``attach_request``, ``loaded``, ``allocate`` (``abandon`` on a
+    refusal); growth is ``allocate``; a finish removes the request, releases its blocks
+    and publishes them."""
+    clock = Clock()
+    kv, store = make_replay(policy, clock, disk_batch=disk_batch)
+    if change is not None:
+        change(kv, store)
+    log = Log()
+    store.rules.watch = log.watch(lambda k: k)
+    live: list[tuple[Request, object]] = []  # (request, its attach or None: refused)
+    nxt = 0
+    for i, op in enumerate(ops):
+        clock.now = float(i + 1)
+        log.start()
+        if op.kind == "admit":
+            r = reqs[nxt]
+            nxt += 1
+            peek = store.peek(r.hash_ids, r.n_in)
+            room = (kv.device_capacity_bytes - kv.device_used_bytes()) // kv.page_bytes
+            att = None
+            if store.need_pages(peek, r.n_in) <= room:
+                att = store.attach_request(r.rid, peek)
+                n = Counter(peek.tiers)
+                log.hits.append((n[Tier.DEVICE] * T, n[Tier.HOST] * T, n[Tier.DISK] * T))
+                if att is not None:
+                    if att.moves:
+                        store.loaded(att.moves)
+                    if not kv.allocate(r.rid, r.n_in):
+                        store.abandon(r.rid, att)
+                        att = None
+            log.events[-1].append(("admitted" if att else "refused", r.rid, "device"))
+            live.append((r, att))
+        elif op.kind == "grow":
+            r, att = live[op.which]
+            if att is not None:
+                got = kv.allocate(r.rid, kv.num_tokens(r.rid) + op.tokens)
+                log.events[-1].append(("grew" if got else "short", r.rid, "device"))
+        else:
+            r, att = live.pop(op.which)
+            if att is not None:
+                kv.remove_request(r.rid)
+                store.release(att.mapped)
+                store.publish(att.peek.keys)
+        store.check_integrity()
+        kv.check_integrity()
+        log.tiers.append({k: store.index.location(k).tier.value for k in store.index.keys()})
+    return log
+
+
+def first_op_difference(a: Log, b: Log, ops: list[Op]) -> str | None:
+    """Where two logs of a schedule first disagree, in words; None when they agree."""
+    if a.hits != b.hits:
+        i = next((i for i, (x, y) in enumerate(zip(a.hits, b.hits, strict=False)) if x != y),
+                 min(len(a.hits), len(b.hits)))
+        return f"admission {i}: hit tokens differ ({len(a.hits)} and {len(b.hits)} attaches)"
+    for i, op in enumerate(ops):
+        x, y = grouped(a.events[i]), grouped(b.events[i])
+        if x != y:
+            return f"op {i} ({op.kind}): events {x[:6]} != {y[:6]}"
+        if a.tiers[i] != b.tiers[i]:
+            return f"op {i} ({op.kind}): the blocks on each tier differ after it"
+    return None
+
+
+@pytest.fixture(scope="module")
+def concurrent() -> tuple[list[Request], list[Op]]:
+    reqs = concurrent_requests(seed=11)
+    return reqs, schedule(reqs, seed=12)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_concurrent_requests_run_alike_in_the_replay_worker_and_the_cache(policy, concurrent):
+    """Several requests live at once, sharing prefixes, under device pressure (growth and
+    admissions that need cached blocks to make room): per admission the same hit tokens
+    per tier, per step the same block events, admissions and refusals, and the same blocks
+    on every tier."""
+    reqs, ops = concurrent
+    cache = run_cache_live(policy, reqs, ops, seed=13)
+    replay = run_replay_live(policy, reqs, ops)
+    assert first_op_difference(cache, replay, ops) is None
+    events = Counter((kind, tier) for per in cache.events for kind, _k, tier in per)
+    # it ran concurrently and under pressure: shared device hits (a block mapped by two
+    # live requests), refusals and short growth, and blocks moved down both links
+    assert events["refused", "device"] and events["short", "device"] and events["grew", "device"]
+    for want in (("hit", "device"), ("hit", "host"), ("load", "host"), ("move", "host"),
+                 ("move", "disk"), ("publish", "device")):
+        assert events[want] > 0, f"{policy}: no {want} event in the schedule"
+
+
+def test_the_concurrent_schedule_shares_device_blocks_between_live_requests(concurrent):
+    """The schedule has a block mapped by two live requests at once (what counting it
+    in both requests' allocations would get wrong)."""
+    reqs, ops = concurrent
+    clock = Clock()
+    kv, store = make_replay(DEFAULT_BLOCK_POLICY, clock)
+    shared = 0
+    live, nxt = [], 0
+    for op in ops:
+        if op.kind == "admit":
+            r = reqs[nxt]
+            nxt += 1
+            peek = store.peek(r.hash_ids, r.n_in)
+            room = (kv.device_capacity_bytes - kv.device_used_bytes()) // kv.page_bytes
+            att = (store.attach_request(r.rid, peek)
+                   if store.need_pages(peek, r.n_in) <= room else None)
+            if att is not None:
+                store.loaded(att.moves)
+                if not kv.allocate(r.rid, r.n_in):
+                    store.abandon(r.rid, att)
+                    att = None
+            live.append((r, att))
+            shared = max([shared] + [store.index.get(k).refs for k in store.index.keys()])
+        elif op.kind == "finish":
+            r, att = live.pop(op.which)
+            if att is not None:
+                kv.remove_request(r.rid)
+                store.release(att.mapped)
+                store.publish(att.peek.keys)
+    assert shared >= 2
+
+
+def test_a_worker_that_drives_blocks_otherwise_is_caught(concurrent):
+    """Negative controls, each differing from the cache: the policies told after the
+    loads made room (not at attach), cached blocks no request maps counted as used, a
+    block mapped by a live request counted in that request's allocation too, and
+    host -> disk writes of one block each (the cache writes 16)."""
+    reqs, ops = concurrent
+    cache = run_cache_live(DEFAULT_BLOCK_POLICY, reqs, ops, seed=13)
+
+    def late_tell(kv, store) -> None:
+        told, tell, loads = [], store.rules.tell, store.start_loads
+        store.rules.tell = lambda *args: told.append(args)
+
+        def loads_then_tell(peek):
+            out = loads(peek)
+            while told:
+                tell(*told.pop(0))
+            return out
+
+        store.start_loads = loads_then_tell
+
+    def idle_used(kv, store) -> None:
+        kv.device_used_bytes = lambda: (kv.device_capacity_bytes
+                                        - kv.free_pages(Tier.DEVICE) * kv.page_bytes)
+
+    def twice(kv, store) -> None:
+        kv.map_blocks = lambda rid, tokens, pages: None  # its prompt's pages are all its own
+
+    for change in (late_tell, idle_used, twice):
+        assert first_op_difference(cache, run_replay_live(DEFAULT_BLOCK_POLICY, reqs, ops,
+                                                          change=change), ops) is not None
+    assert first_op_difference(cache, run_replay_live(DEFAULT_BLOCK_POLICY, reqs, ops,
+                                                      disk_batch=1), ops) is not None

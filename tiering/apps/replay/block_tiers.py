@@ -8,33 +8,41 @@ disk), per tier a block retention policy made by
 and every policy call made by the cache's own rules (``tiering.resources.kv_prefix_rules
 .BlockRules``: what is attached, who is told what, what is admitted, which block
 leaves first and where it goes). The same index, policies and rules run in
-production; ``tests/test_replay_fidelity.py`` drives both with one request sequence.
+production; ``tests/test_replay_fidelity.py`` drives both with one request sequence,
+one request at a time and several live at once.
 
-The life of a block:
+The store registers with its ``ModeledKVCache`` (``use_blocks``), which then holds the
+blocks as the cache holds its block store's: their pages are the store's, a request
+maps them and holds only its own pages after them (a block two live requests map is
+counted once), the used figures leave out blocks no request maps, and the cache's
+``allocate``, ``reload`` and ``offload`` make room through the store.
 
-- **Lookup** (``peek``, ``lend``, ``commit``, when a request is admitted): the
-  longest attachable prefix of its full prompt blocks is reused (``BlockRules
-  .attachable``: never its last token, never a block moving or loaded by another
-  request); every tier's policy is told the request and its hits once
-  (``BlockRules.tell``) and matched host and disk blocks move up to the device
-  (``begin_move``; ``loaded`` finishes the moves when the copy lands).
+The life of a block, in the order a worker on the cache meets it:
+
+- **Attach** (``attach_request``: ``peek``, ``attach``, ``start_loads``, when a request
+  is admitted): the longest attachable prefix of its full prompt blocks is mapped
+  (``BlockRules.attachable``: never its last token, never a block moving or loaded by
+  another request) and every tier's policy is told the request and its hits once
+  (``BlockRules.tell``), before any room is made. Matched host and disk blocks then
+  move up to the device as the cache's ``reload`` loads them: room for them is made
+  (``ensure_device``), their device pages taken and the moves begun; ``loaded``
+  finishes them when the copy lands, and only then does the request take its own
+  pages (``allocate``: the cache allocates a request only once its load landed).
 - **Publish** (``publish``, when the request finishes): its prompt blocks past
   those the device already holds are offered to the device policy root first
   (``BlockRules.offer``) and kept while it admits them and the device has room;
   a block held on another tier stops the publish, as in the cache.
-- **Device pages.** A block mapped by a live request is part of that
-  request's KV (its pages are in the request's allocation); an unmapped
-  device block holds its own pages (``take_block_pages`` of the KV backend),
-  so the device's pressure sees it. Blocks on host and disk always hold
-  their pages there.
 - **Release** (the request finished, or its KV was freed to be recomputed):
-  its blocks are unmapped.
-- **Down the tiers** (``make_room`` when an allocation needs pages, and at the
-  simulator's safe points ``shed_device``, ``relieve_lower``): the tier's policy
-  picks the victim; it moves one tier down (device -> host -> disk) if that tier's
-  policy admits it and room can be made there the same way, else it is dropped with
-  its cached descendants. Moves down change the books at once; their copies occupy
-  the links (``move_block_pages``).
+  its blocks are unmapped; their pages stay the store's.
+- **Down the tiers**, only when room is needed, as in the cache: ``ensure_device``
+  (an allocation, a reload, a load) sends the device policy's victims one tier down
+  when the host policy admits them and room can be made there (``ensure_host``),
+  else drops them with their cached descendants; ``ensure_host`` (a device victim,
+  an offload of a live request) writes a batch of up to ``disk_batch`` host victims
+  the disk policy admits to disk in one copy (a refused one is dropped), dropping
+  disk victims for room; with no disk, or no room there, the first host victim is
+  dropped. Moves down change the books at once; their copies occupy the links
+  (``move_block_pages``).
 
 ``check_integrity`` checks the index, that every policy tracks exactly its
 tier's blocks, and that the pages held match the blocks.
@@ -48,23 +56,31 @@ from typing import Any, NamedTuple
 from tiering.apps.replay.block_guard import Guarded, PolicyMeter, is_builtin
 from tiering.blocks.index import BlockIndex, Dropped
 from tiering.policies.blocks import BlockPolicyRegistry, make_block_policy
-from tiering.resources.kv_prefix_rules import BELOW, TIERS, BlockRules
+from tiering.resources.kv_prefix_rules import TIERS, BlockRules
 from tiering.types import Tier
 
-__all__ = ["BlockCounters", "PrefixBlocks", "PrefixPeek"]
+__all__ = ["Attached", "BlockCounters", "PrefixBlocks", "PrefixPeek"]
 
 
 class PrefixPeek(NamedTuple):
     """What a lookup found (nothing changed yet): the request's full prompt block keys,
     how many lead the cache (attachable), each one's tier, the prompt tokens they save,
-    and the device pages the store would hand over to the request (matched unmapped
-    device blocks)."""
+    and the device pages of matched blocks no request maps yet (an attach pins them)."""
 
     keys: tuple[Hashable, ...]
     blocks: int
     tiers: tuple[Tier, ...]
     reused: int
     lent_pages: int
+
+
+class Attached(NamedTuple):
+    """A request's attach (``PrefixBlocks.attach_request``): what the lookup found, the
+    keys it maps, and of those the ones loading onto the device (``loaded`` lands them)."""
+
+    peek: PrefixPeek
+    mapped: list
+    moves: list
 
 
 class _TierState:
@@ -74,8 +90,8 @@ class _TierState:
 
     def __init__(self, tier: Tier) -> None:
         self.tier = tier
-        self.held = 0  # blocks holding their own pages in this tier
-        self.below: _TierState | None = None  # where its victims go (a tier with room at all)
+        self.held = 0  # blocks whose pages this tier holds (device: loads landing too)
+        self.below: _TierState | None = None  # where its victims may go
 
 
 class BlockCounters(NamedTuple):
@@ -99,18 +115,25 @@ class PrefixBlocks:
     decision log; ``meter``: count and time every policy call (a user's policy is
     always metered, with a meter of its own when none is given; ``meter`` holds it).
     ``admission``: ask the policies' ``admit`` (``BlockRules``; False only to measure
-    what admission changes).
+    what admission changes). ``move``: device victims go down a tier (the cache's rule;
+    False: they are dropped, the replay's ``make_room="drop"``). ``disk_batch``: the most
+    host blocks one host -> disk copy packs (the cache's ``disk_batch_pages``: a block is
+    a page there). The store registers with ``kv`` (``use_blocks``) when ``kv`` has it.
     """
 
     def __init__(self, kv: Any, policy: str, block_tokens: int, clock: Callable[[], float],
                  registry: BlockPolicyRegistry | None = None,
                  options: Sequence[tuple[str, Any]] = (), *, batch: bool = True,
                  events: bool = True, meter: PolicyMeter | None = None,
-                 admission: bool = True) -> None:
+                 admission: bool = True, move: bool = True, disk_batch: int = 16) -> None:
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or (
             block_tokens < 1
         ):
             raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+        if isinstance(disk_batch, bool) or not isinstance(disk_batch, int) or disk_batch < 1:
+            raise ValueError(f"disk_batch must be an int >= 1, got {disk_batch!r}")
+        self.move = bool(move)
+        self.disk_batch = disk_batch
         self._kv = kv
         self._clock = clock
         self.block_tokens = block_tokens
@@ -143,16 +166,24 @@ class PrefixBlocks:
         # per tier: the blocks holding their own pages there and where its victims go
         # (what the eviction path reads, without a dict by Tier)
         self._st = {t: _TierState(t) for t in TIERS}
-        for t in TIERS:
-            b = BELOW[t]
-            if b is not None and self.capacity_blocks[b]:
-                self._st[t].below = self._st[b]
+        # a device victim is offered to the host (which may have no room at all, as the
+        # cache's host pool may hold no page); a host victim goes to disk only if there is one
+        self._st[Tier.DEVICE].below = self._st[Tier.HOST]
+        if self.capacity_blocks[Tier.DISK]:
+            self._st[Tier.HOST].below = self._st[Tier.DISK]
+        self.capacity_pages = {t: caps[t] // int(kv.page_bytes) for t in TIERS}
         self._handle = 0
+        # disk batches: extent id -> [pages, blocks still in it]; a disk block's extent
+        self._extents: dict[int, list[int]] = {}
+        self._extent_of: dict[Hashable, int] = {}
+        self._extent_id = 0
         self.changes = 0  # bumped whenever a block comes, goes, moves or is (un)mapped
         self._moved_host = self._moved_disk = self._loaded = self._dropped = self._refused = 0
         # (kind, key) of moves down and drops, when ``events`` (the decision log's) is on
         self.record_events = bool(events)
         self.events: list[tuple[str, Hashable]] = []
+        if hasattr(kv, "use_blocks"):
+            kv.use_blocks(self)
 
     # -- reading ---------------------------------------------------------------------
 
@@ -168,9 +199,14 @@ class PrefixBlocks:
 
     @property
     def device_pages(self) -> int:
-        """Device pages held by unmapped cached blocks (what dropping all of them frees
-        at most)."""
-        return self._st[Tier.DEVICE].held * self.block_pages
+        """Device pages held by cached blocks no request maps (what dropping all of them
+        frees at most)."""
+        return self.index.idle_count(Tier.DEVICE) * self.block_pages
+
+    def idle_pages(self, tier: Tier) -> int:
+        """Pages of ``tier`` held by cached blocks no request maps and none moves (room the
+        store can free; the KV backend leaves them out of its used figures)."""
+        return self.index.idle_count(tier) * self.block_pages
 
     def __len__(self) -> int:
         return len(self.index)
@@ -194,60 +230,93 @@ class PrefixBlocks:
         lent = sum(1 for k, t in zip(keys, tiers, strict=False) if t is Tier.DEVICE and not get(k).refs)
         return PrefixPeek(keys, d, tiers, d * self.block_tokens, lent * self.block_pages)
 
-    def lends(self, hash_ids: Sequence[Hashable], n_in: int) -> bool:
-        """Whether ``peek(hash_ids, n_in)`` finds blocks to reuse (``lend`` would map
-        some); changes nothing."""
-        if (n_in - 1) // self.block_tokens < 1:
-            return False
-        index = self.index
-        k = hash_ids[0]
-        loc = index.location(k)
-        if loc is None or loc.moving_to is not None:
-            return False
-        return loc.tier is Tier.DEVICE or not index.get(k).refs
+    def need_pages(self, peek: PrefixPeek | None, tokens: int) -> int:
+        """Device pages a request of ``tokens`` tokens takes after the attach ``peek``
+        found: pages for its loads (hits off the device) and its own pages after its
+        blocks."""
+        if peek is None:
+            return int(self._kv.pages_for(tokens))
+        loads = sum(1 for t in peek.tiers if t is not Tier.DEVICE)
+        return loads * self.block_pages + int(self._kv.pages_for(tokens - peek.reused))
 
     # -- a request's blocks ----------------------------------------------------------
 
-    def lend(self, peek: PrefixPeek) -> list[Hashable]:
-        """Map the matched blocks (they can no longer be evicted); the pages of matched
-        unmapped device blocks pass to the caller's allocation. Returns the keys mapped;
-        ``unlend`` undoes it exactly."""
+    def attach_request(self, rid: str, peek: PrefixPeek, overrides: Any = None) -> Attached | None:
+        """What a worker on the cache does to admit ``rid`` (``ingest_request``,
+        ``attach_prefix``, the ``reload`` of its host and disk hits): ingest it, map its
+        hits (``map_blocks``) and tell the policies (``attach``), then make room for the
+        loads and begin them (``start_loads``). None when the loads find no room: the
+        request is removed again and its blocks unmapped (the policies were told, as the
+        cache's were). The caller allocates the request's own pages once the loads landed
+        (``loaded``), or at once when there are none; ``abandon`` undoes it all."""
+        kv = self._kv
+        kv.ingest_request(rid, overrides)
+        mapped = self.attach(peek)
+        if mapped:
+            kv.map_blocks(rid, peek.reused, peek.blocks * self.block_pages)
+        moves = self.start_loads(peek)
+        if moves is None:
+            kv.remove_request(rid)
+            self.release(mapped)
+            return None
+        return Attached(peek, mapped, moves)
+
+    def abandon(self, rid: str, att: Attached) -> None:
+        """Undo ``attach_request`` (its own allocation was refused): the request is removed,
+        loads not landed are given up (their device pages freed) and its blocks unmapped."""
+        self._kv.remove_request(rid)
+        self.undo_loads(att.moves)
+        self.release(att.mapped)
+
+    def attach(self, peek: PrefixPeek) -> list[Hashable]:
+        """Map the matched blocks (they can no longer be evicted; their pages stay the
+        store's) and tell every tier's policy the request and its hits
+        (``BlockRules.tell``), as the cache's attach does. Returns the keys mapped."""
         index = self.index
-        mapped = []
-        for k, t in zip(peek.keys, peek.tiers, strict=False):
-            if index.acquire(k) == 1 and t is Tier.DEVICE:
-                self._unreserve(Tier.DEVICE)
-            mapped.append(k)
+        mapped = list(peek.keys[:peek.blocks])
+        for k in mapped:
+            index.acquire(k)
+        self.rules.tell(peek.keys, peek.tiers, self._clock())
         self.changes += 1
         return mapped
 
-    def unlend(self, mapped: Sequence[Hashable]) -> None:
-        """Undo ``lend`` (the request was not admitted after all)."""
-        index = self.index
-        for k in mapped:
-            if not index.release(k) and index.location(k).tier is Tier.DEVICE:
-                self._reserve(k, Tier.DEVICE)
-        self.changes += 1
-
-    def commit(self, peek: PrefixPeek) -> list[Hashable]:
-        """Admission went through (after ``lend``): the request and its hits are told to
-        every tier's policy (``BlockRules.tell``) and host and disk hits start moving up
-        to the device, in chain order. Returns the keys whose move ``loaded`` must
-        finish."""
-        self.rules.tell(peek.keys, peek.tiers, self._clock())
-        moves = []
+    def start_loads(self, peek: PrefixPeek) -> list[Hashable] | None:
+        """The attached host and disk hits start moving up to the device, in chain order,
+        as the cache's reload starts them: room for their pages is made first
+        (``ensure_device``) and the pages taken. Returns the keys whose move ``loaded``
+        finishes ([] when all hits are on the device); None, with no load begun, when the
+        device has no room for them."""
         dev = Tier.DEVICE
-        if any(t is not dev for t in peek.tiers):
-            index = self.index
-            for k, t in zip(peek.keys, peek.tiers, strict=False):
-                if t is not dev:  # attachable: not moving
-                    index.begin_move(k, dev, self._new_handle())
-                    moves.append(k)
+        todo = [k for k, t in zip(peek.keys, peek.tiers, strict=False) if t is not dev]
+        if not todo:
+            return []
+        n = len(todo) * self.block_pages
+        if not self.ensure_device(n) or not self._kv.take_block_pages(dev, n):
+            return None
+        self._st[dev].held += len(todo)
+        index = self.index
+        for k in todo:
+            index.begin_move(k, dev, self._new_handle())
         self.changes += 1
-        return moves
+        return todo
+
+    def undo_loads(self, moves: Sequence[Hashable]) -> None:
+        """Give up the loads of ``moves`` not landed yet: their device pages are freed and
+        the blocks stay where they were (the cache's cancelled load)."""
+        index = self.index
+        gone = 0
+        for k in moves:
+            loc = index.location(k)
+            if loc is not None and loc.moving_to is Tier.DEVICE:
+                index.fail_move(k)
+                gone += 1
+        if gone:
+            self._unreserve(Tier.DEVICE, gone)
+            self.changes += 1
 
     def loaded(self, moves: Sequence[Hashable]) -> None:
-        """The copy of these blocks to the device landed: they are device blocks now."""
+        """The copy of these blocks to the device landed: they are device blocks now (on
+        the pages ``start_loads`` took), and their old tier's pages are free."""
         index = self.index
         done, sources = [], []
         for k in moves:
@@ -255,7 +324,7 @@ class PrefixBlocks:
             if loc is None or loc.moving_to is not Tier.DEVICE:
                 continue
             index.finish_move(k)
-            self._unreserve(loc.tier)
+            self._leave(k, loc.tier)
             done.append(k)
             sources.append(loc.tier)
         if done:
@@ -264,12 +333,10 @@ class PrefixBlocks:
         self.changes += 1
 
     def release(self, mapped: Sequence[Hashable]) -> None:
-        """The request that mapped these blocks no longer holds its KV (the caller freed
-        it first): unmap them; a device block nobody maps takes its own pages again."""
+        """The request that mapped these blocks no longer holds its KV: unmap them."""
         index = self.index
         for k in mapped:
-            if not index.release(k) and index.location(k).tier is Tier.DEVICE:
-                self._reserve(k, Tier.DEVICE)
+            index.release(k)
         self.changes += 1
 
     def publish(self, keys: Sequence[Hashable]) -> int:
@@ -331,67 +398,57 @@ class PrefixBlocks:
 
     # -- making room -------------------------------------------------------------------
 
-    def make_room(self, need_pages: int, free_pages: Callable[[], int], move: bool) -> bool:
-        """Free device pages held by cached blocks, in the device policy's order, until
-        ``need_pages`` are free: each victim moves down (``move``, see the module
+    def ensure_device(self, n: int) -> bool:
+        """Free device pages held by cached blocks no request maps, in the device policy's
+        order, until ``n`` pages are free: each victim moves down (``move``, see the module
         docstring), else it is dropped. True if the pages are free; False at once, with
-        nothing changed, if all such pages would not do (some may have gone before a
-        False when blocks still mapped by requests keep the rest)."""
-        free = free_pages()
-        if free >= need_pages:
+        nothing changed, when the blocks that may leave would not free enough (as the
+        cache's ``ensure_device``; some may have gone before a False when the policy
+        offers no more)."""
+        free = self._kv.free_pages
+        dev = Tier.DEVICE
+        have = free(dev)
+        if have >= n:
             return True
-        if free + self.device_pages < need_pages or not self.rules.reachable(
-                Tier.DEVICE, -(-(need_pages - free) // self.block_pages), self._clock()):
+        if n > self.capacity_pages[dev] or not self.rules.reachable(
+                dev, -(-(n - have) // self.block_pages), self._clock()):
             return False
-        dev = self._st[Tier.DEVICE]
-        while free_pages() < need_pages:
-            if not self._evict_one(dev, move):
+        st = self._st[dev]
+        while free(dev) < n:
+            if not self._evict_device(st):
+                return False
+        return True
+
+    def ensure_host(self, n: int) -> bool:
+        """Free host pages held by cached blocks no request maps until ``n`` are free: the
+        host policy's victims go to disk in batches (see the module docstring). False,
+        with nothing changed, when the blocks that may leave would not free enough (as the
+        cache's ``ensure_host``)."""
+        free = self._kv.free_pages
+        host = Tier.HOST
+        bp = self.block_pages
+        have = free(host)
+        if have >= n:
+            return True
+        if n > self.capacity_pages[host] or not self.rules.reachable(
+                host, -(-(n - have) // bp), self._clock()):
+            return False
+        while free(host) < n:
+            if not self._host_batch_down(-(-(n - free(host)) // bp)):
                 return False
         return True
 
     def drop_all_device(self) -> bool:
         """Drop every cached device block that may leave; False if none could."""
         any_ = False
-        dev = self._st[Tier.DEVICE]
-        while dev.held and self._evict_one(dev, False):
+        dev = Tier.DEVICE
+        while self.index.idle_count(dev):
+            key = self.rules.victim(dev, self._clock())
+            if key is None:
+                break
+            self._drop(key, "evicted")
             any_ = True
         return any_
-
-    def shed_device(self, over: Callable[[], bool]) -> int:
-        """While ``over()``: move the device policy's victim down (or drop it). Returns
-        the blocks that left the device."""
-        n = 0
-        dev = self._st[Tier.DEVICE]
-        while dev.held and over():
-            if not self._evict_one(dev, True):
-                break
-            n += 1
-        return n
-
-    def relieve_lower(self, high: float, low: float) -> int:
-        """The host over ``high`` of its capacity: its policy's victims move to disk (or
-        are dropped) until under ``low``; then the disk over ``high``: its victims are
-        dropped until under ``low``. One call leaves nothing for the next to do.
-        Returns the blocks that left."""
-        kv = self._kv
-        n = 0
-        for tier in (Tier.HOST, Tier.DISK):
-            total = {Tier.HOST: kv.host_capacity_bytes,
-                     Tier.DISK: getattr(kv, "disk_capacity_bytes", 0)}[tier] // kv.page_bytes
-            st = self._st[tier]
-            if not total or not st.held:
-                continue
-
-            def used(tier=tier, total=total) -> int:
-                return total - kv.free_pages(tier)
-
-            if used() <= high * total:
-                continue
-            while st.held and used() > low * total:
-                if not self._evict_one(st, True):
-                    break
-                n += 1
-        return n
 
     # -- internals ---------------------------------------------------------------------
 
@@ -399,12 +456,6 @@ class PrefixBlocks:
         self._handle += 1
         return self._handle
 
-    def _reserve(self, key: Hashable, tier: Tier) -> None:
-        if not self._kv.take_block_pages(tier, self.block_pages):
-            # the request that mapped it has just freed at least as much
-            raise RuntimeError(f"block {key!r}: no {tier.value} page for it once unmapped "
-                               "(block pages were miscounted)")
-        self._st[tier].held += 1
 
     def _reserve_many(self, keys: Sequence[Hashable], tier: Tier) -> None:
         if not self._kv.take_block_pages(tier, len(keys) * self.block_pages):
@@ -416,63 +467,109 @@ class PrefixBlocks:
         self._kv.give_block_pages(tier, blocks * self.block_pages)
         self._st[tier].held -= blocks
 
-    def _room(self, st: _TierState) -> bool:
-        """Make room for one block in ``st`` by its own rule (its victims move down or are
-        dropped); False if its blocks that may leave would not do (on the host, known
-        before any leaves, as ``BlockRules.reachable``)."""
-        free = self._kv.free_pages
-        bp = self.block_pages
-        tier = st.tier
-        short = -(-(bp - free(tier)) // bp)
-        if tier is Tier.HOST and not self.rules.reachable(tier, short, self._clock()):
-            return False
-        while free(tier) < bp:
-            if not self._evict_one(st, True):
-                return False
-        return True
+    def _leave(self, key: Hashable, tier: Tier) -> None:
+        """``key`` left ``tier``: its pages there are free; on disk, those of its batch
+        come free with the batch's last block (the cache releases a disk extent so)."""
+        if tier is not Tier.DISK:
+            self._unreserve(tier)
+            return
+        ext = self._extent_of.pop(key)
+        e = self._extents[ext]
+        e[1] -= 1
+        self._st[tier].held -= 1
+        if not e[1]:
+            del self._extents[ext]
+            self._kv.give_block_pages(tier, e[0])
 
-    def _evict_one(self, st: _TierState, move: bool) -> bool:
-        """One victim of ``st``'s policy leaves (``BlockRules``): down a tier (``move``,
-        where that tier's policy admits it and room can be made there) or dropped. False
-        if the policy offers nothing that may leave."""
+    def _evict_device(self, st: _TierState) -> bool:
+        """One victim of the device policy leaves (the cache's ``_move_device_block_down``):
+        down to the host (``move``) where the host policy admits it and room can be made
+        there, else dropped. False if the policy offers nothing that may leave."""
         rules = self.rules
         now = self._clock()
         key = rules.victim(st.tier, now)
         if key is None:
             return False
-        dst = st.below if move else None
-        if dst is not None and rules.admits(dst.tier, key, now):
-            if dst.tier is Tier.HOST:
-                room = self._room(dst)
-                if key not in self.index:
-                    return True  # making room dropped an ancestor, and this block with it
-            else:  # the cache marks a block for disk before it makes room there
-                handle = self._new_handle()
-                self.index.begin_move(key, dst.tier, handle)
-                room = self._room(dst)
-                self.index.fail_move(key)
+        if self.move and rules.admits(Tier.HOST, key, now):
+            bp = self.block_pages
+            room = self._kv.free_pages(Tier.HOST) >= bp or self.ensure_host(bp)
+            if key not in self.index:
+                return True  # making room dropped an ancestor, and this block with it
             if room:
-                self._move_down(key, st, dst, now)
+                self._move_down([key], st, st.below, now)
                 return True
         self._drop(key, "evicted")
         return True
 
-    def _move_down(self, key: Hashable, src: _TierState, dst: _TierState, now: float) -> None:
+    def _host_batch_down(self, want: int) -> bool:
+        """Up to a batch of host victims go to disk in one copy (the cache's
+        ``_host_blocks_down``): each the disk policy admits is marked for disk, one it
+        refuses is dropped; then disk victims are dropped until the batch fits, and it is
+        written. With no disk, or no room there, the first victim is dropped instead (the
+        rest stay). False when the host policy offers nothing."""
+        rules = self.rules
+        index = self.index
+        host, disk = self._st[Tier.HOST], self._st[Tier.HOST].below
+        if disk is None:
+            key = rules.victim(Tier.HOST, self._clock())
+            if key is None:
+                return False
+            self._drop(key, "evicted")
+            return True
+        batch = max(want, min(self.disk_batch, index.count(Tier.HOST)))
+        chosen: list[Hashable] = []
+        refused = 0
+        for _ in range(batch):
+            now = self._clock()
+            key = rules.victim(Tier.HOST, now)
+            if key is None:
+                break
+            if not rules.admits(Tier.DISK, key, now):
+                self._drop(key, "evicted")
+                refused += 1
+                continue
+            index.begin_move(key, Tier.DISK, self._new_handle())
+            chosen.append(key)
+        if not chosen:
+            return refused > 0
+        need = len(chosen) * self.block_pages
+        free = self._kv.free_pages
+        while free(Tier.DISK) < need:
+            key = rules.victim(Tier.DISK, self._clock())
+            if key is None:
+                break
+            self._drop(key, "evicted")
+        for key in chosen:
+            index.fail_move(key)
+        if free(Tier.DISK) < need:  # the disk cannot take them: the first leaves, the rest stay
+            self._drop(chosen[0], "evicted")
+            return True
+        self._move_down(chosen, host, disk, self._clock())
+        return True
+
+    def _move_down(self, keys: Sequence[Hashable], src: _TierState, dst: _TierState,
+                   now: float) -> None:
+        """``keys`` (unmapped, on ``src``) go one tier down in one copy (room was made)."""
         to = dst.tier
-        if not self._kv.move_block_pages(src.tier, to, self.block_pages):
-            raise RuntimeError(f"moving block {key!r} to {to.value}: room was checked")
-        self.index.move(key, to, self._new_handle())
-        src.held -= 1
-        dst.held += 1
-        self.rules.moved(key, src.tier, to, now)
+        if not self._kv.move_block_pages(src.tier, to, len(keys) * self.block_pages):
+            raise RuntimeError(f"moving blocks {list(keys)[:3]!r} to {to.value}: room was checked")
+        index, rules = self.index, self.rules
+        for key in keys:
+            index.move(key, to, self._new_handle())
+            rules.moved(key, src.tier, to, now)
+        src.held -= len(keys)
+        dst.held += len(keys)
+        if to is Tier.DISK:  # one batch, one extent: its pages stay taken until its last leaves
+            self._extent_id += 1
+            self._extents[self._extent_id] = [len(keys) * self.block_pages, len(keys)]
+            self._extent_of.update(dict.fromkeys(keys, self._extent_id))
+        kind = "block-host" if to is Tier.HOST else "block-disk"
         if to is Tier.HOST:
-            self._moved_host += 1
-            if self.record_events:
-                self.events.append(("block-host", key))
+            self._moved_host += len(keys)
         else:
-            self._moved_disk += 1
-            if self.record_events:
-                self.events.append(("block-disk", key))
+            self._moved_disk += len(keys)
+        if self.record_events:
+            self.events.extend((kind, key) for key in keys)
         self.changes += 1
 
     def _drop(self, key: Hashable, reason: str, counted: bool = True) -> list[Dropped]:
@@ -480,11 +577,14 @@ class PrefixBlocks:
         out = self.index.drop(key, reason)
         self.rules.dropped(out)
         if len(out) == 1:
-            self._unreserve(out[0].tier)
+            self._leave(out[0].key, out[0].tier)
         else:
             by_tier: dict[Tier, int] = {}
             for d in out:
-                by_tier[d.tier] = by_tier.get(d.tier, 0) + 1
+                if d.tier is Tier.DISK:
+                    self._leave(d.key, d.tier)
+                else:
+                    by_tier[d.tier] = by_tier.get(d.tier, 0) + 1
             for t, n in by_tier.items():
                 self._unreserve(t, n)
         if counted:
@@ -510,15 +610,26 @@ class PrefixBlocks:
             loc = index.location(k)
             if loc.moving_to not in (None, Tier.DEVICE):
                 raise AssertionError(f"block {k!r} moves down in flight")
-            if loc.tier is not Tier.DEVICE or not info.refs:
-                held[loc.tier] += 1
+            if loc.tier is not Tier.DEVICE and info.refs > 1:
+                raise AssertionError(f"block {k!r} off the device is mapped {info.refs} times")
+            held[loc.tier] += 1
+            if loc.moving_to is Tier.DEVICE:
+                held[Tier.DEVICE] += 1  # the pages its load lands in
         counted = {t: self._st[t].held for t in TIERS}
         if held != counted:
             raise AssertionError(f"blocks holding pages {held} != counted {counted}")
+        live: dict[int, int] = {}
+        for k in index.keys(Tier.DISK):
+            live[self._extent_of.get(k)] = live.get(self._extent_of.get(k), 0) + 1
+        if set(self._extent_of) != set(index.keys(Tier.DISK)) or live != {
+                e: n for e, (_, n) in self._extents.items()}:
+            raise AssertionError("disk batches do not match the disk blocks")
+        pages = {t: held[t] * self.block_pages for t in TIERS}
+        pages[Tier.DISK] = sum(p for p, _ in self._extents.values())
         kv = self._kv
         if hasattr(kv, "block_pages"):
             for t in TIERS:
-                if kv.block_pages(t) != held[t] * self.block_pages:
+                if kv.block_pages(t) != pages[t]:
                     raise AssertionError(
                         f"{t.value}: the KV backend holds {kv.block_pages(t)} block pages, "
-                        f"the blocks {held[t] * self.block_pages}")
+                        f"the blocks {pages[t]}")

@@ -51,6 +51,9 @@ class SimConfig:
     move down and drop of a cached block (most of a long run's records; the CLI keeps
     them only for ``--decisions``). ``batch_hooks``: the block store calls the block
     policies' batch hooks (False: their per-event hooks one by one; the same run).
+    ``disk_batch_blocks``: the most cached blocks one host -> disk copy packs (the cache's
+    ``enable_prefix_cache(disk_batch_pages=)``, whose blocks are one page each; its
+    default, 16).
     """
 
     max_batch: int = 64
@@ -66,6 +69,7 @@ class SimConfig:
     preempt: str = "latest"
     block_decisions: bool = True
     batch_hooks: bool = True
+    disk_batch_blocks: int = 16
 
     def __post_init__(self) -> None:
         for name in ("block_decisions", "batch_hooks"):
@@ -97,6 +101,7 @@ class SimConfig:
         _check_int("SimConfig", "max_step_tokens", self.max_step_tokens, 1)
         _check_int("SimConfig", "page_tokens", self.page_tokens, 1)
         _check_int("SimConfig", "block_tokens", self.block_tokens, 1)
+        _check_int("SimConfig", "disk_batch_blocks", self.disk_batch_blocks, 1)
         if self.max_step_tokens < self.max_batch:
             raise ValueError(
                 f"SimConfig.max_step_tokens ({self.max_step_tokens}) must be >= max_batch "

@@ -17,6 +17,12 @@ The default chain (``LinkRates.chain``): device, host, disk, with links ``d2h`` 
 offload straight to disk crosses ``d2h`` and ``disk_write``; a reload from disk
 crosses ``disk_read`` and ``h2d``. ``ModeledKVCache.from_chain`` runs any other
 chain (a remote memory tier beside the host, say: docs/tiers.md).
+
+Cached prefix blocks (``block_tiers.PrefixBlocks``, registered with ``use_blocks``) are
+held as ``PagedKVCache`` holds its ``PrefixCache``'s: their pages belong to the store, a
+request maps them (``map_blocks``) and holds only its own pages after them, the used
+figures leave out blocks no request maps, and ``allocate``, ``reload`` and ``offload``
+ask the store for room first (``ensure_device``, ``ensure_host``), as the cache does.
 """
 
 from __future__ import annotations
@@ -235,6 +241,20 @@ class ModeledKVCache(LifecycleAnswers):
         self._jobs: list[tuple[float, int, str, Move, int]] = []
         self._abandoned: list[TransferResult] = []
         self._seq = 0
+        self._blocks = None  # the block store (use_blocks), or None
+        self._mapped: dict[str, tuple[int, int]] = {}  # rid -> (tokens, pages) of blocks mapped
+
+    def use_blocks(self, store) -> None:
+        """Hold ``store``'s cached blocks as the cache holds its block store's: ``store``
+        answers ``idle_pages(tier)`` (pages of blocks no request maps and none moves: left
+        out of the used figures) and makes room (``ensure_device(n)``, ``ensure_host(n)``:
+        True when ``n`` pages of that tier are free). One store per cache."""
+        if self._blocks is not None and self._blocks is not store:
+            raise ValueError("ModeledKVCache.use_blocks: this cache holds another block store")
+        for name in ("idle_pages", "ensure_device", "ensure_host"):
+            if not callable(getattr(store, name, None)):
+                raise TypeError(f"use_blocks: the block store has no {name}()")
+        self._blocks = store
 
     # -- sizes ------------------------------------------------------------------
 
@@ -254,10 +274,18 @@ class ModeledKVCache(LifecycleAnswers):
         return self.disk_pages * self.page_bytes
 
     def device_used_bytes(self) -> int:
-        return self._dev.used_pages * self.page_bytes
+        """Device bytes held, not counting cached blocks no request maps (as the cache)."""
+        used = self._dev.used_pages
+        if self._blocks is not None:
+            used -= self._blocks.idle_pages(Tier.DEVICE)
+        return used * self.page_bytes
 
     def host_used_bytes(self) -> int:
-        return sum(t.used_pages for t in self._hosts) * self.page_bytes
+        """Host bytes held, not counting cached blocks no request maps (as the cache)."""
+        used = sum(t.used_pages for t in self._hosts)
+        if self._blocks is not None:
+            used -= self._blocks.idle_pages(Tier.HOST)
+        return used * self.page_bytes
 
     def disk_used_bytes(self) -> int:
         return sum(t.used_pages for t in self._disks) * self.page_bytes
@@ -292,17 +320,49 @@ class ModeledKVCache(LifecycleAnswers):
             guard(r, Op.ALLOCATE)
         if num_tokens <= r.num_tokens:
             return True
-        extra = self.pages_for(num_tokens) - r.device
+        extra = self._own_pages(rid, num_tokens) - r.device
         if extra > 0:
+            blocks = self._blocks
+            if blocks is not None and not blocks.ensure_device(extra):
+                return False
             if not self._dev.reserve(rid, extra):
                 return False
             r.device += extra
         r.num_tokens = num_tokens
         return True
 
+    def _own_pages(self, rid: str, num_tokens: int) -> int:
+        """The pages a request of ``num_tokens`` tokens holds itself (past the blocks it maps)."""
+        mapped = self._mapped.get(rid)
+        if mapped is None:
+            return -(-num_tokens // self.page_tokens)
+        return -(-(num_tokens - mapped[0]) // self.page_tokens)
+
+    def map_blocks(self, rid: str, tokens: int, pages: int) -> None:
+        """Fresh request ``rid`` maps cached blocks holding its first ``tokens`` tokens in
+        ``pages`` device pages of the block store (pages it does not hold: as the cache's
+        ``attach_prefix``); it holds only the pages of its tokens after them."""
+        r = self._life.get(rid, "map_blocks")
+        for name, v in (("tokens", tokens), ("pages", pages)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"map_blocks({rid!r}): {name} must be an int >= 0, got {v!r}")
+        if r.state is not S.RESIDENT or r.num_tokens or r.device or rid in self._mapped:
+            raise ValueError(f"map_blocks({rid!r}): only a fresh request maps blocks")
+        if tokens:
+            self._mapped[rid] = (tokens, pages)
+            r.num_tokens = tokens
+
+    def mapped_pages(self, rid: str) -> int:
+        """Device pages of cached blocks ``rid`` maps (``map_blocks``; 0: none)."""
+        self._life.get(rid, "mapped_pages")
+        mapped = self._mapped.get(rid)
+        return 0 if mapped is None else mapped[1]
+
     def remove_request(self, rid: str) -> None:
-        """Forget ``rid`` and free every page it holds (a transfer in flight is abandoned)."""
+        """Forget ``rid`` and free every page it holds (a transfer in flight is abandoned);
+        the blocks it mapped are the block store's to release."""
         self._life.remove(rid)
+        self._mapped.pop(rid, None)
 
     def admit(self, step, ctx) -> AdmitOutcome:
         """OK only when the request's KV is resident (a reload lands at a ``poll``)."""
@@ -499,9 +559,17 @@ class ModeledKVCache(LifecycleAnswers):
         n = r.device
         if r.state is not S.RESIDENT or not n:
             return 0
-        if self._mover.offload_to(n, self.offload_to_disk_when_host_full) is not None:
+        if self._mover.offload_to(n, self.offload_to_disk_when_host_full) is not None or (
+                self._host_room_with_blocks(n)):
             return n * self.page_bytes
         return 0
+
+    def _host_room_with_blocks(self, n: int) -> bool:
+        """Whether ``n`` host pages come free once cached host blocks no request maps
+        leave (they count as room, as in the cache: ``offload`` moves them down first)."""
+        blocks = self._blocks
+        return blocks is not None and (
+            self.free_pages(Tier.HOST) + blocks.idle_pages(Tier.HOST) >= n)
 
     def reclaimable_many(self, rids: Sequence[str]) -> np.ndarray:
         """``reclaimable`` of each of ``rids`` (int64), in one call; changes nothing."""
@@ -515,7 +583,7 @@ class ModeledKVCache(LifecycleAnswers):
             if r is None:
                 raise UnknownRequest(f"unknown request {rid!r}")
             n = r.device
-            if n and n <= room and r.state is resident:
+            if n and r.state is resident and (n <= room or self._host_room_with_blocks(n)):
                 out[i] = n * page_bytes
         return out
 
@@ -535,7 +603,7 @@ class ModeledKVCache(LifecycleAnswers):
         r = self._req(rid)
         if r.state not in OFFLOADED_STATES:
             return 0
-        return self.pages_for(r.num_tokens) * self.page_bytes
+        return self._own_pages(rid, r.num_tokens) * self.page_bytes
 
     def offload(self, rid: str) -> int:
         """Start moving a resident request to the host (the first host-like tier with room),
@@ -546,6 +614,8 @@ class ModeledKVCache(LifecycleAnswers):
         n = r.device
         if not n:
             return 0
+        if self._blocks is not None:
+            self._blocks.ensure_host(n)  # cached blocks make way for a live request
         dst = self._mover.offload_to(n, self.offload_to_disk_when_host_full)
         if dst is None or not self._start(r, dst, n):
             self.stats.offload_refusals += 1
@@ -568,7 +638,10 @@ class ModeledKVCache(LifecycleAnswers):
         """Start bringing an offloaded request back; False (nothing changed) if it does not fit."""
         r = self._req(rid, "reload")
         guard(r, Op.RELOAD)
-        if not self._start(r, self._dev, self.pages_for(r.num_tokens)):
+        n = self._own_pages(rid, r.num_tokens)
+        if self._blocks is not None:
+            self._blocks.ensure_device(n)
+        if not self._start(r, self._dev, n):
             self.stats.reload_refusals += 1
             return False
         return True
@@ -579,6 +652,6 @@ class ModeledKVCache(LifecycleAnswers):
         """Each tier's ledger is sound and equals what the records (and cached blocks) hold,
         owner by owner; no tier over capacity; each record holds exactly what its state
         allows (``Lifecycle.check``)."""
-        problems = self._mover.problems(lambda r: self.pages_for(r.num_tokens))
+        problems = self._mover.problems(lambda r: self._own_pages(r.rid, r.num_tokens))
         if problems:
             raise AssertionError("ModeledKVCache integrity: " + "; ".join(problems[:20]))

@@ -11,11 +11,10 @@ One loop iteration is one engine step:
 
 1. arrivals up to now join the waiting queue (a request whose final KV could
    never fit under the controller's admission limit is rejected);
-2. safe point (``tiering`` only): cached prefix blocks leave a device over
-   ``high`` (down a tier, or dropped) until it is under ``low``, a host or
-   disk over ``host_high`` passes its blocks down (or drops them) until under
-   ``host_low``, each in its tier's block policy's order; then
-   ``EvictionController.evict_if_needed`` with the active requests as running.
+2. safe point (``tiering`` only): ``EvictionController.evict_if_needed`` with
+   the active requests as running (cached prefix blocks no request maps are not
+   in the used figures it reads, as in the cache: they leave only when room is
+   needed, below).
    The call is skipped while nothing it looks at has changed since a call that
    found nothing to do (see ``_Worker._still_quiet``; a test checks that runs
    are identical either way);
@@ -28,9 +27,11 @@ One loop iteration is one engine step:
 5. the step runs for ``StepCost.step_s`` seconds; first tokens and finishes
    are recorded at its end.
 
-Under memory shortage (a page cannot be allocated) cached prefix blocks on the
-device are dropped (or moved down, ``make_room="offload"``) first: they are a
-cache. After that the modes differ:
+Cached prefix blocks make room as in the cache (``block_tiers``): an allocation, a
+reload or a load that needs device pages first moves the device block policy's
+victims down (or drops them, ``make_room="drop"``), and an offload that needs host
+pages first moves host blocks to disk. Under memory shortage (a page cannot be
+allocated even so) the modes differ:
 
 ``tiering``    the request stalls for a step while memory is on its way (an
                offload in flight, or an idle request the controller can
@@ -50,6 +51,11 @@ the trace has block ids and ``prefix_reuse`` is on); a later request reuses the
 longest cached prefix block by block from whichever tier holds each block: from
 the device at no cost, from host or disk at the cost of the copy
 (``copy_in``), which the request waits for instead of prefilling those tokens.
+Admission drives the blocks as a worker on ``PagedKVCache`` does: a request whose
+prompt the device could not hold even with every unmapped block gone waits,
+untouched; otherwise it is attached (the block policies told) before any room is
+made, its loads get their pages, and it takes its own pages at once or, with
+loads, when they land (a request refused then is freed and waits again, first).
 
 Size: ``_Worker`` is over 800 lines because it is the one owner of a modelled
 step's state (the queues, the batch, the running set, the page budget, the
@@ -88,6 +94,7 @@ from tiering.types import RequestState, Tier
 WAITING, LOADING, PREFILL, DECODE, STALLED, PREEMPTED, DONE, REJECTED = range(8)
 
 _RESIDENT = RequestState.RESIDENT
+_DEPTH = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
 
 __all__ = ["MODES", "Decision", "RequestRecord", "RunResult", "RunSpec", "SimClock",
            "SimConfig", "SimCounters", "modeled_kv_factory", "simulate"]
@@ -250,7 +257,8 @@ class _Worker:
         self.prefixes: PrefixBlocks | None = (
             PrefixBlocks(kv, sim.block_policy, sim.block_tokens, clock, block_registry,
                          sim.block_policy_options, batch=sim.batch_hooks,
-                         events=sim.block_decisions, meter=meter)
+                         events=sim.block_decisions, meter=meter, move=self.offload_room,
+                         disk_batch=sim.disk_batch_blocks)
             if self.reuse else None
         )
         # (rid, free pages, resident prefix pages) of the last admission refused for room:
@@ -315,6 +323,8 @@ class _Worker:
             if self.preempted:
                 self._serve_preempted()
             prefill_tokens = self._build_step()
+            if self.prefixes is not None:
+                self._log_blocks()
             if prefill_tokens or self.n_dec:
                 idle_rounds = 0
                 self._waited = False
@@ -457,18 +467,10 @@ class _Worker:
         if self._running[0] != self._gen:  # the same frozenset while the batch is unchanged
             self._running = (self._gen, frozenset(self.active))
         cfg = self.spec.controller
-        prefixes = self.prefixes
-        if prefixes is not None:
-            # cached blocks are a cache: they go down (or away) before any live request
-            kv = self.kv
-            cap = kv.device_capacity_bytes
-            if kv.device_used_bytes() > cfg.high * cap:
-                prefixes.shed_device(lambda: kv.device_used_bytes() > cfg.low * cap)
-            self._room_for_reloads()
-            prefixes.relieve_lower(cfg.host_high, cfg.host_low)
-            self._log_blocks()
         rep = self.ctl.evict_if_needed(self._running[1])
         demoted, dropped = self._demote()
+        if self.prefixes is not None:
+            self._log_blocks()  # cached blocks an offload or a reload made room with
         if demoted or dropped:
             rep = rep._replace(demoted=tuple(rep.demoted) + demoted,
                                dropped=tuple(rep.dropped) + dropped)
@@ -544,20 +546,6 @@ class _Worker:
         if demoted or dropped:
             self._gen += 1
         return tuple(demoted), tuple(dropped)
-
-    def _room_for_reloads(self) -> None:
-        """Reloads the controller holds back for room (its admission limit is
-        ``(high - reload_headroom) x capacity``): cached device blocks go down or away
-        until the waiting reloads fit. The controller does not see blocks, so without
-        this a reload, and every admission behind it, waits for requests to finish."""
-        pending = self.ctl.pending_reloads()
-        if not pending:
-            return
-        kv = self.kv
-        cfg = self.spec.controller
-        limit = (cfg.high - cfg.reload_headroom) * kv.device_capacity_bytes - sum(
-            kv.reload_bytes(rid) for rid in pending)
-        self.prefixes.shed_device(lambda: kv.device_used_bytes() > limit)
 
     def _block_pages(self) -> int:
         """Device pages held by unmapped cached blocks (0 without prefix reuse)."""
@@ -636,8 +624,7 @@ class _Worker:
         """Put a resident preempted request back in the batch; False if it lost its KV and
         there is no room yet to prefill it again."""
         if r.done < r.target and self.kv.num_tokens(r.rid) < r.target:
-            need = self._pages(r.target) - self._pages(self.kv.num_tokens(r.rid))
-            if not self._make_room(need) or not self.kv.allocate(r.rid, r.target):
+            if not self.kv.allocate(r.rid, r.target):
                 return False
         self._gen += 1
         self.preempted.remove(r)
@@ -756,12 +743,10 @@ class _Worker:
         return planned
 
     def _grow_failed(self, r: _Req, tokens: int) -> bool:
-        """Decoding ``r`` could not grow to ``tokens``. True if it could after making room;
-        otherwise ``r`` stalls or is preempted (see the module docstring): False."""
+        """Decoding ``r`` could not grow to ``tokens`` (the KV backend made what room cached
+        blocks could give). True if it could after preempting others; otherwise ``r``
+        stalls or is preempted (see the module docstring): False."""
         kv = self.kv
-        need = self._pages(tokens) - self._pages(self._kv_tokens(r))
-        if self._make_room(need) and kv.allocate(r.rid, tokens):
-            return True
         if not self.tiering:
             while True:
                 victim = self._latest_active()  # r itself at the latest
@@ -840,21 +825,6 @@ class _Worker:
         reclaimable = kv.reclaimable
         return any(reclaimable(r.rid) > 0 for r in self.preempted)
 
-    def _make_room(self, need_pages: int) -> bool:
-        """True if ``need_pages`` device pages are free now, after freeing the pages of
-        cached blocks in the device block policy's order if need be: with
-        ``SimConfig.make_room="offload"`` (and tiering) each moves a tier down where one
-        has room, otherwise (or where none has) it is dropped. Nothing is freed when even
-        all of them would not do."""
-        free = self._free_pages()
-        if free >= need_pages:
-            return True
-        if self.prefixes is None:
-            return False
-        ok = self.prefixes.make_room(need_pages, self._free_pages, self.offload_room)
-        self._log_blocks()
-        return ok
-
     # -- admission and prefix reuse ------------------------------------------------------------
 
     def _admit(self, budget: int) -> int:
@@ -880,72 +850,80 @@ class _Worker:
         return planned
 
     def _try_admit(self, r: _Req, budget: int) -> int | None:
-        """Give ``r`` its first KV; None (nothing changed but cached blocks made room
-        for it) if the device has no room. Returns the prefill tokens planned for it."""
+        """Give ``r`` its first KV; None if the device has no room (nothing changed when
+        it could not hold ``r`` at all; otherwise as a worker on the cache leaves a
+        refused attach: the block policies were told, blocks may have made room).
+        Returns the prefill tokens planned for it."""
         kv = self.kv
         rid = r.rid
         prefixes = self.prefixes
         # the whole prompt (or, without tiering, the whole final KV) is allocated now, so
         # a prefilling request never has to grow
-        tokens = r.n_in + r.n_out if self.mode == "no-tiering" else r.target
-        if prefixes is not None and self._hopeless(r, tokens):
+        tokens = self._tokens(r)
+        if prefixes is None:
+            kv.ingest_request(rid, self.live)
+            if not kv.allocate(rid, tokens):
+                kv.remove_request(rid)
+                return None
+            return self._admitted(r, 0, budget)
+        peek = prefixes.peek(r.hash_ids, r.n_in) if r.hash_ids else None
+        if self._hopeless(peek, tokens):
             return None
-        peek = None
-        if prefixes is not None and r.hash_ids:
-            peek = prefixes.peek(r.hash_ids, r.n_in)
-        reused = peek.reused if peek is not None else 0
-        mapped = prefixes.lend(peek) if peek is not None and peek.blocks else []
-        if not self._make_room(self._pages(tokens)):
-            if mapped:
-                prefixes.unlend(mapped)
+        if peek is None:
+            kv.ingest_request(rid, self.live)
+            if not kv.allocate(rid, tokens):
+                kv.remove_request(rid)
+                return None
+            return self._admitted(r, 0, budget)
+        att = prefixes.attach_request(rid, peek, self.live)
+        if att is None:
             return None
-        kv.ingest_request(rid, self.live)
-        if not kv.allocate(rid, tokens):  # cannot happen: the room was checked
-            raise RuntimeError(f"admission of {rid!r} found room for {tokens} tokens but "
-                               "allocate was refused")
+        if not att.moves and not kv.allocate(rid, tokens):
+            prefixes.abandon(rid, att)
+            return None
+        r.blocks = att.mapped
+        r.moves = att.moves
+        r.keys = peek.keys
+        if not r.looked_up:  # counted once, at the first admission
+            r.looked_up = True
+            self._count_lookup(r, peek)
+        if not att.moves:
+            return self._admitted(r, peek.reused, budget)
+        host = sum(1 for t in peek.tiers if t is Tier.HOST)
+        disk = sum(1 for t in peek.tiers if t is Tier.DISK)
+        block_bytes = prefixes.block_bytes
+        ready = max(kv.copy_in(host * block_bytes, Tier.HOST) if host else 0.0,
+                    kv.copy_in(disk * block_bytes, Tier.DISK) if disk else 0.0)
         if self.ctl is not None:
             self.ctl.add_request(rid)
-        loading = False
-        if peek is not None:
-            r.moves = prefixes.commit(peek)
-            r.blocks = mapped
-            r.keys = peek.keys
-            if not r.looked_up:  # counted once, at the first admission
-                r.looked_up = True
-                self._count_lookup(r, peek)
-            host = sum(1 for t in peek.tiers if t is Tier.HOST)
-            disk = sum(1 for t in peek.tiers if t is Tier.DISK)
-            if host or disk:
-                block_bytes = prefixes.block_bytes
-                ready = max(kv.copy_in(host * block_bytes, Tier.HOST) if host else 0.0,
-                            kv.copy_in(disk * block_bytes, Tier.DISK) if disk else 0.0)
-                loading = True
+        r.done = peek.reused
+        r.phase = LOADING
+        r.waited_at = self.clock.now
+        heapq.heappush(self.loading, (ready, r.order, rid))
+        return 0
+
+    def _tokens(self, r: _Req) -> int:
+        """The tokens ``r`` is allocated at admission: its prompt (without tiering, its
+        whole final KV)."""
+        return r.n_in + r.n_out if self.mode == "no-tiering" else r.target
+
+    def _admitted(self, r: _Req, reused: int, budget: int) -> int:
+        """``r`` holds its KV: it prefills from ``reused``; the tokens planned for it."""
+        if self.ctl is not None:
+            self.ctl.add_request(r.rid)
         r.done = reused
-        if loading:
-            r.phase = LOADING
-            r.waited_at = self.clock.now
-            heapq.heappush(self.loading, (ready, r.order, rid))
-            return 0
         r.phase = PREFILL
         self.prefilling.append(r)
         chunk = min(r.target - reused, budget)
         self._plan.append((r, chunk))
         return chunk
 
-    def _hopeless(self, r: _Req, tokens: int) -> bool:
-        """Whether admitting ``r`` with ``tokens`` would be refused even if every cached
-        device block made room (lending its matched blocks only moves pages from one
-        figure to the other). Then it is refused at once with nothing changed, just as
-        lend, a make_room that gives up before evicting and unlend would leave it, their
-        change count included. A test checks that runs are identical without it."""
-        need = self._pages(tokens)
-        free = self._free_pages()
-        prefixes = self.prefixes
-        if free >= need or free + prefixes.device_pages >= need:
-            return False
-        if r.hash_ids and prefixes.lends(r.hash_ids, r.n_in):
-            prefixes.changes += 2  # what lend and unlend count
-        return True
+    def _hopeless(self, peek, tokens: int) -> bool:
+        """Whether the device could not hold the request even with every cached block no
+        request maps gone (what ``device_capacity_bytes - device_used_bytes`` says): it
+        is then not attached, and nothing changes. A worker on the cache can ask the same
+        (``cached_prefix`` says what the attach would find)."""
+        return self.prefixes.need_pages(peek, tokens) > self._free_pages()
 
     def _count_lookup(self, r: _Req, peek) -> None:
         """Count one lookup: its tokens and blocks, and what each tier served (the block
@@ -966,7 +944,7 @@ class _Worker:
             row = per[t]
             row[0] += 1
             row[1] += min(bt, reused - i * bt)
-        r.prefix_tier = peek.tiers[-1].value  # the deepest tier it waited for
+        r.prefix_tier = max(peek.tiers, key=_DEPTH.__getitem__).value  # the deepest it read
         for tier, (blocks, tokens) in per.items():
             if not blocks:
                 continue
@@ -994,8 +972,25 @@ class _Worker:
             if r.moves:
                 self.prefixes.loaded(r.moves)
                 r.moves = []
+            # as on the cache: a request allocates its prompt once its load has landed
+            if not self.kv.allocate(rid, self._tokens(r)):
+                self._requeue(r)
+                continue
             r.phase = PREFILL
             self.prefilling.append(r)
+
+    def _requeue(self, r: _Req) -> None:
+        """``r``'s loads landed but its own pages were refused: its KV is freed and it
+        waits again, first in line (its blocks, now on the device, are found again)."""
+        self._gen += 1
+        self.active.discard(r.rid)
+        self.kv.remove_request(r.rid)
+        if self.ctl is not None:
+            self.ctl.remove_request(r.rid)
+        self._release_blocks(r)
+        r.done = 0
+        r.phase = WAITING
+        self.waiting.appendleft(r)
 
     # -- running a step ---------------------------------------------------------------------
 
@@ -1052,7 +1047,7 @@ class _Worker:
     def _release_blocks(self, r: _Req) -> None:
         """``r``'s KV was just freed: it no longer maps its cached blocks."""
         if r.moves:  # cannot happen (a loading request is never preempted); keep books sound
-            self.prefixes.loaded(r.moves)
+            self.prefixes.undo_loads(r.moves)
             r.moves = []
         if r.blocks:
             self.prefixes.release(r.blocks)
