@@ -6,12 +6,14 @@ Measures, in one run, the block hit rate (hit blocks / block accesses,
 trace and capacity, on:
 
 - the bundled Mooncake conversation trace, split in two: the first half is the
-  **tuning** split (the only one the adaptive policy's parameters were chosen
-  on), the second half is **held-out**;
-- seeded synthetic traces from five generators (``tiering.blocks.synth``): the
-  conversation generator with its defaults and with every knob shifted,
-  interleaved multi-turn sessions, agents sharing long system prompts and tool
-  descriptions, and a scan-heavy mix that defeats recency; all **held-out**;
+  **tuning** split (the adaptive policy's parameters were chosen on it and on the
+  same generators as below at seeds 100 to 102, which no row uses), the second
+  half is **held-out**;
+- seeded synthetic traces from five generators (``tiering.blocks.synth``) at
+  ``--seed`` (0): the conversation generator with its defaults and with every
+  knob shifted, interleaved multi-turn sessions, agents sharing long system
+  prompts and tool descriptions, and a scan-heavy mix that defeats recency; all
+  **held-out**;
 - a trace the user passes with ``--trace`` (Mooncake-style JSON lines with
   ``hash_ids``), labelled **user**;
 - the per-block cost of computing a block key, and of a lookup plus an insert
@@ -24,7 +26,7 @@ Each row names its split. Beside every policy: its ratio to Belady and to the
 best established policy (LRU, ARC, S3-FIFO, LIRS) in the same row. The cost of
 each policy is its replay time as a ratio to LRU's in the same run.
 
-Usage: ``python benchmarks/prefix.py --out prefix.json [--trace T] [--requests N] [--capacities ...] [--quick]``
+Usage: ``python benchmarks/prefix.py --out prefix.json [--trace T] [--requests N] [--capacities ...] [--only LABELS]``
 """
 
 from __future__ import annotations
