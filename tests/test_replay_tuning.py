@@ -20,7 +20,6 @@ from tiering.policies import LRU, CandidateBatch, Policy, register_policy
 
 from tiering.apps.replay import main as replay_main
 from tiering.apps.replay.bounds import belady, infinite
-from tiering.apps.replay.metrics import summarize
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.apps.replay.plots import needs_log
 from tiering.apps.replay.policy_spec import PolicySpec, parse_option
@@ -444,22 +443,34 @@ def _same_run(a, b) -> None:
 
 
 @pytest.mark.parametrize("make_room", ["drop", "offload"])
-def test_hopeless_admissions_refused_at_once_change_nothing(monkeypatch, make_room):
-    """An admission that even every cached device block could not make room for is
-    refused before its prefix is looked up and lent; without the shortcut (lend,
-    make_room, unlend every time) the run is identical, counters and timeline included,
-    and the shortcut really ran. A shortcut that ignores the cached blocks' pages (the
+def test_hopeless_admissions_are_left_waiting_untouched(monkeypatch, make_room):
+    """An admission the device could not hold even with every cached block no request
+    maps gone is refused before it is attached: the block store and its policies are not
+    touched (as a worker on the cache that checks ``device_used_bytes`` first leaves
+    them), and the check really ran. A check that ignores the cached blocks' room (the
     negative control) changes the run."""
     from tiering.apps.replay import simulator
 
     sim = dataclasses.replace(SIM, make_room=make_room)
-    real = simulator._Worker._hopeless
+    real, real_try = simulator._Worker._hopeless, simulator._Worker._try_admit
     taken = []
 
-    def counting(self, r, tokens):
-        out = real(self, r, tokens)
+    def counting(self, peek, tokens):
+        out = real(self, peek, tokens)
         taken.append(out)
+        if out:
+            self._seen = (self.prefixes.changes,
+                          tuple(len(p) for p in self.prefixes.policies.values()))
         return out
+
+    def checked(self, r, budget):
+        self._seen = None
+        got = real_try(self, r, budget)
+        if self._seen is not None:  # refused as hopeless: nothing changed
+            assert got is None and (r.rid not in self.kv or not self.kv.num_tokens(r.rid))
+            assert self._seen == (self.prefixes.changes,
+                                  tuple(len(p) for p in self.prefixes.policies.values()))
+        return got
 
     trace = _trace(7, 200)
     for mode, policy, pages in (("tiering", "lru", (300, 100, 800)),
@@ -469,16 +480,16 @@ def test_hopeless_admissions_refused_at_once_change_nothing(monkeypatch, make_ro
         taken.clear()
         with monkeypatch.context() as m:
             m.setattr(simulator._Worker, "_hopeless", counting)
+            m.setattr(simulator._Worker, "_try_admit", checked)
             quick = simulate(trace, COST, spec, sim, kv_factory=_factory(*pages, []),
                              check=True)
-        assert sum(taken) > 20, "the shortcut never ran"
-        with monkeypatch.context() as m:
-            m.setattr(simulator._Worker, "_hopeless", lambda self, r, tokens: False)
-            full = simulate(trace, COST, spec, sim, kv_factory=_factory(*pages, []))
+        assert sum(taken) > 20, "the check never refused"
+        full = simulate(trace, COST, spec, sim, kv_factory=_factory(*pages, []))
         _same_run(quick, full)
     with monkeypatch.context() as m:  # negative control
         m.setattr(simulator._Worker, "_hopeless",
-                  lambda self, r, tokens: self._free_pages() < self._pages(tokens))
+                  lambda self, peek, tokens: self.kv.device_free_pages()
+                  < self.prefixes.need_pages(peek, tokens))
         wrong = simulate(trace, COST, spec, sim, kv_factory=_factory(*pages, []))
     assert wrong.requests != full.requests or wrong.decisions != full.decisions
 
@@ -511,7 +522,10 @@ def test_tier_policies_sharing_one_history_change_nothing(monkeypatch, make_room
         own = simulate(trace, COST, spec, sim, kv_factory=_factory(300, 100, 800, []))
     _same_run(one, own)
     c = one.counters
-    assert c.block_moves_host > 20 and c.block_moves_disk > 5 and c.reused_blocks_host > 0
+    if make_room == "offload":
+        assert c.block_moves_host > 20 and c.block_moves_disk > 5 and c.reused_blocks_host > 0
+    else:  # device victims are dropped: no block reaches the host
+        assert c.block_drops > 20 and c.block_moves_host == 0
 
 
 @pytest.mark.parametrize("scale", [1.0, 6.0])
@@ -569,21 +583,29 @@ def test_cached_blocks_move_down_not_dropped_while_a_tier_below_has_room():
         SimConfig(make_room="keep")
 
 
-def test_cached_blocks_make_room_for_a_reload_the_controller_holds_back(monkeypatch):
-    """A preempted request's reload waits for room under the controller's admission limit,
-    and no request is admitted meanwhile; cached device blocks are the room. Without
-    giving them up (the defect: the controller does not see blocks) the reload and every
-    admission behind it wait for running requests to finish."""
-    from tiering.apps.replay import simulator
+def test_cached_blocks_make_room_for_a_reload(monkeypatch):
+    """A preempted request's reload gets its room from cached device blocks no request
+    maps, as the cache's reload does (``ensure_device``): blocks are not in the used
+    figure the controller admits reloads by, so without that room a reload it starts is
+    refused (the negative control: a reload that does not ask the block store)."""
+    from tiering.apps.replay.model_kv import ModeledKVCache
 
     trace = _trace(7, 200)
     spec = RunSpec("tiering", "lru", ControllerConfig(high=0.85, low=0.7))
-    made: list = []
-    fixed = simulate(trace, COST, spec, SIM, kv_factory=_factory(300, 100, 800, made),
+    fixed = simulate(trace, COST, spec, SIM, kv_factory=_factory(300, 100, 800, []),
                      check=True)
+    real = ModeledKVCache.reload
+
+    def blind(self, rid):
+        blocks, self._blocks = self._blocks, None
+        try:
+            return real(self, rid)
+        finally:
+            self._blocks = blocks
+
     with monkeypatch.context() as m:
-        m.setattr(simulator._Worker, "_room_for_reloads", lambda self: None)
-        held = simulate(trace, COST, spec, SIM, kv_factory=_factory(300, 100, 800, made))
-    assert fixed.counters.preemptions > 0 and held.counters.preemptions > 0
-    assert fixed.counters.reload_wait_s < 0.5 * held.counters.reload_wait_s
-    assert summarize(fixed)["ttft_p99_s"] < summarize(held)["ttft_p99_s"]
+        m.setattr(ModeledKVCache, "reload", blind)
+        held = simulate(trace, COST, spec, SIM, kv_factory=_factory(300, 100, 800, []))
+    assert fixed.counters.preemptions > 0 and fixed.kv_stats["reloads_from_host"] > 0
+    assert fixed.kv_stats["reload_refusals"] == 0
+    assert held.kv_stats["reload_refusals"] > 0

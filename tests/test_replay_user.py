@@ -23,10 +23,13 @@ from tiering.control.controller import ControllerConfig
 PAUSE = dataclasses.replace(SIM, preempt="policy")
 
 
-def _factory(made, host_pages=100):
+FAST = LinkRates(2e9, 2e9, 5e8, 1e9, 1e-5, 1e-5, 1e-4, 1e-4)
+
+
+def _factory(made, host_pages=100, rates=FAST):
     def factory(clock):
         kv = ModeledKVCache(MODEL.kv_bytes_per_token, SIM.page_tokens, 300, host_pages, 800,
-                            LinkRates(2e9, 2e9, 5e8, 1e9, 1e-5, 1e-5, 1e-4, 1e-4), clock)
+                            rates, clock)
         made.append(kv)
         return kv
 
@@ -57,7 +60,8 @@ class _Recording(Policy):
         return (np.zeros(len(batch)),)
 
 
-def _run_recording(monkeypatch, key="none", seed=3, n=200, host_pages=100, sim=PAUSE):
+def _run_recording(monkeypatch, key="none", seed=3, n=200, host_pages=100, sim=PAUSE,
+                   rates=FAST):
     """A tiering run whose policy records each pause decision's batch, with the host's free
     bytes and each row's phase at that moment."""
     made: list = []
@@ -89,7 +93,7 @@ def _run_recording(monkeypatch, key="none", seed=3, n=200, host_pages=100, sim=P
 
     spec = RunSpec("tiering", "mine", ControllerConfig(high=0.85, low=0.7))
     res = simulate(conversation_trace(seed, n), COST, spec, sim,
-                   kv_factory=_factory(made, host_pages),
+                   kv_factory=_factory(made, host_pages, rates),
                    registry=register_policy("mine", make), check=True)
     made[0].check_integrity()
     return res, holder[0], workers
@@ -100,7 +104,8 @@ def test_whom_to_pause_is_told_the_reload_cost_from_where_the_request_would_go(m
     # where it has room, else to disk, and it comes back from there; its reload_cost_s must
     # be that one (before, always the host's, so a request the host cannot take looked as
     # cheap to bring back as one it can)
-    res, policy, workers = _run_recording(monkeypatch, key="largest", host_pages=100)
+    # a host small enough that some paused requests do not fit on it
+    res, policy, workers = _run_recording(monkeypatch, key="largest", host_pages=40)
     costs = workers[0].retention.costs
     assert len(policy.seen) > 3, "no pause decision with a choice was made"
     fits = too_big = 0
@@ -271,9 +276,10 @@ def test_interval_cuts_each_end_and_skips_what_is_not_finite():
 
 def test_whom_to_pause_never_offers_a_request_whose_prefix_copy_is_landing(monkeypatch):
     # a request whose prefix blocks are still being copied up to the device cannot be
-    # paused (the copy holds its pages); the run below has pause decisions while one is
-    # in the batch, and none of them offers it
-    _, policy, _ = _run_recording(monkeypatch, seed=8, n=300, host_pages=300)
+    # paused (the copy holds its pages); the run below (slow links: copies land late) has
+    # pause decisions while one is in the batch, and none of them offers it
+    _, policy, _ = _run_recording(monkeypatch, seed=8, n=300, host_pages=300,
+                                  rates=LinkRates(5e7, 5e7, 1e7, 2e7))
     loading = [s for s in policy.seen
                if any(p == simulator_mod.LOADING for p in s["phase"].values())]
     assert loading, "no pause decision was made while a prefix copy was landing"
