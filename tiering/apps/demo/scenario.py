@@ -250,39 +250,35 @@ def key_root(cfg: DemoConfig, kv: PagedKVCache, model_id: str | None = None) -> 
 class _Corrupter:
     """The demo's negative control: now and then, one value of a cached host block changes.
 
-    The block chosen is one an attached request is waiting to load (so the
-    load must meet it), else the most used unmapped host block."""
+    Every ``every`` steps it arms; the next request attached with a host block still
+    to load then has one value of that block changed before its load starts, so the
+    load must meet it (at most ``most`` times, and no more once one was detected)."""
 
     def __init__(self, kv: PagedKVCache, every: int, most: int) -> None:
         self.kv, self.every, self.most = kv, every, most
         self.injected = 0
         self._armed = False
 
-    def __call__(self, step: int) -> None:
+    def step(self, step: int) -> None:
+        if self.every and step and step % self.every == 0:
+            self._armed = True
+
+    def attached(self, rid: str) -> None:
         kv = self.kv
-        if not self.every or self.injected >= self.most:
+        if not self._armed or self.injected >= self.most:
             return
         if kv.prefix_stats().get("load_corrupt", 0):
             return  # detected once: enough
-        if step and step % self.every == 0:
-            self._armed = True
-        if not self._armed:
-            return
-        p = kv._prefix
-        key = None
-        for r in kv._reqs.values():  # a load that has not started yet
-            if r.prefix_load is not None and r.load_work is None:
-                for pos, tier in zip(r.prefix_load.positions, r.prefix_load.tiers, strict=True):
-                    if tier is Tier.HOST:
-                        key = r.blocks[pos]
-                        break
-            if key is not None:
-                break
-        if key is None:
-            return  # wait (armed) for a request that will load a host block
-        kv._host[p.index.location(key).handle].view(-1)[0] += 1.0
-        self.injected += 1
-        self._armed = False
+        r = kv._reqs[rid]
+        if r.prefix_load is None or r.load_work is not None:
+            return  # nothing to load, or its load has started
+        for pos, tier in zip(r.prefix_load.positions, r.prefix_load.tiers, strict=True):
+            if tier is Tier.HOST:
+                key = r.blocks[pos]
+                kv._host[kv._prefix.index.location(key).handle].view(-1)[0] += 1.0
+                self.injected += 1
+                self._armed = False
+                return
 
 
 def serve(
@@ -294,10 +290,12 @@ def serve(
     *,
     prefix: bool = True,
     layerwise: bool = True,
+    cache_options: dict[str, Any] | None = None,
 ) -> RunOutcome:
     """Serve ``requests`` once on tiers sized by ``plan`` (disk under ``disk_path``),
     reusing cached prefixes when ``prefix`` and ``cfg.prefix``; host reloads land
-    layer by layer when ``layerwise`` (else each request waits for all its layers)."""
+    layer by layer when ``layerwise`` (else each request waits for all its layers).
+    ``cache_options``: more keyword options of the ``PagedKVCache`` (a fault hook)."""
     geometry = cfg.model.kv_geometry(cfg.page_tokens)
     disk = None
     if plan.disk_bytes:
@@ -313,7 +311,8 @@ def serve(
     # admitting a step from layer 0 depends on how fast the copy threads are, which
     # settle_each_step rules out: such a run reloads whole requests
     kv = PagedKVCache(geometry, cfg.device, plan.device_pages, plan.host_pages, disk=disk,
-                      layerwise_reload=layerwise and not cfg.settle_each_step)
+                      layerwise_reload=layerwise and not cfg.settle_each_step,
+                      **(cache_options or {}))
     reuse = cfg.prefix and prefix
     try:
         corrupter = None
@@ -344,7 +343,8 @@ def serve(
     with tkv:
         worker = DemoWorker(
             model, tkv, requests, cfg.worker_config(), clock, on_token=on_token,
-            on_step=corrupter,
+            on_step=corrupter.step if corrupter else None,
+            on_attach=corrupter.attached if corrupter else None,
         )
         result = worker.run()
         tkv.check_integrity()

@@ -46,7 +46,7 @@ import torch
 from tiering.apps.demo.model import TinyDecoder
 from tiering.apps.demo.workload import DemoRequest
 from tiering.core.clocks import StepClock
-from tiering.errors import WorkerStalled
+from tiering.errors import LayerNotReady, WorkerStalled
 from tiering.tiered import Readiness, TieredKV
 from tiering.types import RequestState
 
@@ -59,9 +59,10 @@ class WorkerConfig:
     (and are asked back when offloaded); default ``batch + batch // 2``.
     ``max_stalled_steps``: steps in a row with nothing run before giving up.
     ``sync_timeout_s``: the longest a stalled step waits for copies in flight.
-    ``settle_each_step``: wait for every copy at the end of each step, so a run
-    does not depend on how fast the copy threads are (the same moves and hits
-    every time; copies then never overlap the next step's compute)."""
+    ``settle_each_step``: wait for every copy at the end of each step and for the
+    reloads each step starts before it picks its batch, so a run does not depend on
+    how fast the copy threads are (the same moves and hits every time; copies then
+    never overlap compute)."""
 
     batch: int = 4
     prefill_chunk: int = 256
@@ -132,6 +133,7 @@ class WorkerCounters:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     stall_wait_s: float = 0.0
+    steps_undone: int = 0  # runs cut short by a failed layer-wise reload (run again later)
 
     def as_dict(self) -> dict[str, float]:
         return dict(vars(self))
@@ -194,6 +196,7 @@ class DemoWorker:
         *,
         on_token: Callable[[], None] | None = None,
         on_step: Callable[[int], None] | None = None,
+        on_attach: Callable[[str], None] | None = None,
     ) -> None:
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids):
@@ -205,6 +208,7 @@ class DemoWorker:
         self._clock = clock
         self._on_token = on_token
         self._on_step = on_step
+        self._on_attach = on_attach
         self._prefix = bool(getattr(kv, "prefix_enabled", False))
         self._full: dict[str, torch.Tensor] = {}  # rid -> full prompt, once it has arrived
         self._pending = deque(sorted(requests, key=lambda r: (r.arrival_step, r.rid)))
@@ -251,9 +255,16 @@ class DemoWorker:
         self._admit_arrivals(step)
         tkv = self.tkv
         tkv.poll()
+        if self.config.settle_each_step:  # the reloads poll just started land before the
+            tkv.synchronize(self.config.sync_timeout_s)  # picks: none is a race with a copy
         batch = self._pick(step)
-        for rid in batch:
-            self._run(rid)
+        for rid in list(batch):
+            try:
+                self._run(rid)
+            except LayerNotReady:  # its layer-wise reload failed mid-step: the request is
+                # back where it was with the tokens it had, and runs this step again later
+                self.counters.steps_undone += 1
+                batch.remove(rid)
         self._requeue(batch)
         ran = [rid for rid in batch if rid in self._live]  # the finished ones have left
         if batch or not self._live:
@@ -312,6 +323,8 @@ class DemoWorker:
                 got = kv.attach_prefix(rid, live.req.prompt)
                 self.counters.prefix_attached_tokens += got
                 live.written = live.loading = got
+                if self._on_attach is not None:
+                    self._on_attach(rid)
             if full and not kv.is_offloaded(rid):
                 continue  # an offloaded one is still asked back below
             got = tkv.ready(rid, step)
