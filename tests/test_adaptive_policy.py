@@ -257,6 +257,24 @@ def test_a_shadow_victim_takes_its_descendants_and_a_leaf_only_itself():
     assert shadow.kids == {a: {c: None}}
 
 
+def test_a_shadow_reparents_a_block_read_below_another_parent_and_stops_at_a_repeat():
+    """Keys that are not content addressed: a held block read after another block
+    moves below it (so a victim never takes a block of the request in hand with it);
+    a chain through one block twice (the index refuses it) stops there, and the
+    shadow stays a forest whose victims take whole subtrees."""
+    from tiering.policies.blocks.adaptive import _Shadow
+
+    shadow = _Shadow(LRUBlocks(4), 4)
+    shadow.request([1, 2], 0.0)
+    shadow.request([3, 2], 1.0)  # 2 was held below 1: now below 3
+    assert shadow.parents == {1: None, 2: 3, 3: None} and shadow.kids == {3: {2: None}}
+    # 2 becomes a root and 3 goes below it; the second 2 is a repeat: the chain stops
+    shadow.request([2, 3, 2, 9], 2.0)
+    assert shadow.parents == {1: None, 2: None, 3: 2} and shadow.kids == {2: {3: None}}
+    shadow.request([5, 6, 7], 3.0)  # full: the victims are 1, then 2 with 3 below it
+    assert shadow.parents == {5: None, 6: 5, 7: 6} and len(shadow.policy) == 3
+
+
 def _agent_tier():
     """Agents at a small tier, where S3-FIFO's filter of one-read blocks pays more than
     ChainOdds' odds (it does on the tuning generators' seeds)."""

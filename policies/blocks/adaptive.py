@@ -206,7 +206,8 @@ class _Shadow:
     orphan descendants gets that room back, as in the real tier, rather than a tier
     cluttered with blocks no prefix reaches. A block read below another parent than
     the one it was held under moves there, so no victim takes a block of the request
-    being served with it."""
+    being served with it (a chain that reads one block twice, which the index refuses,
+    is served up to the repeat)."""
 
     __slots__ = ("capacity", "kids", "parents", "policy")
 
@@ -235,6 +236,8 @@ class _Shadow:
             info = BlockInfo(k, parent, depth, 1, 0, now, now, 0)
             if k in p:
                 if parents[k] != parent:
+                    if k in keys[:depth]:  # a chain through one block twice: served so far
+                        return
                     self._move(k, parent)
                 p.on_hit(info, now)
             else:
