@@ -12,7 +12,9 @@ exact ``repr``. Two counters say only how the loop got there (``fast_steps``,
 subprocess importing from ``DIR``) and compares: the exit status is 1 and the
 differing configurations are named when any digest differs.
 
-``--against FILE`` compares with the runs of an earlier ``--out`` file instead.
+``--against FILE`` compares with the runs of an earlier ``--out`` file instead. Either way
+the differing configurations' hit rates (all tiers and each), makespans and decision counts
+are printed before -> after, and written under ``changes``.
 
 ``--admission`` measures what block admission changes, in the same run: every
 configuration with prefix reuse runs again with block policies whose ``admit`` is never
@@ -253,6 +255,30 @@ def _admission(quick: bool, only: str | None, after: dict) -> dict:
     return out
 
 
+def _changes(before: dict, after: dict, names: list[str]) -> dict:
+    """How the figures of the configurations ``names`` moved, as a table and a dict: the
+    hit rate (all tiers and each), the makespan and the decisions, before -> after."""
+    out = {}
+    print("\nhow the differing configurations changed (hit rate: reused / looked-up tokens):")
+    print(f"{'configuration':36s} {'hit before':>10s} {'hit after':>10s} {'delta':>7s}  "
+          + "  ".join(f"{t + ' b->a':>15s}" for t in TIERS)
+          + f"  {'makespan b->a (s)':>19s}  {'decisions b->a':>15s}")
+    for n in names:
+        b, a = before[n], after[n]
+        if "hit_rate" not in b:  # an --out file from before the hit rates were kept
+            continue
+        row = {k: [b[k], a[k]] for k in ("hit_rate", *(f"hit_rate_{t}" for t in TIERS),
+                                         "makespan_s", "decisions")}
+        out[n] = row
+        tiers = "  ".join(f"{100 * b[f'hit_rate_{t}']:6.2f}->{100 * a[f'hit_rate_{t}']:6.2f}"
+                          for t in TIERS)
+        print(f"{n:36s} {100 * b['hit_rate']:9.2f}% {100 * a['hit_rate']:9.2f}%"
+              f" {100 * (a['hit_rate'] - b['hit_rate']):+6.2f}  {tiers}"
+              f"  {b['makespan_s']:8.1f}->{a['makespan_s']:8.1f}"
+              f"  {b['decisions']:6d}->{a['decisions']:6d}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -297,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         if differ or missing:
             status = 1
             print(f"DIFFERENT: {differ} missing: {missing}")
+            doc["changes"] = _changes(before, runs, differ)
         else:
             print(f"identical: all {len(runs)} configurations")
             for n in runs:

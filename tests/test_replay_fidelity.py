@@ -12,6 +12,15 @@ tier for every request, the same block events in the same order (hits, loads,
 publishes, refusals, moves, drops) and the same blocks on every tier after every
 request. A store that makes room by another rule (dropping instead of moving down,
 or never asking ``admit``) must be caught.
+
+A seeded schedule with several requests live at once (admissions, growth under device
+pressure, finishes; prompts sharing prefixes) is driven through the cache as a worker
+drives it and through the replay's worker path (``PrefixBlocks.attach_request``, the
+simulator's admission check, ``ModeledKVCache``), for every built-in block policy: the
+same hits per tier per admission, the same block events and admissions per step, the same
+blocks on every tier. Negative controls: telling the policies after room is made, counting
+unmapped blocks as used, counting a mapped block in its request's allocation, and one-block
+disk writes each differ.
 """
 
 from __future__ import annotations
