@@ -43,3 +43,43 @@ def test_a_refused_block_move_changes_nothing(seed):
     assert kv.move_block_pages(Tier.DEVICE, Tier.HOST, n)
     assert kv.block_pages(Tier.DEVICE) == held - n and kv.block_pages(Tier.HOST) == n
     assert kv.stats.bytes_d2h == before[2] + n * kv.page_bytes
+
+
+def test_a_request_maps_blocks_the_store_holds_and_bad_mappings_change_nothing():
+    """Blocks a request maps are the store's pages (counted once), the used figures leave
+    out blocks no request maps, an allocation makes room through the store, and a mapping
+    with bad figures, or of a request that already holds tokens, is refused naming what
+    was wrong, with nothing changed."""
+    from tiering.apps.replay.block_tiers import PrefixBlocks
+
+    rng = random.Random(3)
+    clock = SimClock()
+    kv = ModeledKVCache(rng.randint(2, 64), 4, 20, 8, 8, LinkRates.instant(), clock)
+    store = PrefixBlocks(kv, "lru", 8, clock)  # a block is 2 pages
+    peek = store.peek((1, 2, 3), 25)
+    att = store.attach_request("a", peek)
+    assert kv.allocate("a", 25)
+    kv.remove_request("a")
+    store.release(att.mapped)
+    assert store.publish(peek.keys) == 3
+    assert kv.block_pages(Tier.DEVICE) == 6 and kv.device_used_bytes() == 0
+    for rid in ("b", "c"):  # two live requests map the same two blocks
+        att = store.attach_request(rid, store.peek((1, 2, 9), 24))
+        assert att.mapped == [1, 2] and kv.mapped_pages(rid) == 4
+        assert kv.allocate(rid, 24)
+    used = kv.device_used_bytes() // kv.page_bytes
+    assert used == 4 + 2 * 2  # the shared blocks once, each request's own 8 tokens
+    assert store.idle_pages(Tier.DEVICE) == 2  # block 3: nobody maps it
+    snap = _snapshot(kv), kv.num_tokens("b")
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="map_blocks"):
+            kv.map_blocks("b", bad, 2)
+    with pytest.raises(ValueError, match="only a fresh request"):
+        kv.map_blocks("b", 8, 2)
+    assert (_snapshot(kv), kv.num_tokens("b")) == snap
+    # growing "b" past the free pages sends block 3 down to the host first
+    free = kv.device_free_pages()
+    assert kv.allocate("b", 24 + 4 * (free + 1))
+    assert store.count(Tier.HOST) == 1 and store.idle_pages(Tier.DEVICE) == 0
+    kv.check_integrity()
+    store.check_integrity()
