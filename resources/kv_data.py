@@ -1,6 +1,6 @@
 """The data plane of ``PagedKVCache``: reading and writing K/V through page tables.
 
-``KVDataPlane`` is the part of the cache an attention kernel talks to: the
+``DataPlane`` is the part of the cache an attention kernel talks to: the
 device page tables, one layer's K/V over all device pages, and token-range
 writes and reads of a resident request. It moves no request between tiers;
 a read or write of a request that is not resident raises (a reload that has
@@ -10,13 +10,19 @@ finished is applied first).
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from tiering.resources.kv_records import RequestLost, RequestRecord
+from tiering.resources.kv_records import KVStats, RequestLost, RequestRecord, admitted_early
+from tiering.resources.kv_storage import KVStorage
+from tiering.resources.kv_stream import StreamBuffer
 
+from tiering.core.lifecycle import Lifecycle
 from tiering.errors import LayerNotReady
 from tiering.types import IllegalTransition, RequestState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tiering.resources.kv_transfers import Transfers
 
 S = RequestState
 
@@ -30,23 +36,31 @@ def check_int(what: str, name: str, value: Any, lo: int | None = 0) -> int:
     return value
 
 
-class KVDataPlane:
-    """Page tables, layer views, writes and reads (a part of ``PagedKVCache``)."""
+class DataPlane:
+    """Page tables, layer views, writes and reads (see the module doc)."""
+
+    def __init__(self, life: Lifecycle, stats: KVStats, storage: KVStorage,
+                 stream: StreamBuffer | None, transfers: Transfers,
+                 layer_wait_timeout_s: float) -> None:
+        self._life = life
+        self._stats = stats
+        self._g = storage.geometry
+        self._dev = storage.dev  # the storage's tensors and streams, read here
+        self._device = storage.device
+        self._streams = storage.streams
+        self._stream = stream
+        self._transfers = transfers
+        self._layer_timeout = layer_wait_timeout_s
 
     def page_table(self, rid: str) -> list[int]:
-        """Device slots of the request, in token order. Only while it is resident (or
-        admitted from layer 0 of a layer-wise reload: ``wait_layer`` before each layer)."""
-        r = self._req(rid, "page_table")
+        r = self._life.get(rid, "page_table")
         self._not_streamed(r, "page_table")
-        if r.state is not S.RESIDENT and not self._admitted_early(r):
+        if r.state is not S.RESIDENT and not admitted_early(r):
             raise IllegalTransition(f"request {rid!r} is {r.state.value}; it has no page table")
         return list(r.shared) + list(r.device)
 
     def device_page_table(self, rid: str) -> torch.Tensor:
-        """The request's device slots as a long tensor on the device (kept per
-        request, rebuilt only when its slots change; no host sync to use it). During a
-        layer-wise reload admitted from layer 0, read layer L only after ``wait_layer``."""
-        r = self._readable(rid, "device_page_table", partial_ok=True)
+        r = self.readable(rid, "device_page_table", partial_ok=True)
         self._not_streamed(r, "device_page_table")
         return self._index(r)
 
@@ -57,20 +71,10 @@ class KVDataPlane:
                 f" {len(r.head)} pages from the host; it has no device page table (use read)")
 
     def is_streamed(self, rid: str) -> bool:
-        """Whether ``rid`` is longer than the device: its last ``stream_window_pages`` pages
-        on the device, the rest read from the host layer by layer (``read``)."""
-        return bool(self._req(rid, "is_streamed").head)
+        return bool(self._life.get(rid, "is_streamed").head)
 
     def wait_layer(self, rid: str, layer: int, timeout: float | None = None) -> bool:
-        """Whether layer ``layer`` of ``rid`` may be read and written now. A resident
-        request: True at once. During a layer-wise reload: True once that layer has
-        landed (a CPU waits for its copy, at most ``timeout`` seconds, default the
-        cache's ``layer_wait_timeout_s``; a GPU makes the compute stream wait on its
-        copy's event and returns at once); during a whole-request reload, once every
-        layer has. False when it will not land (its copy failed: the request goes back
-        to where it was, ``poll`` reports why), when the time ran out, or when the
-        request is not on the device or on its way there."""
-        r = self._req(rid, "wait_layer")
+        r = self._life.get(rid, "wait_layer")
         self._check_layer(f"wait_layer({rid!r})", layer)
         if timeout is not None:
             from tiering.core.validate import check_timeout
@@ -79,7 +83,7 @@ class KVDataPlane:
         return self._wait_layer(r, layer, timeout)
 
     def _wait_layer(self, r: RequestRecord, layer: int, timeout: float | None = None) -> bool:
-        limit = self.layer_wait_timeout_s if timeout is None else timeout
+        limit = self._layer_timeout if timeout is None else timeout
         if r.state is S.RELOADING and r.layers is not None:
             progress = r.layers
             w = progress.wait(layer, limit)
@@ -89,9 +93,9 @@ class KVDataPlane:
             if w.ok:  # a whole-request copy has landed: its job is ending
                 cf.wait([r.job.future], timeout=limit)
             if r.job is not None and r.job.future.done():
-                self._finish_now(r)  # applied now (a failed copy too); the next poll reports it
+                self._transfers.finish_now(r)  # applied now (a failed copy too); the next poll reports it
         if r.state is S.RELOADING:
-            self._finish_now(r)
+            self._transfers.finish_now(r)
         if r.state is S.RESIDENT:
             self._streams.wait_on_compute(r.ready_event)
             r.ready_event = None
@@ -100,25 +104,23 @@ class KVDataPlane:
 
     def _index(self, r: RequestRecord) -> torch.Tensor:
         if r.index is None or r.index.numel() != len(r.shared) + len(r.device):
-            r.index = torch.tensor(r.shared + r.device, dtype=torch.long).to(self.device)
-            self.stats.page_tables_built += 1
+            r.index = torch.tensor(r.shared + r.device, dtype=torch.long).to(self._device)
+            self._stats.page_tables_built += 1
         return r.index
 
     def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer over all device pages, ``[pages, tokens, heads, dim]``
-        views (no copy) for attention kernels that take a page table."""
-        self._open("layer_view")
+        self._life.check_open("layer_view")
         self._check_layer("layer_view", layer)
         return self._dev[:, layer, 0], self._dev[:, layer, 1]
 
     def _check_layer(self, what: str, layer: int) -> None:
         check_int(what, "layer", layer, lo=None)
-        if not 0 <= layer < self.geometry.num_layers:
-            raise ValueError(f"{what}: layer {layer} out of range [0, {self.geometry.num_layers})")
+        if not 0 <= layer < self._g.num_layers:
+            raise ValueError(f"{what}: layer {layer} out of range [0, {self._g.num_layers})")
 
     def _token_pages(self, r: RequestRecord, start: int, n: int):
         """(slot, offset in page, token index in the input, count) pieces of a token range."""
-        T = self.geometry.page_tokens
+        T = self._g.page_tokens
         table = r.shared + r.device
         skip = len(r.head)  # a streamed request's window starts after its head
         pos, end = start, start + n
@@ -129,7 +131,7 @@ class KVDataPlane:
             pos += take
 
     def _check_kv(self, what: str, k: Any, v: Any) -> None:
-        g = self.geometry
+        g = self._g
         want = (g.num_kv_heads, g.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
@@ -142,18 +144,14 @@ class KVDataPlane:
         for name, t in (("k", k), ("v", v)):
             if t.dtype != g.dtype:
                 raise ValueError(f"{what}: {name}.dtype is {t.dtype}; the cache holds {g.dtype}")
-            if t.device.type != self.device.type or (
-                self.device.type == "cuda" and t.device.index != self.device.index
+            if t.device.type != self._device.type or (
+                self._device.type == "cuda" and t.device.index != self._device.index
             ):
-                raise ValueError(f"{what}: {name}.device is {t.device}; the cache is on {self.device}")
+                raise ValueError(f"{what}: {name}.device is {t.device}; the cache is on {self._device}")
 
     def write(self, rid: str, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K and V ``[tokens, heads, dim]`` of one layer at token ``start``.
-
-        ``k`` and ``v`` must already have the cache's dtype and device (nothing
-        is converted)."""
         what = f"write({rid!r})"
-        r = self._req(rid, "write")
+        r = self._life.get(rid, "write")
         self._check_layer(what, layer)
         check_int(what, "start", start)
         self._check_kv(what, k, v)
@@ -163,16 +161,16 @@ class KVDataPlane:
                 f"{what}: tokens [{start}, {start + n}) are past the {r.num_tokens}"
                 " allocated tokens"
             )
-        if start < len(r.head) * self.geometry.page_tokens:
+        if start < len(r.head) * self._g.page_tokens:
             raise ValueError(
                 f"{what}: tokens from {start} fall in the first {len(r.head)} pages of a request"
                 " longer than the device, which stream from the host and are not written again")
-        if start < len(r.shared) * self.geometry.page_tokens:
+        if start < len(r.shared) * self._g.page_tokens:
             raise ValueError(
-                f"{what}: tokens from {start} fall in published page {start // self.geometry.page_tokens}"
-                f" (the first {len(r.shared) * self.geometry.page_tokens} tokens are published and immutable)"
+                f"{what}: tokens from {start} fall in published page {start // self._g.page_tokens}"
+                f" (the first {len(r.shared) * self._g.page_tokens} tokens are published and immutable)"
             )
-        r = self._readable(rid, "write", layer)
+        r = self.readable(rid, "write", layer)
         for slot, off, i, take in self._token_pages(r, start, n):
             self._dev[slot, layer, 0, off : off + take].copy_(k[i : i + take])
             self._dev[slot, layer, 1, off : off + take].copy_(v[i : i + take])
@@ -180,24 +178,19 @@ class KVDataPlane:
             r.note_written(layer, start, start + n)  # what publish_prefix may key
 
     def mark_written(self, rid: str, num_tokens: int) -> None:
-        """Say that the first ``num_tokens`` tokens of ``rid`` hold K and V in every layer,
-        written in place (through ``layer_view`` and ``device_page_table``) rather than by
-        ``write``: ``publish_prefix`` keys only tokens written one way or the other."""
-        r = self._req(rid, "mark_written")
+        r = self._life.get(rid, "mark_written")
         check_int(f"mark_written({rid!r})", "num_tokens", num_tokens)
         if num_tokens > r.num_tokens:
             raise ValueError(f"mark_written({rid!r}): {num_tokens} tokens but {r.num_tokens} are allocated")
         if num_tokens:
-            for layer in range(self.geometry.num_layers):
+            for layer in range(self._g.num_layers):
                 r.note_written(layer, 0, num_tokens)
 
     def read(self, rid: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[num_tokens, heads, dim]`` of one layer (copies), gathered
-        through the request's device page table (no host sync)."""
-        self._req(rid, "read")
+        self._life.get(rid, "read")
         self._check_layer(f"read({rid!r})", layer)
-        r = self._readable(rid, "read", layer)
-        g = self.geometry
+        r = self.readable(rid, "read", layer)
+        g = self._g
         if r.head:
             return self._read_streamed(r, layer)
         pages = self._dev[:, layer].index_select(0, self._index(r))  # [p, 2, T, H, D]
@@ -208,12 +201,12 @@ class KVDataPlane:
     def _read_streamed(self, r: RequestRecord, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``read`` of a streamed request: its head through the stream buffer, its
         window from the device; the same bytes a resident request's read gives."""
-        g = self.geometry
+        g = self._g
         shape = (r.num_tokens, g.num_kv_heads, g.head_dim)
-        k = torch.empty(shape, dtype=g.dtype, device=self.device)
-        v = torch.empty(shape, dtype=g.dtype, device=self.device)
+        k = torch.empty(shape, dtype=g.dtype, device=self._device)
+        v = torch.empty(shape, dtype=g.dtype, device=self._device)
         if not self._stream.read_layer(r.rid, r.head, layer, k, v, g.page_tokens,
-                                       self.layer_wait_timeout_s):
+                                       self._layer_timeout):
             raise LayerNotReady(f"read({r.rid!r}): layer {layer} of its head could not be"
                                 " brought from the host (the copy failed or timed out)")
         h = len(r.head) * g.page_tokens
@@ -222,17 +215,17 @@ class KVDataPlane:
         v[h:] = pages[:, 1].reshape(-1, g.num_kv_heads, g.head_dim)[: r.num_tokens - h]
         return k, v
 
-    def _readable(self, rid: str, what: str, layer: int | None = None,
+    def readable(self, rid: str, what: str, layer: int | None = None,
                   partial_ok: bool = False) -> RequestRecord:
         """``rid``'s record when its KV (or, given ``layer``, that layer) may be used
         now; else IllegalTransition (LayerNotReady for a layer that did not land),
         RequestLost for a lost request."""
-        r = self._req(rid, what)
+        r = self._life.get(rid, what)
         if r.state is S.LOST:
             raise RequestLost(rid, r.lost_reason or "unknown")
         if r.state is S.RELOADING:
-            self._finish_now(r)  # maybe the copy is done already
-        if self._admitted_early(r):
+            self._transfers.finish_now(r)  # maybe the copy is done already
+        if admitted_early(r):
             if partial_ok:
                 return r
             if layer is None:

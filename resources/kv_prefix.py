@@ -48,7 +48,7 @@ import hashlib
 import logging
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,8 +66,8 @@ from tiering.errors import CorruptBlock
 from tiering.types import Tier
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tiering.resources.kv_cache import PagedKVCache
     from tiering.resources.kv_records import RequestRecord
+    from tiering.resources.kv_storage import KVStorage
 
 log = logging.getLogger("tiering.kv_prefix")
 
@@ -78,20 +78,22 @@ __all__ = ["BLOCKS", "PrefixCache", "PrefixHit", "PrefixLoad", "SharedLink", "as
 class PrefixCache(TierMovesPart, SharedTierPart):
     """The block store of one ``PagedKVCache`` (see the module docstring)."""
 
-    def __init__(self, cache: PagedKVCache, root: bytes, policy: str = DEFAULT_BLOCK_POLICY,
-                 disk_batch_pages: int = 16, shared=None, shared_refresh_s: float = 10.0) -> None:
+    def __init__(self, storage: KVStorage, clock: Callable[[], float], owner: str, root: bytes,
+                 policy: str = DEFAULT_BLOCK_POLICY, disk_batch_pages: int = 16, shared=None,
+                 shared_refresh_s: float = 10.0) -> None:
         if not isinstance(root, bytes) or not root:
             raise ValueError(f"enable_prefix_cache: root must be non-empty bytes, got {root!r:.80}")
         if isinstance(disk_batch_pages, bool) or not isinstance(disk_batch_pages, int) \
                 or disk_batch_pages < 1:
             raise ValueError(f"disk_batch_pages must be an int >= 1, got {disk_batch_pages!r}")
-        self.cache = cache
+        self.storage = storage  # the cache's tiers: pools, tensors, disk, streams
+        self._clock = clock
         self.root = root  # what the engine gave; keys chain from key_root (root + geometry)
         self._derived: tuple[bytes, bytes] | None = None
         self.index = BlockIndex()
         # each tier's policy is sized by the tier (a block is one page), as the replay's
-        cap = {Tier.DEVICE: cache.device_pool.num_pages, Tier.HOST: cache.host_pool.num_pages,
-               Tier.DISK: max(1, getattr(cache.disk, "capacity_pages", 1))}
+        cap = {Tier.DEVICE: storage.device_pool.num_pages, Tier.HOST: storage.host_pool.num_pages,
+               Tier.DISK: max(1, getattr(storage.disk, "capacity_pages", 1))}
         # every policy call goes through the rules the replay runs too (kv_prefix_rules)
         self.rules = BlockRules(self.index, {t: make_block_policy(policy, capacity=cap[t])
                                              for t in Tier})
@@ -107,9 +109,9 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         self.unpublished: OrderedDict[bytes, None] = OrderedDict()  # refused publishes, to retry
         self.shared: SharedLink | None = None
         if shared is not None:  # last: a store that cannot be reached leaves nothing behind
-            self.shared = SharedLink.open(shared, self.key_root, cache.geometry.fingerprint().encode(),
-                                          cache._clock, shared_refresh_s, owner=self._owner_name(),
-                                          block_bytes=cache.geometry.page_bytes)
+            self.shared = SharedLink.open(shared, self.key_root, storage.geometry.fingerprint().encode(),
+                                          clock, shared_refresh_s, owner=owner,
+                                          block_bytes=storage.geometry.page_bytes)
             self._refresh()
 
     # -- keys -----------------------------------------------------------------
@@ -119,19 +121,16 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         """The root the block keys chain from: a digest of ``root`` and the geometry's
         fingerprint, so caches of different dtypes or layouts never share a key."""
         if self._derived is None or self._derived[0] is not self.root:
-            self._derived = (self.root, derive_key_root(self.root, self.cache.geometry.fingerprint()))
+            self._derived = (self.root, derive_key_root(self.root, self.storage.geometry.fingerprint()))
         return self._derived[1]
-
-    def _owner_name(self) -> str:
-        return f"PagedKVCache at 0x{id(self.cache):x}"
 
     def keys(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> list[bytes]:
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.detach().cpu().numpy()
-        return block_keys(self.key_root, token_ids, self.cache.geometry.page_tokens)
+        return block_keys(self.key_root, token_ids, self.storage.geometry.page_tokens)
 
     def _now(self) -> float:
-        return float(self.cache._clock())
+        return float(self._clock())
 
     # -- making room, dropping (caller's thread): TierMovesPart, resources.kv_prefix_moves
 
@@ -139,7 +138,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
 
     def publish(self, r: RequestRecord, token_ids) -> int:
         """Key ``r``'s full pages of ``token_ids``; returns the blocks it maps afterwards."""
-        c = self.cache
+        c = self.storage
         arr = token_ids.detach().cpu().numpy() if isinstance(token_ids, torch.Tensor) else token_ids
         n_tok = len(arr)
         if n_tok > r.num_tokens:
@@ -199,11 +198,11 @@ class PrefixCache(TierMovesPart, SharedTierPart):
 
     def _publish_own(self, r: RequestRecord, keys: Sequence[bytes], now: float) -> int:
         """``r``'s next own pages become the blocks ``keys`` (admitted); returns how many."""
-        c = self.cache
+        c = self.storage
         n = 0
         for key in keys:
             own = r.device[0]
-            page = c._dev[own].cpu()
+            page = c.dev[own].cpu()
             crc = crc_page(page)
             if not self.index.insert(key, r.blocks[-1] if r.blocks else None, Tier.DEVICE, own,
                                      now):
@@ -222,7 +221,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
     def lookup(self, token_ids) -> PrefixHit:
         keys = self.keys(token_ids)
         m = self.index.match(keys)
-        T = self.cache.geometry.page_tokens
+        T = self.storage.geometry.page_tokens
         remote = 0
         sh = self.shared
         if sh is not None and sh.blocks.breaker.would_allow():
@@ -238,7 +237,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         """Map the longest usable cached prefix of ``token_ids`` into fresh request ``r``;
         the policies are told the request as reading the full pages of ``chain`` (default
         ``token_ids``)."""
-        c = self.cache
+        c = self.storage
         T = c.geometry.page_tokens
         keys = self.keys(token_ids)
         n_tok = len(token_ids)
@@ -298,12 +297,12 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         for: its fresh pages may just have been freed by kernels still
         queued), like a reload. Returns, per block, None (landed) or the
         reason it is unusable."""
-        c = self.cache
+        c = self.storage
         out: list[str | None] = []
         for key, tier, handle, page, crc in work:
             try:
                 if tier is Tier.HOST:
-                    src, slot = c._host, handle
+                    src, slot = c.host, handle
                 else:
                     ext_id, i = handle
                     src = torch.empty((1, *c.geometry.page_shape), dtype=c.geometry.dtype)
@@ -311,7 +310,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
                     slot = 0
                 if crc is None or crc_page(src[slot]) != crc:
                     raise CorruptBlock(f"block {key.hex()} does not match its crc32c")
-                copy_runs(c._streams, src, c._dev, coalesce([slot], [page]), "h2d",
+                copy_runs(c.streams, src, c.dev, coalesce([slot], [page]), "h2d",
                           after=marker, fault_hook=fault)
                 marker = None
                 out.append(None)
@@ -337,7 +336,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
                     r.shared[r.prefix_load.positions[j]] = page
                 continue
             dest = self.index.fail_move(key)
-            self.cache.device_pool.release(BLOCKS, [dest.handle])
+            self.storage.device_pool.release(BLOCKS, [dest.handle])
             if first_bad is None:
                 first_bad, reason = j, res
         self.rules.landed(landed, sources, self._now())
@@ -349,7 +348,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         for key in r.blocks[keep:]:
             self.index.release(key)
         r.blocks, r.shared = r.blocks[:keep], r.shared[:keep]
-        r.num_tokens = keep * self.cache.geometry.page_tokens
+        r.num_tokens = keep * self.storage.geometry.page_tokens
         r.forget_written_from(r.num_tokens)
         r.index = None
         if bad_key is not None and reason is not None:

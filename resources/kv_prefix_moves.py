@@ -28,7 +28,7 @@ class TierMovesPart:
     """``PrefixCache``'s methods for moving blocks down and dropping them (module docstring)."""
 
     def _free_location(self, tier: Tier, handle: Hashable) -> None:
-        c = self.cache
+        c = self.storage
         if tier is Tier.DEVICE:
             c.device_pool.release(BLOCKS, [handle])
         elif tier is Tier.HOST:
@@ -39,7 +39,7 @@ class TierMovesPart:
             entry[1] -= 1
             if entry[1] == 0:
                 del self.extents[ext_id]
-                c._disk_call(c.disk.release, entry[0])
+                c.disk_call(c.disk.release, entry[0])
 
     def _drop(self, key: Hashable, reason: str) -> int:
         """Drop ``key`` and its descendants; frees what they held. Returns blocks dropped."""
@@ -62,7 +62,7 @@ class TierMovesPart:
     def ensure_device(self, n: int) -> bool:
         """Move unmapped device blocks down until the device pool has ``n`` free pages;
         False, with nothing moved, when the blocks that may leave would not free enough."""
-        pool = self.cache.device_pool
+        pool = self.storage.device_pool
         if self._out_of_reach(Tier.DEVICE, pool, n):
             return False
         while pool.free_pages < n:
@@ -75,7 +75,7 @@ class TierMovesPart:
     def ensure_host(self, n: int) -> bool:
         """Move unmapped host blocks to disk (or drop them) until the host pool has ``n`` free
         pages; False, with nothing moved, when the blocks that may leave would not free enough."""
-        pool = self.cache.host_pool
+        pool = self.storage.host_pool
         if self._out_of_reach(Tier.HOST, pool, n):
             return False
         while pool.free_pages < n:
@@ -91,7 +91,7 @@ class TierMovesPart:
         return not self.rules.reachable(tier, n - pool.free_pages, self._now())
 
     def _move_device_block_down(self, key: Hashable) -> None:
-        c = self.cache
+        c = self.storage
         page = self.index.location(key).handle
         slot = None
         if not self.rules.admits(Tier.HOST, key, self._now()):
@@ -111,7 +111,7 @@ class TierMovesPart:
             return
         self.index.begin_move(key, Tier.HOST, slot)
         try:
-            c._host[slot].copy_(c._dev[page])
+            c.host[slot].copy_(c.dev[page])
             if c.device.type == "cuda":  # pragma: no cover - needs a GPU
                 torch.cuda.current_stream(c.device).synchronize()
         except Exception as exc:
@@ -131,7 +131,7 @@ class TierMovesPart:
         made on disk (its victims dropped) and the batch written. With no disk, or no room
         there, the first victim is dropped instead (the rest stay); a failed write drops
         the batch. False when there is nothing to move."""
-        c = self.cache
+        c = self.storage
         rules = self.rules
         if c.disk is None:
             key = rules.victim(Tier.HOST, self._now())
@@ -173,13 +173,13 @@ class TierMovesPart:
         self._extent_ids = ext_id
         slots = [s for _, s in chosen]
         try:
-            pages = c._host[torch.tensor(slots, dtype=torch.long)]
+            pages = c.host[torch.tensor(slots, dtype=torch.long)]
             c.disk.write(extent, pages.contiguous(), first_page=0)
         except Exception as exc:
             log.error("block demotion host->disk failed, dropping %d blocks: %s", len(chosen), exc)
             for key, _ in chosen:
                 self.index.fail_move(key)
-            c._disk_call(c.disk.release, extent)
+            c.disk_call(c.disk.release, extent)
             for key, _ in chosen:  # ancestors first: a drop takes the chosen blocks below it
                 if key in self.index:
                     self._drop(key, "demote_failed")

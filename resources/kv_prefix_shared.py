@@ -149,14 +149,14 @@ class SharedTierPart:
         """Queue refused publishes again while the queue has room and the store answers. A
         block no longer cached on the device or the host (or moving) is not retried."""
         sh = self.shared
-        c = self.cache
+        c = self.storage
         room = sh.blocks.config.max_queued - sh.queue.in_flight
         while self.unpublished and room > 0 and sh.blocks.breaker.would_allow():
             key, _ = self.unpublished.popitem(last=False)
             loc = self.index.location(key)
             if loc is None or loc.moving_to is not None or loc.tier is Tier.DISK or key in sh.known:
                 continue
-            page = c._dev[loc.handle].cpu() if loc.tier is Tier.DEVICE else c._host[loc.handle]
+            page = c.dev[loc.handle].cpu() if loc.tier is Tier.DEVICE else c.host[loc.handle]
             # the worker thread checks the copy against the crc recorded at publish: a page
             # damaged since (on the host, say) is not sent for every other worker to map
             payload = page.contiguous().view(torch.uint8).numpy()
@@ -172,8 +172,8 @@ class SharedTierPart:
         """Map blocks ``keys[start:limit]`` known to exist on the shared tier as pending
         fetches (asks the local cache only; each fetch is queued, never waited for)."""
         sh = self.shared
-        T = self.cache.geometry.page_tokens
-        cap = self.cache.host_pool.num_pages  # each lands in a host page
+        T = self.storage.geometry.page_tokens
+        cap = self.storage.host_pool.num_pages  # each lands in a host page
         for i in range(start, limit):
             key = keys[i]
             if key in self.index:
@@ -265,8 +265,8 @@ class SharedTierPart:
             st["shared_fetch_stray"] += 1
             return
         if res.status is B.HIT:
-            if len(res.payload) != self.cache.geometry.page_bytes:
-                f.failed = f"lost: {len(res.payload)} bytes, a page is {self.cache.geometry.page_bytes}"
+            if len(res.payload) != self.storage.geometry.page_bytes:
+                f.failed = f"lost: {len(res.payload)} bytes, a page is {self.storage.geometry.page_bytes}"
                 st["shared_lost"] += 1
             else:
                 f.payload = res.payload
@@ -296,15 +296,15 @@ class SharedTierPart:
 
     def _land(self, f: _Fetch, mapped: bool) -> bool:
         """Put an arrived block on the host tier, in the index (mapped by its request or not)."""
-        c = self.cache
+        c = self.storage
         if c.host_pool.free_pages < 1 and not (mapped and self.ensure_host(1)):
             return False
         if f.parent is not None and f.parent not in self.index:
             return False
         slot = c.host_pool.allocate(BLOCKS, 1)[0]
-        dst = c._host[slot].view(torch.uint8).reshape(-1)
+        dst = c.host[slot].view(torch.uint8).reshape(-1)
         dst.numpy()[:] = np.frombuffer(f.payload, dtype=np.uint8)
-        crc = crc_page(c._host[slot])
+        crc = crc_page(c.host[slot])
         if not self.index.insert(f.key, f.parent, Tier.HOST, slot, self._now()):
             c.host_pool.release(BLOCKS, [slot])
             return False
@@ -339,7 +339,7 @@ class SharedTierPart:
             if not self._let_go(r, key):
                 self.index.release(key)
         r.blocks, r.shared = r.blocks[:pos], r.shared[:pos]
-        r.num_tokens = pos * self.cache.geometry.page_tokens
+        r.num_tokens = pos * self.storage.geometry.page_tokens
         r.forget_written_from(r.num_tokens)
         r.index = None
         pl = r.prefix_load
@@ -365,8 +365,8 @@ class SharedTierPart:
         live = {id(r) for r in reqs}
         if len(self.unpublished) > self.shared.blocks.config.max_queued:
             problems.append(f"{len(self.unpublished)} publishes to retry, over max_queued")
-        if len(self.fetching) > self.cache.host_pool.num_pages:
-            problems.append(f"{len(self.fetching)} fetches, over the {self.cache.host_pool.num_pages} host pages")
+        if len(self.fetching) > self.storage.host_pool.num_pages:
+            problems.append(f"{len(self.fetching)} fetches, over the {self.storage.host_pool.num_pages} host pages")
         for key, f in self.fetching.items():
             if f.key != key:
                 problems.append(f"fetch of {key.hex()} records key {f.key.hex()}")

@@ -15,7 +15,7 @@ from typing import Any
 
 from tiering.core.lifecycle import Counters, Record
 from tiering.errors import CacheClosed, RequestLost, UnknownRequest  # noqa: F401 (re-exported from its old home)
-from tiering.types import Move
+from tiering.types import Move, RequestState
 
 
 @dataclass
@@ -94,6 +94,19 @@ class RequestRecord(Record):
         """Pages held per tier (mapped prefix blocks are the block store's)."""
         return (len(self.device), len(self.host),
                 self.disk.num_pages if self.disk is not None else 0)
+
+
+def admitted_early(r: RequestRecord) -> bool:
+    """A layer-wise reload whose layer 0 is on the device: its step may run, each
+    layer read only once it has landed (``wait_layer``)."""
+    p = r.layers
+    return (r.state is RequestState.RELOADING and p is not None and p.layerwise
+            and p.ready >= 1 and p.failed_at is None)
+
+
+def own_pages(geometry, r: RequestRecord) -> int:
+    """The request's own pages (mapped prefix blocks are the index's)."""
+    return geometry.pages_for(r.num_tokens) - len(r.shared)
 
 
 @dataclass

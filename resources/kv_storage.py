@@ -1,0 +1,112 @@
+"""Where ``PagedKVCache`` keeps bytes: device pages, the host slab, the disk tier.
+
+``KVStorage`` builds and owns the two ``PagePool`` ledgers, the page-first
+device tensor, the host slab (pinned once, exactly its size), the disk tier
+(a ``DiskPageStore``), the staging ring between a GPU and the disk, the copy
+streams and the copy fault hook. It holds no request records; the cache's
+other parts read its public attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tiering.resources.kv_geometry import KVGeometry, parse_device
+
+from tiering.core.lifecycle import Counters
+from tiering.core.pinning import HostRuntime, PinnedSlab, pin_host_slab
+from tiering.core.pools import PagePool
+from tiering.core.staging import StagingConfig, StagingRing
+from tiering.core.transfer import StreamSet
+
+log = logging.getLogger("tiering.kv_cache")
+
+
+def why(exc: BaseException) -> str:
+    """An exception as ``Type: message`` (the reason records and logs give)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+class KVStorage:
+    """The cache's tiers and copy streams (see the module doc).
+
+    ``fault`` is read each time a copy runs, so a hook swapped in applies to the
+    next copy. A failure while building releases what was built, then raises."""
+
+    def __init__(self, geometry: KVGeometry, device, device_pages: int, host_pages: int, *,
+                 stats: Counters, verify: bool, fault: Callable[[str], None], disk=None,
+                 disk_store=None, disk_wrap_store: Callable[[Any], Any] | None = None,
+                 compute_stream=None, host_runtime: HostRuntime | None = None,
+                 staging: StagingConfig | None = None, stage_disk_io: bool | None = None) -> None:
+        self.geometry = geometry
+        self.stats = stats
+        self.verify = verify
+        self.fault = fault
+        self.slab: PinnedSlab | None = None
+        self.disk = None
+        self.ring: StagingRing | None = None
+        self.device = parse_device("PagedKVCache", device)
+        if self.device.type not in ("cpu", "cuda"):  # "meta" holds no bytes; others are untested
+            raise ValueError(f"PagedKVCache: device must be a CPU or CUDA device, got {device!r}")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for but CUDA is not available")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        pb, shape = geometry.page_bytes, geometry.page_shape
+        self.device_pool = PagePool("device", device_pages, pb)
+        self.host_pool = PagePool("host", host_pages, pb)
+        try:
+            self.streams = StreamSet(self.device, compute_stream)
+            self.dev = torch.empty((device_pages, *shape), dtype=geometry.dtype, device=self.device)
+            self.slab = pin_host_slab(
+                (host_pages, *shape), geometry.dtype, self.device, runtime=host_runtime
+            )
+            self.host = self.slab.tensor
+            self.disk = disk_store
+            if self.disk is None and disk is not None:
+                from tiering.disk.store import DiskPageStore
+
+                self.disk = DiskPageStore(
+                    disk, shape, geometry.dtype, fingerprint=geometry.fingerprint(),
+                    wrap_store=disk_wrap_store,
+                )
+            # a GPU's pages reach the disk through the ring; a CPU's go straight
+            self.stage = (self.device.type == "cuda") if stage_disk_io is None else bool(stage_disk_io)
+            if self.disk is not None and self.stage:
+                pin = (lambda t: t.pin_memory()) if self.device.type == "cuda" else None
+                self.ring = StagingRing(staging or StagingConfig(), shape, geometry.dtype, pin=pin)
+        except BaseException:
+            self.close(joined=True)
+            raise
+
+    def disk_call(self, call: Callable[[Any], Any], extent) -> bool:
+        """``disk.release`` / ``disk.uncommit`` on the step path: a fault is logged, never raised.
+
+        The ledger changes before the manifest is rewritten, so a failed
+        rewrite leaves the chunks quarantined until the next good one. ``call``
+        is the bound method (``self.disk.release`` or ``self.disk.uncommit``)."""
+        try:
+            call(extent)
+            return True
+        except Exception as exc:
+            self.stats.disk_release_faults += 1
+            log.error("disk %s of extent %s failed: %s: %s", call.__name__,
+                      getattr(extent, "chunks", extent), type(exc).__name__, exc)
+            return False
+
+    def close(self, joined: bool) -> None:
+        """Close the disk tier, then unregister the host slab, but only if every copy
+        worker has ``joined`` (a copy may still read it)."""
+        if self.disk is not None:
+            try:
+                self.disk.close()
+            except Exception as exc:
+                log.error("close: the disk tier did not close cleanly: %s", why(exc))
+        if self.slab is not None:
+            if joined:
+                self.slab.release()
+            else:
+                log.error("close: a copy worker is still running; the host slab stays registered")
