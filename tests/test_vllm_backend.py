@@ -42,6 +42,7 @@ from tiering.integrations.vllm._core import (
     open_disk,
     plan_blocks,
 )
+from tiering.types import Tier
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = 256  # bytes of one host page in these tests
@@ -286,7 +287,7 @@ def test_store_then_host_hit_and_load_pins(tmp_path):
 
 def test_cascade_to_disk_and_checked_promotion_returns_the_same_bytes(tmp_path):
     gen = torch.Generator().manual_seed(2)
-    m = make(tmp_path, slots=4, disk_pages=16, demote_headroom=4)
+    m = make(tmp_path, slots=4, disk_pages=16, demote_headroom=4, policy="lru")  # admits all
     data = {}
     for i in range(0, 12, 2):
         data |= store(m, gen, [key(i), key(i + 1)])
@@ -346,7 +347,7 @@ def test_two_ranks_share_one_disk_page_and_each_gets_its_own_bytes_back(tmp_path
 
 def test_block_damaged_on_disk_becomes_a_miss_and_is_never_served(tmp_path):
     gen = torch.Generator().manual_seed(3)
-    m = make(tmp_path, slots=2, disk_pages=8, demote_headroom=2)
+    m = make(tmp_path, slots=2, disk_pages=8, demote_headroom=2, policy="lru")  # admits all
     store(m, gen, [key(1), key(2)])
     m.maintain()
     assert m.wait_io(10)
@@ -872,9 +873,12 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(pick=st.integers(0, 63), at=st.integers(0, PAGE - 1))
     def damage_on_disk(self, pick, at):
-        """Flip a byte of a disk-only block's chunk in the slot file."""
-        cands = [x for x in self.m.state()["disk_blocks"] if not x["on_host"]
-                 and self.m.block(bytes.fromhex(x["key"])).host is HostState.NONE]  # not promoting
+        """Flip a byte of a disk-only block's chunk in the slot file (not one being read:
+        promoted, or read into a load staging row, whose checked bytes are kept)."""
+        m = self.m
+        cands = [x for x in m.state()["disk_blocks"] if not x["on_host"]
+                 and m.block(k := bytes.fromhex(x["key"])).host is HostState.NONE
+                 and k not in m._rows and k not in m._row_jobs]
         if not cands:
             return
         entry = cands[pick % len(cands)]
@@ -1448,7 +1452,7 @@ def test_no_block_is_dropped_while_the_disk_tier_has_room(tmp_path):
     """With the default demote_headroom (a quarter of the host slots) a store batch
     evicted host blocks that had no disk copy yet: of 30 stores, 12 reached disk."""
     gen = torch.Generator().manual_seed(41)
-    m = make(tmp_path, slots=9, disk_pages=64)
+    m = make(tmp_path, slots=9, disk_pages=64, policy="lru")  # the host admits every block
     data = {}
     for i in range(0, 30, 3):
         data |= store(m, gen, [key(i), key(i + 1), key(i + 2)], chained=True)
@@ -1737,3 +1741,169 @@ def test_shared_option_is_checked_naming_what_is_wrong(tmp_path):
                                  "shared": {"url": "s3://b/p", "trust": "unauthenticated"}})
     c = TieredConfig.from_extra(dict(base, shared={"url": "s3://b/p", "secret": "s" * 32}))
     assert c.shared_config().url == "s3://b/p"
+
+
+# ----------------------------------------------------------------------------- one set of rules
+
+
+class _Req:
+    """A request's object for the manager (``request=``): told once."""
+
+
+class _Tick:
+    """One clock both stores read: each call a little later."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1e-3
+        return self.t
+
+
+def _host_tier_sequence(seed: int, n: int = 48) -> list[tuple[int, int]]:
+    """(chain, blocks): a seeded run of requests, each reading ``blocks`` leading blocks
+    of chain ``chain``; about a third reread a chain seen before (whole or a prefix)."""
+    r = __import__("random").Random(seed)
+    out: list[tuple[int, int]] = []
+    lengths: list[int] = []
+    for _ in range(n):
+        if lengths and r.random() < 0.35:
+            c = r.randrange(len(lengths))
+            out.append((c, r.randint(1, lengths[c])))
+        else:
+            lengths.append(r.randint(1, 3))
+            out.append((len(lengths) - 1, lengths[-1]))
+    return out
+
+
+def _cache_decisions(tmp_path, policy, seq, host, disk, seed):
+    """The real cache's ``PrefixCache`` on ``seq``: each request publishes its blocks on
+    the device, is removed, and its new blocks move down to the host root first (the
+    host tier's arrivals, as vLLM stores them). Returns (the decision log, the keys of
+    each request, the final host and disk keys)."""
+    from conftest import write_random
+    from tiering.resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_geometry import KVGeometry
+
+    from tiering.blocks import KeyRoot
+    from tiering.disk import DiskConfig
+    from tiering.types import Tier
+
+    geom = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=8, page_tokens=4)
+    T = geom.page_tokens
+    gen = torch.Generator().manual_seed(seed)
+    dcfg = None
+    if disk:
+        dcfg = DiskConfig(path=str(tmp_path / "cache-disk"), capacity_bytes=disk * geom.page_bytes,
+                          chunk_bytes=geom.page_bytes)
+    kv = PagedKVCache(geom, "cpu", 32, host, disk=dcfg, clock=_Tick())
+    assert kv.enable_prefix_cache(KeyRoot(geom.fingerprint(), "m", page_tokens=T), policy=policy,
+                                  disk_batch_pages=1)
+    pc = kv._prefix
+    log: list[tuple] = []
+
+    def watch(kind, k, tier):
+        if kind == "publish" or (kind in ("drop", "orphan") and tier is Tier.DEVICE):
+            return  # the device tier is vLLM's in the manager
+        log.append(("arrive", k) if kind == "move" and tier is Tier.HOST else (kind, k, tier))
+
+    pc.rules.watch = watch
+    chains: dict[int, torch.Tensor] = {}
+    requests = []
+    for i, (c, n) in enumerate(seq):
+        if c not in chains:
+            chains[c] = torch.randint(0, 1000, (3 * T,), generator=gen, dtype=torch.long)
+        ids = chains[c][:n * T]
+        keys = pc.keys(ids)
+        # the cache publishes up to the first block it holds (off the device: all of them)
+        new = next((j for j, k in enumerate(keys) if k in pc.index), len(keys))
+        requests.append((keys, new))
+        rid = f"r{i}"
+        kv.ingest_request(rid)
+        write_random(kv, rid, gen, n * T)
+        kv.publish_prefix(rid, ids[:T])  # told at its first publish: the first block
+        kv.publish_prefix(rid, ids)
+        kv.remove_request(rid)
+        for k in keys[:new]:
+            loc = pc.index.location(k)
+            if loc is not None and loc.tier is Tier.DEVICE:
+                pc._move_device_block_down(k)
+        kv.check_integrity()
+    final = ({k for k in pc.index.keys() if pc.index.location(k).tier is Tier.HOST},
+             {k for k in pc.index.keys() if pc.index.location(k).tier is Tier.DISK})
+    caps = {t: getattr(p, "capacity", None) for t, p in pc.policies.items()}
+    kv.close()
+    return log, requests, final, caps
+
+
+def _manager_decisions(tmp_path, policy, requests, host, disk, tell_once=True):
+    """The manager on the same requests: each one's new blocks stored one batch each,
+    root first (a block not stored ends its chain: in one batch the manager skips the
+    rest itself)."""
+    from tiering.types import Tier
+
+    m = make(tmp_path, slots=host, disk_pages=disk, executor=InlineExecutor(),
+             demote_headroom=host if disk else None, policy=policy)
+    m._clock = _Tick()
+    log: list[tuple] = []
+    def watch(kind, k, tier):
+        if not (kind == "hit" and tier is Tier.DEVICE):  # vLLM's own hits, above a batch
+            log.append((kind, k, tier))
+
+    m.rules.watch = watch
+    for keys, new in requests:
+        req = _Req() if tell_once else None
+        for j in range(max(1, new)):  # a request holding its first block is told all the same
+            d = m.prepare_store([keys[j]], [keys[j - 1] if j else None], request=req)
+            assert d is not None
+            m.complete_store(d.keys_to_store)
+            log.extend(("arrive", k) for k in d.keys_to_store if k in m.index)
+            if keys[j] not in m.index:
+                break
+        m.check_integrity()
+    final = ({k for k in m.index.keys() if m.index.location(k).tier is Tier.HOST},
+             {k for k in m.index.keys() if m.index.location(k).tier is Tier.DISK})
+    caps = {t: getattr(p, "capacity", None) for t, p in m.rules.policies.items()}
+    assert m.counters.disk_evictions == 0  # the disk is roomy (see the test below)
+    m.shutdown()
+    return log, final, caps
+
+
+@pytest.mark.parametrize("disk", [0, 256], ids=["host-only", "with-disk"])
+@pytest.mark.parametrize("policy", default_block_registry().names)
+def test_the_manager_and_the_cache_take_the_same_block_decisions(tmp_path, policy, disk):
+    """The same seeded run of host-tier events (requests told, blocks arriving from the
+    tier above, room made for them, victims moved down or dropped) through the real
+    cache's PrefixCache and through the manager: the same admissions, refusals, victims,
+    moves and drops in the same order, and the same blocks left on each tier. The
+    sequence has no host hit (a hit in the cache moves the block up to the device, in
+    vLLM it stays on the host) and the disk never fills (the manager makes disk room
+    when it writes a copy ahead, the cache when a block moves down)."""
+    host = 4
+    seq = _host_tier_sequence(7)
+    clog, requests, cfinal, ccaps = _cache_decisions(tmp_path, policy, seq, host, disk, 7)
+    mlog, mfinal, mcaps = _manager_decisions(tmp_path, policy, requests, host, disk)
+    assert ccaps[Tier.HOST] == mcaps[Tier.HOST] and (policy == "lru" or mcaps[Tier.HOST] == host)
+    assert not disk or ccaps[Tier.DISK] == mcaps[Tier.DISK]  # each policy sized by its tier
+    kinds = {e[0] for e in clog}
+    assert {"arrive", "move" if disk else "drop"} <= kinds, kinds  # the host was full
+    assert mlog == clog
+    assert mfinal == cfinal
+
+
+@pytest.mark.parametrize("disk", [0, 256], ids=["host-only", "with-disk"])
+def test_the_same_decisions_need_the_same_calls_negative_control(tmp_path, disk):
+    """The comparison above can fail: told at every store batch (as the manager told its
+    policies before, not once per request), the policies that learn from requests
+    decide otherwise; and a manager under another policy does too."""
+    seq = _host_tier_sequence(7)
+    for policy in ("chain", DEFAULT_BLOCK_POLICY):
+        clog, requests, cfinal, _ = _cache_decisions(tmp_path, policy, seq, 4, disk, 7)
+        assert any(e[0] == "refuse" for e in clog)  # its admission was asked and said no
+        mlog, mfinal, _ = _manager_decisions(tmp_path, policy, requests, 4, disk,
+                                             tell_once=False)
+        assert mlog != clog and mlog[:5] == clog[:5]
+    clog, requests, _, _ = _cache_decisions(tmp_path, "s3fifo", seq, 4, disk, 7)
+    mlog, _, _ = _manager_decisions(tmp_path, "lru", requests, 4, disk)
+    assert mlog != clog

@@ -101,10 +101,13 @@ def runs(work):
             "negative": _run(dict(base, blocks=12, orders=ORDERS[:2],
                                   offload=offload("negative", test_corrupt_loads=True)),
                              work, "negative"),
-            # the engine's default demote_headroom; a wait past 5 s is reported as a miss
+            # the engine's default demote_headroom; a wait past 5 s is reported as a miss;
+            # lru admits every block arriving on the 4-slot host (the default policy's
+            # admission refuses most of them there, as the cache's host would)
             "small_host": _run(dict(base, blocks=12, orders=ORDERS[:2],
                                     offload=offload("small_host", host_bytes=4 * BLOCK_BYTES,
-                                                    demote_headroom=None, load_wait_s=5.0)),
+                                                    demote_headroom=None, load_wait_s=5.0,
+                                                    policy="lru")),
                                work, "small_host", timeout=420),
         }
         staging = work / "small_host-disk.staging"  # removed at shutdown

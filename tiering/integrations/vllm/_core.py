@@ -1,16 +1,18 @@
 """The engine-independent part of the vLLM backend: config, the shared host slab,
-the scheduler-side manager (on the project's block index and block policies) and
-the worker-side mover. The config and slab live in ``_config``, the mover in
-``_mover``; this module holds the manager and re-exports the rest.
+the scheduler-side manager (on the project's block index, block policies and the
+block store's rules) and the worker-side mover. The config and slab live in
+``_config``, the mover in ``_mover``, the manager's small types in ``_state``, how
+its tiers map onto ``BlockRules`` in ``_rules``; this module holds the manager
+and re-exports the rest.
 
-Size: the module is over 500 lines because ``TieredBlockManager`` is about 770
+Size: the module is over 500 lines because ``TieredBlockManager`` is about 1,150
 on purpose. It is the single owner of every block's state (index entry, host
-slot, disk extent, pins, promotions and demotions in flight) and of the
-cascade between the tiers; its methods change several of those tables
-together, its I/O threads only move bytes (``reap`` applies their results on
-the caller's thread), and ``check_integrity`` checks the tables against each
-other. Split across classes, each change would cross objects and the
-invariant would have no single owner.
+slot, disk extent, pins, promotions, demotions, staging rows and shared-tier
+fetches in flight); every policy decision is the rules' (``self.rules``), but
+applying one changes several of those tables together, its I/O threads only
+move bytes (``reap`` applies their results on the caller's thread), and
+``check_integrity`` checks the tables against each other. Split across classes,
+each change would cross objects and the invariant would have no single owner.
 
 Nothing here imports vLLM, so all of it is unit-tested in the project's own
 environment; ``_spec`` wraps it in vLLM's classes.
@@ -40,16 +42,14 @@ import errno
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from enum import Enum
-from itertools import islice
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from tiering.blocks import BlockIndex
-from tiering.core.counters import counter_record
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.core.pools import PagePool
 from tiering.core.validate import check_timeout
@@ -72,6 +72,26 @@ from tiering.integrations.vllm._mover import (
     LayerCopy,
     TieredMover,
     plan_blocks,
+)
+from tiering.integrations.vllm._rules import admits_arrival, manager_rules, victim_except
+from tiering.integrations.vllm._state import (
+    MAX_ABSENT,
+    MAX_FETCHES,
+    MAX_LOAD_ROWS,
+    PROMOTED_HOLD_STEPS,
+    RESET_HOLD_STEPS,
+    SHARED_ABSENT_HOLD_S,
+    BlockView,
+    Counters,
+    DiskState,
+    Event,
+    HostState,
+    LoadWindow,
+    Lookup,
+    StoreDecision,
+    clear_staging,
+    payload_offset,
+    unlink_staging,
 )
 from tiering.policies.blocks import BlockPolicy, make_block_policy
 from tiering.types import Tier
@@ -105,166 +125,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# ----------------------------------------------------------------------------- block state
-
-
-class HostState(Enum):
-    NONE = "none"
-    STORING = "storing"  # slot reserved, a worker job is writing it
-    PROMOTING = "promoting"  # slot reserved, the manager is reading it from disk
-    READY = "ready"
-
-
-class DiskState(Enum):
-    NONE = "none"
-    WRITING = "writing"  # demotion in flight (host copy pinned)
-    READY = "ready"
-
-
-class BlockView(NamedTuple):
-    """One block as the manager sees it (a snapshot, read from the index and the
-    manager's per-tier state; changing it changes nothing)."""
-
-    key: bytes
-    host: HostState
-    slot: int | None
-    disk: DiskState
-    extent: DiskExtent | None
-    load_pins: int
-    from_disk: bool  # its host copy was promoted from disk
-    parent: bytes | None
-    depth: int
-
-
-class Lookup(Enum):
-    MISS = "miss"
-    HIT = "hit"
-    PENDING = "pending"
-
-
-class StoreDecision(NamedTuple):
-    """Where each accepted key goes: ``slots[i]`` < ``num_slots`` is a host slot; a
-    larger value ``num_slots + j`` sends the block straight to disk through row
-    ``j`` of the staging file ``staging`` (one per rank: ``f"{staging}.r{rank}"``)."""
-
-    keys_to_store: list[bytes]
-    slots: list[int]
-    evicted: list[bytes]  # keys that are gone from every tier
-    staging: str | None = None
-
-
-class LoadWindow:
-    """One request's lookups, kept by the caller per request (``lookup(key, window)``).
-
-    vLLM looks a request's keys up from its first, every step, until one misses,
-    and defers the request while any answers pending; it loads all hits at once.
-    So a request may hold at most ``load_budget`` blocks (hits and pending
-    answers) in one pass (a key seen again starts a new pass), and once it has
-    waited ``load_wait_s`` since its first pending answer, a key not on host
-    answers miss. Either way vLLM loads the leading hits and recomputes the rest."""
-
-    __slots__ = ("held", "last", "pending", "seen", "since")
-
-    def __init__(self) -> None:
-        self.seen: set[bytes] = set()
-        self.last: bytes | None = None  # the key before, in this pass (a fetched block's parent)
-        self.held = 0
-        self.pending = False  # this pass answered pending at least once
-        self.since: float | None = None  # first pending answer of the current wait
-
-    def _restart(self) -> None:
-        if not self.pending:
-            self.since = None  # the last pass was served without a wait
-        self.seen.clear()
-        self.held = 0
-        self.pending = False
-        self.last = None
-
-
-Counters = counter_record(
-    "Counters",
-    """lookups host_hits pending_answers stores_started stores_completed stores_failed
-    stores_refused stores_not_admitted stores_staged stores_staged_failed
-    lookups_over_budget lookups_timed_out shared_published shared_publish_failed
-    shared_fetches shared_hits shared_misses shared_unavailable direct_reads_started
-    direct_reads_failed loads_from_host loads_from_disk promotions_started
-    promotions_ok promotions_failed promotions_deferred promotions_unused demotions_started
-    demotions_ok demotions_failed demotions_not_admitted host_evictions disk_evictions dropped
-    drops_deferred""",
-    doc="""What the manager did, as plain integers. Where a name does not say it all:
-
-    ``stores_refused``: no block of a batch could be placed (every tier full of
-    pinned blocks): prepare_store answered None.
-    ``stores_staged``: blocks that went straight to disk (no host slot was free).
-    ``stores_staged_failed``: of those, blocks whose staging or disk write failed.
-    ``lookups_over_budget``: a miss because the request held ``load_budget`` blocks.
-    ``lookups_timed_out``: a miss because the request waited ``load_wait_s``.
-    ``direct_reads_started`` / ``direct_reads_failed``: disk blocks read (and checked)
-    into the load staging file because no host slot was free for them.
-    ``shared_published``: blocks written to the shared tier (or found there already).
-    ``shared_fetches`` / ``shared_hits``: local misses asked of the shared tier / found
-    there, checked and written to disk; ``shared_misses``: not there (or refused by
-    its check); ``shared_unavailable``: the shared tier did not answer.
-    ``stores_not_admitted``: the retention policy refused the block (not stored).
-    ``loads_from_host``: blocks handed to vLLM whose bytes were stored into host.
-    ``loads_from_disk``: blocks handed to vLLM whose bytes were promoted from disk.
-    ``promotions_failed``: failed their check or I/O: dropped, recomputed.
-    ``promotions_deferred``: no host slot could be freed yet: lookup said pending.
-    ``promotions_unused``: promoted, then left host before any load.
-    ``demotions_not_admitted``: the disk policy refused the block.
-    ``dropped``: blocks gone from every tier (orphaned descendants included).
-    ``drops_deferred``: a damaged block (or one forgotten by a reset) waited, answering
-    miss, for its own or a descendant's job to end.
-    """,
-    module=__name__,
-)
-
-
-class Event(NamedTuple):
-    keys: tuple[bytes, ...]
-    tier: str  # "host" or "disk"
-    removed: bool
-
-
-def _unlink_staging(staging: str, ranks: int) -> None:
-    for r in range(ranks):
-        try:
-            os.unlink(f"{staging}.r{r}")
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("tiering: removing staging file %s.r%d: %s", staging, r, exc)
-
-
-def _clear_staging(path: str) -> None:
-    """Remove this backend's staging files (``store-*.r*``, ``load-*.r*``) from ``path``."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return
-    for n in names:
-        if n.startswith(("store-", "load-")) and ".r" in n:
-            try:
-                os.unlink(os.path.join(path, n))
-            except OSError:
-                pass
-
-
-def _payload_offset(disk: DiskPageStore | None, chunk: int) -> int | None:
-    """Where a chunk's payload starts in the disk tier's slot file (None when unknown)."""
-    return disk.chunk_offset(chunk) if disk is not None else None
-
-
-SHARED_ABSENT_HOLD_S = 30.0  # a block the shared tier did not have is not asked again sooner
-MAX_ABSENT = 65536  # such blocks remembered
-MAX_FETCHES = 64  # fetches from the shared tier in flight
-MAX_LOAD_ROWS = 1 << 16  # rows of the load staging file (blocks loaded straight from disk)
-PROMOTED_HOLD_STEPS = 16  # steps a promoted, not yet loaded block is not a host victim
-# Steps after a reset before the slots of stores and loads that were in flight are
-# taken back: vLLM flushes those jobs at the reset and never completes them.
-RESET_HOLD_STEPS = 16
-
-
 class TieredBlockManager:
     """The scheduler-side manager on the project's ``BlockIndex`` (engine independent).
 
@@ -284,10 +144,11 @@ class TieredBlockManager:
     block is in the index), else as a chain's first block. Dropping a block
     drops its cached descendants (a prefix lookup stops at the first miss).
 
-    Policies: one ``tiering.policies.blocks`` policy per tier (``cfg.policy``), told
-    every event with the index's ``BlockInfo``; both see one request per store
-    batch and per load batch (the batch's chain from its root as the index
-    knows it). ``slabs`` are the per-rank host slabs; ``disk`` is optional. Not
+    Policies: one ``tiering.policies.blocks`` policy per tier (``cfg.policy``), every
+    call to them made by the block store's rules (``self.rules``, a
+    ``tiering.resources.kv_prefix_rules.BlockRules``, as in the cache and the
+    replay; what vLLM's API changes is in ``_rules``). ``slabs`` are the per-rank
+    host slabs; ``disk`` is optional. Not
     thread-safe: all calls come from vLLM's scheduler thread; disk I/O runs on
     ``executor`` threads and is reaped on that thread.
     """
@@ -326,13 +187,18 @@ class TieredBlockManager:
             if disk is not None
             else None
         )
+        # every policy call goes through the block store's rules (see ``_rules``)
+        self.rules = manager_rules(self.index, self.host_policy, self.disk_policy)
+        self._told: weakref.WeakSet[Any] = weakref.WeakSet()  # requests told (``request=``)
+        # host blocks with no disk copy, oldest arrival first: what write-ahead takes next
+        self._unwritten: dict[bytes, None] = {}
         # write-through by default: a host block with a disk copy is evicted for free
         self.headroom = cfg.demote_headroom if cfg.demote_headroom is not None else n
         self.load_budget = n  # blocks one request may hold for one load (rows added below)
         self.staging = cfg.staging if disk is not None else None
         if self.staging is not None:
             os.makedirs(self.staging, exist_ok=True)
-            _clear_staging(self.staging)
+            clear_staging(self.staging)
         self._stage_seq = 0
         # blocks going straight to disk: key -> (extent, parent, staging file, row);
         # from prepare_store until their disk write is reaped
@@ -376,6 +242,7 @@ class TieredBlockManager:
         self._from_disk: set[bytes] = set()
         self._load_pins: dict[bytes, int] = {}
         self._lost: dict[bytes, str] = {}  # damaged, drop deferred: key -> reason
+        self._orphaned: set[bytes] = set()  # being stored under a block dropped since
         self._promoting: dict[bytes, Future] = {}
         self._demoting: dict[bytes, Future] = {}
         self._dirty = True
@@ -455,11 +322,29 @@ class TieredBlockManager:
     def _disk_ready_copy(self, key: bytes) -> bool:
         return key in self._disk_copy and key not in self._demoting
 
-    def _announce(self, chain: Sequence[bytes]) -> None:
-        now = self._clock()
-        self.host_policy.on_request(chain, now)
-        if self.disk_policy is not None:
-            self.disk_policy.on_request(chain, now)
+    def _tell(self, request: object, parent: bytes | None, keys: Sequence[bytes],
+              tiers: Sequence[Tier], now: float) -> None:
+        """Tell every tier's policy a request once (``BlockRules.tell``): its chain is the
+        blocks the index links above ``keys`` (held by vLLM on the GPU: device hits),
+        then ``keys``, of which the leading ``len(tiers)`` are hits there. ``request``: the
+        caller's object for the request (None: each call is a request of its own)."""
+        if request is not None:
+            if request in self._told:
+                return
+            self._told.add(request)
+        above = self._chain_to(parent)
+        chain, hit = list(above), [Tier.DEVICE] * len(above)
+        seen = set(above)
+        for i, k in enumerate(keys):  # a chain names each block once (a caller may repeat one)
+            if k in seen:
+                if i < len(tiers):
+                    break  # the hits must lead: none after a repeated one
+                continue
+            seen.add(k)
+            chain.append(k)
+            if i < len(tiers) and len(hit) == len(chain) - 1:
+                hit.append(tiers[i])
+        self.rules.tell(chain, hit, now)
 
     def _chain_to(self, parent: bytes | None) -> list[bytes]:
         if parent is None or parent not in self.index:
@@ -475,8 +360,10 @@ class TieredBlockManager:
 
     def _remove(self, key: bytes, reason: str, evicted: list[bytes] | None = None) -> bool:
         """Drop a block and its cached descendants from every tier and free what they
-        held. False (and the block answers MISS until a later retry succeeds) when it
-        or a descendant is busy (loading, being written down or promoted)."""
+        held; a block being stored under one of them is not stored (it would start a
+        chain the index does not link: the cache drops a block with its descendants).
+        False (and the block answers MISS until a later retry succeeds) when it or a
+        descendant is busy (loading, being written down or promoted)."""
         if not self.index.evictable(key):
             if key not in self._lost:
                 self.counters.drops_deferred += 1
@@ -484,30 +371,33 @@ class TieredBlockManager:
             return False
         host_gone: list[bytes] = []
         disk_gone: list[bytes] = []
-        for d in self.index.drop(key, reason):
+        gone = self.index.drop(key, reason)
+        self.rules.dropped(gone)
+        for d in gone:
             k = d.key
             if d.tier is Tier.HOST:
                 self.pool.release(k, [d.handle])
-                self.host_policy.on_remove(k)
                 host_gone.append(k)
                 self._from_disk.discard(k)
+                self._unwritten.pop(k, None)
                 self._forget_fresh(k)
                 ext = self._disk_copy.pop(k, None)
                 if ext is not None:
                     self._release_disk(ext)
-                    assert self.disk_policy is not None
-                    self.disk_policy.on_remove(k)
                     disk_gone.append(k)
             else:
                 self._release_disk(d.handle)
-                assert self.disk_policy is not None
-                self.disk_policy.on_remove(k)
                 disk_gone.append(k)
                 self._drop_row(k)
             self._lost.pop(k, None)
             self.counters.dropped += 1
             if evicted is not None:
                 evicted.append(k)
+        if self._storing:
+            keys = {d.key for d in gone}
+            for k, (_, parent) in self._storing.items():
+                if parent in keys:
+                    self._orphaned.add(k)
         if host_gone:
             self.events.append(Event(tuple(host_gone), "host", True))
         if disk_gone:
@@ -546,83 +436,92 @@ class TieredBlockManager:
     def _free_host_slots(
         self, need: int, evicted: list[bytes], protect: set[bytes], partial: bool = False
     ) -> bool:
-        """Make ``need`` host slots free, evicting cold blocks; all or nothing (with
+        """Make ``need`` host slots free by the block rules; all or nothing (with
         ``partial``, as many as it can: the caller reads ``pool.free_pages``).
 
-        Clean blocks (a disk copy is ready) go first, in policy order: evicting one is
-        a move to DISK and drops nothing. Without a disk tier, a block without one
-        is dropped with its cached descendants, never one above a protected block;
-        with a disk tier such a block is never dropped (it waits for its demotion)."""
+        As in the cache (``BlockRules``): refused at once, nothing moved, unless enough
+        host blocks may leave (``reachable``); each victim is the host policy's and
+        moves to disk when the disk's policy admits it, else it is dropped with its
+        cached descendants. What vLLM changes: a move down only hands over the disk
+        copy written ahead (``demote_headroom``), so a victim whose copy is not written
+        yet is passed over; the chains above ``protect`` (blocks being stored or
+        promoted) and blocks promoted for a waiting lookup stay."""
         short = need - self.pool.free_pages
         if short <= 0:
             return True
-        guarded = self._ancestors(protect)
-        clean: list[bytes] = []
-        dirty: list[bytes] = []
-        gen = self.host_policy.victims(self._clock())
-        try:
-            for _ in range(len(self.host_policy)):
-                k = next(gen, None)
-                if k is None:
-                    break
-                info = self.index.get(k)
-                if info is None or info.refs or k in guarded or self._held_fresh(k):
-                    continue
-                if self._disk_ready_copy(k):
-                    clean.append(k)
-                    if len(clean) >= short:
-                        break
-                elif self.disk is None and self.index.evictable(k):
-                    dirty.append(k)
-        finally:
-            gen.close()
-        if len(clean) + len(dirty) < short and not partial:
+        now = self._clock()
+        skip = self._ancestors(protect)
+        skip.update(k for k in self._fresh if self._held_fresh(k))
+        index = self.index
+        # skipped blocks the policy could offer: counted on top, so that enough others may leave
+        extra = sum(1 for k in skip if index.evictable(k) and index.location(k).tier is Tier.HOST)
+        want = short if not partial else min(short, max(0, index.idle_count(Tier.HOST) - extra))
+        if want and not self.rules.reachable(Tier.HOST, want + extra, now):
             return False
-        freed = 0
-        for k in clean:
-            if freed >= short:
+        while self.pool.free_pages < need:
+            k = victim_except(self.rules, Tier.HOST, now, skip)
+            if k is None:
                 break
-            self._evict_clean_host_copy(k)
-            freed += 1
-        for k in dirty:
-            if self.pool.free_pages >= need:
-                break
-            if k in self.index and self.index.evictable(k):  # may be gone with an ancestor
-                self.counters.host_evictions += 1
-                self._remove(k, "evicted", evicted)
+            if self.disk is not None and not self._disk_ready_copy(k):
+                skip.add(k)  # not on disk yet: it cannot leave now (its write is ahead)
+                continue
+            self._host_victim_leaves(k, evicted, now)
         return self.pool.free_pages >= need
 
-    def _evict_clean_host_copy(self, key: bytes) -> None:
+    def _host_victim_leaves(self, key: bytes, evicted: list[bytes], now: float) -> None:
+        """A host victim moves down (its disk copy is ready) if the disk's policy admits
+        it, else it is dropped with its descendants (``BlockRules.admits``)."""
+        self.counters.host_evictions += 1
+        if self.disk is not None:
+            if self.rules.admits(Tier.DISK, key, now):
+                self._evict_clean_host_copy(key, now)
+                return
+            self.counters.demotions_not_admitted += 1
+        self._remove(key, "evicted", evicted)
+
+    def _evict_clean_host_copy(self, key: bytes, now: float | None = None) -> None:
+        """``key`` leaves the host for the disk, where its copy is (``BlockRules.moved``)."""
+        if now is None:
+            now = self._clock()
         ext = self._disk_copy.pop(key)
         self.index.begin_move(key, Tier.DISK, ext)
         old = self.index.finish_move(key)  # the bytes are on disk already
+        self.rules.moved(key, Tier.HOST, Tier.DISK, now)
         self.pool.release(key, [old.handle])
-        self.host_policy.on_remove(key)
         self._from_disk.discard(key)
         self._forget_fresh(key)
         self.events.append(Event((key,), "host", True))
-        self.counters.host_evictions += 1
         self._dirty = True
 
-    def _reserve_disk(self, key: bytes, evicted: list[bytes]) -> DiskExtent | None:
-        assert self.disk is not None and self.disk_policy is not None
+    def _reserve_disk(self, key: bytes, evicted: list[bytes], copies: bool = True
+                      ) -> DiskExtent | None:
+        """A disk extent for ``key``, making room by the rules (a disk victim, the disk
+        policy's, is dropped; never an ancestor of ``key``); with ``copies``, then by
+        letting go of disk copies of host blocks (oldest first: the host copy stays).
+        None when neither makes room."""
+        assert self.disk is not None
         ext = self.disk.reserve(self._owner(key), 1)
         if ext is not None:
             return ext
+        now = self._clock()
         guarded = self._ancestors([key])
-        for k in list(islice(self.disk_policy.victims(self._clock()), len(self.disk_policy))):
-            if k in guarded or k not in self.index:
+        while True:
+            k = victim_except(self.rules, Tier.DISK, now, guarded)
+            if k is None:
+                break
+            self.counters.disk_evictions += 1
+            self._remove(k, "evicted", evicted)
+            ext = self.disk.reserve(self._owner(key), 1)
+            if ext is not None:
+                return ext
+        if not copies:
+            return None
+        for k in list(self._disk_copy):
+            if k in guarded or not self._disk_ready_copy(k):
                 continue
-            loc = self.index.location(k)
-            assert loc is not None
-            if loc.tier is Tier.HOST:  # a clean copy: the host copy stays
-                if not self._disk_ready_copy(k):
-                    continue
-                self._release_disk(self._disk_copy.pop(k))
-                self.disk_policy.on_remove(k)
-                self.events.append(Event((k,), "disk", True))
-            elif not self.index.evictable(k) or not self._remove(k, "evicted", evicted):
-                continue  # busy (a descendant is loading or moving): not this one
+            self._release_disk(self._disk_copy.pop(k))
+            self._unwritten[k] = None
+            self.events.append(Event((k,), "disk", True))
             self.counters.disk_evictions += 1
             ext = self.disk.reserve(self._owner(key), 1)
             if ext is not None:
@@ -648,12 +547,10 @@ class TieredBlockManager:
             exc = fut.exception()
             if exc is None:
                 old = self.index.finish_move(key)  # now on HOST; its disk copy stays
+                self.rules.moved(key, Tier.DISK, Tier.HOST, now)
                 self._disk_copy[key] = old.handle
                 self._from_disk.add(key)
                 self._fresh[key] = self._step
-                info = self.index.get(key)
-                assert info is not None
-                self.host_policy.on_insert(info, now)
                 self.events.append(Event((key,), "host", False))
                 self.counters.promotions_ok += 1
             else:
@@ -671,10 +568,7 @@ class TieredBlockManager:
             self.index.release(key)
             self._dirty = True
             exc = fut.exception()
-            if exc is None:
-                info = self.index.get(key)
-                assert info is not None and self.disk_policy is not None
-                self.disk_policy.on_insert(info, now)
+            if exc is None:  # a copy: the block stays on the host (no policy is told)
                 self.events.append(Event((key,), "disk", False))
                 self.counters.demotions_ok += 1
                 self._count_publish(fut.result())
@@ -682,6 +576,7 @@ class TieredBlockManager:
                 log.warning("tiering: demotion of %s failed: %s", key.hex(), exc)
                 self.counters.demotions_failed += 1
                 self._release_disk(self._disk_copy.pop(key))
+                self._unwritten[key] = None
         if self._lost:
             self._retry_lost()
 
@@ -743,11 +638,8 @@ class TieredBlockManager:
                 return Lookup.PENDING
             return Lookup.MISS
         if loc.tier is Tier.HOST:
-            # A hit is about to be loaded: make it recent, so that promotions started
-            # for the same request evict other blocks first.
-            info = self.index.get(key)
-            assert info is not None
-            self.host_policy.on_hit(info, self._clock())
+            # the policies hear it at the load (once per request); until then the chain
+            # of a block this request promotes is not a host victim (_free_host_slots)
             self.counters.host_hits += 1
             return Lookup.HIT
         if key in self._rows:  # read into the load staging file, checked
@@ -926,9 +818,7 @@ class TieredBlockManager:
             parent = None
         ok = self.index.insert(key, parent, Tier.DISK, ext, now)
         assert ok
-        info = self.index.get(key)
-        assert info is not None and self.disk_policy is not None
-        self.disk_policy.on_insert(info, now)
+        self.rules.arrived(key, Tier.DISK, now)
 
     def _start_promotion(self, key: bytes) -> bool:
         evicted: list[bytes] = []
@@ -971,7 +861,7 @@ class TieredBlockManager:
                 self._release_disk(ext)
             self.counters.stores_failed += len(items)
             self.counters.stores_staged_failed += len(items)
-            _unlink_staging(staging, len(self.slabs))
+            unlink_staging(staging, len(self.slabs))
             self._dirty = True
             return
         fut = self._io.submit(OFFLOAD, self._stage_in, staging,
@@ -1012,7 +902,7 @@ class TieredBlockManager:
         finally:
             for fd in fds:
                 os.close(fd)
-            _unlink_staging(staging, len(self.slabs))
+            unlink_staging(staging, len(self.slabs))
 
     def _reap_staging(self, now: float) -> None:
         for staging, (fut, items, abandoned) in list(self._stage_jobs.items()):
@@ -1051,10 +941,12 @@ class TieredBlockManager:
         self.disk.write(extent, page)
         return self._publish(key, page)
 
-    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+    def prepare_load(self, keys: Sequence[bytes], request: object = None) -> list[int]:
         """Pin the keys for a load; per key its host slot, or ``num_slots + row`` for a
         block loaded straight from disk through row ``row`` of ``load_staging``'s file
-        (``f"{load_staging}.r{rank}"``). Every key must have answered HIT."""
+        (``f"{load_staging}.r{rank}"``). Every key must have answered HIT. The first
+        load or store of a ``request`` (the caller's object for it; None: this call is
+        a request of its own) tells the policies the request and these hits."""
         self._open("prepare_load")
         keys = self._keys("prepare_load", keys)
         for k in keys:
@@ -1067,28 +959,22 @@ class TieredBlockManager:
                     f"prepare_load: block {k.hex()} is not loadable from host "
                     f"(state {None if b is None else b.host.value})"
                 )
-        if keys:
-            self._announce([*self._chain_to(self.index.get(keys[0]).parent), *keys])
         now = self._clock()
+        if keys:
+            self._tell(request, self.index.get(keys[0]).parent, keys,
+                       [self.index.location(k).tier for k in keys], now)
         slots = []
         for k in keys:
             self.index.acquire(k)
             self._load_pins[k] = self._load_pins.get(k, 0) + 1
             self._fresh.pop(k, None)
-            info = self.index.touch(k, now)
             loc = self.index.location(k)
             assert loc is not None
             if loc.tier is not Tier.HOST:  # straight from disk, through its staging row
-                assert self.disk_policy is not None
-                self.disk_policy.on_hit(info, now)
                 self._row_at.pop(k, None)
                 self.counters.loads_from_disk += 1
                 slots.append(self.num_slots + self._rows[k])
                 continue
-            self.host_policy.on_hit(info, now)
-            if self._disk_ready_copy(k):
-                assert self.disk_policy is not None
-                self.disk_policy.on_hit(info, now)
             if k in self._from_disk:
                 self.counters.loads_from_disk += 1
             else:
@@ -1124,29 +1010,28 @@ class TieredBlockManager:
                     self._drop_row(k)
 
     def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark the blocks held as used now (the index's last use). The policies hear a
+        request's hits once, at its load (``BlockRules.tell``), not here."""
         self._open("touch")
         keys = self._keys("touch", keys)
         now = self._clock()
         for k in keys:
-            loc = self.index.location(k)
-            if loc is None:
-                continue
-            info = self.index.touch(k, now)
-            if loc.tier is Tier.HOST:
-                self.host_policy.on_hit(info, now)
-            if self.disk_policy is not None and (loc.tier is Tier.DISK or self._disk_ready_copy(k)):
-                self.disk_policy.on_hit(info, now)
+            if k in self.index:
+                self.index.touch(k, now)
 
     def prepare_store(
-        self, keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None
+        self, keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None,
+        request: object = None,
     ) -> StoreDecision | None:
         """Host slots for the keys not yet held; None (nothing changed) if they do not fit.
 
         ``parents[i]`` is the block before ``keys[i]`` in its request (None: unknown).
-        Without a disk tier the host is the bottom tier and its policy may refuse a
-        new block (``admit``): a refused block is not stored, nor are the blocks
-        after it in this batch. With one, every block is stored (evicting a block
-        with a disk copy loses nothing) and the disk policy admits at demotion."""
+        Each new block arrives on the host as a device victim does in the cache: the
+        host's policy admits it (``admit``, root first); a refused block is not stored,
+        nor are the blocks after it in this batch. Room is then made for the admitted
+        ones by the rules (``_free_host_slots``); a block whose parent left while room
+        was made is not stored either. With a disk tier, what does not fit on the host
+        goes straight to disk. ``request``: as for ``prepare_load``."""
         self._open("prepare_store")
         keys = self._keys("prepare_store", keys)
         if parents is not None and len(parents) != len(keys):
@@ -1164,10 +1049,9 @@ class TieredBlockManager:
             if p is not None and not isinstance(p, bytes):
                 raise ValueError(f"prepare_store: parent of {k.hex()} must be bytes or None, got {p!r}")
             batch.append((k, None if p == k else p))
-        if batch:
-            first_parent = batch[0][1]
-            self._announce([*self._chain_to(first_parent), *(k for k, _ in batch)])
         now = self._clock()
+        if batch:
+            self._tell(request, batch[0][1], [k for k, _ in batch], (), now)
         depth: dict[bytes, int] = {}
         skipped: set[bytes] = set()
         new: list[tuple[bytes, bytes | None]] = []
@@ -1181,7 +1065,7 @@ class TieredBlockManager:
                 continue
             pinfo = self.index.get(p) if p is not None else None
             d = pinfo.depth + 1 if pinfo is not None else depth.get(p, -1) + 1 if p else 0
-            if self.disk is None and not self.host_policy.admit(k, d, now):
+            if not admits_arrival(self.rules, Tier.HOST, k, d, now):
                 skipped.add(k)
                 self.counters.stores_not_admitted += 1
                 continue
@@ -1202,10 +1086,22 @@ class TieredBlockManager:
             if ext is None:
                 break  # the disk is full of busy blocks: the rest is not stored
             staged.append((k, p, ext))
-        if new and not host and not staged:
+        orphans = 0
+        if evicted:  # a block whose parent was dropped meanwhile left with it, as in the cache
+            gone = set(evicted)
+            for k, p in new:
+                if p is not None and p in gone:
+                    gone.add(k)
+                    orphans += 1
+            host = [(k, p) for k, p in host if k not in gone]
+            for k, _, ext in staged:
+                if k in gone:
+                    self._release_disk(ext)
+            staged = [x for x in staged if x[0] not in gone]
+            self.counters.dropped += orphans
+        if new and not host and not staged and not orphans:
             return self._refuse(len(new))
         self._refusing = False
-        # an eviction may have taken a parent with it: such a block starts a chain
         slots = self.pool.allocate(("batch",), len(host)) if host else []
         assert slots is not None
         for (k, p), s in zip(host, slots, strict=True):
@@ -1254,14 +1150,18 @@ class TieredBlockManager:
             if st is None:
                 continue  # already complete (keys repeat across jobs), staged, or never ours
             slot, parent = st
-            if success:
+            if k in self._orphaned:  # its parent was dropped meanwhile: it goes too
+                self._orphaned.discard(k)
+                self.pool.release(k, [slot])
+                self.counters.dropped += 1
+            elif success:
                 if parent is not None and (parent not in self.index or parent in self._lost):
-                    parent = None  # gone meanwhile, or not stored yet: a chain's first block
+                    parent = None  # not stored (yet): a chain's first block
                 ok = self.index.insert(k, parent, Tier.HOST, slot, now)
                 assert ok
-                info = self.index.get(k)
-                assert info is not None
-                self.host_policy.on_insert(info, now)
+                self.rules.arrived(k, Tier.HOST, now)
+                if self.disk is not None:
+                    self._unwritten[k] = None
                 stored.append(k)
                 self.counters.stores_completed += 1
             else:
@@ -1299,26 +1199,30 @@ class TieredBlockManager:
             self._dump = self._io.submit(WRITE, _write_json, self.cfg.state_path, self.state())
 
     def _demote_for_headroom(self) -> None:
+        """Write host blocks with no disk copy down, oldest arrival first, until
+        ``headroom`` slots are free or clean. A copy, not a decision: no policy is asked
+        (the disk's policy admits the block when it leaves the host); disk room for the
+        copy is made by the rules, never by letting go of another copy."""
         if self.pool.free_pages >= self.headroom:
             return  # the common case costs nothing per step
         spare = self.pool.free_pages + len(self._disk_copy) - len(self._demoting)
-        now = self._clock()
-        for k in list(islice(self.host_policy.victims(now), len(self.host_policy))):
+        for k in list(self._unwritten):
             if spare >= self.headroom or len(self._demoting) >= 4 * self.cfg.io_threads:
                 return
+            if k not in self._unwritten:
+                continue  # dropped while room was made for another one
             info = self.index.get(k)
-            if info is None or info.refs or k in self._disk_copy:
+            if info is None or info.refs or k in self._lost:
                 continue
             loc = self.index.location(k)
             assert loc is not None and loc.tier is Tier.HOST
-            assert self.disk_policy is not None
-            if not self.disk_policy.admit(k, info.depth, now):
-                self.counters.demotions_not_admitted += 1
-                continue  # stays host only: dropped, not written down, when evicted
-            evicted: list[bytes] = []
-            ext = self._reserve_disk(k, evicted)
+            ext = self._reserve_disk(k, [], copies=False)
             if ext is None:
                 return
+            if k not in self._unwritten:  # made room by dropping its own chain: let it go
+                self._release_disk(ext)
+                continue
+            del self._unwritten[k]
             self._disk_copy[k] = ext
             self.index.acquire(k)  # pinned until the write is reaped
             self.counters.demotions_started += 1
@@ -1357,7 +1261,7 @@ class TieredBlockManager:
                 chunk = b.extent.chunks[0]
                 disk_blocks.append(
                     {"key": k.hex(), "chunk": chunk,
-                     "payload_offset": _payload_offset(self.disk, chunk),
+                     "payload_offset": payload_offset(self.disk, chunk),
                      "on_host": b.host is HostState.READY}
                 )
         return {
@@ -1395,14 +1299,14 @@ class TieredBlockManager:
                 self._remove(k, "reset")
         for k in list(self._disk_copy):
             if k in self.index and self._disk_ready_copy(k):
-                assert self.disk_policy is not None
                 self._release_disk(self._disk_copy.pop(k))
-                self.disk_policy.on_remove(k)
+                self._unwritten[k] = None
                 self.events.append(Event((k,), "disk", True))
         for k, (slot, _) in self._storing.items():
             self.pool.transfer_ownership(k, ("reset", slot), [slot])
             self._abandoned[slot] = self._step
         self._storing.clear()
+        self._orphaned.clear()
         for staging, (fut, items, _) in list(self._stage_jobs.items()):
             self._stage_jobs[staging] = (fut, items, True)  # its extents go when it ends
             for k, _, _ in items:
@@ -1485,7 +1389,7 @@ class TieredBlockManager:
             os.close(fd)
         self._row_fds = []
         if self.staging is not None:
-            _clear_staging(self.staging)
+            clear_staging(self.staging)
             try:
                 os.rmdir(self.staging)
             except OSError:  # not empty (not ours) or gone: left as it is
@@ -1501,7 +1405,6 @@ class TieredBlockManager:
             problems.append(f"block index: {exc}")
         holdings: dict[Any, list[int]] = {}
         host_ready: set[bytes] = set()
-        disk_ready: set[bytes] = set()
         extents: dict[Any, bytes] = {}
         for k, (slot, _) in self._storing.items():
             if k in self.index:
@@ -1530,13 +1433,10 @@ class TieredBlockManager:
                     problems.append(f"{k.hex()}: a host block moving to {loc.moving_to.value}")
                 ext = self._disk_copy.get(k)
                 if ext is not None:
-                    if k not in self._demoting:
-                        disk_ready.add(k)
                     if ext in extents:
                         problems.append(f"{k.hex()}: extent {ext} held twice")
                     extents[ext] = k
             elif loc.tier is Tier.DISK:
-                disk_ready.add(k)
                 if loc.handle in extents:
                     problems.append(f"{k.hex()}: extent {loc.handle} held twice")
                 extents[loc.handle] = k
@@ -1582,17 +1482,14 @@ class TieredBlockManager:
                 problems.append(f"{name} of blocks not in the index: {stray[0].hex()}")
         if not set(self._demoting) <= set(self._disk_copy):
             problems.append("a demotion without its disk copy")
-        for name, policy, want in (("host", self.host_policy, host_ready),
-                                   ("disk", self.disk_policy, disk_ready)):
-            if policy is None:
-                if want:
-                    problems.append(f"{name} blocks without a {name} policy")
-                continue
-            if len(policy) != len(want) or not all(k in policy for k in want):
-                problems.append(
-                    f"{name} policy tracks {len(policy)} blocks, not exactly the "
-                    f"{len(want)} {name}-ready ones"
-                )
+        problems += self.rules.check()  # each tier's policy tracks exactly its blocks
+        if not self._orphaned <= set(self._storing):
+            problems.append("an orphaned store that is not in flight")
+        unwritten = ({k for k in host_ready if k not in self._disk_copy}
+                     if self.disk is not None else set())
+        if set(self._unwritten) != unwritten:
+            problems.append(f"{len(self._unwritten)} blocks listed to write down, "
+                            f"{len(unwritten)} host blocks without a disk copy")
         try:
             self.pool.check_integrity(holdings)
         except AssertionError as exc:

@@ -103,9 +103,10 @@ class _Geometry:
 
 class _RequestChain:
     """Per request (kept on its ``ReqContext``): the last key seen of each KV group,
-    in the order vLLM looks up and stores them, i.e. the parent of the next one."""
+    in the order vLLM looks up and stores them, i.e. the parent of the next one. It is
+    also the request's object for the manager (``request=``: told once)."""
 
-    __slots__ = ("last",)
+    __slots__ = ("__weakref__", "last")
 
     def __init__(self) -> None:
         self.last: dict[bytes, bytes] = {}
@@ -157,7 +158,8 @@ class TieredOffloadingManager(OffloadingManager):
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        slots = self.core.prepare_load([bytes(k) for k in keys])
+        slots = self.core.prepare_load([bytes(k) for k in keys],
+                                       request=_RequestChain.of(req_context))
         direct = any(s >= self.core.num_slots for s in slots)
         return TieredLoadStoreSpec(slots, self.core.load_staging if direct else None)
 
@@ -172,7 +174,7 @@ class TieredOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         ks = [bytes(k) for k in keys]
         chain = _RequestChain.of(req_context)
-        d = self.core.prepare_store(ks, chain.parents(ks))
+        d = self.core.prepare_store(ks, chain.parents(ks), request=chain)
         if d is None:
             return None
         chain.advance(ks)

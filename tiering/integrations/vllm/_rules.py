@@ -1,0 +1,103 @@
+"""The vLLM manager's tiers on the block store's rules (``tiering.resources.kv_prefix_rules``).
+
+``TieredBlockManager`` makes every block-policy decision through one ``BlockRules``, the
+object the cache's ``PrefixCache`` and the replay's ``PrefixBlocks`` own: each tier's
+policy is told a request once (``tell``), a block arriving on the host is admitted by
+the host's policy (``admits``), a host victim is the host policy's (``victim``) and moves
+to disk when the disk's policy admits it, else it is dropped with its descendants, a
+disk victim is dropped, and every arrival, move and drop is told through ``moved``,
+``arrived`` and ``dropped``.
+
+What vLLM's offloading API changes, and so what differs from the cache:
+
+- vLLM owns the device tier (its GPU prefix cache). The rules' device policy is
+  ``VllmDevice``: it tracks no block and ignores what it hears. A request's blocks
+  that vLLM holds on the GPU (the chain above a load or a store batch) are told as
+  device hits; no publish is offered to a device policy (vLLM computes and keeps
+  those blocks itself).
+- A request is told at its first ``prepare_load`` or ``prepare_store`` (vLLM hands
+  the manager no prompt): its chain is the blocks the index links above that batch,
+  then the batch.
+- A load copies a host block to the GPU and leaves it on the host (vLLM keeps the
+  GPU copy itself): no ``landed``.
+- Copies are vLLM's jobs or the manager's I/O threads, never on the step path. A host
+  block is written to disk ahead of its eviction (``demote_headroom``), oldest arrival
+  first, without asking any policy; the disk's policy decides when the block leaves
+  the host. A host victim whose copy is not written yet is passed over (it cannot
+  leave now) and the next victim is asked (``victim_except``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Hashable, Iterator, Sequence
+
+from tiering.blocks import BlockIndex
+from tiering.policies.blocks import BlockPolicy
+from tiering.policies.blocks.base import BlockInfo
+from tiering.resources.kv_prefix_rules import BlockRules
+from tiering.types import Tier
+
+__all__ = ["VllmDevice", "admits_arrival", "manager_rules", "victim_except"]
+
+
+class VllmDevice(BlockPolicy):
+    """The device tier's policy in the manager's rules: vLLM keeps those blocks, so this
+    one tracks none, admits everything and offers no victim."""
+
+    name = "vllm-device"
+
+    def on_commit(self, keys: Sequence[Hashable], hits: Sequence[Hashable],
+                  depths: Sequence[int], get: Callable[[Hashable], BlockInfo],
+                  now: float) -> None:
+        return
+
+    def on_insert(self, info: BlockInfo, now: float) -> None:
+        raise ValueError(f"vllm-device: block {info.key!r} inserted, but vLLM keeps the "
+                         "device tier")
+
+    def on_hit(self, info: BlockInfo, now: float) -> None:
+        return
+
+    def on_remove(self, key: Hashable) -> None:
+        raise ValueError(f"vllm-device: block {key!r} removed, but vLLM keeps the device tier")
+
+    def victims(self, now: float) -> Iterator[Hashable]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __contains__(self, key: object) -> bool:
+        return False
+
+
+def manager_rules(index: BlockIndex, host: BlockPolicy, disk: BlockPolicy | None) -> BlockRules:
+    """The rules of a manager over ``index`` with these host and disk policies (no disk
+    tier: ``None``, a ``VllmDevice`` stands in and is never asked)."""
+    return BlockRules(index, {Tier.DEVICE: VllmDevice(), Tier.HOST: host,
+                              Tier.DISK: disk if disk is not None else VllmDevice()})
+
+
+def victim_except(rules: BlockRules, tier: Tier, now: float,
+                  skip: Container[Hashable]) -> Hashable | None:
+    """``rules.victim(tier, now)`` passing over the keys in ``skip`` as well (blocks the
+    manager cannot let go of now: a copy not yet on disk, a chain being stored, a block
+    promoted for a waiting lookup). With nothing to skip it is exactly ``rules.victim``,
+    so the policy hears the same call as in the cache."""
+    if not skip:
+        return rules.victim(tier, now)
+    index = rules.index
+    # BlockRules.victim with one more container of keys to refuse (what it passes the
+    # policy: the index's mapped, moving and held-below blocks)
+    return rules.policies[tier].pop_victim(now, index._refs, index._dest, index._below, skip)
+
+
+def admits_arrival(rules: BlockRules, tier: Tier, key: Hashable, depth: int, now: float) -> bool:
+    """``rules.admits(tier, key, now)`` for a block the index does not hold yet (one vLLM
+    stores from its GPU, at ``depth`` in its chain): the same question to the same
+    policy, with the depth given instead of read from the index."""
+    if not rules.admission or rules.policies[tier].admit(key, depth, now):
+        return True
+    if rules.watch is not None:
+        rules.watch("refuse", key, tier)
+    return False
