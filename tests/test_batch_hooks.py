@@ -188,7 +188,10 @@ def test_the_meter_counts_every_hook_and_warns_once_over_budget():
         by_hook[row.hook] = by_hook.get(row.hook, 0) + row.calls
         assert row.seconds == pytest.approx(row.calls * 1e-3)
     assert {"on_request", "on_hit", "admit", "on_insert", "on_remove"} <= set(by_hook)
-    assert by_hook["on_request"] == 3 * len(trace)  # every tier is told every request
+    # every tier is told every attach, and every request is attached at least once (an
+    # attach refused for room, or a request freed when its loads landed short of room, is
+    # attached again later and told again, as the cache tells each attach)
+    assert by_hook["on_request"] % 3 == 0 and by_hook["on_request"] >= 3 * len(trace)
 
     quiet: list[str] = []
     fast = PolicyMeter("user", budget_s=20e-6, warn=quiet.append, timer=lambda: 0.0)
