@@ -1907,3 +1907,111 @@ def test_the_same_decisions_need_the_same_calls_negative_control(tmp_path, disk)
     clog, requests, _, _ = _cache_decisions(tmp_path, "s3fifo", seq, 4, disk, 7)
     mlog, _, _ = _manager_decisions(tmp_path, "lru", requests, 4, disk)
     assert mlog != clog
+
+
+class _Judging:
+    """An lru policy that records what it is asked and told, refusing ``refuse`` (None:
+    every block) at ``admit``."""
+
+    def __new__(cls, capacity, refuse=()):
+        from tiering.policies.blocks import LRUBlocks
+
+        class Judging(LRUBlocks):
+            def admit(self, key, depth, now):
+                self.asked.append((key, depth))
+                return refuse is not None and key not in refuse
+
+            def on_request(self, keys, now):
+                self.told.append(tuple(keys))
+
+        p = Judging(capacity)
+        p.asked, p.told = [], []
+        return p
+
+
+def _judged(m: TieredBlockManager, tier, refuse=()):
+    """Put a fresh ``_Judging`` policy on ``tier`` of an empty manager (the rules' table)."""
+    assert len(m.index) == 0
+    p = _Judging(8, refuse)
+    m.rules.policies[tier] = p
+    assert (m.host_policy if tier is Tier.HOST else m.disk_policy) is p
+    return p
+
+
+def test_a_block_the_host_policy_refuses_is_not_stored_with_a_disk_tier_too(tmp_path):
+    """With a disk tier every block was stored on the host: its policy was not asked."""
+    gen = torch.Generator().manual_seed(50)
+    m = make(tmp_path, slots=4, disk_pages=8, executor=InlineExecutor())
+    host = _judged(m, Tier.HOST, refuse={key(2)})
+    data = store(m, gen, [key(1), key(2), key(3)], chained=True)
+    assert list(data) == [key(1)]  # a refusal stops the rest of its chain in the batch
+    assert host.asked == [(key(1), 0), (key(2), 1)]
+    assert m.counters.stores_not_admitted == 1 and key(2) not in m.index
+    m.shutdown()
+
+
+@pytest.mark.parametrize("admit", [False, True], ids=["refused", "control"])
+def test_a_host_victim_the_disk_policy_refuses_is_dropped_not_moved(tmp_path, admit):
+    """The disk's policy was asked when a block was written down, and a refused block
+    stayed on the host for ever (never a victim); now it is asked when the block leaves
+    the host, as in the cache: refused, it is dropped; admitted (the control), it moves."""
+    gen = torch.Generator().manual_seed(51)
+    m = make(tmp_path, slots=2, disk_pages=8, executor=InlineExecutor(), demote_headroom=2,
+             policy="lru")
+    disk = _judged(m, Tier.DISK, refuse=() if admit else None)
+    store(m, gen, [key(1), key(2)])
+    assert m.wait_io(10) and m._disk_copy.keys() == {key(1), key(2)}  # written ahead
+    assert disk.asked == []  # a copy is no decision
+    store(m, gen, [key(3)])  # the host is full: its lru victim leaves
+    assert disk.asked == [(key(1), 0)]
+    if admit:
+        assert m.block(key(1)).host is HostState.NONE and m.block(key(1)).disk is DiskState.READY
+        assert key(1) in disk and m.counters.demotions_not_admitted == 0
+    else:
+        assert key(1) not in m.index and m.counters.demotions_not_admitted == 1
+        assert m.counters.dropped == 1
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_each_tier_policy_is_told_a_request_once_not_once_per_batch(tmp_path):
+    """Each store batch and each load batch was a request of its own to the policies."""
+    gen = torch.Generator().manual_seed(52)
+    m = make(tmp_path, slots=4, disk_pages=8, executor=InlineExecutor())
+    pols = {t: _judged(m, t) for t in (Tier.HOST, Tier.DISK)}
+    req = _Req()
+    for i in range(3):
+        d = m.prepare_store([key(i)], [key(i - 1) if i else None], request=req)
+        for s in d.slots:
+            land(m, d, s, [torch.randint(0, 256, (PAGE,), generator=gen, dtype=torch.uint8)])
+        m.complete_store(d.keys_to_store)
+    assert all(p.told == [(key(0),)] for p in pols.values())
+    # a new request loading the chain's tail: told its chain (the blocks above the load
+    # are vLLM's) and its hits, once
+    load = _Req()
+    assert m.lookup(key(2)) is Lookup.HIT
+    m.prepare_load([key(2)], request=load)
+    m.complete_load([key(2)])
+    m.prepare_load([key(2)], request=load)
+    m.complete_load([key(2)])
+    chain = (key(0), key(1), key(2))
+    assert all(p.told == [(key(0),), chain] for p in pols.values())
+    m.prepare_store([key(3)], [key(2)])  # no request object: a request of its own
+    assert all(p.told[-1] == (*chain, key(3)) and len(p.told) == 3 for p in pols.values())
+    m.check_integrity()
+    m.shutdown()
+
+
+def test_a_block_stored_under_a_block_that_leaves_is_not_stored(tmp_path):
+    """Host only, one slot: making room for a block dropped its parent, and the block
+    was stored as a chain's first block; in the cache it leaves with its parent."""
+    gen = torch.Generator().manual_seed(53)
+    m = make(tmp_path, slots=1, policy="lru")
+    store(m, gen, [key(1)])
+    d = m.prepare_store([key(2)], [key(1)])
+    assert d is not None and d.keys_to_store == [] and d.evicted == [key(1)]
+    assert len(m.index) == 0 and m.counters.dropped == 2
+    # the control: a block whose parent stays is stored under it
+    store(m, gen, [key(3)])
+    m.check_integrity()
+    m.shutdown()

@@ -181,14 +181,12 @@ class TieredBlockManager:
             )
         self.disk_root = disk_root
         self.index = BlockIndex()
-        self.host_policy: BlockPolicy = make_block_policy(cfg.policy, capacity=n)
-        self.disk_policy: BlockPolicy | None = (
+        # each tier's policy, sized by its tier; every call to them goes through the
+        # block store's rules (see ``_rules``), which hold them
+        self.rules = manager_rules(
+            self.index, make_block_policy(cfg.policy, capacity=n),
             make_block_policy(cfg.policy, capacity=max(1, disk.capacity_pages))
-            if disk is not None
-            else None
-        )
-        # every policy call goes through the block store's rules (see ``_rules``)
-        self.rules = manager_rules(self.index, self.host_policy, self.disk_policy)
+            if disk is not None else None)
         self._told: weakref.WeakSet[Any] = weakref.WeakSet()  # requests told (``request=``)
         # host blocks with no disk copy, oldest arrival first: what write-ahead takes next
         self._unwritten: dict[bytes, None] = {}
@@ -257,6 +255,15 @@ class TieredBlockManager:
         self._reset_loads: dict[bytes, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ reading
+
+    @property
+    def host_policy(self) -> BlockPolicy:
+        return self.rules.policies[Tier.HOST]
+
+    @property
+    def disk_policy(self) -> BlockPolicy | None:
+        """The disk tier's policy (None without a disk tier)."""
+        return self.rules.policies[Tier.DISK] if self.disk is not None else None
 
     def block(self, key: bytes) -> BlockView | None:
         """The block's state in both tiers, or None when no tier holds (or stores) it."""
