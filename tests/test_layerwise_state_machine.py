@@ -138,7 +138,8 @@ class LayerwiseMachine(RuleBasedStateMachine):
         rec = self.kv._reqs[rid]
         if fail is not None and not hold <= fail < L:
             fail = None  # only a layer at or after the held one, of the L there are
-        self.gate.arm(lambda: rec.layers.ready if rec.layers is not None else None, hold, fail)
+        # before the cache puts the progress on the record, nothing has landed
+        self.gate.arm(lambda: rec.layers.ready if rec.layers is not None else 0, hold, fail)
         if not self.kv.reload(rid):
             self.gate.arm(None, None, None)
             return
