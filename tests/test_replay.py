@@ -332,6 +332,34 @@ def test_tiering_conserves_bytes_and_finishes_everything(policy):
     assert m["offloads_to_host"] == st.offloads_to_host
 
 
+def test_a_request_whose_loads_land_short_of_room_waits_again_and_finishes(monkeypatch):
+    """As on the cache, a request with host or disk hits takes its own pages once its loads
+    have landed; when the device has no room for them then, its KV is freed and it waits
+    again, first in line. The books stay sound after every round and every request
+    finishes; the path really ran."""
+    from tiering.apps.replay import simulator
+
+    real = simulator._Worker._requeue
+    requeued: list[str] = []
+
+    def counting(self, r):
+        requeued.append(r.rid)
+        real(self, r)
+        assert r.rid not in self.kv and r.phase == simulator.WAITING and not r.blocks
+
+    monkeypatch.setattr(simulator._Worker, "_requeue", counting)
+    res = simulate(conversation_trace(21, 200), COST, RunSpec("tiering", "lru"), SMALL_SIM,
+                   kv_factory=_checked_factory(160, 120, 400, sim=SMALL_SIM), check=True)
+    assert requeued
+    assert all(r.status == "finished" for r in res.requests)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "16"])
+def test_a_bad_disk_batch_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match="SimConfig.disk_batch_blocks must be an int >= 1"):
+        SimConfig(disk_batch_blocks=bad)
+
+
 def test_a_request_too_large_for_the_device_is_rejected():
     trace = [TraceRequest(0.0, 500, 10), TraceRequest(0.1, 5000, 10), TraceRequest(0.2, 300, 5)]
     res = simulate(trace, COST, RunSpec("tiering", "lru"), SMALL_SIM,
