@@ -55,7 +55,7 @@ from tiering.resources.kv_geometry import KVGeometry
 from tiering.resources.kv_hooks import EvictionHooks
 from tiering.resources.kv_integrity import IntegrityCheck
 from tiering.resources.kv_options import KVOptions
-from tiering.resources.kv_pages import RequestPages
+from tiering.resources.kv_pages import RequestPages, adopt_reattached
 from tiering.resources.kv_prefix import PrefixHit
 from tiering.resources.kv_prefix_api import PrefixReuse
 from tiering.resources.kv_records import (  # noqa: F401 (the errors are re-exported from their old home)
@@ -77,7 +77,7 @@ from tiering.core.pinning import HostRuntime, PinOutcome
 from tiering.core.staging import StagingConfig
 from tiering.core.transfer import no_fault
 from tiering.core.validate import check_timeout
-from tiering.types import RequestState, Tier, TransferResult
+from tiering.types import Tier, TransferResult
 
 log = logging.getLogger("tiering.kv_cache")
 
@@ -180,8 +180,8 @@ class PagedKVCache(LifecycleAnswers, Resource):
                                         to_disk_when_host_full=offload_to_disk_when_host_full)
             self._check = IntegrityCheck(life, st, self._reuse, self._transfers, stream,
                                          stream_window_pages, stream_buffer_pages)
-            if st.disk is not None:
-                self._adopt_reattached()
+            if st.disk is not None:  # what an earlier process left intact on disk
+                adopt_reattached(st.disk, self._life.records, clock)
         except BaseException:
             self._teardown(timeout=10.0)
             raise
@@ -202,26 +202,16 @@ class PagedKVCache(LifecycleAnswers, Resource):
     _executors = property(lambda self: self._transfers.executors)
     _readable = property(lambda self: self._data.readable)
 
-    @property
-    def _fault(self) -> Callable[[str], None]:
-        """The copy fault hook (``copy_fault_hook``), read when each copy runs."""
-        return self._storage.fault
-
-    @_fault.setter
-    def _fault(self, hook: Callable[[str], None]) -> None:
-        self._storage.fault = hook
+    # the copy fault hook, read when each copy runs; the lifecycle's closed flag
+    _fault = property(lambda self: self._storage.fault,
+                      lambda self, hook: setattr(self._storage, "fault", hook))
+    _closed = property(lambda self: self._life.closed,
+                       lambda self, value: setattr(self._life, "closed", value))
 
     @property
     def host_pinning(self) -> PinOutcome:
         """How the host slab is pinned (exact / torch-rounded / not pinned)."""
         return self._storage.slab.outcome
-
-    def _adopt_reattached(self) -> None:
-        """Requests an earlier process left intact on disk come back as ON_DISK."""
-        for rid, (extent, meta) in self.disk.reattached().items():
-            self._reqs[rid] = RequestRecord(  # placed at rest on disk, not moved there
-                rid, None, self._clock(), int(meta["num_tokens"]), RequestState.ON_DISK,
-                disk=extent, checksum=meta.get("checksum"))
 
     @classmethod
     def build(cls, spec: NodeResourceSpec, info: EngineResourceInfo) -> PagedKVCache:
@@ -232,23 +222,12 @@ class PagedKVCache(LifecycleAnswers, Resource):
             cfg.setdefault("compute_stream", stream)
         return cls(geometry, device=info.device, **cfg)
 
-    @property
-    def _closed(self) -> bool:
-        return self._life.closed
-
-    @_closed.setter
-    def _closed(self, value: bool) -> None:
-        self._life.closed = value
-
-    def _open(self, what: str) -> None:
-        self._life.check_open(what)
-
     # -- request lifecycle ----------------------------------------------------------
 
     def ingest_request(self, rid: str, overrides: ResourceReqConfig | None = None):
         """Register ``rid`` (idempotent). Ingesting it again with different
         overrides is an error: the first settings are the ones in force."""
-        self._open("ingest_request")
+        self._life.check_open("ingest_request")
         now = self._clock()
         self._life.register(rid, overrides, lambda: RequestRecord(rid, overrides, now),
                             ResourceReqConfig)

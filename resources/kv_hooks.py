@@ -2,10 +2,10 @@
 
 ``EvictionHooks`` answers what the controller asks before it moves anything
 (is a request a candidate, what would it free, where would it go, may it come
-back), reports the bytes each tier holds and each request's state, and admits
-a step only when its KV is on the device. The answers read
-the records; the one that starts a move is ``offload``/``reload`` in
-``tiering.resources.kv_transfers``.
+back), reports the bytes each tier holds, and admits a step only when its KV is
+on the device. It reads the records and starts no move (``offload``/``reload``
+are ``tiering.resources.kv_transfers``); a step admitted applies a finished
+reload and takes back an offload not yet started.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 ``RequestPages`` grows a request on the device (``allocate``; past the device, a
 streamed request's window spills its oldest pages to a host head) and gives back
-what a record holds per tier: the release table the cache's ``Lifecycle`` calls.
+what a record holds per tier: the release table the cache's ``Lifecycle`` calls;
+``adopt_reattached`` places the requests a reattached disk tier still holds.
 It changes only the slot lists of the record it is handed; the pools are the
 storage's and the mapped prefix blocks the block store's.
 """
@@ -10,6 +11,7 @@ storage's and the mapped prefix blocks the block store's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tiering.resources.kv_records import RequestRecord, admitted_early
@@ -17,11 +19,20 @@ from tiering.resources.kv_storage import KVStorage
 from tiering.resources.kv_stream import StreamBuffer
 
 from tiering.core.lifecycle import Op, guard
+from tiering.types import RequestState
 
 if TYPE_CHECKING:  # pragma: no cover
     from tiering.resources.kv_prefix_api import PrefixReuse
 
 log = logging.getLogger("tiering.kv_cache")
+
+
+def adopt_reattached(disk, records: dict[str, RequestRecord], clock: Callable[[], float]) -> None:
+    """Requests an earlier process left intact on ``disk`` come back as ON_DISK."""
+    for rid, (extent, meta) in disk.reattached().items():
+        records[rid] = RequestRecord(  # placed at rest on disk, not moved there
+            rid, None, clock(), int(meta["num_tokens"]), RequestState.ON_DISK,
+            disk=extent, checksum=meta.get("checksum"))
 
 
 class RequestPages:

@@ -2,8 +2,8 @@
 
 The record is the shared ``tiering.core.lifecycle.Record`` with what the real
 cache holds: device and host slot lists and a disk extent, a checksum, a
-device page table and the prefix-reuse fields. Only ``PagedKVCache`` (through
-its ``Lifecycle``) creates and changes these, always on the caller's thread;
+device page table and the prefix-reuse fields. Only the parts of ``PagedKVCache``
+(through its ``Lifecycle``) create and change these, always on the caller's thread;
 worker threads never see them.
 """
 
