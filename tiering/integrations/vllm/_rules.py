@@ -22,9 +22,14 @@ What vLLM's offloading API changes, and so what differs from the cache:
   GPU copy itself): no ``landed``.
 - Copies are vLLM's jobs or the manager's I/O threads, never on the step path. A host
   block is written to disk ahead of its eviction (``demote_headroom``), oldest arrival
-  first, without asking any policy; the disk's policy decides when the block leaves
-  the host. A host victim whose copy is not written yet is passed over (it cannot
-  leave now) and the next victim is asked (``victim_except``).
+  first, without asking any policy; when the block leaves the host, the disk's
+  policy decides whether it moves down (its copy kept) or is dropped. A host victim
+  whose copy is not written yet is passed over (it cannot leave now) and the next
+  victim is asked (``victim_except``). Disk room for a copy is made when the copy is
+  written, so under disk pressure disk victims leave earlier than in the cache.
+- A block vLLM stores under a parent that leaves while it is being stored is not
+  stored (in the cache a block leaves with its ancestors); a parent the index never
+  held (vLLM keeps it on the GPU) makes the block a chain's first.
 """
 
 from __future__ import annotations
