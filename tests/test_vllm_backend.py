@@ -1825,10 +1825,11 @@ def _cache_decisions(tmp_path, policy, seq, host, disk, seed):
         kv.publish_prefix(rid, ids[:T])  # told at its first publish: the first block
         kv.publish_prefix(rid, ids)
         kv.remove_request(rid)
+        down = getattr(pc, "moves", pc)._move_device_block_down  # the cache's eviction path
         for k in keys[:new]:
             loc = pc.index.location(k)
             if loc is not None and loc.tier is Tier.DEVICE:
-                pc._move_device_block_down(k)
+                down(k)
         kv.check_integrity()
     final = ({k for k in pc.index.keys() if pc.index.location(k).tier is Tier.HOST},
              {k for k in pc.index.keys() if pc.index.location(k).tier is Tier.DISK})
