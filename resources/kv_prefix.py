@@ -7,11 +7,11 @@ the device and host pools those pages belong to the owner ``BLOCKS``; on disk
 blocks are packed, a batch of them per extent, and an extent is released when
 its last block leaves.
 
-Layout: ``PrefixCache`` is one class written in three modules, because its parts
-share one owner's state (the index, the policies, the crc table, the stats) and
-every rule below spans them: this module (set-up, publish / lookup / attach, loads,
-integrity), ``kv_prefix_moves`` (``TierMovesPart``: making room, dropping) and
-``kv_prefix_shared`` (``SharedTierPart`` and ``SharedLink``: the shared cold tier).
+Layout: ``PrefixCache`` (this module: set-up, publish / lookup / attach, loads,
+integrity) owns the index, the policies' rules, the crc table and the counters, and
+hands them to its two parts: ``BlockMoves`` (``kv_prefix_moves``: making room,
+dropping, the disk extents) and ``SharedBlocks`` (``kv_prefix_shared``, with
+``SharedLink``: the shared cold tier).
 Its small types are in ``kv_prefix_types``; every name stays importable from here.
 Every call into a block policy goes through ``kv_prefix_rules.BlockRules``, the rules
 the replay's block store runs too (what an attach maps, who is told what and when,
@@ -47,16 +47,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from tiering.policies.blocks import DEFAULT_BLOCK_POLICY, make_block_policy
-from tiering.resources.kv_prefix_moves import TierMovesPart
+from tiering.resources.kv_prefix_moves import BlockMoves
 from tiering.resources.kv_prefix_rules import BlockRules
-from tiering.resources.kv_prefix_shared import SharedLink, SharedTierPart, _Fetch
+from tiering.resources.kv_prefix_shared import SharedBlocks, SharedLink
 from tiering.resources.kv_prefix_types import BLOCKS, PrefixHit, PrefixLoad, crc_page
 
 from tiering.blocks import BlockIndex, KeyRoot, block_keys
@@ -75,7 +75,7 @@ __all__ = ["BLOCKS", "PrefixCache", "PrefixHit", "PrefixLoad", "SharedLink", "as
            "derive_key_root"]
 
 
-class PrefixCache(TierMovesPart, SharedTierPart):
+class PrefixCache:
     """The block store of one ``PagedKVCache`` (see the module docstring)."""
 
     def __init__(self, storage: KVStorage, clock: Callable[[], float], owner: str, root: bytes,
@@ -101,18 +101,16 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         self.told: weakref.WeakSet[RequestRecord] = weakref.WeakSet()  # told since attach
         self.crc: dict[Hashable, int] = {}
         self.disk_batch_pages = disk_batch_pages
-        self.extents: dict[int, list] = {}  # extent id -> [DiskExtent, live blocks]
-        self._extent_ids = 0
         self.orphans: list[tuple[Any, Any]] = []  # (future, load) of removed loaders
         self.stats: Counter[str] = Counter()
-        self.fetching: dict[bytes, _Fetch] = {}  # blocks on their way from the shared tier
-        self.unpublished: OrderedDict[bytes, None] = OrderedDict()  # refused publishes, to retry
-        self.shared: SharedLink | None = None
+        # moving blocks down, dropping them, the disk extents they are packed in
+        self.moves = BlockMoves(storage, self.index, self.rules, self.crc, self.stats, clock,
+                                disk_batch_pages)
+        # the shared cold tier: its link, fetches in flight, publishes to retry
+        self.sharing = SharedBlocks(storage, self.index, self.rules, self.crc, self.stats, clock,
+                                    self.moves)
         if shared is not None:  # last: a store that cannot be reached leaves nothing behind
-            self.shared = SharedLink.open(shared, self.key_root, storage.geometry.fingerprint().encode(),
-                                          clock, shared_refresh_s, owner=owner,
-                                          block_bytes=storage.geometry.page_bytes)
-            self._refresh()
+            self.sharing.open(shared, self.key_root, shared_refresh_s, owner)
 
     # -- keys -----------------------------------------------------------------
 
@@ -132,7 +130,60 @@ class PrefixCache(TierMovesPart, SharedTierPart):
     def _now(self) -> float:
         return float(self._clock())
 
-    # -- making room, dropping (caller's thread): TierMovesPart, resources.kv_prefix_moves
+    # -- the shared cold tier: SharedBlocks, resources.kv_prefix_shared
+
+    shared = property(lambda self: self.sharing.link)  # SharedLink | None
+    fetching = property(lambda self: self.sharing.fetching)  # blocks on their way here
+    unpublished = property(lambda self: self.sharing.unpublished)  # refused publishes
+
+    def _refresh(self) -> None:
+        self.sharing.refresh()
+
+    def shared_counters(self) -> tuple[str, ...]:
+        return self.sharing.shared_counters()
+
+    def fetch_pending(self, r: RequestRecord) -> bool:
+        """Whether a block of ``r`` is still on its way from the shared tier."""
+        return self.sharing.fetch_pending(r)
+
+    def poll_shared(self) -> None:
+        """The step path: apply finished publishes and fetches, land arrived blocks, run the
+        refresh timer. Never waits; never raises for a store fault."""
+        self.sharing.poll_shared()
+
+    def wait_shared(self, timeout: float) -> float:
+        """Wait (bounded) for the shared tier's queue to go idle; returns what is left of ``timeout``."""
+        return self.sharing.wait_shared(timeout)
+
+    def close(self, timeout_s: float) -> None:
+        self.sharing.close(timeout_s)
+
+    # -- making room, dropping (caller's thread): BlockMoves, resources.kv_prefix_moves
+
+    @property
+    def extents(self) -> dict[int, list]:
+        return self.moves.extents
+
+    def unmapped(self, tier: Tier) -> int:
+        """Blocks on ``tier`` no live request maps and that are not moving (space the cache can free)."""
+        return self.index.idle_count(tier)
+
+    def ensure_device(self, n: int) -> bool:
+        """Move unmapped device blocks down until the device pool has ``n`` free pages;
+        False, with nothing moved, when the blocks that may leave would not free enough."""
+        return self.moves.ensure_device(n)
+
+    def ensure_host(self, n: int) -> bool:
+        """Move unmapped host blocks to disk (or drop them) until the host pool has ``n`` free
+        pages; False, with nothing moved, when the blocks that may leave would not free enough."""
+        return self.moves.ensure_host(n)
+
+    def _drop(self, key: Hashable, reason: str) -> int:
+        """Drop ``key`` and its descendants; frees what they held. Returns blocks dropped."""
+        return self.moves.drop(key, reason)
+
+    def _free_location(self, tier: Tier, handle: Hashable) -> None:
+        self.moves.free_location(tier, handle)
 
     # -- publish / lookup / attach ----------------------------------------------------
 
@@ -214,7 +265,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
             r.shared.append(own)
             r.blocks.append(key)
             self.stats["blocks_published"] += 1
-            self._publish_shared(key, page)  # last: the block is whole in the cache first
+            self.sharing.publish(key, page)  # last: the block is whole in the cache first
             n += 1
         return n
 
@@ -259,7 +310,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
         self.told.add(r)
         d = len(tiers)
         if self.shared is not None and d < limit and keys[d] not in idx:
-            self._attach_shared(r, keys, d, limit, positions, loads)
+            self.sharing.attach(r, keys, d, limit, positions, loads)
         r.num_tokens = len(r.blocks) * T
         r.index = None
         self.stats["attached_tokens"] += r.num_tokens
@@ -270,12 +321,10 @@ class PrefixCache(TierMovesPart, SharedTierPart):
     def release_request(self, r: RequestRecord) -> None:
         """``r`` stops mapping its blocks (removed, lost, or a load undone)."""
         for key in r.blocks:
-            if not self._let_go(r, key):
+            if not self.sharing.let_go(r, key):
                 self.index.release(key)
         r.blocks, r.shared = [], []
         r.prefix_load = None
-
-    # -- the shared cold tier: SharedTierPart, resources.kv_prefix_shared -------------------
 
     # -- loads (host/disk blocks into fresh device pages) -----------------------------
 
@@ -436,7 +485,7 @@ class PrefixCache(TierMovesPart, SharedTierPart):
                 problems.append(f"disk extent {ext_id}: {n} live blocks recorded, {live.get(ext_id, 0)} held")
         if set(live) - set(self.extents):
             problems.append("a block names a disk extent the cache does not hold")
-        problems += self._check_shared(reqs)
+        problems += self.sharing.check(reqs)
         return problems
 
 

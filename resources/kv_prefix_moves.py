@@ -1,34 +1,56 @@
-"""The prefix cache's moves down the tiers: making room and dropping blocks.
+"""The block store's moves down the tiers: making room and dropping blocks.
 
-``TierMovesPart`` holds the methods of ``PrefixCache`` (``tiering.resources.kv_prefix``)
-that free a block's location, drop a block with its descendants, and move unmapped
-blocks down (device -> host -> disk) when the cache needs room, on the caller's
-thread. Which block leaves, and whether the tier below takes it, are the store's rules
-(``tiering.resources.kv_prefix_rules.BlockRules``, which the replay runs too): a victim
-moves down when the tier below admits it and room can be made there, else it is
-dropped. It is a part of that one class, not an object of its own: it reads and
-writes ``PrefixCache``'s state (``index``, ``rules``, ``crc``, ``extents``,
-``stats``), set up in ``PrefixCache.__init__``.
+``BlockMoves`` frees a block's location, drops a block with its descendants, and
+moves unmapped blocks down (device -> host -> disk) when the cache needs room, on
+the caller's thread. Which block leaves, and whether the tier below takes it, are
+the store's rules (``tiering.resources.kv_prefix_rules.BlockRules``, which the
+replay runs too): a victim moves down when the tier below admits it and room can be
+made there, else it is dropped. ``PrefixCache`` hands it the index, the rules, the
+crc table and the counters it shares, and calls it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections import Counter
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 import torch
+from tiering.resources.kv_prefix_rules import BlockRules
 from tiering.resources.kv_prefix_types import BLOCKS, DISK_OWNER
 
+from tiering.blocks import BlockIndex
 from tiering.types import Tier
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tiering.resources.kv_storage import KVStorage
 
 log = logging.getLogger("tiering.kv_prefix")
 
 
-class TierMovesPart:
-    """``PrefixCache``'s methods for moving blocks down and dropping them (module docstring)."""
+class BlockMoves:
+    """Moving blocks down and dropping them (see the module doc). It owns the disk
+    extents blocks are packed in (``extents``: id -> [DiskExtent, live blocks])."""
 
-    def _free_location(self, tier: Tier, handle: Hashable) -> None:
-        c = self.storage
+    def __init__(self, storage: KVStorage, index: BlockIndex, rules: BlockRules,
+                 crc: dict[Hashable, int], stats: Counter[str], clock: Callable[[], float],
+                 disk_batch_pages: int) -> None:
+        self._s = storage
+        self._index = index
+        self._rules = rules
+        self._crc = crc
+        self._stats = stats
+        self._clock = clock
+        self._batch = disk_batch_pages
+        self.extents: dict[int, list] = {}
+        self._extent_ids = 0
+
+    def _now(self) -> float:
+        return float(self._clock())
+
+    def free_location(self, tier: Tier, handle: Hashable) -> None:
+        c = self._s
         if tier is Tier.DEVICE:
             c.device_pool.release(BLOCKS, [handle])
         elif tier is Tier.HOST:
@@ -41,41 +63,32 @@ class TierMovesPart:
                 del self.extents[ext_id]
                 c.disk_call(c.disk.release, entry[0])
 
-    def _drop(self, key: Hashable, reason: str) -> int:
-        """Drop ``key`` and its descendants; frees what they held. Returns blocks dropped."""
+    def drop(self, key: Hashable, reason: str) -> int:
         try:
-            gone = self.index.drop(key, reason)
+            gone = self._index.drop(key, reason)
         except ValueError as exc:
             log.error("could not drop block %s: %s", key.hex() if isinstance(key, bytes) else key, exc)
             return 0
-        self.rules.dropped(gone)
+        self._rules.dropped(gone)
         for d in gone:
-            self.crc.pop(d.key, None)
-            self._free_location(d.tier, d.handle)
-        self.stats[f"dropped_{reason}"] += 1
+            self._crc.pop(d.key, None)
+            self.free_location(d.tier, d.handle)
+        self._stats[f"dropped_{reason}"] += 1
         return len(gone)
 
-    def unmapped(self, tier: Tier) -> int:
-        """Blocks on ``tier`` no live request maps and that are not moving (space the cache can free)."""
-        return self.index.idle_count(tier)
-
     def ensure_device(self, n: int) -> bool:
-        """Move unmapped device blocks down until the device pool has ``n`` free pages;
-        False, with nothing moved, when the blocks that may leave would not free enough."""
-        pool = self.storage.device_pool
+        pool = self._s.device_pool
         if self._out_of_reach(Tier.DEVICE, pool, n):
             return False
         while pool.free_pages < n:
-            key = self.rules.victim(Tier.DEVICE, self._now())
+            key = self._rules.victim(Tier.DEVICE, self._now())
             if key is None:
                 return False
             self._move_device_block_down(key)
         return True
 
     def ensure_host(self, n: int) -> bool:
-        """Move unmapped host blocks to disk (or drop them) until the host pool has ``n`` free
-        pages; False, with nothing moved, when the blocks that may leave would not free enough."""
-        pool = self.storage.host_pool
+        pool = self._s.host_pool
         if self._out_of_reach(Tier.HOST, pool, n):
             return False
         while pool.free_pages < n:
@@ -88,42 +101,42 @@ class TierMovesPart:
         than its cached blocks that may leave would free (asked before any block moves)."""
         if n > pool.num_pages:
             return True
-        return not self.rules.reachable(tier, n - pool.free_pages, self._now())
+        return not self._rules.reachable(tier, n - pool.free_pages, self._now())
 
     def _move_device_block_down(self, key: Hashable) -> None:
-        c = self.storage
-        page = self.index.location(key).handle
+        c = self._s
+        page = self._index.location(key).handle
         slot = None
-        if not self.rules.admits(Tier.HOST, key, self._now()):
-            self._drop(key, "evicted")  # the host does not take it: it leaves the cache
+        if not self._rules.admits(Tier.HOST, key, self._now()):
+            self.drop(key, "evicted")  # the host does not take it: it leaves the cache
             return
         room = c.host_pool.free_pages > 0 or self.ensure_host(1)
-        if key not in self.index:
+        if key not in self._index:
             # making room on the host dropped an ancestor of this block (a host victim takes
             # its descendants with it), and this block with it: its page is free already
-            self.stats["dropped_with_ancestor"] += 1
+            self._stats["dropped_with_ancestor"] += 1
             return
         if room:
             got = c.host_pool.allocate(BLOCKS, 1)
             slot = got[0] if got else None
         if slot is None:
-            self._drop(key, "evicted")  # nowhere below: the bottom tier for this block
+            self.drop(key, "evicted")  # nowhere below: the bottom tier for this block
             return
-        self.index.begin_move(key, Tier.HOST, slot)
+        self._index.begin_move(key, Tier.HOST, slot)
         try:
             c.host[slot].copy_(c.dev[page])
             if c.device.type == "cuda":  # pragma: no cover - needs a GPU
                 torch.cuda.current_stream(c.device).synchronize()
         except Exception as exc:
             log.error("block demotion device->host failed: %s", exc)
-            self.index.fail_move(key)
+            self._index.fail_move(key)
             c.host_pool.release(BLOCKS, [slot])
-            self._drop(key, "demote_failed")
+            self.drop(key, "demote_failed")
             return
-        old = self.index.finish_move(key)
-        self.rules.moved(key, Tier.DEVICE, Tier.HOST, self._now())
-        self._free_location(old.tier, old.handle)
-        self.stats["blocks_device_to_host"] += 1
+        old = self._index.finish_move(key)
+        self._rules.moved(key, Tier.DEVICE, Tier.HOST, self._now())
+        self.free_location(old.tier, old.handle)
+        self._stats["blocks_device_to_host"] += 1
 
     def _host_blocks_down(self, want: int) -> bool:
         """Move up to a batch of unmapped host blocks to disk in one write: each victim the
@@ -131,15 +144,15 @@ class TierMovesPart:
         made on disk (its victims dropped) and the batch written. With no disk, or no room
         there, the first victim is dropped instead (the rest stay); a failed write drops
         the batch. False when there is nothing to move."""
-        c = self.storage
-        rules = self.rules
+        c = self._s
+        rules = self._rules
         if c.disk is None:
             key = rules.victim(Tier.HOST, self._now())
             if key is None:
                 return False
-            self._drop(key, "evicted")
+            self.drop(key, "evicted")
             return True
-        batch = max(want, min(self.disk_batch_pages, self.index.count(Tier.HOST)))
+        batch = max(want, min(self._batch, self._index.count(Tier.HOST)))
         ext_id = self._extent_ids + 1
         chosen: list[tuple[Hashable, int]] = []
         refused = 0
@@ -149,11 +162,11 @@ class TierMovesPart:
             if key is None:
                 break
             if not rules.admits(Tier.DISK, key, now):
-                self._drop(key, "evicted")  # the disk does not take it: it leaves the cache
+                self.drop(key, "evicted")  # the disk does not take it: it leaves the cache
                 refused += 1
                 continue
-            self.index.begin_move(key, Tier.DISK, (ext_id, len(chosen)))
-            chosen.append((key, self.index.location(key).handle))
+            self._index.begin_move(key, Tier.DISK, (ext_id, len(chosen)))
+            chosen.append((key, self._index.location(key).handle))
         if not chosen:
             return refused > 0
         extent = c.disk.reserve(DISK_OWNER, len(chosen))
@@ -163,12 +176,12 @@ class TierMovesPart:
             key = rules.victim(Tier.DISK, self._now())
             if key is None:
                 break
-            self._drop(key, "evicted")
+            self.drop(key, "evicted")
             extent = c.disk.reserve(DISK_OWNER, len(chosen))
         if extent is None:  # the disk cannot take them: the best victim leaves, the rest stay
             for key, _ in chosen:
-                self.index.fail_move(key)
-            self._drop(chosen[0][0], "evicted")
+                self._index.fail_move(key)
+            self.drop(chosen[0][0], "evicted")
             return True
         self._extent_ids = ext_id
         slots = [s for _, s in chosen]
@@ -178,18 +191,18 @@ class TierMovesPart:
         except Exception as exc:
             log.error("block demotion host->disk failed, dropping %d blocks: %s", len(chosen), exc)
             for key, _ in chosen:
-                self.index.fail_move(key)
+                self._index.fail_move(key)
             c.disk_call(c.disk.release, extent)
             for key, _ in chosen:  # ancestors first: a drop takes the chosen blocks below it
-                if key in self.index:
-                    self._drop(key, "demote_failed")
+                if key in self._index:
+                    self.drop(key, "demote_failed")
             return True
         self.extents[ext_id] = [extent, len(chosen)]
         now = self._now()
         for key, _slot in chosen:
-            old = self.index.finish_move(key)
+            old = self._index.finish_move(key)
             rules.moved(key, Tier.HOST, Tier.DISK, now)
-            self._free_location(old.tier, old.handle)
-        self.stats["blocks_host_to_disk"] += len(chosen)
-        self.stats["disk_block_writes"] += 1
+            self.free_location(old.tier, old.handle)
+        self._stats["blocks_host_to_disk"] += len(chosen)
+        self._stats["disk_block_writes"] += 1
         return True

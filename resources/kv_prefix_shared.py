@@ -1,28 +1,32 @@
-"""The prefix cache's shared cold tier: the link, the fetches in flight, publishes.
+"""The block store's shared cold tier: the link, the fetches in flight, publishes.
 
-``SharedLink`` is a ``PrefixCache``'s handle on the ``BlockQueue``; ``SharedTierPart``
-holds the methods of ``PrefixCache`` (``tiering.resources.kv_prefix``) that publish blocks
-there, map blocks known to exist there as pending fetches, land them as host blocks
-and check that bookkeeping. It is a part of that one class, not an object of its
-own: it reads and writes ``PrefixCache``'s state (``shared``, ``fetching``,
-``unpublished``, ``index``, ``stats``), set up in ``PrefixCache.__init__``; the rules
-are in ``tiering.resources.kv_prefix``'s module docstring.
+``SharedLink`` is a ``PrefixCache``'s handle on the ``BlockQueue``; ``SharedBlocks``
+publishes blocks there, maps blocks known to exist there as pending fetches, lands
+them as host blocks and checks that bookkeeping. ``PrefixCache`` hands it the index,
+the rules, the crc table, the counters and its ``BlockMoves``; the rules are in
+``tiering.resources.kv_prefix``'s module docstring.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from tiering.resources.kv_prefix_moves import BlockMoves
+from tiering.resources.kv_prefix_rules import BlockRules
 from tiering.resources.kv_prefix_types import BLOCKS, PrefixLoad, crc_page
 
+from tiering.blocks import BlockIndex
 from tiering.types import Tier
 
 if TYPE_CHECKING:  # pragma: no cover
     from tiering.resources.kv_records import RequestRecord
+    from tiering.resources.kv_storage import KVStorage
 
 
 @dataclass
@@ -112,91 +116,117 @@ class SharedLink:
             self.queue.release(self.owner)
 
 
-class SharedTierPart:
-    """``PrefixCache``'s methods for the shared cold tier (see the module docstring)."""
+class SharedBlocks:
+    """The shared cold tier of one block store (see the module doc). It owns the link
+    (``link``, None without a shared tier), the fetches in flight (``fetching``) and the
+    refused publishes to retry (``unpublished``)."""
 
-    def _refresh(self) -> None:
-        sh = self.shared
+    def __init__(self, storage: KVStorage, index: BlockIndex, rules: BlockRules,
+                 crc: dict[Hashable, int], stats: Counter[str], clock: Callable[[], float],
+                 moves: BlockMoves) -> None:
+        self._s = storage
+        self._index = index
+        self._rules = rules
+        self._crc = crc
+        self._stats = stats
+        self._clock = clock
+        self._moves = moves
+        self.link: SharedLink | None = None
+        self.fetching: dict[bytes, _Fetch] = {}
+        self.unpublished: OrderedDict[bytes, None] = OrderedDict()
+
+    def open(self, shared, root: bytes, refresh_s: float, owner: str) -> None:
+        """Open the link (``SharedLink.open``) and queue its first refresh."""
+        g = self._s.geometry
+        self.link = SharedLink.open(shared, root, g.fingerprint().encode(), self._clock,
+                                    refresh_s, owner=owner, block_bytes=g.page_bytes)
+        self.refresh()
+
+    def _now(self) -> float:
+        return float(self._clock())
+
+    def refresh(self) -> None:
+        sh = self.link
         if sh.queue.submit_refresh():
-            self.stats["shared_refreshes_queued"] += 1
+            self._stats["shared_refreshes_queued"] += 1
         sh.next_refresh = self._now() + sh.refresh_s
 
-    def _publish_shared(self, key: bytes, page: torch.Tensor) -> None:
+    def publish(self, key: bytes, page: torch.Tensor) -> None:
         """Queue the write of a freshly published block (bytes copied now, written by the
         queue's threads). Refused when the block is known to exist there (no write needed),
         the queue is full or the store is not answering: then it is not written by this worker."""
-        sh = self.shared
+        sh = self.link
         if sh is None:
             return
         if key in sh.known:
-            self.stats["shared_publish_known"] += 1
+            self._stats["shared_publish_known"] += 1
             return
-        if sh.queue.submit_publish(key, page.contiguous().view(torch.uint8).numpy(), self.crc.get(key)):
-            self.stats["shared_publish_queued"] += 1
+        if sh.queue.submit_publish(key, page.contiguous().view(torch.uint8).numpy(), self._crc.get(key)):
+            self._stats["shared_publish_queued"] += 1
         else:
-            self.stats["shared_publish_refused"] += 1
+            self._stats["shared_publish_refused"] += 1
             self._retry_later(key)
 
     def _retry_later(self, key: bytes) -> None:
         """Remember a refused publish (bounded: the oldest is forgotten first)."""
         self.unpublished[key] = None
         self.unpublished.move_to_end(key)
-        while len(self.unpublished) > self.shared.blocks.config.max_queued:
+        while len(self.unpublished) > self.link.blocks.config.max_queued:
             self.unpublished.popitem(last=False)
-            self.stats["shared_publish_given_up"] += 1
+            self._stats["shared_publish_given_up"] += 1
 
     def _retry_publishes(self) -> None:
         """Queue refused publishes again while the queue has room and the store answers. A
         block no longer cached on the device or the host (or moving) is not retried."""
-        sh = self.shared
-        c = self.storage
+        sh = self.link
+        c = self._s
         room = sh.blocks.config.max_queued - sh.queue.in_flight
         while self.unpublished and room > 0 and sh.blocks.breaker.would_allow():
             key, _ = self.unpublished.popitem(last=False)
-            loc = self.index.location(key)
+            loc = self._index.location(key)
             if loc is None or loc.moving_to is not None or loc.tier is Tier.DISK or key in sh.known:
                 continue
             page = c.dev[loc.handle].cpu() if loc.tier is Tier.DEVICE else c.host[loc.handle]
             # the worker thread checks the copy against the crc recorded at publish: a page
             # damaged since (on the host, say) is not sent for every other worker to map
             payload = page.contiguous().view(torch.uint8).numpy()
-            if not sh.queue.submit_publish(key, payload, self.crc.get(key)):
+            if not sh.queue.submit_publish(key, payload, self._crc.get(key)):
                 self.unpublished[key] = None
                 self.unpublished.move_to_end(key, last=False)
                 return
             room -= 1
-            self.stats["shared_publish_retried"] += 1
+            self._stats["shared_publish_retried"] += 1
 
-    def _attach_shared(self, r: RequestRecord, keys, start: int, limit: int,
+    def attach(self, r: RequestRecord, keys, start: int, limit: int,
                        positions: list, tiers: list) -> None:
         """Map blocks ``keys[start:limit]`` known to exist on the shared tier as pending
         fetches (asks the local cache only; each fetch is queued, never waited for)."""
-        sh = self.shared
-        T = self.storage.geometry.page_tokens
-        cap = self.storage.host_pool.num_pages  # each lands in a host page
+        sh = self.link
+        T = self._s.geometry.page_tokens
+        cap = self._s.host_pool.num_pages  # each lands in a host page
         for i in range(start, limit):
             key = keys[i]
-            if key in self.index:
+            if key in self._index:
                 break
             f = self.fetching.get(key)
             if f is not None:
                 if f.req is not None:
                     break  # another request is fetching it
                 f.req, f.pos = r, i  # a let-go fetch still in flight: adopt it
-                self.stats["shared_fetch_adopted"] += 1
+                self._stats["shared_fetch_adopted"] += 1
             else:
                 if len(self.fetching) >= cap or key not in sh.known:
                     break
                 if not sh.queue.submit_fetch(key):
-                    self.stats["shared_fetch_refused"] += 1
+                    self._stats["shared_fetch_refused"] += 1
                     break
                 self.fetching[key] = _Fetch(key, keys[i - 1] if i else None, r, i)
-                self.stats["shared_fetches_queued"] += 1
+                self._stats["shared_fetches_queued"] += 1
             r.shared.append(-1)
             r.blocks.append(key)
             positions.append(i)
             tiers.append(Tier.DISK)
-            self.stats["hit_tokens_shared"] += T
+            self._stats["hit_tokens_shared"] += T
 
     #: counters ``prefix_stats`` always shows when the shared tier is on
     SHARED_COUNTERS = (
@@ -209,20 +239,17 @@ class SharedTierPart:
     )
 
     def shared_counters(self) -> tuple[str, ...]:
-        return self.SHARED_COUNTERS if self.shared is not None else ()
+        return self.SHARED_COUNTERS if self.link is not None else ()
 
     def fetch_pending(self, r: RequestRecord) -> bool:
-        """Whether a block of ``r`` is still on its way from the shared tier."""
         return any(f.req is r for f in self.fetching.values()) if self.fetching else False
 
     def poll_shared(self) -> None:
-        """The step path: apply finished publishes and fetches, land arrived blocks, run the
-        refresh timer. Never waits; never raises for a store fault."""
-        sh = self.shared
+        sh = self.link
         if sh is None:
             return
         if self._now() >= sh.next_refresh:
-            self._refresh()
+            self.refresh()
         for res in sh.queue.poll():
             self._apply_shared(res)
         if self.unpublished:
@@ -233,8 +260,7 @@ class SharedTierPart:
                 self._land_fetches(r)
 
     def wait_shared(self, timeout: float) -> float:
-        """Wait (bounded) for the shared tier's queue to go idle; returns what is left of ``timeout``."""
-        sh = self.shared
+        sh = self.link
         if sh is None:
             return timeout
         t0 = time.monotonic()  # a real-time budget, whatever the cache's clock
@@ -244,7 +270,7 @@ class SharedTierPart:
     def _apply_shared(self, res) -> None:
         from tiering.coldtier import BlockStatus as B
 
-        st = self.stats
+        st = self._stats
         if res.op == "publish":
             name = {B.WRITTEN: "shared_published", B.DUPLICATE: "shared_duplicates"}
             st[name.get(res.status, "shared_publish_failed")] += 1
@@ -265,8 +291,8 @@ class SharedTierPart:
             st["shared_fetch_stray"] += 1
             return
         if res.status is B.HIT:
-            if len(res.payload) != self.storage.geometry.page_bytes:
-                f.failed = f"lost: {len(res.payload)} bytes, a page is {self.storage.geometry.page_bytes}"
+            if len(res.payload) != self._s.geometry.page_bytes:
+                f.failed = f"lost: {len(res.payload)} bytes, a page is {self._s.geometry.page_bytes}"
                 st["shared_lost"] += 1
             else:
                 f.payload = res.payload
@@ -296,24 +322,24 @@ class SharedTierPart:
 
     def _land(self, f: _Fetch, mapped: bool) -> bool:
         """Put an arrived block on the host tier, in the index (mapped by its request or not)."""
-        c = self.storage
-        if c.host_pool.free_pages < 1 and not (mapped and self.ensure_host(1)):
+        c = self._s
+        if c.host_pool.free_pages < 1 and not (mapped and self._moves.ensure_host(1)):
             return False
-        if f.parent is not None and f.parent not in self.index:
+        if f.parent is not None and f.parent not in self._index:
             return False
         slot = c.host_pool.allocate(BLOCKS, 1)[0]
         dst = c.host[slot].view(torch.uint8).reshape(-1)
         dst.numpy()[:] = np.frombuffer(f.payload, dtype=np.uint8)
         crc = crc_page(c.host[slot])
-        if not self.index.insert(f.key, f.parent, Tier.HOST, slot, self._now()):
+        if not self._index.insert(f.key, f.parent, Tier.HOST, slot, self._now()):
             c.host_pool.release(BLOCKS, [slot])
             return False
         if mapped:
-            self.index.acquire(f.key)
-        self.crc[f.key] = crc
-        self.rules.arrived(f.key, Tier.HOST, self._now())
+            self._index.acquire(f.key)
+        self._crc[f.key] = crc
+        self._rules.arrived(f.key, Tier.HOST, self._now())
         del self.fetching[f.key]
-        self.stats["shared_fetched" if mapped else "shared_prefetched"] += 1
+        self._stats["shared_fetched" if mapped else "shared_prefetched"] += 1
         return True
 
     def _settle(self, f: _Fetch) -> None:
@@ -323,7 +349,7 @@ class SharedTierPart:
             return
         self.fetching.pop(f.key, None)
 
-    def _let_go(self, r: RequestRecord, key: bytes) -> bool:
+    def let_go(self, r: RequestRecord, key: bytes) -> bool:
         """``r`` stops waiting for ``key``'s fetch (True), or ``key`` is not one of its fetches."""
         f = self.fetching.get(key)
         if f is None or f.req is not r:
@@ -336,41 +362,41 @@ class SharedTierPart:
     def _cut(self, r: RequestRecord, pos: int, reason: str) -> None:
         """Before its load: ``r`` keeps blocks before ``pos`` (a fetch failed; it recomputes the rest)."""
         for key in r.blocks[pos:]:
-            if not self._let_go(r, key):
-                self.index.release(key)
+            if not self.let_go(r, key):
+                self._index.release(key)
         r.blocks, r.shared = r.blocks[:pos], r.shared[:pos]
-        r.num_tokens = pos * self.storage.geometry.page_tokens
+        r.num_tokens = pos * self._s.geometry.page_tokens
         r.forget_written_from(r.num_tokens)
         r.index = None
         pl = r.prefix_load
         keep = [j for j, p in enumerate(pl.positions) if p < pos]
         r.prefix_load = PrefixLoad(tuple(pl.positions[j] for j in keep), tuple(pl.tiers[j] for j in keep),
                                    pl.failed or reason)
-        self.stats[f"load_shared_{reason.split(':', 1)[0]}"] += 1
+        self._stats[f"load_shared_{reason.split(':', 1)[0]}"] += 1
 
     def close(self, timeout_s: float) -> None:
-        if self.shared is not None:
-            self.shared.close(timeout_s)
+        if self.link is not None:
+            self.link.close(timeout_s)
 
-    def _check_shared(self, reqs) -> list[str]:
+    def check(self, reqs) -> list[str]:
         problems = []
-        if self.shared is None:
+        if self.link is None:
             if self.fetching:
                 problems.append("fetches recorded with no shared tier")
             return problems
         try:
-            self.shared.queue.check_integrity()
+            self.link.queue.check_integrity()
         except AssertionError as exc:
             problems.append(f"shared tier: {exc}")
         live = {id(r) for r in reqs}
-        if len(self.unpublished) > self.shared.blocks.config.max_queued:
+        if len(self.unpublished) > self.link.blocks.config.max_queued:
             problems.append(f"{len(self.unpublished)} publishes to retry, over max_queued")
-        if len(self.fetching) > self.storage.host_pool.num_pages:
-            problems.append(f"{len(self.fetching)} fetches, over the {self.storage.host_pool.num_pages} host pages")
+        if len(self.fetching) > self._s.host_pool.num_pages:
+            problems.append(f"{len(self.fetching)} fetches, over the {self._s.host_pool.num_pages} host pages")
         for key, f in self.fetching.items():
             if f.key != key:
                 problems.append(f"fetch of {key.hex()} records key {f.key.hex()}")
-            if key in self.index:
+            if key in self._index:
                 problems.append(f"block {key.hex()} is both cached and being fetched")
             if f.req is not None:
                 if id(f.req) not in live:
@@ -379,6 +405,6 @@ class SharedTierPart:
                     problems.append(f"block {key.hex()} is fetched for {f.req.rid} at {f.pos}, not mapped there")
             elif f.payload is not None or f.failed is not None:
                 problems.append(f"let-go fetch of {key.hex()} holds a result it did not settle")
-            if f.payload is None and f.failed is None and not self.shared.queue.outstanding("fetch", key):
+            if f.payload is None and f.failed is None and not self.link.queue.outstanding("fetch", key):
                 problems.append(f"fetch of {key.hex()} waits for a result the queue does not hold")
         return problems
