@@ -12,10 +12,12 @@ Composition (each part owns its state and is handed its collaborators):
   byte copies on worker threads;
 - ``DataPlane`` (``kv_data``): page tables, reads, writes, layer waits, streamed reads
   (``StreamBuffer``, ``kv_stream``, owns the stream ring);
-- ``PrefixReuse`` (``kv_prefix_api``): the block store (``PrefixCache``) and its calls;
+- ``PrefixReuse`` (``kv_prefix_api``): the block store (``PrefixCache``, ``kv_prefix``)
+  and its calls;
 - ``EvictionHooks`` (``kv_hooks``): sizes, admission and the eviction answers;
 - ``IntegrityCheck`` (``kv_integrity``): the conservation check.
-This class builds the parts, delegates its public API to them, and tears them down.
+This class checks its settings (``KVOptions``, ``kv_options``), builds the parts,
+delegates its public API to them, and tears them down.
 Worker threads only copy bytes and compute checksums; they return results that
 ``poll`` applies on the caller's thread. So no lock guards the records.
 
