@@ -83,6 +83,8 @@ class DataPlane:
         return self._wait_layer(r, layer, timeout)
 
     def _wait_layer(self, r: RequestRecord, layer: int, timeout: float | None = None) -> bool:
+        if r.undone is not None:
+            return False  # the step admitted on a failed reload cannot go on
         limit = self._layer_timeout if timeout is None else timeout
         if r.state is S.RELOADING and r.layers is not None:
             progress = r.layers
@@ -225,6 +227,10 @@ class DataPlane:
             raise RequestLost(rid, r.lost_reason or "unknown")
         if r.state is S.RELOADING:
             self._transfers.finish_now(r)  # maybe the copy is done already
+        if r.undone is not None:
+            raise LayerNotReady(
+                f"{what}: the layer-wise reload request {rid!r}'s step was admitted on failed"
+                f" ({r.undone}); the request is now {r.state.value} and this step cannot go on")
         if admitted_early(r):
             if partial_ok:
                 return r

@@ -73,6 +73,7 @@ class EvictionHooks:
 
     def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
         r = self._life.get(step.rid, "admit")
+        r.undone = None  # a new step
         if r.state is S.RELOADING:
             self._transfers.finish_now(r)
         if r.state is S.OFFLOADING:

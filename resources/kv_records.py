@@ -36,6 +36,7 @@ class RequestRecord(Record):
     ready_event: Any = None
     layers: Any = None  # LayerProgress of the reload in flight (tiering.core.layers)
     admitted_early: bool = False  # a step was admitted before that reload landed in full
+    undone: str | None = None  # why that step cannot go on (its reload failed); cleared by admit
     head: list = field(default_factory=list)  # a streamed request's host pages before its window
     index: Any = None  # device page table (a long tensor on the device), built on demand
     # prefix reuse (resources.kv_prefix): leading blocks the request maps, their

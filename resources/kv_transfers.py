@@ -158,6 +158,7 @@ class Transfers:
     def reload(self, rid: str) -> bool:
         r = self._life.get(rid, "reload")
         guard(r, Op.RELOAD)
+        r.undone = None  # the step a failed reload cut short is over
         if r.prefix_load is not None:
             return self._reload_prefix(r, self._reuse.blocks)
         n = own_pages(self._g, r)
@@ -172,6 +173,7 @@ class Transfers:
         progress = LayerProgress(self._g.num_layers,
                                  layerwise=self._layerwise and move is Move.RELOAD_FROM_HOST,
                                  base_tokens=r.num_tokens, base_pages=n)
+        r.layers = progress  # on the record before its copy can report a layer
         if move is Move.RELOAD_FROM_HOST:
             fut = self._submit(self._h2d, RELOAD, self.moves.reload_host, list(r.host),
                                list(slots), r.checksum, marker, progress)
@@ -179,11 +181,11 @@ class Transfers:
             fut = self._submit(self._io, RELOAD, self.moves.reload_disk, r.disk, list(slots),
                                r.checksum, marker, progress)
         if fut is None:
+            r.layers = None
             self._s.device_pool.release(rid, slots)
             return False
         r.device = slots
         r.index = None
-        r.layers = progress
         self._start(r, move, fut, S.RELOADING)
         return True
 
@@ -213,6 +215,8 @@ class Transfers:
         a failed one admitted early gives back what the step added since it started
         (tokens, written spans, device pages: the source holds only the rest)."""
         p, r.layers = r.layers, None
+        if not ok and r.admitted_early:  # the step running on it cannot go on
+            r.undone = (p.reason if p is not None and p.reason else "its copy failed")
         r.admitted_early = False
         if p is None:
             return

@@ -270,3 +270,47 @@ def fill_existing(kv, rid, tokens, seed):
         kv.write(rid, layer, 0, k, v)
         out.append((k, v))
     return out
+
+
+def test_a_host_copy_that_fails_its_checksum_is_never_admitted_early():
+    """verify=True: the host copy is checked before layer 0 lands, so a changed byte makes
+    the request lost without any layer of it having been readable."""
+    with make(verify=True) as kv:
+        fill(kv, "a", 12, seed=12)
+        offload(kv, "a")
+        kv._host[kv._reqs["a"].host[1], 3, 1, 0, 0, 0] += 1.0  # one value of one host page
+        assert kv.reload("a")
+        assert not kv.wait_layer("a", 0, timeout=10)
+        assert not admitted(kv, "a")
+        done = kv.synchronize()
+        assert [r.ok for r in done if r.rid == "a"] == [False]
+        assert kv.state_of("a") is S.LOST and "checksum" in kv.lost_reason("a")
+        assert kv.stats.reloads_admitted_early == 0
+        kv.check_integrity()
+
+
+def test_a_step_whose_reload_failed_meets_layer_not_ready_even_once_the_failure_is_applied():
+    """The failed copy may be applied (by a poll) before the step reaches its next layer:
+    every later read, write and wait of that step still says LayerNotReady / False, never
+    "must be resident" (what a worker catches to run the step again later)."""
+    gate = LayerGate(hold=1, fail=1)
+    with make(gate) as kv:
+        fill(kv, "a", 10, seed=13)
+        offload(kv, "a")
+        gate.calls = 0
+        assert kv.reload("a")
+        assert gate.reached.wait(10)
+        assert admitted(kv, "a")
+        kv.read("a", 0)  # the step computes layer 0
+        gate.release.set()
+        kv.synchronize()  # the failure is applied: back on the host
+        assert kv.state_of("a") is S.ON_HOST
+        with pytest.raises(LayerNotReady, match="cannot go on"):
+            kv.read("a", 1)
+        with pytest.raises(LayerNotReady, match="cannot go on"):
+            kv.write("a", 1, 9, torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+        assert not kv.wait_layer("a", 1, timeout=0)
+        kv.check_integrity()
+        assert not admitted(kv, "a")  # a new step: the request is simply offloaded
+        with pytest.raises(IllegalTransition, match="must be resident"):
+            kv.read("a", 1)
