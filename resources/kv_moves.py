@@ -14,7 +14,7 @@ import torch
 
 from tiering.core.checksum import ChecksumMismatch, crc_of, crc_of_pages
 from tiering.core.staging import StagingTimeout
-from tiering.core.transfer import coalesce, copy_runs, issue_layer_runs, issue_runs
+from tiering.core.transfer import coalesce, copy_runs, issue_runs
 
 if TYPE_CHECKING:  # pragma: no cover
     from tiering.resources.kv_storage import KVStorage
@@ -63,9 +63,9 @@ class CopyJobs:
                 return done
             done = None
             for layer in range(progress.num_layers):  # layer L is readable while L+1 copies
-                done = issue_layer_runs(self._s.streams, self._s.host, self._s.dev, runs, layer,
-                                        after=marker if layer == 0 else None,
-                                        fault_hook=self._s.fault)
+                done = issue_runs(self._s.streams, self._s.host, self._s.dev, runs, "h2d",
+                                  after=marker if layer == 0 else None,
+                                  fault_hook=self._s.fault, layer=layer)
                 progress.landed(layer, done)
             if done is not None:
                 done.synchronize()  # the job ends (and the host slots go back) after the last copy

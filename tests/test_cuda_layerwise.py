@@ -9,23 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_kv
+from test_cuda import GEOM, fill  # the same geometry and filling as the other CUDA checks
 from tiering.resources.base import ResourceStep, StepContext
 from tiering.resources.kv_cache import PagedKVCache
-from tiering.resources.kv_geometry import KVGeometry
 
 pytestmark = pytest.mark.cuda
-
-GEOM = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_tokens=16)
-
-
-def fill(kv, rid, gen, tokens):
-    kv.ingest_request(rid, None)
-    assert kv.allocate(rid, tokens)
-    data = [(k.to(kv.device), v.to(kv.device)) for k, v in random_kv(gen, kv.geometry, tokens)]
-    for layer, (k, v) in enumerate(data):
-        kv.write(rid, layer, 0, k, v)
-    return data
-
 
 def test_layerwise_reload_on_gpu_reads_each_layer_after_its_event(closing):
     kv = closing(PagedKVCache(GEOM, device="cuda:0", device_pages=128, host_pages=128,

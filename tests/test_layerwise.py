@@ -48,9 +48,11 @@ def make(gate=None, layerwise=True, **kw) -> PagedKVCache:
                         copy_fault_hook=gate or (lambda kind: None), **kw)
 
 
-def fill(kv: PagedKVCache, rid: str, tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fill(kv: PagedKVCache, rid: str, tokens: int, seed: int,
+         ingest: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    kv.ingest_request(rid)
+    if ingest:
+        kv.ingest_request(rid)
     assert kv.allocate(rid, tokens)
     out = []
     for layer in range(GEOM.num_layers):
@@ -242,7 +244,7 @@ def test_through_the_front_door_an_early_step_runs_while_later_layers_copy():
     with TieredKV(cfg) as tkv:
         kv = tkv.kv
         tkv.add("a")
-        want = fill_existing(kv, "a", 13, seed=11)
+        want = fill(kv, "a", 13, seed=11, ingest=False)
         offload(kv, "a")
         gate.calls = 0
         assert tkv.ready("a") is Readiness.ASKED_BACK
@@ -260,16 +262,6 @@ def test_through_the_front_door_an_early_step_runs_while_later_layers_copy():
         assert kv.state_of("a") is S.RESIDENT and kv.num_tokens("a") == 14
         assert tkv.stats()["kv.reloads_admitted_early"] == 1
 
-
-def fill_existing(kv, rid, tokens, seed):
-    gen = torch.Generator().manual_seed(seed)
-    assert kv.allocate(rid, tokens)
-    out = []
-    for layer in range(GEOM.num_layers):
-        k, v = torch.randn(tokens, 2, 8, generator=gen), torch.randn(tokens, 2, 8, generator=gen)
-        kv.write(rid, layer, 0, k, v)
-        out.append((k, v))
-    return out
 
 
 def test_a_host_copy_that_fails_its_checksum_is_never_admitted_early():

@@ -109,6 +109,7 @@ def issue_runs(
     direction: str,
     after=None,
     fault_hook: Callable[[str], None] = no_fault,
+    layer: int | None = None,
 ):
     """Queue the copies of ``runs`` from ``src`` to ``dst``; returns the event
     recorded after them on CUDA (not waited for), None on a CPU (already done).
@@ -116,7 +117,10 @@ def issue_runs(
     Runs on a worker thread. ``direction`` is "d2h" or "h2d" and picks the
     CUDA stream; ``after`` is a compute-stream marker to wait on first (for
     an offload, kernels may still be writing the KV; for a reload, kernels
-    queued for the slots' previous owner may still use them).
+    queued for the slots' previous owner may still use them). ``layer``: copy
+    only that layer of each page (a page holds its layers one after the other,
+    so the layer of a run of pages is strided: on a CPU each run is one strided
+    copy, on CUDA each page's slice is one asynchronous copy).
 
     If anything raises after copies were queued, the copies already queued
     are fenced (waited for) before the exception leaves, so no caller frees
@@ -133,9 +137,13 @@ def issue_runs(
             try:
                 for r in runs:
                     fault_hook(direction)
-                    dst[r.dst : r.dst + r.length].copy_(
-                        src[r.src : r.src + r.length], non_blocking=True
-                    )
+                    if layer is None:
+                        dst[r.dst : r.dst + r.length].copy_(
+                            src[r.src : r.src + r.length], non_blocking=True
+                        )
+                        continue
+                    for i in range(r.length):
+                        dst[r.dst + i, layer].copy_(src[r.src + i, layer], non_blocking=True)
             except BaseException:
                 done.record(stream)
                 done.synchronize()  # fence what was queued before the fault
@@ -144,7 +152,10 @@ def issue_runs(
         return done
     for r in runs:
         fault_hook(direction)
-        dst[r.dst : r.dst + r.length].copy_(src[r.src : r.src + r.length])
+        if layer is None:
+            dst[r.dst : r.dst + r.length].copy_(src[r.src : r.src + r.length])
+        else:
+            dst[r.dst : r.dst + r.length, layer].copy_(src[r.src : r.src + r.length, layer])
     return None
 
 
@@ -155,41 +166,3 @@ def copy_runs(*args, **kwargs):
     if done is not None:
         done.synchronize()
     return done
-
-
-def issue_layer_runs(
-    streams: StreamSet,
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    runs: Sequence[PageRun],
-    layer: int,
-    after=None,
-    fault_hook: Callable[[str], None] = no_fault,
-):
-    """``issue_runs`` host-to-device for one layer of every page of ``runs``.
-
-    A page holds its layers one after the other, so one layer of a run of pages
-    is strided: on a CPU each run is one strided copy; on CUDA each page's
-    layer slice (contiguous) is one asynchronous copy. Returns the event
-    recorded after them (None on a CPU, where they are done)."""
-    if streams.cuda and (src.is_cuda or dst.is_cuda):
-        stream = streams.h2d
-        with torch.cuda.device(streams.device), torch.cuda.stream(stream):
-            if after is not None:
-                stream.wait_event(after)
-            done = streams.new_event()
-            try:
-                for r in runs:
-                    fault_hook("h2d")
-                    for i in range(r.length):
-                        dst[r.dst + i, layer].copy_(src[r.src + i, layer], non_blocking=True)
-            except BaseException:
-                done.record(stream)
-                done.synchronize()
-                raise
-            done.record(stream)
-        return done
-    for r in runs:
-        fault_hook("h2d")
-        dst[r.dst : r.dst + r.length, layer].copy_(src[r.src : r.src + r.length, layer])
-    return None
