@@ -57,7 +57,7 @@ from tiering.policies.blocks import DEFAULT_BLOCK_POLICY, make_block_policy
 from tiering.resources.kv_prefix_moves import BlockMoves
 from tiering.resources.kv_prefix_rules import BlockRules
 from tiering.resources.kv_prefix_shared import SharedBlocks, SharedLink
-from tiering.resources.kv_prefix_types import BLOCKS, PrefixHit, PrefixLoad, crc_page
+from tiering.resources.kv_prefix_types import BLOCKS, BlockParts, PrefixHit, PrefixLoad, crc_page
 
 from tiering.blocks import BlockIndex, KeyRoot, block_keys
 from tiering.blocks.keys import KEY_BYTES
@@ -104,11 +104,10 @@ class PrefixCache:
         self.orphans: list[tuple[Any, Any]] = []  # (future, load) of removed loaders
         self.stats: Counter[str] = Counter()
         # moving blocks down, dropping them, the disk extents they are packed in
-        self.moves = BlockMoves(storage, self.index, self.rules, self.crc, self.stats, clock,
-                                disk_batch_pages)
+        parts = BlockParts(storage, self.index, self.rules, self.crc, self.stats, clock)
+        self.moves = BlockMoves(parts, disk_batch_pages)
         # the shared cold tier: its link, fetches in flight, publishes to retry
-        self.sharing = SharedBlocks(storage, self.index, self.rules, self.crc, self.stats, clock,
-                                    self.moves)
+        self.sharing = SharedBlocks(parts, self.moves)
         if shared is not None:  # last: a store that cannot be reached leaves nothing behind
             self.sharing.open(shared, self.key_root, shared_refresh_s, owner)
 

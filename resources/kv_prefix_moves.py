@@ -12,19 +12,16 @@ crc table and the counters it shares, and calls it.
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 import torch
-from tiering.resources.kv_prefix_rules import BlockRules
-from tiering.resources.kv_prefix_types import BLOCKS, DISK_OWNER
+from tiering.resources.kv_prefix_types import BLOCKS, DISK_OWNER, BlockParts
 
-from tiering.blocks import BlockIndex
 from tiering.types import Tier
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tiering.resources.kv_storage import KVStorage
+    pass
 
 log = logging.getLogger("tiering.kv_prefix")
 
@@ -33,15 +30,8 @@ class BlockMoves:
     """Moving blocks down and dropping them (see the module doc). It owns the disk
     extents blocks are packed in (``extents``: id -> [DiskExtent, live blocks])."""
 
-    def __init__(self, storage: KVStorage, index: BlockIndex, rules: BlockRules,
-                 crc: dict[Hashable, int], stats: Counter[str], clock: Callable[[], float],
-                 disk_batch_pages: int) -> None:
-        self._s = storage
-        self._index = index
-        self._rules = rules
-        self._crc = crc
-        self._stats = stats
-        self._clock = clock
+    def __init__(self, parts: BlockParts, disk_batch_pages: int) -> None:
+        self._s, self._index, self._rules, self._crc, self._stats, self._clock = parts
         self._batch = disk_batch_pages
         self.extents: dict[int, list] = {}
         self._extent_ids = 0

@@ -10,23 +10,19 @@ the rules, the crc table, the counters and its ``BlockMoves``; the rules are in
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from tiering.resources.kv_prefix_moves import BlockMoves
-from tiering.resources.kv_prefix_rules import BlockRules
-from tiering.resources.kv_prefix_types import BLOCKS, PrefixLoad, crc_page
+from tiering.resources.kv_prefix_types import BLOCKS, BlockParts, PrefixLoad, crc_page
 
-from tiering.blocks import BlockIndex
 from tiering.types import Tier
 
 if TYPE_CHECKING:  # pragma: no cover
     from tiering.resources.kv_records import RequestRecord
-    from tiering.resources.kv_storage import KVStorage
 
 
 @dataclass
@@ -121,15 +117,8 @@ class SharedBlocks:
     (``link``, None without a shared tier), the fetches in flight (``fetching``) and the
     refused publishes to retry (``unpublished``)."""
 
-    def __init__(self, storage: KVStorage, index: BlockIndex, rules: BlockRules,
-                 crc: dict[Hashable, int], stats: Counter[str], clock: Callable[[], float],
-                 moves: BlockMoves) -> None:
-        self._s = storage
-        self._index = index
-        self._rules = rules
-        self._crc = crc
-        self._stats = stats
-        self._clock = clock
+    def __init__(self, parts: BlockParts, moves: BlockMoves) -> None:
+        self._s, self._index, self._rules, self._crc, self._stats, self._clock = parts
         self._moves = moves
         self.link: SharedLink | None = None
         self.fetching: dict[bytes, _Fetch] = {}

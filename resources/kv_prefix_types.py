@@ -7,7 +7,7 @@ the checksum every block is published and loaded under.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,3 +44,16 @@ def crc_page(t: torch.Tensor) -> int:
     """crc32c of one page's bytes (a CPU tensor)."""
     arr = t.contiguous().view(torch.uint8).numpy()
     return crc32c_extend(0, arr)
+
+
+class BlockParts(NamedTuple):
+    """What the block store's parts (``BlockMoves``, ``SharedBlocks``) share: the cache's
+    storage, the block index, the rules, the blocks' checksums, the counters and the clock
+    (each owned by the ``PrefixCache``; the parts read and update them)."""
+
+    storage: Any
+    index: Any
+    rules: Any
+    crc: dict
+    stats: Any
+    clock: Any
