@@ -166,7 +166,8 @@ class PagedKVCache(LifecycleAnswers, Resource):
                 ring = st.device_pool.allocate(STREAM_BUFFER, stream_buffer_pages)
                 assert ring == list(range(stream_buffer_pages)), ring
                 self._stream = StreamBuffer(st.dev[:stream_buffer_pages], geometry.num_layers,
-                                            st.host, st.streams, lambda kind: st.fault(kind))
+                                            st.host, st.streams, lambda kind: st.fault(kind),
+                                            join_timeout_s=o.layer_wait_timeout_s)
             life, stream = self._life, self._stream
             self._reuse = PrefixReuse(life, st, clock, f"PagedKVCache at 0x{id(self):x}")
             self._pages = RequestPages(st, self._reuse, stream, stream_window_pages,

@@ -144,19 +144,10 @@ class BlockMoves:
             return True
         batch = max(want, min(self._batch, self._index.count(Tier.HOST)))
         ext_id = self._extent_ids + 1
-        chosen: list[tuple[Hashable, int]] = []
-        refused = 0
-        for _ in range(batch):
-            now = self._now()
-            key = rules.victim(Tier.HOST, now)
-            if key is None:
-                break
-            if not rules.admits(Tier.DISK, key, now):
-                self.drop(key, "evicted")  # the disk does not take it: it leaves the cache
-                refused += 1
-                continue
-            self._index.begin_move(key, Tier.DISK, (ext_id, len(chosen)))
-            chosen.append((key, self._index.location(key).handle))
+        keys, refused = rules.disk_batch(
+            batch, self._now, lambda key: self.drop(key, "evicted"),
+            lambda key, i: self._index.begin_move(key, Tier.DISK, (ext_id, i)))
+        chosen = [(key, self._index.location(key).handle) for key in keys]  # host slots
         if not chosen:
             return refused > 0
         extent = c.disk.reserve(DISK_OWNER, len(chosen))

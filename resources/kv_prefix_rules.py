@@ -175,6 +175,28 @@ class BlockRules:
             self.watch("refuse", key, tier)
         return False
 
+    def disk_batch(self, size: int, clock: Callable[[], float],
+                   drop: Callable[[Hashable], None],
+                   mark: Callable[[Hashable, int], None]) -> tuple[list[Hashable], int]:
+        """Up to ``size`` host victims for one write to disk, in the host policy's order:
+        each the disk's policy admits is ``mark``ed (its move begun, so the next victim is
+        another block) with its place in the batch, each it refuses is ``drop``ped. Returns
+        (the marked keys, how many were refused)."""
+        chosen: list[Hashable] = []
+        refused = 0
+        for _ in range(size):
+            now = clock()
+            key = self.victim(Tier.HOST, now)
+            if key is None:
+                break
+            if not self.admits(Tier.DISK, key, now):
+                drop(key)  # the disk does not take it: it leaves the store
+                refused += 1
+                continue
+            mark(key, len(chosen))
+            chosen.append(key)
+        return chosen, refused
+
     # -- arrivals and departures --------------------------------------------------------
 
     def moved(self, key: Hashable, src: Tier, dst: Tier, now: float) -> None:

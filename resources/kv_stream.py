@@ -13,6 +13,7 @@ ring allows. So while the engine computes layer L, layer L+1 is copying.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 
 from tiering.core.transfer import coalesce
+
+log = logging.getLogger("tiering.kv_cache")
 
 #: The pool owner of the ring's device pages.
 STREAM_BUFFER = "<stream buffer>"
@@ -49,7 +52,8 @@ class StreamBuffer:
     layer the thread is not on, restarts the thread there."""
 
     def __init__(self, ring_pages: torch.Tensor, num_layers: int, host: torch.Tensor,
-                 streams: Any, fault_hook: Any, chunks: int = 4) -> None:
+                 streams: Any, fault_hook: Any, chunks: int = 4,
+                 join_timeout_s: float = 60.0) -> None:
         pages = ring_pages.shape[0]
         slices = ring_pages.reshape(pages * num_layers, *ring_pages.shape[2:])
         self.chunk_pages = max(1, slices.shape[0] // chunks)
@@ -64,6 +68,10 @@ class StreamBuffer:
         self._filled: deque[tuple[int, int, int, int, Any]] = deque()  # layer, chunk, buf, count, event
         self._feed: _Feed | None = None
         self._thread: threading.Thread | None = None
+        self._join_timeout_s = join_timeout_s
+        # a copy thread that did not stop in time may still write the ring: it is never
+        # used again, and readers copy every chunk themselves
+        self.ring_lost = False
         self.copy_s = 0.0  # seconds spent copying, by the thread or a reader (a measurement)
         self.wait_s = 0.0  # seconds readers waited for a chunk
 
@@ -81,6 +89,8 @@ class StreamBuffer:
             self._feed = feed
             self._free = deque((i, None) for i in range(len(self.ring)))
             self._filled.clear()
+        if self.ring_lost:
+            return  # no thread: every chunk is the reader's to copy
         self._thread = threading.Thread(target=self._run, args=(feed,), daemon=True,
                                         name="tiering-stream")
         self._thread.start()
@@ -182,7 +192,11 @@ class StreamBuffer:
                 f.cancelled = True
                 self._cond.notify_all()
         if t is not None:
-            t.join()
+            t.join(self._join_timeout_s)
+            if t.is_alive():
+                log.error("the stream copy thread did not stop within %ss; its ring is not"
+                          " used again", self._join_timeout_s)
+                self.ring_lost = True
         self._feed, self._thread = None, None
         with self._cond:
             self._filled.clear()

@@ -137,3 +137,27 @@ def test_bad_stream_config(window, buffer, match):
     with pytest.raises(ValueError, match=match):
         PagedKVCache(GEOM, device_pages=DEVICE_PAGES, stream_window_pages=window,
                      stream_buffer_pages=buffer)
+
+
+def test_a_copy_thread_that_does_not_stop_in_time_loses_the_ring_not_the_bytes():
+    """The stream's copy thread hangs in a copy: the read gives up within the wait limit,
+    the ring that thread may still write is never used again, and later reads copy every
+    chunk themselves, still bitwise."""
+    import threading
+
+    stuck = threading.Event()
+
+    def hook(kind):
+        if kind == "h2d" and threading.current_thread().name == "tiering-stream":
+            stuck.wait(10)
+
+    with streaming(copy_fault_hook=hook, layer_wait_timeout_s=0.2) as kv:
+        want = grow(kv, "long", 2 * DEVICE_PAGES * GEOM.page_tokens, seed=7)
+        with pytest.raises(LayerNotReady):  # the thread takes a chunk and hangs in its copy
+            kv.read("long", 0)
+        assert kv._stream.ring_lost
+        stuck.set()
+        for layer in range(GEOM.num_layers):
+            k, v = kv.read("long", layer)
+            assert torch.equal(k, want[layer][0]) and torch.equal(v, want[layer][1])
+        kv.check_integrity()

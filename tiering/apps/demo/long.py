@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -65,7 +65,16 @@ class LongConfig:
         return self.times_device * self.device_pages * self.page_tokens - self.new_tokens
 
 
-def _serve(model: TinyDecoder, kv: PagedKVCache, prompt: torch.Tensor, cfg: LongConfig):
+class _Served(NamedTuple):
+    tokens: list[int]
+    logits: torch.Tensor
+    prefill_s: float
+    decode_s: float
+    streamed: bool
+
+
+def _serve(model: TinyDecoder, kv: PagedKVCache, prompt: torch.Tensor,
+           cfg: LongConfig) -> _Served:
     rid = "long"
     kv.ingest_request(rid)
     tokens: list[int] = []
@@ -89,7 +98,7 @@ def _serve(model: TinyDecoder, kv: PagedKVCache, prompt: torch.Tensor, cfg: Long
     decode_s = time.perf_counter() - t1
     streamed = kv.is_streamed(rid)
     kv.check_integrity()
-    return tokens, logits, prefill_s, decode_s, streamed
+    return _Served(tokens, logits, prefill_s, decode_s, streamed)
 
 
 def run_long(cfg: LongConfig, model_cfg: ModelConfig | None = None,
@@ -108,22 +117,22 @@ def run_long(cfg: LongConfig, model_cfg: ModelConfig | None = None,
         copy_s = kv._stream.copy_s
     with PagedKVCache(geometry, device, total_pages + 1, 1) as roomy:
         want = _serve(model, roomy, prompt, cfg)
-    identical = got[0] == want[0] and torch.equal(got[1], want[1])
+    identical = got.tokens == want.tokens and torch.equal(got.logits, want.logits)
     return {
         "request_kv_bytes": total_pages * geometry.page_bytes,
         "device_kv_bytes": cfg.device_pages * geometry.page_bytes,
         "times_device": round(total_pages / cfg.device_pages, 2),
         "prompt_tokens": cfg.prompt_tokens,
         "generated_tokens": cfg.new_tokens,
-        "streamed": got[4] and not want[4],
-        "prefill_s": round(got[2], 3),
-        "decode_s": round(got[3], 3),
-        "decode_tokens_per_s": round(cfg.new_tokens / got[3], 2) if got[3] > 0 else None,
-        "compute_only_prefill_s": round(want[2], 3),
-        "compute_only_decode_s": round(want[3], 3),
-        "compute_only_tokens_per_s": round(cfg.new_tokens / want[3], 2) if want[3] > 0 else None,
+        "streamed": got.streamed and not want.streamed,
+        "prefill_s": round(got.prefill_s, 3),
+        "decode_s": round(got.decode_s, 3),
+        "decode_tokens_per_s": round(cfg.new_tokens / got.decode_s, 2) if got.decode_s > 0 else None,
+        "compute_only_prefill_s": round(want.prefill_s, 3),
+        "compute_only_decode_s": round(want.decode_s, 3),
+        "compute_only_tokens_per_s": round(cfg.new_tokens / want.decode_s, 2) if want.decode_s > 0 else None,
         "stream_copy_s": round(copy_s, 3),
-        "slowdown": round((got[2] + got[3]) / (want[2] + want[3]), 3) if want[2] + want[3] > 0
+        "slowdown": round((got.prefill_s + got.decode_s) / (want.prefill_s + want.decode_s), 3) if want.prefill_s + want.decode_s > 0
         else None,
         "identical": bool(identical),
     }

@@ -517,19 +517,9 @@ class PrefixBlocks:
             self._drop(key, "evicted")
             return True
         batch = max(want, min(self.disk_batch, index.count(Tier.HOST)))
-        chosen: list[Hashable] = []
-        refused = 0
-        for _ in range(batch):
-            now = self._clock()
-            key = rules.victim(Tier.HOST, now)
-            if key is None:
-                break
-            if not rules.admits(Tier.DISK, key, now):
-                self._drop(key, "evicted")
-                refused += 1
-                continue
-            index.begin_move(key, Tier.DISK, self._new_handle())
-            chosen.append(key)
+        chosen, refused = rules.disk_batch(
+            batch, self._clock, lambda key: self._drop(key, "evicted"),
+            lambda key, i: index.begin_move(key, Tier.DISK, self._new_handle()))
         if not chosen:
             return refused > 0
         need = len(chosen) * self.block_pages
