@@ -56,7 +56,7 @@ from tiering.resources.kv_data import DataPlane, check_int
 from tiering.resources.kv_geometry import KVGeometry
 from tiering.resources.kv_hooks import EvictionHooks
 from tiering.resources.kv_integrity import IntegrityCheck
-from tiering.resources.kv_options import KVOptions
+from tiering.resources.kv_options import KVContext, KVOptions
 from tiering.resources.kv_pages import RequestPages, adopt_reattached
 from tiering.resources.kv_prefix import PrefixHit
 from tiering.resources.kv_prefix_api import PrefixReuse
@@ -168,21 +168,13 @@ class PagedKVCache(LifecycleAnswers, Resource):
                 self._stream = StreamBuffer(st.dev[:stream_buffer_pages], geometry.num_layers,
                                             st.host, st.streams, lambda kind: st.fault(kind),
                                             join_timeout_s=o.layer_wait_timeout_s)
-            life, stream = self._life, self._stream
-            self._reuse = PrefixReuse(life, st, clock, f"PagedKVCache at 0x{id(self):x}")
-            self._pages = RequestPages(st, self._reuse, stream, stream_window_pages,
-                                       stream_buffer_pages)
-            self._transfers = Transfers(
-                life, self.stats, st, self._reuse, self._pages, clock, copy_workers=copy_workers,
-                io_workers=io_workers, layerwise_reload=layerwise_reload,
-                to_disk_when_host_full=offload_to_disk_when_host_full)
-            self._data = DataPlane(life, self.stats, st, stream, self._transfers,
-                                   o.layer_wait_timeout_s)
-            self._hooks = EvictionHooks(life, self.stats, st, self._reuse, self._transfers,
-                                        stream, clock,
-                                        to_disk_when_host_full=offload_to_disk_when_host_full)
-            self._check = IntegrityCheck(life, st, self._reuse, self._transfers, stream,
-                                         stream_window_pages, stream_buffer_pages)
+            ctx = KVContext(self._life, self.stats, st, self._stream, o)
+            self._reuse = PrefixReuse(ctx, f"PagedKVCache at 0x{id(self):x}")
+            self._pages = RequestPages(ctx, self._reuse)
+            self._transfers = Transfers(ctx, self._reuse, self._pages)
+            self._data = DataPlane(ctx, self._transfers)
+            self._hooks = EvictionHooks(ctx, self._reuse, self._transfers)
+            self._check = IntegrityCheck(ctx, self._reuse, self._transfers)
             if st.disk is not None:  # what an earlier process left intact on disk
                 adopt_reattached(st.disk, self._life.records, clock)
         except BaseException:

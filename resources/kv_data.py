@@ -13,11 +13,9 @@ import concurrent.futures as cf
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tiering.resources.kv_records import KVStats, RequestLost, RequestRecord, admitted_early
-from tiering.resources.kv_storage import KVStorage
-from tiering.resources.kv_stream import StreamBuffer
+from tiering.resources.kv_options import KVContext
+from tiering.resources.kv_records import RequestLost, RequestRecord, admitted_early
 
-from tiering.core.lifecycle import Lifecycle
 from tiering.errors import LayerNotReady
 from tiering.types import IllegalTransition, RequestState
 
@@ -39,18 +37,12 @@ def check_int(what: str, name: str, value: Any, lo: int | None = 0) -> int:
 class DataPlane:
     """Page tables, layer views, writes and reads (see the module doc)."""
 
-    def __init__(self, life: Lifecycle, stats: KVStats, storage: KVStorage,
-                 stream: StreamBuffer | None, transfers: Transfers,
-                 layer_wait_timeout_s: float) -> None:
-        self._life = life
-        self._stats = stats
-        self._g = storage.geometry
-        self._dev = storage.dev  # the storage's tensors and streams, read here
-        self._device = storage.device
-        self._streams = storage.streams
-        self._stream = stream
-        self._transfers = transfers
-        self._layer_timeout = layer_wait_timeout_s
+    def __init__(self, ctx: KVContext, transfers: Transfers) -> None:
+        self._life, self._stats, storage, self._stream, o = ctx
+        # the storage's tensors and streams, read here
+        self._g, self._dev, self._device = storage.geometry, storage.dev, storage.device
+        self._streams, self._transfers = storage.streams, transfers
+        self._layer_timeout = o.layer_wait_timeout_s
 
     def page_table(self, rid: str) -> list[int]:
         r = self._life.get(rid, "page_table")

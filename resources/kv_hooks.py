@@ -10,17 +10,14 @@ reload and takes back an offload not yet started.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 from tiering.resources.base import AdmitOutcome, ResourceReqConfig, ResourceStep, StepContext
 from tiering.resources.engine_types import retention_offload_priority
-from tiering.resources.kv_records import KVStats, admitted_early, own_pages
-from tiering.resources.kv_storage import KVStorage
-from tiering.resources.kv_stream import StreamBuffer
+from tiering.resources.kv_options import KVContext
+from tiering.resources.kv_records import admitted_early, own_pages
 
-from tiering.core.lifecycle import Lifecycle
 from tiering.errors import UnknownRequest
 from tiering.types import OFFLOADED_STATES, RequestState, Tier
 
@@ -36,19 +33,11 @@ S = RequestState
 class EvictionHooks:
     """What the cache answers: sizes, admission and the eviction questions."""
 
-    def __init__(self, life: Lifecycle, stats: KVStats, storage: KVStorage, reuse: PrefixReuse,
-                 transfers: Transfers, stream: StreamBuffer | None, clock: Callable[[], float],
-                 *, to_disk_when_host_full: bool) -> None:
-        self._life = life
-        self._stats = stats
-        self._s = storage
-        self._g = storage.geometry
-        self._streams = storage.streams
-        self._reuse = reuse
-        self._transfers = transfers
-        self._stream = stream
-        self._clock = clock
-        self._to_disk = to_disk_when_host_full
+    def __init__(self, ctx: KVContext, reuse: PrefixReuse, transfers: Transfers) -> None:
+        self._life, self._stats, self._s, self._stream, o = ctx
+        self._g, self._streams, self._clock = self._s.geometry, self._s.streams, o.clock
+        self._to_disk = o.offload_to_disk_when_host_full
+        self._reuse, self._transfers = reuse, transfers
 
     def device_used_bytes(self) -> int:
         self._life.check_open("device_used_bytes")

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tiering.resources.kv_options import KVContext
 from tiering.resources.kv_prefix_types import BLOCKS
 from tiering.resources.kv_records import RequestRecord
-from tiering.resources.kv_storage import KVStorage
-from tiering.resources.kv_stream import STREAM_BUFFER, StreamBuffer
+from tiering.resources.kv_stream import STREAM_BUFFER
 
-from tiering.core.lifecycle import Lifecycle
 from tiering.core.pools import PoolIntegrityError
 from tiering.types import Move, RequestState, Tier
 
@@ -29,17 +28,10 @@ S = RequestState
 class IntegrityCheck:
     """``check_integrity`` over the parts it is given (see the module doc)."""
 
-    def __init__(self, life: Lifecycle, storage: KVStorage, reuse: PrefixReuse,
-                 transfers: Transfers, stream: StreamBuffer | None, window_pages: int,
-                 stream_pages: int) -> None:
-        self._life = life
-        self._s = storage
-        self._g = storage.geometry
-        self._reuse = reuse
-        self._transfers = transfers
-        self._stream = stream
-        self._window = window_pages
-        self._stream_pages = stream_pages
+    def __init__(self, ctx: KVContext, reuse: PrefixReuse, transfers: Transfers) -> None:
+        self._life, _, self._s, self._stream, o = ctx
+        self._g, self._reuse, self._transfers = self._s.geometry, reuse, transfers
+        self._window, self._stream_pages = o.stream_window_pages, o.stream_buffer_pages
 
     def check(self) -> None:
         """Every slot of every tier is free, held by exactly one request, or

@@ -1,13 +1,21 @@
-"""The scalar settings of ``PagedKVCache``, checked once when it is built."""
+"""The scalar settings of ``PagedKVCache``, checked once when it is built, and the
+context its parts share."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tiering.core.staging import StagingConfig
 from tiering.core.validate import check_timeout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tiering.resources.kv_records import KVStats
+    from tiering.resources.kv_storage import KVStorage
+    from tiering.resources.kv_stream import StreamBuffer
+
+    from tiering.core.lifecycle import Lifecycle
 
 
 @dataclass(frozen=True)
@@ -64,3 +72,15 @@ class KVOptions:
             raise ValueError(f"PagedKVCache: disk_wrap_store must be callable or None, got {self.disk_wrap_store!r}")
         object.__setattr__(self, "layer_wait_timeout_s", check_timeout(
             "PagedKVCache: layer_wait_timeout_s", self.layer_wait_timeout_s))
+
+
+class KVContext(NamedTuple):
+    """What every part of ``PagedKVCache`` is built on: the request records, the
+    counters, the tiers' storage, the streaming ring (or None) and the settings.
+    Each part keeps it whole and owns none of it."""
+
+    life: Lifecycle
+    stats: KVStats
+    storage: KVStorage
+    stream: StreamBuffer | None
+    options: KVOptions

@@ -14,9 +14,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tiering.resources.kv_options import KVContext
 from tiering.resources.kv_records import RequestRecord, admitted_early
-from tiering.resources.kv_storage import KVStorage
-from tiering.resources.kv_stream import StreamBuffer
 
 from tiering.core.lifecycle import Op, guard
 from tiering.types import RequestState
@@ -38,14 +37,10 @@ def adopt_reattached(disk, records: dict[str, RequestRecord], clock: Callable[[]
 class RequestPages:
     """Allocation and release of a request's slots (see the module doc)."""
 
-    def __init__(self, storage: KVStorage, reuse: PrefixReuse, stream: StreamBuffer | None,
-                 window_pages: int, stream_pages: int) -> None:
-        self._s = storage
-        self._g = storage.geometry
-        self._reuse = reuse
-        self._stream = stream
-        self._window = window_pages
-        self._stream_pages = stream_pages
+    def __init__(self, ctx: KVContext, reuse: PrefixReuse) -> None:
+        self._s, self._stream, o = ctx.storage, ctx.stream, ctx.options
+        self._g, self._reuse = self._s.geometry, reuse
+        self._window, self._stream_pages = o.stream_window_pages, o.stream_buffer_pages
 
     def allocate(self, r: RequestRecord, num_tokens: int) -> bool:
         if not admitted_early(r):

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 
 import numpy as np
 import torch
 from tiering.policies.blocks import DEFAULT_BLOCK_POLICY, default_block_registry
 from tiering.resources.base import CachedPrefix
+from tiering.resources.kv_options import KVContext
 from tiering.resources.kv_prefix import PrefixCache, PrefixHit, as_root
-from tiering.resources.kv_storage import KVStorage
 
 from tiering.blocks import KeyRoot
-from tiering.core.lifecycle import Lifecycle
 from tiering.core.validate import is_int, is_number
 from tiering.types import IllegalTransition, RequestState, Tier
 
@@ -33,12 +31,9 @@ class PrefixReuse:
     """The prefix-reuse calls (see the module doc). ``blocks`` is the block store once
     ``enable_prefix_cache`` opened it (None before); this part is its one owner."""
 
-    def __init__(self, life: Lifecycle, storage: KVStorage, clock: Callable[[], float],
-                 owner: str) -> None:
-        self._life = life
-        self._s = storage
-        self._g = storage.geometry
-        self._clock = clock
+    def __init__(self, ctx: KVContext, owner: str) -> None:
+        self._life, self._s, self._clock = ctx.life, ctx.storage, ctx.options.clock
+        self._g = self._s.geometry
         self._owner = owner  # how the shared tier's queue names the cache that claims it
         self.blocks: PrefixCache | None = None
 

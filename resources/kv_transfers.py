@@ -18,16 +18,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tiering.resources.kv_moves import CopyJobs
+from tiering.resources.kv_options import KVContext
 from tiering.resources.kv_prefix_types import BLOCKS
-from tiering.resources.kv_records import KVStats, RequestRecord, Tombstone, TransferJob, own_pages
-from tiering.resources.kv_storage import KVStorage
+from tiering.resources.kv_records import RequestRecord, Tombstone, TransferJob, own_pages
 from tiering.resources.kv_storage import why as _why
 
 from tiering.control.protocols import CompletionFeed
 from tiering.core.checksum import ChecksumMismatch
 from tiering.core.executor import OFFLOAD, RELOAD, WRITE, PriorityExecutor
 from tiering.core.layers import LayerProgress
-from tiering.core.lifecycle import IN_FLIGHT, RELOAD_FROM, Lifecycle, Op, guard, offload_move
+from tiering.core.lifecycle import IN_FLIGHT, RELOAD_FROM, Op, guard, offload_move
 from tiering.core.staging import StagingTimeout
 from tiering.core.validate import check_timeout
 from tiering.errors import TRANSIENT_IO_ERRNOS
@@ -50,18 +50,12 @@ class Transfers:
     what was applied outside ``poll`` and the completion feeds; the records are the
     ``Lifecycle``'s, changed only through it."""
 
-    def __init__(self, life: Lifecycle, stats: KVStats, storage: KVStorage, reuse: PrefixReuse,
-                 pages: RequestPages, clock: Callable[[], float], *, copy_workers: int,
-                 io_workers: int, layerwise_reload: bool, to_disk_when_host_full: bool) -> None:
-        self._life = life
-        self._stats = stats
-        self._s = storage
-        self._g = storage.geometry
-        self._reuse = reuse
-        self._pages = pages
-        self._clock = clock
-        self._layerwise = layerwise_reload
-        self._to_disk = to_disk_when_host_full
+    def __init__(self, ctx: KVContext, reuse: PrefixReuse, pages: RequestPages) -> None:
+        self._life, self._stats, storage, _, o = ctx
+        self._s, self._g, self._reuse, self._pages = storage, storage.geometry, reuse, pages
+        self._clock, self._layerwise = o.clock, o.layerwise_reload
+        self._to_disk = o.offload_to_disk_when_host_full
+        copy_workers, io_workers = o.copy_workers, o.io_workers
         self.moves = CopyJobs(storage)
         self.tombstones: dict[tuple, Tombstone] = {}
         self._tomb_seq = itertools.count(1)
