@@ -141,6 +141,41 @@ class SharedTierConfig:
             raise ValueError(f"SharedTierConfig.trust must be a TrustConfig, got {type(self.trust).__name__}")
 
 
+class Got(NamedTuple):
+    """What ``get_capped`` read: the object's bytes, or its size when over the cap,
+    or the result of a get that failed (LOST when the object is missing, else
+    UNAVAILABLE). Exactly one is set."""
+
+    raw: bytes | None = None
+    oversize: int | None = None
+    failed: BlockResult | None = None
+
+
+def get_capped(store: Any, path: str, op: str, key: bytes, cap: int,
+               breaker: CircuitBreaker) -> Got:
+    """Read the object at ``path``, at most ``cap + 1`` bytes of it, telling
+    ``breaker`` whether the store answered."""
+    import obstore
+
+    try:
+        got = obstore.get(store, path, options={"range": (0, cap + 1)})
+        size = int(got.meta["size"])
+        if size > cap:
+            breaker.record_success()
+            return Got(oversize=size)
+        raw = got.bytes()
+    except Exception as exc:
+        fault = classify(exc)
+        if fault is Fault.MISSING or fault is Fault.RANGE:
+            breaker.record_success()
+            return Got(failed=BlockResult(op, key, BlockStatus.LOST, reason="missing" if fault is
+                                          Fault.MISSING else "refused: empty object"))
+        breaker.record_failure()
+        return Got(failed=BlockResult(op, key, BlockStatus.UNAVAILABLE, reason=short(exc)))
+    breaker.record_success()
+    return Got(raw=raw)
+
+
 def _check_wait(what: str, timeout_s: object) -> float:
     """Every wait is bounded: ``timeout_s`` is a finite number (None or infinity would wait for
     ever, NaN is no bound); a negative one is an expired budget: do not wait."""
@@ -321,30 +356,19 @@ class SharedBlockStore:
         key = self._key(key)
         if not self.breaker.allow():
             return BlockResult("fetch", key, BlockStatus.SKIPPED, reason="store not answering")
-        import obstore
-
         path = self.path(key)
         cap = self.max_object_bytes(key)
         listed = self.known.size(key)
         if listed is not None and listed > cap:  # known too large: no request at all
             return self._lost_oversized(key, listed, cap)
-        try:
-            got = obstore.get(self.store, path, options={"range": (0, cap + 1)})
-            size = int(got.meta["size"])
-            if size > cap:
-                self.breaker.record_success()
-                return self._lost_oversized(key, size, cap)
-            raw = got.bytes()
-        except Exception as exc:
-            fault = classify(exc)
-            if fault is Fault.MISSING or fault is Fault.RANGE:
-                self.breaker.record_success()
+        got = get_capped(self.store, path, "fetch", key, cap, self.breaker)
+        if got.oversize is not None:
+            return self._lost_oversized(key, got.oversize, cap)
+        if got.failed is not None:
+            if got.failed.status is BlockStatus.LOST:
                 self.known.discard(key)
-                return BlockResult("fetch", key, BlockStatus.LOST,
-                                   reason="missing" if fault is Fault.MISSING else "refused: empty object")
-            self.breaker.record_failure()
-            return BlockResult("fetch", key, BlockStatus.UNAVAILABLE, reason=short(exc))
-        self.breaker.record_success()
+            return got.failed
+        raw = got.raw
         try:
             payload = bytes(unframe(KIND_BLOCK, raw, key, self.root, self.geometry, keys=self.keys))
         except FrameRefused as exc:

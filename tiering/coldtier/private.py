@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from ._io import Fault, classify, short
-from .blocks import BlockResult, BlockStatus
+from .blocks import BlockResult, BlockStatus, get_capped
 from .breaker import CircuitBreaker
 from .frame import KIND_PRIVATE, FrameRefused, frame, framed_size, unframe
 from .lease import Lease, LeaseConfig, LeaseKeeper
@@ -88,26 +88,14 @@ class PrivatePrefix:
         key = obj.encode()
         if not self.breaker.allow():
             return BlockResult("get", key, BlockStatus.SKIPPED, reason="store not answering")
-        import obstore
-
         cap = framed_size(key, self.base.encode(), self.geometry, self.max_object_bytes)
-        try:
-            got = obstore.get(self.store, path, options={"range": (0, cap + 1)})
-            size = int(got.meta["size"])
-            if size > cap:
-                self.breaker.record_success()
-                return BlockResult("get", key, BlockStatus.LOST,
-                                   reason=f"refused: object is {size} bytes, over the frame's maximum {cap}")
-            raw = got.bytes()
-        except Exception as exc:
-            fault = classify(exc)
-            if fault is Fault.MISSING or fault is Fault.RANGE:
-                self.breaker.record_success()
-                return BlockResult("get", key, BlockStatus.LOST,
-                                   reason="missing" if fault is Fault.MISSING else "refused: empty object")
-            self.breaker.record_failure()
-            return BlockResult("get", key, BlockStatus.UNAVAILABLE, reason=short(exc))
-        self.breaker.record_success()
+        got = get_capped(self.store, path, "get", key, cap, self.breaker)
+        if got.oversize is not None:
+            return BlockResult("get", key, BlockStatus.LOST, reason=f"refused: object is"
+                               f" {got.oversize} bytes, over the frame's maximum {cap}")
+        if got.failed is not None:
+            return got.failed
+        raw = got.raw
         try:
             payload = bytes(unframe(KIND_PRIVATE, raw, key, self.base.encode(), self.geometry, keys=self.keys))
         except FrameRefused as exc:
