@@ -61,14 +61,21 @@ def machine() -> dict:
     }
 
 
+#: one demo run takes a minute or two; one past this is stuck, not slow
+DEMO_TIMEOUT_S = 1800
+
+
 def run_demo(out: Path) -> dict:
     """One `tiering demo` run in a child process: its summary, wall and CPU seconds."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     exe = Path(sys.executable).with_name("tiering")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tiering"]
-    proc = subprocess.run([*cmd, "demo", "--out", str(out)], capture_output=True, text=True,
-                          check=False)
+    try:
+        proc = subprocess.run([*cmd, "demo", "--out", str(out)], capture_output=True, text=True,
+                              check=False, timeout=DEMO_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"tiering demo ran past {DEMO_TIMEOUT_S} s; no figures written") from None
     wall = time.monotonic() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
