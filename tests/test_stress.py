@@ -298,6 +298,20 @@ def test_crash_check_catches_wrong_bytes_and_missing_commits(tmp_path):
     assert sum("stale or wrong bytes" in p for p in check.problems) == 2
 
 
+@pytest.mark.parametrize("flags", [[], ["-v"]])
+def test_injected_faults_are_logged_only_when_asked(flags, capfd):
+    """Without -v the report counts the injected faults and the log stays quiet; -v asks
+    for the library's log lines and gets them."""
+    rc = tiering_main(["stress", "--steps", "40", "--faults", "all", "--seed", "5",
+                       "--fault-rate", "0.2", "--slow-ms", "0", "--paths", "none", *flags])
+    assert rc == 0
+    err = capfd.readouterr().err
+    logged = [line for line in err.splitlines() if line.startswith(("WARNING tiering",
+                                                                    "ERROR tiering",
+                                                                    "INFO tiering"))]
+    assert bool(logged) == bool(flags), logged[:3]
+
+
 def test_cli_writes_the_report(tmp_path, capsys):
     out = tmp_path / "s.json"
     rc = tiering_main(["stress", "--steps", "60", "--faults", "all", "--seed", "3",

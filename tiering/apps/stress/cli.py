@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
 
 @contextlib.contextmanager
 def _quiet_library_logs():
-    """Injected faults make the cache log every failure; the report counts them instead."""
+    """Injected faults make the cache log every failure; the report counts them instead
+    (unless ``-v`` asks for the log)."""
     logger = logging.getLogger("tiering")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
@@ -157,7 +158,8 @@ def _run(args: argparse.Namespace) -> int:
     total = config.duration_s if by_time else config.steps
     bar, on_step = _progress(total, "s" if by_time else "steps", by_time,
                              quiet=verbosity(args) < 0)
-    with _quiet_library_logs():
+    # -v asks for the library's log lines: the injected faults' are what it wants to see
+    with _quiet_library_logs() if verbosity(args) <= 0 else contextlib.nullcontext():
         try:
             report = run_stress(config, args.dir, on_step=on_step)
         finally:
