@@ -235,6 +235,9 @@ class IndexMachine(RuleBasedStateMachine):
         assert held == self.allocated, "a handle leaked or was freed twice"
         for t in TIERS:
             assert self.index.count(t) == sum(1 for v in self.model.values() if v[1] is t)
+            # idle_count is kept as counts change; the model counts the idle blocks
+            assert self.index.idle_count(t) == sum(
+                1 for v in self.model.values() if v[1] is t and not v[2] and v[3] is None)
         # evictable is O(1) from the held-children counts; the model walks the subtree
         for k in self.model:
             assert self.index.evictable(k) == (not self._busy_below(k)), k
@@ -315,6 +318,11 @@ def test_check_integrity_catches_a_corrupted_record():
     del index._slots[Tier.HOST][99]
     index._kids["b"] = {"zz"}  # a child that is not cached
     with pytest.raises(AssertionError, match="child"):
+        index.check_integrity()
+    del index._kids["b"]
+    index.check_integrity()
+    index._busy_n[Tier.DEVICE] += 1  # a busy count that no mapped or moving block backs
+    with pytest.raises(AssertionError, match="busy counts"):
         index.check_integrity()
 
 
@@ -477,3 +485,31 @@ def test_a_moving_block_keeps_its_chain_held_when_a_block_below_it_is_released(b
     index.finish_move("b")
     index.check_integrity()
     assert index.evictable("a") and index.evictable("b")
+
+
+def test_drop_run_removes_what_drop_does_with_the_same_records_and_counts():
+    rng = random.Random(41)
+    twins = (BlockIndex(), BlockIndex())
+    keys = [rng.randrange(10**9) for _ in range(40)]
+    for index in twins:  # two branches below a shared root, some of it on the host
+        _chain(index, keys[:20])
+        _chain(index, keys[20:], start=100)
+        index.insert(keys[20] + 1, keys[5], Tier.HOST, 999, 1.0)
+    kids = twins[0]._kids[keys[5]]
+    assert isinstance(kids, set) and len(kids) == 2
+    out = twins[0].drop(keys[3], "corrupt")
+    run = twins[1].drop_run(keys[3], "corrupt")
+    assert [d.key for d in out] == run.keys and run.keys[-1] == keys[3]
+    assert [d.tier for d in out] == run.tiers and Tier.HOST in run.tiers
+    assert [d.handle for d in out] == run.handles
+    assert [d.reason for d in out] == ["orphaned"] * (len(out) - 1) + ["corrupt"]
+    for index in twins:
+        index.check_integrity()
+        assert set(index.keys()) == set(keys[:3]) | set(keys[20:])
+        assert index.dropped == {"corrupt": 1, "orphaned": 17}
+        assert index.count(Tier.HOST) == 0 and index.idle_count(Tier.DEVICE) == 23
+    twins[1].acquire(keys[1])
+    with pytest.raises(ValueError, match="mapped by 1"):
+        twins[1].drop_run(keys[0])
+    twins[1].check_integrity()
+    assert len(twins[1]) == 23

@@ -30,15 +30,16 @@ that make ``evictable`` O(1) must change in the same calls as the locations
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Hashable, Iterable, Iterator, Sequence
+from itertools import repeat
 from numbers import Real
 from typing import NamedTuple
 
 from tiering.policies.blocks.base import BlockInfo, BlockPolicy
 from tiering.types import Tier
 
-__all__ = ["BlockIndex", "BlockLocation", "Dropped", "PrefixMatch"]
+__all__ = ["BlockIndex", "BlockLocation", "Dropped", "DroppedRun", "PrefixMatch"]
 
 
 class BlockLocation(NamedTuple):
@@ -58,6 +59,14 @@ class PrefixMatch(NamedTuple):
 
     def count(self, tier: Tier) -> int:
         return sum(1 for t in self.tiers if t is tier)
+
+
+class DroppedRun(NamedTuple):
+    """The blocks one ``drop_run`` removed, deepest first, and the slots to free."""
+
+    keys: list[Hashable]
+    tiers: list[Tier]
+    handles: list[Hashable]
 
 
 class Dropped(NamedTuple):
@@ -109,6 +118,8 @@ class BlockIndex:
         self._kids: dict[Hashable, Hashable | set] = {}
         self._slots: dict[Tier, dict[Hashable, Hashable]] = {t: {} for t in Tier}  # handle -> key
         self._counts: dict[Tier, int] = {t: 0 for t in Tier}
+        # busy blocks (mapped or moving) by their current (source) tier: idle_count in O(1)
+        self._busy_n: dict[Tier, int] = {t: 0 for t in Tier}
         # only blocks with a busy subtree below them: how many of their children are busy
         # or have a busy block below (so ``evictable`` needs no subtree walk)
         self._below: dict[Hashable, int] = {}
@@ -131,13 +142,9 @@ class BlockIndex:
         return len(self._dest)
 
     def idle_count(self, tier: Tier) -> int:
-        """Blocks whose location is ``tier`` that no request maps and that are not moving
-        (cost: the mapped and moving blocks, not the whole index)."""
+        """Blocks whose location is ``tier`` that no request maps and that are not moving (O(1))."""
         _check_tier(tier, "idle_count")
-        where = self._tier
-        busy = sum(1 for k in self._refs if where[k] is tier)
-        busy += sum(1 for k in self._dest if where[k] is tier and k not in self._refs)
-        return self._counts[tier] - busy
+        return self._counts[tier] - self._busy_n[tier]
 
     def _info(self, key: Hashable) -> BlockInfo:
         kids = self._kids.get(key, _NONE)
@@ -364,6 +371,7 @@ class BlockIndex:
         self._counts[tier] += n
         if acquire:
             self._refs.update(dict.fromkeys(keys, 1))
+            self._busy_n[tier] += n
             self._now_busy(keys[0])  # held now: the blocks above it, as acquire walks them
             if n > 1:  # each one's only child is busy
                 self._below.update(dict.fromkeys(keys[:-1], 1))
@@ -413,6 +421,7 @@ class BlockIndex:
         n = self._refs.get(key, 0) + 1
         self._refs[key] = n
         if n == 1 and dest is None:
+            self._busy_n[self._tier[key]] += 1
             self._now_busy(key)
         return n
 
@@ -427,11 +436,12 @@ class BlockIndex:
                 self._check_known(key, "acquire")
             if key in dest and tier[key] is dev:
                 self.acquire(key)  # raises, naming the move
-        now_busy = self._now_busy
+        now_busy, busy_n = self._now_busy, self._busy_n
         for key in keys:
             n = refs.get(key, 0) + 1
             refs[key] = n
             if n == 1 and key not in dest:
+                busy_n[tier[key]] += 1
                 now_busy(key)
 
     def release_many(self, keys: Sequence[Hashable]) -> None:
@@ -444,13 +454,15 @@ class BlockIndex:
             if refs.get(key, 0) < (1 if need is None else need[key]):
                 self._check_known(key, "release")
                 raise ValueError(f"release: block {key!r} is not mapped by any request")
-        now_idle, below = self._now_idle, self._below
+        now_idle, below, busy_n, where = self._now_idle, self._below, self._busy_n, self._tier
         for key in keys:
             n = refs[key]
             if n == 1:
                 del refs[key]
-                if key not in dest and key not in below:  # held by a block below: no walk
-                    now_idle(key)
+                if key not in dest:
+                    busy_n[where[key]] -= 1
+                    if key not in below:  # held by a block below: no walk
+                        now_idle(key)
             else:
                 refs[key] = n - 1
 
@@ -463,6 +475,7 @@ class BlockIndex:
         if n == 1:
             del self._refs[key]
             if key not in self._dest:
+                self._busy_n[self._tier[key]] -= 1
                 self._now_idle(key)
         else:
             self._refs[key] = n - 1
@@ -497,6 +510,7 @@ class BlockIndex:
         self._dest[key] = (dst, dst_handle)
         slots[dst_handle] = key
         if key not in self._refs:
+            self._busy_n[self._tier[key]] += 1
             self._now_busy(key)
 
     def finish_move(self, key: Hashable) -> BlockLocation:
@@ -505,9 +519,12 @@ class BlockIndex:
         dest = self._dest.pop(key, None)
         if dest is None:
             raise ValueError(f"finish_move: block {key!r} is not moving")
+        old = BlockLocation(self._tier[key], self._handle[key])
+        self._busy_n[old.tier] -= 1
         if key not in self._refs:
             self._now_idle(key)
-        old = BlockLocation(self._tier[key], self._handle[key])
+        else:  # still mapped: busy at its new tier
+            self._busy_n[dest[0]] += 1
         del self._slots[old.tier][old.handle]
         self._counts[old.tier] -= 1
         self._tier[key], self._handle[key] = dest
@@ -526,6 +543,9 @@ class BlockIndex:
         self._tier[key] = dst
         self._handle[key] = dst_handle
         self._counts[dst] += 1
+        if key in self._refs:  # a mapped block off the device: busy where it is now
+            self._busy_n[tier] -= 1
+            self._busy_n[dst] += 1
         return old
 
     def fail_move(self, key: Hashable) -> BlockLocation:
@@ -536,6 +556,7 @@ class BlockIndex:
             raise ValueError(f"fail_move: block {key!r} is not moving")
         del self._slots[dest[0]][dest[1]]
         if key not in self._refs:
+            self._busy_n[self._tier[key]] -= 1
             self._now_idle(key)
         return BlockLocation(dest[0], dest[1])
 
@@ -575,6 +596,17 @@ class BlockIndex:
         ``reason`` is counted in ``dropped`` (e.g. ``evicted``, ``corrupt``,
         ``read_failed``); descendants are counted as ``orphaned``.
         """
+        run = self.drop_run(key, reason)
+        n = len(run.keys)
+        reasons = repeat("orphaned", n - 1)
+        rows = zip(run.keys, run.tiers, run.handles, reasons, strict=False)  # all but the last
+        out = list(map(_new, repeat(Dropped), rows))
+        out.append(_new(Dropped, (key, run.tiers[-1], run.handles[-1], reason)))
+        return out
+
+    def drop_run(self, key: Hashable, reason: str = "evicted") -> DroppedRun:
+        """``drop`` without a record per block: the keys that left, deepest first (``key``
+        last), with their tiers and handles, as three lists. The same checks and counts."""
         self._check_known(key, "drop")
         if not isinstance(reason, str) or not reason:
             raise ValueError(f"drop of block {key!r}: reason must be a non-empty str, got {reason!r}")
@@ -590,32 +622,38 @@ class BlockIndex:
                         f"drop of block {key!r}: block {d!r} is moving to {self._dest[d][0].value}"
                     )
             raise RuntimeError(f"drop of block {key!r}: held, but nothing below it is busy")
+        kids = self._kids
         parent = self._parent[key]
         if parent is not None:
-            kids = self._kids[parent]
-            if isinstance(kids, set):
-                kids.discard(key)
-                if len(kids) == 1:
-                    self._kids[parent] = next(iter(kids))
+            pk = kids[parent]
+            if isinstance(pk, set):
+                pk.discard(key)
+                if len(pk) == 1:
+                    kids[parent] = next(iter(pk))
             else:
-                del self._kids[parent]
-        out: list[Dropped] = []
-        where, handles, parents, depths = self._tier, self._handle, self._parent, self._depth
-        hits, first, last, kids = self._hits, self._first, self._last, self._kids
+                del kids[parent]
+        subtree.reverse()
+        n = len(subtree)
+        # nothing in the subtree is busy (evictable), so refs, moves and held counts hold
+        # none of it: each table loses the same keys, each in one pass
+        tiers = list(map(self._tier.pop, subtree))
+        handles = list(map(self._handle.pop, subtree))
+        for table in (self._parent, self._depth, self._hits, self._first, self._last):
+            deque(map(table.__delitem__, subtree), 0)
+        deque(map(kids.pop, subtree, repeat(None, n)), 0)
         slots, counts = self._slots, self._counts
-        append = out.append
-        for d in reversed(subtree):
-            tier = where.pop(d)
-            handle = handles.pop(d)
-            del parents[d], depths[d], hits[d], first[d], last[d]
-            kids.pop(d, None)
-            del slots[tier][handle]
-            counts[tier] -= 1
-            append(_new(Dropped, (d, tier, handle, reason if d == key else "orphaned")))
+        t0 = tiers[0]
+        if n == 1 or tiers.count(t0) == n:
+            deque(map(slots[t0].__delitem__, handles), 0)
+            counts[t0] -= n
+        else:
+            for tier, handle in zip(tiers, handles, strict=True):
+                del slots[tier][handle]
+                counts[tier] -= 1
         self.dropped[reason] += 1
-        if len(subtree) > 1:
-            self.dropped["orphaned"] += len(subtree) - 1
-        return out
+        if n > 1:
+            self.dropped["orphaned"] += n - 1
+        return _new(DroppedRun, (subtree, tiers, handles))
 
     def choose_victim(
         self, policy: BlockPolicy, now: float, tier: Tier | None = None
@@ -755,6 +793,11 @@ class BlockIndex:
             raise AssertionError("the handle map does not equal the blocks' locations")
         if counts != self._counts:
             raise AssertionError(f"tier counts {self._counts} != {counts}")
+        busy = {t: 0 for t in Tier}
+        for k in {*self._refs, *self._dest}:
+            busy[self._tier[k]] += 1
+        if busy != self._busy_n:
+            raise AssertionError(f"busy counts {self._busy_n} != {busy}")
 
     def chain_keys(self, key: Hashable) -> Sequence[Hashable]:
         """The chain from the root to ``key``, root first."""

@@ -195,10 +195,10 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
     index = BlockIndex()
     free = list(range(capacity_blocks - 1, -1, -1))
     dev = Tier.DEVICE
-    entries = index
     get = index.get
     refs, dest, below, where = index._refs, index._dest, index._below, index._tier
-    insert_run = index.insert_run
+    entries = where  # key in index, without the method call
+    insert_run, drop_run = index.insert_run, index.drop_run
     plain = type(policy).__module__.startswith("tiering.policies.")
     pop_victim, on_removes = policy.pop_victim, policy.on_removes
     hits = accesses = inserted = refused = evicted = orphaned = 0
@@ -220,11 +220,11 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
         if victim is None:
             stop = True
             return False
-        out = index.drop(victim)
-        free.extend([d.handle for d in out])
-        on_removes([d.key for d in out])
+        out = drop_run(victim)
+        free.extend(out.handles)
+        on_removes(out.keys)
         evicted += 1
-        orphaned += len(out) - 1
+        orphaned += len(out.keys) - 1
         return True
 
     def insert(run: Sequence[Hashable]) -> int:
