@@ -222,9 +222,9 @@ def test_a_read_takes_every_slot_once_and_stops_at_the_first_failure(tmp_path, m
     started: list[int] = []
     real = direct.read_chunk
 
-    def spy(slot, out, pad=0, binding=None):
+    def spy(slot, out, pad=0, binding=None, **kw):
         started.append(slot)
-        return real(slot, out, pad, binding)
+        return real(slot, out, pad, binding, **kw)
 
     monkeypatch.setattr(direct, "read_chunk", spy)
     out = torch.zeros_like(data)

@@ -79,6 +79,7 @@ from tiering.disk.crc import ByteSpan, crc32c_bytes
 from tiering.disk.slotio import (
     BINDING_BYTES,
     PIECE_BYTES,
+    CopyGate,
     SyncBackedStoreMethods,
     _atomic_replace,
     _BufferPool,
@@ -407,9 +408,16 @@ class SlotFileStore(SyncBackedStoreMethods, Store):
         _pwrite_all(self._require_fd(), parts, offset)
 
     def read_chunk(
-        self, index: int, out: np.ndarray, pad: int = 0, binding: bytes | None = None
+        self, index: int, out: np.ndarray, pad: int = 0, binding: bytes | None = None,
+        *, bounce: np.ndarray | None = None, gate: CopyGate | None = None,
     ) -> None:
         """Fill ``out`` with the payload of slot ``index``'s chunk and verify it.
+
+        With ``bounce`` (a uint8 buffer of at least ``PIECE_BYTES``) and ``gate``, no
+        ``preadv`` writes into ``out``: each piece lands in ``bounce``, is checksummed
+        there (still in the CPU cache) and is copied into ``out`` through ``gate``, which
+        refuses once shut (``OSError(ECANCELED)``). I/O that outlives the caller's
+        interest then ends in ``bounce``, never in ``out``.
 
         With ``binding``, the slot's binding block must hold exactly that binding
         and vouch for the chunk's crc32c, else ``ChunkChecksumError`` (a chunk of
@@ -435,21 +443,39 @@ class SlotFileStore(SyncBackedStoreMethods, Store):
         trailer = scratch[pad:]
         if binding is not None and len(binding) != BINDING_BYTES:
             raise ValueError(f"binding must be {BINDING_BYTES} bytes, got {len(binding)}")
+        if (bounce is None) != (gate is None):
+            raise ValueError("bounce and gate come together")
+        if bounce is not None and (
+            not isinstance(bounce, np.ndarray) or bounce.dtype != np.uint8
+            or not bounce.flags.c_contiguous or bounce.nbytes < PIECE_BYTES
+        ):
+            raise ValueError(f"bounce must be a contiguous uint8 array of >= {PIECE_BYTES} bytes")
         header = bytearray(_SLOT_HEADER.size)
         block = bytearray(_BINDING_BLOCK)
         fd = self._require_fd()
         offset = self._header_offset(index) - _BINDING_BLOCK
-        pieces = list(_pieces(ByteSpan(dest), pad, scratch[:pad], advance=True))
+        payload = ByteSpan(dest)
+        pieces = list(_pieces(payload, pad, scratch[:pad], advance=True))
+        landing = None if bounce is None else ByteSpan(bounce)
+        to = (dest.ctypes.data, 0 if bounce is None else bounce.ctypes.data)
         crc = 0
         for i, (span, start, stop) in enumerate(pieces):
             batch: list[bytearray | memoryview | np.ndarray] = [block, header] if i == 0 else []
-            batch.append(span.view[start:stop])
+            staged = landing is not None and span is payload
+            batch.append(landing.view[: stop - start] if staged else span.view[start:stop])
             if i == len(pieces) - 1:
                 batch.append(trailer)
             offset = _pread_all(fd, batch, offset)
             if i == 0:
                 self._check_header(index, header, expected)
-            crc = span.extend(crc, start, stop)
+                if binding is not None and block[:BINDING_BYTES] != binding:
+                    _verify_block(index, bytes(block), b"", binding)  # refused before a copy
+            if staged:
+                assert landing is not None and gate is not None
+                crc = landing.extend(crc, 0, stop - start)
+                gate.copy(to[0] + start, to[1], stop - start)
+            else:
+                crc = span.extend(crc, start, stop)
         if not pieces:  # an empty payload: only the header and the crc
             _pread_all(fd, [block, header, trailer], offset)
             self._check_header(index, header, expected)

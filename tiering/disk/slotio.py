@@ -7,6 +7,7 @@ zarr ``Store`` async methods as thin wrappers over the synchronous ones.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import os
 import struct
@@ -63,6 +64,44 @@ class _BufferPool:
     def _give_back(self, block: np.ndarray) -> None:
         with self._lock:
             self._free.append(block)
+
+
+class CopyGate:
+    """Lets reader threads copy checked pieces into a caller's buffer until it is shut.
+
+    ``copy`` moves bytes (``memmove``, GIL released) only while the gate is open, and
+    raises ``OSError(ECANCELED)`` once it is shut. ``shut(timeout)`` closes it and waits
+    until no copy is under way; after it returns True no thread writes into the buffer
+    again. A copy never waits on I/O, so that wait is one memory copy of a piece at most.
+    Copies by several threads run at once.
+    """
+
+    __slots__ = ("_cv", "_open", "_active")
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._open = True
+        self._active = 0
+
+    def copy(self, dest: int, src: int, nbytes: int) -> None:
+        """``memmove(dest, src, nbytes)`` (addresses) if the gate is still open."""
+        with self._cv:
+            if not self._open:
+                raise OSError(errno.ECANCELED, "the read was abandoned; its bytes are dropped")
+            self._active += 1
+        try:
+            ctypes.memmove(dest, src, nbytes)
+        finally:
+            with self._cv:
+                self._active -= 1
+                if not self._active:
+                    self._cv.notify_all()
+
+    def shut(self, timeout: float) -> bool:
+        """Close the gate; True once no copy is under way (False: one outlived ``timeout``)."""
+        with self._cv:
+            self._open = False
+            return self._cv.wait_for(lambda: self._active == 0, max(0.0, timeout))
 
 
 class SyncBackedStoreMethods:

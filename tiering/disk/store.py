@@ -239,6 +239,8 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         self._counters = _Counters()
         # where reads land before their checks pass (see ``read``); one kept per I/O thread
         self._read_scratch = ReadScratch(keep=config.io_threads)
+        # the bounce buffers of reads with ``out_is_scratch`` (one piece each, per thread)
+        self._bounces = ReadScratch(keep=config.io_threads)
         self._backend_closed = False  # the file and the lock or lease have been let go
         self._stats_lock = threading.Lock()
         self._manifest_lock = threading.Lock()
@@ -365,7 +367,8 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         self._transfer("write", extent, pages, first_page)
 
     def read(
-        self, extent: DiskExtent, out: torch.Tensor | np.ndarray, *, first_page: int = 0
+        self, extent: DiskExtent, out: torch.Tensor | np.ndarray, *, first_page: int = 0,
+        out_is_scratch: bool = False,
     ) -> None:
         """Fill ``out`` ([k, *page_shape], CPU, contiguous) with pages
         ``[first_page, first_page + k)`` of the extent (the same range rule as ``write``).
@@ -381,8 +384,19 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         are copied into ``out`` only once every chunk of the range has passed
         its checks (one copy of the range on the good path), so even I/O still
         running after a timeout never writes into ``out``.
+
+        ``out_is_scratch=True``: the caller treats ``out`` as its own staging and
+        discards it when the read fails, so the store skips that copy. On the
+        direct path each piece is read into a small buffer of the store's, checked,
+        and copied into ``out``; a read that fails after its I/O started leaves
+        ``out`` holding unspecified bytes (bad input still changes nothing). When
+        it returns, successfully or not, nothing writes into ``out`` any more, even
+        I/O still running after a timeout. On other paths the read is staged as
+        without the flag.
         """
-        self._transfer("read", extent, out, first_page)
+        if not isinstance(out_is_scratch, bool):
+            raise ValueError(f"out_is_scratch must be a bool, got {out_is_scratch!r}")
+        self._transfer("read", extent, out, first_page, out_is_scratch)
 
     @property
     def direct_io(self) -> bool:
@@ -453,6 +467,7 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         location is let go; nothing is written there after that. Idempotent."""
         if self._ledger.close():
             self._read_scratch.clear()
+            self._bounces.clear()
             self._stop_flusher(2 * self.config.io_timeout_s)
         elif self._backend_closed:
             return

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,8 +30,10 @@ from tiering.disk.ledger import (
     ExtentState,
     check_extent,
 )
-from tiering.disk.slotfile import make_binding
+from tiering.disk.slotfile import PIECE_BYTES, CopyGate, make_binding
 from tiering.errors import DiskCorruptionError, DiskIOError
+
+log = logging.getLogger(__name__)
 
 
 def _is_int(value: object) -> bool:
@@ -99,7 +102,8 @@ class ChunkIOPart:
     """``DiskPageStore``'s chunk I/O (see the module docstring)."""
 
     def _transfer(
-        self, kind: str, extent: DiskExtent, arr: torch.Tensor | np.ndarray, first_page: object
+        self, kind: str, extent: DiskExtent, arr: torch.Tensor | np.ndarray, first_page: object,
+        out_is_scratch: bool = False,
     ) -> None:
         """One synchronous ``write`` (from ``arr``) or ``read`` (into ``arr``) of a range."""
         check_extent(extent)
@@ -108,18 +112,21 @@ class ChunkIOPart:
         count = _leading(arr, what)
         positions = self._positions(extent, first_page, count)
         rows = self.format.rows(arr, count, what, writable=reading)
+        direct = self._backend.direct
         # A read lands in a scratch buffer and reaches ``out`` only once every chunk of
         # the range has passed its checks: a failed read leaves ``out`` untouched, and a
-        # timed-out read's stray I/O can never write into it later.
+        # timed-out read's stray I/O can never write into it later. With
+        # ``out_is_scratch`` on the direct path, checked pieces are copied into ``out``
+        # through a gate that is shut before a failed read returns (see ``read``).
+        gate = CopyGate() if reading and out_is_scratch and direct is not None else None
         state = self._ledger.begin(extent, kind, positions)
         scratch = None
         try:
-            scratch = self._read_scratch.take(rows.nbytes) if reading else None
+            scratch = self._read_scratch.take(rows.nbytes) if reading and gate is None else None
             target = rows if scratch is None else scratch.view(rows.dtype).reshape(rows.shape)
             batches = self._batches(extent, positions, target)
-            direct = self._backend.direct
             if direct is not None and reading:
-                jobs = self._direct_read_jobs(state, batches)
+                jobs = self._direct_read_jobs(state, batches, gate)
             elif direct is not None:
                 jobs = self._direct_jobs(direct.write_chunk, state, batches)
             else:
@@ -129,7 +136,14 @@ class ChunkIOPart:
             if scratch is not None:  # no I/O ran into it: it can serve the next read
                 self._read_scratch.give(scratch)
             raise
-        self._run_io(extent, state, jobs, kind)  # on a failure the scratch is dropped
+        try:
+            self._run_io(extent, state, jobs, kind)  # on a failure the scratch is dropped
+        except BaseException:
+            # I/O may still be running (a timeout): once the gate is shut, none of it
+            # reaches ``out``. The wait is for copies under way, never for I/O.
+            if gate is not None and not gate.shut(self.config.io_timeout_s):
+                log.warning("a copy into out outlived io_timeout_s after a failed read")
+            raise
         if scratch is not None:
             _copy_bytes(rows, scratch)
             self._read_scratch.give(scratch)
@@ -189,12 +203,18 @@ class ChunkIOPart:
         return [(one_direct, (batch,)) for batch in batches]
 
     def _direct_read_jobs(
-        self, state: ExtentState, batches: list[list[tuple[int, np.ndarray]]]
+        self, state: ExtentState, batches: list[list[tuple[int, np.ndarray]]],
+        gate: CopyGate | None = None,
     ) -> list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]]:
         """Reads on the slot file's direct path: ``io_threads`` jobs take the range's
         slots one at a time, in order, from one shared cursor, so the device sees one
         sequential stream (jobs on runs far apart would make it seek between them) while
-        adjacent slots are checksummed in parallel. Every job stops at the first failure."""
+        adjacent slots are checksummed in parallel. Every job stops at the first failure.
+
+        With ``gate``, each job reads through its own bounce buffer of ``PIECE_BYTES``
+        (see ``SlotFileStore.read_chunk``), taken from the store's pool and given back
+        only when the job's last ``preadv`` has returned, so no buffer with I/O still
+        running into it is handed to another read."""
         direct = self._backend.direct
         assert direct is not None
         pairs = iter([pair for batch in batches for pair in batch])
@@ -202,17 +222,24 @@ class ChunkIOPart:
         failed = threading.Event()
 
         def run() -> None:
-            while not failed.is_set():
-                with cursor:
-                    pair = next(pairs, None)
-                if pair is None:
-                    return
-                slot, row = pair
-                try:
-                    direct.read_chunk(slot, row, 0, self._binding(state, slot))
-                except BaseException:
-                    failed.set()
-                    raise
+            bounce = None if gate is None else self._bounces.take(PIECE_BYTES)
+            try:
+                while not failed.is_set():
+                    with cursor:
+                        pair = next(pairs, None)
+                    if pair is None:
+                        return
+                    slot, row = pair
+                    try:
+                        direct.read_chunk(
+                            slot, row, 0, self._binding(state, slot), bounce=bounce, gate=gate
+                        )
+                    except BaseException:
+                        failed.set()
+                        raise
+            finally:
+                if bounce is not None:
+                    self._bounces.give(bounce)
 
         async def one_reader() -> None:
             await asyncio.to_thread(run)
