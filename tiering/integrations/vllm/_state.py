@@ -103,7 +103,9 @@ class LoadWindow:
         self.pending = False  # this pass answered pending at least once
         self.since: float | None = None  # first pending answer of the current wait
 
-    def _restart(self) -> None:
+    def restart(self) -> None:
+        """A key seen again: a new pass begins (the wait goes on only if the last
+        pass answered pending)."""
         if not self.pending:
             self.since = None  # the last pass was served without a wait
         self.seen.clear()
