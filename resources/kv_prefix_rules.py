@@ -38,7 +38,7 @@ batch hooks (the base class's defaults), for the same answers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Sequence
 from typing import Any
 
 from tiering.policies.blocks.base import BlockPolicy
@@ -158,18 +158,25 @@ class BlockRules:
         return short <= index.idle_count(tier) and index.count_evictable(
             self.policies[tier], now, tier, short) >= short
 
-    def victim(self, tier: Tier, now: float) -> Hashable | None:
+    def victim(self, tier: Tier, now: float, skip: Container[Hashable] = ()) -> Hashable | None:
         """The block ``tier``'s policy sends away first among those that may leave; None
-        when none may. The policy still tracks it (``moved`` or ``dropped`` tells it)."""
+        when none may. The policy still tracks it (``moved`` or ``dropped`` tells it).
+        ``skip``: more keys to pass over (ones the caller cannot let go of now; the
+        library's own policies only)."""
         index = self.index
         p = self.policies[tier]
+        if skip:
+            return p.pop_victim(now, index._refs, index._dest, index._below, skip)
         if self._pop:
             return p.pop_victim(now, index._refs, index._dest, index._below)
         return index.choose_victim(p, now, tier=tier)
 
-    def admits(self, tier: Tier, key: Hashable, now: float) -> bool:
-        """Whether ``tier``'s policy takes ``key``, a victim of the tier above."""
-        if not self.admission or self.policies[tier].admit(key, self.index.depth(key), now):
+    def admits(self, tier: Tier, key: Hashable, now: float, depth: int | None = None) -> bool:
+        """Whether ``tier``'s policy takes ``key``, a victim of the tier above (or, with
+        ``depth``, a block arriving from outside that the index does not hold yet)."""
+        if depth is None:
+            depth = self.index.depth(key)
+        if not self.admission or self.policies[tier].admit(key, depth, now):
             return True
         if self.watch is not None:
             self.watch("refuse", key, tier)

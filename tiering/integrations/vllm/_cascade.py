@@ -8,7 +8,6 @@ from tiering.integrations.vllm._ctx import Ctx
 from tiering.integrations.vllm._disk import DiskTier
 from tiering.integrations.vllm._host import HostTier
 from tiering.integrations.vllm._reads import DiskReads
-from tiering.integrations.vllm._rules import victim_except
 from tiering.types import Tier
 
 __all__ = ["Cascade"]
@@ -107,7 +106,7 @@ class Cascade:
             return False
         has_disk = self._disk.disk is not None
         while pool.free_pages < need:
-            k = victim_except(ctx.rules, Tier.HOST, now, skip)
+            k = ctx.rules.victim(Tier.HOST, now, skip)
             if k is None:
                 break
             if has_disk and not self._disk.ready_copy(k):

@@ -12,7 +12,6 @@ from tiering.disk.ledger import DiskExtent
 from tiering.integrations.vllm._ctx import Ctx, finished
 from tiering.integrations.vllm._host import HostTier
 from tiering.integrations.vllm._publish import Publisher
-from tiering.integrations.vllm._rules import victim_except
 from tiering.integrations.vllm._state import log
 from tiering.types import Tier
 
@@ -80,7 +79,7 @@ class DiskTier:
         now = ctx.clock()
         guarded = ctx.ancestors([key])
         while True:
-            k = victim_except(ctx.rules, Tier.DISK, now, guarded)
+            k = ctx.rules.victim(Tier.DISK, now, guarded)
             if k is None:
                 break
             ctx.counters.disk_evictions += 1

@@ -12,7 +12,6 @@ from tiering.integrations.vllm._ctx import Ctx
 from tiering.integrations.vllm._disk import DiskTier
 from tiering.integrations.vllm._host import HostTier
 from tiering.integrations.vllm._reads import DiskReads
-from tiering.integrations.vllm._rules import admits_arrival
 from tiering.integrations.vllm._staging import StoreStaging
 from tiering.integrations.vllm._state import (
     RESET_HOLD_STEPS,
@@ -244,7 +243,7 @@ class Stores:
                 continue
             pinfo = index.get(p) if p is not None else None
             d = pinfo.depth + 1 if pinfo is not None else depth.get(p, -1) + 1 if p else 0
-            if not admits_arrival(ctx.rules, Tier.HOST, k, d, now):
+            if not ctx.rules.admits(Tier.HOST, k, now, depth=d):
                 skipped.add(k)
                 ctx.counters.stores_not_admitted += 1
                 continue

@@ -3,7 +3,8 @@
 ``TieredBlockManager`` makes every block-policy decision through one ``BlockRules``, the
 object the cache's ``PrefixCache`` and the replay's ``PrefixBlocks`` own: each tier's
 policy is told a request once (``tell``), a block arriving on the host is admitted by
-the host's policy (``admits``), a host victim is the host policy's (``victim``) and moves
+the host's policy (``admits``; a block vLLM stores, which the index does not hold
+yet, with its ``depth`` given), a host victim is the host policy's (``victim``) and moves
 to disk when the disk's policy admits it, else it is dropped with its descendants, a
 disk victim is dropped, and every arrival, move and drop is told through ``moved``,
 ``arrived`` and ``dropped``.
@@ -25,7 +26,7 @@ What vLLM's offloading API changes, and so what differs from the cache:
   first, without asking any policy; when the block leaves the host, the disk's
   policy decides whether it moves down (its copy kept) or is dropped. A host victim
   whose copy is not written yet is passed over (it cannot leave now) and the next
-  victim is asked (``victim_except``). Disk room for a copy is made when the copy is
+  victim is asked (``victim(..., skip=...)``). Disk room for a copy is made when the copy is
   written, so under disk pressure disk victims leave earlier than in the cache.
 - A block vLLM stores under a parent that leaves while it is being stored is not
   stored (in the cache a block leaves with its ancestors); a parent the index never
@@ -34,7 +35,7 @@ What vLLM's offloading API changes, and so what differs from the cache:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from tiering.blocks import BlockIndex
 from tiering.policies.blocks import BlockPolicy
@@ -42,7 +43,7 @@ from tiering.policies.blocks.base import BlockInfo
 from tiering.resources.kv_prefix_rules import BlockRules
 from tiering.types import Tier
 
-__all__ = ["VllmDevice", "admits_arrival", "manager_rules", "victim_except"]
+__all__ = ["VllmDevice", "manager_rules"]
 
 
 class VllmDevice(BlockPolicy):
@@ -81,28 +82,3 @@ def manager_rules(index: BlockIndex, host: BlockPolicy, disk: BlockPolicy | None
     tier: ``None``, a ``VllmDevice`` stands in and is never asked)."""
     return BlockRules(index, {Tier.DEVICE: VllmDevice(), Tier.HOST: host,
                               Tier.DISK: disk if disk is not None else VllmDevice()})
-
-
-def victim_except(rules: BlockRules, tier: Tier, now: float,
-                  skip: Container[Hashable]) -> Hashable | None:
-    """``rules.victim(tier, now)`` passing over the keys in ``skip`` as well (blocks the
-    manager cannot let go of now: a copy not yet on disk, a chain being stored, a block
-    promoted for a waiting lookup). With nothing to skip it is exactly ``rules.victim``,
-    so the policy hears the same call as in the cache."""
-    if not skip:
-        return rules.victim(tier, now)
-    index = rules.index
-    # BlockRules.victim with one more container of keys to refuse (what it passes the
-    # policy: the index's mapped, moving and held-below blocks)
-    return rules.policies[tier].pop_victim(now, index._refs, index._dest, index._below, skip)
-
-
-def admits_arrival(rules: BlockRules, tier: Tier, key: Hashable, depth: int, now: float) -> bool:
-    """``rules.admits(tier, key, now)`` for a block the index does not hold yet (one vLLM
-    stores from its GPU, at ``depth`` in its chain): the same question to the same
-    policy, with the depth given instead of read from the index."""
-    if not rules.admission or rules.policies[tier].admit(key, depth, now):
-        return True
-    if rules.watch is not None:
-        rules.watch("refuse", key, tier)
-    return False
