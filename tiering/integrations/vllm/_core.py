@@ -3,34 +3,26 @@ the scheduler-side manager (on the project's block index, block policies and the
 block store's rules) and the worker-side mover. The config and slab live in
 ``_config``, the mover in ``_mover``, the manager's small types in ``_state``, how
 its tiers map onto ``BlockRules`` in ``_rules``; this module holds the manager's
-front and re-exports the rest.
+front and re-exports the rest. Nothing here imports vLLM (``_spec`` wraps it in
+vLLM's classes), so all of it is unit-tested in the project's own environment.
 
-The manager is made of parts, each the one owner of its tables: the shared book
-(``_ctx.Ctx``: block index, rules, counters, events, clock, step, lost blocks), the
-host tier (``_host``: slab slots, stores in flight, promotion holds), the disk tier
-(``_disk``: extents, disk copies of host blocks, the write-ahead), the reads that
-serve loads from disk (``_reads``: promotions, load staging rows), stores straight
-to disk (``_staging``), the shared cold tier (``_cold``), the cascade that makes room
-and drops blocks (``_cascade``), vLLM's load and store protocol (``_protocol``) and
-the integrity check over all of them (``_integrity``). ``TieredBlockManager`` wires
-them and is the only API. Every policy decision is the rules' (``rules``); I/O
-threads only move bytes, and ``reap`` applies their results on the caller's thread.
-
-Nothing here imports vLLM, so all of it is unit-tested in the project's own
-environment; ``_spec`` wraps it in vLLM's classes.
+The manager is made of parts, each the one owner of its tables (docs/vllm.md,
+"Inside the manager"): the shared book (``_ctx``), the host tier (``_host``), the
+disk tier and its write-ahead (``_disk``), the reads that serve loads from disk
+(``_reads``), stores straight to disk (``_staging``), the shared cold tier
+(``_cold``, ``_publish``), the cascade (``_cascade``), vLLM's load and store
+protocol (``_protocol``) and the integrity check (``_integrity``).
+``TieredBlockManager`` wires them and is the only API.
 
 Processes and ownership. vLLM runs the manager in its scheduler process and one
 worker per rank in other processes. The host tier is a slab of ``num_slots``
 page slots per rank, kept in a shared memory file that both sides map
-(``HostSlab``). The manager owns every decision and every piece of book-keeping:
-where each block is (``tiering.blocks.BlockIndex``), the retention order of each
-tier (``tiering.policies.blocks``, by name), the host slot pool
-(``tiering.core.pools.PagePool``), the disk tier (``DiskPageStore``) and the
-cascade between them. The worker only copies bytes between vLLM's per-layer KV
-tensors and the slab slots that the manager named in a load or store spec. The
-manager itself moves host <-> disk (demotion and promotion) on its own I/O
-threads, reading or writing only slots that no worker job can touch at that
-time (a slot being demoted is pinned; a slot being promoted is not yet visible).
+(``HostSlab``). The manager makes every decision (through the rules) and keeps
+every table; its I/O threads only move bytes host <-> disk (``reap`` applies
+their results on the caller's thread), reading or writing only slots that no
+worker job can touch at that time (a slot being demoted is pinned; a slot being
+promoted is not yet visible). The worker only copies bytes between vLLM's
+per-layer KV tensors and the slab slots named in a load or store spec.
 
 A block is loadable only when its bytes are in a host slot and known good: a
 disk hit is promoted into the host tier first (its chunk crc32c checked by the
@@ -90,35 +82,16 @@ from tiering.integrations.vllm._state import (
     StoreDecision,
     clear_staging,
     log,
-    payload_offset,
+    manager_state,
 )
 from tiering.policies.blocks import BlockPolicy, make_block_policy
 from tiering.types import Tier
 
-__all__ = [
-    "OUR_KEYS",
-    "PROMOTED_HOLD_STEPS",
-    "RESET_HOLD_STEPS",
-    "BlockView",
-    "Counters",
-    "DiskState",
-    "Event",
-    "GroupLayout",
-    "HostSlab",
-    "HostState",
-    "JobResult",
-    "LayerCopy",
-    "LoadWindow",
-    "Lookup",
-    "StoreDecision",
-    "TableIntegrityError",
-    "TieredBlockManager",
-    "TieredConfig",
-    "TieredMover",
-    "default_host_dir",
-    "open_disk",
-    "plan_blocks",
-    "remove_leftover_slabs",
+__all__ = [  # the manager, and what the tests and ``_spec`` import from here
+    "OUR_KEYS", "PROMOTED_HOLD_STEPS", "RESET_HOLD_STEPS", "BlockView", "Counters", "DiskState",
+    "Event", "GroupLayout", "HostSlab", "HostState", "JobResult", "LayerCopy", "LoadWindow",
+    "Lookup", "StoreDecision", "TableIntegrityError", "TieredBlockManager", "TieredConfig",
+    "TieredMover", "default_host_dir", "open_disk", "plan_blocks", "remove_leftover_slabs",
     "slab_path",
 ]
 
@@ -221,12 +194,15 @@ class TieredBlockManager:
     _reset_loads = property(lambda self: self.loads.reset_loads)
 
     @property
-    def _clock(self) -> Callable[[], float]:
+    def clock(self) -> Callable[[], float]:
+        """The injected clock every part reads (settable: a test's own clock)."""
         return self._ctx_.clock
 
-    @_clock.setter
-    def _clock(self, clock: Callable[[], float]) -> None:
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
         self._ctx_.clock = clock
+
+    _clock = clock
 
     @property
     def host_policy(self) -> BlockPolicy:
@@ -433,35 +409,8 @@ class TieredBlockManager:
         return out
 
     def state(self) -> dict[str, Any]:
-        index = self._ctx_.index
-        disk_blocks = []
-        for k in index.keys():
-            b = self.block(k)
-            assert b is not None
-            if b.disk is DiskState.READY and b.extent is not None:
-                chunk = b.extent.chunks[0]
-                disk_blocks.append(
-                    {"key": k.hex(), "chunk": chunk,
-                     "payload_offset": payload_offset(self.disk, chunk),
-                     "on_host": b.host is HostState.READY}
-                )
-        return {
-            "time": self._ctx_.clock(),
-            "counters": dict(self._ctx_.counters.__dict__),
-            "host_slots": self.num_slots,
-            "host_used": self.pool.used_pages,
-            "page_bytes": self.page_bytes,
-            "disk_root": self.disk_root,
-            "disk_blocks": disk_blocks,
-            "policy": self.cfg.policy,
-            "index": {
-                "blocks": len(index),
-                "on_host": index.count(Tier.HOST),
-                "on_disk": index.count(Tier.DISK),
-                "chained": sum(1 for k in index.keys() if index.get(k).parent is not None),
-                "dropped": dict(index.dropped),
-            },
-        }
+        """What the state file holds (``manager_state``)."""
+        return manager_state(self)
 
     def reset(self) -> None:
         """Forget every block (vLLM's reset_cache: after it, no block stored before may

@@ -1,17 +1,18 @@
 """The vLLM manager's small types: what a block's state reads as, a request's lookup
-window, the counters, the KV events, and the staging-file helpers (``_core`` re-exports
-them)."""
+window, the counters, the KV events, what the state file holds, and the staging-file
+helpers (``_core`` re-exports the types)."""
 
 from __future__ import annotations
 
 import logging
 import os
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tiering.core.counters import counter_record
 from tiering.disk import DiskPageStore
 from tiering.disk.ledger import DiskExtent
+from tiering.types import Tier
 
 __all__ = [
     "MAX_ABSENT",
@@ -29,6 +30,7 @@ __all__ = [
     "Lookup",
     "StoreDecision",
     "clear_staging",
+    "manager_state",
     "payload_offset",
     "unlink_staging",
 ]
@@ -183,6 +185,41 @@ def clear_staging(path: str) -> None:
                 os.unlink(os.path.join(path, n))
             except OSError:
                 pass
+
+
+def manager_state(m: Any) -> dict[str, Any]:
+    """A manager's state as the state file holds it: time, counters, host use, the
+    disk blocks (key, chunk, where its payload starts, whether it is on host too),
+    the policy and the index's counts. ``m``: a ``TieredBlockManager``."""
+    index = m.index
+    disk_blocks = []
+    for k in index.keys():
+        b = m.block(k)
+        assert b is not None
+        if b.disk is DiskState.READY and b.extent is not None:
+            chunk = b.extent.chunks[0]
+            disk_blocks.append(
+                {"key": k.hex(), "chunk": chunk,
+                 "payload_offset": payload_offset(m.disk, chunk),
+                 "on_host": b.host is HostState.READY}
+            )
+    return {
+        "time": m.clock(),
+        "counters": dict(m.counters.__dict__),
+        "host_slots": m.num_slots,
+        "host_used": m.pool.used_pages,
+        "page_bytes": m.page_bytes,
+        "disk_root": m.disk_root,
+        "disk_blocks": disk_blocks,
+        "policy": m.cfg.policy,
+        "index": {
+            "blocks": len(index),
+            "on_host": index.count(Tier.HOST),
+            "on_disk": index.count(Tier.DISK),
+            "chained": sum(1 for k in index.keys() if index.get(k).parent is not None),
+            "dropped": dict(index.dropped),
+        },
+    }
 
 
 def payload_offset(disk: DiskPageStore | None, chunk: int) -> int | None:
