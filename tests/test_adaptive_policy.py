@@ -307,3 +307,46 @@ def test_the_lead_does_not_change_hands_while_held_then_does():
     assert all(sw == 0 and all(v == 0.0 for v in sc.values()) for sw, sc in seen[:201])
     assert any(v > 0.0 for _, sc in seen[201:] for v in sc.values())
     assert seen[-1][0] >= 1, "the lead never moved after the hold: the test proves nothing"
+
+
+class _AskEveryExpert(AdaptiveBlocks):
+    """The adaptive policy asking every expert's ``admit`` on every block, as it did
+    before a read-only ``admit`` of an expert that does not lead was skipped."""
+
+    def admit(self, key, depth, now):
+        answers = [p.admit(key, depth, now) for p in self._experts]
+        return answers[self._experts.index(self.leader)]
+
+
+def test_an_expert_not_leading_is_asked_to_admit_only_where_its_admit_records():
+    """ChainOdds' admit only reads, ARC's notes a ghost: with LRU leading throughout,
+    ChainOdds is never asked and ARC always is, and every decision is the one of a
+    policy that asks them all (the control: the same replay through it, where ChainOdds
+    is asked, ends with the same hits, evictions and expert state)."""
+    chains = synth.session_chains(600, 11, synth.SessionConfig(live=20))
+    cap = 60
+    calls = {}
+
+    def counted(policy):
+        for name, e in zip(policy.expert_names, policy._experts, strict=True):
+            inner = e.admit
+
+            def admit(key, depth, now, _inner=inner, _name=name):
+                calls[_name] = calls.get(_name, 0) + 1
+                return _inner(key, depth, now)
+
+            e.admit = admit
+        return policy
+
+    kw = {"experts": ("lru", "chain", "arc"), "z": 100.0, "margin": 1.0}
+    skip = counted(AdaptiveBlocks(cap, **kw))
+    r_skip = replay_blocks(chains, cap, skip)
+    asked_skip, calls = calls, {}
+    every = counted(_AskEveryExpert(cap, **kw))
+    r_every = replay_blocks(chains, cap, every)
+    assert skip.leader_name == every.leader_name == "lru"
+    assert asked_skip.get("chain", 0) == 0 and asked_skip["arc"] == asked_skip["lru"] > 0
+    assert calls["chain"] == calls["arc"] > 0, "the control never asked ChainOdds"
+    assert r_skip == r_every._replace(seconds=r_skip.seconds)
+    for a, b in zip(skip._experts, every._experts, strict=True):
+        assert list(a.victims(0.0)) == list(b.victims(0.0))

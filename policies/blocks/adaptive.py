@@ -175,6 +175,9 @@ _EXPERTS: dict[str, Callable[..., BlockPolicy]] = {
     "lirs": LIRSBlocks,
     "lru": LRUBlocks,
 }
+#: ``admit`` methods that change nothing (an expert with one of these is asked only
+#: when it leads)
+_READ_ONLY_ADMIT = (BlockPolicy.admit, ChainOdds.admit)
 _MASK = (1 << 64) - 1
 _GOLD = 0x9E3779B97F4A7C15
 
@@ -289,9 +292,10 @@ class AdaptiveBlocks(BlockPolicy):
 
     name = "adaptive"
 
-    def __init__(self, capacity: int, experts: Sequence[str] = ("chain", "s3fifo", "arc"),
+    def __init__(self, capacity: int,
+                 experts: Sequence[str] = ("chain", "s3fifo", "arc", "lru"),
                  rate: int | None = None, window: int = 10000, margin: float = 0.01,
-                 z: float = 4.0, hold: int | None = None) -> None:
+                 z: float = 3.0, hold: int | None = None) -> None:
         self.capacity = _check_capacity(self.name, capacity)
         experts = tuple(experts)
         if not experts or any(e not in _EXPERTS for e in experts) or len(set(experts)) != len(
@@ -328,6 +332,7 @@ class AdaptiveBlocks(BlockPolicy):
         k = len(experts)
         self._sums = [0.0] * k  # decayed shadow hits per expert
         self._cross = [[0.0] * k for _ in range(k)]  # products, squared decay, upper half
+        self._recorders = [p for p in self._experts if type(p).admit not in _READ_ONLY_ADMIT]
         self._lead = 0
         self.leader = self._experts[0]
         self.switches = 0
@@ -390,7 +395,9 @@ class AdaptiveBlocks(BlockPolicy):
         if rate == 1:
             sampled = list(keys)
         else:
-            sampled = [k for k in keys if (((_sample_value(k) * _GOLD) & _MASK) >> 32) % rate == 0]
+            sv, g, m = _sample_value, _GOLD, _MASK
+            sampled = [k for k in keys
+                       if ((((k if type(k) is int else sv(k)) * g) & m) >> 32) % rate == 0]
         self._choose([s.request(sampled, now) for s in self._shadows])
 
     def on_commit(self, keys: Sequence[Hashable], hits: Sequence[Hashable],
@@ -454,12 +461,14 @@ class AdaptiveBlocks(BlockPolicy):
             self.switches += 1
 
     def admit(self, key: Hashable, depth: int, now: float) -> bool:
-        answer = True
-        for p in self._experts:
-            a = p.admit(key, depth, now)
-            if p is self.leader:
-                answer = a
-        return answer
+        """The leader's answer. Another expert is asked only when its ``admit`` may
+        record something (ARC notes a B2 ghost there); one whose ``admit`` only reads
+        (the default's, ChainOdds') is not."""
+        leader = self.leader
+        for p in self._recorders:
+            if p is not leader:
+                p.admit(key, depth, now)
+        return leader.admit(key, depth, now)
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
         if info.key in self.leader:
