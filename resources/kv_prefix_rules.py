@@ -91,15 +91,7 @@ class BlockRules:
     def attachable(self, keys: Sequence[Hashable], n_tokens: int, block_tokens: int) -> list[Tier]:
         """The tiers of the leading blocks of ``keys`` an attach of an ``n_tokens`` prompt
         maps (see the module docstring); changes nothing."""
-        limit = max(0, (n_tokens - 1) // block_tokens)
-        index = self.index
-        tiers = list(index.match(keys[:limit]).tiers)
-        moving, get, dev = index.moving_to, index.get, Tier.DEVICE
-        for i, (k, t) in enumerate(zip(keys, tiers, strict=False)):
-            if moving(k) is not None or (t is not dev and get(k).refs > 0):
-                del tiers[i:]
-                break
-        return tiers
+        return self.index.attachable_tiers(keys[:max(0, (n_tokens - 1) // block_tokens)])
 
     def tell(self, keys: Sequence[Hashable], tiers: Sequence[Tier], now: float) -> None:
         """A request reading ``keys`` (its full blocks, root first) was admitted, with the

@@ -214,6 +214,23 @@ class BlockIndex:
             tiers.append(t)
         return PrefixMatch(len(tiers), tuple(tiers))
 
+    def refs(self, key: Hashable) -> int:
+        """Live requests mapping the block (0: none, or not cached)."""
+        return self._refs.get(key, 0)
+
+    def attachable_tiers(self, keys: Iterable[Hashable]) -> list[Tier]:
+        """The tiers of the longest cached prefix of ``keys`` that a request may map now:
+        it ends before the first block in flight and the first block off the device that
+        a request maps already (its single load is that request's). Changes nothing."""
+        where, dest, refs, dev = self._tier, self._dest, self._refs, Tier.DEVICE
+        tiers: list[Tier] = []
+        for k in keys:
+            t = where.get(k)
+            if t is None or k in dest or (t is not dev and k in refs):
+                break
+            tiers.append(t)
+        return tiers
+
     def match_length(self, keys: Iterable[Hashable]) -> int:
         """``match(keys).blocks`` without building the tier list."""
         where = self._tier

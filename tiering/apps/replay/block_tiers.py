@@ -226,8 +226,8 @@ class PrefixBlocks:
         d = len(tiers)
         if not d:
             return PrefixPeek(keys, 0, (), 0, 0)
-        get = self.index.get
-        lent = sum(1 for k, t in zip(keys, tiers, strict=False) if t is Tier.DEVICE and not get(k).refs)
+        refs, dev = self.index.refs, Tier.DEVICE
+        lent = sum(1 for k, t in zip(keys, tiers, strict=False) if t is dev and not refs(k))
         return PrefixPeek(keys, d, tiers, d * self.block_tokens, lent * self.block_pages)
 
     def need_pages(self, peek: PrefixPeek | None, tokens: int) -> int:

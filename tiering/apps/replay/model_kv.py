@@ -229,6 +229,10 @@ class ModeledKVCache(LifecycleAnswers):
         self._disks = self._mover.disks
         self._by_role = {Role.DEVICE: (self._dev,), Role.HOST: self._hosts,
                          Role.DISK: self._disks}
+        # (src, dst) -> their tiers, for each move of cached blocks down the chain
+        self._downs = {(r, q): (a, b) for r, a in self._by_role.items()
+                       for q, b in self._by_role.items()
+                       if a and b and chain.index(a[0]) < chain.index(b[0])}
         self.page_tokens = page_tokens
         self.page_bytes = self._mover.page_bytes
         self.device_pages = self._dev.capacity_pages
@@ -419,11 +423,24 @@ class ModeledKVCache(LifecycleAnswers):
         destination is taken and the source freed at once, and the copy occupies its links
         (so transfers started after it queue behind it). False (nothing changed) if ``dst``
         is short."""
-        a = self._by_role.get(src) if isinstance(src, Tier) else None
-        b = self._by_role.get(dst) if isinstance(dst, Tier) else None
-        chain = self.chain
-        if a is None or b is None or chain.index(a[0]) >= chain.index(b[0]):
+        pair = self._downs.get((src, dst)) if isinstance(src, Tier) and isinstance(dst, Tier) \
+            else None
+        if pair is None:
             raise ValueError(f"move_block_pages: no move from {src!r} to {dst!r}")
+        a, b = pair
+        chain = self.chain
+        if len(a) == 1 and len(b) == 1:  # the common case, checked as below
+            ta, tb = a[0], b[0]
+            held = ta.held(BLOCKS)
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= held:
+                raise ValueError(f"move_block_pages: n must be an int in [0, {held}] "
+                                 f"for {src.value}, got {n!r}")
+            if tb.free_pages < n:
+                return False
+            tb.reserve(BLOCKS, n)
+            ta.release(BLOCKS, n)
+            chain.copy(ta, tb, BLOCKS, n * self.page_bytes, now=self._clock())
+            return True
         held = self.block_pages(src)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= held:
             raise ValueError(f"move_block_pages: n must be an int in [0, {held}] "
@@ -431,11 +448,6 @@ class ModeledKVCache(LifecycleAnswers):
         if self.free_pages(dst) < n:
             return False
         now = self._clock()
-        if len(a) == 1 and len(b) == 1:
-            b[0].reserve(BLOCKS, n)
-            a[0].release(BLOCKS, n)
-            chain.copy(a[0], b[0], BLOCKS, n * self.page_bytes, now=now)
-            return True
         froms = [list(p) for p in self._gather(a, n)]
         tos = [list(p) for p in self._spread(b, n)]
         while froms:  # pair the pieces (both add up to n): each copies over its own route
