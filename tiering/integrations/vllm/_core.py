@@ -137,7 +137,7 @@ class TieredBlockManager:
     ) -> None:
         self.cfg = cfg
         self.disk_root = disk_root
-        ctx = self._ctx_ = Ctx(cfg, clock)
+        ctx = self._book = Ctx(cfg, clock)
         host = self.host_tier = HostTier(ctx, slabs)
         n = host.num_slots
         publisher = self.publisher = Publisher(ctx, shared)
@@ -172,9 +172,9 @@ class TieredBlockManager:
 
     # ------------------------------------------------------------------ the parts' state
 
-    index = property(lambda self: self._ctx_.index, doc="where every block is")
-    rules = property(lambda self: self._ctx_.rules, doc="every policy call (``BlockRules``)")
-    counters = property(lambda self: self._ctx_.counters)
+    index = property(lambda self: self._book.index, doc="where every block is")
+    rules = property(lambda self: self._book.rules, doc="every policy call (``BlockRules``)")
+    counters = property(lambda self: self._book.counters)
     slabs = property(lambda self: self.host_tier.slabs)
     num_slots = property(lambda self: self.host_tier.num_slots)
     page_bytes = property(lambda self: self.host_tier.page_bytes)
@@ -187,7 +187,7 @@ class TieredBlockManager:
     load_budget = property(lambda self: self.loads.budget,
                            doc="blocks one request may hold for one load: host slots + rows")
     # read by the tests that break a table on purpose
-    _lost = property(lambda self: self._ctx_.lost)
+    _lost = property(lambda self: self._book.lost)
     _rows = property(lambda self: self.disk_reads.row_of)
     _row_jobs = property(lambda self: self.disk_reads.row_jobs)
     _disk_copy = property(lambda self: self.disk_tier.copies)
@@ -196,22 +196,22 @@ class TieredBlockManager:
     @property
     def clock(self) -> Callable[[], float]:
         """The injected clock every part reads (settable: a test's own clock)."""
-        return self._ctx_.clock
+        return self._book.clock
 
     @clock.setter
     def clock(self, clock: Callable[[], float]) -> None:
-        self._ctx_.clock = clock
+        self._book.clock = clock
 
     _clock = clock
 
     @property
     def host_policy(self) -> BlockPolicy:
-        return self._ctx_.rules.policies[Tier.HOST]
+        return self._book.rules.policies[Tier.HOST]
 
     @property
     def disk_policy(self) -> BlockPolicy | None:
         """The disk tier's policy (None without a disk tier)."""
-        return self._ctx_.rules.policies[Tier.DISK] if self.disk is not None else None
+        return self._book.rules.policies[Tier.DISK] if self.disk is not None else None
 
     # ------------------------------------------------------------------ reading
 
@@ -225,7 +225,7 @@ class TieredBlockManager:
         if sg is not None:
             return BlockView(key, HostState.NONE, None, DiskState.WRITING, sg[0], 0, False,
                              sg[1], 0)
-        index = self._ctx_.index
+        index = self._book.index
         loc = index.location(key)
         if loc is None:
             return None
@@ -244,7 +244,7 @@ class TieredBlockManager:
 
     def keys(self) -> list[bytes]:
         """Every block a tier holds or is storing."""
-        return [*self._ctx_.index.keys(), *self.host_tier.storing, *self.store_staging.staged]
+        return [*self._book.index.keys(), *self.host_tier.storing, *self.store_staging.staged]
 
     def loaded_from_disk(self, key: bytes) -> bool:
         return key in self.host_tier.from_disk
@@ -263,7 +263,7 @@ class TieredBlockManager:
 
     def reap(self) -> None:
         """Settle finished promotions, demotions and stores to disk (non-blocking)."""
-        ctx = self._ctx_
+        ctx = self._book
         now = ctx.clock()
         if self.store_staging.jobs:
             self.store_staging.reap(now)
@@ -316,7 +316,7 @@ class TieredBlockManager:
         request's hits once, at its load (``BlockRules.tell``), not here."""
         self._open("touch")
         keys = check_keys("touch", keys)
-        ctx = self._ctx_
+        ctx = self._book
         now = ctx.clock()
         for k in keys:
             if k in ctx.index:
@@ -359,7 +359,7 @@ class TieredBlockManager:
         ``PROMOTED_HOLD_STEPS`` and ``RESET_HOLD_STEPS``, are in these steps), reap I/O,
         write cold host blocks down to disk to keep headroom, dump state."""
         self._open("maintain")
-        self._ctx_.step += 1
+        self._book.step += 1
         if self.host_tier.abandoned or self.loads.reset_loads:
             self.host_tier.take_back()
             self.loads.take_back()
@@ -372,7 +372,7 @@ class TieredBlockManager:
         self.reap()
         if self.disk is not None:
             self.disk_tier.demote_for_headroom()
-        ctx = self._ctx_
+        ctx = self._book
         if self.cfg.state_path is not None and ctx.dirty and (
             self._dump is None or self._dump.done()
         ):
@@ -389,17 +389,17 @@ class TieredBlockManager:
     def has_pending_work(self) -> bool:
         return self._busy() or (
             self.cfg.state_path is not None
-            and (self._ctx_.dirty or (self._dump is not None and not self._dump.done()))
+            and (self._book.dirty or (self._dump is not None and not self._dump.done()))
         )
 
     def take_events(self) -> list[Event]:
-        ctx = self._ctx_
+        ctx = self._book
         out, ctx.events = ctx.events, []
         return out
 
     def stats_delta(self) -> dict[str, int]:
         """Counter increases since the last call (for vLLM's stats hook)."""
-        now = self._ctx_.counters
+        now = self._book.counters
         out = {}
         for f in now.__dataclass_fields__:
             d = getattr(now, f) - getattr(self._reported, f)
@@ -424,7 +424,7 @@ class TieredBlockManager:
         settles its pins)."""
         self._open("reset")
         self.reap()
-        ctx = self._ctx_
+        ctx = self._book
         for k in list(ctx.index.keys()):
             if k in ctx.index and k not in ctx.lost:  # not gone with an ancestor
                 self.cascade.remove(k, "reset")
@@ -467,13 +467,13 @@ class TieredBlockManager:
         self.wait_io(timeout)
         self._closed = True
         if self.cfg.state_path is not None:
-            self._ctx_.dirty = False
+            self._book.dirty = False
             try:
                 _write_json(self.cfg.state_path, self.state())
             except OSError as exc:
                 log.warning("tiering: final state dump failed: %s", exc)
         if self._own_executor:
-            self._ctx_.io.shutdown(timeout)
+            self._book.io.shutdown(timeout)
         if self.disk is not None:
             try:
                 self.disk.close()
@@ -490,5 +490,5 @@ class TieredBlockManager:
     def check_integrity(self) -> None:
         """Raise ``TableIntegrityError`` naming what is inconsistent between the parts'
         tables, the block index, the host pool and the disk store's ledger."""
-        check_manager(self._ctx_, self.host_tier, self.disk_tier, self.disk_reads,
+        check_manager(self._book, self.host_tier, self.disk_tier, self.disk_reads,
                       self.store_staging, self.cold, self.loads)
