@@ -85,6 +85,17 @@ class DropsLastHit(LRUBlocks):
         super().on_commit(keys, hits[:-1], depths[:-1], get, now)
 
 
+class ForgetsStay(ChainOdds):
+    """Negative control: an on_removes that does not learn how long the blocks stayed."""
+
+    name = "forgets-stay"
+
+    def on_removes(self, keys) -> None:
+        stay = self._stay
+        super().on_removes(keys)
+        self._stay = stay
+
+
 def _chains(seed: int, n: int) -> list[list[int]]:
     return synthetic_chains(n, seed, SynthConfig(gap_median=6.0))
 
@@ -117,6 +128,25 @@ def test_block_replay_batch_hooks_ran_and_a_broken_one_shows():
     per = replay_blocks(chains, 20, DropsLastHit(20), batch=False)
     bat = replay_blocks(chains, 20, DropsLastHit(20), batch=True)
     assert per[:9] != bat[:9]
+
+
+def test_chain_batch_removes_ran_and_one_that_skips_learning_shows():
+    """ChainOdds' own on_removes (one loop, the learned stay in a local) leaves the state
+    on_remove of each would: the same run and the same learned stay; one that skips the
+    learning differs (so the comparison can fail)."""
+    chains = _chains(9, 300)
+    with mock.patch.object(ChainOdds, "on_removes", autospec=True,
+                           side_effect=ChainOdds.on_removes) as removes:
+        fast = ChainOdds(30)
+        bat = replay_blocks(chains, 30, fast, check_every=11, batch=True)
+    assert removes.call_count > 50
+    slow = ChainOdds(30)
+    per = replay_blocks(chains, 30, slow, check_every=11, batch=False)
+    assert per[:9] == bat[:9] and per.evicted > 50
+    assert fast._stay == slow._stay != ChainOdds(30)._stay
+    fast.check_integrity()
+    broken = replay_blocks(chains, 30, ForgetsStay(30), batch=True)
+    assert broken[:9] != per[:9]
 
 
 def _kv_factory(device, host, disk):
@@ -158,15 +188,16 @@ def test_full_replay_used_the_batch_hooks():
     trace = conversation_trace(4, 120, shared=0.6)
     calls = {}
     spies = {h: mock.patch.object(ChainOdds, h, autospec=True, side_effect=getattr(ChainOdds, h))
-             for h in ("on_commit", "on_publish", "pop_victim", "on_inserts")}
+             for h in ("on_commit", "on_publish", "pop_victim", "on_inserts", "on_removes")}
     for batch in (True, False):
         with spies["on_commit"] as commit, spies["pop_victim"] as pop, \
-                spies["on_inserts"] as inserts, spies["on_publish"] as publish:
+                spies["on_inserts"] as inserts, spies["on_publish"] as publish, \
+                spies["on_removes"] as removes:
             sim = SimConfig(**{**SIM.__dict__, "block_policy": "chain", "batch_hooks": batch})
             simulate(trace, COST, RunSpec("tiering", "lru"), sim,
                      kv_factory=_kv_factory(200, 60, 300))
             calls[batch] = (commit.call_count, publish.call_count, pop.call_count,
-                            inserts.call_count)
+                            inserts.call_count, removes.call_count)
     assert all(calls[True]) and not any(calls[False])
 
 

@@ -513,3 +513,31 @@ def test_drop_run_removes_what_drop_does_with_the_same_records_and_counts():
         twins[1].drop_run(keys[0])
     twins[1].check_integrity()
     assert len(twins[1]) == 23
+
+
+def test_attachable_tiers_stop_at_a_block_in_flight_or_mapped_off_the_device():
+    """The cached prefix a request may map: cut before the first block moving, or off the
+    device and mapped already; the same answer as match, refs and moving_to put together."""
+    rng = random.Random(17)
+    for _ in range(30):
+        index = BlockIndex()
+        keys = [rng.randrange(10**9) for _ in range(rng.randint(1, 12))]
+        h = 0
+        for i, k in enumerate(keys[:rng.randint(0, len(keys))]):
+            h += 1
+            index.insert(k, keys[i - 1] if i else None, rng.choice(TIERS), h, 0.0)
+        for k in list(index.keys()):
+            r = rng.random()
+            if r < 0.15:
+                index.acquire(k)  # mapped (a host or disk block may be mapped while it loads)
+            elif r < 0.25 and index.location(k).tier is not Tier.DEVICE:
+                h += 1
+                index.begin_move(k, Tier.DEVICE, 10**6 + h)
+        want = []
+        for k, t in zip(keys, index.match(keys).tiers, strict=False):
+            if index.moving_to(k) is not None or (t is not Tier.DEVICE and index.get(k).refs):
+                break
+            want.append(t)
+        assert index.attachable_tiers(keys) == want
+        assert [index.refs(k) for k in keys] == [
+            index.get(k).refs if k in index else 0 for k in keys]
