@@ -621,12 +621,40 @@ class BlockIndex:
         out.append(_new(Dropped, (key, run.tiers[-1], run.handles[-1], reason)))
         return out
 
+    def _unlink(self, key: Hashable) -> None:
+        """``key`` is no longer among its parent's cached children."""
+        kids = self._kids
+        parent = self._parent[key]
+        if parent is not None:
+            pk = kids[parent]
+            if isinstance(pk, set):
+                pk.discard(key)
+                if len(pk) == 1:
+                    kids[parent] = next(iter(pk))
+            else:
+                del kids[parent]
+
+    def _drop_leaf(self, key: Hashable, reason: str) -> DroppedRun:
+        """``drop_run`` of an evictable block with no cached children."""
+        self._unlink(key)
+        tier = self._tier.pop(key)
+        handle = self._handle.pop(key)
+        del self._parent[key], self._depth[key], self._hits[key], self._first[key]
+        del self._last[key]
+        del self._slots[tier][handle]
+        self._counts[tier] -= 1
+        self.dropped[reason] += 1
+        return _new(DroppedRun, ([key], [tier], [handle]))
+
     def drop_run(self, key: Hashable, reason: str = "evicted") -> DroppedRun:
         """``drop`` without a record per block: the keys that left, deepest first (``key``
         last), with their tiers and handles, as three lists. The same checks and counts."""
         self._check_known(key, "drop")
         if not isinstance(reason, str) or not reason:
             raise ValueError(f"drop of block {key!r}: reason must be a non-empty str, got {reason!r}")
+        kids = self._kids
+        if key not in kids and self.evictable(key):  # a leaf: no subtree to walk
+            return self._drop_leaf(key, reason)
         subtree = self._subtree_list(key)
         if not self.evictable(key):
             for d in subtree:
@@ -639,16 +667,7 @@ class BlockIndex:
                         f"drop of block {key!r}: block {d!r} is moving to {self._dest[d][0].value}"
                     )
             raise RuntimeError(f"drop of block {key!r}: held, but nothing below it is busy")
-        kids = self._kids
-        parent = self._parent[key]
-        if parent is not None:
-            pk = kids[parent]
-            if isinstance(pk, set):
-                pk.discard(key)
-                if len(pk) == 1:
-                    kids[parent] = next(iter(pk))
-            else:
-                del kids[parent]
+        self._unlink(key)
         subtree.reverse()
         n = len(subtree)
         # nothing in the subtree is busy (evictable), so refs, moves and held counts hold
