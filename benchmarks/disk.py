@@ -10,7 +10,11 @@ Method:
   pieces to one file. Both files are preallocated before timing and both are
   fsynced (untimed) after each pass, so no pass pays for the previous one's
   writeback. Timings exclude fsync: they are the rate a demotion sees.
-- Warm reads: straight after writing, into a preallocated output buffer.
+- Warm reads: straight after writing, into a preallocated output buffer; once as
+  the default read (staged: a failed read leaves the output as it was) and once with
+  ``out_is_scratch=True`` (each checked piece copied into the output from a small
+  bounce buffer; a failed read leaves it holding unspecified bytes). Each is
+  alternated with its own raw passes, and the cold reads likewise.
 - Cold reads: after fsync and ``posix_fadvise(DONTNEED)`` on every file; if that
   does not evict the pages (checked through ``Cached`` in /proc/meminfo),
   ``/proc/sys/vm/drop_caches`` is tried. What worked is recorded.
@@ -267,9 +271,11 @@ class _StoreSide:
         for start, extent in self.extents:
             self.store.write(extent, self.pages[start : start + extent.num_pages])
 
-    def read(self, out: torch.Tensor) -> None:
+    def read(self, out: torch.Tensor, out_is_scratch: bool = False) -> None:
         for start, extent in self.extents:
-            self.store.read(extent, out[start : start + extent.num_pages])
+            self.store.read(
+                extent, out[start : start + extent.num_pages], out_is_scratch=out_is_scratch
+            )
 
     def fsync(self) -> None:
         for path in _files_under(self.root):
@@ -384,16 +390,20 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
                 if not torch.equal(out.view(torch.int16), pages.view(torch.int16)):
                     raise RuntimeError("store read back differs from what was written")
 
-            def store_read() -> float:
+            def store_read(out_is_scratch: bool = False) -> float:
                 out.zero_()
-                t = _timed(lambda: side.read(out))
+                t = _timed(lambda: side.read(out, out_is_scratch))
                 check()
                 return t
+
+            def scratch_read() -> float:
+                return store_read(out_is_scratch=True)
 
             def raw_read() -> float:
                 return _timed(lambda: raw.read(dst))
 
             store_r, raw_r = _alternate(WARM_PASSES, store_read, raw_read)
+            scratch_r, raw_rs = _alternate(WARM_PASSES, scratch_read, raw_read)
 
             floor = _Floor(raw, side.store.config.io_threads)
             try:
@@ -434,6 +444,11 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
                 cold(store_read, lambda: _files_under(side.root)),
                 cold(raw_read, lambda: [raw.path]),
             )
+            scratch_c, raw_cs = _alternate(
+                COLD_PASSES,
+                cold(scratch_read, lambda: _files_under(side.root)),
+                cold(raw_read, lambda: [raw.path]),
+            )
             load_after = os.getloadavg()[0]
         finally:
             side.close()
@@ -466,6 +481,10 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
         "raw_read_gbps": best(raw_r),
         "read_cold_gbps": best(store_c),
         "raw_read_cold_gbps": best(raw_c),
+        "read_scratch_gbps": best(scratch_r),
+        "raw_read_scratch_gbps": best(raw_rs),
+        "read_cold_scratch_gbps": best(scratch_c),
+        "raw_read_cold_scratch_gbps": best(raw_cs),
         "cold_method": evictor.method,
         "fadvise_worked": evictor.fadvise_worked,
         "drop_caches_worked": evictor.drop_caches_worked,
@@ -477,6 +496,10 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
             "raw_read": [_gbps(nbytes, t) for t in raw_r],
             "read_cold": [_gbps(nbytes, t) for t in store_c if t == t],
             "raw_read_cold": [_gbps(nbytes, t) for t in raw_c if t == t],
+            "read_scratch": [_gbps(nbytes, t) for t in scratch_r],
+            "raw_read_scratch": [_gbps(nbytes, t) for t in raw_rs],
+            "read_cold_scratch": [_gbps(nbytes, t) for t in scratch_c if t == t],
+            "raw_read_cold_scratch": [_gbps(nbytes, t) for t in raw_cs if t == t],
         },
         "floor": {
             "staged_gbps": best(staged_r),
@@ -495,6 +518,8 @@ def run(total_bytes: int, base_dir: str | None, seed: int = 0) -> dict:
         ("write_ratio", "write_gbps", "raw_write_gbps"),
         ("read_ratio", "read_gbps", "raw_read_gbps"),
         ("read_cold_ratio", "read_cold_gbps", "raw_read_cold_gbps"),
+        ("read_scratch_ratio", "read_scratch_gbps", "raw_read_scratch_gbps"),
+        ("read_cold_scratch_ratio", "read_cold_scratch_gbps", "raw_read_cold_scratch_gbps"),
     ):
         result[key] = _ratio(result[a], result[b])
     return result
@@ -512,7 +537,13 @@ def print_table(r: dict) -> None:
     )
     rows = [
         (label, r[key + "_gbps"], r["raw_" + key + "_gbps"], r[key + "_ratio"])
-        for label, key in (("write", "write"), ("read warm", "read"), ("read cold", "read_cold"))
+        for label, key in (
+            ("write", "write"),
+            ("read warm", "read"),
+            ("read cold", "read_cold"),
+            ("read warm, out_is_scratch", "read_scratch"),
+            ("read cold, out_is_scratch", "read_cold_scratch"),
+        )
     ]
     print(table(rows, ("", "store GB/s", "raw GB/s", "store/raw")))
     print(f"cold reads: {r['cold_method'] or 'page cache could not be dropped'}")

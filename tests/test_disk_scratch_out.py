@@ -21,11 +21,11 @@ import torch
 
 from tiering.disk import DiskConfig, DiskCorruptionError, DiskIOError, DiskPageStore
 from tiering.disk.faults import FaultPlan, FaultyStore
-from tiering.disk.slotfile import PIECE_BYTES, ChunkChecksumError, SlotFileStore
+from tiering.disk.slotfile import BOUNCE_BYTES, PIECE_BYTES, ChunkChecksumError, SlotFileStore
 from tiering.disk.slotio import CopyGate
 
 SMALL = (2, 4, 8)  # 256 bytes a page
-BIG = (PIECE_BYTES // 4 + 12_345,)  # float32: a page of two pieces, the second partial
+BIG = (PIECE_BYTES // 4 + 12_345,)  # float32: a page of several pieces, the last partial
 
 
 def make(tmp_path: Path, shape, pages: int, **kw) -> DiskPageStore:
@@ -60,7 +60,7 @@ def test_a_scratch_read_returns_the_written_bytes_without_the_staging_copy(tmp_p
         assert torch.equal(out, data[first:])
     # the reads above went through the bounce buffers, never through the range scratch
     assert store._read_scratch.kept() == []
-    assert store._bounces.kept() and all(b >= PIECE_BYTES for b in store._bounces.kept())
+    assert store._bounces.kept() and all(b == BOUNCE_BYTES for b in store._bounces.kept())
     out = noise_like(rng, data)
     store.read(extent, out)  # the control: a default read is staged
     assert torch.equal(out, data)
@@ -227,14 +227,30 @@ def test_a_shut_gate_refuses_to_copy(tmp_path):
     src = rng.integers(0, 256, 4096, dtype=np.uint8)
     dest = rng.integers(0, 256, 4096, dtype=np.uint8)
     gate = CopyGate()
-    gate.copy(dest.ctypes.data, src.ctypes.data, 1000)
+    lane = gate.lane()
+    lane.copy(dest.ctypes.data, src.ctypes.data, 1000)
     assert np.array_equal(dest[:1000], src[:1000])
     assert gate.shut(1.0)
     before = dest.copy()
-    with pytest.raises(OSError) as info:
-        gate.copy(dest.ctypes.data, src.ctypes.data, 4096)
-    assert info.value.errno == errno.ECANCELED
+    for late in (lane, gate.lane()):  # a lane made after the shut refuses too
+        with pytest.raises(OSError) as info:
+            late.copy(dest.ctypes.data, src.ctypes.data, 4096)
+        assert info.value.errno == errno.ECANCELED
     assert np.array_equal(dest, before)
+
+
+def test_shutting_waits_for_a_copy_under_way_and_no_longer_than_its_budget():
+    gate = CopyGate()
+    lane = gate.lane()
+    lane._lock.acquire()  # stands for a copy under way
+    assert gate.shut(0.05) is False
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: done.set() if gate.shut(10) else None)
+    waiter.start()
+    assert not done.wait(0.1)  # still waiting for the copy
+    lane._lock.release()
+    waiter.join(10)
+    assert done.is_set()
 
 
 def test_read_chunk_checks_its_bounce_buffer(tmp_path):
@@ -243,18 +259,22 @@ def test_read_chunk_checks_its_bounce_buffer(tmp_path):
     slots.write_chunk(0, np.arange(16, dtype=np.float32))
     out = np.empty(16, dtype=np.float32)
     with pytest.raises(ValueError, match="together"):
-        slots.read_chunk(0, out, bounce=np.empty(PIECE_BYTES, np.uint8))
+        slots.read_chunk(0, out, bounce=np.empty(BOUNCE_BYTES, np.uint8))
     with pytest.raises(ValueError, match="bounce must be"):
-        slots.read_chunk(0, out, bounce=np.empty(PIECE_BYTES - 1, np.uint8), gate=CopyGate())
-    slots.read_chunk(0, out, bounce=np.empty(PIECE_BYTES, np.uint8), gate=CopyGate())
+        slots.read_chunk(0, out, bounce=np.empty(4095, np.uint8), lane=CopyGate().lane())
+    slots.read_chunk(0, out, bounce=np.empty(BOUNCE_BYTES, np.uint8), lane=CopyGate().lane())
     assert np.array_equal(out, np.arange(16, dtype=np.float32))
     gate = CopyGate()
+    lane = gate.lane()
     gate.shut(0.0)
     with pytest.raises(OSError) as info:  # a shut gate: the chunk's bytes are dropped
-        slots.read_chunk(0, np.zeros(16, np.float32), bounce=np.empty(PIECE_BYTES, np.uint8),
-                         gate=gate)
+        slots.read_chunk(0, np.zeros(16, np.float32), bounce=np.empty(BOUNCE_BYTES, np.uint8),
+                         lane=lane)
     assert info.value.errno == errno.ECANCELED
+    with pytest.raises(ValueError, match="no pad"):
+        slots.read_chunk(0, np.empty(15, np.float32), pad=4,
+                         bounce=np.empty(BOUNCE_BYTES, np.uint8), lane=CopyGate().lane())
     with pytest.raises(ChunkChecksumError):
         slots.read_chunk(0, np.empty(15, np.float32), pad=0,
-                         bounce=np.empty(PIECE_BYTES, np.uint8), gate=CopyGate())
+                         bounce=np.empty(BOUNCE_BYTES, np.uint8), lane=CopyGate().lane())
     slots.close()

@@ -78,8 +78,9 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from tiering.disk.crc import ByteSpan, crc32c_bytes
 from tiering.disk.slotio import (
     BINDING_BYTES,
+    BOUNCE_BYTES,
     PIECE_BYTES,
-    CopyGate,
+    CopyLane,
     SyncBackedStoreMethods,
     _atomic_replace,
     _BufferPool,
@@ -96,6 +97,7 @@ from tiering.errors import ChunkChecksumError
 
 __all__ = [
     "BINDING_BYTES",
+    "BOUNCE_BYTES",
     "PIECE_BYTES",
     "SLOT_FILE_NAME",
     "ChunkChecksumError",
@@ -409,15 +411,17 @@ class SlotFileStore(SyncBackedStoreMethods, Store):
 
     def read_chunk(
         self, index: int, out: np.ndarray, pad: int = 0, binding: bytes | None = None,
-        *, bounce: np.ndarray | None = None, gate: CopyGate | None = None,
+        *, bounce: np.ndarray | None = None, lane: CopyLane | None = None,
     ) -> None:
         """Fill ``out`` with the payload of slot ``index``'s chunk and verify it.
 
-        With ``bounce`` (a uint8 buffer of at least ``PIECE_BYTES``) and ``gate``, no
-        ``preadv`` writes into ``out``: each piece lands in ``bounce``, is checksummed
-        there (still in the CPU cache) and is copied into ``out`` through ``gate``, which
-        refuses once shut (``OSError(ECANCELED)``). I/O that outlives the caller's
-        interest then ends in ``bounce``, never in ``out``.
+        With ``bounce`` (a uint8 buffer of at least 4 KiB; ``BOUNCE_BYTES`` is the
+        size measured best) and ``lane`` (of a ``CopyGate``), no ``preadv`` writes into
+        ``out``: the payload is read in pieces of ``bounce``'s size, each lands in
+        ``bounce``, is checksummed there (still in the CPU cache) and is copied into
+        ``out`` through ``lane``, which refuses once its gate is shut
+        (``OSError(ECANCELED)``). I/O that outlives the caller's interest then ends in
+        ``bounce``, never in ``out``. ``pad`` must then be 0.
 
         With ``binding``, the slot's binding block must hold exactly that binding
         and vouch for the chunk's crc32c, else ``ChunkChecksumError`` (a chunk of
@@ -439,46 +443,29 @@ class SlotFileStore(SyncBackedStoreMethods, Store):
             raise ValueError(
                 f"a chunk of {expected} encoded bytes cannot be in a slot of {self.slot_capacity}"
             )
-        scratch = self._pool.take(pad + _CRC_BYTES) if pad else np.empty(_CRC_BYTES, np.uint8)
-        trailer = scratch[pad:]
         if binding is not None and len(binding) != BINDING_BYTES:
             raise ValueError(f"binding must be {BINDING_BYTES} bytes, got {len(binding)}")
-        if (bounce is None) != (gate is None):
-            raise ValueError("bounce and gate come together")
+        if (bounce is None) != (lane is None):
+            raise ValueError("bounce and lane come together")
         if bounce is not None and (
             not isinstance(bounce, np.ndarray) or bounce.dtype != np.uint8
-            or not bounce.flags.c_contiguous or bounce.nbytes < PIECE_BYTES
+            or not bounce.flags.c_contiguous or bounce.nbytes < _ALIGN
         ):
-            raise ValueError(f"bounce must be a contiguous uint8 array of >= {PIECE_BYTES} bytes")
+            raise ValueError(f"bounce must be a contiguous uint8 array of >= {_ALIGN} bytes")
+        if bounce is not None and pad:
+            raise ValueError("a read through a bounce buffer takes no pad")
+        scratch = self._pool.take(pad + _CRC_BYTES) if pad else np.empty(_CRC_BYTES, np.uint8)
+        trailer = scratch[pad:]
         header = bytearray(_SLOT_HEADER.size)
         block = bytearray(_BINDING_BLOCK)
         fd = self._require_fd()
         offset = self._header_offset(index) - _BINDING_BLOCK
-        payload = ByteSpan(dest)
-        pieces = list(_pieces(payload, pad, scratch[:pad], advance=True))
-        landing = None if bounce is None else ByteSpan(bounce)
-        to = (dest.ctypes.data, 0 if bounce is None else bounce.ctypes.data)
-        crc = 0
-        for i, (span, start, stop) in enumerate(pieces):
-            batch: list[bytearray | memoryview | np.ndarray] = [block, header] if i == 0 else []
-            staged = landing is not None and span is payload
-            batch.append(landing.view[: stop - start] if staged else span.view[start:stop])
-            if i == len(pieces) - 1:
-                batch.append(trailer)
-            offset = _pread_all(fd, batch, offset)
-            if i == 0:
-                self._check_header(index, header, expected)
-                if binding is not None and block[:BINDING_BYTES] != binding:
-                    _verify_block(index, bytes(block), b"", binding)  # refused before a copy
-            if staged:
-                assert landing is not None and gate is not None
-                crc = landing.extend(crc, 0, stop - start)
-                gate.copy(to[0] + start, to[1], stop - start)
-            else:
-                crc = span.extend(crc, start, stop)
-        if not pieces:  # an empty payload: only the header and the crc
-            _pread_all(fd, [block, header, trailer], offset)
-            self._check_header(index, header, expected)
+        if bounce is not None and lane is not None and dest.nbytes:
+            crc = self._read_through(index, fd, offset, dest, bounce, lane,
+                                     (block, header, trailer), expected, binding)
+        else:
+            crc = self._read_in_place(index, fd, offset, dest, pad, scratch,
+                                      (block, header, trailer), expected)
         stored = int.from_bytes(trailer.tobytes(), "little")
         if stored != crc:
             raise ChunkChecksumError(
@@ -487,6 +474,61 @@ class SlotFileStore(SyncBackedStoreMethods, Store):
             )
         if binding is not None:
             _verify_block(index, bytes(block), trailer.tobytes(), binding)
+
+    def _read_in_place(
+        self, index: int, fd: int, offset: int, dest: np.ndarray, pad: int,
+        scratch: np.ndarray, parts: tuple[bytearray, bytearray, np.ndarray], expected: int,
+    ) -> int:
+        """``read_chunk``'s payload straight into ``dest`` (then ``pad`` bytes into
+        ``scratch``), in pieces of ``PIECE_BYTES``: the crc32c of all of them."""
+        block, header, trailer = parts
+        pieces = list(_pieces(ByteSpan(dest), pad, scratch[:pad], advance=True))
+        crc = 0
+        for i, (span, start, stop) in enumerate(pieces):
+            batch: list[bytearray | memoryview | np.ndarray] = [block, header] if i == 0 else []
+            batch.append(span.view[start:stop])
+            if i == len(pieces) - 1:
+                batch.append(trailer)
+            offset = _pread_all(fd, batch, offset)
+            if i == 0:
+                self._check_header(index, header, expected)
+            crc = span.extend(crc, start, stop)
+        if not pieces:  # an empty payload: only the header and the crc
+            _pread_all(fd, [block, header, trailer], offset)
+            self._check_header(index, header, expected)
+        return crc
+
+    def _read_through(
+        self, index: int, fd: int, offset: int, dest: np.ndarray, bounce: np.ndarray,
+        lane: CopyLane, parts: tuple[bytearray, bytearray, np.ndarray], expected: int,
+        binding: bytes | None,
+    ) -> int:
+        """``read_chunk``'s payload through ``bounce``: the crc32c of the bytes copied
+        into ``dest``. ``parts`` are the binding block, header and trailer to fill."""
+        block, header, trailer = parts
+        step = bounce.nbytes
+        land = ByteSpan(bounce)
+        to, src = dest.ctypes.data, bounce.ctypes.data
+        end = dest.nbytes
+        crc = 0
+        for start in range(0, end, step):
+            size = min(step, end - start)
+            batch: list = [land.view if size == step else land.view[:size]]
+            want = size
+            if not start:
+                batch[:0] = [block, header]
+                want += _BINDING_BLOCK + _SLOT_HEADER.size
+            if start + size == end:
+                batch.append(trailer)
+                want += _CRC_BYTES
+            offset = _pread_all(fd, batch, offset, want)
+            if not start:
+                self._check_header(index, header, expected)
+                if binding is not None and block[:BINDING_BYTES] != binding:
+                    _verify_block(index, bytes(block), b"", binding)  # refused before a copy
+            crc = land.extend(crc, 0, size)
+            lane.copy(to + start, src, size)
+        return crc
 
     @staticmethod
     def _block(binding: bytes, chunk_crc: bytes) -> bytes:

@@ -86,7 +86,12 @@ Direct path. For the default local store with codec ``none`` and no
 store writes the caller's page bytes where they lie and reads into a reused
 scratch buffer that is copied into ``out`` once every chunk passed its checks
 (``SlotFileStore.write_chunk``/``read_chunk``; a failed read leaves ``out``
-untouched), computing or checking the crc32c over the same memory with the GIL released. The chunk bytes on disk
+untouched), computing or checking the crc32c over the same memory with the GIL released.
+``read(..., out_is_scratch=True)`` skips that copy: each piece lands in a small bounce
+buffer per I/O thread, is checked there and copied into ``out`` through a gate that a
+failed read shuts before it returns (``out`` then holds unspecified bytes, and stray
+I/O after a timeout ends in the bounce buffer, which stays out of the pool until its
+``preadv`` has returned). The chunk bytes on disk
 are exactly what the pipeline (bytes codec, then crc32c) would store, so plain
 zarr reads the array through ``SlotFileStore`` (it does not see the binding
 blocks, so it cannot check them), and this path reads chunks zarr wrote.

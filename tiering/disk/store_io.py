@@ -30,7 +30,7 @@ from tiering.disk.ledger import (
     ExtentState,
     check_extent,
 )
-from tiering.disk.slotfile import PIECE_BYTES, CopyGate, make_binding
+from tiering.disk.slotio import BOUNCE_BYTES, CopyGate, make_binding
 from tiering.errors import DiskCorruptionError, DiskIOError
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class ChunkIOPart:
         sequential stream (jobs on runs far apart would make it seek between them) while
         adjacent slots are checksummed in parallel. Every job stops at the first failure.
 
-        With ``gate``, each job reads through its own bounce buffer of ``PIECE_BYTES``
+        With ``gate``, each job reads through its own bounce buffer of ``BOUNCE_BYTES``
         (see ``SlotFileStore.read_chunk``), taken from the store's pool and given back
         only when the job's last ``preadv`` has returned, so no buffer with I/O still
         running into it is handed to another read."""
@@ -222,7 +222,8 @@ class ChunkIOPart:
         failed = threading.Event()
 
         def run() -> None:
-            bounce = None if gate is None else self._bounces.take(PIECE_BYTES)
+            bounce = None if gate is None else self._bounces.take(BOUNCE_BYTES)
+            lane = None if gate is None else gate.lane()
             try:
                 while not failed.is_set():
                     with cursor:
@@ -232,7 +233,7 @@ class ChunkIOPart:
                     slot, row = pair
                     try:
                         direct.read_chunk(
-                            slot, row, 0, self._binding(state, slot), bounce=bounce, gate=gate
+                            slot, row, 0, self._binding(state, slot), bounce=bounce, lane=lane
                         )
                     except BaseException:
                         failed.set()
