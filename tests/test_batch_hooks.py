@@ -131,9 +131,9 @@ def test_block_replay_batch_hooks_ran_and_a_broken_one_shows():
 
 
 def test_chain_batch_removes_ran_and_one_that_skips_learning_shows():
-    """ChainOdds' own on_removes (one loop, the learned stay in a local) leaves the state
-    on_remove of each would: the same run and the same learned stay; one that skips the
-    learning differs (so the comparison can fail)."""
+    """ChainOdds' on_removes leaves the state on_remove of each would: the same run and
+    the same learned stay; one that skips the learning differs (so the comparison can
+    fail)."""
     chains = _chains(9, 300)
     with mock.patch.object(ChainOdds, "on_removes", autospec=True,
                            side_effect=ChainOdds.on_removes) as removes:

@@ -366,11 +366,10 @@ class _ForgetsLateBlocks(_Recording):
     """A broken heap: blocks tracked after the oldest read's heap was built never join it
     (the negative control: the comparison below must see the difference)."""
 
-    def _track_all(self, keys, depths, tracked):
-        for key, depth in zip(keys, depths, strict=True):  # one at a time, each forgotten
-            super()._track_all((key,), (depth,), tracked)
-            for front in self._front.values():
-                front[3].clear()
+    def _track(self, key, depth):
+        super()._track(key, depth)
+        for front in self._front.values():
+            front[3].clear()
 
 
 @pytest.mark.parametrize(

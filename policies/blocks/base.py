@@ -129,17 +129,7 @@ class BlockPolicy(ABC):
         the first, it inserted; ``room()``: how many blocks it can take now without
         making room. A policy whose ``admit`` of those is certain (True, changing
         nothing) may insert them in one call and then track them (``publish_room``)."""
-        admit, on_insert = self.admit, self.on_insert_key
-        n = 0
-        for k in keys:
-            d = depth + n
-            if not admit(k, d, now):
-                return n, True
-            if insert((k,)) != 1:
-                return n, False
-            on_insert(k, d, get, now)
-            n += 1
-        return n, False
+        return BlockPolicy.publish_room(self, keys, depth, _nothing_certain, insert, get, now)
 
     def publish_room(self, keys: Sequence[Hashable], depth: int, certain: Callable[[], int],
                      insert: Callable[[Sequence[Hashable]], int],
@@ -208,6 +198,11 @@ class BlockPolicy(ABC):
 
     def __contains__(self, key: object) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+def _nothing_certain() -> int:
+    """``publish_room``'s ``certain`` for a policy that knows nothing of its ``admit``."""
+    return 0
 
 
 def not_tracked(policy: BlockPolicy, event: str, key: Hashable) -> ValueError:

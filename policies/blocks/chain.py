@@ -360,41 +360,26 @@ class ChainOdds(BlockPolicy):
         return self._dens[cls][min((self._t - last).bit_length(), _BUCKETS - 1)]
 
     def _track(self, key: Hashable, depth: int) -> None:
-        self._track_all((key,), (depth,), None)
-
-    def _track_all(self, keys: Sequence[Hashable], depths: Sequence[int],
-                   tracked: bool | None) -> None:
-        """Track each of ``keys`` (at ``depths``) at the current request, in order: as
-        read there (class from its ghost record), at the young end of its class list.
-        ``tracked``: each must be tracked already (a hit), or must not be (an insert),
-        else the error names it (those before it are tracked); None: either."""
-        ghost, meta, lists, dirty, front_of = (self._ghost, self._meta, self._lists,
-                                               self._dirty, self._front)
-        default, t, seq = self._cls, self._t, self._seq
-        try:
-            for key, depth in zip(keys, depths, strict=True):
-                old = meta.get(key)
-                if tracked is not None and (old is not None) is not tracked:
-                    raise (not_tracked(self, "on_hit", key) if tracked
-                           else already_tracked(self, key))
-                rec = ghost.get(key)
-                cls = rec[0] if rec is not None else default
-                if old is not None:
-                    del lists[old][key]
-                    dirty.add(old)
-                dirty.add(cls)
-                meta[key] = cls
-                seq += 1
-                lists[cls][key] = (t, depth, seq)
-                front = front_of.get(cls)
-                if front is not None and front[0] == t:  # it joins the class's oldest read
-                    front[3].append((-depth, seq, key))
-                self._version += 1
-        finally:
-            self._seq = seq
+        rec = self._ghost.get(key)
+        cls = rec[0] if rec is not None else self._cls
+        old = self._meta.get(key)
+        if old is not None:
+            del self._lists[old][key]
+            self._dirty.add(old)
+        self._dirty.add(cls)
+        self._meta[key] = cls
+        self._seq = seq = self._seq + 1
+        t = self._t
+        self._lists[cls][key] = (t, depth, seq)
+        front = self._front.get(cls)
+        if front is not None and front[0] == t:  # it joins the class's oldest read
+            front[3].append((-depth, seq, key))
+        self._version += 1
 
     def _insert(self, key: Hashable, depth: int) -> None:
-        self._track_all((key,), (depth,), False)
+        if key in self._meta:
+            raise already_tracked(self, key)
+        self._track(key, depth)
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
         self._insert(info[0], info[2])  # key, depth
@@ -421,7 +406,11 @@ class ChainOdds(BlockPolicy):
         if self.overrides(ChainOdds, "on_request", "on_hit"):
             return super().on_commit(keys, hits, depths, get, now)
         self.on_request(keys, now)
-        self._track_all(hits, depths, True)
+        meta, track = self._meta, self._track
+        for k, d in zip(hits, depths, strict=True):
+            if k not in meta:
+                raise not_tracked(self, "on_hit", k)
+            track(k, d)
 
     def on_publish(self, keys: Sequence[Hashable], depth: int, room: Callable[[], int],
                    insert: Callable[[Sequence[Hashable]], int],
@@ -462,30 +451,6 @@ class ChainOdds(BlockPolicy):
                 if not (k in r or k in d or k in b):
                     return k
         return None
-
-    def on_removes(self, keys: Sequence[Hashable]) -> None:
-        if self.overrides(ChainOdds, "on_remove"):
-            return super().on_removes(keys)
-        meta, lists, dirty, t = self._meta, self._lists, self._dirty, self._t
-        stay, done = self._stay, 0
-        try:
-            for k in keys:  # on_remove of each, with the learned stay kept in a local
-                cls = meta.pop(k, None)
-                if cls is None:
-                    raise not_tracked(self, "on_remove", k)
-                last = lists[cls].pop(k)[0]
-                dirty.add(cls)
-                stay += 0.01 * ((t - last) - stay)
-                done += 1
-        finally:
-            self._stay = stay
-            self._version += done
-
-    def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
-                   get: Callable[[Hashable], BlockInfo], now: float) -> None:
-        if self.overrides(ChainOdds, "on_insert", "on_insert_key"):
-            return super().on_inserts(keys, depths, get, now)
-        self._track_all(keys, depths, False)
 
     def on_remove(self, key: Hashable) -> None:
         cls = self._meta.pop(key, None)
