@@ -133,15 +133,18 @@ def _replay(chains, cap: int, name: str):
     policy = default_block_registry().make(name, capacity=cap)
     c0 = time.process_time()
     r = replay_blocks(chains, cap, policy)
-    return r, time.process_time() - c0
+    return r, time.process_time() - c0, policy
 
 
 def run_row(label: str, split: str, chains, cap: int, names: Sequence[str]) -> dict:
     opt = belady_hit_rate(chains, cap).hit_rate
-    rates, cpu = {}, {}
+    rates, cpu, lead = {}, {}, None
     for n in names:
-        r, c = _replay(chains, cap, n)
+        r, c, p = _replay(chains, cap, n)
         rates[n], cpu[n] = r.hit_rate, c
+        if n == CANDIDATE and hasattr(p, "leader_name"):
+            lead = {"final": p.leader_name, "switches": p.switches,
+                    "last_switch_request": p.last_switch}
     best = max(rates[b] for b in ESTABLISHED)
     print(f"  {label} @ {cap}: done", file=sys.stderr, flush=True)
     return {
@@ -157,6 +160,7 @@ def run_row(label: str, split: str, chains, cap: int, names: Sequence[str]) -> d
         "of_best_established": {n: rates[n] / best if best else None for n in names},
         "cpu_seconds": cpu,
         "cpu_over_lru": {n: cpu[n] / cpu["lru"] if cpu["lru"] else None for n in names},
+        "candidate_lead": lead,
     }
 
 
@@ -264,6 +268,15 @@ def adversarial(cap: int, names: Sequence[str]) -> list[dict]:
     return rows
 
 
+def _lead(row: dict) -> str:
+    """The candidate's leader at the end, and the request it took the lead at."""
+    lead = row.get("candidate_lead")
+    if not lead:
+        return ""
+    at = lead["last_switch_request"]
+    return lead["final"] + ("" if at is None else f" ({at:,})")
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
 
@@ -304,10 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         [(r["trace"], r["split"], r["capacity_blocks"],
           *(_pct(r["hit_rate"][n]) for n in names), _pct(r["belady"]),
           f"{r['of_belady'][CANDIDATE]:.3f}", f"{r['of_best_established'][CANDIDATE]:.4f}",
-          f"{r['hit_rate'][CANDIDATE] / r['hit_rate'][OLD_DEFAULT]:.4f}")
+          f"{r['hit_rate'][CANDIDATE] / r['hit_rate'][OLD_DEFAULT]:.4f}", _lead(r))
          for r in rows],
         ("trace", "split", "blocks", *names, "belady", f"{CANDIDATE}/belady",
-         f"{CANDIDATE}/best-est", f"{CANDIDATE}/{OLD_DEFAULT}"),
+         f"{CANDIDATE}/best-est", f"{CANDIDATE}/{OLD_DEFAULT}", "lead (from request)"),
     ))
     print()
     print("policy cost: replay CPU time / LRU's in the same row")

@@ -2,30 +2,34 @@
 of several experts pays on the workload in front of it.
 
 ``AdaptiveBlocks`` ("adaptive") keeps a full instance of each expert (by default
-ChainOdds, S3-FIFO and ARC), tells every one of them every event of the tier, and
-takes its victims and admission answers from one of them, the leader. ChainOdds
-leads first. Which one leads is decided by miniature simulations: each expert also
-runs in a shadow tier of ``capacity / rate`` blocks over the blocks whose key falls
-in a fixed 1-in-``rate`` hash sample, told the same requests in the same order (the
-sampled part of each chain), and dropping a block's held descendants with it as the
-block index does. Each request's shadow prefix hits are summed with an exponential
-decay of ``window`` requests, and their products with the squared decay, which
-gives the variance of the decayed difference between two experts. The lead passes
-to an expert whose decayed hits exceed the leader's by ``z`` standard errors of
-that difference and by ``margin`` of the leader's hits: a clear, lasting advantage
-moves it; a near tie, whose noise the shadows cannot resolve, never does. Nothing
-is counted in the first ``hold`` requests (by default ``min(2048, capacity / 2)``):
-ChainOdds learns its odds from reuse it has seen, and on a large tier it trails
-the generic policies until it has, so that early lead is not taken as lasting.
+ChainOdds, S3-FIFO, ARC and LRU), tells every one of them every event of the tier,
+and takes its victims and admission answers from one of them, the leader. ChainOdds
+leads first. Which one leads is decided by simulations: each expert also runs in a
+shadow tier of ``capacity / rate`` blocks over the blocks whose key falls in a fixed
+1-in-``rate`` hash sample, told the same requests in the same order (the sampled
+part of each chain), and dropping a block's held descendants with it as the block
+index does. ``rate`` is 1 by default: a shadow is then a tier of the real size
+serving every block, which scores a generic policy exactly as a replay would; a
+sampled miniature costs less but misjudges ChainOdds, whose odds depend on the
+tier's size, against the others. Each request's shadow prefix hits are summed with
+an exponential decay of ``window`` requests, and their products with the squared
+decay, which gives the variance of the decayed difference between two experts. The
+lead passes to an expert whose decayed hits exceed the leader's by ``z`` standard
+errors of that difference and by ``margin`` of the leader's hits: a clear, lasting
+advantage moves it; a near tie, whose noise the shadows cannot resolve, never does.
+Nothing is counted in the first ``hold`` requests (by default
+``min(2048, capacity / 2)``): ChainOdds learns its odds from reuse it has seen, and
+on a large tier it trails the generic policies until it has, so that early lead is
+not taken as lasting.
 
 Bounds: each shadow holds at most ``capacity / rate`` blocks; the ghost keys of the
 experts and shadows (ARC's B1 and B2, S3-FIFO's ghost FIFO, LIRS's non-resident HIR
 keys) are at most ``GHOST_FACTOR`` x capacity in all (``ghost_entries`` counts
 them); ChainOdds' reuse history is bounded by its horizon (the blocks read in its
 last ``horizon`` requests), counted apart (``history_entries``). Per event: each
-expert's hook once, plus the shadows' share (1 / ``rate`` of the blocks, with
-``rate`` = capacity / 500 capped at 8 by default); per request, a few products
-per pair of experts.
+expert's hook once, and each shadow's for the sampled blocks (all of them at rate
+1); an expert that does not lead is asked to admit only where its ``admit`` records
+something (ARC's); per request, a few products per pair of experts.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ from tiering.policies.blocks.generic import ARCBlocks, LRUBlocks, S3FIFOBlocks
 __all__ = ["GHOST_FACTOR", "AdaptiveBlocks", "LIRSBlocks"]
 
 #: Ghost keys of the experts and the shadows, at most this many times the capacity: per
-#: expert at most 2x (ARC, LIRS; S3-FIFO 1x, LRU and ChainOdds none), five experts at
-#: most, and the shadows as much again at 1 / rate of the capacity.
+#: expert at most 2x (ARC, LIRS; S3-FIFO 1x, LRU and ChainOdds none), so at most 5x for
+#: the five experts, and the shadows as much again at 1 / rate of the capacity.
 GHOST_FACTOR = 10
 
 
@@ -178,6 +182,7 @@ _EXPERTS: dict[str, Callable[..., BlockPolicy]] = {
 #: ``admit`` methods that change nothing (an expert with one of these is asked only
 #: when it leads)
 _READ_ONLY_ADMIT = (BlockPolicy.admit, ChainOdds.admit)
+_NONE: frozenset = frozenset()
 _MASK = (1 << 64) - 1
 _GOLD = 0x9E3779B97F4A7C15
 
@@ -235,11 +240,12 @@ class _Shadow:
     def _serve(self, keys: list, now: float) -> None:
         p, parents = self.policy, self.parents
         parent = None
+        mine: set = set()  # the blocks of this request served so far: never a victim
         for depth, k in enumerate(keys):
             info = BlockInfo(k, parent, depth, 1, 0, now, now, 0)
             if k in p:
                 if parents[k] != parent:
-                    if k in keys[:depth]:  # a chain through one block twice: served so far
+                    if k in mine:  # a chain through one block twice: served so far
                         return
                     self._move(k, parent)
                 p.on_hit(info, now)
@@ -247,8 +253,7 @@ class _Shadow:
                 if not p.admit(k, depth, now):
                     return
                 if len(p) >= self.capacity:
-                    mine = keys[:depth]
-                    victim = next((v for v in p.victims(now) if v not in mine), None)
+                    victim = p.pop_victim(now, mine, _NONE, _NONE)
                     if victim is None:
                         return
                     self._drop(victim)
@@ -256,6 +261,7 @@ class _Shadow:
                 parents[k] = parent
                 if parent is not None:
                     self.kids.setdefault(parent, {})[k] = None
+            mine.add(k)
             parent = k
 
     def _move(self, k: Hashable, parent: Hashable | None) -> None:
@@ -303,7 +309,7 @@ class AdaptiveBlocks(BlockPolicy):
             raise ValueError(f"adaptive: experts must be distinct names among "
                              f"{', '.join(_EXPERTS)}, got {experts!r}")
         if rate is None:
-            rate = max(1, min(8, capacity // 500))
+            rate = 1
         if not isinstance(rate, int) or isinstance(rate, bool) or not 1 <= rate <= capacity:
             raise ValueError(f"adaptive: rate must be an int in [1, capacity], got {rate!r}")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -336,6 +342,7 @@ class AdaptiveBlocks(BlockPolicy):
         self._lead = 0
         self.leader = self._experts[0]
         self.switches = 0
+        self.last_switch = None  # the request count at the latest change of leader
 
     # -- reading -------------------------------------------------------------------
 
@@ -459,6 +466,7 @@ class AdaptiveBlocks(BlockPolicy):
             self._lead = best
             self.leader = self._experts[best]
             self.switches += 1
+            self.last_switch = self._seen
 
     def admit(self, key: Hashable, depth: int, now: float) -> bool:
         """The leader's answer. Another expert is asked only when its ``admit`` may
