@@ -278,3 +278,33 @@ def test_read_chunk_checks_its_bounce_buffer(tmp_path):
         slots.read_chunk(0, np.empty(15, np.float32), pad=0,
                          bounce=np.empty(BOUNCE_BYTES, np.uint8), lane=CopyGate().lane())
     slots.close()
+
+
+@pytest.mark.parametrize("bounced", [False, True], ids=["in-place", "bounced"])
+def test_a_short_preadv_is_finished_not_trusted(tmp_path, monkeypatch, bounced):
+    """Every read's first ``preadv`` of a piece is a bare call; when the kernel moves
+    fewer bytes than asked, the piece is read again in full (the data still checks)."""
+    rng = np.random.default_rng(7)
+    slots = SlotFileStore(tmp_path / "s", num_slots=2, slot_capacity=PIECE_BYTES * 2 + 4)
+    slots.open_sync()
+    data = rng.integers(0, 256, PIECE_BYTES + 5000, dtype=np.uint8)
+    slots.write_chunk(1, data)
+    real = os.preadv
+    shorted = []
+
+    def short_once(fd, buffers, offset):
+        if not shorted:
+            shorted.append(offset)
+            first = memoryview(buffers[0]).cast("B")
+            return real(fd, [first[: len(first) // 2]], offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", short_once)
+    out = rng.integers(0, 256, data.nbytes, dtype=np.uint8)
+    if bounced:
+        slots.read_chunk(1, out, bounce=np.empty(BOUNCE_BYTES, np.uint8),
+                         lane=CopyGate().lane())
+    else:
+        slots.read_chunk(1, out)
+    assert shorted and np.array_equal(out, data)
+    slots.close()

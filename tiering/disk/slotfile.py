@@ -487,9 +487,11 @@ class SlotFileStore(SyncBackedStoreMethods, Store):
         for i, (span, start, stop) in enumerate(pieces):
             batch: list[bytearray | memoryview | np.ndarray] = [block, header] if i == 0 else []
             batch.append(span.view[start:stop])
+            want = stop - start + (_BINDING_BLOCK + _SLOT_HEADER.size if i == 0 else 0)
             if i == len(pieces) - 1:
                 batch.append(trailer)
-            offset = _pread_all(fd, batch, offset)
+                want += _CRC_BYTES
+            offset = _pread_all(fd, batch, offset, want)
             if i == 0:
                 self._check_header(index, header, expected)
             crc = span.extend(crc, start, stop)
