@@ -350,3 +350,15 @@ def test_an_expert_not_leading_is_asked_to_admit_only_where_its_admit_records():
     assert r_skip == r_every._replace(seconds=r_skip.seconds)
     for a, b in zip(skip._experts, every._experts, strict=True):
         assert list(a.victims(0.0)) == list(b.victims(0.0))
+
+
+def test_last_switch_is_the_request_the_lead_changed_hands_at():
+    """None while the first leader leads; after a change, the number of the request whose
+    shadow hits moved it (past the hold, at most the requests served)."""
+    chains, cap = _agent_tier()
+    p = AdaptiveBlocks(cap, experts=("chain", "s3fifo"), z=0.0, margin=0.0, hold=200)
+    _, seen = _replay_watching(chains[:600], cap, p, lambda q: (q.switches, q.last_switch))
+    assert all(at is None for sw, at in seen if sw == 0)
+    first = next(i for i, (sw, _) in enumerate(seen) if sw == 1)
+    assert seen[first][1] == first  # seen[i]: after i requests
+    assert 200 < seen[-1][1] <= 600 and seen[-1][0] >= 1
