@@ -71,7 +71,10 @@ class HostTier:
 
     # -- promotions' holds ---------------------------------------------------------------
 
-    def hold_fresh(self, key: bytes) -> None:
+    def promoted(self, key: bytes) -> None:
+        """``key``'s promotion landed: its host copy came from disk and is held for the
+        load its lookup waits for."""
+        self.from_disk.add(key)
         self.fresh[key] = self._ctx.step
 
     def loaded(self, key: bytes) -> None:

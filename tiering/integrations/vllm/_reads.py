@@ -96,8 +96,7 @@ class DiskReads:
                 old = ctx.index.finish_move(key)  # now on HOST; its disk copy stays
                 ctx.rules.moved(key, Tier.DISK, Tier.HOST, now)
                 self._disk.promoted(key, old.handle)
-                host.from_disk.add(key)
-                host.hold_fresh(key)
+                host.promoted(key)
                 ctx.event((key,), "host", False)
                 ctx.counters.promotions_ok += 1
             else:
