@@ -457,7 +457,7 @@ def test_a_damaged_block_with_a_busy_descendant_is_a_miss_then_dropped(tmp_path,
     m.maintain()  # the drop is retried now that nothing below it is busy
     assert [m.block(key(i)) for i in (1, 2, 3)] == [None, None, None]
     assert m.index.dropped["corrupt"] == 1 and m.index.dropped["orphaned"] == 2
-    assert m.counters.dropped == 3 and not m._lost
+    assert m.counters.dropped == 3 and not m._book.lost
     if m.lookup(key(4)) is Lookup.PENDING:  # it left host for the failed promotion's slot
         assert m.wait_io(10)
     assert m.lookup(key(4)) is Lookup.HIT  # a block outside the chain is untouched
@@ -496,7 +496,7 @@ def test_a_promoted_block_is_held_for_its_load_so_promotions_do_not_undo_each_ot
         f.seek((row - m.num_slots) * PAGE)
         assert f.read(PAGE) == data[key(3)].numpy().tobytes()
     m.complete_load([key(3)])  # the row is free again
-    assert not m._rows and m.rows.free_pages == m.rows.num_pages
+    assert not m.disk_reads.row_of and m.rows.free_pages == m.rows.num_pages
     assert m.block(key(2)).host is HostState.READY
     m.check_integrity()
     # the hold ends after PROMOTED_HOLD_STEPS steps even if nobody loads the block
@@ -692,7 +692,7 @@ def test_check_integrity_catches_a_broken_manager(tmp_path, breakage):
         m.index.acquire(key(1))  # a pin no load or demotion accounts for
         match = "refs"
     else:
-        m._disk_copy[key(1)] = m._disk_copy[key(2)]  # two blocks on one disk extent
+        m.disk_tier.copies[key(1)] = m.disk_tier.copies[key(2)]  # two blocks on one disk extent
         match = "held twice"
     with pytest.raises(TableIntegrityError, match=match):
         m.check_integrity()
@@ -801,11 +801,11 @@ def test_check_integrity_catches_broken_reset_book_keeping(tmp_path, breakage):
         m.pool.release(("reset", d.slots[0]), d.slots)  # freed while a worker may write it
         match = "host pool"
     elif breakage == "reset load":
-        m._reset_loads[key(7)] = (1, 0)  # a reset load nobody pins
+        m.loads.reset_loads[key(7)] = (1, 0)  # a reset load nobody pins
         match = "before a reset"
     else:
-        n, at = m._reset_loads[key(1)]
-        m._reset_loads[key(1)] = (n + 1, at)  # more reset loads than the key has pins
+        n, at = m.loads.reset_loads[key(1)]
+        m.loads.reset_loads[key(1)] = (n + 1, at)  # more reset loads than the key has pins
         match = "2 load\\(s\\) from before a reset, 1 load pin"
     with pytest.raises(TableIntegrityError, match=match):
         m.check_integrity()
@@ -878,7 +878,7 @@ class ManagerMachine(RuleBasedStateMachine):
         m = self.m
         cands = [x for x in m.state()["disk_blocks"] if not x["on_host"]
                  and m.block(k := bytes.fromhex(x["key"])).host is HostState.NONE
-                 and k not in m._rows and k not in m._row_jobs]
+                 and k not in m.disk_reads.row_of and k not in m.disk_reads.row_jobs]
         if not cands:
             return
         entry = cands[pick % len(cands)]
@@ -918,7 +918,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for name in ("corrupt", "orphaned", "evicted", "reset"):
             if d[name]:
                 event(f"dropped {name}")
-        if self.m._lost:
+        if self.m._book.lost:
             event("drop deferred (a descendant busy)")
         if self.m.counters.loads_from_disk:
             event("loaded from disk")
@@ -1516,7 +1516,7 @@ def test_a_prefix_longer_than_the_host_tier_is_served_whole_the_rest_straight_fr
     assert m.wait_io(10)
     for k in keys:  # push every block down to disk only
         if m.block(k).host is HostState.READY:
-            m._evict_clean_host_copy(k)
+            m.cascade.evict_clean_host_copy(k)
     m.check_integrity()
     w = LoadWindow()
     answers = []
@@ -1846,7 +1846,7 @@ def _manager_decisions(tmp_path, policy, requests, host, disk, tell_once=True):
 
     m = make(tmp_path, slots=host, disk_pages=disk, executor=InlineExecutor(),
              demote_headroom=host if disk else None, policy=policy)
-    m._clock = _Tick()
+    m.clock = _Tick()
     log: list[tuple] = []
     def watch(kind, k, tier):
         if not (kind == "hit" and tier is Tier.DEVICE):  # vLLM's own hits, above a batch
@@ -1961,7 +1961,7 @@ def test_a_host_victim_the_disk_policy_refuses_is_dropped_not_moved(tmp_path, ad
              policy="lru")
     disk = _judged(m, Tier.DISK, refuse=() if admit else None)
     store(m, gen, [key(1), key(2)])
-    assert m.wait_io(10) and m._disk_copy.keys() == {key(1), key(2)}  # written ahead
+    assert m.wait_io(10) and m.disk_tier.copies.keys() == {key(1), key(2)}  # written ahead
     assert disk.asked == []  # a copy is no decision
     store(m, gen, [key(3)])  # the host is full: its lru victim leaves
     assert disk.asked == [(key(1), 0)]

@@ -186,12 +186,6 @@ class TieredBlockManager:
     load_staging = property(lambda self: self.disk_reads.load_staging)
     load_budget = property(lambda self: self.loads.budget,
                            doc="blocks one request may hold for one load: host slots + rows")
-    # read by the tests that break a table on purpose
-    _lost = property(lambda self: self._book.lost)
-    _rows = property(lambda self: self.disk_reads.row_of)
-    _row_jobs = property(lambda self: self.disk_reads.row_jobs)
-    _disk_copy = property(lambda self: self.disk_tier.copies)
-    _reset_loads = property(lambda self: self.loads.reset_loads)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -201,8 +195,6 @@ class TieredBlockManager:
     @clock.setter
     def clock(self, clock: Callable[[], float]) -> None:
         self._book.clock = clock
-
-    _clock = clock
 
     @property
     def host_policy(self) -> BlockPolicy:
@@ -255,9 +247,6 @@ class TieredBlockManager:
 
     def _remove(self, key: bytes, reason: str, evicted: list[bytes] | None = None) -> bool:
         return self.cascade.remove(key, reason, evicted)
-
-    def _evict_clean_host_copy(self, key: bytes, now: float | None = None) -> None:
-        self.cascade.evict_clean_host_copy(key, now)
 
     # ------------------------------------------------------------------ reaping I/O
 
