@@ -133,8 +133,7 @@ class Cascade:
         if now is None:
             now = ctx.clock()
         ext = self._disk.hand_over(key)
-        ctx.index.begin_move(key, Tier.DISK, ext)
-        old = ctx.index.finish_move(key)  # the bytes are on disk already
+        old = ctx.index.move(key, Tier.DISK, ext)  # the bytes are on disk already
         ctx.rules.moved(key, Tier.HOST, Tier.DISK, now)
         self._host.left(key, old.handle)
         ctx.event((key,), "host", True)
