@@ -82,7 +82,7 @@ class Loads:
         return r
 
     def _in_flight(self, key: bytes) -> bool:
-        return key in self._host.storing or key in self._staging or key in self._cold.fetching
+        return key in self._host.storing or key in self._staging.staged or key in self._cold.fetching
 
     def _would_wait(self, key: bytes) -> bool:
         loc = self._ctx.index.location(key)
@@ -234,7 +234,7 @@ class Stores:
         skipped: set[bytes] = set()
         new: list[tuple[bytes, bytes | None]] = []
         for k, p in batch:
-            if k in index or k in host.storing or k in self._staging:
+            if k in index or k in host.storing or k in self._staging.staged:
                 if k in index:
                     depth[k] = index.get(k).depth
                 continue

@@ -38,9 +38,6 @@ class StoreStaging:
         self.staged: dict[bytes, tuple[DiskExtent, bytes | None, str, int]] = {}
         self.jobs: dict[str, tuple[Future, list[Item], bool]] = {}
 
-    def __contains__(self, key: object) -> bool:
-        return key in self.staged
-
     def stage(self, blocks: list[tuple[bytes, bytes | None, DiskExtent]]) -> tuple[str, list[int]]:
         """A staging file for ``blocks`` (key, parent, extent): its name and the spec's
         slot numbers (``num_slots + row``)."""
