@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--cases", default="blocks,full,jobs")
     p.add_argument("--policy", default="lru", help="request policy of the full replay")
+    p.add_argument("--block-policies", default=None,
+                   help="block policies of the full replay, comma-separated (default: chain"
+                        " and the default block policy)")
     p.add_argument("--capacity-blocks", type=int, default=4000)
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
     p.add_argument("--repeat", type=int, default=1, help="best of K runs (default 1)")
@@ -145,14 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         trace = load_trace(args.trace, limit=args.limit)
         cost = StepCost(get_model("llama-3.1-8b"), get_hardware("h100-80g"))
         spec = RunSpec("tiering", args.policy)
-        sim = SimConfig(block_decisions=False)
-        batch_s, res = _cpu(lambda: simulate(trace, cost, spec, sim), args.repeat)
-        before = SimConfig(batch_hooks=False, block_decisions=True)
-        per_s, per = _cpu(lambda: simulate(trace, cost, spec, before), args.repeat)
-        if (per.requests, per.counters) != (res.requests, res.counters):
-            raise SystemExit("full: the batch hooks changed the run")
-        add(f"full {args.policy} (block policy {sim.block_policy})", TARGETS["full"], batch_s,
-            per_s)
+        default = SimConfig().block_policy
+        names = (args.block_policies.split(",") if args.block_policies
+                 else list(dict.fromkeys(("chain", default))))
+        for bp in (n.strip() for n in names if n.strip()):
+            sim = SimConfig(block_decisions=False, block_policy=bp)
+            batch_s, res = _cpu(lambda sim=sim: simulate(trace, cost, spec, sim), args.repeat)
+            before = SimConfig(batch_hooks=False, block_decisions=True, block_policy=bp)
+            per_s, per = _cpu(lambda before=before: simulate(trace, cost, spec, before),
+                              args.repeat)
+            if (per.requests, per.counters) != (res.requests, res.counters):
+                raise SystemExit(f"full {bp}: the batch hooks changed the run")
+            tag = " (the default)" if bp == default else ""
+            add(f"full {args.policy} (block policy {bp}{tag})", TARGETS["full"], batch_s, per_s)
 
     if "jobs" in cases:
         trace = load_trace(args.trace, limit=args.sweep_limit)
