@@ -23,8 +23,9 @@ trace and capacity, on:
   working set, with the accesses each policy needs to recover.
 
 Each row names its split. Beside every policy: its ratio to Belady and to the
-best established policy (LRU, ARC, S3-FIFO, LIRS) in the same row. The cost of
-each policy is its replay time as a ratio to LRU's in the same run.
+best established policy (LRU, ARC, S3-FIFO, LIRS) in the same row, and the
+adaptive policy's leader at the end with the request it took the lead at. The
+cost of each policy is its replay time as a ratio to LRU's in the same run.
 
 Usage: ``python benchmarks/prefix.py --out prefix.json [--trace T] [--requests N] [--capacities ...] [--only LABELS]``
 """
