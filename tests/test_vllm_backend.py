@@ -788,6 +788,27 @@ def test_bad_keys_are_refused_and_change_nothing(tmp_path, call, why):
     m.shutdown()
 
 
+def test_a_bad_parent_is_refused_before_finished_io_is_reaped(tmp_path):
+    """prepare_store reaped finished I/O (here: demotions written down) before it found
+    a parent that is not bytes; now the refusal comes first and changes nothing."""
+    gen = torch.Generator().manual_seed(25)
+    m = make(tmp_path, slots=4, disk_pages=8, demote_headroom=4)
+    store(m, gen, [key(1), key(2)])  # their write-ahead to disk starts
+    jobs = list(m.disk_tier.demoting.values())
+    assert jobs
+    for fut in jobs:
+        fut.result(timeout=10)  # written, not reaped yet
+    snap = _snapshot(m)
+    assert m.block(key(1)).disk is DiskState.WRITING
+    with pytest.raises(ValueError, match="parent of .* must be bytes or None"):
+        m.prepare_store([key(3), key(4)], [None, "not a key"])
+    assert _snapshot(m) == snap
+    m.reap()  # the control: there was finished I/O to apply
+    assert _snapshot(m) != snap and m.block(key(1)).disk is DiskState.READY
+    m.check_integrity()
+    m.shutdown()
+
+
 @pytest.mark.parametrize("breakage", ["abandoned slot", "reset load", "reset load count"])
 def test_check_integrity_catches_broken_reset_book_keeping(tmp_path, breakage):
     gen = torch.Generator().manual_seed(32)

@@ -330,8 +330,9 @@ class TieredBlockManager:
             raise ValueError(
                 f"prepare_store: {len(keys)} keys but {len(parents)} parents"
             )
+        batch = self.stores.batch(keys, parents)  # refused before any I/O is reaped
         self.reap()
-        return self.stores.prepare(keys, parents, request)
+        return self.stores.prepare(keys, batch, request)
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
         """Settle stores: their blocks enter the index (``success``) or their slots are

@@ -214,9 +214,11 @@ class Stores:
             ctx, host, disk, staging, cascade)
         self.refusing = False
 
-    def prepare(self, keys: list[bytes], parents: Sequence[bytes | None] | None,
-                request: object) -> StoreDecision | None:
-        ctx, host, index = self._ctx, self._host, self._ctx.index
+    @staticmethod
+    def batch(keys: list[bytes], parents: Sequence[bytes | None] | None
+              ) -> list[tuple[bytes, bytes | None]]:
+        """``keys`` with their parents, each key once (its first); a ValueError naming a
+        parent that is neither bytes nor None. Changes nothing."""
         seen: set[bytes] = set()
         batch: list[tuple[bytes, bytes | None]] = []
         for i, k in enumerate(keys):
@@ -227,6 +229,12 @@ class Stores:
             if p is not None and not isinstance(p, bytes):
                 raise ValueError(f"prepare_store: parent of {k.hex()} must be bytes or None, got {p!r}")
             batch.append((k, None if p == k else p))
+        return batch
+
+    def prepare(self, keys: list[bytes], batch: list[tuple[bytes, bytes | None]],
+                request: object) -> StoreDecision | None:
+        """Place ``batch`` (``Stores.batch`` of ``keys``)."""
+        ctx, host, index = self._ctx, self._host, self._ctx.index
         now = ctx.clock()
         if batch:
             ctx.tell(request, batch[0][1], [k for k, _ in batch], (), now)
