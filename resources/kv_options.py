@@ -77,7 +77,7 @@ class KVOptions:
 class KVContext(NamedTuple):
     """What every part of ``PagedKVCache`` is built on: the request records, the
     counters, the tiers' storage, the streaming ring (or None) and the settings.
-    Each part keeps it whole and owns none of it."""
+    Each part takes from it what it reads and owns none of it."""
 
     life: Lifecycle
     stats: KVStats
