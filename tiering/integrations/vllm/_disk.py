@@ -132,8 +132,8 @@ class DiskTier:
 
     # -- the write-ahead ---------------------------------------------------------------------
 
-    def _write_slot(self, extent: DiskExtent, slot: int, key: bytes | None = None) -> bool | None:
-        """I/O thread: write a host slot to disk, then (with ``key``) publish it."""
+    def _write_slot(self, extent: DiskExtent, slot: int, key: bytes) -> bool | None:
+        """I/O thread: write ``key``'s host slot to disk, then publish it."""
         assert self.disk is not None
         page = self._host.page(slot)
         self.disk.write(extent, page)

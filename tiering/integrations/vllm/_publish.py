@@ -20,10 +20,10 @@ class Publisher:
         self._ctx = ctx
         self.shared = shared
 
-    def publish(self, key: bytes | None, page: torch.Tensor) -> bool | None:
+    def publish(self, key: bytes, page: torch.Tensor) -> bool | None:
         """I/O thread: offer a block that just reached the disk tier to the shared tier;
         whether it is there now (None: no shared tier). Counted by ``count``."""
-        if self.shared is None or key is None:
+        if self.shared is None:
             return None
         try:
             res = self.shared.publish(key, page.numpy().tobytes())
