@@ -22,7 +22,7 @@ import torch
 from tiering.disk import DiskConfig, DiskCorruptionError, DiskIOError, DiskPageStore
 from tiering.disk.faults import FaultPlan, FaultyStore
 from tiering.disk.slotfile import BOUNCE_BYTES, PIECE_BYTES, ChunkChecksumError, SlotFileStore
-from tiering.disk.slotio import CopyGate
+from tiering.disk.slotio import CopyGate, CopyLane
 
 SMALL = (2, 4, 8)  # 256 bytes a page
 BIG = (PIECE_BYTES // 4 + 12_345,)  # float32: a page of several pieces, the last partial
@@ -119,7 +119,9 @@ def test_bad_input_to_a_scratch_read_changes_nothing(tmp_path):
 
 
 class _StallOnePread:
-    """``os.preadv`` that blocks call number ``which`` until released, then does it."""
+    """``os.preadv`` as on a cold device that hangs: a call that may not wait
+    (``RWF_NOWAIT``) finds nothing cached, and blocking call number ``which`` hangs
+    until released, then does its read."""
 
     def __init__(self, which: int) -> None:
         self.real = os.preadv
@@ -130,7 +132,9 @@ class _StallOnePread:
         self.stalled_at: int | None = None  # the address of the buffer it will fill
         self.done = threading.Event()
 
-    def __call__(self, fd, buffers, offset):
+    def __call__(self, fd, buffers, offset, flags=0):
+        if flags & os.RWF_NOWAIT:
+            raise BlockingIOError(errno.EAGAIN, "not cached")
         with self.lock:
             self.calls += 1
             stall = self.calls == self.which
@@ -232,11 +236,23 @@ def test_a_shut_gate_refuses_to_copy(tmp_path):
     assert np.array_equal(dest[:1000], src[:1000])
     assert gate.shut(1.0)
     before = dest.copy()
-    for late in (lane, gate.lane()):  # a lane made after the shut refuses too
-        with pytest.raises(OSError) as info:
-            late.copy(dest.ctypes.data, src.ctypes.data, 4096)
-        assert info.value.errno == errno.ECANCELED
-    assert np.array_equal(dest, before)
+    path = tmp_path / "f"
+    path.write_bytes(src.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for late in (lane, gate.lane()):  # a lane made after the shut refuses too
+            with pytest.raises(OSError) as info:
+                late.copy(dest.ctypes.data, src.ctypes.data, 4096)
+            assert info.value.errno == errno.ECANCELED
+            with pytest.raises(OSError) as info:
+                late.read_cached(fd, [dest], 0)
+            assert info.value.errno == errno.ECANCELED
+        assert np.array_equal(dest, before)
+        fresh = CopyGate().lane()  # the control: an open lane reads the cached file
+        assert fresh.read_cached(fd, [dest], 0) == 4096
+        assert np.array_equal(dest, src)
+    finally:
+        os.close(fd)
 
 
 def test_shutting_waits_for_a_copy_under_way_and_no_longer_than_its_budget():
@@ -292,12 +308,12 @@ def test_a_short_preadv_is_finished_not_trusted(tmp_path, monkeypatch, bounced):
     real = os.preadv
     shorted = []
 
-    def short_once(fd, buffers, offset):
+    def short_once(fd, buffers, offset, *flags):
         if not shorted:
             shorted.append(offset)
             first = memoryview(buffers[0]).cast("B")
-            return real(fd, [first[: len(first) // 2]], offset)
-        return real(fd, buffers, offset)
+            return real(fd, [first[: len(first) // 2]], offset, *flags)
+        return real(fd, buffers, offset, *flags)
 
     monkeypatch.setattr(os, "preadv", short_once)
     out = rng.integers(0, 256, data.nbytes, dtype=np.uint8)
@@ -337,4 +353,71 @@ def test_scratch_reads_from_several_threads_each_get_their_own_bytes(tmp_path):
     assert not any(t.is_alive() for t in threads)
     assert wrong == []
     assert store.stats()["reads"] == 4 * 6
+    store.close()
+
+
+class _PreadSpy:
+    """Counts ``os.preadv`` calls by kind; ``cached`` decides what an ``RWF_NOWAIT``
+    call finds: "all" (real call), "none" (EAGAIN), "half" (the first half of the
+    first buffer) or "refused" (EOPNOTSUPP, a file that does not take the flag)."""
+
+    def __init__(self, cached: str) -> None:
+        self.real = os.preadv
+        self.cached = cached
+        self.nowait_bytes = 0
+        self.nowait_calls = 0
+        self.blocking_calls = 0
+
+    def __call__(self, fd, buffers, offset, flags=0):
+        if not flags & os.RWF_NOWAIT:
+            self.blocking_calls += 1
+            return self.real(fd, buffers, offset)
+        self.nowait_calls += 1
+        if self.cached == "none":
+            raise BlockingIOError(errno.EAGAIN, "not cached")
+        if self.cached == "refused":
+            raise OSError(errno.EOPNOTSUPP, "RWF_NOWAIT not supported")
+        if self.cached == "half":
+            first = memoryview(buffers[0]).cast("B")
+            buffers = [first[: len(first) // 2]]
+        got = self.real(fd, buffers, offset, flags)
+        self.nowait_bytes += got
+        return got
+
+
+@pytest.mark.parametrize("cached", ["all", "none", "half", "refused"])
+def test_a_scratch_read_takes_what_the_page_cache_holds_straight_into_out(
+    tmp_path, monkeypatch, cached
+):
+    """Warm pages come straight from the page cache into ``out`` (no bounce copy); what
+    is not cached, or a file that refuses the flag, goes through the bounce buffer.
+    The bytes are right either way."""
+    rng = np.random.default_rng(9)
+    store = make(tmp_path, BIG, 4)
+    extent = store.reserve("a", 3)
+    data = random_pages(rng, 3, BIG)
+    store.write(extent, data)
+    copies: list[int] = []
+    real_copy = CopyLane.copy
+
+    def counting_copy(self, dest, src, nbytes):
+        copies.append(nbytes)
+        return real_copy(self, dest, src, nbytes)
+
+    monkeypatch.setattr(CopyLane, "copy", counting_copy)
+    spy = _PreadSpy(cached)
+    monkeypatch.setattr(os, "preadv", spy)
+    out = noise_like(rng, data)
+    store.read(extent, out, out_is_scratch=True)
+    assert torch.equal(out, data)
+    payload = data.numel() * 4
+    if cached == "all":
+        assert spy.nowait_bytes >= payload and copies == [] and spy.blocking_calls == 0
+    elif cached == "none":
+        assert spy.nowait_bytes == 0 and sum(copies) == payload
+    elif cached == "half":
+        assert 0 < sum(copies) < payload and spy.nowait_bytes > 0
+    else:  # refused: asked at most once per thread, then never again on this file
+        assert 1 <= spy.nowait_calls <= store.config.io_threads and sum(copies) == payload
+        assert store._backend.direct._nowait is False
     store.close()

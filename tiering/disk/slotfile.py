@@ -177,6 +177,9 @@ class SlotFileStore(SyncBackedStoreMethods, Store):
         self._pool = _BufferPool(self.slot_capacity, self.read_buffers)
         self._zeros = np.zeros(PIECE_BYTES, dtype=np.uint8)  # the padding source of writes
         self._zeros.flags.writeable = False
+        # whether reads through a lane may ask the page cache first (RWF_NOWAIT); turned
+        # off for good when the file or the kernel refuses the flag
+        self._nowait = hasattr(os, "RWF_NOWAIT")
 
     # ------------------------------------------------------------------ life cycle
 
@@ -505,31 +508,56 @@ class SlotFileStore(SyncBackedStoreMethods, Store):
         lane: CopyLane, parts: tuple[bytearray, bytearray, np.ndarray], expected: int,
         binding: bytes | None,
     ) -> int:
-        """``read_chunk``'s payload through ``bounce``: the crc32c of the bytes copied
-        into ``dest``. ``parts`` are the binding block, header and trailer to fill."""
+        """``read_chunk``'s payload through ``lane``: the crc32c of the bytes it put into
+        ``dest``. ``parts`` are the binding block, header and trailer to fill.
+
+        Each piece is first asked of the page cache alone (``lane.read_cached``: a
+        ``preadv`` with ``RWF_NOWAIT`` straight into ``dest``, which never waits for the
+        device); what it did not bring is read into ``bounce`` and copied into ``dest``.
+        The crc32c covers the bytes where they lie in ``dest`` or ``bounce``."""
         block, header, trailer = parts
         step = bounce.nbytes
         land = ByteSpan(bounce)
+        out = ByteSpan(dest)
         to, src = dest.ctypes.data, bounce.ctypes.data
         end = dest.nbytes
         crc = 0
         for start in range(0, end, step):
             size = min(step, end - start)
-            batch: list = [land.view if size == step else land.view[:size]]
-            want = size
-            if not start:
-                batch[:0] = [block, header]
-                want += _BINDING_BLOCK + _SLOT_HEADER.size
-            if start + size == end:
-                batch.append(trailer)
-                want += _CRC_BYTES
-            offset = _pread_all(fd, batch, offset, want)
-            if not start:
+            head = _BINDING_BLOCK + _SLOT_HEADER.size if not start else 0
+            tail = _CRC_BYTES if start + size == end else 0
+            got = 0
+            if self._nowait:
+                batch: list = [block, header] if head else []
+                batch.append(out.view[start : start + size])
+                if tail:
+                    batch.append(trailer)
+                try:
+                    got = lane.read_cached(fd, batch, offset)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+                    self._nowait = False  # this file or kernel cannot: bounce from now on
+            if got < head:  # the header did not all come: read it into the store's buffers
+                _pread_all(fd, [block, header], offset, head)
+                got = head
+            if head:
                 self._check_header(index, header, expected)
                 if binding is not None and block[:BINDING_BYTES] != binding:
                     _verify_block(index, bytes(block), b"", binding)  # refused before a copy
-            crc = land.extend(crc, 0, size)
-            lane.copy(to + start, src, size)
+            cached = min(size, got - head)
+            if cached:
+                crc = out.extend(crc, start, start + cached)
+            rest = size - cached
+            if rest or got < head + size + tail:
+                batch = [land.view[:rest]] if rest else []
+                if tail:
+                    batch.append(trailer)
+                _pread_all(fd, batch, offset + head + cached, rest + tail)
+                if rest:
+                    crc = land.extend(crc, 0, rest)
+                    lane.copy(to + start + cached, src, rest)
+            offset += head + size + tail
         return crc
 
     @staticmethod

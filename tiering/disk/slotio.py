@@ -88,6 +88,20 @@ class CopyLane:
                 raise OSError(errno.ECANCELED, "the read was abandoned; its bytes are dropped")
             ctypes.memmove(dest, src, nbytes)
 
+    def read_cached(self, fd: int, parts: list, offset: int) -> int:
+        """``preadv(fd, parts, offset, RWF_NOWAIT)`` unless the gate is shut: the bytes
+        the page cache holds, copied straight into ``parts``; the call never waits for the
+        device, so like a copy it cannot outlive the shut. Returns the bytes moved (0 when
+        none were cached); ``OSError(ECANCELED)`` once shut, other ``OSError`` as raised
+        (EOPNOTSUPP where the file does not take the flag)."""
+        with self._lock:
+            if self._gate.is_shut:
+                raise OSError(errno.ECANCELED, "the read was abandoned; its bytes are dropped")
+            try:
+                return os.preadv(fd, parts, offset, os.RWF_NOWAIT)
+            except BlockingIOError:
+                return 0
+
 
 class CopyGate:
     """Lets reader threads copy checked pieces into a caller's buffer until it is shut.
