@@ -362,3 +362,37 @@ def test_last_switch_is_the_request_the_lead_changed_hands_at():
     first = next(i for i, (sw, _) in enumerate(seen) if sw == 1)
     assert seen[first][1] == first  # seen[i]: after i requests
     assert 200 < seen[-1][1] <= 600 and seen[-1][0] >= 1
+
+
+@pytest.mark.parametrize("name", ["chain", "s3fifo", "arc", "lru"])
+def test_a_shadow_tells_its_held_prefix_in_one_commit_with_the_same_effect(name):
+    """A shadow tells the blocks a request finds held in one ``on_commit``. Against the
+    same expert whose ``on_hit`` is its own (so ``on_commit`` falls back to one
+    ``on_hit`` per block), every request scores the same hits and the expert ends in
+    the same order; the batch path did run (it was told hits through ``on_commit``)."""
+    from tiering.policies.blocks import make_block_policy
+    from tiering.policies.blocks.adaptive import _Shadow
+
+    base = type(make_block_policy(name, capacity=4))
+
+    class PerEvent(base):
+        def on_hit(self, info, now):
+            super().on_hit(info, now)
+
+    chains = synth.session_chains(700, 12, synth.SessionConfig(live=30))
+    cap = 150
+    batch = _Shadow(make_block_policy(name, capacity=cap), cap)
+    told = []
+    inner = batch.policy.on_commit
+
+    def on_commit(keys, hits, depths, get, now):
+        told.append(len(hits))
+        inner(keys, hits, depths, get, now)
+
+    batch.policy.on_commit = on_commit
+    single = _Shadow(PerEvent(capacity=cap), cap)
+    for t, c in enumerate(chains):
+        assert batch.request(list(c), float(t)) == single.request(list(c), float(t)), t
+    assert sum(told) > 0, "no request found a held block: the test proves nothing"
+    assert list(batch.policy.victims(0.0)) == list(single.policy.victims(0.0))
+    assert batch.parents == single.parents

@@ -226,22 +226,45 @@ class _Shadow:
         self.kids: dict[Hashable, dict[Hashable, None]] = {}  # held children, where any
 
     def request(self, keys: list, now: float) -> int:
-        """Serve one request's sampled chain; its prefix hits."""
-        p = self.policy
+        """Serve one request's sampled chain; its prefix hits. The leading blocks it
+        holds are told in one ``on_commit`` (up to a repeat, where serving stops), the
+        rest block by block."""
+        p, parents = self.policy, self.parents
         hits = 0
         for k in keys:
             if k not in p:
                 break
             hits += 1
-        p.on_request(keys, now)
-        self._serve(keys, now)
+        mine: set = set()  # the blocks of this request served so far: never a victim
+        parent = None
+        n = 0
+        whole = True
+        for k in keys[:hits]:
+            if parents[k] != parent:
+                if k in mine:  # a chain through one block twice: served so far
+                    whole = False
+                    break
+                self._move(k, parent)
+            mine.add(k)
+            parent = k
+            n += 1
+
+        def get(key: Hashable) -> BlockInfo:
+            d = keys.index(key)
+            return BlockInfo(key, keys[d - 1] if d else None, d, 1, 0, now, now, 0)
+
+        p.on_commit(keys, keys[:n], range(n), get, now)
+        if whole and n < len(keys):
+            self._serve(keys, n, parent, mine, now)
         return hits
 
-    def _serve(self, keys: list, now: float) -> None:
+    def _serve(self, keys: list, start: int, parent: Hashable | None, mine: set,
+               now: float) -> None:
+        """The blocks of ``keys`` from ``start`` on, after ``parent``."""
         p, parents = self.policy, self.parents
-        parent = None
-        mine: set = set()  # the blocks of this request served so far: never a victim
-        for depth, k in enumerate(keys):
+        ask = type(p).admit is not BlockPolicy.admit
+        for depth in range(start, len(keys)):
+            k = keys[depth]
             info = BlockInfo(k, parent, depth, 1, 0, now, now, 0)
             if k in p:
                 if parents[k] != parent:
@@ -250,7 +273,7 @@ class _Shadow:
                     self._move(k, parent)
                 p.on_hit(info, now)
             else:
-                if not p.admit(k, depth, now):
+                if ask and not p.admit(k, depth, now):
                     return
                 if len(p) >= self.capacity:
                     victim = p.pop_victim(now, mine, _NONE, _NONE)
