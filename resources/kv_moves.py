@@ -94,7 +94,7 @@ class CopyJobs:
             for r in coalesce(range(len(dev_slots)), dev_slots):
                 self._s.fault("h2d")
                 dst = self._s.dev[r.dst : r.dst + r.length]
-                self._s.disk.read(extent, dst, first_page=r.src)
+                self._s.read_disk(extent, dst, r.src)
                 crc = crc_of(dst, crc) if checksum is not None else 0
         if checksum is not None and crc != checksum:
             raise ChecksumMismatch("disk copy does not match the checksum taken at offload")
@@ -168,7 +168,7 @@ class CopyJobs:
                     self._s.ring.release(buf)
                 buf = self._acquire_staging()
                 pending.append((buf, None))
-                self._s.disk.read(extent, buf[:k], first_page=p)
+                self._s.read_disk(extent, buf[:k], p)
                 crc = crc_of(buf[:k], crc)
                 ev = issue_runs(self._s.streams, buf, self._s.dev,
                                 coalesce(range(k), dev_slots[p : p + k]), "h2d",

@@ -354,7 +354,7 @@ class PrefixCache:
                 else:
                     ext_id, i = handle
                     src = torch.empty((1, *c.geometry.page_shape), dtype=c.geometry.dtype)
-                    c.disk.read(self.extents[ext_id][0], src, first_page=i)
+                    c.read_disk(self.extents[ext_id][0], src, i)
                     slot = 0
                 if crc is None or crc_page(src[slot]) != crc:
                     raise CorruptBlock(f"block {key.hex()} does not match its crc32c")

@@ -9,6 +9,7 @@ other parts read its public attributes.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,8 @@ class KVStorage:
         self.slab: PinnedSlab | None = None
         self.disk = None
         self.ring: StagingRing | None = None
+        self._read_fn: Any = None  # the disk's read last looked at, and whether it takes
+        self._read_scratch = False  # out_is_scratch (see read_disk)
         self.device = parse_device("PagedKVCache", device)
         if self.device.type not in ("cpu", "cuda"):  # "meta" holds no bytes; others are untested
             raise ValueError(f"PagedKVCache: device must be a CPU or CUDA device, got {device!r}")
@@ -81,6 +84,24 @@ class KVStorage:
         except BaseException:
             self.close(joined=True)
             raise
+
+    def read_disk(self, extent, out: torch.Tensor, first_page: int) -> None:
+        """``disk.read`` into ``out``, which the caller throws away if the read fails (a
+        staging buffer, a reload's own slots, a temporary): a store whose ``read`` takes
+        ``out_is_scratch`` is told so and skips its staging copy. The store's ``read`` is
+        looked at on each call, so a wrapped or replaced one is honoured."""
+        read = self.disk.read
+        fn = getattr(read, "__func__", read)
+        if fn is not self._read_fn:
+            try:
+                params = inspect.signature(read).parameters
+            except (TypeError, ValueError):  # a callable without a signature: ask plainly
+                params = {}
+            self._read_fn, self._read_scratch = fn, "out_is_scratch" in params
+        if self._read_scratch:
+            read(extent, out, first_page=first_page, out_is_scratch=True)
+        else:
+            read(extent, out, first_page=first_page)
 
     def disk_call(self, call: Callable[[Any], Any], extent) -> bool:
         """``disk.release`` / ``disk.uncommit`` on the step path: a fault is logged, never raised.

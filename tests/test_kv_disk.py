@@ -394,3 +394,64 @@ def test_verify_catches_wrong_bytes_the_store_did_not_notice(kv, tmp_path, stage
     assert_same(cache, "b", b)
     cache.check_integrity()
     del a
+
+
+@pytest.mark.parametrize("stage", [False, True], ids=["direct", "staged"])
+def test_reloads_read_the_disk_as_scratch_and_a_failed_one_hands_back_nothing(
+        kv, tmp_path, stage):
+    """The cache's disk reads land in buffers it throws away on a failure (its staging
+    ring, a reload's own slots), so it asks the store to skip its staging copy
+    (``out_is_scratch``); a chunk damaged on disk then fails only its own request, whose
+    bytes are never handed back, and the other request comes back bitwise. A store whose
+    ``read`` has no such keyword is asked plainly (the control)."""
+    from tiering.core.staging import StagingConfig
+
+    extra = {"stage_disk_io": True, "staging": StagingConfig(buffers=2, pages=2)} if stage else {}
+    cache = make(kv, tmp_path, **extra)
+    assert cache.disk.direct_io
+    gen = torch.Generator().manual_seed(62)
+    data = {rid: fill(cache, rid, gen, 13) for rid in ("a", "b")}
+    for rid in data:
+        to_disk(cache, rid)
+    needle = data["a"][0][0][:4].contiguous().view(torch.uint8).numpy().tobytes()
+    hits = 0
+    for path in (tmp_path / "disk").rglob("*"):
+        raw = bytearray(path.read_bytes()) if path.is_file() else bytearray()
+        at = raw.find(needle)
+        if at >= 0:
+            raw[at + 3] ^= 0x40
+            path.write_bytes(bytes(raw))
+            hits += 1
+    assert hits == 1
+    served, flags = cache.disk.read, []
+
+    def read(extent, out, *, first_page=0, out_is_scratch=False):
+        flags.append(out_is_scratch)
+        return served(extent, out, first_page=first_page, out_is_scratch=out_is_scratch)
+
+    cache.disk.read = read
+    assert cache.reload("a") and cache.reload("b")
+    results = {r.rid: r for r in cache.synchronize(10)}
+    assert flags and all(flags), flags
+    assert not results["a"].ok and results["b"].ok
+    assert cache.state_of("a") is S.LOST
+    assert_same(cache, "b", data["b"])
+    cache.check_integrity()
+
+    plain = []  # the control: a read without the keyword is called without it
+
+    def plain_read(extent, out, *, first_page=0):
+        plain.append(first_page)
+        return served(extent, out, first_page=first_page)
+
+    cache.offload("b")
+    cache.synchronize(10)
+    if cache.state_of("b") is S.ON_HOST:
+        assert cache.demote("b")
+        cache.synchronize(10)
+    cache.disk.read = plain_read
+    assert cache.reload("b")
+    assert all(r.ok for r in cache.synchronize(10))
+    assert plain
+    assert_same(cache, "b", data["b"])
+    cache.check_integrity()
