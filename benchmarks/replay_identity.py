@@ -9,7 +9,8 @@ exact ``repr``. Two counters say only how the loop got there (``fast_steps``,
 ``quiet_safe_points``); they are left out of the digest and reported beside it.
 
 ``--before DIR`` first runs the same matrix with the code of checkout ``DIR`` (a
-subprocess importing from ``DIR``) and compares: the exit status is 1 and the
+subprocess importing all of it from ``DIR``: ``tiering`` and the ``policies/`` and
+``resources/`` folders, ``use_root``) and compares: the exit status is 1 and the
 differing configurations are named when any digest differs.
 
 ``--against FILE`` compares with the runs of an earlier ``--out`` file instead. Either way
@@ -333,9 +334,29 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+def use_root(root: str | Path) -> None:
+    """Import the library from checkout ``root``: ``tiering`` from its folder, and the
+    packages an install maps from other folders (``tiering.policies`` from
+    ``policies/``, ``tiering.resources`` from ``resources/``) from that checkout's,
+    not from the installed one's. Call before anything imports ``tiering``."""
+    import importlib.util
+
+    root = Path(root).resolve()
+    sys.path.insert(0, str(root))
+    for name, folder in (("tiering.policies", "policies"), ("tiering.resources", "resources")):
+        init = root / folder / "__init__.py"
+        if not init.is_file():
+            raise SystemExit(f"--root {root}: no {folder}/__init__.py there")
+        spec = importlib.util.spec_from_file_location(
+            name, init, submodule_search_locations=[str(root / folder)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+
+
 if __name__ == "__main__":
-    _root = None
     if "--root" in sys.argv:
-        _root = sys.argv[sys.argv.index("--root") + 1]
-    sys.path.insert(0, _root or str(HERE.parent))
+        use_root(sys.argv[sys.argv.index("--root") + 1])
+    else:
+        sys.path.insert(0, str(HERE.parent))
     sys.exit(main())
