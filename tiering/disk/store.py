@@ -87,11 +87,12 @@ store writes the caller's page bytes where they lie and reads into a reused
 scratch buffer that is copied into ``out`` once every chunk passed its checks
 (``SlotFileStore.write_chunk``/``read_chunk``; a failed read leaves ``out``
 untouched), computing or checking the crc32c over the same memory with the GIL released.
-``read(..., out_is_scratch=True)`` skips that copy: each piece lands in a small bounce
-buffer per I/O thread, is checked there and copied into ``out`` through a gate that a
-failed read shuts before it returns (``out`` then holds unspecified bytes, and stray
-I/O after a timeout ends in the bounce buffer, which stays out of the pool until its
-``preadv`` has returned). The chunk bytes on disk
+``read(..., out_is_scratch=True)`` skips that copy: each piece is taken from the page
+cache straight into ``out`` (``preadv`` with ``RWF_NOWAIT``, which never waits for the
+device), and what was not cached lands in a small bounce buffer per I/O thread and is
+copied into ``out``; both go through a gate that a failed read shuts before it returns
+(``out`` then holds unspecified bytes, and stray I/O after a timeout ends in the bounce
+buffer, which stays out of the pool until its ``preadv`` has returned). The chunk bytes on disk
 are exactly what the pipeline (bytes codec, then crc32c) would store, so plain
 zarr reads the array through ``SlotFileStore`` (it does not see the binding
 blocks, so it cannot check them), and this path reads chunks zarr wrote.
@@ -392,8 +393,9 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
 
         ``out_is_scratch=True``: the caller treats ``out`` as its own staging and
         discards it when the read fails, so the store skips that copy. On the
-        direct path each piece is read into a small buffer of the store's, checked,
-        and copied into ``out``; a read that fails after its I/O started leaves
+        direct path what the page cache holds is read straight into ``out`` and
+        the rest through a small buffer of the store's, every piece checked; a
+        read that fails after its I/O started leaves
         ``out`` holding unspecified bytes (bad input still changes nothing). When
         it returns, successfully or not, nothing writes into ``out`` any more, even
         I/O still running after a timeout. On other paths the read is staged as
