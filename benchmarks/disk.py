@@ -31,7 +31,8 @@ Method:
   and copies it into the output once that page passed (unchecked bytes never reach
   the output, but a failed read may leave earlier, checked pages there). They bound
   what the store's warm read can reach on this machine: ``staged`` moves every byte
-  through memory twice where pread moves it once.
+  through memory twice where pread moves it once (the default read), ``unstaged`` is
+  what a read with ``out_is_scratch`` does with cached pages.
 - Recorded with the figures: whether the store used its direct path (codec
   ``none`` on the local slot file), which crc32c implementation ran and whether
   it released the GIL, and the 1-minute load average before and after the timed
