@@ -157,7 +157,7 @@ def test_stray_io_after_a_timeout_never_writes_into_out(tmp_path, monkeypatch, g
     returned. The negative control disables the gate's shut: the stray copy then lands
     in ``out``, so the check can see it."""
     rng = np.random.default_rng(4)
-    store = make(tmp_path, BIG, 8, io_timeout_s=0.3, io_threads=2)
+    store = make(tmp_path, BIG, 8, io_timeout_s=1.0, io_threads=2)
     extent = store.reserve("a", 3)
     data = random_pages(rng, 3, BIG)
     store.write(extent, data)
