@@ -207,7 +207,8 @@ def _ghosts(p: BlockPolicy) -> int:
 
 
 class _Shadow:
-    """One expert in a miniature tier over the sampled blocks, counting its prefix hits.
+    """One expert in a shadow tier over the sampled blocks (every block at rate 1),
+    counting its prefix hits.
 
     Like the block index, it drops a block's held descendants with it (a sampled
     block's parent is the sampled block before it in its chain): a policy whose victims
@@ -317,7 +318,7 @@ class _Shadow:
 
 
 class AdaptiveBlocks(BlockPolicy):
-    """Follow the expert whose miniature simulation scores best lately (module docstring)."""
+    """Follow the expert whose shadow tier scores best lately (module docstring)."""
 
     name = "adaptive"
 
