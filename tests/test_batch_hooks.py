@@ -5,7 +5,10 @@ and warns."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import random
+import time
 import zlib
 from collections import OrderedDict
 from unittest import mock
@@ -317,3 +320,49 @@ def test_ctrl_c_keeps_every_finished_run(tmp_path, jobs, monkeypatch):
     for k in kept:  # the run's own row (summary.json adds report columns to it)
         assert k["row"] and {c: rows[k["name"]][c] for c in k["row"]} == k["row"]
     assert sorted(p.name for p in out.iterdir()) == ["runs.jsonl"]
+
+
+def _job_context(n: int) -> jobs_mod.JobContext:
+    return jobs_mod.JobContext([], None, None, None, None, 1.0, None,
+                               [f"run-{i}" for i in range(n)], 1, True, False)
+
+
+def test_jobs_keep_no_state_at_module_level():
+    """Each worker is handed its context; the module holds no table a worker fills."""
+    mutable = [n for n, v in vars(jobs_mod).items()
+               if not n.startswith("__") and isinstance(v, (list, dict, set))]
+    assert mutable == []
+
+
+fork_only = pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(),
+                               reason="the workers see the test's stand-in run only when forked")
+
+
+@fork_only
+def test_jobs_deliver_in_order_and_raise_a_workers_error(monkeypatch):
+    rng = random.Random(5)
+    pause = {i: rng.random() * 0.05 for i in range(6)}
+
+    def fake_run(ctx, task, stream=None):
+        time.sleep(pause[task[1]])  # finish out of order
+        if task[1] == 4 and ctx.keys[0] == "boom":
+            raise ValueError(f"run {task[1]} exploded")
+        return jobs_mod.RunDone(task[0], task[1], {"i": task[1]}, None, None)
+
+    monkeypatch.setattr(jobs_mod, "run_one", fake_run)
+    got: list = []
+    jobs_mod.run_all(_job_context(6), 3, got.append)
+    assert [d.index for d in got] == list(range(6))
+    ctx = _job_context(6)._replace(keys=["boom", *[f"run-{i}" for i in range(1, 6)]])
+    with pytest.raises(ValueError, match="run 4 exploded"):
+        jobs_mod.run_all(ctx, 3, lambda d: None)
+
+
+@fork_only
+def test_jobs_name_a_worker_that_died(monkeypatch):
+    def dies(ctx, task, stream=None):
+        os._exit(3)
+
+    monkeypatch.setattr(jobs_mod, "run_one", dies)
+    with pytest.raises(RuntimeError, match="exit status 3"):
+        jobs_mod.run_all(_job_context(2), 2, lambda d: None)

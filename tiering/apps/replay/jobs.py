@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import pickle
+import queue
 import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -80,24 +82,28 @@ def run_one(ctx: JobContext, task: tuple[int, int], stream=None) -> RunDone:
     return RunDone(seed, i, row, result, None)
 
 
-_WORKER: list[JobContext] = []  # a worker process's context, set once as it starts
-
-
-def _worker_init(ctx: JobContext) -> None:
-    # Ctrl-C reaches the whole process group: the parent decides (it stops the pool)
+def _serve(ctx: JobContext, todo, back) -> None:
+    """A worker process: run each task of ``todo`` until None, each answer onto ``back``
+    as (task, RunDone, None), or (task, None, error) for a run that raised."""
+    # Ctrl-C reaches the whole process group: the parent decides (it stops the workers)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _WORKER[:] = [ctx]
-
-
-def _worker_run(task: tuple[int, int]) -> RunDone:
-    return run_one(_WORKER[0], task)
+    for task in iter(todo.get, None):
+        try:
+            back.put((task, run_one(ctx, task), None))
+        except Exception as err:  # the parent raises it
+            try:
+                pickle.dumps(err)
+            except Exception:
+                err = RuntimeError(f"{type(err).__name__}: {err}")
+            back.put((task, None, err))
 
 
 def run_all(ctx: JobContext, jobs: int, deliver: Callable[[RunDone], None],
             keep: Callable[[RunDone], None] | None = None) -> None:
     """Every (seed, run) of ``ctx``: ``keep(done)`` as each one comes back, ``deliver(done)``
     in the sequential order. A run stopped by its policy raises ``PolicyFailed`` naming
-    it (after the pool is stopped); so does nothing else but the run's own errors."""
+    it (after the workers are stopped); so does nothing else but the run's own errors,
+    and a worker that dies (RuntimeError naming its exit status)."""
     tasks = [(s, i) for s in range(ctx.seeds) for i in range(len(ctx.keys))]
     if jobs == 1:
         for t in tasks:
@@ -108,23 +114,43 @@ def run_all(ctx: JobContext, jobs: int, deliver: Callable[[RunDone], None],
     # forked workers inherit the context (a registry of user classes need not pickle);
     # each task is then its (seed, run index) alone
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    pool = multiprocessing.get_context(method).Pool(
-        min(jobs, len(tasks)), initializer=_worker_init, initargs=(ctx,))
+    mp = multiprocessing.get_context(method)
+    todo, back = mp.Queue(), mp.Queue()
+    workers = [mp.Process(target=_serve, args=(ctx, todo, back), daemon=True)
+               for _ in range(min(jobs, len(tasks)))]
+    for w in workers:
+        w.start()
     try:
-        back: dict[tuple[int, int], RunDone] = {}
+        for t in [*tasks, *[None] * len(workers)]:
+            todo.put(t)
+        got: dict[tuple[int, int], RunDone] = {}
         nxt = 0
-        for done in pool.imap_unordered(_worker_run, tasks):
+        for _ in tasks:
+            while True:
+                try:
+                    task, done, err = back.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(f"--jobs: a worker process died (exit status "
+                                           f"{dead[0]}); its run is lost") from None
+            if err is not None:
+                raise err
             _take(ctx, done, keep)
-            back[(done.seed, done.index)] = done
-            while nxt < len(tasks) and tasks[nxt] in back:
-                deliver(back.pop(tasks[nxt]))
+            got[task] = done
+            while nxt < len(tasks) and tasks[nxt] in got:
+                deliver(got.pop(tasks[nxt]))
                 nxt += 1
-        pool.close()
-    except BaseException:
-        pool.terminate()
-        raise
     finally:
-        pool.join()
+        for w in workers:
+            if w.is_alive():
+                w.terminate()
+        for w in workers:
+            w.join()
+        for q in (todo, back):  # what no worker took is dropped, not waited on
+            q.close()
+            q.cancel_join_thread()
 
 
 def _take(ctx: JobContext, done: RunDone, keep) -> None:
