@@ -189,13 +189,8 @@ class PagedKVCache(LifecycleAnswers, Resource):
     disk = property(lambda self: self._storage.disk)
     _prefix = property(lambda self: self._reuse.blocks)
     _reqs = property(lambda self: self._life.records)
-    _inflight = property(lambda self: self._life.inflight)
     _host = property(lambda self: self._storage.host)
     _ring = property(lambda self: self._storage.ring)
-    _tombstones = property(lambda self: self._transfers.tombstones)
-    _completions = property(lambda self: self._transfers.completions)
-    _executors = property(lambda self: self._transfers.executors)
-    _readable = property(lambda self: self._data.readable)
 
     # the copy fault hook, read when each copy runs; the lifecycle's closed flag
     _fault = property(lambda self: self._storage.fault,

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,18 +30,21 @@ log = logging.getLogger("tiering.kv_cache")
 STREAM_BUFFER = "<stream buffer>"
 
 
+@dataclass(eq=False)
 class _Feed:
     """One run of the copy thread: the head of ``rid`` from ``first_layer`` on."""
 
-    def __init__(self, rid: str, head: list[int], first_layer: int, num_layers: int) -> None:
-        self.rid = rid
-        self.head = head
-        self.first_layer = first_layer
-        self.num_layers = num_layers
-        self.cancelled = False
-        self.error: BaseException | None = None
-        self.done = False
-        self.next = (first_layer, 0)  # the first (layer, chunk) nobody has claimed yet
+    rid: str
+    head: list[int]
+    first_layer: int
+    num_layers: int
+    cancelled: bool = False
+    error: BaseException | None = None
+    done: bool = False
+    next: tuple[int, int] = field(init=False)  # the first (layer, chunk) nobody has claimed yet
+
+    def __post_init__(self) -> None:
+        self.next = (self.first_layer, 0)
 
 
 class StreamBuffer:

@@ -194,21 +194,27 @@ def test_a_read_that_times_out_leaves_the_request_on_disk_for_a_retry(kv, tmp_pa
     cache.check_integrity()
 
 
+def flip_on_disk(tmp_path, data, at: int, bits: int) -> None:
+    """Flip ``bits`` of byte ``at`` of the request's first page (layer 0 K), found on disk
+    exactly once."""
+    needle = data[0][0][:4].contiguous().view(torch.uint8).numpy().tobytes()
+    hits = 0
+    for path in (tmp_path / "disk").rglob("*"):
+        raw = bytearray(path.read_bytes()) if path.is_file() else bytearray()
+        found = raw.find(needle)
+        if found >= 0:
+            raw[found + at] ^= bits
+            path.write_bytes(bytes(raw))
+            hits += 1
+    assert hits == 1, "the request's bytes were not found on disk exactly once"
+
+
 def test_flipped_byte_in_the_file_is_detected_never_served(kv, tmp_path):
     cache = make(kv, tmp_path)
     gen = torch.Generator().manual_seed(16)
     a = fill(cache, "a", gen, 8)
     to_disk(cache, "a")
-    needle = a[0][0][:4].contiguous().view(torch.uint8).numpy().tobytes()  # layer 0 K, page 0
-    hits = 0
-    for path in (tmp_path / "disk").rglob("*"):
-        raw = bytearray(path.read_bytes()) if path.is_file() else bytearray()
-        at = raw.find(needle)
-        if at >= 0:
-            raw[at + 7] ^= 0xFF
-            path.write_bytes(bytes(raw))
-            hits += 1
-    assert hits == 1, "the request's bytes were not found on disk exactly once"
+    flip_on_disk(tmp_path, a, at=7, bits=0xFF)
     assert cache.reload("a")
     cache.synchronize(10)
     assert cache.state_of("a") is S.LOST
@@ -413,16 +419,7 @@ def test_reloads_read_the_disk_as_scratch_and_a_failed_one_hands_back_nothing(
     data = {rid: fill(cache, rid, gen, 13) for rid in ("a", "b")}
     for rid in data:
         to_disk(cache, rid)
-    needle = data["a"][0][0][:4].contiguous().view(torch.uint8).numpy().tobytes()
-    hits = 0
-    for path in (tmp_path / "disk").rglob("*"):
-        raw = bytearray(path.read_bytes()) if path.is_file() else bytearray()
-        at = raw.find(needle)
-        if at >= 0:
-            raw[at + 3] ^= 0x40
-            path.write_bytes(bytes(raw))
-            hits += 1
-    assert hits == 1
+    flip_on_disk(tmp_path, data["a"], at=3, bits=0x40)
     served, flags = cache.disk.read, []
 
     def read(extent, out, *, first_page=0, out_is_scratch=False):

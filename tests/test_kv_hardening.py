@@ -37,7 +37,7 @@ def snapshot(kv):
          for rid, r in kv._reqs.items()},
         kv.device_pool.used_pages, kv.host_pool.used_pages,
         kv.disk.used_bytes() if kv.disk is not None else 0,
-        dict(kv.stats.as_dict()), len(kv._tombstones), sorted(kv._inflight),
+        dict(kv.stats.as_dict()), len(kv._transfers.tombstones), sorted(kv._life.inflight),
     )
 
 
@@ -112,7 +112,7 @@ def test_an_unexpected_completion_error_is_contained(geom, tmp_path, monkeypatch
     def broken(*a, **k):
         raise KeyError("a bug in a completion")
 
-    monkeypatch.setitem(kv._completions, Move.OFFLOAD_TO_DISK, broken)
+    monkeypatch.setitem(kv._transfers.completions, Move.OFFLOAD_TO_DISK, broken)
     assert kv.offload("a")
     (done,) = kv.synchronize(10)
     assert not done.ok and done.state is S.LOST and "a bug" in done.reason
@@ -142,7 +142,7 @@ def test_reused_id_after_removal_mid_disk_reload(geom, tmp_path, closing):
     assert kv.reload("a") and entered.wait(10)
     kv.remove_request("a")  # its disk read is running
     kv.check_integrity()
-    (tomb,) = kv._tombstones.values()
+    (tomb,) = kv._transfers.tombstones.values()
     assert "a" not in tomb.key  # a fresh key, never the id
     data = fill(kv, "a", gen, 7)
     kv.check_integrity()
@@ -496,7 +496,7 @@ def test_exact_pinning_unregisters_once_after_the_workers_joined(geom):
     assert calls[0] == ("register", 5 * geom.page_bytes)
     assert [c[0] for c in calls] == ["register", "unregister"]
     assert calls[1][1] == kv._host.data_ptr()
-    assert all(not ex._threads[0].is_alive() for ex in kv._executors)
+    assert all(not ex._threads[0].is_alive() for ex in kv._transfers.executors)
 
 
 def test_aligned_empty_is_aligned_and_exact():

@@ -97,7 +97,7 @@ def test_admitted_from_layer_zero_and_each_layer_read_once_landed():
         assert not kv.wait_layer("a", 2, timeout=0.05)  # still copying
         assert not kv.wait_layer("a", 3, timeout=0.0)
         with pytest.raises(IllegalTransition, match="name the layer"):
-            kv._readable("a", "read")  # a whole-request read needs every layer
+            kv._data.readable("a", "read")  # a whole-request read needs every layer
         gate.release.set()
         assert kv.wait_layer("a", 3, timeout=10)
         same(kv, "a", want)
