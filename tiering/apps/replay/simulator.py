@@ -70,7 +70,7 @@ import dataclasses
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -719,15 +719,11 @@ class _Worker:
                     self.stalled.remove(r)
                     self._join_decode(r, k)
         allocs = self.allocs
-        while allocs and allocs[0][0] <= k:
-            _, epoch, rid = heapq.heappop(allocs)
-            r = self.by_rid[rid]
-            if r.epoch != epoch or r.phase != DECODE:
-                continue
+        for r in self._due(allocs, k):
             tokens = min(r.kv + (k - r.k0) + self.P, r.n_in + r.n_out)
-            if self.kv.allocate(rid, tokens) or self._grow_failed(r, tokens):
+            if self.kv.allocate(r.rid, tokens) or self._grow_failed(r, tokens):
                 if k + self.P <= r.k_last:
-                    heapq.heappush(allocs, (k + self.P, epoch, rid))
+                    heapq.heappush(allocs, (k + self.P, r.epoch, r.rid))
         budget = self.sim.max_step_tokens - self.n_dec
         planned = 0
         self._plan = []
@@ -741,6 +737,16 @@ class _Worker:
         if self.waiting and not self.preempted:
             planned += self._admit(budget)
         return planned
+
+    def _due(self, heap: list, k: int) -> Iterator[_Req]:
+        """Pop the entries of ``heap`` (decode step, epoch, rid) due by step ``k``; yield
+        the requests still decoding in that epoch (a stale entry is passed over)."""
+        by_rid = self.by_rid
+        while heap and heap[0][0] <= k:
+            _, epoch, rid = heapq.heappop(heap)
+            r = by_rid[rid]
+            if r.epoch == epoch and r.phase == DECODE:
+                yield r
 
     def _grow_failed(self, r: _Req, tokens: int) -> bool:
         """Decoding ``r`` could not grow to ``tokens`` (the KV backend made what room cached
@@ -1009,12 +1015,7 @@ class _Worker:
             if r.done >= r.target:
                 self._prefilled(r, end)
         self._plan = []
-        finishes = self.finishes
-        while finishes and finishes[0][0] <= k:
-            _, epoch, rid = heapq.heappop(finishes)
-            r = self.by_rid[rid]
-            if r.epoch != epoch or r.phase != DECODE:
-                continue
+        for r in self._due(self.finishes, k):
             self._leave_decode(r, k + 1)
             self._finished(r, end)
 
