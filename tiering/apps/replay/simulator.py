@@ -866,16 +866,12 @@ class _Worker:
         # the whole prompt (or, without tiering, the whole final KV) is allocated now, so
         # a prefilling request never has to grow
         tokens = self._tokens(r)
-        if prefixes is None:
-            kv.ingest_request(rid, self.live)
-            if not kv.allocate(rid, tokens):
-                kv.remove_request(rid)
+        peek = None
+        if prefixes is not None:
+            peek = prefixes.peek(r.hash_ids, r.n_in) if r.hash_ids else None
+            if self._hopeless(peek, tokens):
                 return None
-            return self._admitted(r, 0, budget)
-        peek = prefixes.peek(r.hash_ids, r.n_in) if r.hash_ids else None
-        if self._hopeless(peek, tokens):
-            return None
-        if peek is None:
+        if peek is None:  # nothing cached to attach (or no prefix reuse at all)
             kv.ingest_request(rid, self.live)
             if not kv.allocate(rid, tokens):
                 kv.remove_request(rid)
