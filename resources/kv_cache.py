@@ -279,7 +279,7 @@ class PagedKVCache(LifecycleAnswers, Resource):
         if pending:
             raise TimeoutError(
                 f"synchronize: {len(pending)} transfer(s) still in flight after {timeout}s:"
-                f" {sorted(self._inflight)[:10]}"
+                f" {sorted(self._life.inflight)[:10]}"
             )
         return done
 
