@@ -240,16 +240,14 @@ def _byte_view(buf: np.ndarray, name: str, *, writable: bool) -> np.ndarray:
 
 
 def _pieces(
-    payload: ByteSpan, pad: int, pad_source: np.ndarray, *, advance: bool = False,
-    step: int | None = None,
+    payload: ByteSpan, pad: int, pad_source: np.ndarray, *, advance: bool = False
 ) -> Iterator[tuple[ByteSpan, int, int]]:
-    """(span, start, stop) ranges of at most PIECE_BYTES: all of ``payload`` (in ranges
-    of ``step`` bytes when given), then ``pad`` bytes of ``pad_source``, taken as
-    consecutive ranges when ``advance`` (a scratch buffer of ``pad`` bytes) or as its
-    leading range again and again (a block of zeros)."""
-    size = PIECE_BYTES if step is None else step
-    for start in range(0, payload.nbytes, size):
-        yield payload, start, min(payload.nbytes, start + size)
+    """(span, start, stop) ranges of at most PIECE_BYTES: all of ``payload``, then
+    ``pad`` bytes of ``pad_source``, taken as consecutive ranges when ``advance``
+    (a scratch buffer of ``pad`` bytes) or as its leading range again and again
+    (a block of zeros)."""
+    for start in range(0, payload.nbytes, PIECE_BYTES):
+        yield payload, start, min(payload.nbytes, start + PIECE_BYTES)
     if not pad:
         return
     source = ByteSpan(pad_source)
