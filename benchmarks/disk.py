@@ -12,8 +12,9 @@ Method:
   writeback. Timings exclude fsync: they are the rate a demotion sees.
 - Warm reads: straight after writing, into a preallocated output buffer; once as
   the default read (staged: a failed read leaves the output as it was) and once with
-  ``out_is_scratch=True`` (each checked piece copied into the output from a small
-  bounce buffer; a failed read leaves it holding unspecified bytes). Each is
+  ``out_is_scratch=True`` (cached pieces read straight into the output, the rest
+  copied in from a small bounce buffer, each piece checked; a failed read leaves it
+  holding unspecified bytes). Each is
   alternated with its own raw passes, and the cold reads likewise.
 - Cold reads: after fsync and ``posix_fadvise(DONTNEED)`` on every file; if that
   does not evict the pages (checked through ``Cached`` in /proc/meminfo),

@@ -398,8 +398,10 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         read that fails after its I/O started leaves
         ``out`` holding unspecified bytes (bad input still changes nothing). When
         it returns, successfully or not, nothing writes into ``out`` any more, even
-        I/O still running after a timeout. On other paths the read is staged as
-        without the flag.
+        I/O still running after a timeout (for an ``out`` mapped from a file, whose
+        page faults may wait on that file's device, the wait for a copy under way
+        gives up after ``io_timeout_s`` with a warning). On other paths the read is
+        staged as without the flag.
         """
         if not isinstance(out_is_scratch, bool):
             raise ValueError(f"out_is_scratch must be a bool, got {out_is_scratch!r}")
