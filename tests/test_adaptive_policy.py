@@ -217,6 +217,27 @@ def test_check_integrity_names_an_expert_that_fell_out_of_step():
         p.check_integrity()
 
 
+def test_check_integrity_names_a_shadow_whose_tree_fell_out_of_step():
+    """The control first: after a replay every shadow's parents and children match its
+    policy. Then a shadow forgets a held block's parent, or a child link: the check
+    names the shadow."""
+    chains = synth.session_chains(300, 1, synth.SessionConfig(live=10))
+    p = AdaptiveBlocks(40)
+    replay_blocks(chains, 40, p)
+    p.check_integrity()
+    s = p._shadows[p.expert_names.index("s3fifo")]
+    up, kids = next(iter(s.kids.items()))
+    kid = next(iter(kids))
+    del s.parents[kid]
+    with pytest.raises(AssertionError, match="s3fifo shadow's parents"):
+        p.check_integrity()
+    s.parents[kid] = up
+    p.check_integrity()
+    del kids[kid]
+    with pytest.raises(AssertionError, match="s3fifo shadow's children"):
+        p.check_integrity()
+
+
 @pytest.mark.parametrize("name", ["lru", "s3fifo", "arc", "lirs"])
 def test_a_full_size_shadow_is_the_real_tier(name):
     """A shadow over every block (rate 1) is a tier of the same size: like the block index

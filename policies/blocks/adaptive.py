@@ -288,6 +288,22 @@ class _Shadow:
             mine.add(k)
             parent = k
 
+    def check(self, name: str) -> None:
+        """Its parents name exactly the blocks its policy holds, each parent a held block
+        listing it among its children, and the children name nothing else; raises
+        AssertionError naming the shadow otherwise."""
+        p, parents = self.policy, self.parents
+        if len(parents) != len(p) or not all(k in p for k in parents):
+            raise AssertionError(f"adaptive: the {name} shadow's parents name "
+                                 f"{len(parents)} blocks, its policy holds {len(p)}")
+        below = {}
+        for k, up in parents.items():
+            if up is not None:
+                below.setdefault(up, {})[k] = None
+        if below != self.kids or not all(up in parents for up in below):
+            raise AssertionError(f"adaptive: the {name} shadow's children do not match "
+                                 f"its parents")
+
     def _move(self, k: Hashable, parent: Hashable | None) -> None:
         self._detach(k)
         self.parents[k] = parent
@@ -412,6 +428,7 @@ class AdaptiveBlocks(BlockPolicy):
             if len(s.policy) > s.capacity:
                 raise AssertionError(f"adaptive: the {name} shadow holds {len(s.policy)} "
                                      f"blocks, more than its {s.capacity}")
+            s.check(name)
 
     # -- events ----------------------------------------------------------------------
 
