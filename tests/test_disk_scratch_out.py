@@ -286,10 +286,12 @@ def test_read_chunk_checks_its_bounce_buffer(tmp_path):
     gate = CopyGate()
     lane = gate.lane()
     gate.shut(0.0)
+    shut_out = np.random.default_rng(10).standard_normal(16).astype(np.float32)
+    before = shut_out.copy()
     with pytest.raises(OSError) as info:  # a shut gate: the chunk's bytes are dropped
-        slots.read_chunk(0, np.zeros(16, np.float32), bounce=np.empty(BOUNCE_BYTES, np.uint8),
-                         lane=lane)
+        slots.read_chunk(0, shut_out, bounce=np.empty(BOUNCE_BYTES, np.uint8), lane=lane)
     assert info.value.errno == errno.ECANCELED
+    assert np.array_equal(shut_out.view(np.uint32), before.view(np.uint32))
     with pytest.raises(ValueError, match="no pad"):
         slots.read_chunk(0, np.empty(15, np.float32), pad=4,
                          bounce=np.empty(BOUNCE_BYTES, np.uint8), lane=CopyGate().lane())
