@@ -153,15 +153,14 @@ class BlockRules:
     def victim(self, tier: Tier, now: float, skip: Container[Hashable] = ()) -> Hashable | None:
         """The block ``tier``'s policy sends away first among those that may leave; None
         when none may. The policy still tracks it (``moved`` or ``dropped`` tells it).
-        ``skip``: more keys to pass over (ones the caller cannot let go of now; the
-        library's own policies only)."""
+        ``skip``: more keys to pass over (ones the caller cannot let go of now)."""
         index = self.index
         p = self.policies[tier]
-        if skip:
-            return p.pop_victim(now, index._refs, index._dest, index._below, skip)
         if self._pop:
+            if skip:
+                return p.pop_victim(now, index._refs, index._dest, index._below, skip)
             return p.pop_victim(now, index._refs, index._dest, index._below)
-        return index.choose_victim(p, now, tier=tier)
+        return index.choose_victim(p, now, tier=tier, skip=skip)
 
     def admits(self, tier: Tier, key: Hashable, now: float, depth: int | None = None) -> bool:
         """Whether ``tier``'s policy takes ``key``, a victim of the tier above (or, with

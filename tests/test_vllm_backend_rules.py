@@ -65,3 +65,32 @@ def test_admits_asks_the_policy_at_the_depth_given_for_a_block_not_indexed():
     assert rules.admits(Tier.DISK, new, 10.0, depth=6)
     assert rules.admits(Tier.DISK, keys[2], 10.0)  # held: its depth read from the index
     assert disk.asked == [(new, 6), (keys[2], rules.index.depth(keys[2]))]
+
+
+class _Offers(LRUBlocks):
+    """lru that offers a block the index does not hold first: a policy's defect."""
+
+    def victims_except(self, now, *busy):
+        yield b"not-indexed"
+        yield from super().victims_except(now, *busy)
+
+
+def test_a_skip_keeps_the_index_checking_a_policy_of_ones_own():
+    """Rules built for a user's policy (``plain=False``) check every key it offers, a skip
+    or not: an offer the index does not hold is named, never handed back as a victim."""
+    import pytest
+
+    for plain, policy in ((False, _Asked), (False, _Offers)):
+        rng = random.Random(73)
+        keys = [rng.randbytes(12) for _ in range(4)]
+        index = BlockIndex()
+        rules = BlockRules(index, {Tier.DEVICE: VllmDevice(), Tier.HOST: policy(4),
+                                   Tier.DISK: _Asked(4)}, plain=plain)
+        for i, k in enumerate(keys):
+            assert index.insert(k, None, Tier.HOST, i, float(i))
+            rules.arrived(k, Tier.HOST, float(i))
+        if policy is _Asked:  # the control: a sound policy's skip works on this path too
+            assert rules.victim(Tier.HOST, 10.0, skip={keys[0]}) == keys[1]
+        else:
+            with pytest.raises(RuntimeError, match="not in the index"):
+                rules.victim(Tier.HOST, 10.0, skip={keys[0]})

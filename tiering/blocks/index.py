@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Container, Hashable, Iterable, Iterator, Sequence
 from itertools import repeat
 from numbers import Real
 from typing import NamedTuple
@@ -692,9 +692,11 @@ class BlockIndex:
         return _new(DroppedRun, (subtree, tiers, handles))
 
     def choose_victim(
-        self, policy: BlockPolicy, now: float, tier: Tier | None = None
+        self, policy: BlockPolicy, now: float, tier: Tier | None = None,
+        skip: Container[Hashable] = (),
     ) -> Hashable | None:
-        """The first key ``policy.victims`` offers that may leave (``evictable``, in ``tier``).
+        """The first key ``policy.victims`` offers that may leave (``evictable``, in ``tier``,
+        not in ``skip``).
 
         None when the policy offers nothing that may leave. The policy is
         resumed once per key refused, at most ``len(policy)`` times.
@@ -703,7 +705,8 @@ class BlockIndex:
             _check_tier(tier, "choose_victim")
         where, refs, dest, below = self._tier, self._refs, self._dest, self._below
         # the policy skips the keys that may not leave; they are checked again below
-        gen = policy.victims_except(now, refs, dest, below)
+        gen = (policy.victims_except(now, refs, dest, below, skip) if skip else
+               policy.victims_except(now, refs, dest, below))
         try:
             k = next(gen, None)  # nearly always the one taken
             n = -1  # keys still to try after the first: len(policy), counted at a refusal
@@ -714,7 +717,8 @@ class BlockIndex:
                         f"policy {policy.name!r} offered block {k!r}, which is not in the index"
                     )
                 # evictable(k), inline
-                if (tier is None or t is tier) and not (k in refs or k in dest or k in below):
+                if (tier is None or t is tier) and not (k in refs or k in dest or k in below
+                                                        or k in skip):
                     return k
                 if n < 0:
                     n = len(policy)
