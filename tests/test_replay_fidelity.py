@@ -144,15 +144,22 @@ def make_cache(policy: str, clock: Clock) -> PagedKVCache:
     return kv
 
 
-def run_cache(policy: str, reqs: list[Request], seed: int,
-              change: Callable[[PagedKVCache], None] | None = None) -> Log:
-    """The slice through ``PagedKVCache`` on CPU (random KV bytes, an in-memory disk)."""
+def watched_cache(policy: str):
+    """A cache of ``make_cache`` on a fresh clock, its block rules watched into a ``Log``:
+    (clock, cache, its block store, the names blocks are logged by, the log)."""
     clock = Clock()
     kv = make_cache(policy, clock)
     p = kv._prefix
     names: dict[Hashable, int] = {}
     log = Log()
     p.rules.watch = log.watch(names.__getitem__)
+    return clock, kv, p, names, log
+
+
+def run_cache(policy: str, reqs: list[Request], seed: int,
+              change: Callable[[PagedKVCache], None] | None = None) -> Log:
+    """The slice through ``PagedKVCache`` on CPU (random KV bytes, an in-memory disk)."""
+    clock, kv, p, names, log = watched_cache(policy)
     if change is not None:
         change(kv)
     gen = torch.Generator().manual_seed(seed)
@@ -340,12 +347,7 @@ def run_cache_live(policy: str, reqs: list[Request], ops: list[Op], seed: int) -
     ``ingest_request``, ``attach_prefix``, the ``reload`` of host and disk hits (landed by
     ``synchronize``), ``allocate`` of the prompt and its KV written (a refusal removes
     it); growth is ``allocate``; a finish publishes the prompt and removes it."""
-    clock = Clock()
-    kv = make_cache(policy, clock)
-    p = kv._prefix
-    names: dict[Hashable, int] = {}
-    log = Log()
-    p.rules.watch = log.watch(names.__getitem__)
+    clock, kv, p, names, log = watched_cache(policy)
     gen = torch.Generator().manual_seed(seed)
     live: list[tuple[Request, bool]] = []  # (request, admitted)
     nxt = 0
