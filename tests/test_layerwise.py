@@ -70,6 +70,17 @@ def offload(kv: PagedKVCache, rid: str) -> None:
     kv.check_integrity()
 
 
+def held_reload(kv: PagedKVCache, gate: LayerGate, tokens: int, seed: int):
+    """Fill request "a" with ``tokens`` random tokens, offload it and start its reload,
+    returning once the gate holds its copy (what was written)."""
+    want = fill(kv, "a", tokens, seed=seed)
+    offload(kv, "a")
+    gate.calls = 0
+    assert kv.reload("a")
+    assert gate.reached.wait(10)
+    return want
+
+
 def admitted(kv: PagedKVCache, rid: str) -> bool:
     return kv.admit(ResourceStep(rid), StepContext(0)).ok
 
@@ -85,11 +96,7 @@ def same(kv, rid, want, layers=range(GEOM.num_layers)):
 def test_admitted_from_layer_zero_and_each_layer_read_once_landed():
     gate = LayerGate(hold=2)
     with make(gate) as kv:
-        want = fill(kv, "a", 13, seed=1)
-        offload(kv, "a")
-        gate.calls = 0
-        assert kv.reload("a")
-        assert gate.reached.wait(10)  # layers 0 and 1 landed, layer 2 is held
+        want = held_reload(kv, gate, 13, seed=1)  # layers 0 and 1 landed, layer 2 is held
         assert kv.state_of("a") is S.RELOADING
         assert admitted(kv, "a")  # ready from layer 0
         kv.check_integrity()
@@ -112,11 +119,7 @@ def test_whole_request_reload_is_not_admitted_before_it_lands():
     """The negative control: without layer-wise reload the held copy keeps the step out."""
     gate = LayerGate(hold=0)
     with make(gate, layerwise=False) as kv:
-        want = fill(kv, "a", 13, seed=2)
-        offload(kv, "a")
-        gate.calls = 0
-        assert kv.reload("a")
-        assert gate.reached.wait(10)
+        want = held_reload(kv, gate, 13, seed=2)
         assert not admitted(kv, "a")
         assert not kv.wait_layer("a", 0, timeout=0.05)
         gate.release.set()
@@ -130,11 +133,7 @@ def test_whole_request_reload_is_not_admitted_before_it_lands():
 def test_a_fault_on_a_middle_layer_fails_the_reload_from_there_and_keeps_the_host_copy():
     gate = LayerGate(hold=1, fail=2)
     with make(gate) as kv:
-        want = fill(kv, "a", 10, seed=3)
-        offload(kv, "a")
-        gate.calls = 0
-        assert kv.reload("a")
-        assert gate.reached.wait(10)
+        want = held_reload(kv, gate, 10, seed=3)
         assert admitted(kv, "a")
         same(kv, "a", want, layers=[0])
         gate.release.set()
@@ -157,11 +156,7 @@ def test_a_fault_on_a_middle_layer_fails_the_reload_from_there_and_keeps_the_hos
 def test_a_failed_reload_gives_back_what_the_early_step_added():
     gate = LayerGate(hold=1, fail=3)
     with make(gate) as kv:
-        want = fill(kv, "a", 8, seed=4)  # two full pages: growing takes a new page
-        offload(kv, "a")
-        gate.calls = 0
-        assert kv.reload("a")
-        assert gate.reached.wait(10)
+        want = held_reload(kv, gate, 8, seed=4)  # two full pages: growing takes a new page
         assert admitted(kv, "a")
         assert kv.allocate("a", 11)  # the early step's new tokens
         k = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(9))
@@ -183,11 +178,7 @@ def test_a_failed_reload_gives_back_what_the_early_step_added():
 def test_removed_during_a_layerwise_reload():
     gate = LayerGate(hold=1)
     with make(gate) as kv:
-        fill(kv, "a", 9, seed=5)
-        offload(kv, "a")
-        gate.calls = 0
-        assert kv.reload("a")
-        assert gate.reached.wait(10)
+        held_reload(kv, gate, 9, seed=5)
         assert admitted(kv, "a")
         kv.remove_request("a")
         kv.check_integrity()
@@ -287,11 +278,7 @@ def test_a_step_whose_reload_failed_meets_layer_not_ready_even_once_the_failure_
     "must be resident" (what a worker catches to run the step again later)."""
     gate = LayerGate(hold=1, fail=1)
     with make(gate) as kv:
-        fill(kv, "a", 10, seed=13)
-        offload(kv, "a")
-        gate.calls = 0
-        assert kv.reload("a")
-        assert gate.reached.wait(10)
+        held_reload(kv, gate, 10, seed=13)
         assert admitted(kv, "a")
         kv.read("a", 0)  # the step computes layer 0
         gate.release.set()
