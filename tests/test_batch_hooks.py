@@ -366,3 +366,15 @@ def test_jobs_name_a_worker_that_died(monkeypatch):
     monkeypatch.setattr(jobs_mod, "run_one", dies)
     with pytest.raises(RuntimeError, match="exit status 3"):
         jobs_mod.run_all(_job_context(2), 2, lambda d: None)
+
+
+@fork_only
+def test_jobs_name_workers_that_all_ended_without_answering(monkeypatch):
+    """A run that ends its worker with status 0 (a policy calling sys.exit(0), say) sends
+    no answer: once every worker has ended, the sweep says so instead of waiting."""
+    def leaves(ctx, task, stream=None):
+        os._exit(0)
+
+    monkeypatch.setattr(jobs_mod, "run_one", leaves)
+    with pytest.raises(RuntimeError, match="every worker process ended while 2 runs"):
+        jobs_mod.run_all(_job_context(2), 2, lambda d: None)

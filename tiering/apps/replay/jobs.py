@@ -82,6 +82,10 @@ def run_one(ctx: JobContext, task: tuple[int, int], stream=None) -> RunDone:
     return RunDone(seed, i, row, result, None)
 
 
+#: how long a stopped worker process is given to end, after SIGTERM and again after SIGKILL
+STOP_WAIT_S = 5.0
+
+
 def _serve(ctx: JobContext, todo, back) -> None:
     """A worker process: run each task of ``todo`` until None, each answer onto ``back``
     as (task, RunDone, None), or (task, None, error) for a run that raised."""
@@ -135,6 +139,10 @@ def run_all(ctx: JobContext, jobs: int, deliver: Callable[[RunDone], None],
                     if dead:
                         raise RuntimeError(f"--jobs: a worker process died (exit status "
                                            f"{dead[0]}); its run is lost") from None
+                    if all(w.exitcode is not None for w in workers):  # none left to answer
+                        raise RuntimeError(
+                            f"--jobs: every worker process ended while {len(tasks) - len(got) - nxt}"
+                            " runs had not come back (one left without answering)") from None
             if err is not None:
                 raise err
             _take(ctx, done, keep)
@@ -146,8 +154,11 @@ def run_all(ctx: JobContext, jobs: int, deliver: Callable[[RunDone], None],
         for w in workers:
             if w.is_alive():
                 w.terminate()
-        for w in workers:
-            w.join()
+        for w in workers:  # SIGTERM, then SIGKILL for one that does not go
+            w.join(STOP_WAIT_S)
+            if w.is_alive():
+                w.kill()
+                w.join(STOP_WAIT_S)
         for q in (todo, back):  # what no worker took is dropped, not waited on
             q.close()
             q.cancel_join_thread()
