@@ -25,6 +25,11 @@ if TYPE_CHECKING:  # pragma: no cover
 S = RequestState
 
 
+#: states a record whose step a failed reload cut short is never in (a reload that
+#: starts, or a new step, clears it)
+_NEVER_UNDONE = frozenset({S.RESIDENT, S.OFFLOADING, S.RELOADING})
+
+
 class IntegrityCheck:
     """``check_integrity`` over the parts it is given (see the module doc)."""
 
@@ -130,6 +135,8 @@ class IntegrityCheck:
         step was admitted early and grew the request) device pages for every token with
         the source still holding the pages it had."""
         p, rid = r.layers, r.rid
+        if r.undone is not None and r.state in _NEVER_UNDONE:  # set by a failed reload only
+            return [f"{rid}: a step cut short by a failed reload while {r.state.value}"]
         if p is None:
             return [f"{rid}: admitted early with no reload in flight"] if r.admitted_early else []
         if r.state is not S.RELOADING or r.job is None:

@@ -152,7 +152,6 @@ class Transfers:
     def reload(self, rid: str) -> bool:
         r = self._life.get(rid, "reload")
         guard(r, Op.RELOAD)
-        r.undone = None  # the step a failed reload cut short is over
         if r.prefix_load is not None:
             return self._reload_prefix(r, self._reuse.blocks)
         n = own_pages(self._g, r)
@@ -180,6 +179,7 @@ class Transfers:
             return False
         r.device = slots
         r.index = None
+        r.undone = None  # the step a failed reload cut short is over (a refusal keeps it)
         self._start(r, move, fut, S.RELOADING)
         return True
 
@@ -201,6 +201,7 @@ class Transfers:
             p.finish_load(None, work, ["not queued"] * len(work))
             return False
         r.load_work = work
+        r.undone = None  # as in reload
         self._start(r, move, fut, S.RELOADING)
         return True
 

@@ -12,7 +12,7 @@ from tiering.resources.base import ResourceStep, StepContext
 from tiering.resources.kv_cache import PagedKVCache
 from tiering.resources.kv_geometry import KVGeometry
 
-from tiering.errors import IllegalTransition, LayerNotReady
+from tiering.errors import IllegalTransition, LayerNotReady, PoolIntegrityError
 from tiering.types import Move, RequestState
 
 S = RequestState
@@ -293,3 +293,35 @@ def test_a_step_whose_reload_failed_meets_layer_not_ready_even_once_the_failure_
         assert not admitted(kv, "a")  # a new step: the request is simply offloaded
         with pytest.raises(IllegalTransition, match="must be resident"):
             kv.read("a", 1)
+
+
+def test_a_refused_reload_leaves_the_cut_short_step_as_it_was():
+    """A reload refused for device room changes nothing: the step its failed reload cut
+    short still meets LayerNotReady; a reload that starts ends that step."""
+    gate = LayerGate(hold=1, fail=1)
+    with make(gate) as kv:
+        want = held_reload(kv, gate, 10, seed=14)
+        assert admitted(kv, "a")
+        gate.release.set()
+        kv.synchronize()  # the failure is applied: back on the host
+        kv.ingest_request("b")
+        assert kv.allocate("b", kv.device_pool.free_pages * GEOM.page_tokens)  # the device full
+        assert kv.reload("a") is False
+        with pytest.raises(LayerNotReady, match="cannot go on"):
+            kv.read("a", 1)
+        kv.check_integrity()
+        kv.remove_request("b")  # the control: with room the reload starts, the step is over
+        gate.fail = None
+        assert kv.reload("a")
+        kv.synchronize()
+        same(kv, "a", want)
+        kv.check_integrity()
+
+
+def test_check_integrity_refuses_a_cut_short_step_on_a_resident_request():
+    with make() as kv:
+        fill(kv, "a", 10, seed=15)
+        kv.check_integrity()
+        kv._reqs["a"].undone = "its copy failed"  # only a failed reload may set it
+        with pytest.raises(PoolIntegrityError, match="cut short by a failed reload while resident"):
+            kv.check_integrity()
