@@ -273,14 +273,17 @@ class PagedKVCache(LifecycleAnswers, Resource):
     def synchronize(self, timeout: float = 60.0) -> list[TransferResult]:
         """Wait for every transfer in flight, then apply them all; returns what
         was applied (as ``poll``). Raises TimeoutError naming what is still in
-        flight after ``timeout`` seconds (after applying what did finish)."""
-        pending, timeout = self._transfers.wait_all(timeout)
+        flight after ``timeout`` seconds (after applying what did finish): copies, and
+        the shared tier's fetches and publishes."""
+        pending, shared_idle, timeout = self._transfers.wait_all(timeout)
         done = self.poll()  # through the cache: a subclass's poll sees these too
-        if pending:
+        if pending or not shared_idle:
+            what = [f"{len(pending)} transfer(s) {sorted(self._life.inflight)[:10]}"] \
+                if pending else []
+            if not shared_idle:
+                what.append("the shared tier's fetches or publishes")
             raise TimeoutError(
-                f"synchronize: {len(pending)} transfer(s) still in flight after {timeout}s:"
-                f" {sorted(self._life.inflight)[:10]}"
-            )
+                f"synchronize: {' and '.join(what)} still in flight after {timeout}s")
         return done
 
     def in_flight(self) -> int:

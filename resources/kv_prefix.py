@@ -150,8 +150,9 @@ class PrefixCache:
         refresh timer. Never waits; never raises for a store fault."""
         self.sharing.poll_shared()
 
-    def wait_shared(self, timeout: float) -> float:
-        """Wait (bounded) for the shared tier's queue to go idle; returns what is left of ``timeout``."""
+    def wait_shared(self, timeout: float) -> tuple[bool, float]:
+        """Wait (bounded) for the shared tier's queue to go idle: (idle, what is left of
+        ``timeout``)."""
         return self.sharing.wait_shared(timeout)
 
     def close(self, timeout_s: float) -> None:

@@ -248,13 +248,13 @@ class SharedBlocks:
             for r in waiting.values():
                 self._land_fetches(r)
 
-    def wait_shared(self, timeout: float) -> float:
+    def wait_shared(self, timeout: float) -> tuple[bool, float]:
         sh = self.link
         if sh is None:
-            return timeout
+            return True, timeout
         t0 = time.monotonic()  # a real-time budget, whatever the cache's clock
-        sh.queue.wait_idle(timeout)
-        return max(0.0, timeout - (time.monotonic() - t0))
+        idle = sh.queue.wait_idle(timeout)
+        return idle, max(0.0, timeout - (time.monotonic() - t0))
 
     def _apply_shared(self, res) -> None:
         from tiering.coldtier import BlockStatus as B

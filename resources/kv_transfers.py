@@ -430,19 +430,21 @@ class Transfers:
             self._stats.commit_failures += 1
             return exc
 
-    def wait_all(self, timeout: float) -> tuple[set, float]:
-        """``synchronize``'s wait: the copies still running after ``timeout``, and the
-        timeout checked (the caller polls, then raises for what is left)."""
+    def wait_all(self, timeout: float) -> tuple[set, bool, float]:
+        """``synchronize``'s wait: the copies still running after ``timeout``, whether the
+        shared tier's queue went idle (its fetches and publishes), and the timeout checked
+        (the caller polls, then raises for what is left)."""
         self._life.check_open("synchronize")
         timeout = check_timeout("synchronize", timeout)
         futs = [r.job.future for r in self._life.inflight.values()]
         futs += [t.future for t in self.tombstones.values()]
         prefix = self._reuse.blocks
+        left, idle = timeout, True
         if prefix is not None:
             futs += [f for f, _ in prefix.orphans]
-            timeout = prefix.wait_shared(timeout)  # the shared tier's fetches and publishes
-        _, pending = cf.wait(futs, timeout=timeout)
-        return pending, timeout
+            idle, left = prefix.wait_shared(timeout)
+        _, pending = cf.wait(futs, timeout=left)
+        return pending, idle, timeout
 
     def in_flight(self) -> int:
         self._life.check_open("in_flight")

@@ -427,6 +427,22 @@ def test_reload_refuses_while_a_fetch_is_out_then_loads_bitwise(closing):
     assert st["shared_fetched"] == 3 and local_hits(st) == 0 and st["blocks_host_to_device"] == 3
 
 
+def test_synchronize_names_a_held_fetch_and_the_timeout_it_was_given(closing):
+    gen = torch.Generator().manual_seed(53)
+    _, a, b, gated = closed_pair(closing)
+    ids, data = attach_with_fetches_held(a, b, gated, gen)
+    with pytest.raises(TimeoutError, match=r"shared tier's fetches or publishes still in "
+                                           r"flight after 0\.2s"):
+        b.synchronize(0.2)  # the fetch is held: the wait cannot end with it applied
+    b.check_integrity()
+    assert b._prefix.fetch_pending(b._reqs["b"])  # nothing was given up
+    gated.gate.set()
+    load(b, "b")
+    assert b.num_tokens("b") == 12
+    assert_leading(b, "b", data, 12)
+    assert b.prefix_stats()["shared_fetched"] == 3
+
+
 def test_a_removed_requests_fetch_lands_as_a_host_block_or_is_adopted(closing):
     gen = torch.Generator().manual_seed(52)
     _, a, b, gated = closed_pair(closing)
