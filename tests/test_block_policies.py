@@ -650,3 +650,70 @@ def test_the_block_registry_refuses_a_wrong_registry_by_name():
     mine = register_block_policy("mine", LRUBlocks)
     assert isinstance(make_block_policy("mine", registry=mine, capacity=4), LRUBlocks)
     assert isinstance(make_block_policy("lru", capacity=4), LRUBlocks)
+
+
+class _Recorder(BlockPolicy):
+    """A user's LRU with the default ``admit`` and batch hooks that logs every call it gets,
+    with each snapshot whole (``children`` included)."""
+
+    name = "recorder"
+
+    def __init__(self, capacity: int) -> None:
+        self._order: OrderedDict = OrderedDict()
+        self.log: list[tuple] = []
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def on_request(self, keys, now) -> None:
+        self.log.append(("request", tuple(keys), now))
+
+    def on_insert(self, info, now) -> None:
+        self.log.append(("insert", tuple(info), now))
+        self._order[info.key] = None
+
+    def on_hit(self, info, now) -> None:
+        self.log.append(("hit", tuple(info), now))
+        self._order.move_to_end(info.key)
+
+    def on_remove(self, key) -> None:
+        self.log.append(("remove", key))
+        del self._order[key]
+
+    def victims(self, now):
+        # the most recent first now and then, so victims have cached descendants
+        if int(now) % 3 == 0:
+            yield from reversed(self._order)
+        else:
+            yield from self._order
+
+
+class _AdmitsEach(_Recorder):
+    """The same policy with an ``admit`` of its own (True, logging nothing): the default
+    publish then offers each block in turn."""
+
+    def admit(self, key, depth, now) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_default_publish_tells_a_user_policy_what_offering_each_block_does(seed):
+    """With the default ``admit``, the default ``on_publish`` inserts the blocks there is
+    room for at once; the policy is told the same events in the same order with the same
+    snapshots as when each block is offered in turn, while blocks arrive in runs and
+    victims are made, and the replay is the per-event loop's."""
+    chains = synthetic_chains(150, seed)
+    cap = random.Random(seed).randint(10, 40)
+    each, runs = _AdmitsEach(cap), _Recorder(cap)
+    a = replay_blocks(chains, cap, each, check_every=5)
+    b = replay_blocks(chains, cap, runs, check_every=5)
+    assert a[:9] == b[:9] == replay_blocks(chains, cap, _Recorder(cap), batch=False)[:9]
+    assert a.evicted > 0 and a.orphaned > 0
+    assert each.log == runs.log
+    pairs = zip(runs.log, runs.log[1:], strict=False)
+    after = sum(1 for x, y in pairs if x[0] == y[0] == "insert"
+                and y[1][1] == x[1][0])  # a block told right after its parent
+    assert after > 100

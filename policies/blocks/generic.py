@@ -163,10 +163,51 @@ class ARCBlocks(BlockPolicy):
 
     def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
                    get: Callable[[Hashable], BlockInfo], now: float) -> None:
-        if self.overrides(ARCBlocks, "on_insert", "on_insert_key"):
+        if self.overrides(ARCBlocks, "on_insert", "on_insert_key", "_insert", "_trim", "__len__"):
             return super().on_inserts(keys, depths, get, now)
+        # _insert of each, inline: the same lists, target and trimming after each
+        c = self.capacity
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        pop1, pop2 = b1.popitem, b2.popitem
         for k in keys:
-            self._insert(k)
+            if k in t1 or k in t2:
+                raise already_tracked(self, k)
+            if k in b1:
+                self.p = min(float(c), self.p + max(len(b2) / len(b1), 1.0))
+                del b1[k]
+                t2[k] = None
+            elif k in b2:
+                self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
+                del b2[k]
+                t2[k] = None
+            else:
+                t1[k] = None
+            self._incoming_in_b2 = False
+            while b1 and len(t1) + len(b1) > c:
+                pop1(last=False)
+            while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
+                pop2(last=False)
+
+    def on_removes(self, keys: Sequence[Hashable]) -> None:
+        if self.overrides(ARCBlocks, "on_remove", "_trim", "__len__"):
+            return super().on_removes(keys)
+        # on_remove of each, inline: to its ghost list, trimming after each
+        c = self.capacity
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        pop1, pop2 = b1.popitem, b2.popitem
+        for key in keys:
+            if key in t1:
+                del t1[key]
+                b1[key] = None
+            elif key in t2:
+                del t2[key]
+                b2[key] = None
+            else:
+                raise not_tracked(self, "on_remove", key)
+            while b1 and len(t1) + len(b1) > c:
+                pop1(last=False)
+            while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
+                pop2(last=False)
 
     def _insert(self, k: Hashable) -> None:
         c = self.capacity
@@ -338,6 +379,24 @@ class S3FIFOBlocks(BlockPolicy):
                 del self._m[key]
             except KeyError:
                 raise not_tracked(self, "on_remove", key) from None
+
+    def on_removes(self, keys: Sequence[Hashable]) -> None:
+        if self.overrides(S3FIFOBlocks, "on_remove"):
+            return super().on_removes(keys)
+        # on_remove of each, inline: one from the small queue becomes a ghost
+        s, m, g = self._s, self._m, self._g
+        cap, pop = self._ghost_cap, g.popitem
+        for key in keys:
+            if key in s:
+                del s[key]
+                g[key] = None
+                while len(g) > cap:
+                    pop(last=False)
+            else:
+                try:
+                    del m[key]
+                except KeyError:
+                    raise not_tracked(self, "on_remove", key) from None
 
     def victims(self, now: float) -> Iterator[Hashable]:
         s, m = self._s, self._m

@@ -111,8 +111,9 @@ class BlockIndex:
         self._handle: dict[Hashable, Hashable] = {}
         self._dest: dict[Hashable, tuple[Tier, Hashable]] = {}  # moves in flight
         self._refs: dict[Hashable, int] = {}  # only blocks mapped by someone
-        self._hits: dict[Hashable, int] = {}
         self._first: dict[Hashable, float] = {}
+        # only blocks touched since their insert (a block absent has 0 hits, last use = first)
+        self._hits: dict[Hashable, int] = {}
         self._last: dict[Hashable, float] = {}
         # only blocks with cached children: the child itself, or a set when there are several
         self._kids: dict[Hashable, Hashable | set] = {}
@@ -147,16 +148,17 @@ class BlockIndex:
         return self._counts[tier] - self._busy_n[tier]
 
     def _info(self, key: Hashable) -> BlockInfo:
-        kids = self._kids.get(key, _NONE)
+        kids = self._kids.get(key)
+        first = self._first[key]
         return _new(BlockInfo, (  # BlockInfo(...) without its Python-level __new__
             key,
             self._parent[key],
             self._depth[key],
             self._refs.get(key, 0),
-            self._hits[key],
-            self._first[key],
-            self._last[key],
-            0 if kids is _NONE else (len(kids) if isinstance(kids, set) else 1),
+            self._hits.get(key, 0),
+            first,
+            self._last.get(key, first),
+            0 if kids is None else (len(kids) if kids.__class__ is set else 1),
         ))
 
     def get(self, key: Hashable) -> BlockInfo | None:
@@ -329,9 +331,7 @@ class BlockIndex:
         self._depth[key] = depth
         self._tier[key] = tier
         self._handle[key] = handle
-        self._hits[key] = 0
         self._first[key] = now
-        self._last[key] = now
         slots[handle] = key
         self._counts[tier] += 1
         return True
@@ -347,17 +347,20 @@ class BlockIndex:
         if not n:
             return True
         where = self._tier
-        _check_tier(tier, f"insert of block {keys[0]!r}")
+        if tier.__class__ is not Tier:
+            _check_tier(tier, f"insert of block {keys[0]!r}")
         _check_now(now, "insert", keys[0])
         slots = self._slots[tier]
-        if not where.keys().isdisjoint(keys) or len(set(keys)) != n or None in keys:
+        keyset = set(keys)
+        if len(keyset) != n or None in keyset or not where.keys().isdisjoint(keyset):
             for k in keys:  # the per-block error
                 if k in where or k is None:
                     self.insert(k, None, tier, object(), now)
             raise ValueError(f"insert_run: the run {list(keys)[:4]!r}... repeats a block")
-        if len(handles) != n or not slots.keys().isdisjoint(handles) or len(set(handles)) != n:
+        if len(handles) != n or len(set(handles)) != n or not slots.keys().isdisjoint(handles):
             raise ValueError(f"insert_run of block {keys[0]!r}: {n} blocks need {n} unused, "
                              f"distinct {tier.value} handles, got {list(handles)[:4]!r}...")
+        k0 = keys[0]
         if parent is None:
             d0 = 0
         else:
@@ -365,33 +368,46 @@ class BlockIndex:
             if pd is None:
                 return False
             d0 = pd + 1
-            kids = self._kids.get(parent, _NONE)
-            k0 = keys[0]
-            if kids is _NONE:
-                self._kids[parent] = k0
-            elif isinstance(kids, set):
-                kids.add(k0)
+            kids = self._kids
+            pk = kids.get(parent)
+            if pk is None:
+                kids[parent] = k0
+            elif pk.__class__ is set:
+                pk.add(k0)
             else:
-                self._kids[parent] = {kids, k0}
-        self._parent[keys[0]] = parent
-        if n > 1:
-            self._parent.update(zip(keys[1:], keys[:-1], strict=False))
+                kids[parent] = {pk, k0}
+        parents, handle, first, depth = self._parent, self._handle, self._first, self._depth
+        if n == 1:
+            parents[k0] = parent
+            depth[k0] = d0
+            where[k0] = tier
+            handle[k0] = handles[0]
+            first[k0] = now
+            slots[handles[0]] = k0
+        else:
+            parents[k0] = parent
+            prev = k0
+            for k in keys[1:]:  # parent and only child: each block and the one before it
+                parents[k] = prev
+                prev = k
             self._kids.update(zip(keys[:-1], keys[1:], strict=False))
-        self._depth.update(zip(keys, range(d0, d0 + n), strict=False))
-        where.update(dict.fromkeys(keys, tier))
-        self._handle.update(zip(keys, handles, strict=False))
-        self._hits.update(dict.fromkeys(keys, 0))
-        times = dict.fromkeys(keys, now)
-        self._first.update(times)
-        self._last.update(times)
-        slots.update(zip(handles, keys, strict=False))
+            depth.update(zip(keys, range(d0, d0 + n), strict=False))
+            for k in keys:
+                where[k] = tier
+                first[k] = now
+            handle.update(zip(keys, handles, strict=False))
+            slots.update(zip(handles, keys, strict=False))
         self._counts[tier] += n
         if acquire:
-            self._refs.update(dict.fromkeys(keys, 1))
+            refs = self._refs
+            for k in keys:
+                refs[k] = 1
             self._busy_n[tier] += n
-            self._now_busy(keys[0])  # held now: the blocks above it, as acquire walks them
+            self._now_busy(k0)  # held now: the blocks above it, as acquire walks them
             if n > 1:  # each one's only child is busy
-                self._below.update(dict.fromkeys(keys[:-1], 1))
+                below = self._below
+                for k in keys[:-1]:
+                    below[k] = 1
         return True
 
     def touch(self, key: Hashable, now: float) -> BlockInfo:
@@ -402,7 +418,8 @@ class BlockIndex:
             raise ValueError(
                 f"touch of block {key!r}: now {now!r} is before its first use {self._first[key]!r}"
             )
-        self._hits[key] += 1
+        hits = self._hits
+        hits[key] = hits.get(key, 0) + 1
         self._last[key] = now
         return self._info(key)
 
@@ -419,8 +436,9 @@ class BlockIndex:
             if now < f:
                 raise ValueError(
                     f"touch of block {key!r}: now {now!r} is before its first use {f!r}")
+        get = hits.get
         for key in keys:
-            hits[key] += 1
+            hits[key] = get(key, 0) + 1
             last[key] = now
 
     def acquire(self, key: Hashable) -> int:
@@ -466,7 +484,10 @@ class BlockIndex:
         often than it is mapped raises the ValueError ``release`` would, and nothing
         changes."""
         refs, dest = self._refs, self._dest
-        need = Counter(keys) if len(set(keys)) != len(keys) else None
+        n = len(keys)
+        if n > 1 and self._release_line(keys):
+            return
+        need = Counter(keys) if len(set(keys)) != n else None
         for key in keys:
             if refs.get(key, 0) < (1 if need is None else need[key]):
                 self._check_known(key, "release")
@@ -482,6 +503,39 @@ class BlockIndex:
                         now_idle(key)
             else:
                 refs[key] = n - 1
+
+    def _release_line(self, keys: Sequence[Hashable]) -> bool:
+        """``release_many(keys)`` at once when ``keys`` are a line of blocks (each the
+        parent of the next), each mapped once, none moving, and nothing else held below
+        them; False (nothing changed) otherwise."""
+        refs, below = self._refs, self._below
+        last = keys[-1]
+        if last in below or (self._dest and not self._dest.keys().isdisjoint(keys)):
+            return False
+        get = refs.get
+        for k in keys:
+            if get(k) != 1:
+                return False
+        upper = keys[:-1]
+        get = below.get
+        for k in upper:
+            if get(k) != 1:  # a count of 1: only the next one (busy) holds it
+                return False
+        parent = self._parent
+        prev = keys[0]
+        for k in keys[1:]:
+            if parent[k] != prev:
+                return False
+            prev = k
+        # every block of the line is idle now and nothing below it is held
+        where, busy_n = self._tier, self._busy_n
+        for k in keys:
+            del refs[k]
+            busy_n[where[k]] -= 1
+        for k in upper:
+            del below[k]
+        self._now_idle(keys[0])  # the blocks above the line
+        return True
 
     def release(self, key: Hashable) -> int:
         """A live request stops mapping the block; never below zero."""
@@ -592,19 +646,21 @@ class BlockIndex:
 
     def _subtree_list(self, key: Hashable) -> list[Hashable]:
         """``list(_subtree(key))``, in the same order, without a generator."""
-        kids = self._kids
+        get = self._kids.get
         out: list[Hashable] = []
         stack = [key]
-        pop, push, extend, append = stack.pop, stack.append, stack.extend, out.append
+        pop, extend, append = stack.pop, stack.extend, out.append
         while stack:
             x = pop()
-            append(x)
-            c = kids.get(x, _NONE)
-            if c is not _NONE:
+            while True:  # down a line of only children, as pushing and popping each would
+                append(x)
+                c = get(x)
+                if c is None:
+                    break
                 if c.__class__ is set:
                     extend(c)
-                else:
-                    push(c)
+                    break
+                x = c
         return out
 
     def drop(self, key: Hashable, reason: str = "evicted") -> list[Dropped]:
@@ -639,8 +695,9 @@ class BlockIndex:
         self._unlink(key)
         tier = self._tier.pop(key)
         handle = self._handle.pop(key)
-        del self._parent[key], self._depth[key], self._hits[key], self._first[key]
-        del self._last[key]
+        del self._parent[key], self._depth[key], self._first[key]
+        if key in self._hits:
+            del self._hits[key], self._last[key]
         del self._slots[tier][handle]
         self._counts[tier] -= 1
         self.dropped[reason] += 1
@@ -674,8 +731,12 @@ class BlockIndex:
         # none of it: each table loses the same keys, each in one pass
         tiers = list(map(self._tier.pop, subtree))
         handles = list(map(self._handle.pop, subtree))
-        for table in (self._parent, self._depth, self._hits, self._first, self._last):
-            deque(map(table.__delitem__, subtree), 0)
+        parents, depth, first, hits, last = (
+            self._parent, self._depth, self._first, self._hits, self._last)
+        for k in subtree:
+            del parents[k], depth[k], first[k]
+            if k in hits:
+                del hits[k], last[k]
         deque(map(kids.pop, subtree, repeat(None, n)), 0)
         slots, counts = self._slots, self._counts
         t0 = tiers[0]
@@ -757,10 +818,12 @@ class BlockIndex:
     def check_integrity(self) -> None:
         """Raise AssertionError unless every rule in the module docstring holds."""
         keys = set(self._tier)
-        for name in ("_parent", "_depth", "_handle", "_hits", "_first", "_last"):
+        for name in ("_parent", "_depth", "_handle", "_first"):
             if set(getattr(self, name)) != keys:
                 raise AssertionError(f"{name} does not cover exactly the cached blocks")
-        for name in ("_dest", "_refs", "_kids"):
+        if set(self._last) != set(self._hits):
+            raise AssertionError("_hits and _last do not hold the same (touched) blocks")
+        for name in ("_dest", "_refs", "_kids", "_hits"):
             extra = set(getattr(self, name)) - keys
             if extra:
                 raise AssertionError(
@@ -774,7 +837,7 @@ class BlockIndex:
                 raise AssertionError(f"block {k!r}: tier {tier!r}")
             if not (self._refs.get(k, 1) > 0):
                 raise AssertionError(f"block {k!r} has refs {self._refs.get(k)}")
-            if not (self._hits[k] >= 0 and self._last[k] >= self._first[k]):
+            if not (self._hits.get(k, 1) > 0 and self._last.get(k, self._first[k]) >= self._first[k]):
                 raise AssertionError(f"block {k!r}: bad use record")
             parent = self._parent[k]
             if parent is None:

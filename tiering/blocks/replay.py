@@ -228,31 +228,32 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
         return True
 
     def insert(run: Sequence[Hashable]) -> int:
-        """The blocks of ``run`` into the index after ``parent``, mapped, as long as room
-        is found for them; how many went in."""
+        """The blocks of ``run`` into the index after ``parent``, mapped, as many as room
+        is found for; how many went in. The victims are the ones inserting part by part
+        and making room when full would take: the new blocks are not the policy's yet and
+        hold nothing the victims hold."""
         nonlocal parent
-        done = 0
-        while done < len(run):
-            if not free and not make_room():
-                break
-            k = min(len(run) - done, len(free))  # the next ones fit as they are
-            if k == 1:
-                key = run[done]
-                if not index.insert(key, parent, dev, free[-1], now):
-                    break
-                free.pop()
-                index.acquire(key)
-                parent = key
-                done += 1
-                continue
-            part = run[done:done + k]
-            handles = free[len(free) - k:][::-1]  # what free.pop() would hand out, in turn
-            if not insert_run(part, parent, dev, handles, now, True):
-                break  # its parent is gone: the rest of the chain is unreachable
-            del free[len(free) - k:]
-            parent = part[-1]
-            done += k
-        return done
+        want = len(run)
+        while len(free) < want and make_room():
+            pass
+        k = min(want, len(free))
+        if k == 1:
+            key = run[0]
+            if not index.insert(key, parent, dev, free[-1], now):
+                return 0
+            free.pop()
+            index.acquire(key)
+            parent = key
+            return 1
+        if not k:
+            return 0
+        part = run if k == want else run[:k]
+        handles = free[len(free) - k:][::-1]  # what free.pop() would hand out, in turn
+        if not insert_run(part, parent, dev, handles, now, True):
+            return 0  # its parent is gone: the rest of the chain is unreachable
+        del free[len(free) - k:]
+        parent = part[-1]
+        return k
 
     for t, chain in enumerate(chains):
         now = float(t)
