@@ -562,8 +562,13 @@ def test_release_many_equals_release_of_each_for_lines_and_any_other_keys():
         at = rng.randrange(len(keys))
         twice = keys[rng.randrange(len(keys))] if rng.random() < 0.2 else None
         held, moving = rng.random() < 0.2, rng.random() < 0.15
+        # the line on one tier, or on the host with its end loading up, or on any tiers
+        tiers = ([Tier.HOST] * len(keys) if moving else
+                 [rng.choice(TIERS) for _ in keys] if rng.random() < 0.3 else
+                 [Tier.DEVICE] * len(keys))
         for index in twins:
-            _chain(index, keys, Tier.HOST if moving else Tier.DEVICE)
+            for i, (k, t) in enumerate(zip(keys, tiers, strict=True)):
+                assert index.insert(k, keys[i - 1] if i else None, t, i, 0.0)
             index.insert(branch, keys[at], Tier.DEVICE, 10**3, 0.0)
             index.acquire_many(keys)
             if twice is not None:

@@ -162,7 +162,20 @@ class BlockIndex:
         ))
 
     def get(self, key: Hashable) -> BlockInfo | None:
-        return self._info(key) if key in self._tier else None
+        first = self._first.get(key)  # a use time: never None for a cached block
+        if first is None:
+            return None
+        kids = self._kids.get(key)
+        return _new(BlockInfo, (  # _info(key), inline
+            key,
+            self._parent[key],
+            self._depth[key],
+            self._refs.get(key, 0),
+            self._hits.get(key, 0),
+            first,
+            self._last.get(key, first),
+            0 if kids is None else (len(kids) if kids.__class__ is set else 1),
+        ))
 
     def depth(self, key: Hashable) -> int:
         """The block's depth in its chain (0 for a chain's first block)."""
@@ -377,31 +390,33 @@ class BlockIndex:
             else:
                 kids[parent] = {pk, k0}
         parents, handle, first, depth = self._parent, self._handle, self._first, self._depth
-        if n == 1:
-            parents[k0] = parent
-            depth[k0] = d0
-            where[k0] = tier
-            handle[k0] = handles[0]
-            first[k0] = now
-            slots[handles[0]] = k0
-        else:
-            parents[k0] = parent
-            prev = k0
-            for k in keys[1:]:  # parent and only child: each block and the one before it
-                parents[k] = prev
-                prev = k
-            self._kids.update(zip(keys[:-1], keys[1:], strict=False))
-            depth.update(zip(keys, range(d0, d0 + n), strict=False))
-            for k in keys:
-                where[k] = tier
-                first[k] = now
-            handle.update(zip(keys, handles, strict=False))
-            slots.update(zip(handles, keys, strict=False))
-        self._counts[tier] += n
+        prev = parent
         if acquire:
             refs = self._refs
-            for k in keys:
+            for k, h in zip(keys, handles, strict=False):  # one pass writes every table
+                parents[k] = prev
+                depth[k] = d0
+                where[k] = tier
+                first[k] = now
+                handle[k] = h
+                slots[h] = k
                 refs[k] = 1
+                d0 += 1
+                prev = k
+        else:
+            for k, h in zip(keys, handles, strict=False):
+                parents[k] = prev
+                depth[k] = d0
+                where[k] = tier
+                first[k] = now
+                handle[k] = h
+                slots[h] = k
+                d0 += 1
+                prev = k
+        if n > 1:  # each one's only child: the next
+            self._kids.update(zip(keys[:-1], keys[1:], strict=False))
+        self._counts[tier] += n
+        if acquire:
             self._busy_n[tier] += n
             self._now_busy(k0)  # held now: the blocks above it, as acquire walks them
             if n > 1:  # each one's only child is busy
@@ -508,31 +523,29 @@ class BlockIndex:
         """``release_many(keys)`` at once when ``keys`` are a line of blocks (each the
         parent of the next), each mapped once, none moving, and nothing else held below
         them; False (nothing changed) otherwise."""
-        refs, below = self._refs, self._below
-        last = keys[-1]
-        if last in below or (self._dest and not self._dest.keys().isdisjoint(keys)):
+        refs, below, parent = self._refs, self._below, self._parent
+        if keys[-1] in below or (self._dest and not self._dest.keys().isdisjoint(keys)):
             return False
-        get = refs.get
-        for k in keys:
-            if get(k) != 1:
-                return False
-        upper = keys[:-1]
-        get = below.get
-        for k in upper:
-            if get(k) != 1:  # a count of 1: only the next one (busy) holds it
-                return False
-        parent = self._parent
+        ref, held = refs.get, below.get
         prev = keys[0]
-        for k in keys[1:]:
-            if parent[k] != prev:
+        if ref(prev) != 1:
+            return False
+        for k in keys[1:]:  # a count of 1 above k: only k (busy) holds the one before it
+            if ref(k) != 1 or held(prev) != 1 or parent[k] != prev:
                 return False
             prev = k
         # every block of the line is idle now and nothing below it is held
         where, busy_n = self._tier, self._busy_n
+        t0 = where[prev]
+        other = 0  # blocks of the line on another tier than its last
         for k in keys:
             del refs[k]
-            busy_n[where[k]] -= 1
-        for k in upper:
+            t = where[k]
+            if t is not t0:
+                busy_n[t] -= 1
+                other += 1
+        busy_n[t0] -= len(keys) - other
+        for k in keys[:-1]:
             del below[k]
         self._now_idle(keys[0])  # the blocks above the line
         return True
@@ -712,9 +725,8 @@ class BlockIndex:
         kids = self._kids
         if key not in kids and self.evictable(key):  # a leaf: no subtree to walk
             return self._drop_leaf(key, reason)
-        subtree = self._subtree_list(key)
         if not self.evictable(key):
-            for d in subtree:
+            for d in self._subtree_list(key):
                 if d in self._refs:
                     raise ValueError(
                         f"drop of block {key!r}: block {d!r} is mapped by {self._refs[d]} request(s)"
@@ -725,28 +737,52 @@ class BlockIndex:
                     )
             raise RuntimeError(f"drop of block {key!r}: held, but nothing below it is busy")
         self._unlink(key)
-        subtree.reverse()
-        n = len(subtree)
         # nothing in the subtree is busy (evictable), so refs, moves and held counts hold
-        # none of it: each table loses the same keys, each in one pass
-        tiers = list(map(self._tier.pop, subtree))
-        handles = list(map(self._handle.pop, subtree))
+        # none of it. The walk of _subtree_list, emptying each block's tables on the way
+        subtree: list[Hashable] = []
+        tiers: list[Tier] = []
+        handles: list[Hashable] = []
+        tier_of, handle_of, kid_of = self._tier.pop, self._handle.pop, kids.pop
         parents, depth, first, hits, last = (
             self._parent, self._depth, self._first, self._hits, self._last)
-        for k in subtree:
-            del parents[k], depth[k], first[k]
-            if k in hits:
-                del hits[k], last[k]
-        deque(map(kids.pop, subtree, repeat(None, n)), 0)
         slots, counts = self._slots, self._counts
-        t0 = tiers[0]
-        if n == 1 or tiers.count(t0) == n:
-            deque(map(slots[t0].__delitem__, handles), 0)
-            counts[t0] -= n
-        else:
-            for tier, handle in zip(tiers, handles, strict=True):
-                del slots[tier][handle]
-                counts[tier] -= 1
+        t0 = self._tier[key]
+        slots0 = slots[t0]
+        add, add_tier, add_handle = subtree.append, tiers.append, handles.append
+        stack = [key]
+        pop, extend = stack.pop, stack.extend
+        while stack:
+            x = pop()
+            while True:  # down a line of only children, as pushing and popping each would
+                add(x)
+                t = tier_of(x)
+                h = handle_of(x)
+                add_tier(t)
+                add_handle(h)
+                if t is t0:
+                    del slots0[h]
+                else:
+                    del slots[t][h]
+                del parents[x], depth[x], first[x]
+                if x in hits:
+                    del hits[x], last[x]
+                c = kid_of(x, None)
+                if c is None:
+                    break
+                if c.__class__ is set:
+                    extend(c)
+                    break
+                x = c
+        subtree.reverse()
+        tiers.reverse()
+        handles.reverse()
+        n = len(subtree)
+        same = tiers.count(t0)
+        counts[t0] -= same
+        if same != n:
+            for t in tiers:
+                if t is not t0:
+                    counts[t] -= 1
         self.dropped[reason] += 1
         if n > 1:
             self.dropped["orphaned"] += n - 1

@@ -229,9 +229,9 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
 
     def insert(run: Sequence[Hashable]) -> int:
         """The blocks of ``run`` into the index after ``parent``, mapped, as many as room
-        is found for; how many went in. The victims are the ones inserting part by part
-        and making room when full would take: the new blocks are not the policy's yet and
-        hold nothing the victims hold."""
+        is found for; how many went in. All the room first, then one insert: the same
+        victims as making room each time the tier fills, since the policy tracks none of
+        the new blocks yet and they hold no block that was free (``parent`` is mapped)."""
         nonlocal parent
         want = len(run)
         while len(free) < want and make_room():
