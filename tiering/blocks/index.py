@@ -30,7 +30,7 @@ that make ``evictable`` O(1) must change in the same calls as the locations
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Container, Hashable, Iterable, Iterator, Sequence
 from itertools import repeat
 from numbers import Real
