@@ -100,7 +100,10 @@ class BlockPolicy(ABC):
             if left <= 0:
                 return
             left -= 1
-            if not any(k in c for c in busy):
+            for c in busy:
+                if k in c:
+                    break
+            else:
                 yield k
 
     # -- batch hooks (see the module docstring); each default calls the per-event hooks --

@@ -255,18 +255,25 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
         parent = part[-1]
         return k
 
+    match_length, touch_many, depths = index.match_length, index.touch_many, index.depths
+    acquire_many, release_many, depth_of = index.acquire_many, index.release_many, index._depth
+    on_commit, on_publish, room = policy.on_commit, policy.on_publish, free.__len__
     for t, chain in enumerate(chains):
         now = float(t)
         n = len(chain)
         accesses += n
-        m = index.match_length(chain)
+        m = match_length(chain)
         hits += m
-        prefix = chain[:m] if m < n else chain
-        index.touch_many(prefix, now)
-        policy.on_commit(chain, prefix, index.depths(prefix), get, now)
-        index.acquire_many(prefix)
+        if m:
+            prefix = chain[:m] if m < n else chain
+            touch_many(prefix, now)
+            on_commit(chain, prefix, depths(prefix), get, now)
+            acquire_many(prefix)
+            parent = chain[m - 1]
+        else:
+            on_commit(chain, chain[:0], [], get, now)
+            parent = None
         i = m
-        parent = chain[m - 1] if m else None
         while i < n:  # the rest: runs of blocks the index lacks, and any block it holds
             key = chain[i]
             if key in entries:
@@ -279,8 +286,8 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
             while j < n and chain[j] not in entries:
                 j += 1
             stop = False
-            depth = 0 if parent is None else index.depth(parent) + 1
-            got, no = policy.on_publish(chain[i:j], depth, free.__len__, insert, get, now)
+            depth = 0 if parent is None else depth_of[parent] + 1
+            got, no = on_publish(chain[i:j], depth, room, insert, get, now)
             inserted += got
             if no or stop:
                 refused += 1
@@ -288,7 +295,7 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
                 i += got
                 break
             i = j
-        index.release_many(chain[:i])
+        release_many(chain if i == n else chain[:i])
         if check_every and t % check_every == 0:
             _check(index, policy)
     return BlockReplayResult(policy.name, capacity_blocks, len(chains), accesses, hits,
