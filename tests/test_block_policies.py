@@ -442,6 +442,38 @@ def test_victims_except_is_victims_without_the_busy_keys(name):
     assert list(copy.deepcopy(p).victims_except(0.0, set(), set(), set())) == keys
 
 
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_pop_victim_is_the_first_of_victims_except_and_leaves_the_same_state(name):
+    """pop_victim answers what victims_except offers first, and leaves the policy as
+    taking that one and closing the walk does (S3-FIFO moves the keys it passes), with
+    busy keys anywhere, everywhere, or nowhere."""
+    rng = random.Random(29)
+    chains = synthetic_chains(400, seed=5)
+    p = make_block_policy(name, capacity=80)
+    replay_blocks(chains, 80, p)
+    keys = list(copy.deepcopy(p).victims(0.0))
+    hits = 0
+    for trial in range(40):
+        share = 1.0 if trial == 0 else 0.0 if trial == 1 else rng.random()
+        busy = [set(rng.sample(keys, int(len(keys) * share * rng.random()))) for _ in range(3)]
+        if trial == 0:
+            busy[0] = set(keys)
+        q = copy.deepcopy(p)
+        for k in rng.sample(keys, rng.randint(0, len(keys))):  # a state with reads of its own
+            q.on_hit(BlockInfo(k, None, 0, 0, 1, 0.0, 1.0, 0), 1.0)
+        a, b = copy.deepcopy(q), copy.deepcopy(q)
+        gen = b.victims_except(0.0, *busy)
+        want = next(gen, None)
+        gen.close()
+        assert a.pop_victim(0.0, *busy) == want
+        assert vars(a).keys() == vars(b).keys()
+        for attr, value in vars(a).items():
+            if isinstance(value, dict):  # the queues, in order
+                assert list(value.items()) == list(getattr(b, attr).items()), (name, attr)
+        hits += want is not None
+    assert hits > 20
+
+
 # -- tiers sharing one ghost history ------------------------------------------------------
 
 

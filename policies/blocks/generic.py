@@ -34,6 +34,14 @@ def _first_free(keys, busy: tuple) -> Hashable | None:
     return None
 
 
+def _free_test(busy: tuple) -> Callable[[Hashable], bool]:
+    """Whether a key is in none of the ``busy`` containers."""
+    if len(busy) == 3:
+        r, d, b = busy
+        return lambda k: not (k in r or k in d or k in b)
+    return lambda k: not any(k in c for c in busy)
+
+
 class LRUBlocks(BlockPolicy):
     """Least recently used block first."""
 
@@ -397,6 +405,47 @@ class S3FIFOBlocks(BlockPolicy):
                     del m[key]
                 except KeyError:
                     raise not_tracked(self, "on_remove", key) from None
+
+    def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
+        """The first of ``victims_except``, without a generator: the same queue moves
+        before it, and none after (the caller takes it)."""
+        if self.overrides(S3FIFOBlocks, "victims", "victims_except", "__len__"):
+            return super().pop_victim(now, *busy)
+        s, m = self._s, self._m
+        # victims offers each key once (``offered``), so victims_except's bound of
+        # len(self) + 1 keys is never reached
+        offered: set[Hashable] = set()
+        free = _free_test(busy)
+        while s or m:
+            if s and (len(s) >= self._small_target or not m):
+                k, f = next(iter(s.items()))
+                if f > 0:  # read again while in the small queue: promote
+                    del s[k]
+                    m[k] = 0
+                    continue
+                offered.add(k)
+                if free(k):
+                    return k
+                del s[k]  # refused (mapped or moving): it goes on to the main queue
+                m[k] = f
+            else:
+                k, f = next(iter(m.items()))
+                if k in offered:
+                    break  # went round once: offer the rest without reordering
+                if f > 0:
+                    m.move_to_end(k)
+                    m[k] = f - 1
+                    continue
+                offered.add(k)
+                if free(k):
+                    return k
+                m.move_to_end(k)
+        for k in [*s, *m]:
+            if k not in offered:
+                offered.add(k)
+                if free(k):
+                    return k
+        return None
 
     def victims(self, now: float) -> Iterator[Hashable]:
         s, m = self._s, self._m

@@ -147,26 +147,12 @@ class BlockIndex:
         _check_tier(tier, "idle_count")
         return self._counts[tier] - self._busy_n[tier]
 
-    def _info(self, key: Hashable) -> BlockInfo:
-        kids = self._kids.get(key)
-        first = self._first[key]
-        return _new(BlockInfo, (  # BlockInfo(...) without its Python-level __new__
-            key,
-            self._parent[key],
-            self._depth[key],
-            self._refs.get(key, 0),
-            self._hits.get(key, 0),
-            first,
-            self._last.get(key, first),
-            0 if kids is None else (len(kids) if kids.__class__ is set else 1),
-        ))
-
     def get(self, key: Hashable) -> BlockInfo | None:
         first = self._first.get(key)  # a use time: never None for a cached block
         if first is None:
             return None
         kids = self._kids.get(key)
-        return _new(BlockInfo, (  # _info(key), inline
+        return _new(BlockInfo, (  # BlockInfo(...) without its Python-level __new__
             key,
             self._parent[key],
             self._depth[key],
@@ -319,7 +305,8 @@ class BlockIndex:
             raise ValueError(f"insert: block {key!r} is already in the index")
         if key is None:
             raise ValueError("insert: a block key must not be None")
-        _check_tier(tier, f"insert of block {key!r}")
+        if tier.__class__ is not Tier:  # the message is built only for a bad tier
+            _check_tier(tier, f"insert of block {key!r}")
         _check_now(now, "insert", key)
         slots = self._slots[tier]
         if handle in slots:
@@ -436,7 +423,7 @@ class BlockIndex:
         hits = self._hits
         hits[key] = hits.get(key, 0) + 1
         self._last[key] = now
-        return self._info(key)
+        return self.get(key)
 
     def touch_many(self, keys: Sequence[Hashable], now: float) -> None:
         """``touch`` of each of ``keys`` (one request's hits), checked first as a whole:
@@ -569,7 +556,8 @@ class BlockIndex:
         """The checks of a move of ``key`` to ``(dst, dst_handle)``; its tier and the
         destination's slots when it may go."""
         self._check_known(key, what)
-        _check_tier(dst, f"{what} of block {key!r}")
+        if dst.__class__ is not Tier:
+            _check_tier(dst, f"{what} of block {key!r}")
         if key in self._dest:
             raise ValueError(
                 f"{what}: block {key!r} is already moving to {self._dest[key][0].value}"
