@@ -474,6 +474,46 @@ def test_pop_victim_is_the_first_of_victims_except_and_leaves_the_same_state(nam
     assert hits > 20
 
 
+@pytest.mark.parametrize("name", ["arc", "s3fifo", "lru"])
+def test_batch_inserts_and_removes_leave_what_the_per_event_hooks_leave(name):
+    """on_inserts and on_removes of a batch leave every queue, ghost list and target as
+    on_insert and on_remove of each would, with ghosts coming back and lists trimmed."""
+    rng = random.Random(31)
+    cap = 12
+    one, batch = make_block_policy(name, capacity=cap), make_block_policy(name, capacity=cap)
+    tracked: list[int] = []
+    seen: set[str] = set()  # the policy's queues that held something at some point
+    for _ in range(300):
+        if tracked and (rng.random() < 0.5 or len(tracked) > 30):
+            keys = rng.sample(tracked, rng.randint(1, min(len(tracked), 6)))
+            for k in keys:
+                one.on_remove(k)
+                tracked.remove(k)
+            batch.on_removes(keys)
+        else:
+            new = [k for k in range(40) if k not in tracked]
+            keys = rng.sample(new, rng.randint(1, min(len(new), 6)))
+            for k in keys:
+                one.on_insert(BlockInfo(k, None, 0, 0, 0, 0.0, 0.0, 0), 0.0)
+            batch.on_inserts(keys, range(len(keys)), None, 0.0)
+            tracked += keys
+        if tracked and rng.random() < 0.3:
+            k = rng.choice(tracked)
+            for p in (one, batch):
+                p.on_hit(BlockInfo(k, None, 0, 0, 1, 0.0, 1.0, 0), 1.0)
+        for attr, value in vars(one).items():
+            other = getattr(batch, attr)
+            assert (list(value.items()) == list(other.items()) if isinstance(value, dict)
+                    else value == other), (name, attr)
+        seen |= {attr for attr, value in vars(one).items()
+                 if attr.startswith("_") and isinstance(value, dict) and value}
+    assert len(one) == len(tracked)
+    if name == "arc":  # every list was used, ghosts came back and moved the target
+        assert seen >= {"_t1", "_t2", "_b1", "_b2"} and one.p > 0
+    if name == "s3fifo":
+        assert seen >= {"_s", "_m", "_g"}
+
+
 # -- tiers sharing one ghost history ------------------------------------------------------
 
 

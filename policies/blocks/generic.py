@@ -173,49 +173,65 @@ class ARCBlocks(BlockPolicy):
                    get: Callable[[Hashable], BlockInfo], now: float) -> None:
         if self.overrides(ARCBlocks, "on_insert", "on_insert_key", "_insert", "_trim", "__len__"):
             return super().on_inserts(keys, depths, get, now)
-        # _insert of each, inline: the same lists, target and trimming after each
-        c = self.capacity
+        # _insert of each, inline: the same lists, target and trimming after each (the
+        # lists' lengths followed in locals)
+        c, c2 = self.capacity, 2 * self.capacity
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         pop1, pop2 = b1.popitem, b2.popitem
+        n1, n2, g1, g2 = len(t1), len(t2), len(b1), len(b2)
         for k in keys:
             if k in t1 or k in t2:
                 raise already_tracked(self, k)
             if k in b1:
-                self.p = min(float(c), self.p + max(len(b2) / len(b1), 1.0))
+                self.p = min(float(c), self.p + max(g2 / g1, 1.0))
                 del b1[k]
                 t2[k] = None
+                g1 -= 1
+                n2 += 1
             elif k in b2:
-                self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
+                self.p = max(0.0, self.p - max(g1 / g2, 1.0))
                 del b2[k]
                 t2[k] = None
+                g2 -= 1
+                n2 += 1
             else:
                 t1[k] = None
+                n1 += 1
             self._incoming_in_b2 = False
-            while b1 and len(t1) + len(b1) > c:
+            while g1 and n1 + g1 > c:
                 pop1(last=False)
-            while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
+                g1 -= 1
+            while g2 and n1 + n2 + g1 + g2 > c2:
                 pop2(last=False)
+                g2 -= 1
 
     def on_removes(self, keys: Sequence[Hashable]) -> None:
         if self.overrides(ARCBlocks, "on_remove", "_trim", "__len__"):
             return super().on_removes(keys)
         # on_remove of each, inline: to its ghost list, trimming after each
-        c = self.capacity
+        c, c2 = self.capacity, 2 * self.capacity
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         pop1, pop2 = b1.popitem, b2.popitem
+        n1, n2, g1, g2 = len(t1), len(t2), len(b1), len(b2)
         for key in keys:
             if key in t1:
                 del t1[key]
                 b1[key] = None
+                n1 -= 1
+                g1 += 1
             elif key in t2:
                 del t2[key]
                 b2[key] = None
+                n2 -= 1
+                g2 += 1
             else:
                 raise not_tracked(self, "on_remove", key)
-            while b1 and len(t1) + len(b1) > c:
+            while g1 and n1 + g1 > c:
                 pop1(last=False)
-            while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
+                g1 -= 1
+            while g2 and n1 + n2 + g1 + g2 > c2:
                 pop2(last=False)
+                g2 -= 1
 
     def _insert(self, k: Hashable) -> None:
         c = self.capacity
