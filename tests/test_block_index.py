@@ -541,3 +541,85 @@ def test_attachable_tiers_stop_at_a_block_in_flight_or_mapped_off_the_device():
         assert index.attachable_tiers(keys) == want
         assert [index.refs(k) for k in keys] == [
             index.get(k).refs if k in index else 0 for k in keys]
+
+
+def _tables(index):
+    return {name: getattr(index, name) for name in (
+        "_parent", "_depth", "_tier", "_handle", "_dest", "_refs", "_hits", "_first", "_last",
+        "_kids", "_slots", "_counts", "_busy_n", "_below")}
+
+
+def test_release_many_equals_release_of_each_for_lines_and_any_other_keys():
+    """release_many of a request's line of blocks (the common case) or of any mapped keys
+    leaves every table as releasing each in turn does, with blocks mapped twice, moving,
+    and held below by a branch mapped by someone else."""
+    rng = random.Random(23)
+    lines = 0
+    for trial in range(200):
+        twins = (BlockIndex(), BlockIndex())
+        keys = rng.sample(range(10**6), rng.randint(2, 14))
+        branch = rng.randrange(10**6, 2 * 10**6)
+        at = rng.randrange(len(keys))
+        twice = keys[rng.randrange(len(keys))] if rng.random() < 0.2 else None
+        held, moving = rng.random() < 0.2, rng.random() < 0.15
+        # the line on one tier, or on the host with its end loading up, or on any tiers
+        tiers = ([Tier.HOST] * len(keys) if moving else
+                 [rng.choice(TIERS) for _ in keys] if rng.random() < 0.3 else
+                 [Tier.DEVICE] * len(keys))
+        for index in twins:
+            for i, (k, t) in enumerate(zip(keys, tiers, strict=True)):
+                assert index.insert(k, keys[i - 1] if i else None, t, i, 0.0)
+            index.insert(branch, keys[at], Tier.DEVICE, 10**3, 0.0)
+            index.acquire_many(keys)
+            if twice is not None:
+                index.acquire(twice)  # one mapped twice
+            if held:
+                index.acquire(branch)  # held below, by another request
+            if moving:
+                index.begin_move(keys[-1], Tier.DEVICE, 7)  # the line's end loading up
+        lo = rng.randrange(len(keys))
+        part = keys[lo:] if rng.random() < 0.6 else rng.sample(keys, rng.randint(1, len(keys)))
+        twins[0].release_many(part)
+        for k in part:
+            twins[1].release(k)
+        assert _tables(twins[0]) == _tables(twins[1]), (trial, part)
+        assert [twins[0].evictable(k) for k in keys] == [twins[1].evictable(k) for k in keys]
+        twins[0].check_integrity()
+        lines += part == keys[lo:] and len(part) > 1
+    assert lines > 50  # the line's shortcut was taken often enough to be tested
+
+
+def test_release_many_of_a_line_released_too_often_is_refused_and_changes_nothing():
+    index = BlockIndex()
+    keys = [5, 9, 2, 7]
+    _chain(index, keys)
+    index.acquire_many(keys[1:])
+    before = _tables(index)
+    before = {k: (dict(v) if isinstance(v, dict) else v) for k, v in before.items()}
+    with pytest.raises(ValueError, match="block 5 is not mapped"):
+        index.release_many(keys)
+    assert _tables(index) == before
+    index.release_many(keys[1:])
+    assert index.refs(9) == 0 and all(index.evictable(k) for k in keys)
+    index.check_integrity()
+
+
+def test_an_untouched_block_reads_no_hits_and_its_first_use_and_the_check_sees_bad_records():
+    index = BlockIndex()
+    _chain(index, ["a", "b", "c"])
+    index.touch("b", 3.0)
+    index.touch_many(["b", "c", "c"], 4.0)
+    got = {k: (index.get(k).hits, index.get(k).first_seen, index.get(k).last_use) for k in "abc"}
+    assert got == {"a": (0, 0.0, 0.0), "b": (2, 0.0, 4.0), "c": (2, 0.0, 4.0)}
+    index.check_integrity()
+    index.drop("a")
+    assert len(index) == 0 and not index._hits and not index._last
+    _chain(index, ["a", "b"])
+    index._hits["a"], index._last["a"] = 0, 1.0  # negative controls: a stored count of 0,
+    with pytest.raises(AssertionError, match="bad use record"):  # a last use with no hits
+        index.check_integrity()
+    del index._hits["a"], index._last["a"]
+    index.check_integrity()
+    index._last["b"] = 5.0
+    with pytest.raises(AssertionError, match="touched"):
+        index.check_integrity()

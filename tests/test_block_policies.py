@@ -442,6 +442,78 @@ def test_victims_except_is_victims_without_the_busy_keys(name):
     assert list(copy.deepcopy(p).victims_except(0.0, set(), set(), set())) == keys
 
 
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_pop_victim_is_the_first_of_victims_except_and_leaves_the_same_state(name):
+    """pop_victim answers what victims_except offers first, and leaves the policy as
+    taking that one and closing the walk does (S3-FIFO moves the keys it passes), with
+    busy keys anywhere, everywhere, or nowhere."""
+    rng = random.Random(29)
+    chains = synthetic_chains(400, seed=5)
+    p = make_block_policy(name, capacity=80)
+    replay_blocks(chains, 80, p)
+    keys = list(copy.deepcopy(p).victims(0.0))
+    hits = 0
+    for trial in range(40):
+        share = 1.0 if trial == 0 else 0.0 if trial == 1 else rng.random()
+        busy = [set(rng.sample(keys, int(len(keys) * share * rng.random()))) for _ in range(3)]
+        if trial == 0:
+            busy[0] = set(keys)
+        q = copy.deepcopy(p)
+        for k in rng.sample(keys, rng.randint(0, len(keys))):  # a state with reads of its own
+            q.on_hit(BlockInfo(k, None, 0, 0, 1, 0.0, 1.0, 0), 1.0)
+        a, b = copy.deepcopy(q), copy.deepcopy(q)
+        gen = b.victims_except(0.0, *busy)
+        want = next(gen, None)
+        gen.close()
+        assert a.pop_victim(0.0, *busy) == want
+        assert vars(a).keys() == vars(b).keys()
+        for attr, value in vars(a).items():
+            if isinstance(value, dict):  # the queues, in order
+                assert list(value.items()) == list(getattr(b, attr).items()), (name, attr)
+        hits += want is not None
+    assert hits > 20
+
+
+@pytest.mark.parametrize("name", ["arc", "s3fifo", "lru"])
+def test_batch_inserts_and_removes_leave_what_the_per_event_hooks_leave(name):
+    """on_inserts and on_removes of a batch leave every queue, ghost list and target as
+    on_insert and on_remove of each would, with ghosts coming back and lists trimmed."""
+    rng = random.Random(31)
+    cap = 12
+    one, batch = make_block_policy(name, capacity=cap), make_block_policy(name, capacity=cap)
+    tracked: list[int] = []
+    seen: set[str] = set()  # the policy's queues that held something at some point
+    for _ in range(300):
+        if tracked and (rng.random() < 0.5 or len(tracked) > 30):
+            keys = rng.sample(tracked, rng.randint(1, min(len(tracked), 6)))
+            for k in keys:
+                one.on_remove(k)
+                tracked.remove(k)
+            batch.on_removes(keys)
+        else:
+            new = [k for k in range(40) if k not in tracked]
+            keys = rng.sample(new, rng.randint(1, min(len(new), 6)))
+            for k in keys:
+                one.on_insert(BlockInfo(k, None, 0, 0, 0, 0.0, 0.0, 0), 0.0)
+            batch.on_inserts(keys, range(len(keys)), None, 0.0)
+            tracked += keys
+        if tracked and rng.random() < 0.3:
+            k = rng.choice(tracked)
+            for p in (one, batch):
+                p.on_hit(BlockInfo(k, None, 0, 0, 1, 0.0, 1.0, 0), 1.0)
+        for attr, value in vars(one).items():
+            other = getattr(batch, attr)
+            assert (list(value.items()) == list(other.items()) if isinstance(value, dict)
+                    else value == other), (name, attr)
+        seen |= {attr for attr, value in vars(one).items()
+                 if attr.startswith("_") and isinstance(value, dict) and value}
+    assert len(one) == len(tracked)
+    if name == "arc":  # every list was used, ghosts came back and moved the target
+        assert seen >= {"_t1", "_t2", "_b1", "_b2"} and one.p > 0
+    if name == "s3fifo":
+        assert seen >= {"_s", "_m", "_g"}
+
+
 # -- tiers sharing one ghost history ------------------------------------------------------
 
 
@@ -650,3 +722,70 @@ def test_the_block_registry_refuses_a_wrong_registry_by_name():
     mine = register_block_policy("mine", LRUBlocks)
     assert isinstance(make_block_policy("mine", registry=mine, capacity=4), LRUBlocks)
     assert isinstance(make_block_policy("lru", capacity=4), LRUBlocks)
+
+
+class _Recorder(BlockPolicy):
+    """A user's LRU with the default ``admit`` and batch hooks that logs every call it gets,
+    with each snapshot whole (``children`` included)."""
+
+    name = "recorder"
+
+    def __init__(self, capacity: int) -> None:
+        self._order: OrderedDict = OrderedDict()
+        self.log: list[tuple] = []
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def on_request(self, keys, now) -> None:
+        self.log.append(("request", tuple(keys), now))
+
+    def on_insert(self, info, now) -> None:
+        self.log.append(("insert", tuple(info), now))
+        self._order[info.key] = None
+
+    def on_hit(self, info, now) -> None:
+        self.log.append(("hit", tuple(info), now))
+        self._order.move_to_end(info.key)
+
+    def on_remove(self, key) -> None:
+        self.log.append(("remove", key))
+        del self._order[key]
+
+    def victims(self, now):
+        # the most recent first now and then, so victims have cached descendants
+        if int(now) % 3 == 0:
+            yield from reversed(self._order)
+        else:
+            yield from self._order
+
+
+class _AdmitsEach(_Recorder):
+    """The same policy with an ``admit`` of its own (True, logging nothing): the default
+    publish then offers each block in turn."""
+
+    def admit(self, key, depth, now) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_default_publish_tells_a_user_policy_what_offering_each_block_does(seed):
+    """With the default ``admit``, the default ``on_publish`` inserts the blocks there is
+    room for at once; the policy is told the same events in the same order with the same
+    snapshots as when each block is offered in turn, while blocks arrive in runs and
+    victims are made, and the replay is the per-event loop's."""
+    chains = synthetic_chains(150, seed)
+    cap = random.Random(seed).randint(10, 40)
+    each, runs = _AdmitsEach(cap), _Recorder(cap)
+    a = replay_blocks(chains, cap, each, check_every=5)
+    b = replay_blocks(chains, cap, runs, check_every=5)
+    assert a[:9] == b[:9] == replay_blocks(chains, cap, _Recorder(cap), batch=False)[:9]
+    assert a.evicted > 0 and a.orphaned > 0
+    assert each.log == runs.log
+    pairs = zip(runs.log, runs.log[1:], strict=False)
+    after = sum(1 for x, y in pairs if x[0] == y[0] == "insert"
+                and y[1][1] == x[1][0])  # a block told right after its parent
+    assert after > 100

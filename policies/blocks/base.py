@@ -100,7 +100,10 @@ class BlockPolicy(ABC):
             if left <= 0:
                 return
             left -= 1
-            if not any(k in c for c in busy):
+            for c in busy:
+                if k in c:
+                    break
+            else:
                 yield k
 
     # -- batch hooks (see the module docstring); each default calls the per-event hooks --
@@ -129,6 +132,9 @@ class BlockPolicy(ABC):
         the first, it inserted; ``room()``: how many blocks it can take now without
         making room. A policy whose ``admit`` of those is certain (True, changing
         nothing) may insert them in one call and then track them (``publish_room``)."""
+        cls = type(self)
+        if cls.admit is BlockPolicy.admit and cls.on_insert_key is BlockPolicy.on_insert_key:
+            return _publish_admitted(self, keys, room, insert, get, now)
         return BlockPolicy.publish_room(self, keys, depth, _nothing_certain, insert, get, now)
 
     def publish_room(self, keys: Sequence[Hashable], depth: int, certain: Callable[[], int],
@@ -198,6 +204,34 @@ class BlockPolicy(ABC):
 
     def __contains__(self, key: object) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+def _publish_admitted(policy: BlockPolicy, keys: Sequence[Hashable], room: Callable[[], int],
+                      insert: Callable[[Sequence[Hashable]], int],
+                      get: Callable[[Hashable], BlockInfo], now: float) -> tuple[int, bool]:
+    """``BlockPolicy.on_publish`` for a policy whose ``admit`` and ``on_insert_key`` are the
+    defaults (True, changing nothing; ``on_insert(get(key))``): the blocks there is room
+    for in one ``insert``, then ``on_insert`` of each with the snapshot it had when it
+    arrived (the next of them not yet its child); each other one on its own."""
+    on_insert = policy.on_insert
+    n, total = 0, len(keys)
+    while n < total:
+        c = room()
+        part = keys[n:n + max(c, 1)]
+        got = insert(part)
+        last = got - 1
+        for i in range(got):
+            info = get(part[i])
+            if i < last:  # its only child is the next one, inserted after its on_insert
+                info = _new(BlockInfo, (*info[:7], info[7] - 1))
+            on_insert(info, now)
+        n += got
+        if got < len(part):
+            return n, False
+    return n, False
+
+
+_new = tuple.__new__
 
 
 def _nothing_certain() -> int:

@@ -34,6 +34,14 @@ def _first_free(keys, busy: tuple) -> Hashable | None:
     return None
 
 
+def _free_test(busy: tuple) -> Callable[[Hashable], bool]:
+    """Whether a key is in none of the ``busy`` containers."""
+    if len(busy) == 3:
+        r, d, b = busy
+        return lambda k: not (k in r or k in d or k in b)
+    return lambda k: not any(k in c for c in busy)
+
+
 class LRUBlocks(BlockPolicy):
     """Least recently used block first."""
 
@@ -163,10 +171,67 @@ class ARCBlocks(BlockPolicy):
 
     def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
                    get: Callable[[Hashable], BlockInfo], now: float) -> None:
-        if self.overrides(ARCBlocks, "on_insert", "on_insert_key"):
+        if self.overrides(ARCBlocks, "on_insert", "on_insert_key", "_insert", "_trim", "__len__"):
             return super().on_inserts(keys, depths, get, now)
+        # _insert of each, inline: the same lists, target and trimming after each (the
+        # lists' lengths followed in locals)
+        c, c2 = self.capacity, 2 * self.capacity
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        pop1, pop2 = b1.popitem, b2.popitem
+        n1, n2, g1, g2 = len(t1), len(t2), len(b1), len(b2)
         for k in keys:
-            self._insert(k)
+            if k in t1 or k in t2:
+                raise already_tracked(self, k)
+            if k in b1:
+                self.p = min(float(c), self.p + max(g2 / g1, 1.0))
+                del b1[k]
+                t2[k] = None
+                g1 -= 1
+                n2 += 1
+            elif k in b2:
+                self.p = max(0.0, self.p - max(g1 / g2, 1.0))
+                del b2[k]
+                t2[k] = None
+                g2 -= 1
+                n2 += 1
+            else:
+                t1[k] = None
+                n1 += 1
+            self._incoming_in_b2 = False
+            while g1 and n1 + g1 > c:
+                pop1(last=False)
+                g1 -= 1
+            while g2 and n1 + n2 + g1 + g2 > c2:
+                pop2(last=False)
+                g2 -= 1
+
+    def on_removes(self, keys: Sequence[Hashable]) -> None:
+        if self.overrides(ARCBlocks, "on_remove", "_trim", "__len__"):
+            return super().on_removes(keys)
+        # on_remove of each, inline: to its ghost list, trimming after each
+        c, c2 = self.capacity, 2 * self.capacity
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        pop1, pop2 = b1.popitem, b2.popitem
+        n1, n2, g1, g2 = len(t1), len(t2), len(b1), len(b2)
+        for key in keys:
+            if key in t1:
+                del t1[key]
+                b1[key] = None
+                n1 -= 1
+                g1 += 1
+            elif key in t2:
+                del t2[key]
+                b2[key] = None
+                n2 -= 1
+                g2 += 1
+            else:
+                raise not_tracked(self, "on_remove", key)
+            while g1 and n1 + g1 > c:
+                pop1(last=False)
+                g1 -= 1
+            while g2 and n1 + n2 + g1 + g2 > c2:
+                pop2(last=False)
+                g2 -= 1
 
     def _insert(self, k: Hashable) -> None:
         c = self.capacity
@@ -338,6 +403,65 @@ class S3FIFOBlocks(BlockPolicy):
                 del self._m[key]
             except KeyError:
                 raise not_tracked(self, "on_remove", key) from None
+
+    def on_removes(self, keys: Sequence[Hashable]) -> None:
+        if self.overrides(S3FIFOBlocks, "on_remove"):
+            return super().on_removes(keys)
+        # on_remove of each, inline: one from the small queue becomes a ghost
+        s, m, g = self._s, self._m, self._g
+        cap, pop = self._ghost_cap, g.popitem
+        for key in keys:
+            if key in s:
+                del s[key]
+                g[key] = None
+                while len(g) > cap:
+                    pop(last=False)
+            else:
+                try:
+                    del m[key]
+                except KeyError:
+                    raise not_tracked(self, "on_remove", key) from None
+
+    def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
+        """The first of ``victims_except``, without a generator: the same queue moves
+        before it, and none after (the caller takes it)."""
+        if self.overrides(S3FIFOBlocks, "victims", "victims_except", "__len__"):
+            return super().pop_victim(now, *busy)
+        s, m = self._s, self._m
+        # victims offers each key once (``offered``), so victims_except's bound of
+        # len(self) + 1 keys is never reached
+        offered: set[Hashable] = set()
+        free = _free_test(busy)
+        while s or m:
+            if s and (len(s) >= self._small_target or not m):
+                k, f = next(iter(s.items()))
+                if f > 0:  # read again while in the small queue: promote
+                    del s[k]
+                    m[k] = 0
+                    continue
+                offered.add(k)
+                if free(k):
+                    return k
+                del s[k]  # refused (mapped or moving): it goes on to the main queue
+                m[k] = f
+            else:
+                k, f = next(iter(m.items()))
+                if k in offered:
+                    break  # went round once: offer the rest without reordering
+                if f > 0:
+                    m.move_to_end(k)
+                    m[k] = f - 1
+                    continue
+                offered.add(k)
+                if free(k):
+                    return k
+                m.move_to_end(k)
+        for k in [*s, *m]:
+            if k not in offered:
+                offered.add(k)
+                if free(k):
+                    return k
+        return None
 
     def victims(self, now: float) -> Iterator[Hashable]:
         s, m = self._s, self._m

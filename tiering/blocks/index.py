@@ -30,7 +30,7 @@ that make ``evictable`` O(1) must change in the same calls as the locations
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Container, Hashable, Iterable, Iterator, Sequence
 from itertools import repeat
 from numbers import Real
@@ -111,8 +111,9 @@ class BlockIndex:
         self._handle: dict[Hashable, Hashable] = {}
         self._dest: dict[Hashable, tuple[Tier, Hashable]] = {}  # moves in flight
         self._refs: dict[Hashable, int] = {}  # only blocks mapped by someone
-        self._hits: dict[Hashable, int] = {}
         self._first: dict[Hashable, float] = {}
+        # only blocks touched since their insert (a block absent has 0 hits, last use = first)
+        self._hits: dict[Hashable, int] = {}
         self._last: dict[Hashable, float] = {}
         # only blocks with cached children: the child itself, or a set when there are several
         self._kids: dict[Hashable, Hashable | set] = {}
@@ -146,21 +147,21 @@ class BlockIndex:
         _check_tier(tier, "idle_count")
         return self._counts[tier] - self._busy_n[tier]
 
-    def _info(self, key: Hashable) -> BlockInfo:
-        kids = self._kids.get(key, _NONE)
+    def get(self, key: Hashable) -> BlockInfo | None:
+        first = self._first.get(key)  # a use time: never None for a cached block
+        if first is None:
+            return None
+        kids = self._kids.get(key)
         return _new(BlockInfo, (  # BlockInfo(...) without its Python-level __new__
             key,
             self._parent[key],
             self._depth[key],
             self._refs.get(key, 0),
-            self._hits[key],
-            self._first[key],
-            self._last[key],
-            0 if kids is _NONE else (len(kids) if isinstance(kids, set) else 1),
+            self._hits.get(key, 0),
+            first,
+            self._last.get(key, first),
+            0 if kids is None else (len(kids) if kids.__class__ is set else 1),
         ))
-
-    def get(self, key: Hashable) -> BlockInfo | None:
-        return self._info(key) if key in self._tier else None
 
     def depth(self, key: Hashable) -> int:
         """The block's depth in its chain (0 for a chain's first block)."""
@@ -304,7 +305,8 @@ class BlockIndex:
             raise ValueError(f"insert: block {key!r} is already in the index")
         if key is None:
             raise ValueError("insert: a block key must not be None")
-        _check_tier(tier, f"insert of block {key!r}")
+        if tier.__class__ is not Tier:  # the message is built only for a bad tier
+            _check_tier(tier, f"insert of block {key!r}")
         _check_now(now, "insert", key)
         slots = self._slots[tier]
         if handle in slots:
@@ -329,9 +331,7 @@ class BlockIndex:
         self._depth[key] = depth
         self._tier[key] = tier
         self._handle[key] = handle
-        self._hits[key] = 0
         self._first[key] = now
-        self._last[key] = now
         slots[handle] = key
         self._counts[tier] += 1
         return True
@@ -347,17 +347,20 @@ class BlockIndex:
         if not n:
             return True
         where = self._tier
-        _check_tier(tier, f"insert of block {keys[0]!r}")
+        if tier.__class__ is not Tier:
+            _check_tier(tier, f"insert of block {keys[0]!r}")
         _check_now(now, "insert", keys[0])
         slots = self._slots[tier]
-        if not where.keys().isdisjoint(keys) or len(set(keys)) != n or None in keys:
+        keyset = set(keys)
+        if len(keyset) != n or None in keyset or not where.keys().isdisjoint(keyset):
             for k in keys:  # the per-block error
                 if k in where or k is None:
                     self.insert(k, None, tier, object(), now)
             raise ValueError(f"insert_run: the run {list(keys)[:4]!r}... repeats a block")
-        if len(handles) != n or not slots.keys().isdisjoint(handles) or len(set(handles)) != n:
+        if len(handles) != n or len(set(handles)) != n or not slots.keys().isdisjoint(handles):
             raise ValueError(f"insert_run of block {keys[0]!r}: {n} blocks need {n} unused, "
                              f"distinct {tier.value} handles, got {list(handles)[:4]!r}...")
+        k0 = keys[0]
         if parent is None:
             d0 = 0
         else:
@@ -365,33 +368,48 @@ class BlockIndex:
             if pd is None:
                 return False
             d0 = pd + 1
-            kids = self._kids.get(parent, _NONE)
-            k0 = keys[0]
-            if kids is _NONE:
-                self._kids[parent] = k0
-            elif isinstance(kids, set):
-                kids.add(k0)
+            kids = self._kids
+            pk = kids.get(parent)
+            if pk is None:
+                kids[parent] = k0
+            elif pk.__class__ is set:
+                pk.add(k0)
             else:
-                self._kids[parent] = {kids, k0}
-        self._parent[keys[0]] = parent
-        if n > 1:
-            self._parent.update(zip(keys[1:], keys[:-1], strict=False))
+                kids[parent] = {pk, k0}
+        parents, handle, first, depth = self._parent, self._handle, self._first, self._depth
+        prev = parent
+        if acquire:
+            refs = self._refs
+            for k, h in zip(keys, handles, strict=False):  # one pass writes every table
+                parents[k] = prev
+                depth[k] = d0
+                where[k] = tier
+                first[k] = now
+                handle[k] = h
+                slots[h] = k
+                refs[k] = 1
+                d0 += 1
+                prev = k
+        else:
+            for k, h in zip(keys, handles, strict=False):
+                parents[k] = prev
+                depth[k] = d0
+                where[k] = tier
+                first[k] = now
+                handle[k] = h
+                slots[h] = k
+                d0 += 1
+                prev = k
+        if n > 1:  # each one's only child: the next
             self._kids.update(zip(keys[:-1], keys[1:], strict=False))
-        self._depth.update(zip(keys, range(d0, d0 + n), strict=False))
-        where.update(dict.fromkeys(keys, tier))
-        self._handle.update(zip(keys, handles, strict=False))
-        self._hits.update(dict.fromkeys(keys, 0))
-        times = dict.fromkeys(keys, now)
-        self._first.update(times)
-        self._last.update(times)
-        slots.update(zip(handles, keys, strict=False))
         self._counts[tier] += n
         if acquire:
-            self._refs.update(dict.fromkeys(keys, 1))
             self._busy_n[tier] += n
-            self._now_busy(keys[0])  # held now: the blocks above it, as acquire walks them
+            self._now_busy(k0)  # held now: the blocks above it, as acquire walks them
             if n > 1:  # each one's only child is busy
-                self._below.update(dict.fromkeys(keys[:-1], 1))
+                below = self._below
+                for k in keys[:-1]:
+                    below[k] = 1
         return True
 
     def touch(self, key: Hashable, now: float) -> BlockInfo:
@@ -402,9 +420,10 @@ class BlockIndex:
             raise ValueError(
                 f"touch of block {key!r}: now {now!r} is before its first use {self._first[key]!r}"
             )
-        self._hits[key] += 1
+        hits = self._hits
+        hits[key] = hits.get(key, 0) + 1
         self._last[key] = now
-        return self._info(key)
+        return self.get(key)
 
     def touch_many(self, keys: Sequence[Hashable], now: float) -> None:
         """``touch`` of each of ``keys`` (one request's hits), checked first as a whole:
@@ -419,8 +438,9 @@ class BlockIndex:
             if now < f:
                 raise ValueError(
                     f"touch of block {key!r}: now {now!r} is before its first use {f!r}")
+        get = hits.get
         for key in keys:
-            hits[key] += 1
+            hits[key] = get(key, 0) + 1
             last[key] = now
 
     def acquire(self, key: Hashable) -> int:
@@ -466,7 +486,10 @@ class BlockIndex:
         often than it is mapped raises the ValueError ``release`` would, and nothing
         changes."""
         refs, dest = self._refs, self._dest
-        need = Counter(keys) if len(set(keys)) != len(keys) else None
+        n = len(keys)
+        if n > 1 and self._release_line(keys):
+            return
+        need = Counter(keys) if len(set(keys)) != n else None
         for key in keys:
             if refs.get(key, 0) < (1 if need is None else need[key]):
                 self._check_known(key, "release")
@@ -482,6 +505,37 @@ class BlockIndex:
                         now_idle(key)
             else:
                 refs[key] = n - 1
+
+    def _release_line(self, keys: Sequence[Hashable]) -> bool:
+        """``release_many(keys)`` at once when ``keys`` are a line of blocks (each the
+        parent of the next), each mapped once, none moving, and nothing else held below
+        them; False (nothing changed) otherwise."""
+        refs, below, parent = self._refs, self._below, self._parent
+        if keys[-1] in below or (self._dest and not self._dest.keys().isdisjoint(keys)):
+            return False
+        ref, held = refs.get, below.get
+        prev = keys[0]
+        if ref(prev) != 1:
+            return False
+        for k in keys[1:]:  # a count of 1 above k: only k (busy) holds the one before it
+            if ref(k) != 1 or held(prev) != 1 or parent[k] != prev:
+                return False
+            prev = k
+        # every block of the line is idle now and nothing below it is held
+        where, busy_n = self._tier, self._busy_n
+        t0 = where[prev]
+        other = 0  # blocks of the line on another tier than its last
+        for k in keys:
+            del refs[k]
+            t = where[k]
+            if t is not t0:
+                busy_n[t] -= 1
+                other += 1
+        busy_n[t0] -= len(keys) - other
+        for k in keys[:-1]:
+            del below[k]
+        self._now_idle(keys[0])  # the blocks above the line
+        return True
 
     def release(self, key: Hashable) -> int:
         """A live request stops mapping the block; never below zero."""
@@ -502,7 +556,8 @@ class BlockIndex:
         """The checks of a move of ``key`` to ``(dst, dst_handle)``; its tier and the
         destination's slots when it may go."""
         self._check_known(key, what)
-        _check_tier(dst, f"{what} of block {key!r}")
+        if dst.__class__ is not Tier:
+            _check_tier(dst, f"{what} of block {key!r}")
         if key in self._dest:
             raise ValueError(
                 f"{what}: block {key!r} is already moving to {self._dest[key][0].value}"
@@ -592,19 +647,21 @@ class BlockIndex:
 
     def _subtree_list(self, key: Hashable) -> list[Hashable]:
         """``list(_subtree(key))``, in the same order, without a generator."""
-        kids = self._kids
+        get = self._kids.get
         out: list[Hashable] = []
         stack = [key]
-        pop, push, extend, append = stack.pop, stack.append, stack.extend, out.append
+        pop, extend, append = stack.pop, stack.extend, out.append
         while stack:
             x = pop()
-            append(x)
-            c = kids.get(x, _NONE)
-            if c is not _NONE:
+            while True:  # down a line of only children, as pushing and popping each would
+                append(x)
+                c = get(x)
+                if c is None:
+                    break
                 if c.__class__ is set:
                     extend(c)
-                else:
-                    push(c)
+                    break
+                x = c
         return out
 
     def drop(self, key: Hashable, reason: str = "evicted") -> list[Dropped]:
@@ -639,8 +696,9 @@ class BlockIndex:
         self._unlink(key)
         tier = self._tier.pop(key)
         handle = self._handle.pop(key)
-        del self._parent[key], self._depth[key], self._hits[key], self._first[key]
-        del self._last[key]
+        del self._parent[key], self._depth[key], self._first[key]
+        if key in self._hits:
+            del self._hits[key], self._last[key]
         del self._slots[tier][handle]
         self._counts[tier] -= 1
         self.dropped[reason] += 1
@@ -655,9 +713,8 @@ class BlockIndex:
         kids = self._kids
         if key not in kids and self.evictable(key):  # a leaf: no subtree to walk
             return self._drop_leaf(key, reason)
-        subtree = self._subtree_list(key)
         if not self.evictable(key):
-            for d in subtree:
+            for d in self._subtree_list(key):
                 if d in self._refs:
                     raise ValueError(
                         f"drop of block {key!r}: block {d!r} is mapped by {self._refs[d]} request(s)"
@@ -668,24 +725,52 @@ class BlockIndex:
                     )
             raise RuntimeError(f"drop of block {key!r}: held, but nothing below it is busy")
         self._unlink(key)
-        subtree.reverse()
-        n = len(subtree)
         # nothing in the subtree is busy (evictable), so refs, moves and held counts hold
-        # none of it: each table loses the same keys, each in one pass
-        tiers = list(map(self._tier.pop, subtree))
-        handles = list(map(self._handle.pop, subtree))
-        for table in (self._parent, self._depth, self._hits, self._first, self._last):
-            deque(map(table.__delitem__, subtree), 0)
-        deque(map(kids.pop, subtree, repeat(None, n)), 0)
+        # none of it. The walk of _subtree_list, emptying each block's tables on the way
+        subtree: list[Hashable] = []
+        tiers: list[Tier] = []
+        handles: list[Hashable] = []
+        tier_of, handle_of, kid_of = self._tier.pop, self._handle.pop, kids.pop
+        parents, depth, first, hits, last = (
+            self._parent, self._depth, self._first, self._hits, self._last)
         slots, counts = self._slots, self._counts
-        t0 = tiers[0]
-        if n == 1 or tiers.count(t0) == n:
-            deque(map(slots[t0].__delitem__, handles), 0)
-            counts[t0] -= n
-        else:
-            for tier, handle in zip(tiers, handles, strict=True):
-                del slots[tier][handle]
-                counts[tier] -= 1
+        t0 = self._tier[key]
+        slots0 = slots[t0]
+        add, add_tier, add_handle = subtree.append, tiers.append, handles.append
+        stack = [key]
+        pop, extend = stack.pop, stack.extend
+        while stack:
+            x = pop()
+            while True:  # down a line of only children, as pushing and popping each would
+                add(x)
+                t = tier_of(x)
+                h = handle_of(x)
+                add_tier(t)
+                add_handle(h)
+                if t is t0:
+                    del slots0[h]
+                else:
+                    del slots[t][h]
+                del parents[x], depth[x], first[x]
+                if x in hits:
+                    del hits[x], last[x]
+                c = kid_of(x, None)
+                if c is None:
+                    break
+                if c.__class__ is set:
+                    extend(c)
+                    break
+                x = c
+        subtree.reverse()
+        tiers.reverse()
+        handles.reverse()
+        n = len(subtree)
+        same = tiers.count(t0)
+        counts[t0] -= same
+        if same != n:
+            for t in tiers:
+                if t is not t0:
+                    counts[t] -= 1
         self.dropped[reason] += 1
         if n > 1:
             self.dropped["orphaned"] += n - 1
@@ -757,10 +842,12 @@ class BlockIndex:
     def check_integrity(self) -> None:
         """Raise AssertionError unless every rule in the module docstring holds."""
         keys = set(self._tier)
-        for name in ("_parent", "_depth", "_handle", "_hits", "_first", "_last"):
+        for name in ("_parent", "_depth", "_handle", "_first"):
             if set(getattr(self, name)) != keys:
                 raise AssertionError(f"{name} does not cover exactly the cached blocks")
-        for name in ("_dest", "_refs", "_kids"):
+        if set(self._last) != set(self._hits):
+            raise AssertionError("_hits and _last do not hold the same (touched) blocks")
+        for name in ("_dest", "_refs", "_kids", "_hits"):
             extra = set(getattr(self, name)) - keys
             if extra:
                 raise AssertionError(
@@ -774,7 +861,7 @@ class BlockIndex:
                 raise AssertionError(f"block {k!r}: tier {tier!r}")
             if not (self._refs.get(k, 1) > 0):
                 raise AssertionError(f"block {k!r} has refs {self._refs.get(k)}")
-            if not (self._hits[k] >= 0 and self._last[k] >= self._first[k]):
+            if not (self._hits.get(k, 1) > 0 and self._last.get(k, self._first[k]) >= self._first[k]):
                 raise AssertionError(f"block {k!r}: bad use record")
             parent = self._parent[k]
             if parent is None:

@@ -228,44 +228,52 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
         return True
 
     def insert(run: Sequence[Hashable]) -> int:
-        """The blocks of ``run`` into the index after ``parent``, mapped, as long as room
-        is found for them; how many went in."""
+        """The blocks of ``run`` into the index after ``parent``, mapped, as many as room
+        is found for; how many went in. All the room first, then one insert: the same
+        victims as making room each time the tier fills, since the policy tracks none of
+        the new blocks yet and they hold no block that was free (``parent`` is mapped)."""
         nonlocal parent
-        done = 0
-        while done < len(run):
-            if not free and not make_room():
-                break
-            k = min(len(run) - done, len(free))  # the next ones fit as they are
-            if k == 1:
-                key = run[done]
-                if not index.insert(key, parent, dev, free[-1], now):
-                    break
-                free.pop()
-                index.acquire(key)
-                parent = key
-                done += 1
-                continue
-            part = run[done:done + k]
-            handles = free[len(free) - k:][::-1]  # what free.pop() would hand out, in turn
-            if not insert_run(part, parent, dev, handles, now, True):
-                break  # its parent is gone: the rest of the chain is unreachable
-            del free[len(free) - k:]
-            parent = part[-1]
-            done += k
-        return done
+        want = len(run)
+        while len(free) < want and make_room():
+            pass
+        k = min(want, len(free))
+        if k == 1:
+            key = run[0]
+            if not index.insert(key, parent, dev, free[-1], now):
+                return 0
+            free.pop()
+            index.acquire(key)
+            parent = key
+            return 1
+        if not k:
+            return 0
+        part = run if k == want else run[:k]
+        handles = free[len(free) - k:][::-1]  # what free.pop() would hand out, in turn
+        if not insert_run(part, parent, dev, handles, now, True):
+            return 0  # its parent is gone: the rest of the chain is unreachable
+        del free[len(free) - k:]
+        parent = part[-1]
+        return k
 
+    match_length, touch_many, depths = index.match_length, index.touch_many, index.depths
+    acquire_many, release_many, depth_of = index.acquire_many, index.release_many, index._depth
+    on_commit, on_publish, room = policy.on_commit, policy.on_publish, free.__len__
     for t, chain in enumerate(chains):
         now = float(t)
         n = len(chain)
         accesses += n
-        m = index.match_length(chain)
+        m = match_length(chain)
         hits += m
-        prefix = chain[:m] if m < n else chain
-        index.touch_many(prefix, now)
-        policy.on_commit(chain, prefix, index.depths(prefix), get, now)
-        index.acquire_many(prefix)
+        if m:
+            prefix = chain[:m] if m < n else chain
+            touch_many(prefix, now)
+            on_commit(chain, prefix, depths(prefix), get, now)
+            acquire_many(prefix)
+            parent = chain[m - 1]
+        else:
+            on_commit(chain, chain[:0], [], get, now)
+            parent = None
         i = m
-        parent = chain[m - 1] if m else None
         while i < n:  # the rest: runs of blocks the index lacks, and any block it holds
             key = chain[i]
             if key in entries:
@@ -278,8 +286,8 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
             while j < n and chain[j] not in entries:
                 j += 1
             stop = False
-            depth = 0 if parent is None else index.depth(parent) + 1
-            got, no = policy.on_publish(chain[i:j], depth, free.__len__, insert, get, now)
+            depth = 0 if parent is None else depth_of[parent] + 1
+            got, no = on_publish(chain[i:j], depth, room, insert, get, now)
             inserted += got
             if no or stop:
                 refused += 1
@@ -287,7 +295,7 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
                 i += got
                 break
             i = j
-        index.release_many(chain[:i])
+        release_many(chain if i == n else chain[:i])
         if check_every and t % check_every == 0:
             _check(index, policy)
     return BlockReplayResult(policy.name, capacity_blocks, len(chains), accesses, hits,
