@@ -198,3 +198,46 @@ def test_block_replay_refuses_a_limit_below_one(tmp_path, capsys):
         main([TRACE, "--capacity-blocks", "10", "--out", str(tmp_path / "o"), "--limit", "0"])
     assert stop.value.code == 2 and "--limit" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+class _Snapshots(LRUBlocks):
+    """LRU that records every snapshot its per-event hooks are given."""
+
+    name = "snapshots"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.seen: list[tuple] = []
+
+    def on_insert(self, info, now):
+        self.seen.append(("insert", now, *info))
+        super().on_insert(info, now)
+
+    def on_hit(self, info, now):
+        self.seen.append(("hit", now, *info))
+        super().on_hit(info, now)
+
+
+class _PickySnapshots(_Snapshots):
+    """The same, refusing every block whose key is a multiple of 7 (its own ``admit``)."""
+
+    def admit(self, key, depth, now):
+        return key % 7 != 0
+
+
+@pytest.mark.parametrize("make", [_Snapshots, _PickySnapshots])
+def test_batch_and_per_event_replays_hand_a_policy_the_same_snapshots(make):
+    """A policy that reads its snapshots (refs, hits, times, children) gets the same ones
+    from the batch hooks as from the per-event loop, so its runs cannot differ."""
+    rng = random.Random(23)
+    chains = [[rng.randrange(60) for _ in range(rng.randint(1, 9))] for _ in range(400)]
+    chains = [list(dict.fromkeys(c)) for c in chains]  # a chain reads a block once
+    runs = {}
+    for batch in (True, False):
+        p = make(25)
+        res = replay_blocks(chains, 25, p, check_every=37, batch=batch)
+        runs[batch] = (res[1:9], p.seen)
+    assert runs[True][1], "the policy saw no event"
+    assert any(s[0] == "insert" for s in runs[True][1]) and any(
+        s[0] == "hit" for s in runs[True][1])
+    assert runs[True] == runs[False]

@@ -156,8 +156,12 @@ def replay_blocks(
                 if not insert(key, parent, dev, free[-1], now):
                     break  # its parent is gone: the rest of the chain is unreachable
                 free.pop()
+                acquire(key)  # mapped by the request publishing it, as the batch path does
                 on_insert(index.get(key), now)
                 inserted += 1
+                mapped.append(key)
+                parent = key
+                continue
             acquire(key)
             mapped.append(key)
             parent = key
