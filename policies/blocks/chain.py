@@ -431,7 +431,7 @@ class ChainOdds(BlockPolicy):
         def certain() -> int:  # admit answers True, changing nothing, below capacity
             return min(room(), cap - len(meta))
 
-        if self.overrides(ChainOdds, "publish_room", "_track", "_density"):
+        if self.overrides(ChainOdds, "publish_room", "_insert", "_track", "_density"):
             return self.publish_room(keys, depth, certain, insert, get, now)
         # publish_room with certain(), admit and on_insert_key inline
         n, total = 0, len(keys)
