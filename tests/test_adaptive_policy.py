@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 from test_block_policy_state_machine import PolicyMachine
-from tiering.policies.blocks import AdaptiveBlocks, LIRSBlocks, LRUBlocks
+from tiering.policies.blocks import AdaptiveBlocks, BlockInfo, LIRSBlocks, LRUBlocks
 from tiering.policies.blocks.adaptive import GHOST_FACTOR, _sample_value
 
 from tiering.blocks import BlockIndex, synth
@@ -417,3 +417,138 @@ def test_a_shadow_tells_its_held_prefix_in_one_commit_with_the_same_effect(name)
     assert sum(told) > 0, "no request found a held block: the test proves nothing"
     assert list(batch.policy.victims(0.0)) == list(single.policy.victims(0.0))
     assert batch.parents == single.parents
+
+
+def _adaptive_state(p: AdaptiveBlocks) -> tuple:
+    return (p.leader_name, p.switches, p.last_switch, p.scores, p.history_entries,
+            list(p.leader.victims(0.0)), [list(s.parents) for s in p._shadows])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_shadow_reads_its_experts_chain_history_and_nothing_changes(monkeypatch, seed):
+    """At rate 1 the chain shadow is told the expert's requests and reads its history
+    (ChainOdds.share_history) instead of keeping a copy: with the lead changing hands
+    often, the replay, the scores and every expert's order are those of a run where each
+    keeps its own, and the sharing really happened; a sampled shadow shares nothing."""
+    from tiering.policies.blocks.chain import ChainOdds
+
+    chains = synth.synthetic_chains(700, seed)
+    cap = 150
+
+    def make(rate=1):
+        return AdaptiveBlocks(cap, window=8, margin=0.0, z=0.0, hold=0, rate=rate)
+
+    shared = make()
+    one = replay_blocks(chains, cap, shared, check_every=37)
+    expert = shared._experts[shared.expert_names.index("chain")]
+    shadow = shared._shadows[shared.expert_names.index("chain")].policy
+    assert shadow._leader is expert and shadow._ghost is expert._ghost
+    assert shared.switches >= 2, "the lead never changed hands: the test proves less"
+    sampled = make(rate=4)
+    replay_blocks(chains[:50], cap, sampled)
+    assert sampled._shadows[0].policy._leader is None
+    with monkeypatch.context() as m:
+        m.setattr(ChainOdds, "share_history", lambda self, others: False)
+        own = make()
+        two = replay_blocks(chains, cap, own, check_every=37)
+        assert own._shadows[0].policy._leader is None
+    assert one[:9] == two[:9]
+    assert _adaptive_state(shared) == _adaptive_state(own)
+
+
+def test_tiers_adaptive_policies_share_one_chain_history(monkeypatch):
+    """Three tiers' adaptive policies told the same requests in turn (as a block store
+    tells its device, host and disk policies) read one ChainOdds history: every
+    request scores the same hits in each tier and every policy ends in the state of
+    tiers that keep their own; share_history refuses what it cannot share."""
+    from tiering.policies.blocks.adaptive import _Shadow
+    from tiering.policies.blocks.chain import ChainOdds
+
+    chains = synth.session_chains(500, 5, synth.SessionConfig(live=30))
+    caps = (60, 120, 240)
+
+    def run(share):
+        pols = [AdaptiveBlocks(c, window=8, margin=0.0, z=0.0, hold=0) for c in caps]
+        if share:
+            assert pols[0].share_history(pols[1:])
+            assert not pols[0].share_history(pols[1:])  # linked already
+        tiers = [_Shadow(p, c) for p, c in zip(pols, caps, strict=True)]
+        hits = [[t.request(c, float(i)) for t in tiers] for i, c in enumerate(chains)]
+        for p in pols:
+            p.check_integrity()
+        return pols, hits
+
+    pols, hits = run(True)
+    lead = pols[0]._chains[0]
+    chains_of = [c for p in pols for c in p._chains]
+    assert all(c._leader is lead for c in chains_of[1:]) and lead._leader is None
+    with monkeypatch.context() as m:
+        m.setattr(ChainOdds, "share_history", lambda self, others: False)
+        own, own_hits = run(False)
+    assert hits == own_hits
+    assert [_adaptive_state(p) for p in pols] == [_adaptive_state(p) for p in own]
+    assert sum(map(sum, hits)) > 0, "nothing was ever held: the test proves nothing"
+    fresh = AdaptiveBlocks(10)
+    assert not fresh.share_history([])
+    assert not fresh.share_history([fresh])
+    assert not fresh.share_history([AdaptiveBlocks(10, rate=2)])
+    assert not fresh.share_history([AdaptiveBlocks(10, experts=("lru", "arc"))])
+    used = AdaptiveBlocks(10)
+    used.on_request([1, 2], 0.0)
+    assert not fresh.share_history([used])
+    assert fresh.share_history([AdaptiveBlocks(20)])
+
+
+def test_an_insert_of_a_held_block_by_key_is_refused_and_changes_nothing():
+    rng = random.Random(7)
+    keys = [rng.randbytes(16) for _ in range(6)]
+    p = AdaptiveBlocks(10)
+    p.on_request(keys, 0.0)
+    info = {}
+    for d, k in enumerate(keys):
+        info[k] = (k, keys[d - 1] if d else None, d, 1, 0, 0.0, 0.0, 0)
+        p.on_insert_key(k, d, lambda key: BlockInfo(*info[key]), 0.0)
+    before = [list(e.victims(0.0)) for e in p._experts]
+    with pytest.raises(ValueError, match="already tracks"):
+        p.on_insert_key(keys[3], 3, lambda key: BlockInfo(*info[key]), 0.0)
+    assert [list(e.victims(0.0)) for e in p._experts] == before
+    assert all(len(e) == len(keys) for e in p._experts)
+
+
+@pytest.mark.parametrize("make_room", ["drop", "offload"])
+def test_a_stores_adaptive_tiers_share_one_chain_history_and_the_run_is_the_same(
+        monkeypatch, make_room):
+    """In a full replay the block store lets its host and disk adaptive policies read
+    the device one's ChainOdds history: the run equals one where every ChainOdds keeps
+    its own, and the sharing really happened."""
+    import dataclasses
+
+    from conftest import conversation_trace
+    from replay_helpers import COST, SIM
+    from tiering.policies.blocks.chain import ChainOdds
+
+    from tiering.apps.replay.simulator import RunSpec, simulate
+
+    sim = dataclasses.replace(SIM, make_room=make_room, block_policy="adaptive")
+    real = ChainOdds.share_history
+    shared = []
+
+    def counting(self, others):
+        out = real(self, others)
+        shared.append((len(others), out))
+        return out
+
+    trace = conversation_trace(31, 200, shared=0.6)
+    spec = RunSpec("tiering", "lru")
+    with monkeypatch.context() as m:
+        m.setattr(ChainOdds, "share_history", counting)
+        one = simulate(trace, COST, spec, sim, check=True)
+    assert shared == [(5, True)]  # the device expert leads its shadow and the other tiers'
+    with monkeypatch.context() as m:
+        m.setattr(ChainOdds, "share_history", lambda self, others: False)
+        own = simulate(trace, COST, spec, sim)
+    for f in ("requests", "decisions", "counters", "timeline", "makespan_s", "kv_stats",
+              "controller_stats"):
+        assert getattr(one, f) == getattr(own, f), f
+    c = one.counters
+    assert c.prefix_hits > 0 and c.block_drops + c.block_moves_host > 20, c

@@ -789,3 +789,30 @@ def test_the_default_publish_tells_a_user_policy_what_offering_each_block_does(s
     after = sum(1 for x, y in pairs if x[0] == y[0] == "insert"
                 and y[1][1] == x[1][0])  # a block told right after its parent
     assert after > 100
+
+
+@pytest.mark.parametrize("hook", ["_insert", "_track", "_density", "on_remove", "on_insert"])
+@pytest.mark.parametrize("batch", [True, False])
+def test_a_chain_subclass_changing_an_inner_hook_has_it_called_and_the_same_answers(
+        hook, batch):
+    """The batch hooks do some hooks' work inline; a subclass that replaces one of them
+    (here with one that calls ChainOdds' own) has its hook called, and the replay is
+    that of ChainOdds."""
+    chains = synthetic_chains(500, 3)
+    cap = 90
+    calls = []
+
+    def wrapped(self, *args):
+        calls.append(hook)
+        return getattr(ChainOdds, hook)(self, *args)
+
+    sub = type("Sub", (ChainOdds,), {hook: wrapped})
+    plain = replay_blocks(chains, cap, ChainOdds(cap), batch=batch)
+    other = replay_blocks(chains, cap, sub(cap), check_every=41, batch=batch)
+    assert plain[2:9] == other[2:9]
+    assert plain.refused > 0 and plain.evicted > 0, "nothing was refused or evicted"
+    # each event through the subclass's hook: every insert, removal, track, refusal
+    at_least = {"_insert": other.inserted, "on_insert": other.inserted,
+                "on_remove": other.evicted + other.orphaned,
+                "_track": other.inserted + other.hits, "_density": other.refused}[hook]
+    assert len(calls) >= at_least > 0, f"{hook} of the subclass was called {len(calls)} times"

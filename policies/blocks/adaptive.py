@@ -26,7 +26,9 @@ Bounds: each shadow holds at most ``capacity / rate`` blocks; the ghost keys of 
 experts and shadows (ARC's B1 and B2, S3-FIFO's ghost FIFO, LIRS's non-resident HIR
 keys) are at most ``GHOST_FACTOR`` x capacity in all (``ghost_entries`` counts
 them); ChainOdds' reuse history is bounded by its horizon (the blocks read in its
-last ``horizon`` requests), counted apart (``history_entries``). Per event: each
+last ``horizon`` requests), counted apart (``history_entries``). It depends only on the
+requests: at rate 1 the ChainOdds shadow reads its expert's, and the adaptive policies
+of a store's tiers may share one (``share_history``). Per event: each
 expert's hook once, and each shadow's for the sampled blocks (all of them at rate
 1); an expert that does not lead is asked to admit only where its ``admit`` records
 something (ARC's); per request, a few products per pair of experts.
@@ -183,6 +185,8 @@ _EXPERTS: dict[str, Callable[..., BlockPolicy]] = {
 #: when it leads)
 _READ_ONLY_ADMIT = (BlockPolicy.admit, ChainOdds.admit)
 _NONE: frozenset = frozenset()
+_ABSENT = object()  # a dict.get default no key maps to
+_info = tuple.__new__  # _info(BlockInfo, fields): a snapshot without NamedTuple's __new__
 _MASK = (1 << 64) - 1
 _GOLD = 0x9E3779B97F4A7C15
 
@@ -230,62 +234,86 @@ class _Shadow:
         """Serve one request's sampled chain; its prefix hits. The leading blocks it
         holds are told in one ``on_commit`` (up to a repeat, where serving stops), the
         rest block by block."""
-        p, parents = self.policy, self.parents
-        hits = 0
-        for k in keys:
-            if k not in p:
-                break
-            hits += 1
+        parents = self.parents  # exactly the blocks the policy holds (``check``)
         mine: set = set()  # the blocks of this request served so far: never a victim
         parent = None
-        n = 0
+        hits = n = 0
         whole = True
-        for k in keys[:hits]:
-            if parents[k] != parent:
-                if k in mine:  # a chain through one block twice: served so far
-                    whole = False
-                    break
-                self._move(k, parent)
-            mine.add(k)
-            parent = k
-            n += 1
+        absent = _ABSENT
+        for k in keys:
+            up = parents.get(k, absent)
+            if up is absent:
+                break
+            hits += 1
+            if whole:
+                if up != parent:
+                    if k in mine:  # a chain through one block twice: served so far
+                        whole = False
+                        continue
+                    self._move(k, parent)
+                mine.add(k)
+                parent = k
+                n += 1
 
         def get(key: Hashable) -> BlockInfo:
             d = keys.index(key)
             return BlockInfo(key, keys[d - 1] if d else None, d, 1, 0, now, now, 0)
 
-        p.on_commit(keys, keys[:n], range(n), get, now)
+        self.policy.on_commit(keys, keys[:n], range(n), get, now)
         if whole and n < len(keys):
-            self._serve(keys, n, parent, mine, now)
+            self._serve(keys, n, parent, mine, get, now)
         return hits
 
     def _serve(self, keys: list, start: int, parent: Hashable | None, mine: set,
-               now: float) -> None:
-        """The blocks of ``keys`` from ``start`` on, after ``parent``."""
-        p, parents = self.policy, self.parents
-        ask = type(p).admit is not BlockPolicy.admit
+               get: Callable[[Hashable], BlockInfo], now: float) -> None:
+        """The blocks of ``keys`` from ``start`` on, after ``parent`` (``get``: a block's
+        snapshot, for a policy's ``on_insert_key``)."""
+        p, parents, kids, cap = self.policy, self.parents, self.kids, self.capacity
+        cls = type(p)
+        admit = p.admit if cls.admit is not BlockPolicy.admit else None
+        pop, on_hit, remove = p.pop_victim, p.on_hit, p.on_remove
+        # a policy that reads only the key and depth of an insert is not built a snapshot
+        by_key = cls.on_insert_key is not BlockPolicy.on_insert_key
+        on_insert = p.on_insert_key if by_key else p.on_insert
+        add, absent = mine.add, _ABSENT
         for depth in range(start, len(keys)):
             k = keys[depth]
-            info = BlockInfo(k, parent, depth, 1, 0, now, now, 0)
-            if k in p:
-                if parents[k] != parent:
+            up = parents.get(k, absent)
+            if up is not absent:
+                if up != parent:
                     if k in mine:  # a chain through one block twice: served so far
                         return
                     self._move(k, parent)
-                p.on_hit(info, now)
+                on_hit(_info(BlockInfo, (k, parent, depth, 1, 0, now, now, 0)), now)
             else:
-                if ask and not p.admit(k, depth, now):
+                if admit is not None and not admit(k, depth, now):
                     return
-                if len(p) >= self.capacity:
-                    victim = p.pop_victim(now, mine, _NONE, _NONE)
+                if len(parents) >= cap:
+                    victim = pop(now, mine, _NONE, _NONE)
                     if victim is None:
                         return
-                    self._drop(victim)
-                p.on_insert(info, now)
+                    if victim in kids:
+                        self._drop(victim)
+                    else:  # a leaf (nearly always): it alone leaves
+                        up = parents.pop(victim)
+                        if up is not None:
+                            sib = kids[up]
+                            del sib[victim]
+                            if not sib:
+                                del kids[up]
+                        remove(victim)
+                if by_key:
+                    on_insert(k, depth, get, now)
+                else:
+                    on_insert(_info(BlockInfo, (k, parent, depth, 1, 0, now, now, 0)), now)
                 parents[k] = parent
                 if parent is not None:
-                    self.kids.setdefault(parent, {})[k] = None
-            mine.add(k)
+                    sib = kids.get(parent)
+                    if sib is None:
+                        kids[parent] = {k: None}
+                    else:
+                        sib[k] = None
+            add(k)
             parent = k
 
     def check(self, name: str) -> None:
@@ -322,15 +350,20 @@ class _Shadow:
         """``victim`` and its held descendants leave, deepest first."""
         kids = self.kids
         gone, stack = [], [victim]
+        keep, take, more = gone.append, stack.pop, stack.extend
+        pop = kids.pop
         while stack:
-            k = stack.pop()
-            gone.append(k)
-            stack.extend(kids.pop(k, ()))
+            k = take()
+            keep(k)
+            below = pop(k, None)
+            if below is not None:
+                more(below)
         self._detach(victim)
-        parents, remove = self.parents, self.policy.on_remove
-        for k in reversed(gone):
+        gone.reverse()
+        parents = self.parents
+        for k in gone:
             del parents[k]
-            remove(k)
+        self.policy.on_removes(gone)
 
 
 class AdaptiveBlocks(BlockPolicy):
@@ -379,6 +412,17 @@ class AdaptiveBlocks(BlockPolicy):
         self._sums = [0.0] * k  # decayed shadow hits per expert
         self._cross = [[0.0] * k for _ in range(k)]  # products, squared decay, upper half
         self._recorders = [p for p in self._experts if type(p).admit not in _READ_ONLY_ADMIT]
+        # experts told an insert by key and depth alone (no snapshot built for them)
+        self._by_key = tuple(type(p).on_insert_key is not BlockPolicy.on_insert_key
+                             for p in self._experts)
+        # ChainOdds' history depends only on the requests: at rate 1 its shadow is told
+        # the same ones right after the expert, and reads the expert's (share_history),
+        # linked at the first request unless share_history linked it with other tiers'
+        self._chains = ()
+        if rate == 1 and "chain" in experts:
+            i = experts.index("chain")
+            self._chains = (self._experts[i], self._shadows[i].policy)
+        self._linked = not self._chains
         self._lead = 0
         self.leader = self._experts[0]
         self.switches = 0
@@ -403,7 +447,8 @@ class AdaptiveBlocks(BlockPolicy):
 
     @property
     def history_entries(self) -> int:
-        """Records in ChainOdds' reuse histories (bounded by its horizon, in requests)."""
+        """Records in ChainOdds' reuse histories (bounded by its horizon, in requests); a
+        shared history counts once per policy that reads it."""
         return sum(len(p._ghost) for p in (*self._experts, *(s.policy for s in self._shadows))
                    if isinstance(p, ChainOdds))
 
@@ -432,7 +477,32 @@ class AdaptiveBlocks(BlockPolicy):
 
     # -- events ----------------------------------------------------------------------
 
+    def share_history(self, others: Sequence[BlockPolicy]) -> bool:
+        """Let the ChainOdds experts and shadows of ``others`` (the other tiers' policies
+        of one store, told the same requests in the same order, each right after this
+        one) read this policy's ChainOdds history (``ChainOdds.share_history``). False
+        (nothing shared) unless all are fresh, distinct adaptive policies of this class
+        with a ChainOdds expert at rate 1."""
+        group = (self, *others)
+        if not others or len({id(p) for p in group}) != len(group) or any(
+            type(p) is not type(self) or p._linked or not p._chains for p in group
+        ):
+            return False
+        lead, *rest = [c for p in group for c in p._chains]
+        if not lead.share_history(rest):
+            return False
+        for p in group:
+            p._linked = True
+        return True
+
+    def _link(self) -> None:
+        """The shadow's ChainOdds reads the expert's history, where it can (once)."""
+        self._linked = True
+        self._chains[0].share_history(self._chains[1:])
+
     def on_request(self, keys: Sequence[Hashable], now: float) -> None:
+        if not self._linked:
+            self._link()
         for p in self._experts:
             p.on_request(keys, now)
         self._shadow_step(keys, now)
@@ -440,8 +510,8 @@ class AdaptiveBlocks(BlockPolicy):
     def _shadow_step(self, keys: Sequence[Hashable], now: float) -> None:
         """The request in every shadow, then the choice of leader."""
         rate = self.rate
-        if rate == 1:
-            sampled = list(keys)
+        if rate == 1:  # the shadows only read it
+            sampled = keys if type(keys) is list else list(keys)
         else:
             sv, g, m = _sample_value, _GOLD, _MASK
             sampled = [k for k in keys
@@ -456,6 +526,8 @@ class AdaptiveBlocks(BlockPolicy):
         if self.overrides(AdaptiveBlocks, "on_request", "on_hit"):
             super().on_commit(keys, hits, depths, get, now)
             return
+        if not self._linked:
+            self._link()
         for p in self._experts:
             p.on_commit(keys, hits, depths, get, now)
         self._shadow_step(keys, now)
@@ -524,6 +596,38 @@ class AdaptiveBlocks(BlockPolicy):
             raise already_tracked(self, info.key)
         for p in self._experts:
             p.on_insert(info, now)
+
+    def on_publish(self, keys: Sequence[Hashable], depth: int, room: Callable[[], int],
+                   insert: Callable[[Sequence[Hashable]], int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> tuple[int, bool]:
+        """As ``BlockPolicy.on_publish``: each block in turn ``admit``, ``insert([key])``,
+        ``on_insert_key``."""
+        admit, on_insert = self.admit, self.on_insert_key
+        for n, k in enumerate(keys):
+            d = depth + n
+            if not admit(k, d, now):
+                return n, True
+            if insert((k,)) != 1:
+                return n, False
+            on_insert(k, d, get, now)
+        return len(keys), False
+
+    def on_insert_key(self, key: Hashable, depth: int, get: Callable[[Hashable], BlockInfo],
+                      now: float) -> None:
+        """``on_insert``, the snapshot built once and only for experts that read it."""
+        if self.overrides(AdaptiveBlocks, "on_insert"):
+            super().on_insert_key(key, depth, get, now)
+            return
+        if key in self.leader:
+            raise already_tracked(self, key)
+        info = None
+        for p, by_key in zip(self._experts, self._by_key):  # noqa: B905 (equal lengths)
+            if by_key:
+                p.on_insert_key(key, depth, get, now)
+            else:
+                if info is None:
+                    info = get(key)
+                p.on_insert(info, now)
 
     def on_hit(self, info: BlockInfo, now: float) -> None:
         if info.key not in self.leader:

@@ -66,6 +66,8 @@ _INF = float("inf")
 _AGE = tuple([0.0] + [float(1 << (b - 1)) for b in range(1, 18)])  # youngest age of bucket b
 _MID = tuple([0.0] + [0.75 * (1 << b) for b in range(1, 18)])  # a typical gap in bucket b
 _BUCKETS = 18  # gap and age buckets: bucket b holds values v with v.bit_length() == b
+_SPAN = tuple(max(m - a, 1.0) for m, a in zip(_MID, _AGE, strict=True))  # a gap's wait
+_DOWN = tuple(range(_BUCKETS - 1, -1, -1))
 
 
 class _Hist:
@@ -97,15 +99,16 @@ class _Hist:
         tail = never * stay
         out = [0.0] * _BUCKETS
         later = later_mid = 0.0  # sums over the buckets above b: counts, counts x midpoints
-        for b in range(_BUCKETS - 1, -1, -1):
+        age, mid, span = _AGE, _MID, _SPAN
+        for b in _DOWN:
             g = gaps[b]
-            a = _AGE[b]
             left = 0.5 * g + later
             if left > 0.0:
-                wait = 0.5 * g * max(_MID[b] - a, 1.0) + later_mid - a * later + tail
-                out[b] = left / max(wait, 1e-9)
+                a = age[b]
+                wait = 0.5 * g * span[b] + later_mid - a * later + tail
+                out[b] = left / (1e-9 if 1e-9 > wait else wait)  # max(wait, 1e-9)
             later += g
-            later_mid += g * _MID[b]
+            later_mid += g * mid[b]
         return out
 
 
@@ -199,6 +202,8 @@ class ChainOdds(BlockPolicy):
         # pop_victim's own path, unless a subclass changed how victims are found
         self._own_pop = not self.overrides(ChainOdds, "victims", "victims_except", "_victims",
                                            "_ends")
+        self._own_density = not self.overrides(ChainOdds, "_density")
+        self._own_insert = not self.overrides(ChainOdds, "on_insert")
 
     def share_history(self, others: Sequence[BlockPolicy]) -> bool:
         """Let ``others`` (the other tiers' policies of one store, told the same requests
@@ -245,10 +250,11 @@ class ChainOdds(BlockPolicy):
             if rec[1] > cut:
                 break
             gone.append((k, rec))
+        pop = children.pop
         for k, rec in gone:
             del ghost[k]
-            hist[rec[0]].add_never()
-            children.pop(k, None)
+            hist[rec[0]].never += 1.0  # _Hist.add_never, inline
+            pop(k, None)
 
     def on_request(self, keys: Sequence[Hashable], now: float) -> None:
         if self._leader is not None:
@@ -362,12 +368,13 @@ class ChainOdds(BlockPolicy):
     def _track(self, key: Hashable, depth: int) -> None:
         rec = self._ghost.get(key)
         cls = rec[0] if rec is not None else self._cls
-        old = self._meta.get(key)
+        meta, dirty = self._meta, self._dirty
+        old = meta.get(key)
         if old is not None:
             del self._lists[old][key]
-            self._dirty.add(old)
-        self._dirty.add(cls)
-        self._meta[key] = cls
+            dirty.add(old)
+        dirty.add(cls)
+        meta[key] = cls
         self._seq = seq = self._seq + 1
         t = self._t
         self._lists[cls][key] = (t, depth, seq)
@@ -392,7 +399,7 @@ class ChainOdds(BlockPolicy):
         self._track(key, info[2])
 
     def on_insert_key(self, key, depth, get, now) -> None:
-        if type(self).on_insert is not ChainOdds.on_insert:  # a subclass's own on_insert
+        if not self._own_insert:  # a subclass's own on_insert
             self.on_insert(get(key), now)
         else:
             self._insert(key, depth)
@@ -424,14 +431,43 @@ class ChainOdds(BlockPolicy):
         def certain() -> int:  # admit answers True, changing nothing, below capacity
             return min(room(), cap - len(meta))
 
-        return self.publish_room(keys, depth, certain, insert, get, now)
+        if self.overrides(ChainOdds, "publish_room", "_insert", "_track", "_density"):
+            return self.publish_room(keys, depth, certain, insert, get, now)
+        # publish_room with certain(), admit and on_insert_key inline
+        n, total = 0, len(keys)
+        while n < total:
+            c = min(room(), cap - len(meta))
+            if c > 0:
+                part = keys[n:n + c]
+                got = insert(part)
+                if got:
+                    self.on_inserts(part[:got], range(depth + n, depth + n + got), get, now)
+                n += got
+                if got < len(part):
+                    return n, False
+                continue
+            k = keys[n]
+            if len(meta) >= cap:  # admit: the block at age 0 against the lowest end
+                low = self._ends()
+                if low is not None:
+                    rec = self._ghost.get(k)
+                    if not self._dens[rec[0] if rec is not None else self._cls][0] > low[0]:
+                        return n, True
+            if insert((k,)) != 1:
+                return n, False
+            if k in meta:
+                raise already_tracked(self, k)
+            self._track(k, depth + n)
+            n += 1
+        return n, False
 
     def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
         """The first of ``victims_except``, without a generator: nearly always the lowest
         end; else the first free one in ``_victims``' order."""
         if not self._own_pop or len(busy) != 3:
             return super().pop_victim(now, *busy)
-        low = self._ends()
+        # _ends, its cached answer inline (admit has nearly always just asked it)
+        low = self._ends_memo if self._ends_at == self._version else self._ends()
         if low is None:
             return None
         r, d, b = busy
@@ -461,6 +497,19 @@ class ChainOdds(BlockPolicy):
         self._version += 1
         age = self._t - last
         self._stay += 0.01 * (age - self._stay)
+
+    def on_removes(self, keys: Sequence[Hashable]) -> None:
+        if self.overrides(ChainOdds, "on_remove"):
+            return super().on_removes(keys)
+        meta, lists, dirty = self._meta, self._lists, self._dirty
+        for key in keys:
+            cls = meta.pop(key, None)
+            if cls is None:
+                raise not_tracked(self, "on_remove", key)
+            last = lists[cls].pop(key)[0]
+            dirty.add(cls)
+            self._version += 1
+            self._stay += 0.01 * ((self._t - last) - self._stay)
 
     def _ends(self):
         """The lowest (density, key) of the oldest (deepest of its request) and the youngest block of every class.
@@ -498,7 +547,6 @@ class ChainOdds(BlockPolicy):
                     elif best[1] == cls:
                         full = True  # the lowest class went up: look at them all
                 continue
-            row = dens[cls]
             first = next(iter(lst))
             t0 = lst[first][0]
             stack = front.get(cls)
@@ -511,7 +559,7 @@ class ChainOdds(BlockPolicy):
                     heap.append((-d2, q2, k2))
                 heapify(heap)
                 stack = front[cls] = (t0, heap, {e[2]: e[1] for e in heap}, [])
-            heap, seen, added = stack[1], stack[2], stack[3]
+            _, heap, seen, added = stack
             if added:
                 # what the read added since counts, as if the list were read again
                 # (a block tracked again moves to its new place), whether or not the
@@ -529,12 +577,20 @@ class ChainOdds(BlockPolicy):
             else:
                 k = first
             k2 = next(reversed(lst))
-            b_old, b_young = (now - t0).bit_length(), (now - lst[k2][0]).bit_length()
-            old = (row[b_old if b_old < top else top], k)
-            young = (row[b_young if b_young < top else top], k2)
-            low = old if old[0] <= young[0] else young
-            cend[cls] = (low, old, young, t0, lst[k2][0])
-            e = lows[cls] = (low[0], cls, low[1])
+            ty = lst[k2][0]
+            row = dens[cls]
+            b = (now - t0).bit_length()
+            d_old = row[b if b < top else top]
+            b = (now - ty).bit_length()
+            d_young = row[b if b < top else top]
+            old = (d_old, k)
+            young = (d_young, k2)
+            if d_old <= d_young:
+                cend[cls] = (old, old, young, t0, ty)
+                e = lows[cls] = (d_old, cls, k)
+            else:
+                cend[cls] = (young, old, young, t0, ty)
+                e = lows[cls] = (d_young, cls, k2)
             if not full:
                 if e[0] < best[0] or (e[0] == best[0] and cls < best[1]):
                     best = e
@@ -574,6 +630,8 @@ class ChainOdds(BlockPolicy):
             return True
         rec = self._ghost.get(key)
         cls = rec[0] if rec is not None else self._cls
+        if self._own_density:  # _density at age 0, inline
+            return self._dens[cls][0] > low[0]
         return self._density(cls, self._t) > low[0]
 
     def victims(self, now: float) -> Iterator[Hashable]:
