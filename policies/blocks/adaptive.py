@@ -39,7 +39,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 
-from tiering.policies.blocks.base import BlockInfo, BlockPolicy, already_tracked, not_tracked
+from tiering.policies.blocks.base import (
+    BlockInfo,
+    BlockPolicy,
+    already_tracked,
+    check_batch,
+    not_tracked,
+)
 from tiering.policies.blocks.chain import ChainOdds
 from tiering.policies.blocks.generic import ARCBlocks, LRUBlocks, S3FIFOBlocks
 
@@ -87,6 +93,9 @@ class LIRSBlocks(BlockPolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._lir or key in self._q
+
+    def _tracked_count(self, keys: Sequence[Hashable]) -> int:
+        return sum(map(self._lir.__contains__, keys)) + sum(map(self._q.__contains__, keys))
 
     @property
     def ghosts(self) -> int:
@@ -458,6 +467,9 @@ class AdaptiveBlocks(BlockPolicy):
     def __contains__(self, key: object) -> bool:
         return key in self.leader
 
+    def _tracked_count(self, keys: Sequence[Hashable]) -> int:
+        return self.leader._tracked_count(keys)
+
     def check_integrity(self) -> None:
         """Every expert tracks as many blocks as the leader, and each passes its own
         check (ChainOdds'); raises AssertionError naming the expert otherwise."""
@@ -526,6 +538,7 @@ class AdaptiveBlocks(BlockPolicy):
         if self.overrides(AdaptiveBlocks, "on_request", "on_hit"):
             super().on_commit(keys, hits, depths, get, now)
             return
+        check_batch(self, "on_hit", hits, True, repeats=True)  # before any expert hears it
         if not self._linked:
             self._link()
         for p in self._experts:
@@ -536,10 +549,7 @@ class AdaptiveBlocks(BlockPolicy):
         if self.overrides(AdaptiveBlocks, "on_remove"):
             super().on_removes(keys)
             return
-        leader = self.leader
-        for k in keys:
-            if k not in leader:
-                raise not_tracked(self, "on_remove", k)
+        check_batch(self, "on_remove", keys, True)
         for p in self._experts:
             p.on_removes(keys)
 

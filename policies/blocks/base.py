@@ -29,7 +29,10 @@ generator) with ``on_removes`` (the blocks that left), and ``on_inserts`` (block
 that arrived: loads and moves down). The defaults here call the per-event hooks
 above in the order the per-event path does, so a policy that implements only
 those behaves exactly as before; a policy may override a batch hook to do the
-same work for less, and must then give exactly the same answers and state.
+same work for less, and must then give exactly the same answers and state. A batch
+hook given a block it cannot take (a hit or removal of one it does not track, an
+insert of one it does, or one block twice) raises ValueError naming it before
+anything changes (``check_batch``), where the policy answers ``in``.
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ class BlockPolicy(ABC):
         """A request reading ``keys`` was admitted: ``on_request(keys, now)``, then
         ``on_hit(get(k), now)`` for each of ``hits`` (the blocks of ``keys`` this tier
         holds, in chain order, already touched; ``depths``: theirs)."""
+        if _answers_in(self):
+            check_batch(self, "on_hit", hits, True, repeats=True)
         self.on_request(keys, now)
         on_hit = self.on_hit
         for k in hits:
@@ -179,6 +184,8 @@ class BlockPolicy(ABC):
 
     def on_removes(self, keys: Sequence[Hashable]) -> None:
         """``on_remove`` of each of ``keys``, in order."""
+        if _answers_in(self):
+            check_batch(self, "on_remove", keys, True)
         on_remove = self.on_remove
         for k in keys:
             on_remove(k)
@@ -187,6 +194,8 @@ class BlockPolicy(ABC):
                    get: Callable[[Hashable], BlockInfo], now: float) -> None:
         """``on_insert_key`` of each of ``keys`` (at ``depths``), in order: blocks that
         arrived in this tier (loaded up, or moved down)."""
+        if _answers_in(self):
+            check_batch(self, "on_insert", keys, False)
         insert = self.on_insert_key
         for k, d in zip(keys, depths, strict=True):
             insert(k, d, get, now)
@@ -204,6 +213,11 @@ class BlockPolicy(ABC):
 
     def __contains__(self, key: object) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def _tracked_count(self, keys: Sequence[Hashable]) -> int:
+        """How many of ``keys`` the policy tracks (``check_batch``); a policy may count
+        them more cheaply from its own tables."""
+        return sum(map(self.__contains__, keys))
 
 
 def _publish_admitted(policy: BlockPolicy, keys: Sequence[Hashable], room: Callable[[], int],
@@ -237,6 +251,34 @@ _new = tuple.__new__
 def _nothing_certain() -> int:
     """``publish_room``'s ``certain`` for a policy that knows nothing of its ``admit``."""
     return 0
+
+
+def _answers_in(policy: BlockPolicy) -> bool:
+    """Whether the policy's class answers ``key in policy`` (every built-in does)."""
+    return type(policy).__contains__ is not BlockPolicy.__contains__
+
+
+def check_batch(policy: BlockPolicy, event: str, keys: Sequence[Hashable], tracked: bool,
+                repeats: bool = False) -> None:
+    """ValueError naming the first of ``keys`` the batch hook cannot take: with
+    ``tracked``, one the policy does not track (``on_hit``, ``on_remove``); else one it
+    tracks (``on_insert``); and, unless ``repeats``, one that comes twice. A batch hook
+    calls it before it changes anything (``_tracked_count`` counts in one pass)."""
+    n = len(keys)
+    if not n:
+        return
+    if policy._tracked_count(keys) == (n if tracked else 0) and (
+            repeats or n == 1 or len(set(keys)) == n):
+        return
+    contains = policy.__contains__
+    for k in keys:
+        if contains(k) is not tracked:
+            raise not_tracked(policy, event, k) if tracked else already_tracked(policy, k)
+    seen: set = set()
+    for k in keys:
+        if k in seen:
+            raise ValueError(f"{policy.name}: {event} of block {k!r} twice in one call")
+        seen.add(k)
 
 
 def not_tracked(policy: BlockPolicy, event: str, key: Hashable) -> ValueError:

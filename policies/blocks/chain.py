@@ -56,7 +56,13 @@ from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
 from operator import itemgetter
 
-from tiering.policies.blocks.base import BlockInfo, BlockPolicy, already_tracked, not_tracked
+from tiering.policies.blocks.base import (
+    BlockInfo,
+    BlockPolicy,
+    already_tracked,
+    check_batch,
+    not_tracked,
+)
 
 __all__ = ["ChainOdds"]
 
@@ -240,6 +246,9 @@ class ChainOdds(BlockPolicy):
     def __contains__(self, key: object) -> bool:
         return key in self._meta
 
+    def _tracked_count(self, keys: Sequence[Hashable]) -> int:
+        return sum(map(self._meta.__contains__, keys))
+
     # -- learning --------------------------------------------------------------
 
     def _expire(self) -> None:
@@ -412,6 +421,7 @@ class ChainOdds(BlockPolicy):
                   now: float) -> None:
         if self.overrides(ChainOdds, "on_request", "on_hit"):
             return super().on_commit(keys, hits, depths, get, now)
+        check_batch(self, "on_hit", hits, True, repeats=True)
         self.on_request(keys, now)
         meta, track = self._meta, self._track
         for k, d in zip(hits, depths, strict=True):
@@ -501,6 +511,7 @@ class ChainOdds(BlockPolicy):
     def on_removes(self, keys: Sequence[Hashable]) -> None:
         if self.overrides(ChainOdds, "on_remove"):
             return super().on_removes(keys)
+        check_batch(self, "on_remove", keys, True)
         meta, lists, dirty = self._meta, self._lists, self._dirty
         for key in keys:
             cls = meta.pop(key, None)

@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 
-from tiering.policies.blocks.base import BlockInfo, BlockPolicy, already_tracked, not_tracked
+from tiering.policies.blocks.base import (
+    BlockInfo,
+    BlockPolicy,
+    already_tracked,
+    check_batch,
+    not_tracked,
+)
 
 __all__ = ["ARCBlocks", "LRUBlocks", "S3FIFOBlocks"]
 
@@ -59,6 +65,9 @@ class LRUBlocks(BlockPolicy):
     def __contains__(self, key: object) -> bool:
         return key in self._order
 
+    def _tracked_count(self, keys: Sequence[Hashable]) -> int:
+        return sum(map(self._order.__contains__, keys))
+
     def on_insert(self, info: BlockInfo, now: float) -> None:
         if info.key in self._order:
             raise already_tracked(self, info.key)
@@ -87,6 +96,7 @@ class LRUBlocks(BlockPolicy):
                   now: float) -> None:
         if self.overrides(LRUBlocks, "on_request", "on_hit"):
             return super().on_commit(keys, hits, depths, get, now)
+        check_batch(self, "on_hit", hits, True, repeats=True)
         to_end = self._order.move_to_end
         for k in hits:
             try:
@@ -114,6 +124,7 @@ class LRUBlocks(BlockPolicy):
     def on_removes(self, keys: Sequence[Hashable]) -> None:
         if self.overrides(LRUBlocks, "on_remove"):
             return super().on_removes(keys)
+        check_batch(self, "on_remove", keys, True)
         order = self._order
         for k in keys:
             try:
@@ -125,6 +136,7 @@ class LRUBlocks(BlockPolicy):
                    get: Callable[[Hashable], BlockInfo], now: float) -> None:
         if self.overrides(LRUBlocks, "on_insert", "on_insert_key"):
             return super().on_inserts(keys, depths, get, now)
+        check_batch(self, "on_insert", keys, False)
         order = self._order
         for k in keys:
             if k in order:
@@ -153,6 +165,9 @@ class ARCBlocks(BlockPolicy):
     def __contains__(self, key: object) -> bool:
         return key in self._t1 or key in self._t2
 
+    def _tracked_count(self, keys: Sequence[Hashable]) -> int:
+        return sum(map(self._t1.__contains__, keys)) + sum(map(self._t2.__contains__, keys))
+
     def admit(self, key: Hashable, depth: int, now: float) -> bool:
         self._incoming_in_b2 = key in self._b2
         return True
@@ -173,6 +188,7 @@ class ARCBlocks(BlockPolicy):
                    get: Callable[[Hashable], BlockInfo], now: float) -> None:
         if self.overrides(ARCBlocks, "on_insert", "on_insert_key", "_insert", "_trim", "__len__"):
             return super().on_inserts(keys, depths, get, now)
+        check_batch(self, "on_insert", keys, False)
         # _insert of each, inline: the same lists, target and trimming after each (the
         # lists' lengths followed in locals)
         c, c2 = self.capacity, 2 * self.capacity
@@ -208,6 +224,7 @@ class ARCBlocks(BlockPolicy):
     def on_removes(self, keys: Sequence[Hashable]) -> None:
         if self.overrides(ARCBlocks, "on_remove", "_trim", "__len__"):
             return super().on_removes(keys)
+        check_batch(self, "on_remove", keys, True)
         # on_remove of each, inline: to its ghost list, trimming after each
         c, c2 = self.capacity, 2 * self.capacity
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
@@ -307,6 +324,7 @@ class ARCBlocks(BlockPolicy):
                   now: float) -> None:
         if self.overrides(ARCBlocks, "on_request", "on_hit"):
             return super().on_commit(keys, hits, depths, get, now)
+        check_batch(self, "on_hit", hits, True, repeats=True)
         t1, t2 = self._t1, self._t2
         for k in hits:
             if k in t1:
@@ -340,6 +358,9 @@ class S3FIFOBlocks(BlockPolicy):
     def __contains__(self, key: object) -> bool:
         return key in self._s or key in self._m
 
+    def _tracked_count(self, keys: Sequence[Hashable]) -> int:
+        return sum(map(self._s.__contains__, keys)) + sum(map(self._m.__contains__, keys))
+
     def on_insert(self, info: BlockInfo, now: float) -> None:
         k = info.key
         if k in self._s or k in self._m:
@@ -363,6 +384,7 @@ class S3FIFOBlocks(BlockPolicy):
                   now: float) -> None:
         if self.overrides(S3FIFOBlocks, "on_request", "on_hit"):
             return super().on_commit(keys, hits, depths, get, now)
+        check_batch(self, "on_hit", hits, True, repeats=True)
         s, m = self._s, self._m
         for k in hits:
             q = s if k in s else m
@@ -382,6 +404,7 @@ class S3FIFOBlocks(BlockPolicy):
                    get: Callable[[Hashable], BlockInfo], now: float) -> None:
         if self.overrides(S3FIFOBlocks, "on_insert", "on_insert_key"):
             return super().on_inserts(keys, depths, get, now)
+        check_batch(self, "on_insert", keys, False)
         s, m, g = self._s, self._m, self._g
         for k in keys:
             if k in s or k in m:
@@ -407,6 +430,7 @@ class S3FIFOBlocks(BlockPolicy):
     def on_removes(self, keys: Sequence[Hashable]) -> None:
         if self.overrides(S3FIFOBlocks, "on_remove"):
             return super().on_removes(keys)
+        check_batch(self, "on_remove", keys, True)
         # on_remove of each, inline: one from the small queue becomes a ghost
         s, m, g = self._s, self._m, self._g
         cap, pop = self._ghost_cap, g.popitem
