@@ -42,6 +42,7 @@ from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 from tiering.policies.blocks.base import (
     BlockInfo,
     BlockPolicy,
+    _nothing_certain,
     already_tracked,
     check_batch,
     not_tracked,
@@ -611,16 +612,8 @@ class AdaptiveBlocks(BlockPolicy):
                    insert: Callable[[Sequence[Hashable]], int],
                    get: Callable[[Hashable], BlockInfo], now: float) -> tuple[int, bool]:
         """As ``BlockPolicy.on_publish``: each block in turn ``admit``, ``insert([key])``,
-        ``on_insert_key``."""
-        admit, on_insert = self.admit, self.on_insert_key
-        for n, k in enumerate(keys):
-            d = depth + n
-            if not admit(k, d, now):
-                return n, True
-            if insert((k,)) != 1:
-                return n, False
-            on_insert(k, d, get, now)
-        return len(keys), False
+        ``on_insert_key`` (nothing is certain of the leader's ``admit``)."""
+        return self.publish_room(keys, depth, _nothing_certain, insert, get, now)
 
     def on_insert_key(self, key: Hashable, depth: int, get: Callable[[Hashable], BlockInfo],
                       now: float) -> None:
