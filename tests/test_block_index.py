@@ -623,3 +623,83 @@ def test_an_untouched_block_reads_no_hits_and_its_first_use_and_the_check_sees_b
     index._last["b"] = 5.0
     with pytest.raises(AssertionError, match="touched"):
         index.check_integrity()
+
+
+def _forest(index, rng, keys):
+    """``keys`` as a random forest on random tiers, some blocks touched, mapped or moving."""
+    for i, k in enumerate(keys):
+        parent = keys[rng.randrange(i)] if i and rng.random() < 0.8 else None
+        assert index.insert(k, parent, rng.choice(TIERS), i, float(i))
+    for k in keys:
+        r = rng.random()
+        if r < 0.2:
+            index.touch(k, float(len(keys)))
+        elif r < 0.35:
+            index.acquire(k)
+        elif r < 0.4 and index.location(k).tier is not Tier.DISK:
+            index.begin_move(k, Tier.DISK, 10**6 + k)
+
+
+def test_insert_mapped_equals_insert_then_acquire():
+    """The replay's one-call insert of a mapped block leaves every table as ``insert`` and
+    ``acquire`` do, below any parent (mapped, idle, moving, with or without children);
+    False behind a parent not cached and a cached or None key refused as ``insert``
+    refuses them, each changing nothing."""
+    import copy
+
+    rng = random.Random(7)
+    walks = 0
+    for trial in range(150):
+        twins = (BlockIndex(), BlockIndex())
+        keys = rng.sample(range(10**5), rng.randint(1, 12))
+        seed = rng.random()
+        for index in twins:
+            _forest(index, random.Random(seed), keys)
+        key, tier = rng.randrange(10**5, 2 * 10**5), rng.choice(TIERS)
+        parent = rng.choice([None, 3 * 10**5, *keys])
+        now = float(rng.randrange(100))
+        ok = twins[0]._insert_mapped(key, parent, tier, 500, now)
+        assert ok == twins[1].insert(key, parent, tier, 500, now) == (parent != 3 * 10**5)
+        if ok:
+            twins[1].acquire(key)
+            walks += parent is not None and not twins[0].refs(parent)
+        assert _tables(twins[0]) == _tables(twins[1]), trial
+        twins[0].check_integrity()
+        before = copy.deepcopy(_tables(twins[0]))
+        for bad, match in ((rng.choice(keys), "already in the index"), (None, "not be None")):
+            with pytest.raises(ValueError, match=match):
+                twins[0]._insert_mapped(bad, None, Tier.DEVICE, 501, now)
+        assert _tables(twins[0]) == before
+    assert walks > 30  # parents not mapped: the held counts walked up
+
+
+def test_evict_leaf_equals_drop_run_of_an_idle_leaf_and_refuses_anything_else():
+    """``_evict_leaf`` of a cached, evictable block with no children leaves every table and
+    ``dropped`` as ``drop_run`` does and hands its handle over; of any other key (unknown,
+    mapped, moving, holding a busy block below or any child) it answers False and changes
+    nothing."""
+    import copy
+
+    rng = random.Random(11)
+    taken = refused = 0
+    for trial in range(150):
+        twins = (BlockIndex(), BlockIndex())
+        keys = rng.sample(range(10**5), rng.randint(1, 12))
+        seed = rng.random()
+        for index in twins:
+            _forest(index, random.Random(seed), keys)
+        key = rng.choice([*keys, 3 * 10**5])
+        leaf = key in twins[0] and twins[0].evictable(key) and not twins[0].get(key).children
+        before = copy.deepcopy((_tables(twins[0]), twins[0].dropped))
+        freed = [-1]
+        assert twins[0]._evict_leaf(key, freed) == leaf, trial
+        if leaf:
+            run = twins[1].drop_run(key)
+            assert run.keys == [key] and freed == [-1, *run.handles]
+            assert (_tables(twins[0]), twins[0].dropped) == (_tables(twins[1]), twins[1].dropped)
+            twins[0].check_integrity()
+            taken += 1
+        else:
+            assert freed == [-1] and (_tables(twins[0]), twins[0].dropped) == before
+            refused += 1
+    assert taken > 30 and refused > 30

@@ -336,6 +336,53 @@ class BlockIndex:
         self._counts[tier] += 1
         return True
 
+    def _insert_mapped(self, key: Hashable, parent: Hashable | None, tier: Tier,
+                       handle: Hashable, now: float) -> bool:
+        """``insert`` and ``acquire`` of one block, for a caller that passes a Tier, a
+        finite ``now`` and a handle unused on ``tier``; ``key`` is checked as ``insert``
+        checks it."""
+        where = self._tier
+        if key in where or key is None:
+            return self.insert(key, parent, tier, handle, now)  # raises, naming it
+        if parent is None:
+            depth = 0
+        else:
+            pd = self._depth.get(parent)
+            if pd is None:
+                return False
+            depth = pd + 1
+            kids = self._kids
+            pk = kids.get(parent)
+            if pk is None:
+                kids[parent] = key
+            elif pk.__class__ is set:
+                pk.add(key)
+            else:
+                kids[parent] = {pk, key}
+        self._parent[key] = parent
+        self._depth[key] = depth
+        where[key] = tier
+        self._handle[key] = handle
+        self._first[key] = now
+        self._slots[tier][handle] = key
+        self._counts[tier] += 1
+        refs = self._refs
+        refs[key] = 1
+        self._busy_n[tier] += 1
+        # _now_busy(key): a new block holds nothing below it
+        p = parent
+        if p is not None:
+            below, parents, dest = self._below, self._parent, self._dest
+            while True:
+                n = below.get(p, 0)
+                below[p] = n + 1
+                if n or p in refs or p in dest:
+                    break  # p was held already
+                p = parents[p]
+                if p is None:
+                    break
+        return True
+
     def insert_run(self, keys: Sequence[Hashable], parent: Hashable | None, tier: Tier,
                    handles: Sequence[Hashable], now: float, acquire: bool = False) -> bool:
         """``insert`` of a run of new blocks that follow one another (``keys[0]`` after
@@ -703,6 +750,35 @@ class BlockIndex:
         self._counts[tier] -= 1
         self.dropped[reason] += 1
         return _new(DroppedRun, ([key], [tier], [handle]))
+
+    def _evict_leaf(self, key: Hashable, freed: list) -> bool:
+        """``drop_run(key)`` when ``key`` is cached, evictable and has no cached children,
+        its handle appended to ``freed``; False, nothing changed, otherwise."""
+        if key in self._kids or key in self._refs or key in self._dest or key in self._below:
+            return False
+        tier = self._tier.pop(key, None)
+        if tier is None:
+            return False
+        parent = self._parent.pop(key)
+        if parent is not None:  # _unlink
+            kids = self._kids
+            pk = kids[parent]
+            if pk.__class__ is set:
+                pk.discard(key)
+                if len(pk) == 1:
+                    kids[parent] = next(iter(pk))
+            else:
+                del kids[parent]
+        handle = self._handle.pop(key)
+        del self._depth[key], self._first[key]
+        hits = self._hits
+        if key in hits:
+            del hits[key], self._last[key]
+        del self._slots[tier][handle]
+        self._counts[tier] -= 1
+        self.dropped["evicted"] += 1
+        freed.append(handle)
+        return True
 
     def drop_run(self, key: Hashable, reason: str = "evicted") -> DroppedRun:
         """``drop`` without a record per block: the keys that left, deepest first (``key``

@@ -203,6 +203,7 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
     refs, dest, below, where = index._refs, index._dest, index._below, index._tier
     entries = where  # key in index, without the method call
     insert_run, drop_run = index.insert_run, index.drop_run
+    insert_mapped, evict_leaf = index._insert_mapped, index._evict_leaf
     plain = type(policy).__module__.startswith("tiering.policies.")
     pop_victim, on_removes = policy.pop_victim, policy.on_removes
     hits = accesses = inserted = refused = evicted = orphaned = 0
@@ -214,16 +215,17 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
         """The policy's victim leaves (with its cached descendants); False (``stop`` set)
         when it offers none."""
         nonlocal stop, evicted, orphaned
-        if plain:
-            victim = pop_victim(now, refs, dest, below)
-            if victim is not None and where.get(victim) is None:
-                raise RuntimeError(f"policy {policy.name!r} offered block {victim!r}, "
-                                   "which is not in the index")
-        else:
-            victim = index.choose_victim(policy, now)
+        victim = pop_victim(now, refs, dest, below) if plain else index.choose_victim(policy, now)
         if victim is None:
             stop = True
             return False
+        if evict_leaf(victim, free):  # nearly always: a block with nothing cached below it
+            on_removes([victim])
+            evicted += 1
+            return True
+        if plain and where.get(victim) is None:
+            raise RuntimeError(f"policy {policy.name!r} offered block {victim!r}, "
+                               "which is not in the index")
         out = drop_run(victim)
         free.extend(out.handles)
         on_removes(out.keys)
@@ -238,15 +240,19 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
         the new blocks yet and they hold no block that was free (``parent`` is mapped)."""
         nonlocal parent
         want = len(run)
-        while len(free) < want and make_room():
-            pass
-        k = min(want, len(free))
+        if want == 1:  # the common case: room for one block, made once at most
+            if not free and not make_room():
+                return 0
+            k = 1
+        else:
+            while len(free) < want and make_room():
+                pass
+            k = min(want, len(free))
         if k == 1:
             key = run[0]
-            if not index.insert(key, parent, dev, free[-1], now):
+            if not insert_mapped(key, parent, dev, free[-1], now):
                 return 0
             free.pop()
-            index.acquire(key)
             parent = key
             return 1
         if not k:
