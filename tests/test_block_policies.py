@@ -816,3 +816,65 @@ def test_a_chain_subclass_changing_an_inner_hook_has_it_called_and_the_same_answ
                 "on_remove": other.evicted + other.orphaned,
                 "_track": other.inserted + other.hits, "_density": other.refused}[hook]
     assert len(calls) >= at_least > 0, f"{hook} of the subclass was called {len(calls)} times"
+
+
+def _random_chain_events(p, rng, steps):
+    """Drive ``p`` with random requests, inserts, hits, removes and victim pops (classes
+    emptied and refilled, densities tied across classes at the start), calling
+    ``check_integrity`` (the cached lowest end against a recomputation, and the floor
+    kept under the other classes) after every event; return how many events ran."""
+    pool = [rng.randbytes(4) for _ in range(rng.randint(30, 120))]
+    now, events = 0.0, 0
+    for _ in range(steps):
+        now += 1.0
+        keys = rng.sample(pool, rng.randint(1, 12))
+        p.on_request(keys, now)
+        events += 1
+        p.check_integrity()
+        for i, k in enumerate(keys):
+            op = rng.random()
+            if k in p:
+                if op < 0.6:
+                    p.on_hit(BlockInfo(k, None, i + 1, 0, 1, now, now, 0), now)
+                else:
+                    p.on_remove(k)
+            elif len(p) < p.capacity or op < 0.3:
+                p.on_insert(BlockInfo(k, None, i + 1, 0, 0, now, now, 0), now)
+            else:
+                v = p.pop_victim(now, _NOTHING_BUSY, _NOTHING_BUSY, set(keys[:i]))
+                if v is not None:
+                    p.on_remove(v)
+                    p.on_insert(BlockInfo(k, None, i + 1, 0, 0, now, now, 0), now)
+            events += 1
+            p.check_integrity()
+        if rng.random() < 0.1:  # empty some classes outright
+            for k in [k for k in p._meta if rng.random() < 0.5]:
+                p.on_remove(k)
+                events += 1
+                p.check_integrity()
+    return events
+
+
+_NOTHING_BUSY: frozenset = frozenset()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_chain_lowest_end_equals_a_recomputation_after_every_event(seed):
+    rng = random.Random(seed)
+    p = ChainOdds(capacity=rng.randint(5, 60), horizon=rng.randint(2, 64),
+                  max_turn=rng.randint(1, 4), max_reads=rng.randint(1, 3),
+                  length_classes=rng.randint(0, 3), branch_classes=rng.random() < 0.5)
+    assert _random_chain_events(p, rng, 150) > 1000
+    assert p._lowest_from_scratch() is not None or not len(p)
+
+
+def test_chain_check_integrity_catches_a_floor_above_another_class():
+    rng = random.Random(1)
+    p = ChainOdds(capacity=40)
+    _random_chain_events(p, rng, 40)
+    p.check_integrity()
+    others = [e for e in p._lows if e[1] != p._best[1] and e[0] < float("inf")]
+    assert others
+    p._floor = (max(e[0] for e in others) + 1.0, 0, None)  # a floor above some other class
+    with pytest.raises(AssertionError, match="below the floor"):
+        p.check_integrity()

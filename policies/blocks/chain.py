@@ -190,6 +190,9 @@ class ChainOdds(BlockPolicy):
         self._dirty: set[int] = set()  # classes changed since _cend was computed
         self._lows = [(_INF, c, None) for c in range(len(self._lists))]  # (density, class, key)
         self._best = self._lows[0]  # the lowest of _lows, as of the last _ends
+        # a lower bound, in (density, class) order, on every entry of _lows but _best's
+        self._floor = self._lows[0]
+        self._above = (_INF, len(self._lows), None)  # above every entry of _lows
         # class -> its oldest read's blocks as _ends last saw them: (that read, a heap of
         # (-depth, seq, key), key -> seq, blocks tracked at that read since, as (-depth,
         # seq, key)); see _ends
@@ -527,6 +530,9 @@ class ChainOdds(BlockPolicy):
 
         Per class, cached until that class changes, the request count moves or
         the density table is refreshed; so a miss recomputes one or two classes.
+        The lowest class is kept with a floor under all the others (``_floor``): it
+        stays the lowest while its new end is below the floor, and all classes are
+        looked at again only when it goes past it.
         """
         if self._ends_at == self._version:
             return self._ends_memo
@@ -547,16 +553,23 @@ class ChainOdds(BlockPolicy):
             full = False
         front, lows = self._front, self._lows
         best = self._best  # (density, class, key) of the lowest class, kept across calls
+        floor = self._floor  # at or below, in (density, class) order, every other class
         for cls in dirty:
             lst = lists[cls]
             if not lst:
                 cend[cls] = ()
                 e = lows[cls] = (_INF, cls, None)
                 if not full:
-                    if e[0] < best[0] or (e[0] == best[0] and cls < best[1]):
-                        best = e
-                    elif best[1] == cls:
-                        full = True  # the lowest class went up: look at them all
+                    d = e[0]
+                    if best[1] == cls:
+                        if d <= best[0] or d < floor[0] or (d == floor[0] and cls < floor[1]):
+                            best = e  # still the lowest
+                        else:
+                            full = True  # the lowest class went up past the floor
+                    elif d < best[0] or (d == best[0] and cls < best[1]):
+                        floor, best = best, e
+                    elif d < floor[0] or (d == floor[0] and cls < floor[1]):
+                        floor = e
                 continue
             first = next(iter(lst))
             t0 = lst[first][0]
@@ -603,15 +616,30 @@ class ChainOdds(BlockPolicy):
                 cend[cls] = (young, old, young, t0, ty)
                 e = lows[cls] = (d_young, cls, k2)
             if not full:
-                if e[0] < best[0] or (e[0] == best[0] and cls < best[1]):
-                    best = e
-                elif best[1] == cls:
-                    full = True  # the lowest class went up: look at them all
+                d = e[0]
+                if best[1] == cls:
+                    # the lowest class changed: it stays the lowest unless it went up past
+                    # the floor of the others
+                    if d <= best[0] or d < floor[0] or (d == floor[0] and cls < floor[1]):
+                        best = e
+                    else:
+                        full = True  # look at them all
+                elif d < best[0] or (d == best[0] and cls < best[1]):
+                    floor, best = best, e
+                elif d < floor[0] or (d == floor[0] and cls < floor[1]):
+                    floor = e
         if dirty:
             self._dirty = set()
         if full:
-            best = min(lows)  # (density, class, key): ties go to the first class
+            # (density, class, key): ties go to the first class, so keys are never compared;
+            # the floor is the lowest of the others, found with the lowest set aside
+            best = min(lows)
+            c = best[1]
+            lows[c] = self._above
+            floor = min(lows)
+            lows[c] = best
         self._best = m = best
+        self._floor = floor
         best = None if m[2] is None else (m[0], m[2])
         self._ends_memo, self._ends_at = best, self._version
         return best
@@ -734,3 +762,9 @@ class ChainOdds(BlockPolicy):
         cached, fresh = self._ends(), self._lowest_from_scratch()
         if cached != fresh:
             raise AssertionError(f"chain: cached lowest end {cached!r}, recomputed {fresh!r}")
+        best, floor = self._best, self._floor
+        for e in self._lows:
+            if e[1] != best[1] and (e[0], e[1]) < (floor[0], floor[1]):
+                raise AssertionError(
+                    f"chain: class {e[1]}'s lowest end {e[0]!r} is below the floor "
+                    f"{floor[0]!r} of class {floor[1]} kept for the classes but the lowest")
