@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/ruff check tiering resources policies tests benchmarks
+	$(BIN)/ruff check tiering resources policies tests benchmarks examples
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(SITE)
 	$(BIN)/python -m pytest -q -n 2 --timeout=600 tests || { rc=$$?; [ $$rc -eq 5 ] && echo "no tests ran"; exit $$rc; }
 

@@ -25,7 +25,6 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-
 from tiering.policies import CandidateBatch, Policy
 from tiering.policies.blocks import BlockInfo, BlockPolicy
 
