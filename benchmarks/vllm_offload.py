@@ -163,6 +163,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--small-host-blocks", type=int, default=16,
                     help="host tier of the host+disk configuration, in 32-token blocks")
+    ap.add_argument("--policy", default=None,
+                    help="block policy of every tier (default: the backend's default)")
     ap.add_argument("--configs", default="none,host,host+disk,shared",
                     help="comma-separated subset of none,host,host+disk,shared (none always runs)")
     args = ap.parse_args()
@@ -194,6 +196,8 @@ def main() -> int:
                     reply_tokens=args.reply_tokens)
         ours = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.integrations.vllm",
                 "host_dir": host_dir}
+        if args.policy is not None:
+            ours["policy"] = args.policy
         every = args.prefixes * prompt_blocks + 16
         configs: dict[str, dict | None] = {"none": None}
         wanted = set(args.configs.split(","))

@@ -1960,15 +1960,42 @@ def _judged(m: TieredBlockManager, tier, refuse=()):
     return p
 
 
-def test_a_block_the_host_policy_refuses_is_not_stored_with_a_disk_tier_too(tmp_path):
-    """With a disk tier every block was stored on the host: its policy was not asked."""
+@pytest.mark.parametrize("disk_admits", [True, False], ids=["to-disk", "no-tier-admits"])
+def test_a_block_the_host_policy_refuses_goes_to_disk_when_the_disk_policy_admits_it(
+        tmp_path, disk_admits):
+    """A block the host's policy refused was not stored even with a disk tier that had
+    room: a default policy that refuses deep blocks on a full host lost every prefix
+    longer than the host to recompute. It now goes straight to disk when the disk's
+    policy admits it (and is served from there, bitwise); refused by both, it is not
+    stored, nor the rest of its chain in the batch."""
     gen = torch.Generator().manual_seed(50)
-    m = make(tmp_path, slots=4, disk_pages=8, executor=InlineExecutor())
+    m = make(tmp_path, slots=4, disk_pages=8, executor=InlineExecutor(), policy="lru")
     host = _judged(m, Tier.HOST, refuse={key(2)})
+    disk = _judged(m, Tier.DISK, refuse=() if disk_admits else {key(2)})
     data = store(m, gen, [key(1), key(2), key(3)], chained=True)
-    assert list(data) == [key(1)]  # a refusal stops the rest of its chain in the batch
-    assert host.asked == [(key(1), 0), (key(2), 1)]
-    assert m.counters.stores_not_admitted == 1 and key(2) not in m.index
+    assert host.asked[:2] == [(key(1), 0), (key(2), 1)]
+    assert disk.asked == [(key(2), 1)]  # asked only for the block the host refused
+    if not disk_admits:
+        assert list(data) == [key(1)]  # a refusal by every tier stops the rest of its chain
+        assert m.counters.stores_not_admitted == 1 and key(2) not in m.index
+        assert key(3) not in m.index
+        m.shutdown()
+        return
+    assert list(data) == [key(1), key(3), key(2)]  # host slots first, then the staged one
+    assert m.counters.stores_not_admitted == 0 and m.counters.stores_staged == 1
+    assert m.wait_io(10)
+    assert m.block(key(2)).disk is DiskState.READY and m.block(key(2)).host is HostState.NONE
+    assert m.block(key(3)).host is HostState.READY
+    r = m.lookup(key(2))
+    if r is Lookup.PENDING:
+        assert m.wait_io(10)
+        r = m.lookup(key(2))
+    assert r is Lookup.HIT
+    (slot,) = m.prepare_load([key(2)])
+    assert torch.equal(loaded(m, slot), data[key(2)])  # the bytes stored, from disk
+    assert m.counters.loads_from_disk == 1
+    m.complete_load([key(2)])
+    m.check_integrity()
     m.shutdown()
 
 

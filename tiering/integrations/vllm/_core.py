@@ -319,7 +319,8 @@ class TieredBlockManager:
 
         ``parents[i]`` is the block before ``keys[i]`` in its request (None: unknown).
         Each new block arrives on the host as a device victim does in the cache: the
-        host's policy admits it (``admit``, root first); a refused block is not stored,
+        host's policy admits it (``admit``, root first), and a block it refuses goes on
+        to the disk, whose policy admits it or not; a block no tier admits is not stored,
         nor are the blocks after it in this batch. Room is then made for the admitted
         ones by the rules (``Cascade.free_host_slots``); a block whose parent left while
         room was made is not stored either. With a disk tier, what does not fit on the

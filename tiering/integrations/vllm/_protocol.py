@@ -205,7 +205,8 @@ class Loads:
 
 class Stores:
     """Store batches: each new block is admitted by the host's policy, then placed in a
-    host slot or, with a disk tier, straight to disk. ``refusing``: the last batch was
+    host slot or, with a disk tier, straight to disk; a block the host's policy refuses
+    goes straight to disk when the disk's policy admits it. ``refusing``: the last batch was
     refused (logged once until one is accepted)."""
 
     def __init__(self, ctx: Ctx, host: HostTier, disk: DiskTier, staging: StoreStaging,
@@ -240,7 +241,10 @@ class Stores:
             ctx.tell(request, batch[0][1], [k for k, _ in batch], (), now)
         depth: dict[bytes, int] = {}
         skipped: set[bytes] = set()
-        new: list[tuple[bytes, bytes | None]] = []
+        new: list[tuple[bytes, bytes | None]] = []  # admitted by the host's policy
+        past_host: list[tuple[bytes, bytes | None]] = []  # refused there, the disk's takes it
+        accepted: list[tuple[bytes, bytes | None]] = []  # both, in the batch's order
+        has_disk = self._disk.disk is not None
         for k, p in batch:
             if k in index or k in host.storing or k in self._staging.staged:
                 if k in index:
@@ -251,23 +255,28 @@ class Stores:
                 continue
             pinfo = index.get(p) if p is not None else None
             d = pinfo.depth + 1 if pinfo is not None else depth.get(p, -1) + 1 if p else 0
-            if not ctx.rules.admits(Tier.HOST, k, now, depth=d):
+            if ctx.rules.admits(Tier.HOST, k, now, depth=d):
+                new.append((k, p))
+            elif has_disk and ctx.rules.admits(Tier.DISK, k, now, depth=d):
+                past_host.append((k, p))
+            else:
                 skipped.add(k)
                 ctx.counters.stores_not_admitted += 1
                 continue
             depth[k] = d
-            new.append((k, p))
+            accepted.append((k, p))
         evicted: list[bytes] = []
-        if self._disk.disk is None:
+        if not has_disk:
             if not self._cascade.free_host_slots(len(new), evicted, set(keys)):
                 return self._refuse(len(new))
             n_host = len(new)
-        else:  # what does not fit on host now goes straight to disk
+        else:  # what does not fit on host, or the host refused, goes straight to disk
             self._cascade.free_host_slots(len(new), evicted, set(keys), partial=True)
             n_host = min(len(new), host.pool.free_pages)
         on_host = new[:n_host]
+        to_disk = new[n_host:] + past_host
         staged: list[tuple[bytes, bytes | None, DiskExtent]] = []
-        for k, p in new[n_host:]:
+        for k, p in to_disk:
             ext = self._disk.reserve(k, evicted)
             if ext is None:
                 break  # the disk is full of busy blocks: the rest is not stored
@@ -275,7 +284,7 @@ class Stores:
         orphans = 0
         if evicted:  # a block whose parent was dropped meanwhile left with it, as in the cache
             gone = set(evicted)
-            for k, p in new:
+            for k, p in accepted:
                 if p is not None and p in gone:
                     gone.add(k)
                     orphans += 1
@@ -285,8 +294,8 @@ class Stores:
                     self._disk.release(ext)
             staged = [x for x in staged if x[0] not in gone]
             ctx.counters.dropped += orphans
-        if new and not on_host and not staged and not orphans:
-            return self._refuse(len(new))
+        if accepted and not on_host and not staged and not orphans:
+            return self._refuse(len(accepted))
         self.refusing = False
         slots = host.begin_stores(on_host)
         staging = None

@@ -130,7 +130,8 @@ Counters = counter_record(
 
     ``stores_refused``: no block of a batch could be placed (every tier full of
     pinned blocks): prepare_store answered None.
-    ``stores_staged``: blocks that went straight to disk (no host slot was free).
+    ``stores_staged``: blocks that went straight to disk (no host slot was free, or the
+    host's policy refused them and the disk's admitted them).
     ``stores_staged_failed``: of those, blocks whose staging or disk write failed.
     ``lookups_over_budget``: a miss because the request held ``load_budget`` blocks.
     ``lookups_timed_out``: a miss because the request waited ``load_wait_s``.
@@ -140,7 +141,8 @@ Counters = counter_record(
     ``shared_fetches`` / ``shared_hits``: local misses asked of the shared tier / found
     there, checked and written to disk; ``shared_misses``: not there (or refused by
     its check); ``shared_unavailable``: the shared tier did not answer.
-    ``stores_not_admitted``: the host's policy refused the block (not stored).
+    ``stores_not_admitted``: the host's policy refused the block, and so did the disk's
+    (or there is no disk tier): not stored.
     ``loads_from_host``: blocks handed to vLLM whose bytes were stored into host.
     ``loads_from_disk``: blocks handed to vLLM whose bytes were promoted from disk.
     ``promotions_failed``: failed their check or I/O: dropped, recomputed.
