@@ -5,7 +5,8 @@ moves unmapped blocks down (device -> host -> disk) when the cache needs room, o
 the caller's thread. Which block leaves, and whether the tier below takes it, are
 the store's rules (``tiering.resources.kv_prefix_rules.BlockRules``, which the
 replay runs too): a victim moves down when the tier below admits it and room can be
-made there, else it is dropped. ``PrefixCache`` hands it the index, the rules, the
+made there (a device victim the host refuses goes to disk when the disk admits it),
+else it is dropped. ``PrefixCache`` hands it the index, the rules, the
 crc table and the counters it shares, and calls it.
 """
 
@@ -98,7 +99,11 @@ class BlockMoves:
         page = self._index.location(key).handle
         slot = None
         if not self._rules.admits(Tier.HOST, key, self._now()):
-            self.drop(key, "evicted")  # the host does not take it: it leaves the cache
+            # the host does not take it: the disk may, else it leaves the cache
+            if c.disk is not None and self._rules.admits(Tier.DISK, key, self._now()):
+                self._device_block_to_disk(key, page)
+            else:
+                self.drop(key, "evicted")
             return
         room = c.host_pool.free_pages > 0 or self.ensure_host(1)
         if key not in self._index:
@@ -127,6 +132,41 @@ class BlockMoves:
         self._rules.moved(key, Tier.DEVICE, Tier.HOST, self._now())
         self.free_location(old.tier, old.handle)
         self._stats["blocks_device_to_host"] += 1
+
+    def _device_block_to_disk(self, key: Hashable, page: int) -> None:
+        """A device victim the host refused and the disk admitted goes straight to disk in
+        a write of its own (room made there by dropping disk victims, never an ancestor:
+        those are held while it moves); no room, or a failed write, drops it."""
+        c = self._s
+        rules = self._rules
+        ext_id = self._extent_ids + 1
+        self._index.begin_move(key, Tier.DISK, (ext_id, 0))
+        extent = c.disk.reserve(DISK_OWNER, 1)
+        while extent is None:
+            victim = rules.victim(Tier.DISK, self._now())
+            if victim is None:
+                break
+            self.drop(victim, "evicted")
+            extent = c.disk.reserve(DISK_OWNER, 1)
+        if extent is None:  # the disk is full of blocks that may not leave
+            self._index.fail_move(key)
+            self.drop(key, "evicted")
+            return
+        try:
+            c.disk.write(extent, c.dev[page : page + 1].to("cpu").contiguous(), first_page=0)
+        except Exception as exc:
+            log.error("block demotion device->disk failed: %s", exc)
+            self._index.fail_move(key)
+            c.disk_call(c.disk.release, extent)
+            self.drop(key, "demote_failed")
+            return
+        self._extent_ids = ext_id
+        self.extents[ext_id] = [extent, 1]
+        old = self._index.finish_move(key)
+        rules.moved(key, Tier.DEVICE, Tier.DISK, self._now())
+        self.free_location(old.tier, old.handle)
+        self._stats["blocks_device_to_disk"] += 1
+        self._stats["disk_block_writes"] += 1
 
     def _host_blocks_down(self, want: int) -> bool:
         """Move up to a batch of unmapped host blocks to disk in one write: each victim the

@@ -18,8 +18,9 @@ decision a policy makes for them is taken here, so a replay runs the rules a cac
   needs pages, the room is refused at once, nothing moved, unless enough of its blocks
   may leave; then its policy names each victim (unmapped, not moving, nothing below it
   busy). The victim moves one tier down when that tier's policy admits it and room can
-  be made there by the same rule (device -> host -> disk); otherwise it is dropped with
-  its cached descendants. A disk victim is dropped.
+  be made there by the same rule (device -> host -> disk); a device victim the host's
+  policy refuses goes on to the disk when the disk's policy admits it; otherwise it is
+  dropped with its cached descendants. A disk victim is dropped.
 - **Arrivals** (``moved``, ``landed``, ``arrived``, ``dropped``): blocks that move, land
   on the device from a load, come from outside, or leave are taken off their old tier's
   policy and put on the new one's, in bulk where several go at once.

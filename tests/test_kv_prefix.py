@@ -655,3 +655,41 @@ def test_each_tier_policy_is_sized_by_its_tier(tmp_path):
         assert kv.enable_prefix_cache(root(), policy="arc")
         caps = {t: kv._prefix.policies[t].capacity for t in Tier}
         assert caps == {Tier.DEVICE: 16, Tier.HOST: 8, Tier.DISK: 32}
+
+
+class _Refusing(LRUBlocks):
+    """LRU that admits no block (a tier whose policy would rather keep what it holds)."""
+
+    def admit(self, key, depth, now):
+        return False
+
+
+@pytest.mark.parametrize("disk_admits", [True, False], ids=["to-disk", "no-tier-admits"])
+def test_a_device_victim_the_host_refuses_goes_to_disk_when_the_disk_admits_it(
+        tmp_path, disk_admits):
+    """A device victim the host's policy refused was dropped even with a disk tier that had
+    room (a default policy refusing on a full host lost every block the host would not
+    take). It now goes straight to disk when the disk's policy admits it, and a later
+    attach is served from there bitwise; refused by the disk too (the control), it is
+    dropped as before."""
+    gen = torch.Generator().manual_seed(31)
+    with make(tmp_path, device_pages=8, host_pages=4) as kv:
+        rules = kv._prefix.rules
+        rules.policies[Tier.HOST] = _Refusing(4)  # the store is empty: nothing to hand over
+        if not disk_admits:
+            rules.policies[Tier.DISK] = _Refusing(32)
+        ids, data = published_off_device(kv, gen)  # the device's victims leave it
+        kv.remove_request("big")
+        kv.check_integrity()
+        st = kv.prefix_stats()
+        assert st.get("blocks_device_to_host", 0) == 0
+        if not disk_admits:
+            assert st.get("blocks_device_to_disk", 0) == 0 and kv.cached_prefix(ids).tokens == 0
+            return
+        assert st.get("blocks_device_to_disk") == 4 and st.get("disk_block_writes") == 4
+        assert kv.cached_prefix(ids).disk == 16
+        assert attach_and_load(kv, "b", ids) == 16
+        assert_leading(kv, "b", data, 16)  # the bytes published, back from disk
+        assert kv.prefix_stats()["hit_tokens_disk"] == 16
+        kv.remove_request("b")
+        kv.check_integrity()

@@ -47,7 +47,8 @@ def format_summary(s: dict[str, Any]) -> str:
                             f"({px['prompt_tokens_run']:,} prompt tokens run vs "
                             f"{px['reference_prompt_tokens_run']:,} in the reference)"),
             ("blocks", f"published {px['blocks_published']:,}; moved device->host "
-                       f"{px['blocks_moved']['device_to_host']:,}, host->disk "
+                       f"{px['blocks_moved']['device_to_host']:,}, device->disk "
+                       f"{px['blocks_moved'].get('device_to_disk', 0):,}, host->disk "
                        f"{px['blocks_moved']['host_to_disk']:,} (in {px['disk_block_writes']:,} writes), "
                        f"host->device {px['blocks_moved']['host_to_device']:,}, disk->device "
                        f"{px['blocks_moved']['disk_to_device']:,}; evicted {px['blocks_evicted']:,}"),

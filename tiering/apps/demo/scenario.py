@@ -469,6 +469,7 @@ def _prefix_summary(pressured: RunOutcome, reference: RunOutcome) -> dict[str, A
         "blocks_published": int(p.get("blocks_published", 0)),
         "blocks_moved": {
             "device_to_host": int(p.get("blocks_device_to_host", 0)),
+            "device_to_disk": int(p.get("blocks_device_to_disk", 0)),
             "host_to_disk": int(p.get("blocks_host_to_disk", 0)),
             "host_to_device": int(p.get("blocks_host_to_device", 0)),
             "disk_to_device": int(p.get("blocks_disk_to_device", 0)),

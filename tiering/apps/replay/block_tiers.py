@@ -36,8 +36,9 @@ The life of a block, in the order a worker on the cache meets it:
   its blocks are unmapped; their pages stay the store's.
 - **Down the tiers**, only when room is needed, as in the cache: ``ensure_device``
   (an allocation, a reload, a load) sends the device policy's victims one tier down
-  when the host policy admits them and room can be made there (``ensure_host``),
-  else drops them with their cached descendants; ``ensure_host`` (a device victim,
+  when the host policy admits them and room can be made there (``ensure_host``), a
+  victim the host refuses straight to disk when the disk policy admits it, else drops
+  them with their cached descendants; ``ensure_host`` (a device victim,
   an offload of a live request) writes a batch of up to ``disk_batch`` host victims
   the disk policy admits to disk in one copy (a refused one is dropped), dropping
   disk victims for room; with no disk, or no room there, the first host victim is
@@ -484,22 +485,47 @@ class PrefixBlocks:
     def _evict_device(self, st: _TierState) -> bool:
         """One victim of the device policy leaves (the cache's ``_move_device_block_down``):
         down to the host (``move``) where the host policy admits it and room can be made
-        there, else dropped. False if the policy offers nothing that may leave."""
+        there; refused by the host, to the disk where the disk policy admits it; else
+        dropped. False if the policy offers nothing that may leave."""
         rules = self.rules
         now = self._clock()
         key = rules.victim(st.tier, now)
         if key is None:
             return False
-        if self.move and rules.admits(Tier.HOST, key, now):
-            bp = self.block_pages
-            room = self._kv.free_pages(Tier.HOST) >= bp or self.ensure_host(bp)
-            if key not in self.index:
-                return True  # making room dropped an ancestor, and this block with it
-            if room:
-                self._move_down([key], st, st.below, now)
+        if self.move:
+            if rules.admits(Tier.HOST, key, now):
+                bp = self.block_pages
+                room = self._kv.free_pages(Tier.HOST) >= bp or self.ensure_host(bp)
+                if key not in self.index:
+                    return True  # making room dropped an ancestor, and this block with it
+                if room:
+                    self._move_down([key], st, st.below, now)
+                    return True
+            elif st.below.below is not None and rules.admits(Tier.DISK, key, now):
+                self._device_to_disk(key, st, now)
                 return True
         self._drop(key, "evicted")
         return True
+
+    def _device_to_disk(self, key: Hashable, st: _TierState, now: float) -> None:
+        """A device victim the host refused and the disk admitted goes straight to disk (the
+        cache's ``_device_block_to_disk``): disk victims are dropped until it fits (never an
+        ancestor: those are held while it moves), else it is dropped."""
+        rules, index = self.rules, self.index
+        disk = st.below.below
+        need = self.block_pages
+        free = self._kv.free_pages
+        index.begin_move(key, Tier.DISK, self._new_handle())
+        while free(Tier.DISK) < need:
+            victim = rules.victim(Tier.DISK, self._clock())
+            if victim is None:
+                break
+            self._drop(victim, "evicted")
+        index.fail_move(key)
+        if free(Tier.DISK) < need:
+            self._drop(key, "evicted")
+            return
+        self._move_down([key], st, disk, now)
 
     def _host_batch_down(self, want: int) -> bool:
         """Up to a batch of host victims go to disk in one copy (the cache's
