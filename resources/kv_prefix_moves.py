@@ -98,24 +98,21 @@ class BlockMoves:
         c = self._s
         page = self._index.location(key).handle
         slot = None
-        if not self._rules.admits(Tier.HOST, key, self._now()):
-            # the host does not take it: the disk may, else it leaves the cache
+        if self._rules.admits(Tier.HOST, key, self._now()):
+            room = c.host_pool.free_pages > 0 or self.ensure_host(1)
+            if key not in self._index:
+                # making room on the host dropped an ancestor of this block (a host victim
+                # takes its descendants with it), and this block with it: its page is free
+                self._stats["dropped_with_ancestor"] += 1
+                return
+            if room:
+                got = c.host_pool.allocate(BLOCKS, 1)
+                slot = got[0] if got else None
+        if slot is None:  # the host refused it or has no room: the disk may take it
             if c.disk is not None and self._rules.admits(Tier.DISK, key, self._now()):
                 self._device_block_to_disk(key, page)
             else:
-                self.drop(key, "evicted")
-            return
-        room = c.host_pool.free_pages > 0 or self.ensure_host(1)
-        if key not in self._index:
-            # making room on the host dropped an ancestor of this block (a host victim takes
-            # its descendants with it), and this block with it: its page is free already
-            self._stats["dropped_with_ancestor"] += 1
-            return
-        if room:
-            got = c.host_pool.allocate(BLOCKS, 1)
-            slot = got[0] if got else None
-        if slot is None:
-            self.drop(key, "evicted")  # nowhere below: the bottom tier for this block
+                self.drop(key, "evicted")  # nowhere below: it leaves the cache
             return
         self._index.begin_move(key, Tier.HOST, slot)
         try:
@@ -134,9 +131,10 @@ class BlockMoves:
         self._stats["blocks_device_to_host"] += 1
 
     def _device_block_to_disk(self, key: Hashable, page: int) -> None:
-        """A device victim the host refused and the disk admitted goes straight to disk in
-        a write of its own (room made there by dropping disk victims, never an ancestor:
-        those are held while it moves); no room, or a failed write, drops it."""
+        """A device victim the host refused (or had no room for) and the disk admitted goes
+        straight to disk in a write of its own (room made there by dropping disk victims,
+        never an ancestor: those are held while it moves); no room, or a failed write,
+        drops it."""
         c = self._s
         rules = self._rules
         ext_id = self._extent_ids + 1

@@ -693,3 +693,26 @@ def test_a_device_victim_the_host_refuses_goes_to_disk_when_the_disk_admits_it(
         assert kv.prefix_stats()["hit_tokens_disk"] == 16
         kv.remove_request("b")
         kv.check_integrity()
+
+
+def test_a_device_victim_the_host_has_no_room_for_goes_to_disk(tmp_path):
+    """The host admits every block (lru) but an offloaded request holds all of it and no
+    cached block there may leave: the device's victims were dropped; they now go
+    straight to disk and come back from there bitwise."""
+    gen = torch.Generator().manual_seed(32)
+    with make(tmp_path, device_pages=8, host_pages=4) as kv:
+        ids, data = published(kv, gen)
+        kv.remove_request("a")
+        kv.ingest_request("h")
+        write_random(kv, "h", gen, 4 * T)
+        assert kv.offload("h") > 0
+        kv.synchronize(10)
+        assert kv.state_of("h") is S.ON_HOST and kv.host_pool.free_pages == 0
+        squeeze_device(kv, gen)
+        kv.remove_request("big")
+        st = kv.prefix_stats()
+        assert st.get("blocks_device_to_host", 0) == 0 and st.get("blocks_device_to_disk") == 4
+        assert kv.cached_prefix(ids).disk == 16
+        assert attach_and_load(kv, "b", ids) == 16
+        assert_leading(kv, "b", data, 16)
+        kv.check_integrity()

@@ -83,3 +83,32 @@ def test_a_request_maps_blocks_the_store_holds_and_bad_mappings_change_nothing()
     assert store.count(Tier.HOST) == 1 and store.idle_pages(Tier.DEVICE) == 0
     kv.check_integrity()
     store.check_integrity()
+
+
+def test_a_device_victim_the_host_has_no_room_for_goes_to_disk_as_in_the_cache():
+    """The replay's side of the cache's rule: a device victim the host admits but cannot
+    make room for (an offloaded request holds all of it) goes straight to disk when the
+    disk's policy admits it; it was dropped."""
+    from tiering.apps.replay.block_tiers import PrefixBlocks
+
+    clock = SimClock()
+    kv = ModeledKVCache(16, 4, 16, 8, 32, LinkRates.instant(), clock)
+    store = PrefixBlocks(kv, "lru", 8, clock)  # a block is 2 pages
+    peek = store.peek((1, 2, 3), 25)
+    att = store.attach_request("a", peek)
+    assert kv.allocate("a", 25)
+    kv.remove_request("a")
+    store.release(att.mapped)
+    assert store.publish(peek.keys) == 3
+    kv.ingest_request("h")  # 8 pages: the whole host once offloaded
+    assert kv.allocate("h", 32)
+    assert kv.offload("h") > 0
+    clock.now += 1.0
+    kv.poll()
+    assert kv.free_pages(Tier.HOST) == 0 and store.count(Tier.HOST) == 0
+    kv.ingest_request("big")  # the whole device: the three blocks must leave it
+    assert kv.allocate("big", 16 * 4)
+    assert store.count(Tier.DEVICE) == 0 and store.count(Tier.DISK) == 3
+    assert store.counters.dropped == 0
+    kv.check_integrity()
+    store.check_integrity()

@@ -97,7 +97,7 @@ class _TierState:
 
 class BlockCounters(NamedTuple):
     moved_host: int  # device -> host
-    moved_disk: int  # host -> disk
+    moved_disk: int  # host (or a device victim the host did not take) -> disk
     loaded: int  # host or disk -> device (reused)
     dropped: int  # blocks dropped, descendants included
     refused: int  # publishes a device policy stopped by not admitting a block
@@ -485,8 +485,8 @@ class PrefixBlocks:
     def _evict_device(self, st: _TierState) -> bool:
         """One victim of the device policy leaves (the cache's ``_move_device_block_down``):
         down to the host (``move``) where the host policy admits it and room can be made
-        there; refused by the host, to the disk where the disk policy admits it; else
-        dropped. False if the policy offers nothing that may leave."""
+        there; else (refused by the host, or no room there) to the disk where the disk
+        policy admits it; else dropped. False if the policy offers nothing that may leave."""
         rules = self.rules
         now = self._clock()
         key = rules.victim(st.tier, now)
@@ -501,16 +501,18 @@ class PrefixBlocks:
                 if room:
                     self._move_down([key], st, st.below, now)
                     return True
-            elif st.below.below is not None and rules.admits(Tier.DISK, key, now):
+            # the host refused it or has no room: the disk may take it
+            if st.below.below is not None and rules.admits(Tier.DISK, key, now):
                 self._device_to_disk(key, st, now)
                 return True
         self._drop(key, "evicted")
         return True
 
     def _device_to_disk(self, key: Hashable, st: _TierState, now: float) -> None:
-        """A device victim the host refused and the disk admitted goes straight to disk (the
-        cache's ``_device_block_to_disk``): disk victims are dropped until it fits (never an
-        ancestor: those are held while it moves), else it is dropped."""
+        """A device victim the host refused (or had no room for) and the disk admitted goes
+        straight to disk (the cache's ``_device_block_to_disk``): disk victims are dropped
+        until it fits (never an ancestor: those are held while it moves), else it is
+        dropped."""
         rules, index = self.rules, self.index
         disk = st.below.below
         need = self.block_pages
