@@ -45,23 +45,30 @@ def test_a_refused_block_move_changes_nothing(seed):
     assert kv.stats.bytes_d2h == before[2] + n * kv.page_bytes
 
 
-def test_a_request_maps_blocks_the_store_holds_and_bad_mappings_change_nothing():
-    """Blocks a request maps are the store's pages (counted once), the used figures leave
-    out blocks no request maps, an allocation makes room through the store, and a mapping
-    with bad figures, or of a request that already holds tokens, is refused naming what
-    was wrong, with nothing changed."""
+def _published(kv: ModeledKVCache, clock: SimClock):
+    """A block store on ``kv`` (lru, a block is 2 pages) holding blocks 1, 2 and 3 on the
+    device, published by a request that has gone."""
     from tiering.apps.replay.block_tiers import PrefixBlocks
 
-    rng = random.Random(3)
-    clock = SimClock()
-    kv = ModeledKVCache(rng.randint(2, 64), 4, 20, 8, 8, LinkRates.instant(), clock)
-    store = PrefixBlocks(kv, "lru", 8, clock)  # a block is 2 pages
+    store = PrefixBlocks(kv, "lru", 8, clock)
     peek = store.peek((1, 2, 3), 25)
     att = store.attach_request("a", peek)
     assert kv.allocate("a", 25)
     kv.remove_request("a")
     store.release(att.mapped)
     assert store.publish(peek.keys) == 3
+    return store
+
+
+def test_a_request_maps_blocks_the_store_holds_and_bad_mappings_change_nothing():
+    """Blocks a request maps are the store's pages (counted once), the used figures leave
+    out blocks no request maps, an allocation makes room through the store, and a mapping
+    with bad figures, or of a request that already holds tokens, is refused naming what
+    was wrong, with nothing changed."""
+    rng = random.Random(3)
+    clock = SimClock()
+    kv = ModeledKVCache(rng.randint(2, 64), 4, 20, 8, 8, LinkRates.instant(), clock)
+    store = _published(kv, clock)
     assert kv.block_pages(Tier.DEVICE) == 6 and kv.device_used_bytes() == 0
     for rid in ("b", "c"):  # two live requests map the same two blocks
         att = store.attach_request(rid, store.peek((1, 2, 9), 24))
@@ -89,17 +96,9 @@ def test_a_device_victim_the_host_has_no_room_for_goes_to_disk_as_in_the_cache()
     """The replay's side of the cache's rule: a device victim the host admits but cannot
     make room for (an offloaded request holds all of it) goes straight to disk when the
     disk's policy admits it; it was dropped."""
-    from tiering.apps.replay.block_tiers import PrefixBlocks
-
     clock = SimClock()
     kv = ModeledKVCache(16, 4, 16, 8, 32, LinkRates.instant(), clock)
-    store = PrefixBlocks(kv, "lru", 8, clock)  # a block is 2 pages
-    peek = store.peek((1, 2, 3), 25)
-    att = store.attach_request("a", peek)
-    assert kv.allocate("a", 25)
-    kv.remove_request("a")
-    store.release(att.mapped)
-    assert store.publish(peek.keys) == 3
+    store = _published(kv, clock)
     kv.ingest_request("h")  # 8 pages: the whole host once offloaded
     assert kv.allocate("h", 32)
     assert kv.offload("h") > 0

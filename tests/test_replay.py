@@ -383,16 +383,23 @@ def test_baselines_run_and_finish(mode):
         assert m["preemptions"] > 0 and m["recomputed_tokens"] > 0
 
 
-def test_without_a_host_tier_cached_blocks_never_reach_the_disk():
-    """As in the cache: a device block moves down only to the host; with none it is
-    dropped, so B finds nothing although the disk had room."""
+@pytest.mark.parametrize("disk_pages", [200, 0], ids=["disk", "no-disk"])
+def test_without_a_host_tier_cached_blocks_go_straight_to_the_disk(disk_pages):
+    """As in the cache: a device block the host cannot take (there is none) goes straight
+    to the disk when the disk's policy admits it, and B's prefix is found there; they
+    were dropped. With no disk either (the control) they are dropped and B finds nothing."""
     sim = SimConfig(page_tokens=16, block_tokens=16, block_policy="lru")
     res = simulate(_prefix_trace(0.5), COST, RunSpec("tiering", "lru"), sim,
-                   kv_factory=_checked_factory(120, 0, 200, sim=sim))
+                   kv_factory=_checked_factory(120, 0, disk_pages, sim=sim))
     b = res.requests[-1]
-    assert b.prefix_tier is None and b.reused_tokens == 0
     kinds = Counter(d.kind for d in res.decisions)
-    assert kinds["block-drop"] > 0 and kinds["block-disk"] == kinds["block-host"] == 0
+    assert kinds["block-host"] == 0
+    if disk_pages:
+        assert b.prefix_tier == "disk" and b.reused_tokens == 320
+        assert kinds["block-disk"] == 20 and kinds["block-drop"] == 0
+    else:
+        assert b.prefix_tier is None and b.reused_tokens == 0
+        assert kinds["block-drop"] > 0 and kinds["block-disk"] == 0
 
 
 def test_tiering_preempts_offloads_and_reloads_without_recomputing():

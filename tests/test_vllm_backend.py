@@ -1824,10 +1824,19 @@ def _cache_decisions(tmp_path, policy, seq, host, disk, seed):
     pc = kv._prefix
     log: list[tuple] = []
 
+    on_host: set = set()
+
     def watch(kind, k, tier):
         if kind == "publish" or (kind in ("drop", "orphan") and tier is Tier.DEVICE):
             return  # the device tier is vLLM's in the manager
-        log.append(("arrive", k) if kind == "move" and tier is Tier.HOST else (kind, k, tier))
+        if kind == "move" and tier is Tier.HOST:
+            on_host.add(k)
+            log.append(("arrive", k))
+        elif kind == "move" and tier is Tier.DISK and k not in on_host:
+            log.append(("arrive", k, Tier.DISK))  # a device victim straight to disk
+        else:
+            on_host.discard(k)
+            log.append((kind, k, tier))
 
     pc.rules.watch = watch
     chains: dict[int, torch.Tensor] = {}
@@ -1879,8 +1888,13 @@ def _manager_decisions(tmp_path, policy, requests, host, disk, tell_once=True):
         for j in range(max(1, new)):  # a request holding its first block is told all the same
             d = m.prepare_store([keys[j]], [keys[j - 1] if j else None], request=req)
             assert d is not None
+            for slot in d.slots:  # the worker writes each block: a host slot or a staged row
+                land(m, d, slot, [torch.randint(0, 256, (PAGE,), dtype=torch.uint8)])
             m.complete_store(d.keys_to_store)
-            log.extend(("arrive", k) for k in d.keys_to_store if k in m.index)
+            for k in d.keys_to_store:
+                if k in m.index:
+                    on_disk = m.index.location(k).tier is Tier.DISK
+                    log.append(("arrive", k, Tier.DISK) if on_disk else ("arrive", k))
             if keys[j] not in m.index:
                 break
         m.check_integrity()
