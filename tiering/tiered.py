@@ -40,7 +40,7 @@ from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.control.protocols import TieredCache
 from tiering.core.validate import check_timeout, is_int
 from tiering.errors import UnknownRequest
-from tiering.policies import make_policy
+from tiering.policies import PolicyRegistry, default_registry, make_policy
 from tiering.policies.base import Policy
 from tiering.resources.base import ResourceReqConfig, ResourceStep, StepContext
 from tiering.resources.kv_geometry import KVGeometry
@@ -73,7 +73,9 @@ class TieredKVConfig:
 
     ``device_pages`` / ``host_pages``: the pools' sizes in KV pages of
     ``geometry.page_bytes`` (``from_bytes`` takes bytes); every other size is bytes
-    (``tiering.units``). ``policy``: a registered policy name or a ``Policy`` instance.
+    (``tiering.units``). ``policy``: a registered policy name or a ``Policy`` instance
+    (a name whose factory needs the ``resource`` it reads priorities from, such as
+    ``"priority"``, is given the cache's, ``"kv"``).
     ``pressure``: builds the pressure source from the cache (default
     ``cache_pressure``: the pool's own occupancy on a CPU; on a GPU the worse of
     that and the whole device as NVML sees it). ``cache_options``: further keyword
@@ -193,9 +195,18 @@ _CACHE_METHODS = tuple(sorted({
 }))
 
 
+#: the name the front door's cache has in its controller (what a PRIORITY policy asks)
+CACHE_RESOURCE = "kv"
+
+
 def _resolve_policy(policy: str | Policy, registry: Any) -> Policy:
+    """A policy name is built from ``registry`` (default: the built-ins); one whose factory
+    needs the ``resource`` it reads priorities from ("priority") is given the cache's."""
     if isinstance(policy, str):
-        return make_policy(policy, registry=registry)
+        reg = default_registry() if registry is None else registry
+        needs = reg.required_options(policy) if isinstance(reg, PolicyRegistry) else ()
+        options = {"resource": CACHE_RESOURCE} if "resource" in needs else {}
+        return make_policy(policy, registry=registry, **options)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a policy name or a Policy, got {policy!r}")
     return policy
@@ -383,7 +394,7 @@ class TieredKV:
             self.pressure = pressure(kv)
             self._owns_pressure = owns_pressure
             self.controller = EvictionController(
-                {"kv": kv}, policy, self.pressure, controller, clock=clock
+                {CACHE_RESOURCE: kv}, policy, self.pressure, controller, clock=clock
             )
             for rid in kv.requests():  # reattached from disk by an earlier process
                 self.controller.add_request(rid)

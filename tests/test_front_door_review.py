@@ -1,0 +1,66 @@
+"""The front door and the parts, from a user's side: every policy the docs name can be
+asked for by name, bad input is refused by name without a change, and reported figures
+are what happened."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiering.policies import default_registry, register_policy
+from tiering.resources.base import ResourceReqConfig
+
+from tiering import ControllerConfig, TieredKV, TieredKVConfig, make_policy
+from tiering.testing import FakeClock
+
+
+def _fill(tkv: TieredKV, rid: str, tokens: int, gen: torch.Generator,
+          config: ResourceReqConfig | None = None) -> None:
+    g = tkv.kv.geometry
+    tkv.add(rid, config)
+    assert tkv.kv.allocate(rid, tokens)
+    for layer in range(g.num_layers):
+        k = torch.randn(tokens, g.num_kv_heads, g.head_dim, generator=gen).to(g.dtype)
+        tkv.kv.write(rid, layer, 0, k, -k)
+
+
+@pytest.mark.parametrize("name", default_registry().names)
+def test_every_built_in_policy_name_builds_a_front_door(geom, name):
+    """docs/embedding.md lists lru, priority, largest and cost as `policy` values."""
+    with TieredKV(TieredKVConfig(geometry=geom, device_pages=8, host_pages=8,
+                                 policy=name)) as tkv:
+        assert tkv.policy.name == name
+
+
+def test_priority_by_name_offloads_the_request_the_serving_layer_keeps_least(geom):
+    clock = FakeClock()
+    gen = torch.Generator().manual_seed(11)
+    cfg = TieredKVConfig(geometry=geom, device_pages=8, host_pages=8, policy="priority",
+                         controller=ControllerConfig(high=0.7, low=0.6, min_residency_s=0.0))
+    with TieredKV(cfg, clock=clock) as tkv:
+        _fill(tkv, "kept", 2 * geom.page_tokens, gen, ResourceReqConfig(retention_priority=90))
+        clock.advance(1.0)
+        _fill(tkv, "spare", 2 * geom.page_tokens, gen, ResourceReqConfig(retention_priority=10))
+        clock.advance(1.0)
+        _fill(tkv, "runs", 2 * geom.page_tokens, gen)
+        report = tkv.after_step(["runs"])
+        # LRU would pick "kept" (the oldest); the retention priority says "spare"
+        assert report.offloaded == ("spare",)
+        tkv.synchronize(timeout=10)
+        tkv.check_integrity()
+
+
+def test_a_custom_policy_that_needs_a_resource_is_given_the_caches(geom):
+    seen = []
+
+    def factory(resource, weight=1.0):
+        seen.append((resource, weight))
+        return make_policy("priority", resource=resource)
+
+    registry = register_policy("mine", factory)
+    assert registry.required_options("mine") == ("resource",)
+    assert registry.required_options("lru") == ()
+    assert registry.required_options("nope") == ()
+    with TieredKV(TieredKVConfig(geometry=geom, device_pages=8, host_pages=8, policy="mine"),
+                  policy_registry=registry):
+        pass
+    assert seen == [("kv", 1.0)]
