@@ -64,3 +64,32 @@ def test_a_custom_policy_that_needs_a_resource_is_given_the_caches(geom):
                   policy_registry=registry):
         pass
     assert seen == [("kv", 1.0)]
+
+
+@pytest.mark.parametrize("fields, error, name", [
+    ({"retention_priority": "50"}, TypeError, "retention_priority"),
+    ({"retention_priority": True}, TypeError, "retention_priority"),
+    ({"retention_priority": "high"}, TypeError, "retention_priority"),
+    ({"retention_priority": [5]}, TypeError, "retention_priority"),
+    ({"retention_priority": float("nan")}, ValueError, "retention_priority"),
+    ({"retention_priority": 100.5}, ValueError, "retention_priority"),
+    ({"retention_expiry_s": "5"}, TypeError, "retention_expiry_s"),
+    ({"retention_expiry_s": True}, TypeError, "retention_expiry_s"),
+    ({"retention_expiry_s": 0}, ValueError, "retention_expiry_s"),
+    ({"retention_expiry_s": float("nan")}, ValueError, "retention_expiry_s"),
+    ({"extra": None}, TypeError, "extra"),
+    ({"extra": [("a", 1)]}, TypeError, "extra"),
+])
+def test_request_settings_refuse_what_is_not_a_number_by_field(fields, error, name):
+    """A str that looks like a number, or a bool, used to be kept as given: the cache then
+    compared it with the number (so `add` refused the same request's real settings) and a
+    non-number one failed later, inside the step, with float()'s message."""
+    with pytest.raises(error, match=rf"ResourceReqConfig\.{name}"):
+        ResourceReqConfig(**fields)
+
+
+def test_request_settings_take_numpy_numbers_and_an_infinite_expiry():
+    import numpy as np
+
+    cfg = ResourceReqConfig(retention_priority=np.float64(40.0), retention_expiry_s=float("inf"))
+    assert cfg.retention_priority == 40.0
