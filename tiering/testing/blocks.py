@@ -77,11 +77,15 @@ def _check_victims(factory: PolicyFactory, seed: int) -> None:
         raise AssertionError(f"policy tracks {len(policy)} blocks, the index holds {len(tracked)}")
     offered = []
     gen = policy.victims(float(len(chains)))
-    for k in gen:
-        offered.append(k)
-        if len(offered) >= len(tracked):
-            break
-    gen.close()
+    try:
+        for k in gen:
+            offered.append(k)
+            if len(offered) >= len(tracked):
+                break
+    finally:
+        close = getattr(gen, "close", None)  # an Iterator need not be a generator
+        if callable(close):
+            close()
     if not all(k in tracked for k in offered):
         raise AssertionError(f"victims offered untracked blocks {set(offered) - tracked}")
     if set(offered) != tracked:
