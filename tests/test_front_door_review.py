@@ -93,3 +93,49 @@ def test_request_settings_take_numpy_numbers_and_an_infinite_expiry():
 
     cfg = ResourceReqConfig(retention_priority=np.float64(40.0), retention_expiry_s=float("inf"))
     assert cfg.retention_priority == 40.0
+
+
+def _datetime_now():
+    import datetime
+
+    return datetime.datetime.now()
+
+
+@pytest.mark.parametrize("clock", [_datetime_now, lambda: "now", lambda: None,
+                                   lambda: float("nan"), lambda: True],
+                         ids=["datetime.now", "str", "None", "nan", "bool"])
+def test_a_clock_that_reads_no_number_is_refused_when_built(geom, clock):
+    """Before, such a clock was taken; the first `add` then raised float()'s error after the
+    cache had ingested the request and the controller's table had half-registered it, so
+    check_integrity failed ("live slots [] differ from the rids' slots")."""
+    from tiering import EvictionController, PagedKVCache, cache_pressure
+
+    cfg = TieredKVConfig(geometry=geom, device_pages=8, host_pages=8)
+    with pytest.raises(TypeError, match="TieredKV: clock must return a finite number"):
+        TieredKV(cfg, clock=clock)
+    with pytest.raises(ValueError, match="PagedKVCache: clock must return a finite number"):
+        PagedKVCache(geom, device_pages=8, host_pages=8, clock=clock)
+    with PagedKVCache(geom, device_pages=8, host_pages=8) as kv:
+        kv.ingest_request("a")
+        with pytest.raises(TypeError, match="TieredKV.around: clock must return"):
+            TieredKV.around(kv, clock=clock)
+        with pytest.raises(TypeError, match="EvictionController: clock must return"):
+            EvictionController({"kv": kv}, make_policy("lru"), cache_pressure(kv), clock=clock)
+        assert kv.requests() == ["a"]  # the refusals left the cache open and as it was
+        kv.check_integrity()
+
+
+def test_a_clock_in_integer_nanoseconds_or_numpy_is_a_clock(geom):
+    import time
+
+    import numpy as np
+
+    with TieredKV(TieredKVConfig(geometry=geom, device_pages=8, host_pages=8),
+                  clock=lambda: np.float64(time.monotonic())) as tkv:
+        tkv.add("a")
+        tkv.after_step(["a"])
+        tkv.check_integrity()
+    with TieredKV(TieredKVConfig(geometry=geom, device_pages=8, host_pages=8),
+                  clock=time.monotonic_ns) as tkv:
+        tkv.add("a")
+        tkv.check_integrity()

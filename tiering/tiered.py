@@ -38,7 +38,7 @@ import torch
 from tiering.control.controller import ControllerConfig, EvictionController, EvictionReport
 from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.control.protocols import TieredCache
-from tiering.core.validate import check_timeout, is_int
+from tiering.core.validate import check_clock, check_timeout, is_int
 from tiering.errors import UnknownRequest
 from tiering.policies import PolicyRegistry, default_registry, make_policy
 from tiering.policies.base import Policy
@@ -309,8 +309,7 @@ class TieredKV:
     ) -> None:
         if not isinstance(config, TieredKVConfig):
             raise TypeError(f"TieredKV needs a TieredKVConfig, got {type(config).__name__}")
-        if not callable(clock):
-            raise TypeError(f"TieredKV: clock must be callable, got {clock!r}")
+        check_clock("TieredKV", clock)
         policy = _resolve_policy(config.policy, policy_registry)
         from tiering.resources.kv_cache import (
             PagedKVCache,  # paid only by a TieredKV that builds one
@@ -355,8 +354,7 @@ class TieredKV:
         before that and leaves the cache open; a failure while assembling (the
         pressure factory or the controller raising) closes it. ``stall_warn_steps``: as
         in ``TieredKVConfig``."""
-        if not callable(clock):
-            raise TypeError(f"TieredKV.around: clock must be callable, got {clock!r}")
+        check_clock("TieredKV.around", clock)
         missing = [m for m in _CACHE_METHODS if not callable(getattr(cache, m, None))]
         if missing:
             raise TypeError(

@@ -22,7 +22,7 @@ from tiering.control.config import ControllerConfig, EvictionReport
 from tiering.control.eviction import DeviceEviction
 from tiering.control.request_table import RequestTable, ResourceHandle
 from tiering.control.stats import ControllerStats
-from tiering.core.validate import check_timeout, is_integral
+from tiering.core.validate import check_clock, check_timeout, is_integral
 from tiering.errors import UnknownRequest, UnknownRequestError
 from tiering.policies.base import Candidate, Policy
 from tiering.types import Move, TransferResult
@@ -72,8 +72,7 @@ class EvictionController:
                             f"{type(resources).__name__}")
         if not resources:
             raise ValueError("resources must name at least one resource")
-        if not callable(clock):
-            raise TypeError(f"clock must be callable, got {clock!r}")
+        check_clock("EvictionController", clock)
         if reload_priority is not None and not callable(reload_priority):
             raise TypeError(f"reload_priority must be callable or None, got {reload_priority!r}")
         for name in resources:
