@@ -139,3 +139,42 @@ def test_a_clock_in_integer_nanoseconds_or_numpy_is_a_clock(geom):
                   clock=time.monotonic_ns) as tkv:
         tkv.add("a")
         tkv.check_integrity()
+
+
+def test_the_prometheus_exporter_closes_twice_refuses_a_duplicate_and_takes_a_front_door(geom):
+    """Before: a second close() raised KeyError; a second exporter on one registry doubled
+    every metric family (a scrape Prometheus rejects); a TieredKV was exported under
+    names like tiering_controller_controller_offloads, every counter typed as a gauge; and
+    a registry that is not one failed with AttributeError."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tiering.control.metrics import PrometheusExporter
+
+    gen = torch.Generator().manual_seed(5)
+    cfg = TieredKVConfig(geometry=geom, device_pages=8, host_pages=8,
+                         controller=ControllerConfig(high=0.5, low=0.25, min_residency_s=0.0))
+    with TieredKV(cfg) as tkv:
+        registry = CollectorRegistry()
+        exporter = PrometheusExporter(tkv, registry)
+        _fill(tkv, "a", 3 * geom.page_tokens, gen)
+        _fill(tkv, "b", 3 * geom.page_tokens, gen)
+        offloaded = tkv.after_step(["b"]).offloaded
+        assert offloaded == ("a",)
+        value = registry.get_sample_value
+        assert value("tiering_controller_offloads_total") == 1
+        assert value("tiering_controller_live_requests") == 2
+        with pytest.raises(ValueError, match="already exports tiering_controller_"):
+            PrometheusExporter(tkv.controller, registry)
+        text = generate_latest(registry).decode()
+        assert text.count("# TYPE tiering_controller_offloads_total counter") == 1
+        assert "controller_controller" not in text
+        exporter.close()
+        exporter.close()  # idempotent
+        assert value("tiering_controller_offloads_total") is None
+        again = PrometheusExporter(tkv.controller, registry)  # the names are free again
+        assert value("tiering_controller_offloads_total") == 1
+        again.close()
+        with pytest.raises(TypeError, match="registry must be a prometheus_client"):
+            PrometheusExporter(tkv.controller, 3)
+        tkv.synchronize(timeout=10)
