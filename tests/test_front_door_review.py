@@ -178,3 +178,27 @@ def test_the_prometheus_exporter_closes_twice_refuses_a_duplicate_and_takes_a_fr
         with pytest.raises(TypeError, match="registry must be a prometheus_client"):
             PrometheusExporter(tkv.controller, 3)
         tkv.synchronize(timeout=10)
+
+
+def test_make_room_for_more_than_the_device_holds_is_refused_and_offloads_nothing(geom):
+    """Before, make_room(100 pages) on an 8-page device offloaded every idle request for
+    room that could never be there."""
+    from tiering import EvictionController, PagedKVCache, cache_pressure
+
+    gen = torch.Generator().manual_seed(3)
+    cfg = TieredKVConfig(geometry=geom, device_pages=8, host_pages=16,
+                         controller=ControllerConfig(min_residency_s=0.0))
+    with TieredKV(cfg) as tkv:
+        for rid in ("a", "b", "c"):
+            _fill(tkv, rid, 2 * geom.page_tokens, gen)
+        before = (tkv.stats(), [tkv.kv.state_of(r) for r in ("a", "b", "c")])
+        with pytest.raises(ValueError, match=rf"nbytes {8 * geom.page_bytes + 1} is more than the device holds"):
+            tkv.make_room(8 * geom.page_bytes + 1)
+        assert (tkv.stats(), [tkv.kv.state_of(r) for r in ("a", "b", "c")]) == before
+        assert tkv.make_room(8 * geom.page_bytes) == ("a", "b", "c")  # all of it: allowed
+        tkv.synchronize(timeout=10)
+        tkv.check_integrity()
+    with PagedKVCache(geom, device_pages=4, host_pages=4) as kv:
+        ctl = EvictionController({"kv": kv}, make_policy("lru"), cache_pressure(kv))
+        with pytest.raises(ValueError, match=rf"need_bytes {4 * geom.page_bytes + 1} is more than the device"):
+            ctl.make_room(4 * geom.page_bytes + 1, ())

@@ -563,12 +563,17 @@ class TieredKV:
         free once their copies land (a later step); the rids offloaded, none when the room
         is there already or nothing idle has bytes to give. For an ``allocate`` that
         answered False below ``high``, where ``after_step`` offloads nothing. Never
-        offloads ``keep`` or what the last ``after_step`` was told ran or keeps."""
+        offloads ``keep`` or what the last ``after_step`` was told ran or keeps. An
+        ``nbytes`` above the device's capacity is a ValueError (nothing offloaded)."""
         self._check_open()
         keep = _as_ids(keep, "make_room", "keep")
         _check_ids(keep, "make_room", "keep")
         if not is_int(nbytes) or nbytes < 0:
             raise ValueError(f"TieredKV.make_room: nbytes must be an int >= 0, got {nbytes!r}")
+        capacity = self.controller.device_capacity_bytes
+        if nbytes > capacity:
+            raise ValueError(f"TieredKV.make_room: nbytes {nbytes} is more than the device "
+                             f"holds ({capacity} bytes); no offload can free it")
         return self.controller.make_room(nbytes, self._running.union(keep))
 
     def synchronize(self, timeout: float = 60.0) -> None:

@@ -437,10 +437,14 @@ class EvictionController:
         free once their copies land; the rids offloaded (none when that much is free
         already, or when no idle request has anything to give). For a worker whose
         ``allocate`` answered False: a pass offloads only above ``high``. ``running`` as for
-        ``evict_if_needed``; ``need_bytes`` an int >= 0 (ValueError otherwise, nothing done)."""
+        ``evict_if_needed``; ``need_bytes`` an int >= 0 and at most the device capacity
+        (ValueError otherwise, nothing done: no offload could free more than the device)."""
         _check_running(running, "make_room")
         if not is_integral(need_bytes) or need_bytes < 0:
             raise ValueError(f"make_room: need_bytes must be an int >= 0, got {need_bytes!r}")
+        if need_bytes > self._capacity:  # no offload frees it: refused, nothing offloaded
+            raise ValueError(f"make_room: need_bytes {need_bytes} is more than the device "
+                             f"holds ({self._capacity} bytes)")
         try:
             self._poll()
             fraction = self._sample()
