@@ -202,3 +202,35 @@ def test_make_room_for_more_than_the_device_holds_is_refused_and_offloads_nothin
         ctl = EvictionController({"kv": kv}, make_policy("lru"), cache_pressure(kv))
         with pytest.raises(ValueError, match=rf"need_bytes {4 * geom.page_bytes + 1} is more than the device"):
             ctl.make_room(4 * geom.page_bytes + 1, ())
+
+
+def test_a_cache_another_open_front_door_drives_is_refused_and_left_as_it_was(geom):
+    """Before, a second TieredKV.around over the same cache was built: two controllers then
+    moved the same requests, and the second's check_integrity failed at once for a request
+    the first added."""
+    from tiering import PagedKVCache
+
+    kv = PagedKVCache(geom, device_pages=8, host_pages=8)
+    first = TieredKV.around(kv)
+    first.add("a")
+    with pytest.raises(ValueError, match="already driven by an open TieredKV"):
+        TieredKV.around(kv)
+    first.check_integrity()
+    assert first.requests() == ["a"] and kv.requests() == ["a"]  # still open, unchanged
+    with TieredKV(TieredKVConfig(geometry=geom, device_pages=8, host_pages=8)) as built:
+        with pytest.raises(ValueError, match="already driven"):
+            TieredKV.around(built.kv)
+        built.add("b")
+        built.check_integrity()
+    first.close()  # the cache closes with it; a closed cache cannot be driven again
+    with pytest.raises(Exception, match="closed"):
+        TieredKV.around(kv)
+    other = PagedKVCache(geom, device_pages=8, host_pages=8)
+    dropped = TieredKV.around(other)
+    del dropped  # never closed, but gone: the cache may be driven again
+    import gc
+
+    gc.collect()
+    with TieredKV.around(other) as again:
+        again.add("c")
+        again.check_integrity()

@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,6 +280,18 @@ def _pressure_factory(pressure: object) -> Callable[[Any], PressureSource]:
     )
 
 
+#: id(cache) -> the TieredKV that drives it: one front door (one controller) per cache
+_DRIVERS: dict[int, weakref.ref] = {}
+
+
+def _driver_of(cache: Any) -> TieredKV | None:
+    ref = _DRIVERS.get(id(cache))
+    tkv = ref() if ref is not None else None
+    if tkv is None or tkv._closed or tkv.kv is not cache:
+        return None
+    return tkv
+
+
 class Readiness(enum.Enum):
     """What ``TieredKV.ready`` found for one request of a batch."""
 
@@ -351,7 +364,8 @@ class TieredKV:
         ``cache_pressure(cache)``. The ``TieredKV`` owns the cache
         from then on: ``close()`` closes it. A refused argument (a cache without
         the hooks, a controller, pressure or clock of the wrong kind) raises
-        before that and leaves the cache open; a failure while assembling (the
+        before that and leaves the cache open (so does a cache another open ``TieredKV``
+        drives: ValueError, one controller per cache); a failure while assembling (the
         pressure factory or the controller raising) closes it. ``stall_warn_steps``: as
         in ``TieredKVConfig``."""
         check_clock("TieredKV.around", clock)
@@ -364,6 +378,11 @@ class TieredKV:
             raise TypeError(
                 f"TieredKV.around needs a cache that supports eviction, got {type(cache).__name__}"
             )
+        if _driver_of(cache) is not None:
+            raise ValueError(
+                f"TieredKV.around: this {type(cache).__name__} is already driven by an open "
+                "TieredKV (two controllers would move the same requests); close that one, "
+                "which closes the cache, or use it")
         if controller is None:
             controller = ControllerConfig()
         if not isinstance(controller, ControllerConfig):
@@ -404,6 +423,7 @@ class TieredKV:
         self._running: frozenset[str] = frozenset()
         self._closed = False
         self._stalls = _StallWatch(stall_warn_steps)
+        _DRIVERS[id(kv)] = weakref.ref(self)
 
     # -- registration -----------------------------------------------------------
 
@@ -642,6 +662,9 @@ class TieredKV:
         if self._closed:
             return
         self._closed = True
+        ref = _DRIVERS.get(id(self.kv))
+        if ref is not None and ref() is self:
+            del _DRIVERS[id(self.kv)]
         try:
             if self._owns_pressure:  # first: a poller reads the cache until it stops
                 _stop_source(self.pressure)
