@@ -234,3 +234,20 @@ def test_a_cache_another_open_front_door_drives_is_refused_and_left_as_it_was(ge
     with TieredKV.around(other) as again:
         again.add("c")
         again.check_integrity()
+
+
+def test_a_sparse_write_is_refused_by_name_and_writes_nothing(geom):
+    """Before, a sparse k failed inside the copy with torch's NotImplementedError."""
+    from tiering import PagedKVCache
+
+    gen = torch.Generator().manual_seed(9)
+    with PagedKVCache(geom, device_pages=4, host_pages=4) as kv:
+        kv.ingest_request("a")
+        assert kv.allocate("a", 4)
+        k = torch.randn(4, geom.num_kv_heads, geom.head_dim, generator=gen).to(geom.dtype)
+        kv.write("a", 0, 0, k, -k)
+        other = torch.randn(4, geom.num_kv_heads, geom.head_dim, generator=gen)
+        with pytest.raises(ValueError, match="k must be a dense tensor"):
+            kv.write("a", 0, 0, other.to_sparse().to(geom.dtype), other.to(geom.dtype))
+        assert torch.equal(kv.read("a", 0)[0], k)
+        kv.check_integrity()
