@@ -51,3 +51,29 @@ def test_a_policy_whose_victims_is_a_plain_iterator_passes_the_block_contract():
 def test_a_policy_that_offers_no_victims_fails_the_block_contract_by_name():
     with pytest.raises(AssertionError, match="victims did not offer every tracked block"):
         check_block_policy(_NoVictims, requests=200)
+
+
+class _NotAPolicy:
+    def __init__(self, capacity):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+
+
+def test_a_factory_that_makes_no_block_policy_fails_the_contract_by_name():
+    """Before: AttributeError ('_NotAPolicy' object has no attribute 'on_request')."""
+    with pytest.raises(AssertionError, match="returned _NotAPolicy, not a BlockPolicy"):
+        check_block_policy(_NotAPolicy, requests=50)
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (("lru",), TypeError, "factory must be callable"),
+    ((_ListLRU,), ValueError, "requests must be an int >= 1"),
+])
+def test_the_block_contract_refuses_its_own_bad_arguments_by_name(args, error, match):
+    """Before: check_block_policy("lru") failed as if the policy broke the capacity rule,
+    and requests=0 as if it got no hits."""
+    kwargs = {"requests": 0} if args[0] is _ListLRU else {}
+    with pytest.raises(error, match=match):
+        check_block_policy(*args, **kwargs)
+    with pytest.raises(ValueError, match="seed must be an int"):
+        check_block_policy(_ListLRU, seed="x", requests=50)
