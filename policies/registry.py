@@ -7,6 +7,7 @@ and ``product`` (the class every factory must return an instance of).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
@@ -77,6 +78,21 @@ class Registry:
                 f"{self.product.__name__}"
             )
         return made
+
+    def required_options(self, name: str) -> tuple[str, ...]:
+        """The keyword options ``make(name)`` cannot do without: the factory's parameters
+        that have no default, in order (``("resource",)`` for "priority"). () for an
+        unknown name or a factory whose signature cannot be read."""
+        factory = self._factories.get(name) if isinstance(name, str) else None
+        if factory is None:
+            return ()
+        try:
+            params = inspect.signature(factory).parameters.values()
+        except (TypeError, ValueError):
+            return ()
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return tuple(p.name for p in params
+                     if p.kind in kinds and p.default is inspect.Parameter.empty)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(self.names)})"

@@ -8,6 +8,7 @@ the engine.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -52,11 +53,25 @@ class ResourceReqConfig:
 
     def __post_init__(self) -> None:
         p = self.retention_priority
-        if p is not None and not (0.0 <= float(p) <= 100.0):
-            raise ValueError(f"retention_priority must be in [0, 100], got {p!r}")
+        if p is not None:
+            _check_real("retention_priority", p, "a number in [0, 100]")
+            if not 0.0 <= p <= 100.0:
+                raise ValueError(
+                    f"ResourceReqConfig.retention_priority must be in [0, 100], got {p!r}")
         e = self.retention_expiry_s
-        if e is not None and not float(e) > 0.0:
-            raise ValueError(f"retention_expiry_s must be > 0 seconds, got {e!r}")
+        if e is not None:
+            _check_real("retention_expiry_s", e, "a number of seconds > 0")
+            if not e > 0.0:
+                raise ValueError(
+                    f"ResourceReqConfig.retention_expiry_s must be > 0 seconds, got {e!r}")
+        if not isinstance(self.extra, Mapping):
+            raise TypeError(f"ResourceReqConfig.extra must be a mapping, got {self.extra!r}")
+
+
+def _check_real(name: str, value: object, what: str) -> None:
+    """A real number (Python's or numpy's), never a bool or a str that looks like one."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"ResourceReqConfig.{name} must be {what} or None, got {value!r}")
 
 
 #: Retention priority assumed when a request names none (0..100 scale).

@@ -355,8 +355,10 @@ class PagedKVCache(LifecycleAnswers, Resource):
 
     def device_page_table(self, rid: str) -> torch.Tensor:
         """The request's device slots as a long tensor on the device (kept per
-        request, rebuilt only when its slots change; no host sync to use it). During a
-        layer-wise reload admitted from layer 0, read layer L only after ``wait_layer``."""
+        request, rebuilt only when its slots change; no host sync to use it). It is the
+        cache's own tensor: read it, never write into it (``clone()`` one to change;
+        ``check_integrity`` names a table written into). During a layer-wise reload
+        admitted from layer 0, read layer L only after ``wait_layer``."""
         return self._data.device_page_table(rid)
 
     def is_streamed(self, rid: str) -> bool:

@@ -130,6 +130,8 @@ class DataPlane:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.layout is not torch.strided:
+                raise ValueError(f"{what}: {name} must be a dense tensor, got layout {t.layout}")
         if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != want:
             raise ValueError(
                 f"{what}: k and v must both be [tokens, {want[0]}, {want[1]}],"

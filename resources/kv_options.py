@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tiering.core.staging import StagingConfig
-from tiering.core.validate import check_timeout
+from tiering.core.validate import check_clock, check_timeout
 
 if TYPE_CHECKING:  # pragma: no cover
     from tiering.resources.kv_records import KVStats
@@ -64,10 +64,10 @@ class KVOptions:
                 f" requests (device_pages={self.device_pages})")
         if self.stage_disk_io is not None and not isinstance(self.stage_disk_io, bool):
             raise ValueError(f"PagedKVCache: stage_disk_io must be a bool or None, got {self.stage_disk_io!r}")
-        for name in ("clock", "copy_fault_hook"):
-            fn = getattr(self, name)
-            if not callable(fn):
-                raise ValueError(f"PagedKVCache: {name} must be callable, got {fn!r}")
+        if not callable(self.copy_fault_hook):
+            raise ValueError(
+                f"PagedKVCache: copy_fault_hook must be callable, got {self.copy_fault_hook!r}")
+        check_clock("PagedKVCache", self.clock, ValueError)
         if self.disk_wrap_store is not None and not callable(self.disk_wrap_store):
             raise ValueError(f"PagedKVCache: disk_wrap_store must be callable or None, got {self.disk_wrap_store!r}")
         object.__setattr__(self, "layer_wait_timeout_s", check_timeout(

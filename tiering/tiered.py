@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,9 +39,9 @@ import torch
 from tiering.control.controller import ControllerConfig, EvictionController, EvictionReport
 from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.control.protocols import TieredCache
-from tiering.core.validate import check_timeout, is_int
+from tiering.core.validate import check_clock, check_timeout, is_int
 from tiering.errors import UnknownRequest
-from tiering.policies import make_policy
+from tiering.policies import PolicyRegistry, default_registry, make_policy
 from tiering.policies.base import Policy
 from tiering.resources.base import ResourceReqConfig, ResourceStep, StepContext
 from tiering.resources.kv_geometry import KVGeometry
@@ -73,7 +74,9 @@ class TieredKVConfig:
 
     ``device_pages`` / ``host_pages``: the pools' sizes in KV pages of
     ``geometry.page_bytes`` (``from_bytes`` takes bytes); every other size is bytes
-    (``tiering.units``). ``policy``: a registered policy name or a ``Policy`` instance.
+    (``tiering.units``). ``policy``: a registered policy name or a ``Policy`` instance
+    (a name whose factory needs the ``resource`` it reads priorities from, such as
+    ``"priority"``, is given the cache's, ``"kv"``).
     ``pressure``: builds the pressure source from the cache (default
     ``cache_pressure``: the pool's own occupancy on a CPU; on a GPU the worse of
     that and the whole device as NVML sees it). ``cache_options``: further keyword
@@ -193,9 +196,18 @@ _CACHE_METHODS = tuple(sorted({
 }))
 
 
+#: the name the front door's cache has in its controller (what a PRIORITY policy asks)
+CACHE_RESOURCE = "kv"
+
+
 def _resolve_policy(policy: str | Policy, registry: Any) -> Policy:
+    """A policy name is built from ``registry`` (default: the built-ins); one whose factory
+    needs the ``resource`` it reads priorities from ("priority") is given the cache's."""
     if isinstance(policy, str):
-        return make_policy(policy, registry=registry)
+        reg = default_registry() if registry is None else registry
+        needs = reg.required_options(policy) if isinstance(reg, PolicyRegistry) else ()
+        options = {"resource": CACHE_RESOURCE} if "resource" in needs else {}
+        return make_policy(policy, registry=registry, **options)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a policy name or a Policy, got {policy!r}")
     return policy
@@ -268,6 +280,18 @@ def _pressure_factory(pressure: object) -> Callable[[Any], PressureSource]:
     )
 
 
+#: id(cache) -> the TieredKV that drives it: one front door (one controller) per cache
+_DRIVERS: dict[int, weakref.ref] = {}
+
+
+def _driver_of(cache: Any) -> TieredKV | None:
+    ref = _DRIVERS.get(id(cache))
+    tkv = ref() if ref is not None else None
+    if tkv is None or tkv._closed or tkv.kv is not cache:
+        return None
+    return tkv
+
+
 class Readiness(enum.Enum):
     """What ``TieredKV.ready`` found for one request of a batch."""
 
@@ -298,8 +322,7 @@ class TieredKV:
     ) -> None:
         if not isinstance(config, TieredKVConfig):
             raise TypeError(f"TieredKV needs a TieredKVConfig, got {type(config).__name__}")
-        if not callable(clock):
-            raise TypeError(f"TieredKV: clock must be callable, got {clock!r}")
+        check_clock("TieredKV", clock)
         policy = _resolve_policy(config.policy, policy_registry)
         from tiering.resources.kv_cache import (
             PagedKVCache,  # paid only by a TieredKV that builds one
@@ -341,11 +364,11 @@ class TieredKV:
         ``cache_pressure(cache)``. The ``TieredKV`` owns the cache
         from then on: ``close()`` closes it. A refused argument (a cache without
         the hooks, a controller, pressure or clock of the wrong kind) raises
-        before that and leaves the cache open; a failure while assembling (the
+        before that and leaves the cache open (so does a cache another open ``TieredKV``
+        drives: ValueError, one controller per cache); a failure while assembling (the
         pressure factory or the controller raising) closes it. ``stall_warn_steps``: as
         in ``TieredKVConfig``."""
-        if not callable(clock):
-            raise TypeError(f"TieredKV.around: clock must be callable, got {clock!r}")
+        check_clock("TieredKV.around", clock)
         missing = [m for m in _CACHE_METHODS if not callable(getattr(cache, m, None))]
         if missing:
             raise TypeError(
@@ -355,6 +378,11 @@ class TieredKV:
             raise TypeError(
                 f"TieredKV.around needs a cache that supports eviction, got {type(cache).__name__}"
             )
+        if _driver_of(cache) is not None:
+            raise ValueError(
+                f"TieredKV.around: this {type(cache).__name__} is already driven by an open "
+                "TieredKV (two controllers would move the same requests); close that one, "
+                "which closes the cache, or use it")
         if controller is None:
             controller = ControllerConfig()
         if not isinstance(controller, ControllerConfig):
@@ -383,7 +411,7 @@ class TieredKV:
             self.pressure = pressure(kv)
             self._owns_pressure = owns_pressure
             self.controller = EvictionController(
-                {"kv": kv}, policy, self.pressure, controller, clock=clock
+                {CACHE_RESOURCE: kv}, policy, self.pressure, controller, clock=clock
             )
             for rid in kv.requests():  # reattached from disk by an earlier process
                 self.controller.add_request(rid)
@@ -395,6 +423,7 @@ class TieredKV:
         self._running: frozenset[str] = frozenset()
         self._closed = False
         self._stalls = _StallWatch(stall_warn_steps)
+        _DRIVERS[id(kv)] = weakref.ref(self)
 
     # -- registration -----------------------------------------------------------
 
@@ -554,12 +583,17 @@ class TieredKV:
         free once their copies land (a later step); the rids offloaded, none when the room
         is there already or nothing idle has bytes to give. For an ``allocate`` that
         answered False below ``high``, where ``after_step`` offloads nothing. Never
-        offloads ``keep`` or what the last ``after_step`` was told ran or keeps."""
+        offloads ``keep`` or what the last ``after_step`` was told ran or keeps. An
+        ``nbytes`` above the device's capacity is a ValueError (nothing offloaded)."""
         self._check_open()
         keep = _as_ids(keep, "make_room", "keep")
         _check_ids(keep, "make_room", "keep")
         if not is_int(nbytes) or nbytes < 0:
             raise ValueError(f"TieredKV.make_room: nbytes must be an int >= 0, got {nbytes!r}")
+        capacity = self.controller.device_capacity_bytes
+        if nbytes > capacity:
+            raise ValueError(f"TieredKV.make_room: nbytes {nbytes} is more than the device "
+                             f"holds ({capacity} bytes); no offload can free it")
         return self.controller.make_room(nbytes, self._running.union(keep))
 
     def synchronize(self, timeout: float = 60.0) -> None:
@@ -628,6 +662,9 @@ class TieredKV:
         if self._closed:
             return
         self._closed = True
+        ref = _DRIVERS.get(id(self.kv))
+        if ref is not None and ref() is self:
+            del _DRIVERS[id(self.kv)]
         try:
             if self._owns_pressure:  # first: a poller reads the cache until it stops
                 _stop_source(self.pressure)

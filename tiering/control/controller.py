@@ -22,7 +22,7 @@ from tiering.control.config import ControllerConfig, EvictionReport
 from tiering.control.eviction import DeviceEviction
 from tiering.control.request_table import RequestTable, ResourceHandle
 from tiering.control.stats import ControllerStats
-from tiering.core.validate import check_timeout, is_integral
+from tiering.core.validate import check_clock, check_timeout, is_integral
 from tiering.errors import UnknownRequest, UnknownRequestError
 from tiering.policies.base import Candidate, Policy
 from tiering.types import Move, TransferResult
@@ -72,8 +72,7 @@ class EvictionController:
                             f"{type(resources).__name__}")
         if not resources:
             raise ValueError("resources must name at least one resource")
-        if not callable(clock):
-            raise TypeError(f"clock must be callable, got {clock!r}")
+        check_clock("EvictionController", clock)
         if reload_priority is not None and not callable(reload_priority):
             raise TypeError(f"reload_priority must be callable or None, got {reload_priority!r}")
         for name in resources:
@@ -438,10 +437,14 @@ class EvictionController:
         free once their copies land; the rids offloaded (none when that much is free
         already, or when no idle request has anything to give). For a worker whose
         ``allocate`` answered False: a pass offloads only above ``high``. ``running`` as for
-        ``evict_if_needed``; ``need_bytes`` an int >= 0 (ValueError otherwise, nothing done)."""
+        ``evict_if_needed``; ``need_bytes`` an int >= 0 and at most the device capacity
+        (ValueError otherwise, nothing done: no offload could free more than the device)."""
         _check_running(running, "make_room")
         if not is_integral(need_bytes) or need_bytes < 0:
             raise ValueError(f"make_room: need_bytes must be an int >= 0, got {need_bytes!r}")
+        if need_bytes > self._capacity:  # no offload frees it: refused, nothing offloaded
+            raise ValueError(f"make_room: need_bytes {need_bytes} is more than the device "
+                             f"holds ({self._capacity} bytes)")
         try:
             self._poll()
             fraction = self._sample()

@@ -63,6 +63,20 @@ def check_fields(
         check_number(owner, name, getattr(record, name), zero_ok=True)
 
 
+def check_clock(what: str, clock: object, error: type[Exception] = TypeError) -> None:
+    """``clock`` is a callable whose reading is a finite real number of seconds (read once,
+    here): a clock such as ``datetime.now`` or one that returns None or NaN would otherwise
+    fail later, inside a step, after part of a registration or a move was made. ``error``
+    (TypeError by default) names ``what``'s clock."""
+    if not callable(clock):
+        raise error(f"{what}: clock must be callable, got {clock!r}")
+    reading = clock()
+    if (isinstance(reading, bool) or not isinstance(reading, numbers.Real)
+            or not math.isfinite(reading)):
+        raise error(f"{what}: clock must return a finite number of seconds, "
+                    f"got {reading!r} from {clock!r}")
+
+
 def check_timeout(what: str, timeout: object) -> float:
     """``timeout`` as a finite number of seconds >= 0 (every wait is bounded: an infinite or
     NaN one is refused, as is a bool); else ValueError naming ``what``. Called before

@@ -77,11 +77,15 @@ def _check_victims(factory: PolicyFactory, seed: int) -> None:
         raise AssertionError(f"policy tracks {len(policy)} blocks, the index holds {len(tracked)}")
     offered = []
     gen = policy.victims(float(len(chains)))
-    for k in gen:
-        offered.append(k)
-        if len(offered) >= len(tracked):
-            break
-    gen.close()
+    try:
+        for k in gen:
+            offered.append(k)
+            if len(offered) >= len(tracked):
+                break
+    finally:
+        close = getattr(gen, "close", None)  # an Iterator need not be a generator
+        if callable(close):
+            close()
     if not all(k in tracked for k in offered):
         raise AssertionError(f"victims offered untracked blocks {set(offered) - tracked}")
     if set(offered) != tracked:
@@ -112,12 +116,35 @@ def _check_victims(factory: PolicyFactory, seed: int) -> None:
 
 
 def check_block_policy(factory: PolicyFactory, seed: int = 0, requests: int = 600) -> None:
-    """Run the whole contract on ``factory(capacity=...)``; raises AssertionError on a breach."""
+    """Run the whole contract on ``factory(capacity=...)``; raises AssertionError on a breach
+    (a factory that makes something other than a ``BlockPolicy`` is one). The check's own
+    arguments are refused by name: a ``factory`` that is not callable (TypeError), a
+    ``seed`` that is not an int or ``requests`` that is not an int >= 1 (ValueError)."""
+    if not callable(factory):
+        raise TypeError(f"check_block_policy: factory must be callable (capacity=... -> a "
+                        f"BlockPolicy), got {factory!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"check_block_policy: seed must be an int, got {seed!r}")
+    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
+        raise ValueError(f"check_block_policy: requests must be an int >= 1, got {requests!r}")
     _check_rejects_bad_capacity(factory)
+    made = _policies_of(factory)
     try:
-        _check_replays(factory, seed, requests)
+        _check_replays(made, seed, requests)
     except RuntimeError as err:  # the index refused what the policy offered (e.g. a block gone)
         raise AssertionError(f"the policy broke the protocol: {err}") from err
+
+
+def _policies_of(factory: PolicyFactory) -> PolicyFactory:
+    """``factory``, each policy it makes checked to be a ``BlockPolicy``."""
+    def make(**kwargs):
+        policy = factory(**kwargs)
+        if not isinstance(policy, BlockPolicy):
+            raise AssertionError(
+                f"factory({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) returned "
+                f"{type(policy).__name__}, not a BlockPolicy")
+        return policy
+    return make
 
 
 def _check_replays(factory: PolicyFactory, seed: int, requests: int) -> None:
