@@ -27,7 +27,11 @@ best established policy (LRU, ARC, S3-FIFO, LIRS) in the same row, and the
 adaptive policy's leader at the end with the request it took the lead at. The
 cost of each policy is its replay time as a ratio to LRU's in the same run.
 
-Usage: ``python benchmarks/prefix.py --out prefix.json [--trace T] [--requests N] [--capacities ...] [--only LABELS]``
+``--split tuning`` runs, instead, the tuning split alone: the bundled trace's
+first half and every generator at seeds 100, 101 and 102 (rows such as
+``synth-sessions-s100``), the rows on which parameters may be chosen.
+
+Usage: ``python benchmarks/prefix.py --out prefix.json [--trace T] [--requests N] [--capacities ...] [--only LABELS] [--split tuning]``
 """
 
 from __future__ import annotations
@@ -74,6 +78,26 @@ SHIFTED = synth.SynthConfig(
     gap_median=200.0,
     gap_sigma=1.2,
 )
+
+
+#: the seeds of the synthetic generators on the tuning split (no reported row uses them)
+TUNING_SEEDS = (100, 101, 102)
+
+
+def tuning_sets(trace: Path, requests: int) -> list[tuple]:
+    """(label, split, chains) of the tuning split: the bundled trace's first half and
+    every generator at each of ``TUNING_SEEDS``, for choosing parameters on."""
+    chains = load_chains(trace)
+    sets = [("bundled-1st-half", "tuning", chains[:len(chains) // 2])]
+    for s in TUNING_SEEDS:
+        sets += [
+            (f"synth-conversation-s{s}", "tuning", synth.synthetic_chains(requests, s)),
+            (f"synth-shifted-s{s}", "tuning", synth.synthetic_chains(requests, s + 1, SHIFTED)),
+            (f"synth-sessions-s{s}", "tuning", synth.session_chains(requests, s)),
+            (f"synth-agents-s{s}", "tuning", synth.agent_chains(requests, s)),
+            (f"synth-scan-mix-s{s}", "tuning", synth.scan_mix_chains(requests, s)),
+        ]
+    return sets
 
 
 def trace_sets(trace: Path, user: Path | None, requests: int, seed: int) -> list[tuple]:
@@ -294,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces")
     ap.add_argument("--adversarial-capacity", type=int, default=1000)
     ap.add_argument("--only", default="", help="comma-separated trace labels to run (default all)")
+    ap.add_argument("--split", choices=("report", "tuning"), default="report",
+                    help="report: the rows above (default); tuning: the bundled trace's first "
+                         "half and every generator at the tuning seeds, for choosing parameters")
     args = ap.parse_args(argv)
     capacities = [int(c) for c in args.capacities.split(",") if c]
     if not capacities or min(capacities) < 1:
@@ -304,7 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     for must in (*ESTABLISHED, CANDIDATE, OLD_DEFAULT):
         if must not in names:
             ap.error(f"block policy {must!r} is not registered")
-    sets = trace_sets(args.bundled, args.trace, args.requests, args.seed)
+    if args.split == "tuning":
+        if args.trace is not None or args.seed != 0:
+            ap.error("--split tuning runs the tuning seeds on the bundled trace; "
+                     "it takes neither --trace nor --seed")
+        sets = tuning_sets(args.bundled, args.requests)
+    else:
+        used = {args.seed, args.seed + 1}  # the shifted generator runs at seed + 1
+        if used & {*TUNING_SEEDS, TUNING_SEEDS[-1] + 1}:
+            ap.error(f"--seed {args.seed}: its generators would run at a tuning seed "
+                     f"({', '.join(map(str, TUNING_SEEDS))}, the shifted one at each + 1), "
+                     f"so its rows would not be held out (use --split tuning)")
+        sets = trace_sets(args.bundled, args.trace, args.requests, args.seed)
     only = {x for x in args.only.split(",") if x}
     rows = [run_row(label, split, ch, cap, names)
             for label, split, ch in sets if not only or label in only
