@@ -134,13 +134,12 @@ class LRUBlocks(BlockPolicy):
 
     def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
                    get: Callable[[Hashable], BlockInfo], now: float) -> None:
-        if self.overrides(LRUBlocks, "on_insert", "on_insert_key"):
+        if self.overrides(LRUBlocks, "on_insert", "on_insert_key", "__contains__",
+                          "_tracked_count"):
             return super().on_inserts(keys, depths, get, now)
-        check_batch(self, "on_insert", keys, False)
+        check_batch(self, "on_insert", keys, False)  # none tracked, none twice
         order = self._order
         for k in keys:
-            if k in order:
-                raise already_tracked(self, k)
             order[k] = None
 
 
@@ -186,7 +185,8 @@ class ARCBlocks(BlockPolicy):
 
     def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
                    get: Callable[[Hashable], BlockInfo], now: float) -> None:
-        if self.overrides(ARCBlocks, "on_insert", "on_insert_key", "_insert", "_trim", "__len__"):
+        if self.overrides(ARCBlocks, "on_insert", "on_insert_key", "_insert", "_trim", "__len__",
+                          "__contains__", "_tracked_count"):
             return super().on_inserts(keys, depths, get, now)
         check_batch(self, "on_insert", keys, False)
         # _insert of each, inline: the same lists, target and trimming after each (the
@@ -195,9 +195,7 @@ class ARCBlocks(BlockPolicy):
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         pop1, pop2 = b1.popitem, b2.popitem
         n1, n2, g1, g2 = len(t1), len(t2), len(b1), len(b2)
-        for k in keys:
-            if k in t1 or k in t2:
-                raise already_tracked(self, k)
+        for k in keys:  # check_batch: none tracked, none twice
             if k in b1:
                 self.p = min(float(c), self.p + max(g2 / g1, 1.0))
                 del b1[k]
@@ -402,13 +400,12 @@ class S3FIFOBlocks(BlockPolicy):
 
     def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
                    get: Callable[[Hashable], BlockInfo], now: float) -> None:
-        if self.overrides(S3FIFOBlocks, "on_insert", "on_insert_key"):
+        if self.overrides(S3FIFOBlocks, "on_insert", "on_insert_key", "__contains__",
+                          "_tracked_count"):
             return super().on_inserts(keys, depths, get, now)
         check_batch(self, "on_insert", keys, False)
         s, m, g = self._s, self._m, self._g
-        for k in keys:
-            if k in s or k in m:
-                raise already_tracked(self, k)
+        for k in keys:  # check_batch: none tracked, none twice
             if k in g:
                 del g[k]
                 m[k] = 0
