@@ -43,7 +43,8 @@ class RequestPages:
         self._window, self._stream_pages = o.stream_window_pages, o.stream_buffer_pages
 
     def allocate(self, r: RequestRecord, num_tokens: int) -> bool:
-        if not admitted_early(r):
+        early = admitted_early(r)
+        if not early:
             guard(r, Op.ALLOCATE)
         if num_tokens <= r.num_tokens:
             return True
@@ -51,6 +52,8 @@ class RequestPages:
         extra = g.pages_for(num_tokens) - len(r.device) - len(r.shared) - len(r.head)
         if extra > 0 and self._stream is not None and (
                 r.head or g.pages_for(num_tokens) - len(r.shared) > self.longest()):
+            if early:  # its later layers still copy into its device pages: stream once landed
+                return False
             return self._allocate_streamed(r, num_tokens, extra)
         if extra > 0:
             prefix = self._reuse.blocks

@@ -251,3 +251,77 @@ def test_a_sparse_write_is_refused_by_name_and_writes_nothing(geom):
             kv.write("a", 0, 0, other.to_sparse().to(geom.dtype), other.to(geom.dtype))
         assert torch.equal(kv.read("a", 0)[0], k)
         kv.check_integrity()
+
+
+def test_a_reload_while_demoting_is_refused_naming_the_states_it_starts_from(geom, tmp_path):
+    """is_offloaded is True while a request demotes, but a reload starts only from on_host
+    or on_disk (can_reload False): the refusal said "only an offloaded request reloads" of
+    a request is_offloaded called offloaded."""
+    import threading
+
+    from tiering import DiskConfig, IllegalTransition, PagedKVCache
+    from tiering.disk.faults import FaultPlan, FaultyStore
+    from tiering.types import RequestState
+
+    gate = threading.Event()
+    plan = FaultPlan(0, sleep=lambda _s: gate.wait(10))
+    kv = PagedKVCache(geom, device_pages=8, host_pages=8,
+                      disk=DiskConfig(path=tmp_path / "disk", capacity_bytes=16 * geom.page_bytes),
+                      disk_wrap_store=lambda store: FaultyStore(store, plan))
+    try:
+        kv.ingest_request("a")
+        assert kv.allocate("a", 2 * geom.page_tokens)
+        kv.offload("a")
+        kv.synchronize(timeout=10)
+        plan.arm("slow", next_n=1)
+        assert kv.demote("a")
+        assert kv.state_of("a") is RequestState.DEMOTING
+        assert kv.is_offloaded("a") and not kv.can_reload("a")
+        with pytest.raises(IllegalTransition, match="demoting.*on_host or on_disk.*can_reload"):
+            kv.reload("a")
+        with pytest.raises(IllegalTransition, match="demoting.*on_host or on_disk.*can_reload"):
+            kv.drop("a")
+        kv.check_integrity()
+    finally:
+        gate.set()
+        kv.close()
+
+
+def test_an_early_admitted_reload_that_would_outgrow_the_device_waits_to_stream():
+    """Found by tests/test_layerwise_state_machine.py: a layer-wise reload admitted from
+    layer 0 grew, during its early step, past what the device holds; the cache then turned
+    it into a streamed request while its later layers were still copying (spilling device
+    pages those copies write to a host head), and check_integrity failed ("grown reload
+    holds 3 device pages (needs 13)"; "streamed in state reloading"). Now that allocate
+    answers False, changing nothing, until the reload has landed; then it streams."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_layerwise_state_machine import LayerwiseMachine
+
+    m = LayerwiseMachine()
+    try:
+        m.add(tokens=5)
+        m.grow(grow=4, i=0)
+        m.offload(i=0)
+        m.reload_held(fail=None, hold=1, i=0)  # layer 0 landed, layer 1 held
+        kv = m.kv
+        grown = []
+        for grow in (2, 2, 3, 3, 3, 3):
+            before = kv.num_tokens("r0")
+            m.grow_early(grow=grow)
+            grown.append(kv.num_tokens("r0") - before)
+            m.integrity()
+            assert not kv.is_streamed("r0")
+        assert grown[-1] == 0  # the growth that would stream was refused while reloading
+        m.finish()  # the reload lands; every byte written is read back
+        m.integrity()
+        n = kv.num_tokens("r0")
+        assert kv.allocate("r0", n + 3)  # now it may stream
+        assert kv.is_streamed("r0")
+        m._write("r0", n, 3)
+        m._check("r0")
+        m.integrity()
+    finally:
+        m.teardown()

@@ -70,8 +70,10 @@ class Op(IdentityEnum):
 GUARDS: dict[Op, tuple[frozenset[RequestState], str]] = {
     Op.OFFLOAD: (frozenset({S.RESIDENT}), "offload: request {rid!r} is {state}; only a resident request offloads"),
     Op.DEMOTE: (frozenset({S.ON_HOST}), "demote: request {rid!r} is {state}; only an on-host request demotes"),
-    Op.RELOAD: (RELOADABLE_STATES, "reload: request {rid!r} is {state}; only an offloaded request reloads"),
-    Op.DROP: (RELOADABLE_STATES, "drop: request {rid!r} is {state}; only an offloaded request is dropped"),
+    Op.RELOAD: (RELOADABLE_STATES, "reload: request {rid!r} is {state}; a reload starts only "
+                "from on_host or on_disk (can_reload says when)"),
+    Op.DROP: (RELOADABLE_STATES, "drop: request {rid!r} is {state}; only a request on_host or "
+              "on_disk is dropped (can_reload says when)"),
     Op.ALLOCATE: (frozenset({S.RESIDENT}), "request {rid!r} is {state}; allocate needs it resident"),
 }
 
