@@ -90,14 +90,20 @@ def tuning_sets(trace: Path, requests: int) -> list[tuple]:
     chains = load_chains(trace)
     sets = [("bundled-1st-half", "tuning", chains[:len(chains) // 2])]
     for s in TUNING_SEEDS:
-        sets += [
-            (f"synth-conversation-s{s}", "tuning", synth.synthetic_chains(requests, s)),
-            (f"synth-shifted-s{s}", "tuning", synth.synthetic_chains(requests, s + 1, SHIFTED)),
-            (f"synth-sessions-s{s}", "tuning", synth.session_chains(requests, s)),
-            (f"synth-agents-s{s}", "tuning", synth.agent_chains(requests, s)),
-            (f"synth-scan-mix-s{s}", "tuning", synth.scan_mix_chains(requests, s)),
-        ]
+        sets += _synthetic_sets(requests, s, "tuning", f"-s{s}")
     return sets
+
+
+def _synthetic_sets(requests: int, seed: int, split: str, suffix: str = "") -> list[tuple]:
+    """(label, split, chains) of every synthetic generator at ``seed`` (the shifted one at
+    ``seed + 1``), each label ending in ``suffix``."""
+    return [
+        (f"synth-conversation{suffix}", split, synth.synthetic_chains(requests, seed)),
+        (f"synth-shifted{suffix}", split, synth.synthetic_chains(requests, seed + 1, SHIFTED)),
+        (f"synth-sessions{suffix}", split, synth.session_chains(requests, seed)),
+        (f"synth-agents{suffix}", split, synth.agent_chains(requests, seed)),
+        (f"synth-scan-mix{suffix}", split, synth.scan_mix_chains(requests, seed)),
+    ]
 
 
 def trace_sets(trace: Path, user: Path | None, requests: int, seed: int) -> list[tuple]:
@@ -107,11 +113,7 @@ def trace_sets(trace: Path, user: Path | None, requests: int, seed: int) -> list
     sets = [
         ("bundled-1st-half", "tuning", chains[:half]),
         ("bundled-2nd-half", "held-out", chains[half:]),
-        ("synth-conversation", "held-out", synth.synthetic_chains(requests, seed)),
-        ("synth-shifted", "held-out", synth.synthetic_chains(requests, seed + 1, SHIFTED)),
-        ("synth-sessions", "held-out", synth.session_chains(requests, seed)),
-        ("synth-agents", "held-out", synth.agent_chains(requests, seed)),
-        ("synth-scan-mix", "held-out", synth.scan_mix_chains(requests, seed)),
+        *_synthetic_sets(requests, seed, "held-out"),
     ]
     if user is not None:
         sets.append((f"user:{user.name}", "user", load_chains(user)))

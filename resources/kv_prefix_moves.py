@@ -130,6 +130,20 @@ class BlockMoves:
         self.free_location(old.tier, old.handle)
         self._stats["blocks_device_to_host"] += 1
 
+    def _disk_extent(self, n: int):
+        """A disk extent of ``n`` pages for blocks whose moves have begun, room made by
+        dropping the bottom tier's victims (never an ancestor of a moving block: those are
+        held while their descendants move); None when the disk cannot make the room."""
+        c = self._s
+        extent = c.disk.reserve(DISK_OWNER, n)
+        while extent is None:
+            key = self._rules.victim(Tier.DISK, self._now())
+            if key is None:
+                break
+            self.drop(key, "evicted")
+            extent = c.disk.reserve(DISK_OWNER, n)
+        return extent
+
     def _device_block_to_disk(self, key: Hashable, page: int) -> None:
         """A device victim the host refused (or had no room for) and the disk admitted goes
         straight to disk in a write of its own (room made there by dropping disk victims,
@@ -139,13 +153,7 @@ class BlockMoves:
         rules = self._rules
         ext_id = self._extent_ids + 1
         self._index.begin_move(key, Tier.DISK, (ext_id, 0))
-        extent = c.disk.reserve(DISK_OWNER, 1)
-        while extent is None:
-            victim = rules.victim(Tier.DISK, self._now())
-            if victim is None:
-                break
-            self.drop(victim, "evicted")
-            extent = c.disk.reserve(DISK_OWNER, 1)
+        extent = self._disk_extent(1)
         if extent is None:  # the disk is full of blocks that may not leave
             self._index.fail_move(key)
             self.drop(key, "evicted")
@@ -188,15 +196,7 @@ class BlockMoves:
         chosen = [(key, self._index.location(key).handle) for key in keys]  # host slots
         if not chosen:
             return refused > 0
-        extent = c.disk.reserve(DISK_OWNER, len(chosen))
-        while extent is None:
-            # the bottom tier: its retention policy's victim leaves (never an ancestor of a
-            # chosen block: those are held while their descendants move)
-            key = rules.victim(Tier.DISK, self._now())
-            if key is None:
-                break
-            self.drop(key, "evicted")
-            extent = c.disk.reserve(DISK_OWNER, len(chosen))
+        extent = self._disk_extent(len(chosen))
         if extent is None:  # the disk cannot take them: the best victim leaves, the rest stay
             for key, _ in chosen:
                 self._index.fail_move(key)

@@ -37,8 +37,8 @@ The life of a block, in the order a worker on the cache meets it:
 - **Down the tiers**, only when room is needed, as in the cache: ``ensure_device``
   (an allocation, a reload, a load) sends the device policy's victims one tier down
   when the host policy admits them and room can be made there (``ensure_host``), a
-  victim the host refuses straight to disk when the disk policy admits it, else drops
-  them with their cached descendants; ``ensure_host`` (a device victim,
+  victim the host refuses or has no room for straight to disk when the disk policy
+  admits it, else drops them with their cached descendants; ``ensure_host`` (a device victim,
   an offload of a live request) writes a batch of up to ``disk_batch`` host victims
   the disk policy admits to disk in one copy (a refused one is dropped), dropping
   disk victims for room; with no disk, or no room there, the first host victim is
@@ -513,21 +513,14 @@ class PrefixBlocks:
         straight to disk (the cache's ``_device_block_to_disk``): disk victims are dropped
         until it fits (never an ancestor: those are held while it moves), else it is
         dropped."""
-        rules, index = self.rules, self.index
-        disk = st.below.below
-        need = self.block_pages
-        free = self._kv.free_pages
+        index = self.index
         index.begin_move(key, Tier.DISK, self._new_handle())
-        while free(Tier.DISK) < need:
-            victim = rules.victim(Tier.DISK, self._clock())
-            if victim is None:
-                break
-            self._drop(victim, "evicted")
+        room = self._disk_room(self.block_pages)
         index.fail_move(key)
-        if free(Tier.DISK) < need:
+        if not room:
             self._drop(key, "evicted")
             return
-        self._move_down([key], st, disk, now)
+        self._move_down([key], st, st.below.below, now)
 
     def _host_batch_down(self, want: int) -> bool:
         """Up to a batch of host victims go to disk in one copy (the cache's
@@ -550,20 +543,26 @@ class PrefixBlocks:
             lambda key, i: index.begin_move(key, Tier.DISK, self._new_handle()))
         if not chosen:
             return refused > 0
-        need = len(chosen) * self.block_pages
-        free = self._kv.free_pages
-        while free(Tier.DISK) < need:
-            key = rules.victim(Tier.DISK, self._clock())
-            if key is None:
-                break
-            self._drop(key, "evicted")
+        room = self._disk_room(len(chosen) * self.block_pages)
         for key in chosen:
             index.fail_move(key)
-        if free(Tier.DISK) < need:  # the disk cannot take them: the first leaves, the rest stay
+        if not room:  # the disk cannot take them: the first leaves, the rest stay
             self._drop(chosen[0], "evicted")
             return True
         self._move_down(chosen, host, disk, self._clock())
         return True
+
+    def _disk_room(self, need: int) -> bool:
+        """Whether ``need`` disk pages are free once the disk policy's victims are dropped for
+        them (the cache's ``_disk_extent``; the blocks to move have begun their moves, so no
+        ancestor of theirs is a victim)."""
+        free = self._kv.free_pages
+        while free(Tier.DISK) < need:
+            key = self.rules.victim(Tier.DISK, self._clock())
+            if key is None:
+                break
+            self._drop(key, "evicted")
+        return free(Tier.DISK) >= need
 
     def _move_down(self, keys: Sequence[Hashable], src: _TierState, dst: _TierState,
                    now: float) -> None:
