@@ -9,8 +9,9 @@ its last block leaves.
 
 Layout: ``PrefixCache`` (this module: set-up, publish / lookup / attach, loads,
 integrity) owns the index, the policies' rules, the crc table and the counters, and
-hands them to its two parts: ``BlockMoves`` (``kv_prefix_moves``: making room,
-dropping, the disk extents) and ``SharedBlocks`` (``kv_prefix_shared``, with
+hands them to its two parts: ``BlockMoves`` (``kv_prefix_moves``: the cache's block
+space, whose ``RoomMaker`` (``kv_prefix_room``, the replay's too) makes room, drops and
+keeps the disk extents) and ``SharedBlocks`` (``kv_prefix_shared``, with
 ``SharedLink``: the shared cold tier).
 Its small types are in ``kv_prefix_types``; every name stays importable from here.
 Every call into a block policy goes through ``kv_prefix_rules.BlockRules``, the rules
@@ -474,17 +475,7 @@ class PrefixCache:
         problems += self.rules.check()  # each tier's policy tracks exactly its blocks
         if set(self.crc) != set(self.index.keys()):
             problems.append("crc table does not cover exactly the cached blocks")
-        live: Counter = Counter()
-        for key in self.index.keys():
-            loc = self.index.location(key)
-            for tier, handle in ((loc.tier, loc.handle), (loc.moving_to, loc.dest_handle)):
-                if tier is Tier.DISK:
-                    live[handle[0]] += 1
-        for ext_id, (_, n) in self.extents.items():
-            if live.get(ext_id, 0) != n:
-                problems.append(f"disk extent {ext_id}: {n} live blocks recorded, {live.get(ext_id, 0)} held")
-        if set(live) - set(self.extents):
-            problems.append("a block names a disk extent the cache does not hold")
+        problems += self.moves.room.problems()  # the disk extents hold exactly their blocks
         problems += self.sharing.check(reqs)
         return problems
 

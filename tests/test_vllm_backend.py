@@ -1855,7 +1855,7 @@ def _cache_decisions(tmp_path, policy, seq, host, disk, seed):
         kv.publish_prefix(rid, ids[:T])  # told at its first publish: the first block
         kv.publish_prefix(rid, ids)
         kv.remove_request(rid)
-        down = getattr(pc, "moves", pc)._move_device_block_down  # the cache's eviction path
+        down = pc.moves.room.demote  # the cache's eviction path
         for k in keys[:new]:
             loc = pc.index.location(k)
             if loc is not None and loc.tier is Tier.DEVICE:

@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 from tiering.apps.replay.block_guard import Guarded, PolicyMeter, is_builtin
 from tiering.blocks.index import BlockIndex, Dropped
 from tiering.policies.blocks import BlockPolicyRegistry, make_block_policy
+from tiering.resources.kv_prefix_room import RoomMaker
 from tiering.resources.kv_prefix_rules import TIERS, BlockRules
 from tiering.types import Tier
 
@@ -84,15 +85,93 @@ class Attached(NamedTuple):
     moves: list
 
 
-class _TierState:
-    """One tier of the store, as the eviction path reads it."""
+class _ModelledPages:
+    """The replay's ``BlockSpace`` (``tiering.resources.kv_prefix_room``): block pages on the
+    KV backend's modelled tiers. It owns the blocks counted per tier (device: loads
+    landing too), the moves down and drops it was told, and their decision log."""
 
-    __slots__ = ("below", "held", "tier")
+    instant = True  # a modelled move changes the books at once; its copy occupies the links
 
-    def __init__(self, tier: Tier) -> None:
-        self.tier = tier
-        self.held = 0  # blocks whose pages this tier holds (device: loads landing too)
-        self.below: _TierState | None = None  # where its victims may go
+    def __init__(self, kv: Any, block_pages: int, capacity_pages: dict, has_disk: bool,
+                 events: bool) -> None:
+        self._kv = kv
+        self.block_pages = block_pages
+        self.capacity = capacity_pages
+        self.has_disk = has_disk
+        self.held = dict.fromkeys(TIERS, 0)
+        self.handles = 0
+        self.moved_host = self.moved_disk = self.dropped_blocks = 0
+        self.changes = 0
+        self.record_events = events
+        self.events: list[tuple[str, Hashable]] = []
+
+    def new_handle(self) -> int:
+        self.handles += 1
+        return self.handles
+
+    def take(self, tier: Tier, blocks: int) -> bool:
+        """``blocks`` blocks of ``tier`` hold pages now; False (nothing changed) if short."""
+        if not self._kv.take_block_pages(tier, blocks * self.block_pages):
+            return False
+        self.held[tier] += blocks
+        return True
+
+    def give(self, tier: Tier, blocks: int) -> None:
+        self._kv.give_block_pages(tier, blocks * self.block_pages)
+        self.held[tier] -= blocks
+
+    # -- BlockSpace ---------------------------------------------------------------------
+
+    def free_pages(self, tier: Tier) -> int:
+        return self._kv.free_pages(tier)
+
+    def capacity_pages(self, tier: Tier) -> int:
+        return self.capacity[tier]
+
+    def reserve(self, tier: Tier, n: int) -> Any:
+        """Room is only checked here: ``settle`` takes it, as the move lands at once (a
+        host block's new handle; on disk the pages of the extent)."""
+        pages = n * self.block_pages
+        if self._kv.free_pages(tier) < pages:
+            return None
+        return self.new_handle() if tier is Tier.HOST else pages
+
+    def unreserve(self, tier: Tier, room: Any) -> None:
+        """Nothing was taken (``reserve`` only checks)."""
+
+    def copy(self, keys, handles, src, dst, room) -> bool:  # pragma: no cover - instant
+        raise AssertionError("a modelled block space copies nothing")
+
+    def settle(self, keys: Sequence[Hashable], handles: Sequence[Any], src: Tier,
+               dst: Tier) -> None:
+        n = len(keys)
+        if not self._kv.move_block_pages(src, dst, n * self.block_pages):
+            raise RuntimeError(f"moving blocks {list(keys)[:3]!r} to {dst.value}: room was checked")
+        self.held[src] -= n
+        self.held[dst] += n
+        if dst is Tier.HOST:
+            self.moved_host += n
+        else:
+            self.moved_disk += n
+        if self.record_events:
+            kind = "block-host" if dst is Tier.HOST else "block-disk"
+            self.events.extend((kind, key) for key in keys)
+        self.changes += 1
+
+    def release(self, tier: Tier, handles: Sequence[Any]) -> None:
+        self.give(tier, len(handles))
+
+    def release_extent(self, room: Any) -> None:
+        """The extent's pages come free with its last block (the cache's disk extent)."""
+        self._kv.give_block_pages(Tier.DISK, room)
+
+    def dropped(self, key: Hashable, reason: str, gone: Sequence[Dropped]) -> None:
+        # a disk block's pages are its extent's: counted out of the tier here
+        self.held[Tier.DISK] -= sum(1 for d in gone if d.tier is Tier.DISK)
+        self.dropped_blocks += len(gone)
+        if self.record_events:
+            self.events.extend(("block-drop", d.key) for d in gone)  # its descendants too
+        self.changes += 1
 
 
 class BlockCounters(NamedTuple):
@@ -133,8 +212,6 @@ class PrefixBlocks:
             raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
         if isinstance(disk_batch, bool) or not isinstance(disk_batch, int) or disk_batch < 1:
             raise ValueError(f"disk_batch must be an int >= 1, got {disk_batch!r}")
-        self.move = bool(move)
-        self.disk_batch = disk_batch
         self._kv = kv
         self._clock = clock
         self.block_tokens = block_tokens
@@ -164,25 +241,14 @@ class PrefixBlocks:
         self.rules = BlockRules(self.index, self.policies,
                                 plain=all(is_builtin(p) for p in self.policies.values()),
                                 admission=admission, batch=self.batch)
-        # per tier: the blocks holding their own pages there and where its victims go
-        # (what the eviction path reads, without a dict by Tier)
-        self._st = {t: _TierState(t) for t in TIERS}
-        # a device victim is offered to the host (which may have no room at all, as the
-        # cache's host pool may hold no page); a host victim goes to disk only if there is one
-        self._st[Tier.DEVICE].below = self._st[Tier.HOST]
-        if self.capacity_blocks[Tier.DISK]:
-            self._st[Tier.HOST].below = self._st[Tier.DISK]
-        self.capacity_pages = {t: caps[t] // int(kv.page_bytes) for t in TIERS}
-        self._handle = 0
-        # disk batches: extent id -> [pages, blocks still in it]; a disk block's extent
-        self._extents: dict[int, list[int]] = {}
-        self._extent_of: dict[Hashable, int] = {}
-        self._extent_id = 0
-        self.changes = 0  # bumped whenever a block comes, goes, moves or is (un)mapped
-        self._moved_host = self._moved_disk = self._loaded = self._dropped = self._refused = 0
-        # (kind, key) of moves down and drops, when ``events`` (the decision log's) is on
-        self.record_events = bool(events)
-        self.events: list[tuple[str, Hashable]] = []
+        # the blocks' pages on the modelled tiers, and the cache's steps making room there
+        self.pages = _ModelledPages(kv, self.block_pages,
+                                    {t: caps[t] // int(kv.page_bytes) for t in TIERS},
+                                    bool(self.capacity_blocks[Tier.DISK]), bool(events))
+        self.room = RoomMaker(self.index, self.rules, self.pages, clock, disk_batch=disk_batch,
+                              move=move)
+        self._changes = 0  # bumped whenever a block comes, is (un)mapped or loaded
+        self._loaded = self._refused = 0
         if hasattr(kv, "use_blocks"):
             kv.use_blocks(self)
 
@@ -195,8 +261,23 @@ class PrefixBlocks:
 
     @property
     def counters(self) -> BlockCounters:
-        return BlockCounters(self._moved_host, self._moved_disk, self._loaded, self._dropped,
+        p = self.pages
+        return BlockCounters(p.moved_host, p.moved_disk, self._loaded, p.dropped_blocks,
                              self._refused)
+
+    @property
+    def changes(self) -> int:
+        """Bumped whenever a block comes, goes, moves or is (un)mapped."""
+        return self._changes + self.pages.changes
+
+    @property
+    def events(self) -> list[tuple[str, Hashable]]:
+        """(kind, key) of moves down and drops, in order, when ``events`` is on."""
+        return self.pages.events
+
+    @property
+    def capacity_pages(self) -> dict[Tier, int]:
+        return self.pages.capacity
 
     @property
     def device_pages(self) -> int:
@@ -278,7 +359,7 @@ class PrefixBlocks:
         for k in mapped:
             index.acquire(k)
         self.rules.tell(peek.keys, peek.tiers, self._clock())
-        self.changes += 1
+        self._changes += 1
         return mapped
 
     def start_loads(self, peek: PrefixPeek) -> list[Hashable] | None:
@@ -292,13 +373,12 @@ class PrefixBlocks:
         if not todo:
             return []
         n = len(todo) * self.block_pages
-        if not self.ensure_device(n) or not self._kv.take_block_pages(dev, n):
+        if not self.ensure_device(n) or not self.pages.take(dev, len(todo)):
             return None
-        self._st[dev].held += len(todo)
         index = self.index
         for k in todo:
-            index.begin_move(k, dev, self._new_handle())
-        self.changes += 1
+            index.begin_move(k, dev, self.pages.new_handle())
+        self._changes += 1
         return todo
 
     def undo_loads(self, moves: Sequence[Hashable]) -> None:
@@ -312,8 +392,8 @@ class PrefixBlocks:
                 index.fail_move(k)
                 gone += 1
         if gone:
-            self._unreserve(Tier.DEVICE, gone)
-            self.changes += 1
+            self.pages.give(Tier.DEVICE, gone)
+            self._changes += 1
 
     def loaded(self, moves: Sequence[Hashable]) -> None:
         """The copy of these blocks to the device landed: they are device blocks now (on
@@ -325,20 +405,22 @@ class PrefixBlocks:
             if loc is None or loc.moving_to is not Tier.DEVICE:
                 continue
             index.finish_move(k)
-            self._leave(k, loc.tier)
+            self.room.free_location(loc.tier, loc.handle)  # its old place is free
+            if loc.tier is Tier.DISK:
+                self.pages.held[Tier.DISK] -= 1
             done.append(k)
             sources.append(loc.tier)
         if done:
             self.rules.landed(done, sources, self._clock())
             self._loaded += len(done)
-        self.changes += 1
+        self._changes += 1
 
     def release(self, mapped: Sequence[Hashable]) -> None:
         """The request that mapped these blocks no longer holds its KV: unmap them."""
         index = self.index
         for k in mapped:
             index.release(k)
-        self.changes += 1
+        self._changes += 1
 
     def publish(self, keys: Sequence[Hashable]) -> int:
         """A request finished (its KV freed, its blocks released): its full prompt blocks
@@ -377,10 +459,12 @@ class PrefixBlocks:
                 k = min(len(run), room())
                 if k <= 0:
                     return 0
-                handles = [self._new_handle() for _ in range(k)]
+                handles = [self.pages.new_handle() for _ in range(k)]
                 if not index.insert_run(run[:k], last[0], Tier.DEVICE, handles, now):
                     return 0
-                self._reserve_many(run[:k], Tier.DEVICE)
+                if not self.pages.take(Tier.DEVICE, k):
+                    raise RuntimeError(f"blocks {list(run[:3])!r}...: no device pages for them "
+                                       "(block pages were miscounted)")
                 last[0] = run[k - 1]
                 return k
 
@@ -394,50 +478,24 @@ class PrefixBlocks:
             parent = keys[j - 1]
             i = j
         if added:
-            self.changes += 1
+            self._changes += 1
         return added
 
     # -- making room -------------------------------------------------------------------
 
     def ensure_device(self, n: int) -> bool:
         """Free device pages held by cached blocks no request maps, in the device policy's
-        order, until ``n`` pages are free: each victim moves down (``move``, see the module
-        docstring), else it is dropped. True if the pages are free; False at once, with
-        nothing changed, when the blocks that may leave would not free enough (as the
-        cache's ``ensure_device``; some may have gone before a False when the policy
-        offers no more)."""
-        free = self._kv.free_pages
-        dev = Tier.DEVICE
-        have = free(dev)
-        if have >= n:
-            return True
-        if n > self.capacity_pages[dev] or not self.rules.reachable(
-                dev, -(-(n - have) // self.block_pages), self._clock()):
-            return False
-        st = self._st[dev]
-        while free(dev) < n:
-            if not self._evict_device(st):
-                return False
-        return True
+        order, until ``n`` pages are free, by the cache's steps (``RoomMaker``: each victim
+        goes down a tier when ``move`` and the tier below admits it, else it is dropped).
+        True if the pages are free; False at once, with nothing changed, when the blocks
+        that may leave would not free enough."""
+        return self.room.ensure(Tier.DEVICE, n)
 
     def ensure_host(self, n: int) -> bool:
         """Free host pages held by cached blocks no request maps until ``n`` are free: the
-        host policy's victims go to disk in batches (see the module docstring). False,
-        with nothing changed, when the blocks that may leave would not free enough (as the
-        cache's ``ensure_host``)."""
-        free = self._kv.free_pages
-        host = Tier.HOST
-        bp = self.block_pages
-        have = free(host)
-        if have >= n:
-            return True
-        if n > self.capacity_pages[host] or not self.rules.reachable(
-                host, -(-(n - have) // bp), self._clock()):
-            return False
-        while free(host) < n:
-            if not self._host_batch_down(-(-(n - free(host)) // bp)):
-                return False
-        return True
+        host policy's victims go to disk in batches (``RoomMaker``). False, with nothing
+        changed, when the blocks that may leave would not free enough."""
+        return self.room.ensure(Tier.HOST, n)
 
     def drop_all_device(self) -> bool:
         """Drop every cached device block that may leave; False if none could."""
@@ -447,169 +505,9 @@ class PrefixBlocks:
             key = self.rules.victim(dev, self._clock())
             if key is None:
                 break
-            self._drop(key, "evicted")
+            self.room.drop(key, "evicted")
             any_ = True
         return any_
-
-    # -- internals ---------------------------------------------------------------------
-
-    def _new_handle(self) -> int:
-        self._handle += 1
-        return self._handle
-
-
-    def _reserve_many(self, keys: Sequence[Hashable], tier: Tier) -> None:
-        if not self._kv.take_block_pages(tier, len(keys) * self.block_pages):
-            raise RuntimeError(f"blocks {list(keys)[:3]!r}...: no {tier.value} pages for them "
-                               "(block pages were miscounted)")
-        self._st[tier].held += len(keys)
-
-    def _unreserve(self, tier: Tier, blocks: int = 1) -> None:
-        self._kv.give_block_pages(tier, blocks * self.block_pages)
-        self._st[tier].held -= blocks
-
-    def _leave(self, key: Hashable, tier: Tier) -> None:
-        """``key`` left ``tier``: its pages there are free; on disk, those of its batch
-        come free with the batch's last block (the cache releases a disk extent so)."""
-        if tier is not Tier.DISK:
-            self._unreserve(tier)
-            return
-        ext = self._extent_of.pop(key)
-        e = self._extents[ext]
-        e[1] -= 1
-        self._st[tier].held -= 1
-        if not e[1]:
-            del self._extents[ext]
-            self._kv.give_block_pages(tier, e[0])
-
-    def _evict_device(self, st: _TierState) -> bool:
-        """One victim of the device policy leaves (the cache's ``_move_device_block_down``):
-        down to the host (``move``) where the host policy admits it and room can be made
-        there; else (refused by the host, or no room there) to the disk where the disk
-        policy admits it; else dropped. False if the policy offers nothing that may leave."""
-        rules = self.rules
-        now = self._clock()
-        key = rules.victim(st.tier, now)
-        if key is None:
-            return False
-        if self.move:
-            if rules.admits(Tier.HOST, key, now):
-                bp = self.block_pages
-                room = self._kv.free_pages(Tier.HOST) >= bp or self.ensure_host(bp)
-                if key not in self.index:
-                    return True  # making room dropped an ancestor, and this block with it
-                if room:
-                    self._move_down([key], st, st.below, now)
-                    return True
-            # the host refused it or has no room: the disk may take it
-            if st.below.below is not None and rules.admits(Tier.DISK, key, now):
-                self._device_to_disk(key, st, now)
-                return True
-        self._drop(key, "evicted")
-        return True
-
-    def _device_to_disk(self, key: Hashable, st: _TierState, now: float) -> None:
-        """A device victim the host refused (or had no room for) and the disk admitted goes
-        straight to disk (the cache's ``_device_block_to_disk``): disk victims are dropped
-        until it fits (never an ancestor: those are held while it moves), else it is
-        dropped."""
-        index = self.index
-        index.begin_move(key, Tier.DISK, self._new_handle())
-        room = self._disk_room(self.block_pages)
-        index.fail_move(key)
-        if not room:
-            self._drop(key, "evicted")
-            return
-        self._move_down([key], st, st.below.below, now)
-
-    def _host_batch_down(self, want: int) -> bool:
-        """Up to a batch of host victims go to disk in one copy (the cache's
-        ``_host_blocks_down``): each the disk policy admits is marked for disk, one it
-        refuses is dropped; then disk victims are dropped until the batch fits, and it is
-        written. With no disk, or no room there, the first victim is dropped instead (the
-        rest stay). False when the host policy offers nothing."""
-        rules = self.rules
-        index = self.index
-        host, disk = self._st[Tier.HOST], self._st[Tier.HOST].below
-        if disk is None:
-            key = rules.victim(Tier.HOST, self._clock())
-            if key is None:
-                return False
-            self._drop(key, "evicted")
-            return True
-        batch = max(want, min(self.disk_batch, index.count(Tier.HOST)))
-        chosen, refused = rules.disk_batch(
-            batch, self._clock, lambda key: self._drop(key, "evicted"),
-            lambda key, i: index.begin_move(key, Tier.DISK, self._new_handle()))
-        if not chosen:
-            return refused > 0
-        room = self._disk_room(len(chosen) * self.block_pages)
-        for key in chosen:
-            index.fail_move(key)
-        if not room:  # the disk cannot take them: the first leaves, the rest stay
-            self._drop(chosen[0], "evicted")
-            return True
-        self._move_down(chosen, host, disk, self._clock())
-        return True
-
-    def _disk_room(self, need: int) -> bool:
-        """Whether ``need`` disk pages are free once the disk policy's victims are dropped for
-        them (the cache's ``_disk_extent``; the blocks to move have begun their moves, so no
-        ancestor of theirs is a victim)."""
-        free = self._kv.free_pages
-        while free(Tier.DISK) < need:
-            key = self.rules.victim(Tier.DISK, self._clock())
-            if key is None:
-                break
-            self._drop(key, "evicted")
-        return free(Tier.DISK) >= need
-
-    def _move_down(self, keys: Sequence[Hashable], src: _TierState, dst: _TierState,
-                   now: float) -> None:
-        """``keys`` (unmapped, on ``src``) go one tier down in one copy (room was made)."""
-        to = dst.tier
-        if not self._kv.move_block_pages(src.tier, to, len(keys) * self.block_pages):
-            raise RuntimeError(f"moving blocks {list(keys)[:3]!r} to {to.value}: room was checked")
-        index, rules = self.index, self.rules
-        for key in keys:
-            index.move(key, to, self._new_handle())
-            rules.moved(key, src.tier, to, now)
-        src.held -= len(keys)
-        dst.held += len(keys)
-        if to is Tier.DISK:  # one batch, one extent: its pages stay taken until its last leaves
-            self._extent_id += 1
-            self._extents[self._extent_id] = [len(keys) * self.block_pages, len(keys)]
-            self._extent_of.update(dict.fromkeys(keys, self._extent_id))
-        kind = "block-host" if to is Tier.HOST else "block-disk"
-        if to is Tier.HOST:
-            self._moved_host += len(keys)
-        else:
-            self._moved_disk += len(keys)
-        if self.record_events:
-            self.events.extend((kind, key) for key in keys)
-        self.changes += 1
-
-    def _drop(self, key: Hashable, reason: str, counted: bool = True) -> list[Dropped]:
-        """Drop ``key`` and its cached descendants; every page they held is given back."""
-        out = self.index.drop(key, reason)
-        self.rules.dropped(out)
-        if len(out) == 1:
-            self._leave(out[0].key, out[0].tier)
-        else:
-            by_tier: dict[Tier, int] = {}
-            for d in out:
-                if d.tier is Tier.DISK:
-                    self._leave(d.key, d.tier)
-                else:
-                    by_tier[d.tier] = by_tier.get(d.tier, 0) + 1
-            for t, n in by_tier.items():
-                self._unreserve(t, n)
-        if counted:
-            self._dropped += len(out)
-            if self.record_events:
-                self.events.extend(("block-drop", d.key) for d in out)  # its descendants too
-        self.changes += 1
-        return out
 
     # -- checking ----------------------------------------------------------------------
 
@@ -632,17 +530,14 @@ class PrefixBlocks:
             held[loc.tier] += 1
             if loc.moving_to is Tier.DEVICE:
                 held[Tier.DEVICE] += 1  # the pages its load lands in
-        counted = {t: self._st[t].held for t in TIERS}
+        counted = dict(self.pages.held)
         if held != counted:
             raise AssertionError(f"blocks holding pages {held} != counted {counted}")
-        live: dict[int, int] = {}
-        for k in index.keys(Tier.DISK):
-            live[self._extent_of.get(k)] = live.get(self._extent_of.get(k), 0) + 1
-        if set(self._extent_of) != set(index.keys(Tier.DISK)) or live != {
-                e: n for e, (_, n) in self._extents.items()}:
-            raise AssertionError("disk batches do not match the disk blocks")
+        problems = self.room.problems()
+        if problems:
+            raise AssertionError("; ".join(problems[:3]))
         pages = {t: held[t] * self.block_pages for t in TIERS}
-        pages[Tier.DISK] = sum(p for p, _ in self._extents.values())
+        pages[Tier.DISK] = sum(p for p, _ in self.room.extents.values())
         kv = self._kv
         if hasattr(kv, "block_pages"):
             for t in TIERS:
