@@ -280,13 +280,15 @@ def _pressure_factory(pressure: object) -> Callable[[Any], PressureSource]:
     )
 
 
-#: id(cache) -> the TieredKV that drives it: one front door (one controller) per cache
-_DRIVERS: dict[int, weakref.ref] = {}
+#: The attribute a driven cache carries: a weak reference to the TieredKV that drives it
+#: (one front door, one controller, per cache). A cache that cannot take an attribute
+#: (``__slots__`` without it) is driven unmarked.
+_DRIVER_ATTR = "_tiered_driver"
 
 
 def _driver_of(cache: Any) -> TieredKV | None:
-    ref = _DRIVERS.get(id(cache))
-    tkv = ref() if ref is not None else None
+    ref = getattr(cache, _DRIVER_ATTR, None)
+    tkv = ref() if isinstance(ref, weakref.ref) else None
     if tkv is None or tkv._closed or tkv.kv is not cache:
         return None
     return tkv
@@ -423,7 +425,10 @@ class TieredKV:
         self._running: frozenset[str] = frozenset()
         self._closed = False
         self._stalls = _StallWatch(stall_warn_steps)
-        _DRIVERS[id(kv)] = weakref.ref(self)
+        try:
+            setattr(kv, _DRIVER_ATTR, weakref.ref(self))
+        except (AttributeError, TypeError):
+            pass  # a cache with __slots__: unmarked (a second TieredKV is not refused)
 
     # -- registration -----------------------------------------------------------
 
@@ -662,9 +667,12 @@ class TieredKV:
         if self._closed:
             return
         self._closed = True
-        ref = _DRIVERS.get(id(self.kv))
-        if ref is not None and ref() is self:
-            del _DRIVERS[id(self.kv)]
+        ref = getattr(self.kv, _DRIVER_ATTR, None)
+        if isinstance(ref, weakref.ref) and ref() is self:
+            try:
+                setattr(self.kv, _DRIVER_ATTR, None)
+            except (AttributeError, TypeError):
+                pass
         try:
             if self._owns_pressure:  # first: a poller reads the cache until it stops
                 _stop_source(self.pressure)
