@@ -9,6 +9,8 @@ other parts read its public attributes.
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import logging
 from collections.abc import Callable
@@ -59,14 +61,19 @@ class KVStorage:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         pb, shape = geometry.page_bytes, geometry.page_shape
-        self.device_pool = PagePool("device", device_pages, pb)
-        self.host_pool = PagePool("host", host_pages, pb)
+        with _naming_shortage("device_pages", device_pages, pb, self.device):
+            self.device_pool = PagePool("device", device_pages, pb)
+        with _naming_shortage("host_pages", host_pages, pb, "host"):
+            self.host_pool = PagePool("host", host_pages, pb)
         try:
             self.streams = StreamSet(self.device, compute_stream)
-            self.dev = torch.empty((device_pages, *shape), dtype=geometry.dtype, device=self.device)
-            self.slab = pin_host_slab(
-                (host_pages, *shape), geometry.dtype, self.device, runtime=host_runtime
-            )
+            with _naming_shortage("device_pages", device_pages, pb, self.device):
+                self.dev = torch.empty((device_pages, *shape), dtype=geometry.dtype,
+                                       device=self.device)
+            with _naming_shortage("host_pages", host_pages, pb, "host"):
+                self.slab = pin_host_slab(
+                    (host_pages, *shape), geometry.dtype, self.device, runtime=host_runtime
+                )
             self.host = self.slab.tensor
             self.disk = disk_store
             if self.disk is None and disk is not None:
@@ -131,3 +138,17 @@ class KVStorage:
                 self.slab.release()
             else:
                 log.error("close: a copy worker is still running; the host slab stays registered")
+
+
+@contextlib.contextmanager
+def _naming_shortage(name: str, pages: int, page_bytes: int, where: object):
+    """A tier that cannot be allocated raises MemoryError naming the argument and its size
+    (torch's own message may be empty)."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower():
+            raise
+        raise MemoryError(
+            f"PagedKVCache: {name}={pages:,} ({pages * page_bytes / 2**30:,.1f} GiB of {where}"
+            f" memory) could not be allocated: {type(exc).__name__}: {exc}") from exc

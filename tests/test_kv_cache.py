@@ -310,6 +310,15 @@ def test_host_tier_smaller_than_one_page(kv):
         kv(device_pages=0, host_pages=4)
 
 
+@pytest.mark.parametrize("arg", ["device_pages", "host_pages"])
+def test_a_tier_too_large_to_allocate_names_its_argument_and_size(kv, arg):
+    """Before, a tier larger than memory raised a bare MemoryError (an empty message)."""
+    threads = threading.active_count()
+    with pytest.raises(MemoryError, match=rf"{arg}=10,000,000,000,000 \(.* GiB .*\) could not"):
+        kv(**{"device_pages": 4, "host_pages": 4, arg: 10**13})
+    assert threading.active_count() == threads  # the refused cache left nothing running
+
+
 def test_ingest_is_idempotent(cache):
     cfg = ResourceReqConfig(retention_priority=50)
     cache.ingest_request("x", cfg)
