@@ -206,7 +206,13 @@ class PagedKVCache(LifecycleAnswers, Resource):
     @classmethod
     def build(cls, spec: NodeResourceSpec, info: EngineResourceInfo) -> PagedKVCache:
         cfg = dict(spec.config)
+        if "geometry" not in cfg:
+            raise ValueError(f"PagedKVCache.build: the node's config needs 'geometry' (a "
+                             f"KVGeometry); it has {sorted(map(str, cfg))}")
         geometry = cfg.pop("geometry")
+        if not isinstance(geometry, KVGeometry):
+            raise TypeError(f"PagedKVCache.build: config 'geometry' must be a KVGeometry, "
+                            f"got {type(geometry).__name__}")
         stream = info.compute_stream
         if stream is not None:
             cfg.setdefault("compute_stream", stream)

@@ -624,3 +624,17 @@ def test_synchronize_with_a_bad_timeout_is_refused_while_a_copy_is_in_flight(
     kv.synchronize(10)
     kv.check_integrity()
     assert_same(kv, "a", data)
+
+
+def test_build_without_a_geometry_names_what_the_config_lacks(geom):
+    """Before, a node config without 'geometry' raised KeyError('geometry'), and one whose
+    geometry was not a KVGeometry failed deep in the cache's set-up."""
+    from tiering.resources.base import EngineResourceInfo, NodeResourceSpec
+
+    info = EngineResourceInfo(device=torch.device("cpu"))
+    spec = NodeResourceSpec("kv", PagedKVCache, {"device_pages": 4, "host_pages": 4})
+    with pytest.raises(ValueError, match=r"needs 'geometry'.*\['device_pages', 'host_pages'\]"):
+        PagedKVCache.build(spec, info)
+    bad = NodeResourceSpec("kv", PagedKVCache, {"geometry": {"num_layers": 2}, "device_pages": 4})
+    with pytest.raises(TypeError, match="'geometry' must be a KVGeometry, got dict"):
+        PagedKVCache.build(bad, info)
