@@ -117,6 +117,21 @@ def test_registry_policy_orders_offloads_demotions_and_prefix_drops():
     assert all(r.status == "finished" for r in res.requests)
 
 
+def test_the_host_cascade_is_the_controllers_as_over_the_cache():
+    """The replay demotes host requests with the controller's own cascade (the front door's
+    over the cache), not one of its own: every demotion is the controller's, ordered by
+    its policy over a batch of host candidates. Before, the worker demoted by itself and the
+    controller's cascade never ran (its demotions stat stayed 0)."""
+    trace = _trace(3, 160)  # no cached blocks: they would fill the disk a demotion needs
+    res, policy, kv = _run(Recording, trace, pages=(300, 100, 800),
+                           sim=dataclasses.replace(SIM, prefix_reuse=False))
+    demoted = [d.rid for d in res.decisions if d.kind == "demote"]
+    assert demoted and res.controller_stats["demotions"] == len(demoted)
+    host_batches = [rids for tier, rids, *_ in policy.seen if tier is Tier.HOST]
+    assert host_batches and demoted[0] in {rids[0] for rids in host_batches}
+    assert kv.stats.demotions >= len(demoted) - res.controller_stats["demotions_in_flight"]
+
+
 def test_module_class_path_and_options(monkeypatch):
     monkeypatch.chdir(ROOT)
     spec = PolicySpec("examples.replay_policies:IdleBytes", {"cost_weight": 2.5})

@@ -394,6 +394,11 @@ class EvictionController:
 
     # -- reloads, planning, reporting ---------------------------------------------
 
+    @property
+    def demotions_in_flight(self) -> int:
+        """Host -> disk demotions this controller started whose results have not come yet."""
+        return len(self._ledger.demoting)
+
     def pending_reloads(self) -> tuple[str, ...]:
         """Waiting reloads, in the order they will be tried."""
         return tuple(e.rid for e in self._admission.queue.entries())

@@ -1,11 +1,11 @@
 """Every retention decision of a replay, made by the one policy the run was given.
 
-The eviction controller asks its policy which idle requests leave the device.
-The other decisions of a tiered worker are made here, by the same policy, over
-the same kind of ``CandidateBatch``:
-
-- which on-host (preempted) requests are demoted to disk when the host is
-  over its high watermark (``tier=HOST`` rows).
+The eviction controller asks its policy which idle requests leave the device
+and, in its host cascade (the one the front door runs over the cache), which
+on-host requests are demoted to disk when the host is over its high watermark
+(``tier=HOST`` rows). The worker's own decision, whom of the batch to pause
+(``--preempt policy``), is made here (``Retention``), by the same policy, over
+the same kind of ``CandidateBatch``.
 
 Cached prefix blocks are not requests: the block policies keep them
 (``block_tiers``).
@@ -98,12 +98,14 @@ class ReloadCosts:
 
 
 _OFFLOAD = "which idle requests leave the device"
+_DEMOTE = "which on-host requests go to disk"
 _AFTER = ("host", "disk", "offload", "recompute")  # where Retention.order's bytes come back from
 
 
 class CostFilled(Policy):
-    """``inner`` ordering device candidates whose ``reload_cost_s`` is filled in: the
-    reload from host when the host has room for the candidate, else from disk.
+    """``inner`` ordering the controller's candidates with ``reload_cost_s`` filled in:
+    for device candidates the reload from host when the host has room for the candidate,
+    else from disk; for host candidates (the cascade's) the reload from disk.
 
     Filled only for batches that carry reclaimable bytes (a policy that orders
     without bytes, ``needs_reclaimable`` False, does not read costs either);
@@ -131,16 +133,20 @@ class CostFilled(Policy):
 
     def order(self, batch: CandidateBatch, now: float, limit: int | None = None) -> np.ndarray:
         sizes = batch.reclaimable
+        what = _DEMOTE if batch.tier is Tier.HOST else _OFFLOAD
         if sizes is None or not len(batch):
-            return checked_order(self.inner, batch, now, limit, _OFFLOAD)
+            return checked_order(self.inner, batch, now, limit, what)
         self.calls += 1
-        cost = self._costs.after_offload(sizes, self._host_free())
+        if batch.tier is Tier.HOST:  # the cascade's: a demoted request comes back from disk
+            cost = self._costs.from_disk(sizes.astype(np.float64))
+        else:
+            cost = self._costs.after_offload(sizes, self._host_free())
         filled = CandidateBatch.of_registered(
             np.array(batch.rids, dtype=object), np.array(batch.resources, dtype=object),
             batch.last_used, reclaimable=sizes, priority=batch.priority, reload_cost_s=cost,
             tier=batch.tier,
         )
-        return checked_order(self.inner, filled, now, limit, _OFFLOAD)
+        return checked_order(self.inner, filled, now, limit, what)
 
 
 class Retention:

@@ -66,7 +66,6 @@ hot loop; the parts that need no such state live beside it (``block_tiers``,
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 from collections import deque
@@ -232,7 +231,6 @@ class _Worker:
         self.limit_pages = int((cfg.high - cfg.reload_headroom) * self.device_pages)
         self.ctl: EvictionController | None = None
         self.retention: Retention | None = None
-        self._demoting: dict[str, int] = {}  # rid -> host bytes of a demotion in flight
         self.offload_room = self.tiering and sim.make_room == "offload"
         if self.tiering:
             costs = ReloadCosts(cost.hardware, cost, self.page_bytes // self.P)
@@ -240,14 +238,12 @@ class _Worker:
                 return kv.host_capacity_bytes - kv.host_used_bytes()
 
             self.retention = Retention(policy, costs, kv.get_offload_priority, host_free)
+            # the controller's policy, its offloads' and its host cascade's reload costs filled in
             self.ctl_policy = CostFilled(policy, costs, host_free)
-            # the host cascade is the worker's (below), through the policy: the
-            # controller's own, least recently used, never triggers at host_high = 1
-            ctl_cfg = dataclasses.replace(cfg, host_high=1.0, host_low=min(cfg.host_low, 0.99))
             # assembled by the front door over the modelled cache; the worker then drives the
             # controller it owns directly, at the points of the modelled step
             self.tkv = TieredKV.around(kv, policy=self.ctl_policy, pressure=PoolPressure(kv),
-                                       controller=ctl_cfg, clock=clock)
+                                       controller=cfg, clock=clock)
             self.ctl = self.tkv.controller
         self.reuse = sim.prefix_reuse
         if self.reuse and not (hasattr(kv, "copy_in") and hasattr(kv, "take_block_pages")):
@@ -394,7 +390,7 @@ class _Worker:
             if over:
                 if self._quiet is None or not self._still_quiet():
                     return
-            elif ctl.pending_reloads() or self._demoting:
+            elif ctl.pending_reloads() or ctl.demotions_in_flight:
                 return
         if self.waiting and len(self.active) < self.sim.max_batch and (
             self.sim.max_step_tokens - self.n_dec > 0
@@ -467,13 +463,11 @@ class _Worker:
         if self._running[0] != self._gen:  # the same frozenset while the batch is unchanged
             self._running = (self._gen, frozenset(self.active))
         cfg = self.spec.controller
-        rep = self.ctl.evict_if_needed(self._running[1])
-        demoted, dropped = self._demote()
+        rep = self.ctl.evict_if_needed(self._running[1])  # its host cascade included
         if self.prefixes is not None:
             self._log_blocks()  # cached blocks an offload or a reload made room with
-        if demoted or dropped:
-            rep = rep._replace(demoted=tuple(rep.demoted) + demoted,
-                               dropped=tuple(rep.dropped) + dropped)
+        if rep.demoted or rep.dropped:
+            self._gen += 1
         fruitful = bool(rep.offloaded or rep.reloads_started or rep.demoted or rep.dropped)
         if fruitful:
             log = self.decisions
@@ -489,63 +483,6 @@ class _Worker:
         self._quiet = None
         if not fruitful and rep.pressure_before > cfg.high:
             self._quiet = (self._gen, self._block_changes())
-
-    def _demote(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The host cascade: when the host is over ``host_high`` (less demotions in flight),
-        demote on-host requests to disk in the policy's order until under ``host_low``;
-        a request that does not fit on disk is kept, or dropped under
-        ``on_disk_full="drop"``. Requests waiting for a reload stay. Returns
-        (demoted, dropped)."""
-        kv = self.kv
-        cap = kv.host_capacity_bytes
-        if not cap:
-            return (), ()
-        cfg = self.spec.controller
-        used = kv.host_used_bytes()
-        if used <= cfg.host_high * cap:  # demotions in flight only lower the figure
-            return (), ()
-        demoting = self._demoting
-        if demoting:
-            for rid in [r for r in demoting
-                        if r not in kv or kv.state_of(r) is not RequestState.DEMOTING]:
-                del demoting[rid]
-            used -= sum(demoting.values())
-            if used <= cfg.host_high * cap:
-                return (), ()
-        waiting = set(self.ctl.pending_reloads())
-        on_host = RequestState.ON_HOST
-        state_of = kv.state_of
-        rids = [r.rid for r in self.preempted
-                if state_of(r.rid) is on_host and r.rid not in waiting]
-        if not rids:
-            return (), ()
-        sizes = [kv.reload_bytes(rid) for rid in rids]
-        last = [self.ctl.last_used(rid) for rid in rids]
-        order = self.retention.order(rids, sizes, last, Tier.HOST, "disk", self.clock.now,
-                                     decision="which on-host requests go to disk")
-        size_of = dict(zip(rids, sizes, strict=True))
-        demoted: list[str] = []
-        dropped: list[str] = []
-        target = cfg.host_low * cap
-        for rid in order:
-            if used < target:
-                break
-            nbytes = size_of[rid]
-            if kv.demote(rid):
-                demoted.append(rid)
-                used -= nbytes
-                if state_of(rid) is RequestState.DEMOTING:
-                    demoting[rid] = nbytes
-                continue
-            if cfg.on_disk_full == "drop":
-                kv.drop(rid)
-                dropped.append(rid)
-                used -= nbytes
-                continue
-            break  # the disk is full: keep them on host, try again next safe point
-        if demoted or dropped:
-            self._gen += 1
-        return tuple(demoted), tuple(dropped)
 
     def _block_pages(self) -> int:
         """Device pages held by unmapped cached blocks (0 without prefix reuse)."""
