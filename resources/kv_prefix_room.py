@@ -49,7 +49,7 @@ class BlockSpace(Protocol):
     ``copy(keys, handles, src, dst, room)``: the bytes of ``keys`` (at ``handles`` on
     ``src``) into ``room``; False when it failed (nothing of it is used).
     ``settle(keys, handles, src, dst)``: the move landed (the index says so): the old
-    places on ``src`` are the space's to free. ``release(tier, handles)``: device or host
+    places on ``src`` are the space's to free (``handles`` empty for an instant space). ``release(tier, handles)``: device or host
     pages of blocks that left; ``release_extent(room)``: a disk extent no block uses.
     ``dropped(key, reason, gone)``: ``key`` and its descendants (``gone``) left the store
     (reason ``with_ancestor``, ``gone`` empty: a victim an ancestor's drop took before).
@@ -204,13 +204,16 @@ class RoomMaker:
         """Copy ``keys`` from ``src`` into ``room`` on ``dst`` (a host slot, or disk extent
         ``ext`` whose moves have begun) and settle the books; a failed copy drops them."""
         index, space = self.index, self.space
-        handles = [index.location(k).handle for k in keys]
-        if dst is Tier.HOST:
-            if space.instant:
+        if space.instant:  # the books change at once; the old places are the space's to settle
+            handles: list = []
+            if dst is Tier.HOST:
                 index.move(keys[0], dst, room)
                 self._moved(keys, handles, src, dst, now)
                 return
-            index.begin_move(keys[0], dst, room)
+        else:
+            handles = [index.location(k).handle for k in keys]
+            if dst is Tier.HOST:
+                index.begin_move(keys[0], dst, room)
         if not space.instant and not space.copy(keys, handles, src, dst, room):
             for key in keys:
                 index.fail_move(key)

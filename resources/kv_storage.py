@@ -10,7 +10,6 @@ other parts read its public attributes.
 from __future__ import annotations
 
 import contextlib
-
 import inspect
 import logging
 from collections.abc import Callable

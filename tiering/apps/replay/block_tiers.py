@@ -95,6 +95,7 @@ class _ModelledPages:
     def __init__(self, kv: Any, block_pages: int, capacity_pages: dict, has_disk: bool,
                  events: bool) -> None:
         self._kv = kv
+        self.free_pages = kv.free_pages  # free pages of a tier: the KV backend's
         self.block_pages = block_pages
         self.capacity = capacity_pages
         self.has_disk = has_disk
@@ -122,19 +123,17 @@ class _ModelledPages:
 
     # -- BlockSpace ---------------------------------------------------------------------
 
-    def free_pages(self, tier: Tier) -> int:
-        return self._kv.free_pages(tier)
-
     def capacity_pages(self, tier: Tier) -> int:
         return self.capacity[tier]
 
     def reserve(self, tier: Tier, n: int) -> Any:
-        """Room is only checked here: ``settle`` takes it, as the move lands at once (a
-        host block's new handle; on disk the pages of the extent)."""
+        """Room is taken by ``settle``, as the move lands at once: on the host a block's
+        new handle (``RoomMaker`` asks only once the room is free: ``settle`` checks it
+        again); on disk the extent's pages when they are free, else None."""
+        if tier is Tier.HOST:
+            return self.new_handle()
         pages = n * self.block_pages
-        if self._kv.free_pages(tier) < pages:
-            return None
-        return self.new_handle() if tier is Tier.HOST else pages
+        return pages if self._kv.free_pages(tier) >= pages else None
 
     def unreserve(self, tier: Tier, room: Any) -> None:
         """Nothing was taken (``reserve`` only checks)."""
