@@ -214,37 +214,22 @@ class PrefixCache:
         if r not in self.told:  # a request that never attached is told at its first publish
             self.rules.tell(keys, (), now)
             self.told.add(r)
-        index, fetching = self.index, self.fetching
-        i, n = have, len(keys)
-        while i < n:
-            key = keys[i]
-            if key in fetching:
-                break  # on its way from the shared tier for another request
-            loc = index.location(key)
-            if loc is not None:
-                if loc.tier is not Tier.DEVICE or loc.moving_to is not None:
-                    break  # held elsewhere: stop here, the rest stays the request's own
-                index.acquire(key)  # the same bytes are cached: map them, free ours
-                own = r.device.pop(0)
-                c.device_pool.release(r.rid, [own])
-                r.shared.append(loc.handle)
-                r.blocks.append(key)
-                self.stats["publish_dedup"] += 1
-                i += 1
-                continue
-            j = i + 1  # the run of blocks the index lacks, keys[i:j]
-            while j < n and keys[j] not in index and keys[j] not in fetching:
-                j += 1
-            run = keys[i:j]
-            first = len(r.blocks)  # each of the run has an own page of the request: room
-            got, refused = self.rules.offer(
-                run, i, lambda run=run, first=first: len(run) - (len(r.blocks) - first),
-                lambda part: self._publish_own(r, part, now), now)
-            if refused:
-                self.stats["publish_refused"] += 1
-            if refused or got < len(run):
-                break
-            i = j
+        def passed(key: bytes, loc) -> None:
+            """The same bytes are cached: map them, free the request's own page."""
+            self.index.acquire(key)
+            own = r.device.pop(0)
+            c.device_pool.release(r.rid, [own])
+            r.shared.append(loc.handle)
+            r.blocks.append(key)
+            self.stats["publish_dedup"] += 1
+
+        # each block of a run has an own page of the request: its room is what is left
+        _, refused = self.rules.publish(
+            keys, have, now, room=lambda left: left,
+            insert=lambda part, parent: self._publish_own(r, part, now),
+            passed=passed, busy=self.fetching)  # on their way from the shared tier
+        if refused:
+            self.stats["publish_refused"] += refused
         r.index = None
         return len(r.blocks)
 

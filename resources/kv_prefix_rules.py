@@ -12,7 +12,8 @@ decision a policy makes for them is taken here, so a replay runs the rules a cac
   blocks of an ``n``-token prompt: its last token is always computed.
 - **Tell** (``tell``): once per attach, every tier's policy hears the chain of the
   request's full blocks and its hits in that tier (``on_commit``), device first.
-- **Publish** (``offer``): a request's blocks the index lacks, root first, are offered to
+- **Publish** (``publish``, ``offer``): a request's blocks, root first: one the device
+  holds is passed, one held elsewhere stops it; each run the index lacks is offered to
   the device policy (``on_publish``: ``admit`` each in turn; a refusal stops the publish).
 - **Make room** (``reachable``, ``victim``, ``admits``): when the device or the host
   needs pages, the room is refused at once, nothing moved, unless enough of its blocks
@@ -138,6 +139,57 @@ class BlockRules:
             if refused:
                 self.watch("refuse", keys[got], Tier.DEVICE)
         return got, refused
+
+    def publish(self, keys: Sequence[Hashable], start: int, now: float, *,
+                room: Callable[[int], int],
+                insert: Callable[[Sequence[Hashable], Hashable | None], int],
+                passed: Callable[[Hashable, Any], None] | None = None,
+                busy: Container[Hashable] = ()) -> tuple[int, int]:
+        """Publish ``keys`` (a request's full blocks, root first) from position ``start``:
+        a block the device holds, not moving, is the same bytes and is ``passed`` (key,
+        location); one held elsewhere, moving, or in ``busy`` stops the publish; each run
+        of blocks the index lacks is offered to the device policy (``offer``, ``depth``
+        their position), ``insert(part, parent)`` putting the first of ``part`` in the index
+        under ``parent`` and answering how many, ``room(left)`` how many it can take now
+        (``left``: of the run still to go); a refusal or a run cut short stops it.
+        Returns (blocks inserted, runs the policy refused)."""
+        index = self.index
+        location, dev = index.location, Tier.DEVICE
+        added = refused_runs = 0
+        i, n = start, len(keys)
+        while i < n:
+            key = keys[i]
+            if key in busy:
+                break
+            loc = location(key)
+            if loc is not None:
+                if loc.tier is not dev or loc.moving_to is not None:
+                    break  # held elsewhere: the rest is not kept
+                if passed is not None:
+                    passed(key, loc)
+                i += 1
+                continue
+            j = i + 1  # the run of blocks the index lacks, keys[i:j]
+            while j < n and keys[j] not in index and keys[j] not in busy:
+                j += 1
+            run = keys[i:j]
+            state = [keys[i - 1] if i else None, 0]  # the next part's parent, inserted so far
+
+            def put(part: Sequence[Hashable], state=state) -> int:
+                got = insert(part, state[0])
+                if got:
+                    state[0] = part[got - 1]
+                    state[1] += got
+                return got
+
+            got, refused = self.offer(run, i, lambda run=run, state=state: room(len(run) - state[1]),
+                                      put, now)
+            added += got
+            refused_runs += refused
+            if refused or got < len(run):
+                break
+            i = j
+        return added, refused_runs
 
     # -- making room ------------------------------------------------------------------------
 

@@ -425,57 +425,31 @@ class PrefixBlocks:
         """A request finished (its KV freed, its blocks released): its full prompt blocks
         are published as the cache publishes them. A block the device holds (not moving)
         is the same bytes and is passed; a block held elsewhere stops the publish; each
-        run of blocks the index lacks is offered to the device policy
-        (``BlockRules.offer``) and kept while it admits them and the device has room.
+        run of blocks the index lacks is offered to the device policy and kept while it
+        admits them and the device has room (``BlockRules.publish``, as the cache's).
         Returns the blocks added."""
         now = self._clock()
-        index = self.index
-        kv = self._kv
-        bp = self.block_pages
-        moving = index.moving_to
-        added = 0
-        i, n = 0, len(keys)
-        parent = None
-        while i < n:
-            k = keys[i]
-            loc = index.location(k)
-            if loc is not None:
-                if loc.tier is not Tier.DEVICE or moving(k) is not None:
-                    break  # held elsewhere: as the cache, the rest is not kept
-                parent = k
-                i += 1
-                continue
-            j = i + 1  # the run of blocks the index lacks, keys[i:j]
-            while j < n and keys[j] not in index:
-                j += 1
-            last = [parent]
+        index, pages = self.index, self.pages
+        free, bp = self._kv.free_pages, self.block_pages
 
-            def room() -> int:
-                return kv.free_pages(Tier.DEVICE) // bp
+        def room(left: int) -> int:
+            return free(Tier.DEVICE) // bp
 
-            def insert(run: Sequence[Hashable], last=last) -> int:
-                """As many of ``run`` as the device has room for, into the index."""
-                k = min(len(run), room())
-                if k <= 0:
-                    return 0
-                handles = [self.pages.new_handle() for _ in range(k)]
-                if not index.insert_run(run[:k], last[0], Tier.DEVICE, handles, now):
-                    return 0
-                if not self.pages.take(Tier.DEVICE, k):
-                    raise RuntimeError(f"blocks {list(run[:3])!r}...: no device pages for them "
-                                       "(block pages were miscounted)")
-                last[0] = run[k - 1]
-                return k
+        def insert(run: Sequence[Hashable], parent: Hashable | None) -> int:
+            """As many of ``run`` as the device has room for, into the index."""
+            k = min(len(run), free(Tier.DEVICE) // bp)
+            if k <= 0:
+                return 0
+            handles = [pages.new_handle() for _ in range(k)]
+            if not index.insert_run(run[:k], parent, Tier.DEVICE, handles, now):
+                return 0
+            if not pages.take(Tier.DEVICE, k):
+                raise RuntimeError(f"blocks {list(run[:3])!r}...: no device pages for them "
+                                   "(block pages were miscounted)")
+            return k
 
-            depth = 0 if parent is None else index.depth(parent) + 1
-            got, refused = self.rules.offer(keys[i:j], depth, room, insert, now)
-            added += got
-            if refused:
-                self._refused += 1
-            if refused or got < j - i:
-                break
-            parent = keys[j - 1]
-            i = j
+        added, refused = self.rules.publish(keys, 0, now, room=room, insert=insert)
+        self._refused += refused
         if added:
             self._changes += 1
         return added
