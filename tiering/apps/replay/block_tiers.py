@@ -165,6 +165,8 @@ class _ModelledPages:
         self._kv.give_block_pages(Tier.DISK, room)
 
     def dropped(self, key: Hashable, reason: str, gone: Sequence[Dropped]) -> None:
+        if not gone:  # a victim its ancestor's drop took: counted with that drop
+            return
         # a disk block's pages are its extent's: counted out of the tier here
         self.held[Tier.DISK] -= sum(1 for d in gone if d.tier is Tier.DISK)
         self.dropped_blocks += len(gone)
