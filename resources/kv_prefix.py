@@ -179,6 +179,11 @@ class PrefixCache:
         pages; False, with nothing moved, when the blocks that may leave would not free enough."""
         return self.moves.ensure_host(n)
 
+    def ensure_disk(self, n: int) -> bool:
+        """Drop unmapped disk blocks until the disk can take ``n`` pages of a live request;
+        False when it cannot (``RoomMaker.ensure_disk``)."""
+        return self.moves.ensure_disk(n)
+
     def _drop(self, key: Hashable, reason: str) -> int:
         """Drop ``key`` and its descendants; frees what they held. Returns blocks dropped."""
         return self.moves.drop(key, reason)

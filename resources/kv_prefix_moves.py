@@ -48,6 +48,9 @@ class BlockMoves:
     def ensure_host(self, n: int) -> bool:
         return self.room.ensure(Tier.HOST, n)
 
+    def ensure_disk(self, n: int) -> bool:
+        return self.room.ensure_disk(n)
+
     def free_location(self, tier: Tier, handle: Hashable) -> None:
         self.room.free_location(tier, handle)
 
@@ -71,7 +74,12 @@ class BlockMoves:
         return self._pool(tier).free_pages
 
     def capacity_pages(self, tier: Tier) -> int:
+        if tier is Tier.DISK:
+            return int(self._s.disk.capacity_pages)
         return self._pool(tier).num_pages
+
+    def disk_fits(self, n: int) -> bool:
+        return self._s.disk.can_reserve(n)
 
     def reserve(self, tier: Tier, n: int) -> Any:
         if tier is Tier.DISK:

@@ -20,7 +20,8 @@ both make room by the same steps in the same order:
   victims the disk policy admits go to disk in one write (one it refuses is dropped);
   with no disk, or no room there, the first victim is dropped and the rest stay.
 - **Disk room**: disk victims are dropped until the space reserves the extent (never an
-  ancestor of a block moving there: those are held while it moves).
+  ancestor of a block moving there: those are held while it moves), and, for a live
+  request's offload or demotion to disk, until the disk can take it (``ensure_disk``).
 - **A failed copy** leaves nothing half-moved: the moves are undone, the room given back,
   and the blocks dropped (reason ``demote_failed``); no byte is read from them again.
 
@@ -42,7 +43,8 @@ __all__ = ["BlockSpace", "RoomMaker"]
 class BlockSpace(Protocol):
     """Where a block store's bytes are: what ``RoomMaker`` asks and tells its store.
 
-    ``block_pages``: pages per block; ``has_disk``: a disk tier is there; ``instant``:
+    ``block_pages``: pages per block; ``has_disk``: a disk tier is there (``disk_fits(n)``:
+    it can take ``n`` pages of a request now); ``instant``:
     copies land at once and never fail (a modelled store; ``copy`` is then not called).
     ``reserve(tier, n)``: room for ``n`` blocks on the host (n = 1: the block's handle
     there) or the disk (an extent), None when short; ``unreserve`` gives unused room back.
@@ -60,6 +62,7 @@ class BlockSpace(Protocol):
     instant: bool
 
     def free_pages(self, tier: Tier) -> int: ...
+    def disk_fits(self, n: int) -> bool: ...
     def capacity_pages(self, tier: Tier) -> int: ...
     def reserve(self, tier: Tier, n: int) -> Any: ...
     def unreserve(self, tier: Tier, room: Any) -> None: ...
@@ -115,6 +118,27 @@ class RoomMaker:
         while free(tier) < n:
             if not self._host_batch_down(-(-(n - free(tier)) // bp)):
                 return False
+        return True
+
+    def ensure_disk(self, n: int) -> bool:
+        """Drop disk blocks no request maps, in the disk policy's order, until the disk can
+        take ``n`` pages of a live request (its offload or demotion comes before cached
+        blocks, as on the device and the host). False at once, nothing dropped, when there is
+        no disk, it is smaller, or no block may leave; some may have gone before a False
+        when the policy offers no more."""
+        space = self.space
+        if not space.has_disk:
+            return False
+        if space.disk_fits(n):
+            return True
+        if n > space.capacity_pages(Tier.DISK) or not self.rules.reachable(
+                Tier.DISK, 1, float(self._clock())):
+            return False
+        while not space.disk_fits(n):
+            key = self.rules.victim(Tier.DISK, float(self._clock()))
+            if key is None:
+                return False
+            self.drop(key, "evicted")
         return True
 
     def _device_victim_down(self) -> bool:

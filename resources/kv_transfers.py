@@ -101,9 +101,12 @@ class Transfers:
             return 0
         freed = n * self._g.page_bytes
         marker = self._s.streams.compute_marker()
-        if self._reuse.blocks is not None:
-            self._reuse.blocks.ensure_host(n)  # cached blocks make way for a live request
+        blocks = self._reuse.blocks
+        if blocks is not None:
+            blocks.ensure_host(n)  # cached blocks make way for a live request
         host_room = self._s.host_pool.free_pages >= n
+        if blocks is not None and not host_room and self._to_disk and self._s.disk is not None:
+            blocks.ensure_disk(n)  # on disk too
         move = offload_move(
             host_room,
             not host_room and self._s.disk is not None and self._to_disk
@@ -137,6 +140,8 @@ class Transfers:
         guard(r, Op.DEMOTE)
         if self._s.disk is None or not r.host:
             return False
+        if self._reuse.blocks is not None:
+            self._reuse.blocks.ensure_disk(len(r.host))  # cached blocks make way for it
         extent = self._s.disk.reserve(rid, len(r.host))
         if extent is None:
             self._stats.demote_refusals_disk_full += 1

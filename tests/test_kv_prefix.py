@@ -199,6 +199,61 @@ def test_host_hit_is_loaded_through_reload_and_bitwise():
         assert st["blocks_on_device"] == 4 and st["blocks_on_host"] == 0  # moved, not copied
 
 
+def _disk_full_of_blocks(kv, gen):
+    """4 cached blocks on a 4-page disk and a live request "h" holding 2 of 4 host pages."""
+    ids, _ = published_off_device(kv, gen)  # device -> host
+    kv.remove_request("big")
+    kv.ingest_request("h")
+    write_random(kv, "h", gen, 2 * T)
+    assert kv.offload("h") > 0  # the cached blocks went to disk to make host room
+    kv.synchronize(10)
+    kv.check_integrity()
+    assert kv.cached_prefix(ids).disk == 16 and kv.state_of("h") is S.ON_HOST
+    return ids
+
+
+@pytest.mark.parametrize("move", ["offload", "demote"])
+def test_a_live_request_goes_to_disk_before_cached_blocks_stay_there(tmp_path, move):
+    """A live request's offload (host full) or demotion takes disk room from cached blocks,
+    as it does on the device and the host. Before, it was refused while the disk held
+    blocks no request maps (an offload returned 0, a demotion False)."""
+    gen = torch.Generator().manual_seed(11)
+    with make(tmp_path, device_pages=8, host_pages=4, disk_pages=4) as kv:
+        ids = _disk_full_of_blocks(kv, gen)
+        if move == "offload":  # the host has 2 pages left: 4 must go to disk
+            kv.ingest_request("x")
+            data = write_random(kv, "x", gen, 4 * T)
+            assert kv.offload("x") == 4 * GEOM.page_bytes
+            rid = "x"
+        else:
+            data = None
+            assert kv.demote("h")
+            rid = "h"
+        kv.synchronize(10)
+        kv.check_integrity()
+        assert kv.state_of(rid) is S.ON_DISK
+        st = kv.prefix_stats()
+        assert st["blocks_on_disk"] == 0 and st["dropped_evicted"] >= 1
+        assert kv.cached_prefix(ids).tokens == 0  # the blocks left, not the request
+        if data is not None:
+            assert kv.reload(rid)
+            kv.synchronize(10)
+            kv.check_integrity()
+            assert_leading(kv, rid, data, 4 * T)
+
+
+def test_a_live_request_does_not_take_disk_room_a_loading_block_holds(tmp_path):
+    """Control: a disk block a request is loading is not dropped for a demotion."""
+    gen = torch.Generator().manual_seed(12)
+    with make(tmp_path, device_pages=12, host_pages=4, disk_pages=4) as kv:
+        ids = _disk_full_of_blocks(kv, gen)
+        kv.ingest_request("b")
+        assert kv.attach_prefix("b", ids) == 16 and kv.is_offloaded("b")  # its load is pending
+        assert not kv.demote("h")  # every disk block is mapped by its loader
+        kv.check_integrity()
+        assert kv.state_of("h") is S.ON_HOST and kv.prefix_stats()["blocks_on_disk"] == 4
+
+
 def test_disk_hit_is_bitwise_and_blocks_are_packed(tmp_path):
     gen = torch.Generator().manual_seed(7)
     with make(tmp_path, device_pages=8, host_pages=4) as kv:

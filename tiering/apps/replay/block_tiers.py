@@ -126,6 +126,9 @@ class _ModelledPages:
     def capacity_pages(self, tier: Tier) -> int:
         return self.capacity[tier]
 
+    def disk_fits(self, n: int) -> bool:
+        return self._kv.free_pages(Tier.DISK) >= n
+
     def reserve(self, tier: Tier, n: int) -> Any:
         """Room is taken by ``settle``, as the move lands at once: on the host a block's
         new handle (``RoomMaker`` asks only once the room is free: ``settle`` checks it
@@ -471,6 +474,11 @@ class PrefixBlocks:
         host policy's victims go to disk in batches (``RoomMaker``). False, with nothing
         changed, when the blocks that may leave would not free enough."""
         return self.room.ensure(Tier.HOST, n)
+
+    def ensure_disk(self, n: int) -> bool:
+        """Drop disk blocks no request maps until the disk can take ``n`` pages of a live
+        request (``RoomMaker.ensure_disk``, as the cache's offload and demotion do)."""
+        return self.room.ensure_disk(n)
 
     def drop_all_device(self) -> bool:
         """Drop every cached device block that may leave; False if none could."""

@@ -251,11 +251,12 @@ class ModeledKVCache(LifecycleAnswers):
     def use_blocks(self, store) -> None:
         """Hold ``store``'s cached blocks as the cache holds its block store's: ``store``
         answers ``idle_pages(tier)`` (pages of blocks no request maps and none moves: left
-        out of the used figures) and makes room (``ensure_device(n)``, ``ensure_host(n)``:
-        True when ``n`` pages of that tier are free). One store per cache."""
+        out of the used figures) and makes room (``ensure_device(n)``, ``ensure_host(n)``,
+        ``ensure_disk(n)``: True when ``n`` pages of that tier are free). One store per
+        cache."""
         if self._blocks is not None and self._blocks is not store:
             raise ValueError("ModeledKVCache.use_blocks: this cache holds another block store")
-        for name in ("idle_pages", "ensure_device", "ensure_host"):
+        for name in ("idle_pages", "ensure_device", "ensure_host", "ensure_disk"):
             if not callable(getattr(store, name, None)):
                 raise TypeError(f"use_blocks: the block store has no {name}()")
         self._blocks = store
@@ -626,8 +627,11 @@ class ModeledKVCache(LifecycleAnswers):
         n = r.device
         if not n:
             return 0
-        if self._blocks is not None:
-            self._blocks.ensure_host(n)  # cached blocks make way for a live request
+        blocks = self._blocks
+        if blocks is not None:
+            blocks.ensure_host(n)  # cached blocks make way for a live request
+            if self.offload_to_disk_when_host_full and self._mover.offload_to(n, False) is None:
+                blocks.ensure_disk(n)  # on disk too, as the cache's offload
         dst = self._mover.offload_to(n, self.offload_to_disk_when_host_full)
         if dst is None or not self._start(r, dst, n):
             self.stats.offload_refusals += 1
@@ -640,6 +644,8 @@ class ModeledKVCache(LifecycleAnswers):
         guard(r, Op.DEMOTE)
         if not r.host:
             return False
+        if self._blocks is not None:
+            self._blocks.ensure_disk(r.host)  # cached blocks make way for it, as in the cache
         dst = self._mover.demote_to(r.host)
         if dst is None:
             self.stats.demote_refusals_disk_full += 1
