@@ -101,6 +101,8 @@ class RoomMaker:
         """Free pages of ``tier`` (device or host) until ``n`` are free; False at once, with
         nothing changed, when the tier is smaller or the blocks that may leave would not
         free enough (some may have gone before a False when the policy offers no more)."""
+        if tier is Tier.DISK:
+            raise ValueError("RoomMaker.ensure: the disk makes room with ensure_disk")
         space = self.space
         free = space.free_pages
         have = free(tier)
