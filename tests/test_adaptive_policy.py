@@ -11,8 +11,16 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 from test_block_policy_state_machine import PolicyMachine
-from tiering.policies.blocks import AdaptiveBlocks, BlockInfo, LIRSBlocks, LRUBlocks
-from tiering.policies.blocks.adaptive import GHOST_FACTOR, _sample_value
+from tiering.policies.blocks import (
+    AdaptiveBlocks,
+    ARCBlocks,
+    BlockInfo,
+    ChainOdds,
+    LIRSBlocks,
+    LRUBlocks,
+    S3FIFOBlocks,
+)
+from tiering.policies.blocks.adaptive import GHOST_FACTOR, _key_insert, _sample_value
 
 from tiering.blocks import BlockIndex, synth
 from tiering.blocks.replay import replay_blocks
@@ -552,3 +560,67 @@ def test_a_stores_adaptive_tiers_share_one_chain_history_and_the_run_is_the_same
         assert getattr(one, f) == getattr(own, f), f
     c = one.counters
     assert c.prefix_hits > 0 and c.block_drops + c.block_moves_host > 20, c
+
+
+def _state(p):
+    if isinstance(p, LRUBlocks):
+        return list(p._order)
+    if isinstance(p, S3FIFOBlocks):
+        return list(p._s.items()), list(p._m.items()), list(p._g)
+    if isinstance(p, ARCBlocks):
+        return list(p._t1), list(p._t2), list(p._b1), list(p._b2), p.p
+    return (sorted(p._meta.items()), [list(lst.items()) for lst in p._lists], p._stay,
+            p._version)
+
+
+@pytest.mark.parametrize("cls", [LRUBlocks, S3FIFOBlocks, ARCBlocks, ChainOdds])
+def test_the_experts_unchecked_paths_equal_their_per_event_hooks(cls):
+    """What the adaptive policy tells its experts without a snapshot or a second check
+    (an insert by key, ``_removes``) leaves each built-in as its per-event hooks do, over
+    random inserts, hits and removals that fill the tier and its ghost lists."""
+    rng = random.Random(hash(cls.__name__) & 0xFFFF)
+    a, b = cls(capacity=16), cls(capacity=16)
+    key_insert = _key_insert(a)
+    assert (key_insert is None) is (cls is ChainOdds)
+    held: list[int] = []
+    for t in range(600):
+        now = float(t)
+        keys = rng.sample(range(60), rng.randint(1, 5))
+        for p in (a, b):
+            p.on_request(keys, now)
+        for d, k in enumerate(keys):
+            info = BlockInfo(k, None, d, 0, 0, now, now, 0)
+            if k in b:
+                a.on_hit(info, now)
+                b.on_hit(info, now)
+                continue
+            if key_insert is not None:
+                key_insert(k)
+            else:
+                a.on_insert_key(k, d, lambda key, info=info: info, now)
+            b.on_insert(info, now)
+            held.append(k)
+        if len(held) > 16:
+            gone = [held.pop(rng.randrange(len(held))) for _ in range(len(held) - 16)]
+            a._removes(gone)
+            for k in gone:
+                b.on_remove(k)
+        assert _state(a) == _state(b), t
+    assert len(a) == 16 and _state(a) == _state(b)
+
+
+def test_a_subclass_that_changes_on_remove_is_still_told_each_removal():
+    """``_removes`` of a subclass of a built-in that replaces ``on_remove`` calls it."""
+    told = []
+
+    class Counting(LRUBlocks):
+        def on_remove(self, key):
+            told.append(key)
+            super().on_remove(key)
+
+    p = Counting()
+    for k in (3, 1, 2):
+        p.on_insert(BlockInfo(k, None, 0, 0, 0, 0.0, 0.0, 0), 0.0)
+    p._removes([1, 3])
+    p.on_removes([2])
+    assert told == [1, 3, 2] and len(p) == 0

@@ -253,7 +253,7 @@ def test_insert_run_equals_inserts_and_refuses_bad_runs_whole():
         b.acquire(k)
         parent = k
     a.check_integrity()
-    for name in ("_parent", "_depth", "_tier", "_handle", "_refs", "_hits", "_first", "_last",
+    for name in ("_node", "_tier", "_refs", "_hits", "_last",
                  "_kids", "_below", "_counts"):
         assert getattr(a, name) == getattr(b, name), name
     before = dict(a._tier)

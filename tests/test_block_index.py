@@ -326,6 +326,29 @@ def test_check_integrity_catches_a_corrupted_record():
         index.check_integrity()
 
 
+
+def test_check_integrity_catches_a_wrong_chain_record():
+    """Each block's one record (parent, depth, handle, first use): a wrong depth, parent or
+    handle, a record of the wrong shape, or a block without one is seen."""
+    rng = random.Random(5)
+    keys = rng.sample(range(10**6), 6)
+    index = BlockIndex()
+    assert index.insert_run(keys, None, Tier.DEVICE, [10 + i for i in range(6)], 1.5)
+    index.check_integrity()
+    good = index._node[keys[3]]
+    for bad, match in (((good[0], good[1] + 1, good[2], good[3]), "depth"),
+                       ((keys[0], good[1], good[2], good[3]), "children"),
+                       ((good[0], good[1], 99, good[3]), "handle map"),
+                       ([*good], "is not"), (good[:3], "is not")):
+        index._node[keys[3]] = bad
+        with pytest.raises(AssertionError, match=match):
+            index.check_integrity()
+        index._node[keys[3]] = good
+        index.check_integrity()
+    del index._node[keys[5]]
+    with pytest.raises(AssertionError, match="_node does not cover"):
+        index.check_integrity()
+
 def test_evictable_follows_a_deep_chain_mapped_and_released_in_any_order():
     """The held-children counts walk up only while a block's held state changes: map a
     chain root first, release it leaf first or root first, and every block's
@@ -545,7 +568,7 @@ def test_attachable_tiers_stop_at_a_block_in_flight_or_mapped_off_the_device():
 
 def _tables(index):
     return {name: getattr(index, name) for name in (
-        "_parent", "_depth", "_tier", "_handle", "_dest", "_refs", "_hits", "_first", "_last",
+        "_node", "_tier", "_dest", "_refs", "_hits", "_last",
         "_kids", "_slots", "_counts", "_busy_n", "_below")}
 
 

@@ -210,6 +210,17 @@ def _sample_value(key: Hashable) -> int:
     return hash(key)
 
 
+def _key_insert(p: BlockPolicy) -> Callable[[Hashable], None] | None:
+    """``on_insert`` of a generic built-in of its exact class, which reads only the key
+    of the snapshot, as a call with the key alone (no snapshot built); None for others."""
+    cls = type(p)
+    if cls is LRUBlocks or cls is S3FIFOBlocks:
+        return p._insert_key
+    if cls is ARCBlocks:
+        return p._insert
+    return None
+
+
 def _ghosts(p: BlockPolicy) -> int:
     if isinstance(p, ARCBlocks):
         return len(p._b1) + len(p._b2)
@@ -285,6 +296,7 @@ class _Shadow:
         # a policy that reads only the key and depth of an insert is not built a snapshot
         by_key = cls.on_insert_key is not BlockPolicy.on_insert_key
         on_insert = p.on_insert_key if by_key else p.on_insert
+        key_insert = _key_insert(p)  # one that reads only the key: told the key alone
         add, absent = mine.add, _ABSENT
         for depth in range(start, len(keys)):
             k = keys[depth]
@@ -312,7 +324,9 @@ class _Shadow:
                             if not sib:
                                 del kids[up]
                         remove(victim)
-                if by_key:
+                if key_insert is not None:
+                    key_insert(k)
+                elif by_key:
                     on_insert(k, depth, get, now)
                 else:
                     on_insert(_info(BlockInfo, (k, parent, depth, 1, 0, now, now, 0)), now)
@@ -425,6 +439,8 @@ class AdaptiveBlocks(BlockPolicy):
         # experts told an insert by key and depth alone (no snapshot built for them)
         self._by_key = tuple(type(p).on_insert_key is not BlockPolicy.on_insert_key
                              for p in self._experts)
+        # experts whose insert reads only the key, told it alone (None: the others)
+        self._key_inserts = tuple(_key_insert(p) for p in self._experts)
         # ChainOdds' history depends only on the requests: at rate 1 its shadow is told
         # the same ones right after the expert, and reads the expert's (share_history),
         # linked at the first request unless share_history linked it with other tiers'
@@ -551,8 +567,10 @@ class AdaptiveBlocks(BlockPolicy):
             super().on_removes(keys)
             return
         check_batch(self, "on_remove", keys, True)
+        # every expert tracks the blocks the leader does (each is told every insert and
+        # removal), so the leader's check holds for all: each expert's loop, unchecked
         for p in self._experts:
-            p.on_removes(keys)
+            p._removes(keys)
 
     def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
         if self.overrides(AdaptiveBlocks, "victims", "victims_except"):
@@ -624,8 +642,10 @@ class AdaptiveBlocks(BlockPolicy):
         if key in self.leader:
             raise already_tracked(self, key)
         info = None
-        for p, by_key in zip(self._experts, self._by_key):  # noqa: B905 (equal lengths)
-            if by_key:
+        for p, by_key, ins in zip(self._experts, self._by_key, self._key_inserts):  # noqa: B905
+            if ins is not None:
+                ins(key)
+            elif by_key:
                 p.on_insert_key(key, depth, get, now)
             else:
                 if info is None:

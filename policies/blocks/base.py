@@ -186,6 +186,12 @@ class BlockPolicy(ABC):
         """``on_remove`` of each of ``keys``, in order."""
         if _answers_in(self):
             check_batch(self, "on_remove", keys, True)
+        BlockPolicy._removes(self, keys)
+
+    def _removes(self, keys: Sequence[Hashable]) -> None:
+        """``on_removes`` of keys already checked (each tracked, none twice): what a
+        policy that tracks the same blocks as one that checked them is told (the experts
+        of ``AdaptiveBlocks``). A built-in's own loop; this default calls ``on_remove``."""
         on_remove = self.on_remove
         for k in keys:
             on_remove(k)

@@ -515,15 +515,25 @@ class ChainOdds(BlockPolicy):
         if self.overrides(ChainOdds, "on_remove"):
             return super().on_removes(keys)
         check_batch(self, "on_remove", keys, True)
-        meta, lists, dirty = self._meta, self._lists, self._dirty
-        for key in keys:
-            cls = meta.pop(key, None)
-            if cls is None:
-                raise not_tracked(self, "on_remove", key)
-            last = lists[cls].pop(key)[0]
-            dirty.add(cls)
-            self._version += 1
-            self._stay += 0.01 * ((self._t - last) - self._stay)
+        self._removes(keys)
+
+    def _removes(self, keys: Sequence[Hashable]) -> None:
+        """``on_removes`` of keys already checked (each tracked, none twice)."""
+        if self.overrides(ChainOdds, "on_remove"):
+            return super()._removes(keys)
+        meta, lists, dirty, t = self._meta, self._lists, self._dirty, self._t
+        stay = self._stay
+        try:
+            for key in keys:
+                cls = meta.pop(key, None)
+                if cls is None:
+                    raise not_tracked(self, "on_remove", key)
+                last = lists[cls].pop(key)[0]
+                dirty.add(cls)
+                self._version += 1
+                stay += 0.01 * ((t - last) - stay)
+        finally:
+            self._stay = stay
 
     def _ends(self):
         """The lowest (density, key) of the oldest (deepest of its request) and the youngest block of every class.

@@ -73,6 +73,12 @@ class LRUBlocks(BlockPolicy):
             raise already_tracked(self, info.key)
         self._order[info.key] = None
 
+    def _insert_key(self, key: Hashable) -> None:
+        """``on_insert`` of an exact LRUBlocks, which reads only the key."""
+        if key in self._order:
+            raise already_tracked(self, key)
+        self._order[key] = None
+
     def on_hit(self, info: BlockInfo, now: float) -> None:
         try:
             self._order.move_to_end(info.key)
@@ -125,6 +131,11 @@ class LRUBlocks(BlockPolicy):
         if self.overrides(LRUBlocks, "on_remove"):
             return super().on_removes(keys)
         check_batch(self, "on_remove", keys, True)
+        self._removes(keys)
+
+    def _removes(self, keys: Sequence[Hashable]) -> None:
+        if self.overrides(LRUBlocks, "on_remove"):
+            return super()._removes(keys)
         order = self._order
         for k in keys:
             try:
@@ -157,6 +168,7 @@ class ARCBlocks(BlockPolicy):
         self._b2: OrderedDict[Hashable, None] = OrderedDict()
         self._incoming_in_b2 = False
         self._own_pop = not self.overrides(ARCBlocks, "victims", "victims_except")
+        self._own_len = not self.overrides(ARCBlocks, "__len__")
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
@@ -223,6 +235,11 @@ class ARCBlocks(BlockPolicy):
         if self.overrides(ARCBlocks, "on_remove", "_trim", "__len__"):
             return super().on_removes(keys)
         check_batch(self, "on_remove", keys, True)
+        self._removes(keys)
+
+    def _removes(self, keys: Sequence[Hashable]) -> None:
+        if self.overrides(ARCBlocks, "on_remove", "_trim", "__len__"):
+            return super()._removes(keys)
         # on_remove of each, inline: to its ghost list, trimming after each
         c, c2 = self.capacity, 2 * self.capacity
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
@@ -288,10 +305,18 @@ class ARCBlocks(BlockPolicy):
 
     def _trim(self) -> None:
         c = self.capacity
-        while self._b1 and len(self._t1) + len(self._b1) > c:
-            self._b1.popitem(last=False)
-        while self._b2 and len(self) + len(self._b1) + len(self._b2) > 2 * c:
-            self._b2.popitem(last=False)
+        b1, b2 = self._b1, self._b2
+        if b1:
+            n1 = len(self._t1)
+            while b1 and n1 + len(b1) > c:
+                b1.popitem(last=False)
+        if not self._own_len:  # a subclass's len(), asked each time
+            while b2 and len(self) + len(b1) + len(b2) > 2 * c:
+                b2.popitem(last=False)
+        elif b2:
+            n = len(self._t1) + len(self._t2) + len(b1)  # the loop changes only b2
+            while b2 and n + len(b2) > 2 * c:
+                b2.popitem(last=False)
 
     def victims(self, now: float) -> Iterator[Hashable]:
         t1 = len(self._t1)
@@ -369,6 +394,16 @@ class S3FIFOBlocks(BlockPolicy):
         else:
             self._s[k] = 0
 
+    def _insert_key(self, k: Hashable) -> None:
+        """``on_insert`` of an exact S3FIFOBlocks, which reads only the key."""
+        if k in self._s or k in self._m:
+            raise already_tracked(self, k)
+        if k in self._g:
+            del self._g[k]
+            self._m[k] = 0
+        else:
+            self._s[k] = 0
+
     def on_hit(self, info: BlockInfo, now: float) -> None:
         k = info.key
         q = self._s if k in self._s else self._m
@@ -428,6 +463,11 @@ class S3FIFOBlocks(BlockPolicy):
         if self.overrides(S3FIFOBlocks, "on_remove"):
             return super().on_removes(keys)
         check_batch(self, "on_remove", keys, True)
+        self._removes(keys)
+
+    def _removes(self, keys: Sequence[Hashable]) -> None:
+        if self.overrides(S3FIFOBlocks, "on_remove"):
+            return super()._removes(keys)
         # on_remove of each, inline: one from the small queue becomes a ghost
         s, m, g = self._s, self._m, self._g
         cap, pop = self._ghost_cap, g.popitem

@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Container, Hashable, Iterable, Iterator, Sequence
 from itertools import repeat
 from numbers import Real
+from operator import itemgetter
 from typing import NamedTuple
 
 from tiering.policies.blocks.base import BlockInfo, BlockPolicy
@@ -79,6 +80,8 @@ class Dropped(NamedTuple):
 
 
 _NONE = object()  # "no entry", where None may be a value
+_PARENT, _DEPTH, _HANDLE, _FIRST = range(4)  # the fields of a block's record in ``_node``
+_parent_of, _handle_of = itemgetter(_PARENT), itemgetter(_HANDLE)
 _new = tuple.__new__
 
 
@@ -100,18 +103,19 @@ def _check_now(now: object, op: str, key: Hashable) -> None:
 class BlockIndex:
     """Key -> location, reference counts and chain structure of cached KV blocks.
 
-    Stored as parallel dicts of plain values (no object per block), so a
-    million cached blocks cost the garbage collector nothing to walk.
+    Stored as a few dicts of plain values and tuples of them (no mutable object
+    per block), so a million cached blocks cost the garbage collector nothing to
+    walk: every cached block has its tier in ``_tier`` and one record in
+    ``_node``, ``(parent, depth, handle, first use)``, replaced when it moves;
+    the other tables hold only the blocks they say something about.
     """
 
     def __init__(self) -> None:
-        self._parent: dict[Hashable, Hashable | None] = {}
-        self._depth: dict[Hashable, int] = {}
         self._tier: dict[Hashable, Tier] = {}
-        self._handle: dict[Hashable, Hashable] = {}
+        # key -> (parent, depth, handle, first use): _PARENT, _DEPTH, _HANDLE, _FIRST
+        self._node: dict[Hashable, tuple[Hashable | None, int, Hashable, float]] = {}
         self._dest: dict[Hashable, tuple[Tier, Hashable]] = {}  # moves in flight
         self._refs: dict[Hashable, int] = {}  # only blocks mapped by someone
-        self._first: dict[Hashable, float] = {}
         # only blocks touched since their insert (a block absent has 0 hits, last use = first)
         self._hits: dict[Hashable, int] = {}
         self._last: dict[Hashable, float] = {}
@@ -148,14 +152,15 @@ class BlockIndex:
         return self._counts[tier] - self._busy_n[tier]
 
     def get(self, key: Hashable) -> BlockInfo | None:
-        first = self._first.get(key)  # a use time: never None for a cached block
-        if first is None:
+        node = self._node.get(key)
+        if node is None:
             return None
+        parent, depth, _, first = node
         kids = self._kids.get(key)
         return _new(BlockInfo, (  # BlockInfo(...) without its Python-level __new__
             key,
-            self._parent[key],
-            self._depth[key],
+            parent,
+            depth,
             self._refs.get(key, 0),
             self._hits.get(key, 0),
             first,
@@ -165,15 +170,16 @@ class BlockIndex:
 
     def depth(self, key: Hashable) -> int:
         """The block's depth in its chain (0 for a chain's first block)."""
-        d = self._depth.get(key)
-        if d is None:
+        node = self._node.get(key)
+        if node is None:
             raise ValueError(f"depth: block {key!r} is not in the index")
-        return d
+        return node[1]
 
     def depths(self, keys: Iterable[Hashable]) -> list[int]:
         """``depth`` of each of ``keys``, in one call (ValueError naming the first unknown)."""
+        node = self._node
         try:
-            return list(map(self._depth.__getitem__, keys))
+            return [node[k][1] for k in keys]
         except KeyError as err:
             raise ValueError(f"depths: block {err.args[0]!r} is not in the index") from None
 
@@ -188,8 +194,8 @@ class BlockIndex:
             return None
         dest = self._dest.get(key)
         if dest is None:
-            return _new(BlockLocation, (tier, self._handle[key], None, None))
-        return _new(BlockLocation, (tier, self._handle[key], dest[0], dest[1]))
+            return _new(BlockLocation, (tier, self._node[key][2], None, None))
+        return _new(BlockLocation, (tier, self._node[key][2], dest[0], dest[1]))
 
     def keys(self, tier: Tier | None = None) -> Iterator[Hashable]:
         if tier is not None:
@@ -261,23 +267,23 @@ class BlockIndex:
 
     def _now_busy(self, key: Hashable) -> None:
         """``key`` has just become busy (it was not)."""
-        below, parent, refs, dest = self._below, self._parent, self._refs, self._dest
+        below, node, refs, dest = self._below, self._node, self._refs, self._dest
         if key in below:
             return  # it was held already
-        p = parent[key]
+        p = node[key][0]
         while p is not None:
             n = below.get(p, 0)
             below[p] = n + 1
             if n or p in refs or p in dest:
                 return  # p was held already
-            p = parent[p]
+            p = node[p][0]
 
     def _now_idle(self, key: Hashable) -> None:
         """``key`` has just stopped being busy."""
-        below, parent, refs, dest = self._below, self._parent, self._refs, self._dest
+        below, node, refs, dest = self._below, self._node, self._refs, self._dest
         if key in below:
             return  # still held by a block below it
-        p = parent[key]
+        p = node[key][0]
         while p is not None:
             n = below[p] - 1
             if n:
@@ -286,7 +292,7 @@ class BlockIndex:
             del below[p]
             if p in refs or p in dest:
                 return  # p is busy itself: still held
-            p = parent[p]
+            p = node[p][0]
 
     # -- changing --------------------------------------------------------------
 
@@ -316,10 +322,10 @@ class BlockIndex:
         if parent is None:
             depth = 0
         else:
-            pd = self._depth.get(parent)
-            if pd is None:
+            pn = self._node.get(parent)
+            if pn is None:
                 return False
-            depth = pd + 1
+            depth = pn[1] + 1
             kids = self._kids.get(parent, _NONE)
             if kids is _NONE:
                 self._kids[parent] = key
@@ -327,11 +333,8 @@ class BlockIndex:
                 kids.add(key)
             else:
                 self._kids[parent] = {kids, key}
-        self._parent[key] = parent
-        self._depth[key] = depth
+        self._node[key] = (parent, depth, handle, now)
         self._tier[key] = tier
-        self._handle[key] = handle
-        self._first[key] = now
         slots[handle] = key
         self._counts[tier] += 1
         return True
@@ -344,13 +347,14 @@ class BlockIndex:
         where = self._tier
         if key in where or key is None:
             return self.insert(key, parent, tier, handle, now)  # raises, naming it
+        node = self._node
         if parent is None:
             depth = 0
         else:
-            pd = self._depth.get(parent)
-            if pd is None:
+            pn = node.get(parent)
+            if pn is None:
                 return False
-            depth = pd + 1
+            depth = pn[1] + 1
             kids = self._kids
             pk = kids.get(parent)
             if pk is None:
@@ -359,11 +363,8 @@ class BlockIndex:
                 pk.add(key)
             else:
                 kids[parent] = {pk, key}
-        self._parent[key] = parent
-        self._depth[key] = depth
+        node[key] = (parent, depth, handle, now)
         where[key] = tier
-        self._handle[key] = handle
-        self._first[key] = now
         self._slots[tier][handle] = key
         self._counts[tier] += 1
         refs = self._refs
@@ -372,13 +373,13 @@ class BlockIndex:
         # _now_busy(key): a new block holds nothing below it
         p = parent
         if p is not None:
-            below, parents, dest = self._below, self._parent, self._dest
+            below, dest = self._below, self._dest
             while True:
                 n = below.get(p, 0)
                 below[p] = n + 1
                 if n or p in refs or p in dest:
                     break  # p was held already
-                p = parents[p]
+                p = node[p][0]
                 if p is None:
                     break
         return True
@@ -408,13 +409,14 @@ class BlockIndex:
             raise ValueError(f"insert_run of block {keys[0]!r}: {n} blocks need {n} unused, "
                              f"distinct {tier.value} handles, got {list(handles)[:4]!r}...")
         k0 = keys[0]
+        node = self._node
         if parent is None:
             d0 = 0
         else:
-            pd = self._depth.get(parent)
-            if pd is None:
+            pn = node.get(parent)
+            if pn is None:
                 return False
-            d0 = pd + 1
+            d0 = pn[1] + 1
             kids = self._kids
             pk = kids.get(parent)
             if pk is None:
@@ -423,49 +425,42 @@ class BlockIndex:
                 pk.add(k0)
             else:
                 kids[parent] = {pk, k0}
-        parents, handle, first, depth = self._parent, self._handle, self._first, self._depth
         prev = parent
         if acquire:
             refs = self._refs
             for k, h in zip(keys, handles, strict=False):  # one pass writes every table
-                parents[k] = prev
-                depth[k] = d0
+                node[k] = (prev, d0, h, now)
                 where[k] = tier
-                first[k] = now
-                handle[k] = h
                 slots[h] = k
                 refs[k] = 1
                 d0 += 1
                 prev = k
         else:
             for k, h in zip(keys, handles, strict=False):
-                parents[k] = prev
-                depth[k] = d0
+                node[k] = (prev, d0, h, now)
                 where[k] = tier
-                first[k] = now
-                handle[k] = h
                 slots[h] = k
                 d0 += 1
                 prev = k
+        head = keys[:-1]
         if n > 1:  # each one's only child: the next
-            self._kids.update(zip(keys[:-1], keys[1:], strict=False))
+            self._kids.update(zip(head, keys[1:], strict=False))
         self._counts[tier] += n
         if acquire:
             self._busy_n[tier] += n
             self._now_busy(k0)  # held now: the blocks above it, as acquire walks them
             if n > 1:  # each one's only child is busy
-                below = self._below
-                for k in keys[:-1]:
-                    below[k] = 1
+                self._below.update(zip(head, repeat(1, n - 1), strict=False))
         return True
 
     def touch(self, key: Hashable, now: float) -> BlockInfo:
         """Record an access of a cached block (a hit); returns its new snapshot."""
         self._check_known(key, "touch")
         _check_now(now, "touch", key)
-        if now < self._first[key]:
+        first = self._node[key][3]
+        if now < first:
             raise ValueError(
-                f"touch of block {key!r}: now {now!r} is before its first use {self._first[key]!r}"
+                f"touch of block {key!r}: now {now!r} is before its first use {first!r}"
             )
         hits = self._hits
         hits[key] = hits.get(key, 0) + 1
@@ -475,13 +470,14 @@ class BlockIndex:
     def touch_many(self, keys: Sequence[Hashable], now: float) -> None:
         """``touch`` of each of ``keys`` (one request's hits), checked first as a whole:
         a bad ``now`` or key raises ValueError, as ``touch`` would, and changes nothing."""
-        first, hits, last = self._first, self._hits, self._last
+        node, hits, last = self._node, self._hits, self._last
         if keys:
             _check_now(now, "touch", keys[0])
         for key in keys:
-            f = first.get(key)
+            f = node.get(key)
             if f is None:
                 raise ValueError(f"touch: block {key!r} is not in the index")
+            f = f[3]
             if now < f:
                 raise ValueError(
                     f"touch of block {key!r}: now {now!r} is before its first use {f!r}")
@@ -557,30 +553,31 @@ class BlockIndex:
         """``release_many(keys)`` at once when ``keys`` are a line of blocks (each the
         parent of the next), each mapped once, none moving, and nothing else held below
         them; False (nothing changed) otherwise."""
-        refs, below, parent = self._refs, self._below, self._parent
+        refs, below = self._refs, self._below
         if keys[-1] in below or (self._dest and not self._dest.keys().isdisjoint(keys)):
             return False
-        ref, held = refs.get, below.get
-        prev = keys[0]
-        if ref(prev) != 1:
+        n = len(keys)
+        # each mapped once (so each is cached), each but the last held by its one busy
+        # child only (a count of 1 above it), and each the parent of the next: checked in C
+        if list(map(refs.get, keys)).count(1) != n:
             return False
-        for k in keys[1:]:  # a count of 1 above k: only k (busy) holds the one before it
-            if ref(k) != 1 or held(prev) != 1 or parent[k] != prev:
-                return False
-            prev = k
+        head = keys[:-1]
+        if list(map(below.get, head)).count(1) != n - 1:
+            return False
+        if list(map(_parent_of, map(self._node.__getitem__, keys[1:]))) != list(head):
+            return False
         # every block of the line is idle now and nothing below it is held
         where, busy_n = self._tier, self._busy_n
-        t0 = where[prev]
-        other = 0  # blocks of the line on another tier than its last
-        for k in keys:
-            del refs[k]
-            t = where[k]
-            if t is not t0:
-                busy_n[t] -= 1
-                other += 1
-        busy_n[t0] -= len(keys) - other
-        for k in keys[:-1]:
-            del below[k]
+        tiers = list(map(where.__getitem__, keys))
+        t0 = tiers[-1]
+        same = tiers.count(t0)
+        if same != n:  # blocks of the line on another tier than its last
+            for t in tiers:
+                if t is not t0:
+                    busy_n[t] -= 1
+        busy_n[t0] -= same
+        list(map(refs.pop, keys))
+        list(map(below.pop, head))
         self._now_idle(keys[0])  # the blocks above the line
         return True
 
@@ -638,7 +635,8 @@ class BlockIndex:
         dest = self._dest.pop(key, None)
         if dest is None:
             raise ValueError(f"finish_move: block {key!r} is not moving")
-        old = BlockLocation(self._tier[key], self._handle[key])
+        node = self._node[key]
+        old = BlockLocation(self._tier[key], node[2])
         self._busy_n[old.tier] -= 1
         if key not in self._refs:
             self._now_idle(key)
@@ -646,7 +644,8 @@ class BlockIndex:
             self._busy_n[dest[0]] += 1
         del self._slots[old.tier][old.handle]
         self._counts[old.tier] -= 1
-        self._tier[key], self._handle[key] = dest
+        self._tier[key] = dest[0]
+        self._node[key] = (node[0], node[1], dest[1], node[3])
         self._counts[dest[0]] += 1
         return old
 
@@ -655,12 +654,13 @@ class BlockIndex:
         caller's to make before it reads the destination): the same checks, the same
         result; returns the source to free."""
         tier, slots = self._check_move(key, dst, dst_handle, "move")
-        old = BlockLocation(tier, self._handle[key])
+        node = self._node[key]
+        old = BlockLocation(tier, node[2])
         del self._slots[tier][old.handle]
         slots[dst_handle] = key
         self._counts[tier] -= 1
         self._tier[key] = dst
-        self._handle[key] = dst_handle
+        self._node[key] = (node[0], node[1], dst_handle, node[3])
         self._counts[dst] += 1
         if key in self._refs:  # a mapped block off the device: busy where it is now
             self._busy_n[tier] -= 1
@@ -728,7 +728,7 @@ class BlockIndex:
     def _unlink(self, key: Hashable) -> None:
         """``key`` is no longer among its parent's cached children."""
         kids = self._kids
-        parent = self._parent[key]
+        parent = self._node[key][0]
         if parent is not None:
             pk = kids[parent]
             if isinstance(pk, set):
@@ -742,8 +742,7 @@ class BlockIndex:
         """``drop_run`` of an evictable block with no cached children."""
         self._unlink(key)
         tier = self._tier.pop(key)
-        handle = self._handle.pop(key)
-        del self._parent[key], self._depth[key], self._first[key]
+        handle = self._node.pop(key)[2]
         if key in self._hits:
             del self._hits[key], self._last[key]
         del self._slots[tier][handle]
@@ -759,7 +758,7 @@ class BlockIndex:
         tier = self._tier.pop(key, None)
         if tier is None:
             return False
-        parent = self._parent.pop(key)
+        parent, _, handle, _ = self._node.pop(key)
         if parent is not None:  # _unlink
             kids = self._kids
             pk = kids[parent]
@@ -769,8 +768,6 @@ class BlockIndex:
                     kids[parent] = next(iter(pk))
             else:
                 del kids[parent]
-        handle = self._handle.pop(key)
-        del self._depth[key], self._first[key]
         hits = self._hits
         if key in hits:
             del hits[key], self._last[key]
@@ -802,34 +799,16 @@ class BlockIndex:
             raise RuntimeError(f"drop of block {key!r}: held, but nothing below it is busy")
         self._unlink(key)
         # nothing in the subtree is busy (evictable), so refs, moves and held counts hold
-        # none of it. The walk of _subtree_list, emptying each block's tables on the way
+        # none of it. The walk of _subtree_list, taking each block's children on the way;
+        # then every other table of the subtree emptied in C
         subtree: list[Hashable] = []
-        tiers: list[Tier] = []
-        handles: list[Hashable] = []
-        tier_of, handle_of, kid_of = self._tier.pop, self._handle.pop, kids.pop
-        parents, depth, first, hits, last = (
-            self._parent, self._depth, self._first, self._hits, self._last)
-        slots, counts = self._slots, self._counts
-        t0 = self._tier[key]
-        slots0 = slots[t0]
-        add, add_tier, add_handle = subtree.append, tiers.append, handles.append
+        kid_of, add = kids.pop, subtree.append
         stack = [key]
         pop, extend = stack.pop, stack.extend
         while stack:
             x = pop()
             while True:  # down a line of only children, as pushing and popping each would
                 add(x)
-                t = tier_of(x)
-                h = handle_of(x)
-                add_tier(t)
-                add_handle(h)
-                if t is t0:
-                    del slots0[h]
-                else:
-                    del slots[t][h]
-                del parents[x], depth[x], first[x]
-                if x in hits:
-                    del hits[x], last[x]
                 c = kid_of(x, None)
                 if c is None:
                     break
@@ -838,13 +817,24 @@ class BlockIndex:
                     break
                 x = c
         subtree.reverse()
-        tiers.reverse()
-        handles.reverse()
+        tiers = list(map(self._tier.pop, subtree))
+        handles = list(map(_handle_of, map(self._node.pop, subtree)))
+        hits = self._hits
+        if hits and not hits.keys().isdisjoint(subtree):
+            last = self._last
+            for x in subtree:
+                if x in hits:
+                    del hits[x], last[x]
+        slots, counts = self._slots, self._counts
+        t0 = tiers[-1]  # key's
         n = len(subtree)
         same = tiers.count(t0)
         counts[t0] -= same
-        if same != n:
-            for t in tiers:
+        if same == n:
+            list(map(slots[t0].pop, handles))
+        else:
+            for t, h in zip(tiers, handles, strict=True):
+                del slots[t][h]
                 if t is not t0:
                     counts[t] -= 1
         self.dropped[reason] += 1
@@ -918,9 +908,13 @@ class BlockIndex:
     def check_integrity(self) -> None:
         """Raise AssertionError unless every rule in the module docstring holds."""
         keys = set(self._tier)
-        for name in ("_parent", "_depth", "_handle", "_first"):
-            if set(getattr(self, name)) != keys:
-                raise AssertionError(f"{name} does not cover exactly the cached blocks")
+        node = self._node
+        if set(node) != keys:
+            raise AssertionError("_node does not cover exactly the cached blocks")
+        for k, rec in node.items():
+            if rec.__class__ is not tuple or len(rec) != 4:
+                raise AssertionError(f"block {k!r}: record {rec!r} is not (parent, depth, "
+                                     "handle, first use)")
         if set(self._last) != set(self._hits):
             raise AssertionError("_hits and _last do not hold the same (touched) blocks")
         for name in ("_dest", "_refs", "_kids", "_hits"):
@@ -937,23 +931,23 @@ class BlockIndex:
                 raise AssertionError(f"block {k!r}: tier {tier!r}")
             if not (self._refs.get(k, 1) > 0):
                 raise AssertionError(f"block {k!r} has refs {self._refs.get(k)}")
-            if not (self._hits.get(k, 1) > 0 and self._last.get(k, self._first[k]) >= self._first[k]):
+            parent, depth, handle, first = node[k]
+            if not (self._hits.get(k, 1) > 0 and self._last.get(k, first) >= first):
                 raise AssertionError(f"block {k!r}: bad use record")
-            parent = self._parent[k]
             if parent is None:
-                if self._depth[k] != 0:
-                    raise AssertionError(f"block {k!r}: a root block has depth {self._depth[k]}")
+                if depth != 0:
+                    raise AssertionError(f"block {k!r}: a root block has depth {depth}")
             else:
                 if parent not in keys:
                     raise AssertionError(f"block {k!r}: its parent {parent!r} is not cached")
                 pk = self._kids.get(parent, _NONE)
                 if not (pk == k or (isinstance(pk, set) and k in pk)):
                     raise AssertionError(f"block {k!r}: missing from its parent's children")
-                if self._depth[k] != self._depth[parent] + 1:
+                if depth != node[parent][1] + 1:
                     raise AssertionError(
-                        f"block {k!r}: depth {self._depth[k]}, parent's {self._depth[parent]}"
+                        f"block {k!r}: depth {depth}, parent's {node[parent][1]}"
                     )
-            slot = (tier, self._handle[k])
+            slot = (tier, handle)
             if slot in handles:
                 raise AssertionError(f"{slot} holds blocks {handles.get(slot)!r} and {k!r}")
             handles[slot] = k
@@ -973,17 +967,17 @@ class BlockIndex:
             if not (len(group) != 1 or not isinstance(kids, set)):
                 raise AssertionError(f"block {p!r}: a one-child set")
             for c in group:
-                if not (c in keys and self._parent[c] == p):
+                if not (c in keys and node[c][0] == p):
                     raise AssertionError(f"block {p!r}: child {c!r} is not its child")
         held: set[Hashable] = set()  # busy blocks and every block above one
         for k in (*self._refs, *self._dest):
             x = k
             while x is not None and x not in held:
                 held.add(x)
-                x = self._parent[x]
+                x = node[x][0]
         below: dict[Hashable, int] = {}
         for k in held:
-            p = self._parent[k]
+            p = node[k][0]
             if p is not None:
                 below[p] = below.get(p, 0) + 1
         if below != self._below:
@@ -1005,10 +999,11 @@ class BlockIndex:
     def chain_keys(self, key: Hashable) -> Sequence[Hashable]:
         """The chain from the root to ``key``, root first."""
         self._check_known(key, "chain_keys")
+        node = self._node
         out = [key]
-        p = self._parent[key]
+        p = node[key][0]
         while p is not None:
             out.append(p)
-            p = self._parent[p]
+            p = node[p][0]
         out.reverse()
         return out

@@ -266,7 +266,7 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
         return k
 
     match_length, touch_many, depths = index.match_length, index.touch_many, index.depths
-    acquire_many, release_many, depth_of = index.acquire_many, index.release_many, index._depth
+    acquire_many, release_many, node = index.acquire_many, index.release_many, index._node
     on_commit, on_publish, room = policy.on_commit, policy.on_publish, free.__len__
     for t, chain in enumerate(chains):
         now = float(t)
@@ -296,7 +296,7 @@ def _replay_batch(chains, capacity_blocks: int, policy: BlockPolicy,
             while j < n and chain[j] not in entries:
                 j += 1
             stop = False
-            depth = 0 if parent is None else depth_of[parent] + 1
+            depth = 0 if parent is None else node[parent][1] + 1
             got, no = on_publish(chain[i:j], depth, room, insert, get, now)
             inserted += got
             if no or stop:
