@@ -71,12 +71,19 @@ class LIRSBlocks(BlockPolicy):
     tier; the rest (resident HIR, ``hir_fraction`` of it) wait in a FIFO and go
     first. The recency stack also keeps non-resident HIR keys (ghosts), at most
     ``ghost_factor`` x capacity of them, so a block read again soon after leaving
-    becomes LIR."""
+    becomes LIR.
+
+    ``reuse_only``: once the tier has been full, a block joins the LIR set only by a
+    reuse (a hit within the stack or a ghost read again), and a reuse while the set is
+    below its target takes nobody's place. That is the adaptive policy's LIRS expert:
+    while another expert leads, its victims take LIR blocks, and a LIR set refilled by
+    first reads would fill with whatever arrives next (a scan), so that when LIRS takes
+    the lead it holds no working set to protect."""
 
     name = "lirs"
 
     def __init__(self, capacity: int, hir_fraction: float = 0.01,
-                 ghost_factor: float = 2.0) -> None:
+                 ghost_factor: float = 2.0, reuse_only: bool = False) -> None:
         self.capacity = _check_capacity(self.name, capacity)
         if isinstance(hir_fraction, bool) or not isinstance(hir_fraction, (int, float)) or not (
                 0.0 < hir_fraction < 1.0):
@@ -90,6 +97,10 @@ class LIRSBlocks(BlockPolicy):
         self._q: OrderedDict[Hashable, None] = OrderedDict()  # resident HIR, oldest first
         self._lir: set[Hashable] = set()
         self._ghost: OrderedDict[Hashable, None] = OrderedDict()  # non-resident HIR in S
+        if not isinstance(reuse_only, bool):
+            raise ValueError(f"lirs: reuse_only must be a bool, got {reuse_only!r}")
+        self.reuse_only = reuse_only
+        self._filled = False  # the tier has been full (with reuse_only)
 
     def __len__(self) -> int:
         return len(self._lir) + len(self._q)
@@ -129,7 +140,11 @@ class LIRSBlocks(BlockPolicy):
         if k in self._lir or k in self._q:
             raise already_tracked(self, k)
         s = self._s
-        if len(self._lir) < self._lir_target:
+        room = len(self._lir) < self._lir_target
+        filled = self._filled
+        if self.reuse_only and not filled and len(self) + 1 >= self.capacity:
+            self._filled = True
+        if room and not filled:
             self._ghost.pop(k, None)
             s.pop(k, None)
             s[k] = None
@@ -138,7 +153,8 @@ class LIRSBlocks(BlockPolicy):
             del self._ghost[k]
             s.move_to_end(k)
             self._lir.add(k)
-            self._demote_bottom()
+            if not room:
+                self._demote_bottom()
         else:
             s[k] = None
             self._q[k] = None
@@ -154,8 +170,10 @@ class LIRSBlocks(BlockPolicy):
             if k in s:  # a resident HIR block inside the stack: LIR
                 s.move_to_end(k)
                 del self._q[k]
+                room = self._filled and len(self._lir) < self._lir_target
                 self._lir.add(k)
-                self._demote_bottom()
+                if not room:
+                    self._demote_bottom()
             else:
                 s[k] = None
                 self._q.move_to_end(k)
@@ -190,7 +208,7 @@ _EXPERTS: dict[str, Callable[..., BlockPolicy]] = {
     "chain": ChainOdds,
     "s3fifo": S3FIFOBlocks,
     "arc": ARCBlocks,
-    "lirs": LIRSBlocks,
+    "lirs": lambda capacity: LIRSBlocks(capacity, reuse_only=True),
     "lru": LRUBlocks,
 }
 #: ``admit`` methods that change nothing (an expert with one of these is asked only
