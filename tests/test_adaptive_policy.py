@@ -26,7 +26,8 @@ from tiering.types import Tier
     lambda capacity: AdaptiveBlocks(capacity, window=8, margin=0.0, z=0.0),  # leads swap often
     lambda capacity: AdaptiveBlocks(capacity, rate=1 if capacity < 4 else 4),
     LIRSBlocks,
-], ids=["default", "restless", "sampled", "lirs"])
+    lambda capacity: LIRSBlocks(capacity, reuse_only=True),
+], ids=["default", "restless", "sampled", "lirs", "lirs-reuse-only"])
 def test_contract(factory, seed):
     check_block_policy(factory, seed=seed)
 
@@ -174,10 +175,47 @@ def test_adaptive_rejects_bad_parameters_by_name(kw, word):
     ({"capacity": 0}, "capacity"),
     ({"capacity": 10, "hir_fraction": 0.0}, "hir_fraction"),
     ({"capacity": 10, "ghost_factor": -1.0}, "ghost_factor"),
+    ({"capacity": 10, "reuse_only": 1}, "reuse_only"),
 ])
 def test_lirs_rejects_bad_parameters_by_name(kw, word):
     with pytest.raises(ValueError, match=word):
         LIRSBlocks(**kw)
+
+
+def _info_of(key, depth=0):
+    return BlockInfo(key, None, depth, 1, 0, 0.0, 0.0, 0)
+
+
+@pytest.mark.parametrize("reuse_only", [False, True])
+def test_lirs_reuse_only_refills_its_lir_set_by_reuse_not_by_first_reads(reuse_only):
+    """A full LIRS tier loses LIR blocks to another policy's victims (as the adaptive
+    policy's LIRS expert does while another expert leads). Plain LIRS makes the next
+    first reads LIR (and evicts its old HIR block first); with ``reuse_only`` they wait
+    as HIR and go first, and one read again inside the stack joins the LIR set without
+    demoting a LIR block."""
+    rng = random.Random(7)
+    cap = 20
+    p = LIRSBlocks(cap, hir_fraction=0.1, reuse_only=reuse_only)
+    keys = rng.sample(range(10**9), cap + 4)
+    for k in keys[:cap]:
+        p.on_insert(_info_of(k), 0.0)
+    old_hir = list(p._q)
+    assert len(old_hir) == 2 and len(p) == cap
+    lost = [k for k in keys[:cap] if k in p._lir][:3]
+    for k in lost:  # another policy's victims
+        p.on_remove(k)
+    fresh = keys[cap:cap + 3]
+    for k in fresh:
+        p.on_insert(_info_of(k), 0.0)
+    first = list(p.victims(0.0))[:5]
+    if not reuse_only:
+        assert first[:2] == old_hir and not set(fresh) & set(first)
+        return
+    assert first == old_hir + fresh
+    lir_before = set(p._lir)
+    p.on_hit(_info_of(fresh[1]), 0.0)  # read again inside the stack: LIR, nobody demoted
+    assert set(p._lir) == lir_before | {fresh[1]}
+    assert list(p.victims(0.0))[:4] == [*old_hir, fresh[0], fresh[2]]
 
 
 def test_a_refused_admission_of_the_leader_inserts_nothing_anywhere():

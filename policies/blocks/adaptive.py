@@ -127,6 +127,7 @@ class LIRSBlocks(BlockPolicy):
 
     def _demote_bottom(self) -> None:
         """The bottom LIR block becomes resident HIR (end of the FIFO)."""
+        self._prune()  # (with reuse_only, a LIR set emptied by removals left HIR below)
         s = self._s
         if not s:
             return
