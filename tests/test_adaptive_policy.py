@@ -603,7 +603,7 @@ def test_the_default_keeps_lru_where_it_pays_from_the_start_and_hands_conversati
     sessions whose working set a large tier holds, where LRU pays from the first
     eviction and ChainOdds, still learning, does not, it keeps LRU and scores exactly
     LRU's hits; on conversations at a small tier it passes the lead to ChainOdds and
-    scores above every generic expert alone."""
+    scores above every established policy alone."""
     sessions, cap = synth.session_chains(3000, 100), 3000
     lru = replay_blocks(sessions, cap, LRUBlocks(cap)).hit_rate
     chain = replay_blocks(sessions, cap, AdaptiveBlocks(cap, experts=("chain",))).hit_rate
@@ -614,9 +614,11 @@ def test_the_default_keeps_lru_where_it_pays_from_the_start_and_hands_conversati
     assert p.leader_name == "lru" and p.switches == 0
 
     conv, cap = synth.synthetic_chains(3000, 100), 300
-    alone = {n: replay_blocks(conv, cap, AdaptiveBlocks(cap, experts=(n,))).hit_rate
-             for n in ("lru", "chain", "s3fifo", "lirs")}
+    from tiering.policies.blocks import make_block_policy
+
+    established = max(replay_blocks(conv, cap, make_block_policy(n, capacity=cap)).hit_rate
+                      for n in ("lru", "arc", "s3fifo", "lirs"))
     q = AdaptiveBlocks(cap)
     r = replay_blocks(conv, cap, q).hit_rate
-    assert q.leader_name == "chain" and 1 <= q.switches <= 3
-    assert r > max(alone["lru"], alone["s3fifo"], alone["lirs"])
+    assert q.leader_name == "chain" and q.switches >= 1
+    assert r > established
