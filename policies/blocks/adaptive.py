@@ -2,25 +2,27 @@
 of several experts pays on the workload in front of it.
 
 ``AdaptiveBlocks`` ("adaptive") keeps a full instance of each expert (by default
-ChainOdds, S3-FIFO, ARC and LRU), tells every one of them every event of the tier,
-and takes its victims and admission answers from one of them, the leader. ChainOdds
-leads first. Which one leads is decided by simulations: each expert also runs in a
-shadow tier of ``capacity / rate`` blocks over the blocks whose key falls in a fixed
-1-in-``rate`` hash sample, told the same requests in the same order (the sampled
-part of each chain), and dropping a block's held descendants with it as the block
-index does. ``rate`` is 1 by default: a shadow is then a tier of the real size
-serving every block, which scores a generic policy exactly as a replay would; a
-sampled miniature costs less but misjudges ChainOdds, whose odds depend on the
-tier's size, against the others. Each request's shadow prefix hits are summed with
-an exponential decay of ``window`` requests, and their products with the squared
+LRU, ChainOdds, S3-FIFO and LIRS), tells every one of them every event of the tier,
+and takes its victims and admission answers from one of them, the leader. The first
+expert (LRU) leads first: every policy serves the same until the tier is full, and
+while ChainOdds has not yet seen enough reuse to learn its odds, LRU is the generic
+policy that loses least on a large tier. Which one leads is decided by simulations:
+each expert also runs in a shadow tier of ``capacity / rate`` blocks over the blocks
+whose key falls in a fixed 1-in-``rate`` hash sample, told the same requests in the
+same order (the sampled part of each chain), and dropping a block's held descendants
+with it as the block index does. ``rate`` is 1 by default: a shadow is then a tier of
+the real size serving every block, which scores a generic policy exactly as a replay
+would; a sampled miniature costs less but misjudges ChainOdds, whose odds depend on
+the tier's size, against the others. Each request's shadow prefix hits are summed
+with an exponential decay of ``window`` requests, and their products with the squared
 decay, which gives the variance of the decayed difference between two experts. The
 lead passes to an expert whose decayed hits exceed the leader's by ``z`` standard
-errors of that difference and by ``margin`` of the leader's hits: a clear, lasting
-advantage moves it; a near tie, whose noise the shadows cannot resolve, never does.
-Nothing is counted in the first ``hold`` requests (by default
-``min(2048, capacity / 2)``): ChainOdds learns its odds from reuse it has seen, and
-on a large tier it trails the generic policies until it has, so that early lead is
-not taken as lasting.
+errors of that difference and by ``margin`` of the leader's hits. The short window
+(700 requests) and the modest ``z`` (1.5) move the lead within a few hundred requests
+of an expert starting to pay, which is what a switch gains most from: each change of
+leader costs hits while the tier still holds what the old leader kept, and each
+request served by the wrong leader costs more. Nothing is counted in the first
+``hold`` requests (0 by default).
 
 Bounds: each shadow holds at most ``capacity / rate`` blocks; the ghost keys of the
 experts and shadows (ARC's B1 and B2, S3-FIFO's ghost FIFO, LIRS's non-resident HIR
@@ -69,12 +71,19 @@ class LIRSBlocks(BlockPolicy):
     tier; the rest (resident HIR, ``hir_fraction`` of it) wait in a FIFO and go
     first. The recency stack also keeps non-resident HIR keys (ghosts), at most
     ``ghost_factor`` x capacity of them, so a block read again soon after leaving
-    becomes LIR."""
+    becomes LIR.
+
+    ``reuse_only``: once the tier has been full, a block joins the LIR set only by a
+    reuse (a hit within the stack or a ghost read again), and a reuse while the set is
+    below its target takes nobody's place. That is the adaptive policy's LIRS expert:
+    while another expert leads, its victims take LIR blocks, and a LIR set refilled by
+    first reads would fill with whatever arrives next (a scan), so that when LIRS takes
+    the lead it holds no working set to protect."""
 
     name = "lirs"
 
     def __init__(self, capacity: int, hir_fraction: float = 0.01,
-                 ghost_factor: float = 2.0) -> None:
+                 ghost_factor: float = 2.0, reuse_only: bool = False) -> None:
         self.capacity = _check_capacity(self.name, capacity)
         if isinstance(hir_fraction, bool) or not isinstance(hir_fraction, (int, float)) or not (
                 0.0 < hir_fraction < 1.0):
@@ -88,6 +97,10 @@ class LIRSBlocks(BlockPolicy):
         self._q: OrderedDict[Hashable, None] = OrderedDict()  # resident HIR, oldest first
         self._lir: set[Hashable] = set()
         self._ghost: OrderedDict[Hashable, None] = OrderedDict()  # non-resident HIR in S
+        if not isinstance(reuse_only, bool):
+            raise ValueError(f"lirs: reuse_only must be a bool, got {reuse_only!r}")
+        self.reuse_only = reuse_only
+        self._filled = False  # the tier has been full (with reuse_only)
 
     def __len__(self) -> int:
         return len(self._lir) + len(self._q)
@@ -114,6 +127,7 @@ class LIRSBlocks(BlockPolicy):
 
     def _demote_bottom(self) -> None:
         """The bottom LIR block becomes resident HIR (end of the FIFO)."""
+        self._prune()  # (with reuse_only, a LIR set emptied by removals left HIR below)
         s = self._s
         if not s:
             return
@@ -127,7 +141,11 @@ class LIRSBlocks(BlockPolicy):
         if k in self._lir or k in self._q:
             raise already_tracked(self, k)
         s = self._s
-        if len(self._lir) < self._lir_target:
+        room = len(self._lir) < self._lir_target
+        filled = self._filled
+        if self.reuse_only and not filled and len(self) + 1 >= self.capacity:
+            self._filled = True
+        if room and not filled:
             self._ghost.pop(k, None)
             s.pop(k, None)
             s[k] = None
@@ -136,7 +154,8 @@ class LIRSBlocks(BlockPolicy):
             del self._ghost[k]
             s.move_to_end(k)
             self._lir.add(k)
-            self._demote_bottom()
+            if not room:
+                self._demote_bottom()
         else:
             s[k] = None
             self._q[k] = None
@@ -152,8 +171,10 @@ class LIRSBlocks(BlockPolicy):
             if k in s:  # a resident HIR block inside the stack: LIR
                 s.move_to_end(k)
                 del self._q[k]
+                room = self._filled and len(self._lir) < self._lir_target
                 self._lir.add(k)
-                self._demote_bottom()
+                if not room:
+                    self._demote_bottom()
             else:
                 s[k] = None
                 self._q.move_to_end(k)
@@ -188,7 +209,7 @@ _EXPERTS: dict[str, Callable[..., BlockPolicy]] = {
     "chain": ChainOdds,
     "s3fifo": S3FIFOBlocks,
     "arc": ARCBlocks,
-    "lirs": LIRSBlocks,
+    "lirs": lambda capacity: LIRSBlocks(capacity, reuse_only=True),
     "lru": LRUBlocks,
 }
 #: ``admit`` methods that change nothing (an expert with one of these is asked only
@@ -396,9 +417,9 @@ class AdaptiveBlocks(BlockPolicy):
     name = "adaptive"
 
     def __init__(self, capacity: int,
-                 experts: Sequence[str] = ("chain", "s3fifo", "arc", "lru"),
-                 rate: int | None = None, window: int = 10000, margin: float = 0.01,
-                 z: float = 3.0, hold: int | None = None) -> None:
+                 experts: Sequence[str] = ("lru", "chain", "s3fifo", "lirs"),
+                 rate: int | None = None, window: int = 700, margin: float = 0.0,
+                 z: float = 1.5, hold: int = 0) -> None:
         self.capacity = _check_capacity(self.name, capacity)
         experts = tuple(experts)
         if not experts or any(e not in _EXPERTS for e in experts) or len(set(experts)) != len(
@@ -416,8 +437,6 @@ class AdaptiveBlocks(BlockPolicy):
             raise ValueError(f"adaptive: margin must be in [0, 1], got {margin!r}")
         if isinstance(z, bool) or not isinstance(z, (int, float)) or not 0.0 <= z <= 100.0:
             raise ValueError(f"adaptive: z must be in [0, 100] (standard errors), got {z!r}")
-        if hold is None:
-            hold = min(2048, capacity // 2)
         if not isinstance(hold, int) or isinstance(hold, bool) or hold < 0:
             raise ValueError(f"adaptive: hold must be an int >= 0 (requests), got {hold!r}")
         self.z = float(z)
