@@ -385,17 +385,10 @@ class S3FIFOBlocks(BlockPolicy):
         return sum(map(self._s.__contains__, keys)) + sum(map(self._m.__contains__, keys))
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
-        k = info.key
-        if k in self._s or k in self._m:
-            raise already_tracked(self, k)
-        if k in self._g:
-            del self._g[k]
-            self._m[k] = 0
-        else:
-            self._s[k] = 0
+        self._insert_key(info.key)
 
     def _insert_key(self, k: Hashable) -> None:
-        """``on_insert`` of an exact S3FIFOBlocks, which reads only the key."""
+        """``on_insert``, which reads only the key."""
         if k in self._s or k in self._m:
             raise already_tracked(self, k)
         if k in self._g:
