@@ -30,11 +30,12 @@ The life of a block, in the order a worker on the cache meets it:
   pages (``allocate``: the cache allocates a request only once its load landed).
 - **Publish** (``publish``, when the request finishes): its prompt blocks past
   those the device already holds are offered to the device policy root first
-  (``BlockRules.offer``) and kept while it admits them and the device has room;
-  a block held on another tier stops the publish, as in the cache.
+  (``BlockRules.publish``, the cache's walk) and kept while it admits them and the
+  device has room; a block held on another tier stops the publish, as in the cache.
 - **Release** (the request finished, or its KV was freed to be recomputed):
   its blocks are unmapped; their pages stay the store's.
-- **Down the tiers**, only when room is needed, as in the cache: ``ensure_device``
+- **Down the tiers**, only when room is needed, by the cache's own steps
+  (``tiering.resources.kv_prefix_room.RoomMaker`` over the modelled pages): ``ensure_device``
   (an allocation, a reload, a load) sends the device policy's victims one tier down
   when the host policy admits them and room can be made there (``ensure_host``), a
   victim the host refuses or has no room for straight to disk when the disk policy
@@ -42,7 +43,8 @@ The life of a block, in the order a worker on the cache meets it:
   an offload of a live request) writes a batch of up to ``disk_batch`` host victims
   the disk policy admits to disk in one copy (a refused one is dropped), dropping
   disk victims for room; with no disk, or no room there, the first host victim is
-  dropped. Moves down change the books at once; their copies occupy the links
+  dropped; ``ensure_disk`` (a live request's offload or demotion) drops disk victims
+  until it fits. Moves down change the books at once; their copies occupy the links
   (``move_block_pages``).
 
 ``check_integrity`` checks the index, that every policy tracks exactly its
