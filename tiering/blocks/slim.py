@@ -1,0 +1,332 @@
+"""The block replay's slim loop: ``replay_blocks`` for the built-in generic policies.
+
+``replay_blocks`` keeps its tier in a ``BlockIndex``, which holds everything a
+store needs: tiers, handles, moves in flight, reference counts per block and the
+held-children counts that make a block's evictability O(1) for any caller. The
+replay needs far less: one tier, one request live at a time, and no handles (a
+result never names one). This loop keeps only that, for a policy whose class is
+exactly one of ``SLIM_POLICIES`` (not a subclass: a subclass may read what the
+index would tell it, and takes the index's path):
+
+- ``node``: every cached block's ``(parent, depth, first use)``;
+- ``kids``: a block's cached children, its one child or a set of them, built and
+  emptied by the same steps as the index's, so a dropped subtree leaves in the
+  same order;
+- ``hits`` and ``last``: the hit count and last use of the blocks read again;
+- ``held``: the blocks the live request maps and every block above one of them,
+  the blocks no victim may be (the index's mapped blocks and those with a mapped
+  block below). A request maps a chain root first, so ``held`` is the part of
+  its chain served so far, and a block is added as the request reaches it.
+
+The policy makes every decision through the same batch hooks, called in the same
+order with the same arguments as ``replay_blocks``' index path (``on_commit``,
+``on_publish`` with ``room`` and ``insert``, ``pop_victim``, ``on_removes``,
+``on_hit``), and each snapshot ``get`` builds is the one the index would build,
+so the results and the eviction sequence are the same (the tests replay both).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from itertools import chain as _then
+from itertools import islice, repeat
+
+from tiering.policies.blocks import (
+    ARCBlocks,
+    BlockInfo,
+    BlockPolicy,
+    LIRSBlocks,
+    LRUBlocks,
+    S3FIFOBlocks,
+)
+
+__all__ = ["SLIM_POLICIES", "replay_slim", "takes_slim"]
+
+#: The policy classes the slim loop serves: the built-in generic policies, whose hooks
+#: read a block's key and nothing the index alone knows.
+SLIM_POLICIES = (LRUBlocks, ARCBlocks, S3FIFOBlocks, LIRSBlocks)
+
+_new = tuple.__new__
+_NOTHING: frozenset = frozenset()  # the containers of busy blocks the index has and this loop has not
+
+
+def takes_slim(policy: object) -> bool:
+    """Whether ``replay_blocks`` runs ``policy`` through the slim loop: its class is
+    exactly one of ``SLIM_POLICIES``."""
+    return type(policy) in SLIM_POLICIES
+
+
+def replay_slim(chains: Sequence[Sequence[Hashable]], capacity: int, policy: BlockPolicy,
+                check_every: int = 0) -> tuple[int, int, int, int, int, int]:
+    """``replay_blocks``' index path over the slim tables (module docstring): the
+    counts ``(accesses, hits, inserted, refused, evicted, orphaned)``.
+
+    ``check_every=n`` checks the tables and the policy's count after every n-th
+    request (AssertionError naming what is wrong)."""
+    node: dict[Hashable, tuple[Hashable | None, int, float]] = {}
+    kids: dict[Hashable, Hashable | set] = {}
+    hits_of: dict[Hashable, int] = {}
+    last: dict[Hashable, float] = {}
+    held: set[Hashable] = set()
+    # the blocks of ``held`` the live request does not map exactly once: 0 (held only
+    # for a mapped block below) or the times it maps one its chain reads twice
+    odd: dict[Hashable, int] = {}
+    hits = accesses = inserted = refused = evicted = orphaned = 0
+    now = 0.0
+    parent: Hashable | None = None
+    stop = False
+    pop_victim, on_removes = policy.pop_victim, policy.on_removes
+    on_commit, on_publish, on_hit = policy.on_commit, policy.on_publish, policy.on_hit
+    name = policy.name
+
+    def get(key: Hashable) -> BlockInfo | None:
+        """The block's snapshot, as ``BlockIndex.get`` builds it."""
+        rec = node.get(key)
+        if rec is None:
+            return None
+        up, depth, first = rec
+        c = kids.get(key)
+        return _new(BlockInfo, (
+            key, up, depth, odd.get(key, 1) if key in held else 0, hits_of.get(key, 0),
+            first, last.get(key, first), 0 if c is None else (len(c) if c.__class__ is set else 1),
+        ))
+
+    def room() -> int:
+        return capacity - len(node)
+
+    def hold_above(key: Hashable) -> None:
+        """The blocks above ``key`` (held now) are held too; ``odd`` counts them as unmapped."""
+        p = node[key][0]
+        while p is not None and p not in held:
+            held.add(p)
+            odd[p] = 0
+            p = node[p][0]
+
+    def map_one(key: Hashable) -> None:
+        """The live request maps ``key``, a cached block (a hit after a miss)."""
+        if key in held:
+            n = odd.get(key, 1) + 1
+            if n == 1:
+                del odd[key]
+            else:
+                odd[key] = n
+        else:
+            held.add(key)
+            hold_above(key)
+
+    def unlink(key: Hashable, up: Hashable | None) -> None:
+        """``key`` is no longer among ``up``'s cached children."""
+        if up is not None:
+            pk = kids[up]
+            if pk.__class__ is set:
+                pk.discard(key)
+                if len(pk) == 1:
+                    kids[up] = next(iter(pk))
+            else:
+                del kids[up]
+
+    def link(up: Hashable | None, key: Hashable) -> None:
+        """``key`` is a cached child of ``up`` now."""
+        if up is not None:
+            pk = kids.get(up)
+            if pk is None:
+                kids[up] = key
+            elif pk.__class__ is set:
+                pk.add(key)
+            else:
+                kids[up] = {pk, key}
+
+    def make_room() -> bool:
+        """The policy's victim leaves with its cached descendants, deepest first; False
+        (``stop`` set) when it offers none."""
+        nonlocal stop, evicted, orphaned
+        victim = pop_victim(now, held, _NOTHING, _NOTHING)
+        if victim is None:
+            stop = True
+            return False
+        rec = node.get(victim)
+        if rec is None:
+            raise RuntimeError(f"policy {name!r} offered block {victim!r}, which is not in the index")
+        if victim in held:
+            raise ValueError(f"drop of block {victim!r}: it is mapped by the live request, "
+                             "or a block below it is")
+        unlink(victim, rec[0])
+        if victim not in kids:  # nearly always: a block with nothing cached below it
+            del node[victim]
+            if victim in hits_of:
+                del hits_of[victim], last[victim]
+            on_removes([victim])
+            evicted += 1
+            return True
+        # its subtree, in the order the index walks it (each block's children taken on
+        # the way), deepest first; nothing in it is held (its root is not)
+        subtree: list[Hashable] = []
+        add, kid_of = subtree.append, kids.pop
+        stack = [victim]
+        take, extend = stack.pop, stack.extend
+        while stack:
+            x = take()
+            while True:  # down a line of only children
+                add(x)
+                c = kid_of(x, None)
+                if c is None:
+                    break
+                if c.__class__ is set:
+                    extend(c)
+                    break
+                x = c
+        subtree.reverse()
+        for _ in map(node.pop, subtree):
+            pass
+        if hits_of and not hits_of.keys().isdisjoint(subtree):
+            for x in subtree:
+                if x in hits_of:
+                    del hits_of[x], last[x]
+        on_removes(subtree)
+        evicted += 1
+        orphaned += len(subtree) - 1
+        return True
+
+    def insert(run: Sequence[Hashable]) -> int:
+        """The blocks of ``run`` into the tier after ``parent``, mapped, as many as room
+        is found for; how many went in. All the room first, then the blocks, as the
+        index path does."""
+        nonlocal parent
+        want = len(run)
+        if want == 1:
+            if len(node) >= capacity and not make_room():
+                return 0
+            k = 1
+        else:
+            while capacity - len(node) < want and make_room():
+                pass
+            k = min(want, capacity - len(node))
+            if not k:
+                return 0
+        up = parent
+        if up is None:
+            d0 = 0
+        else:
+            pn = node.get(up)
+            if pn is None:
+                return 0  # its parent is gone: the rest of the chain is unreachable
+            d0 = pn[1] + 1
+        if k == 1:
+            key = run[0]
+            if key in node or key is None:
+                raise ValueError(f"insert: block {key!r} is already in the index"
+                                 if key is not None else "insert: a block key must not be None")
+            node[key] = (up, d0, now)
+            link(up, key)
+            held.add(key)
+            parent = key
+            return 1
+        part = run if k == want else run[:k]
+        before = len(node)
+        node.update(zip(part, zip(_then((up,), part), range(d0, d0 + k), repeat(now), strict=False),
+                        strict=False))
+        if len(node) - before != k or None in node:
+            raise ValueError(f"insert_run: the run {list(part)[:4]!r}... repeats a block, "
+                             "holds one already cached, or holds None")
+        link(up, part[0])
+        kids.update(zip(part, islice(part, 1, None), strict=False))  # each one's only child: the next
+        held.update(part)
+        parent = part[-1]
+        return k
+
+    for t, keys in enumerate(chains):
+        now = float(t)
+        n = len(keys)
+        accesses += n
+        m = 0
+        for k in keys:
+            if k not in node:
+                break
+            m += 1
+        hits += m
+        if m:
+            prefix = keys[:m] if m < n else keys
+            depths = []
+            rooted = True  # each block's parent the one before it, the first a root
+            up = None
+            for k in prefix:  # touched, as the index's touch_many
+                hits_of[k] = hits_of.get(k, 0) + 1
+                last[k] = now
+                rec = node[k]
+                depths.append(rec[1])
+                if rec[0] != up:
+                    rooted = False
+                up = k
+            on_commit(keys, prefix, depths, get, now)
+            held.update(prefix)
+            if len(held) != m:  # the chain reads a block twice
+                for k, c in Counter(prefix).items():
+                    if c > 1:
+                        odd[k] = c
+            if not rooted:
+                for k in prefix:
+                    hold_above(k)
+            parent = prefix[-1]
+        else:
+            on_commit(keys, keys[:0], [], get, now)
+            parent = None
+        i = m
+        while i < n:  # the rest: runs of blocks the tier lacks, and any block it holds
+            key = keys[i]
+            if key in node:
+                hits_of[key] = hits_of.get(key, 0) + 1
+                last[key] = now
+                on_hit(get(key), now)
+                map_one(key)
+                parent = key
+                i += 1
+                continue
+            j = i + 1
+            while j < n and keys[j] not in node:
+                j += 1
+            stop = False
+            depth = 0 if parent is None else node[parent][1] + 1
+            got, no = on_publish(keys[i:j], depth, room, insert, get, now)
+            inserted += got
+            if no or stop:
+                refused += 1
+            if got < j - i:
+                break
+            i = j
+        held.clear()
+        if odd:
+            odd.clear()
+        if check_every and t % check_every == 0:
+            _check(node, kids, hits_of, last, policy, capacity)
+    return accesses, hits, inserted, refused, evicted, orphaned
+
+
+def _check(node: dict, kids: dict, hits_of: dict, last: dict, policy: BlockPolicy,
+           capacity: int) -> None:
+    """The slim tables' rules (a parent is cached, its depth one less, the children
+    tables are exactly the parents', at most ``capacity`` blocks) and the policy's count."""
+    if len(node) > capacity:
+        raise AssertionError(f"{len(node)} blocks cached in a tier of {capacity}")
+    below: dict[Hashable, set] = {}
+    for k, (up, depth, _) in node.items():
+        if up is None:
+            if depth != 0:
+                raise AssertionError(f"block {k!r}: a root block has depth {depth}")
+            continue
+        pn = node.get(up)
+        if pn is None:
+            raise AssertionError(f"block {k!r}: its parent {up!r} is not cached")
+        if depth != pn[1] + 1:
+            raise AssertionError(f"block {k!r}: depth {depth}, parent's {pn[1]}")
+        below.setdefault(up, set()).add(k)
+    for p, c in kids.items():
+        if c.__class__ is set and len(c) < 2:
+            raise AssertionError(f"block {p!r}: a set of {len(c)} children")
+    if {p: (c if c.__class__ is set else {c}) for p, c in kids.items()} != below:
+        raise AssertionError("the children table does not match the blocks' parents")
+    if set(hits_of) != set(last) or not set(hits_of) <= node.keys():
+        raise AssertionError("the hit counts and last uses do not name the same cached blocks")
+    if len(policy) != len(node):
+        raise AssertionError(
+            f"policy {policy.name!r} tracks {len(policy)} blocks, the tier holds {len(node)}")
