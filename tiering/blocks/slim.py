@@ -79,6 +79,7 @@ def replay_slim(chains: Sequence[Sequence[Hashable]], capacity: int, policy: Blo
     pop_victim, on_removes = policy.pop_victim, policy.on_removes
     on_commit, on_publish, on_hit = policy.on_commit, policy.on_publish, policy.on_hit
     name = policy.name
+    cached_keys = node.keys()
 
     def get(key: Hashable) -> BlockInfo | None:
         """The block's snapshot, as ``BlockIndex.get`` builds it."""
@@ -282,9 +283,12 @@ def replay_slim(chains: Sequence[Sequence[Hashable]], capacity: int, policy: Blo
                 parent = key
                 i += 1
                 continue
-            j = i + 1
-            while j < n and keys[j] not in node:
-                j += 1
+            if cached_keys.isdisjoint(islice(keys, i + 1, None)):  # one C pass, nearly always
+                j = n
+            else:  # the next block the tier holds
+                j = i + 1
+                while keys[j] not in node:
+                    j += 1
             stop = False
             depth = 0 if parent is None else node[parent][1] + 1
             got, no = on_publish(keys[i:j], depth, room, insert, get, now)
