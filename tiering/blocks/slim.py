@@ -228,8 +228,7 @@ def replay_slim(chains: Sequence[Sequence[Hashable]], capacity: int, policy: Blo
         node.update(zip(part, zip(_then((up,), part), range(d0, d0 + k), repeat(now), strict=False),
                         strict=False))
         if len(node) - before != k or None in node:
-            raise ValueError(f"insert_run: the run {list(part)[:4]!r}... repeats a block, "
-                             "holds one already cached, or holds None")
+            _refuse_run(part, held)
         link(up, part[0])
         kids.update(zip(part, islice(part, 1, None), strict=False))  # each one's only child: the next
         held.update(part)
@@ -304,6 +303,18 @@ def replay_slim(chains: Sequence[Sequence[Hashable]], capacity: int, policy: Blo
         if check_every and t % check_every == 0:
             _check(node, kids, hits_of, last, policy, capacity)
     return accesses, hits, inserted, refused, evicted, orphaned
+
+
+def _refuse_run(part: Sequence[Hashable], held: set) -> None:
+    """The ValueError the index raises for a run it refuses: the first block of ``part``
+    that is None or already cached (this request's blocks are the only ones a run can
+    meet again: ``held`` before the run's own), else a block the run repeats."""
+    for key in part:
+        if key is None:
+            raise ValueError("insert: a block key must not be None")
+        if key in held:
+            raise ValueError(f"insert: block {key!r} is already in the index")
+    raise ValueError(f"insert_run: the run {list(part)[:4]!r}... repeats a block")
 
 
 def _check(node: dict, kids: dict, hits_of: dict, last: dict, policy: BlockPolicy,
