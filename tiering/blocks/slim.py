@@ -8,10 +8,16 @@ result never names one). This loop keeps only that, for a policy whose class is
 exactly one of ``SLIM_POLICIES`` (not a subclass: a subclass may read what the
 index would tell it, and takes the index's path):
 
-- ``node``: every cached block's ``(parent, depth, first use)``;
-- ``kids``: a block's cached children, its one child or a set of them, built and
+- ``node``: every cached block's ``(parent, depth, first use, line)``;
+- lines: a block's ``line`` is a list of cached blocks, each the parent of the
+  next, that it belongs to: a run of new blocks inserted together starts one, or
+  goes on with its parent's when the parent is the last of its line and has no
+  other child. A block's children are the next block of its line unless
+  ``branch`` says otherwise: there a block whose one child starts another line
+  has that child, and a block with two or more children their set, built and
   emptied by the same steps as the index's, so a dropped subtree leaves in the
-  same order;
+  same order. Inserting a run and dropping a line below a block cost a slice of
+  the line, not a step per block;
 - ``hits`` and ``last``: the hit count and last use of the blocks read again;
 - ``held``: the blocks the live request maps and every block above one of them,
   the blocks no victim may be (the index's mapped blocks and those with a mapped
@@ -64,8 +70,8 @@ def replay_slim(chains: Sequence[Sequence[Hashable]], capacity: int, policy: Blo
 
     ``check_every=n`` checks the tables and the policy's count after every n-th
     request (AssertionError naming what is wrong)."""
-    node: dict[Hashable, tuple[Hashable | None, int, float]] = {}
-    kids: dict[Hashable, Hashable | set] = {}
+    node: dict[Hashable, tuple[Hashable | None, int, float, list]] = {}
+    branch: dict[Hashable, Hashable | set] = {}
     hits_of: dict[Hashable, int] = {}
     last: dict[Hashable, float] = {}
     held: set[Hashable] = set()
@@ -86,12 +92,19 @@ def replay_slim(chains: Sequence[Sequence[Hashable]], capacity: int, policy: Blo
         rec = node.get(key)
         if rec is None:
             return None
-        up, depth, first = rec
-        c = kids.get(key)
+        up, depth, first, line = rec
+        c = branch.get(key)
         return _new(BlockInfo, (
             key, up, depth, odd.get(key, 1) if key in held else 0, hits_of.get(key, 0),
-            first, last.get(key, first), 0 if c is None else (len(c) if c.__class__ is set else 1),
+            first, last.get(key, first),
+            (0 if line[-1] == key else 1) if c is None else (len(c) if c.__class__ is set else 1),
         ))
+
+    def next_in_line(key: Hashable) -> Hashable | None:
+        """The block after ``key`` in its line (None: it is the last)."""
+        _, depth, _, line = node[key]
+        i = depth - node[line[0]][1] + 1
+        return line[i] if i < len(line) else None
 
     def room() -> int:
         return capacity - len(node)
@@ -117,26 +130,43 @@ def replay_slim(chains: Sequence[Sequence[Hashable]], capacity: int, policy: Blo
             hold_above(key)
 
     def unlink(key: Hashable, up: Hashable | None) -> None:
-        """``key`` is no longer among ``up``'s cached children."""
-        if up is not None:
-            pk = kids[up]
-            if pk.__class__ is set:
-                pk.discard(key)
-                if len(pk) == 1:
-                    kids[up] = next(iter(pk))
-            else:
-                del kids[up]
+        """``key`` is no longer among ``up``'s cached children (its line cut first)."""
+        if up is None:
+            return
+        pk = branch.get(up)
+        if pk is None:
+            return  # it was the next in ``up``'s line: the cut took it
+        if pk.__class__ is set:
+            pk.discard(key)
+            if len(pk) == 1:
+                c = next(iter(pk))
+                if next_in_line(up) == c:
+                    del branch[up]
+                else:
+                    branch[up] = c
+        else:
+            del branch[up]
 
-    def link(up: Hashable | None, key: Hashable) -> None:
-        """``key`` is a cached child of ``up`` now."""
+    def link(up: Hashable, key: Hashable) -> None:
+        """``key``, the first block of a new line, is a cached child of ``up``, which has
+        one at least."""
+        pk = branch.get(up)
+        if pk is None:
+            branch[up] = {next_in_line(up), key}
+        elif pk.__class__ is set:
+            pk.add(key)
+        else:
+            branch[up] = {pk, key}
+
+    def line_for(up: Hashable | None, first: Hashable) -> list:
+        """The line new blocks after ``up`` join: ``up``'s, when it has no child;
+        else a new one, ``first`` linked below ``up``."""
         if up is not None:
-            pk = kids.get(up)
-            if pk is None:
-                kids[up] = key
-            elif pk.__class__ is set:
-                pk.add(key)
-            else:
-                kids[up] = {pk, key}
+            line = node[up][3]
+            if line[-1] == up and up not in branch:
+                return line
+            link(up, first)
+        return []
 
     def make_room() -> bool:
         """The policy's victim leaves with its cached descendants, deepest first; False
@@ -152,31 +182,44 @@ def replay_slim(chains: Sequence[Sequence[Hashable]], capacity: int, policy: Blo
         if victim in held:
             raise ValueError(f"drop of block {victim!r}: it is mapped by the live request, "
                              "or a block below it is")
-        unlink(victim, rec[0])
-        if victim not in kids:  # nearly always: a block with nothing cached below it
+        up, depth, _, line = rec
+        i = depth - node[line[0]][1]  # its place in its line
+        if i == len(line) - 1 and victim not in branch:  # nearly always: nothing below it
+            line.pop()
+            unlink(victim, up)
             del node[victim]
             if victim in hits_of:
                 del hits_of[victim], last[victim]
             on_removes([victim])
             evicted += 1
             return True
-        # its subtree, in the order the index walks it (each block's children taken on
-        # the way), deepest first; nothing in it is held (its root is not)
+        # its subtree, in the order the index walks it (down a line of only children,
+        # then each set of children in its order), deepest first; nothing in it is held
+        # (its root is not)
         subtree: list[Hashable] = []
-        add, kid_of = subtree.append, kids.pop
+        more = subtree.extend
         stack = [victim]
         take, extend = stack.pop, stack.extend
+        forks, fork_of = branch.keys(), branch.pop
         while stack:
             x = take()
-            while True:  # down a line of only children
-                add(x)
-                c = kid_of(x, None)
-                if c is None:
+            while True:
+                _, d, _, ln = node[x]
+                tail = ln[d - node[ln[0]][1]:]
+                if forks.isdisjoint(tail):  # a line to its end, which has no child
+                    more(tail)
                     break
+                for j, y in enumerate(tail):  # the first with a branch (one there is)
+                    if y in forks:
+                        more(tail[:j + 1])
+                        break
+                c = fork_of(y)
                 if c.__class__ is set:
                     extend(c)
                     break
-                x = c
+                x = c  # its one child starts another line: down it
+        del line[i:]
+        unlink(victim, up)
         subtree.reverse()
         for _ in map(node.pop, subtree):
             pass
@@ -218,19 +261,20 @@ def replay_slim(chains: Sequence[Sequence[Hashable]], capacity: int, policy: Blo
             if key in node or key is None:
                 raise ValueError(f"insert: block {key!r} is already in the index"
                                  if key is not None else "insert: a block key must not be None")
-            node[key] = (up, d0, now)
-            link(up, key)
+            line = line_for(up, key)
+            line.append(key)
+            node[key] = (up, d0, now, line)
             held.add(key)
             parent = key
             return 1
         part = run if k == want else run[:k]
         before = len(node)
-        node.update(zip(part, zip(_then((up,), part), range(d0, d0 + k), repeat(now), strict=False),
-                        strict=False))
+        line = line_for(up, part[0])
+        line.extend(part)
+        node.update(zip(part, zip(_then((up,), part), range(d0, d0 + k), repeat(now),
+                                  repeat(line), strict=False), strict=False))
         if len(node) - before != k or None in node:
             _refuse_run(part, held)
-        link(up, part[0])
-        kids.update(zip(part, islice(part, 1, None), strict=False))  # each one's only child: the next
         held.update(part)
         parent = part[-1]
         return k
@@ -301,7 +345,7 @@ def replay_slim(chains: Sequence[Sequence[Hashable]], capacity: int, policy: Blo
         if odd:
             odd.clear()
         if check_every and t % check_every == 0:
-            _check(node, kids, hits_of, last, policy, capacity)
+            _check(node, branch, hits_of, last, policy, capacity)
     return accesses, hits, inserted, refused, evicted, orphaned
 
 
@@ -317,14 +361,33 @@ def _refuse_run(part: Sequence[Hashable], held: set) -> None:
     raise ValueError(f"insert_run: the run {list(part)[:4]!r}... repeats a block")
 
 
-def _check(node: dict, kids: dict, hits_of: dict, last: dict, policy: BlockPolicy,
+def _check(node: dict, branch: dict, hits_of: dict, last: dict, policy: BlockPolicy,
            capacity: int) -> None:
-    """The slim tables' rules (a parent is cached, its depth one less, the children
-    tables are exactly the parents', at most ``capacity`` blocks) and the policy's count."""
+    """The slim tables' rules (a parent is cached, its depth one less, each block in its
+    line after its parent or first in it, the children the lines and ``branch`` give
+    exactly the parents', at most ``capacity`` blocks) and the policy's count."""
     if len(node) > capacity:
         raise AssertionError(f"{len(node)} blocks cached in a tier of {capacity}")
     below: dict[Hashable, set] = {}
-    for k, (up, depth, _) in node.items():
+    given: dict[Hashable, set] = {}  # the children the lines and branch give
+    for k, (up, depth, _, line) in node.items():
+        i = depth - node[line[0]][1] if line and line[0] in node else -1
+        if not (0 <= i < len(line) and line[i] == k and (i == 0 or line[i - 1] == up)):
+            raise AssertionError(f"block {k!r}: not in its line after its parent")
+        if any(node[x][3] is not line for x in (line[0], line[-1])):
+            raise AssertionError(f"block {k!r}: its line's ends are in another line")
+        b = branch.get(k)
+        nxt = {line[i + 1]} if i + 1 < len(line) else set()
+        if b is None:
+            given[k] = nxt
+        elif b.__class__ is set:
+            if len(b) < 2 or not nxt <= b:
+                raise AssertionError(f"block {k!r}: a set of {len(b)} children without its next")
+            given[k] = set(b)
+        else:
+            if nxt:
+                raise AssertionError(f"block {k!r}: one child in branch, and a next in its line")
+            given[k] = {b}
         if up is None:
             if depth != 0:
                 raise AssertionError(f"block {k!r}: a root block has depth {depth}")
@@ -335,10 +398,9 @@ def _check(node: dict, kids: dict, hits_of: dict, last: dict, policy: BlockPolic
         if depth != pn[1] + 1:
             raise AssertionError(f"block {k!r}: depth {depth}, parent's {pn[1]}")
         below.setdefault(up, set()).add(k)
-    for p, c in kids.items():
-        if c.__class__ is set and len(c) < 2:
-            raise AssertionError(f"block {p!r}: a set of {len(c)} children")
-    if {p: (c if c.__class__ is set else {c}) for p, c in kids.items()} != below:
+    if not branch.keys() <= node.keys():
+        raise AssertionError("branch names blocks that are not cached")
+    if {p: c for p, c in given.items() if c} != below:
         raise AssertionError("the children table does not match the blocks' parents")
     if set(hits_of) != set(last) or not set(hits_of) <= node.keys():
         raise AssertionError("the hit counts and last uses do not name the same cached blocks")
