@@ -8,7 +8,10 @@ in CPU seconds (best of ``--repeat``) and as ``x load``:
   ``--capacity-blocks`` for every built-in block policy, and ``blocks user``: a
   policy written with the per-event hooks only (its batch hooks are the base
   class's defaults), the way a user writes one; each also through the per-event
-  loop (``batch=False``, the loop before the batch hooks), with the speed-up;
+  loop (``batch=False``, the loop before the batch hooks), with the speed-up. A
+  built-in generic policy (lru, arc, s3fifo, lirs) runs through the slim loop
+  (``tiering.blocks.slim``); its row ``blocks <policy> (index path)`` is the same
+  replay over the ``BlockIndex`` (``slim=False``), with the slim loop's speed-up;
 - ``full <policy>``: the whole trace, default full replay (``simulate``, the CLI's
   defaults: block decisions not logged) with one policy, and the same run through
   the per-event hooks with every block decision logged (as before), with the
@@ -53,6 +56,7 @@ from tiering.apps.replay.simulator import RunSpec, SimConfig, simulate  # noqa: 
 from tiering.apps.replay.sweep import Grid  # noqa: E402
 from tiering.apps.replay.traces import load_trace  # noqa: E402
 from tiering.blocks.replay import load_chains, replay_blocks  # noqa: E402
+from tiering.blocks.slim import takes_slim  # noqa: E402
 
 DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake" / "conversation_trace.jsonl"
 TARGETS = {"generic": 3.0, "chain": 8.0, "user": 5.0, "full": 40.0, "jobs": 1.8}
@@ -147,6 +151,15 @@ def main(argv: list[str] | None = None) -> int:
             target = TARGETS["user"] if name == "user" else (  # chain and the default: 8x
                 TARGETS["chain"] if name in ("chain", DEFAULT_BLOCK_POLICY) else TARGETS["generic"])
             add(f"blocks {name}", target, batch_s, per_s)
+            if takes_slim(make()):  # the same replay over the BlockIndex
+                index_s, idx = _cpu(lambda make=make: replay_blocks(chains, cap, make(), slim=False),
+                                    args.repeat)
+                if idx[:9] != res[:9]:
+                    raise SystemExit(f"blocks {name}: the slim loop changed the result")
+                add(f"blocks {name} (index path)", None, index_s, None)
+                results[f"blocks {name}"]["index_path_cpu_s"] = index_s
+                results[f"blocks {name}"]["slim_speedup"] = index_s / batch_s
+                rows[-1] = (*rows[-1][:5], f"slim {index_s / batch_s:.2f}")
 
     if "full" in cases:
         trace = load_trace(args.trace, limit=args.limit)

@@ -241,3 +241,168 @@ def test_batch_and_per_event_replays_hand_a_policy_the_same_snapshots(make):
     assert any(s[0] == "insert" for s in runs[True][1]) and any(
         s[0] == "hit" for s in runs[True][1])
     assert runs[True] == runs[False]
+
+
+# -- the slim loop (tiering.blocks.slim) against the index path --------------------------
+
+_GENERIC = ("lru", "arc", "s3fifo", "lirs")
+
+
+def _spied(policy, log: list):
+    """``policy`` with every hook the replay calls recorded in ``log``, with its answers
+    and every snapshot it builds with ``get`` (the instance's attributes shadow its
+    class's methods; its class, which picks the path, is unchanged)."""
+    def recorded_get(get):
+        def g(key):
+            info = get(key)
+            log.append(("get", key, info))
+            return info
+        return g
+
+    commit, publish, pop, removes, hit = (policy.on_commit, policy.on_publish,
+                                          policy.pop_victim, policy.on_removes, policy.on_hit)
+
+    def on_commit(keys, hits, depths, get, now):
+        log.append(("commit", list(keys), list(hits), list(depths), now))
+        return commit(keys, hits, depths, recorded_get(get), now)
+
+    def on_publish(keys, depth, room, insert, get, now):
+        log.append(("publish", list(keys), depth, room(), now))
+
+        def recorded_insert(run):
+            got = insert(run)
+            log.append(("insert", list(run), got, room()))
+            return got
+        out = publish(keys, depth, room, recorded_insert, recorded_get(get), now)
+        log.append(("published", out))
+        return out
+
+    def pop_victim(now, *busy):
+        victim = pop(now, *busy)
+        log.append(("victim", victim, [victim in c for c in busy]))
+        return victim
+
+    def on_removes(keys):
+        log.append(("removes", list(keys)))
+        return removes(keys)
+
+    def on_hit(info, now):
+        log.append(("hit", info, now))
+        return hit(info, now)
+
+    policy.on_commit, policy.on_publish, policy.pop_victim = on_commit, on_publish, pop_victim
+    policy.on_removes, policy.on_hit = on_removes, on_hit
+    return policy
+
+
+def _both_paths(chains, capacity, name, check_every=0):
+    """(result counts, hook log) of the slim loop and of the index path; an exception's
+    type and message in place of the counts when the replay raises."""
+    out = []
+    for slim in (True, False):
+        log: list = []
+        policy = _spied(make_block_policy(name, capacity=capacity), log)
+        try:
+            res = replay_blocks(chains, capacity, policy, check_every=check_every, slim=slim)
+            out.append((res[:9], log))
+        except ValueError as err:
+            out.append((("ValueError", str(err)), log))
+    return out
+
+
+def _odd_chains(seed: int, n: int = 400) -> list[list[int]]:
+    """Random chains over a small key space, and chains that read what a prefix tree
+    never shows the index: a chain starting mid-way down another, a block cached below
+    another parent met after a miss, a block read twice (once cached)."""
+    rng = random.Random(seed)
+    fresh = iter(range(10_000, 100_000))
+    space = rng.choice((12, 40, 150))
+    chains: list[list[int]] = []
+    for _ in range(n):
+        prev = rng.choice(chains[-20:]) if chains else []
+        shape = rng.random() if len(prev) > 2 else 0.0
+        k = rng.randrange(1, len(prev)) if len(prev) > 2 else 0
+        if shape < 0.55:
+            c = list(dict.fromkeys(rng.randrange(space) for _ in range(rng.randint(0, 10))))
+        elif shape < 0.65:  # a cached block read again after a miss: mapped twice
+            c = [*prev[:k], next(fresh), prev[rng.randrange(k)]]
+        elif shape < 0.8:  # starts below a root, then maps the block above its start
+            c = [*prev[k:], next(fresh), prev[k - 1]]
+        else:  # a miss, then a block cached below another parent, then a miss
+            c = [next(fresh), rng.choice(prev), next(fresh)]
+        chains.append(c)
+    return chains
+
+
+@pytest.mark.parametrize("name", _GENERIC)
+def test_the_slim_loop_calls_the_policy_as_the_index_path_does_on_the_trace(name):
+    """The bundled trace, a tier small enough to evict all the time: the same results,
+    and every hook call, answer, snapshot and eviction in the same order."""
+    chains = load_chains(TRACE, limit=2000)
+    for cap in (250, 1000):
+        slim, index = _both_paths(chains, cap, name)
+        assert slim[0][7] > 500 and slim[0][8] > 0, "the run must evict, orphans among them"
+        assert slim == index, (name, cap)
+
+
+@pytest.mark.parametrize("name", _GENERIC)
+def test_the_slim_loop_calls_the_policy_as_the_index_path_does_on_odd_chains(name):
+    """Random chains, and chains a prefix tree would not produce (``_odd_chains``), every
+    few requests checked (the index's integrity, the slim tables' rules): identical hook
+    logs, the same result or the same ValueError."""
+    finished = 0
+    for seed in range(12):
+        chains = _odd_chains(seed)
+        for cap in (1, 3, 20, 90):
+            slim, index = _both_paths(chains, cap, name, check_every=7)
+            assert slim == index, (name, seed, cap)
+            finished += slim[0][0][0] != "ValueError"
+    assert finished >= 30  # most runs finish; a repeated missing block is refused by both
+
+
+def test_the_slim_loop_refuses_a_chain_that_repeats_a_missing_block_as_the_index_does():
+    chains = [[1, 2, 3], [4, 5, 4]]
+    for name in _GENERIC:
+        slim, index = _both_paths(chains, 10, name)
+        assert slim[0][0] == "ValueError" and index[0][0] == "ValueError", name
+        assert slim[1] == index[1]  # the same calls up to the refusal
+    control = [[1, 2, 3], [4, 5, 6]]
+    slim, index = _both_paths(control, 10, "lru")
+    assert slim == index and slim[0][5] == 6
+
+
+def test_only_an_exact_built_in_generic_policy_takes_the_slim_loop(monkeypatch):
+    """A subclass, a user's policy and chain take the index path; the four built-ins the
+    slim loop; ``slim=False`` takes the index path for them too."""
+    import tiering.blocks.replay as replay_mod
+    from tiering.blocks.slim import takes_slim
+
+    class MyLRU(LRUBlocks):
+        pass
+
+    assert [takes_slim(make_block_policy(n, capacity=4)) for n in _GENERIC] == [True] * 4
+    assert not takes_slim(MyLRU(capacity=4)) and not takes_slim(_Snapshots(4))
+    assert not takes_slim(make_block_policy("chain", capacity=4))
+    ran = []
+    real = replay_mod.replay_slim
+    monkeypatch.setattr(replay_mod, "replay_slim", lambda *a: ran.append(a[2]) or real(*a))
+    for p in (MyLRU(capacity=4), _Snapshots(4), make_block_policy("chain", capacity=4)):
+        replay_blocks(HAND, 4, p)
+    assert ran == []
+    r = replay_blocks(HAND, 4, LRUBlocks(capacity=4), slim=False)
+    assert ran == [] and r.hits == 5
+    r = replay_blocks(HAND, 4, LRUBlocks(capacity=4))
+    assert len(ran) == 1 and (r.hits, r.inserted, r.evicted) == (5, 7, 3)
+    r = replay_blocks(HAND, 4, LRUBlocks(capacity=4), batch=False)  # the per-event loop
+    assert len(ran) == 1 and r.hits == 5
+
+
+def test_the_slim_loops_check_catches_a_policy_that_lost_count():
+    """``check_every`` on the slim loop: a policy whose count disagrees with the tier fails
+    the check (a control without the fault passes)."""
+    chains = load_chains(TRACE, limit=50)
+    replay_blocks(chains, 40, LRUBlocks(capacity=40), check_every=1)
+    p = LRUBlocks(capacity=40)
+    p._order["not a block"] = None
+    with pytest.raises(AssertionError, match="tracks"):
+        replay_blocks(chains, 40, p, check_every=1)

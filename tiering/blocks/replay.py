@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from tiering.blocks.belady import belady_hit_rate
 from tiering.blocks.index import BlockIndex
+from tiering.blocks.slim import replay_slim, takes_slim
 from tiering.policies.blocks import BlockPolicy, BlockPolicyRegistry, default_block_registry
 from tiering.types import Tier
 
@@ -94,17 +95,27 @@ def replay_blocks(
     policy: BlockPolicy,
     check_every: int = 0,
     batch: bool = True,
+    slim: bool = True,
 ) -> BlockReplayResult:
     """Replay ``chains`` through one tier of ``capacity_blocks`` blocks under ``policy``.
 
-    ``check_every=n`` runs ``BlockIndex.check_integrity`` after every n-th request (tests).
+    ``check_every=n`` checks the tier's tables (``BlockIndex.check_integrity``) and the
+    policy's count after every n-th request (tests).
     ``batch``: call the policy's batch hooks (``on_commit`` for each request's cached
     prefix, ``on_publish`` for each run of blocks it lacks, ``pop_victim`` and
     ``on_removes`` per eviction); False calls the per-event hooks one by one. Both
     give the same result.
+    ``slim``: with ``batch``, a policy whose class is exactly a built-in generic one
+    (``tiering.blocks.slim.SLIM_POLICIES``) runs over the slim loop's tables instead of a
+    ``BlockIndex``, with the same hook calls and the same result; False: always the index.
     """
     if not isinstance(capacity_blocks, int) or isinstance(capacity_blocks, bool) or capacity_blocks < 1:
         raise ValueError(f"capacity_blocks must be an int >= 1, got {capacity_blocks!r}")
+    if batch and slim and takes_slim(policy):
+        t0 = time.perf_counter()
+        counts = replay_slim(chains, capacity_blocks, policy, check_every)
+        return BlockReplayResult(policy.name, capacity_blocks, len(chains), *counts,
+                                 time.perf_counter() - t0)
     if batch:
         return _replay_batch(chains, capacity_blocks, policy, check_every)
     t0 = time.perf_counter()
