@@ -45,7 +45,8 @@ class BlockSpace(Protocol):
 
     ``block_pages``: pages per block; ``has_disk``: a disk tier is there (``disk_fits(n)``:
     it can take ``n`` pages of a request now); ``instant``:
-    copies land at once and never fail (a modelled store; ``copy`` is then not called).
+    copies land at once and never fail (a modelled store; it needs no ``copy`` and no
+    ``unreserve``: neither is called).
     ``reserve(tier, n)``: room for ``n`` blocks on the host (n = 1: the block's handle
     there) or the disk (an extent), None when short; ``unreserve`` gives unused room back.
     ``copy(keys, handles, src, dst, room)``: the bytes of ``keys`` (at ``handles`` on
@@ -78,8 +79,8 @@ class BlockSpace(Protocol):
 class RoomMaker:
     """Moves a store's blocks down and drops them (see the module docstring).
 
-    ``move``: device victims go down a tier (False: they are dropped); ``disk_batch``: the
-    most host blocks one write to disk packs. Owns ``extents`` (id -> [room, live blocks]).
+    ``clock()``: the time, a float; ``move``: device victims go down a tier (False: they
+    are dropped); ``disk_batch``: the most host blocks one write to disk packs. Owns ``extents`` (id -> [room, live blocks]).
     """
 
     def __init__(self, index: BlockIndex, rules: Any, space: BlockSpace,
@@ -110,7 +111,7 @@ class RoomMaker:
             return True
         bp = space.block_pages
         if n > space.capacity_pages(tier) or not self.rules.reachable(
-                tier, -(-(n - have) // bp), float(self._clock())):
+                tier, -(-(n - have) // bp), self._clock()):
             return False
         if tier is Tier.DEVICE:
             while free(tier) < n:
@@ -134,10 +135,10 @@ class RoomMaker:
         if space.disk_fits(n):
             return True
         if n > space.capacity_pages(Tier.DISK) or not self.rules.reachable(
-                Tier.DISK, 1, float(self._clock())):
+                Tier.DISK, 1, self._clock()):
             return False
         while not space.disk_fits(n):
-            key = self.rules.victim(Tier.DISK, float(self._clock()))
+            key = self.rules.victim(Tier.DISK, self._clock())
             if key is None:
                 return False
             self.drop(key, "evicted")
@@ -146,7 +147,7 @@ class RoomMaker:
     def _device_victim_down(self) -> bool:
         """One victim of the device policy leaves (``demote``); False if the policy offers
         nothing that may leave."""
-        now = float(self._clock())
+        now = self._clock()
         key = self.rules.victim(Tier.DEVICE, now)
         if key is None:
             return False
@@ -158,7 +159,7 @@ class RoomMaker:
         (see the module docstring): to the host, else the disk, else dropped."""
         rules, index, space = self.rules, self.index, self.space
         if now is None:
-            now = float(self._clock())
+            now = self._clock()
         if self.move:
             if rules.admits(Tier.HOST, key, now):
                 room = space.free_pages(Tier.HOST) >= space.block_pages or self.ensure(
@@ -180,7 +181,7 @@ class RoomMaker:
         False when the host policy offers nothing."""
         rules, index = self.rules, self.index
         if not self.space.has_disk:
-            key = rules.victim(Tier.HOST, float(self._clock()))
+            key = rules.victim(Tier.HOST, self._clock())
             if key is None:
                 return False
             self.drop(key, "evicted")
@@ -192,7 +193,7 @@ class RoomMaker:
             lambda key, i: index.begin_move(key, Tier.DISK, (ext, i)))
         if not keys:
             return refused > 0
-        self._to_disk(keys, Tier.HOST, float(self._clock()), ext)
+        self._to_disk(keys, Tier.HOST, self._clock(), ext)
         return True
 
     def _to_disk(self, keys: list[Hashable], src: Tier, now: float, ext: int = 0) -> None:
@@ -218,7 +219,7 @@ class RoomMaker:
         space = self.space
         room = space.reserve(Tier.DISK, n)
         while room is None:
-            key = self.rules.victim(Tier.DISK, float(self._clock()))
+            key = self.rules.victim(Tier.DISK, self._clock())
             if key is None:
                 break
             self.drop(key, "evicted")

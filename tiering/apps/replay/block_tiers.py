@@ -140,12 +140,6 @@ class _ModelledPages:
         pages = n * self.block_pages
         return pages if self._kv.free_pages(tier) >= pages else None
 
-    def unreserve(self, tier: Tier, room: Any) -> None:
-        """Nothing was taken (``reserve`` only checks)."""
-
-    def copy(self, keys, handles, src, dst, room) -> bool:  # pragma: no cover - instant
-        raise AssertionError("a modelled block space copies nothing")
-
     def settle(self, keys: Sequence[Hashable], handles: Sequence[Any], src: Tier,
                dst: Tier) -> None:
         n = len(keys)
