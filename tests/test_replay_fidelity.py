@@ -18,9 +18,11 @@ pressure, finishes; prompts sharing prefixes) is driven through the cache as a w
 drives it and through the replay's worker path (``PrefixBlocks.attach_request``, the
 simulator's admission check, ``ModeledKVCache``), for every built-in block policy: the
 same hits per tier per admission, the same block events and admissions per step, the same
-blocks on every tier. Negative controls: telling the policies after room is made, counting
-unmapped blocks as used, counting a mapped block in its request's allocation, and one-block
-disk writes each differ.
+blocks on every tier. The same schedule with live requests offloaded, demoted and brought
+back among the steps must agree too (cached blocks make way for a live request on the host
+and on the disk). Negative controls: telling the policies after room is made, counting
+unmapped blocks as used, counting a mapped block in its request's allocation, one-block
+disk writes, and cached blocks that do not make way for a live move each differ.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from tiering.apps.replay.block_tiers import PrefixBlocks
 from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
 from tiering.apps.replay.traces import load_trace
 from tiering.blocks.synth import SynthConfig, synthetic_chains
+from tiering.types import RequestState as S
 from tiering.types import Tier
 
 T = 4  # tokens a page, and a block: one trace block (512 tokens) is one page here
@@ -307,10 +310,12 @@ class Op(NamedTuple):
     tokens: int = 0
 
 
-def schedule(reqs: list[Request], seed: int) -> list[Op]:
+def schedule(reqs: list[Request], seed: int, moves: bool = False) -> list[Op]:
     """A seeded interleaving of admissions, growth and finishes with up to ``LIVE``
     requests live (the same for both sides: which live request an op names is an index
-    into the live requests in admission order)."""
+    into the live requests in admission order). ``moves``: live requests are also
+    offloaded, demoted and brought ``back`` (each op a no-op where the request's state
+    does not allow it, on either side alike)."""
     rng = random.Random(seed)
     out, live, nxt = [], 0, 0
     while nxt < len(reqs) or live:
@@ -319,6 +324,9 @@ def schedule(reqs: list[Request], seed: int) -> list[Op]:
             out.append(Op("admit"))
             nxt += 1
             live += 1  # an admission refused for room counts as live until its finish op
+        elif moves and live and x < 0.65:
+            out.append(Op(rng.choice(("offload", "offload", "demote", "back")),
+                          rng.randrange(live)))
         elif live and x < 0.75:
             out.append(Op("grow", rng.randrange(live), rng.randint(1, 3 * T)))
         elif live:
@@ -339,6 +347,22 @@ def concurrent_requests(seed: int) -> list[Request]:
 def attachable(p, tokens: list[int]) -> tuple[Tier, ...]:
     """The tiers of the blocks an attach of ``tokens`` maps in the cache (its own rule)."""
     return tuple(p.rules.attachable(p.keys(tokens), len(tokens), T))
+
+
+def move_live(kv, rid: str, kind: str, settle: Callable[[], list]) -> tuple[str, str, str]:
+    """Offload, demote or bring ``back`` a live request where its state allows it, and
+    land the copy (``settle``): the event naming what happened and the state after."""
+    state = kv.state_of(rid)
+    if kind == "offload":
+        done = state is S.RESIDENT and kv.offload(rid) > 0
+    elif kind == "demote":
+        done = state is S.ON_HOST and kv.demote(rid)
+    else:
+        done = state in (S.ON_HOST, S.ON_DISK) and kv.reload(rid)
+    if done:
+        results = settle()
+        assert [res.ok for res in results] == [True], results
+    return (kind if done else f"no {kind}", rid, kv.state_of(rid).value)
 
 
 def run_cache_live(policy: str, reqs: list[Request], ops: list[Op], seed: int) -> Log:
@@ -388,13 +412,18 @@ def run_cache_live(policy: str, reqs: list[Request], ops: list[Op], seed: int) -
                 live.append((r, ok))
             elif op.kind == "grow":
                 r, ok = live[op.which]
-                if ok:
+                if ok and kv.state_of(r.rid) is S.RESIDENT:
                     got = kv.allocate(r.rid, kv.num_tokens(r.rid) + op.tokens)
                     log.events[-1].append(("grew" if got else "short", r.rid, "device"))
+            elif op.kind != "finish":
+                r, ok = live[op.which]
+                if ok:
+                    log.events[-1].append(move_live(kv, r.rid, op.kind, kv.synchronize))
             else:
                 r, ok = live.pop(op.which)
                 if ok:
-                    kv.publish_prefix(r.rid, r.tokens)
+                    if kv.state_of(r.rid) is S.RESIDENT:
+                        kv.publish_prefix(r.rid, r.tokens)
                     kv.remove_request(r.rid)
             kv.check_integrity()
             log.tiers.append({names[k]: p.index.location(k).tier.value for k in p.index.keys()})
@@ -442,15 +471,21 @@ def run_replay_live(policy: str, reqs: list[Request], ops: list[Op], disk_batch:
             live.append((r, att))
         elif op.kind == "grow":
             r, att = live[op.which]
-            if att is not None:
+            if att is not None and kv.state_of(r.rid) is S.RESIDENT:
                 got = kv.allocate(r.rid, kv.num_tokens(r.rid) + op.tokens)
                 log.events[-1].append(("grew" if got else "short", r.rid, "device"))
+        elif op.kind != "finish":
+            r, att = live[op.which]
+            if att is not None:
+                log.events[-1].append(move_live(kv, r.rid, op.kind, kv.poll))
         else:
             r, att = live.pop(op.which)
             if att is not None:
+                resident = kv.state_of(r.rid) is S.RESIDENT
                 kv.remove_request(r.rid)
                 store.release(att.mapped)
-                store.publish(att.peek.keys)
+                if resident:
+                    store.publish(att.peek.keys)
         store.check_integrity()
         kv.check_integrity()
         log.tiers.append({k: store.index.location(k).tier.value for k in store.index.keys()})
@@ -561,3 +596,38 @@ def test_a_worker_that_drives_blocks_otherwise_is_caught(concurrent):
                                                           change=change), ops) is not None
     assert first_op_difference(cache, run_replay_live(DEFAULT_BLOCK_POLICY, reqs, ops,
                                                       disk_batch=1), ops) is not None
+
+
+@pytest.fixture(scope="module")
+def moving() -> tuple[list[Request], list[Op]]:
+    reqs = concurrent_requests(seed=21)
+    return reqs, schedule(reqs, seed=22, moves=True)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_live_offloads_demotions_and_reloads_run_alike_in_the_replay_and_the_cache(
+        policy, moving):
+    """The concurrent schedule with live requests offloaded, demoted and brought back
+    among the admissions (cached blocks make way for them on the host and the disk): the
+    same answers and states, the same block events and the same blocks on every tier."""
+    reqs, ops = moving
+    cache = run_cache_live(policy, reqs, ops, seed=23)
+    assert first_op_difference(cache, run_replay_live(policy, reqs, ops), ops) is None
+    done = Counter((kind, state) for per in cache.events for kind, _k, state in per)
+    for want in (("offload", "on_host"), ("offload", "on_disk"), ("demote", "on_disk"),
+                 ("back", "resident")):
+        assert done[want] > 0, f"{policy}: no {want} in the schedule ({done})"
+
+
+@pytest.mark.parametrize("skip", ["ensure_host", "ensure_disk"])
+def test_a_model_whose_cached_blocks_do_not_make_way_for_live_moves_is_caught(skip, moving):
+    """Negative controls: cached blocks that do not give way on the host (or on the disk)
+    to a live request's offload or demotion, as the cache's do, differ."""
+    reqs, ops = moving
+    cache = run_cache_live(DEFAULT_BLOCK_POLICY, reqs, ops, seed=23)
+
+    def refuse(kv, store) -> None:
+        setattr(store, skip, lambda n: False)
+
+    assert first_op_difference(cache, run_replay_live(DEFAULT_BLOCK_POLICY, reqs, ops,
+                                                      change=refuse), ops) is not None
