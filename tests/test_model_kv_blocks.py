@@ -111,3 +111,58 @@ def test_a_device_victim_the_host_has_no_room_for_goes_to_disk_as_in_the_cache()
     assert store.counters.dropped == 0
     kv.check_integrity()
     store.check_integrity()
+
+
+def _two_disks(clock: SimClock) -> ModeledKVCache:
+    """Device 16 pages, host 8, and two disk-like tiers of 6 pages (a page of 4 tokens)."""
+    import math
+
+    from tiering.core.tiers import ModelledLink, PageTier, TierChain
+
+    pb = 64
+    tiers = [PageTier("device", Tier.DEVICE, 16, pb), PageTier("host", Tier.HOST, 8, pb),
+             PageTier("nvme", Tier.DISK, 6, pb), PageTier("hdd", Tier.DISK, 6, pb)]
+    ends = (("device", "host"), ("host", "device"), ("host", "nvme"), ("nvme", "host"),
+            ("host", "hdd"), ("hdd", "host"))
+    return ModeledKVCache.from_chain(
+        TierChain(tiers, [ModelledLink(a, b, math.inf, 0.0) for a, b in ends]), 4, clock)
+
+
+def test_a_live_demotion_takes_room_on_one_disk_tier_not_the_sum_of_them():
+    """A request's pages land on one disk-like tier, so cached disk blocks make way until
+    one tier fits it. Before, the disks' summed free pages were asked: the blocks stopped
+    giving way as soon as the sum fitted, and the demotion was refused after two needless
+    drops (nvme 2 free + hdd 3 free for 5 pages)."""
+    from tiering.apps.replay.block_tiers import PrefixBlocks
+    from tiering.types import RequestState
+
+    clock = SimClock()
+    kv = _two_disks(clock)
+    store = PrefixBlocks(kv, "lru", 4, clock)
+    for i in range(1, 7):  # six one-block prompts: six leaves, each its own victim
+        peek = store.peek((i,), 4)
+        att = store.attach_request(f"a{i}", peek)
+        assert kv.allocate(f"a{i}", 4)
+        kv.remove_request(f"a{i}")
+        store.release(att.mapped)
+        assert store.publish(peek.keys) == 1
+    for rid, pages in (("r1", 3), ("h", 5)):  # the whole host
+        kv.ingest_request(rid)
+        assert kv.allocate(rid, pages * 4) and kv.offload(rid) > 0
+    clock.now += 1.0
+    kv.poll()
+    kv.ingest_request("big")  # the whole device: the host is full, the blocks go to nvme
+    assert kv.allocate("big", 64)
+    kv.remove_request("big")
+    assert store.count(Tier.DISK) == 6 and kv.chain["nvme"].free_pages == 0
+    assert kv.demote("r1")  # lands on hdd, the only disk tier with room
+    clock.now += 1.0
+    kv.poll()
+    assert (kv.chain["nvme"].free_pages, kv.chain["hdd"].free_pages) == (0, 3)
+    assert kv.demote("h")
+    clock.now += 1.0
+    assert [r.ok for r in kv.poll()] == [True]
+    assert kv.state_of("h") is RequestState.ON_DISK and kv.chain["nvme"].held("h") == 5
+    assert store.counters.dropped == 5 and store.count(Tier.DISK) == 1
+    kv.check_integrity()
+    store.check_integrity()

@@ -129,7 +129,10 @@ class _ModelledPages:
         return self.capacity[tier]
 
     def disk_fits(self, n: int) -> bool:
-        return self._kv.free_pages(Tier.DISK) >= n
+        """A request's ``n`` pages fit on the disk now: on one disk-like tier where the
+        backend says so (``disk_fits``), else in the disk's free pages."""
+        fits = getattr(self._kv, "disk_fits", None)
+        return fits(n) if fits is not None else self._kv.free_pages(Tier.DISK) >= n
 
     def reserve(self, tier: Tier, n: int) -> Any:
         """Room is taken by ``settle``, as the move lands at once: on the host a block's

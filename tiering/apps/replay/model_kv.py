@@ -398,6 +398,11 @@ class ModeledKVCache(LifecycleAnswers):
             return tiers[0].free_pages
         return sum(t.free_pages for t in tiers)
 
+    def disk_fits(self, n: int) -> bool:
+        """Whether a request of ``n`` pages fits on a disk-like tier now (all on one: a
+        request's move lands in one tier, while cached blocks spread over them)."""
+        return self._mover.demote_to(n) is not None
+
     def take_block_pages(self, tier: Tier, n: int) -> bool:
         """``n`` pages of ``tier`` now hold cached blocks; False (nothing changed) if short."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
