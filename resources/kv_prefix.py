@@ -176,12 +176,13 @@ class PrefixCache:
 
     def ensure_host(self, n: int) -> bool:
         """Move unmapped host blocks to disk (or drop them) until the host pool has ``n`` free
-        pages; False, with nothing moved, when the blocks that may leave would not free enough."""
+        pages for a live request; False, with nothing moved, when the blocks that may leave
+        would not free enough (``RoomMaker.ensure_request``)."""
         return self.moves.ensure_host(n)
 
     def ensure_disk(self, n: int) -> bool:
         """Drop unmapped disk blocks until the disk can take ``n`` pages of a live request;
-        False when it cannot (``RoomMaker.ensure_disk``)."""
+        False when it cannot (``RoomMaker.ensure_request``)."""
         return self.moves.ensure_disk(n)
 
     def _drop(self, key: Hashable, reason: str) -> int:

@@ -46,10 +46,10 @@ class BlockMoves:
         return self.room.ensure(Tier.DEVICE, n)
 
     def ensure_host(self, n: int) -> bool:
-        return self.room.ensure(Tier.HOST, n)
+        return self.room.ensure_request(Tier.HOST, n)
 
     def ensure_disk(self, n: int) -> bool:
-        return self.room.ensure_disk(n)
+        return self.room.ensure_request(Tier.DISK, n)
 
     def free_location(self, tier: Tier, handle: Hashable) -> None:
         self.room.free_location(tier, handle)
@@ -78,8 +78,10 @@ class BlockMoves:
             return int(self._s.disk.capacity_pages)
         return self._pool(tier).num_pages
 
-    def disk_fits(self, n: int) -> bool:
-        return self._s.disk.can_reserve(n)
+    def request_fits(self, tier: Tier, n: int) -> bool:
+        if tier is Tier.DISK:
+            return self._s.disk.can_reserve(n)
+        return self._pool(tier).free_pages >= n
 
     def reserve(self, tier: Tier, n: int) -> Any:
         if tier is Tier.DISK:

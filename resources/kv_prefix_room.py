@@ -20,8 +20,11 @@ both make room by the same steps in the same order:
   victims the disk policy admits go to disk in one write (one it refuses is dropped);
   with no disk, or no room there, the first victim is dropped and the rest stay.
 - **Disk room**: disk victims are dropped until the space reserves the extent (never an
-  ancestor of a block moving there: those are held while it moves), and, for a live
-  request's offload or demotion to disk, until the disk can take it (``ensure_disk``).
+  ancestor of a block moving there: those are held while it moves).
+- **Room for a live request** (``ensure_request``): its offload to the host, or its
+  offload or demotion to disk, comes before cached blocks. Host blocks go down (as
+  above) and disk blocks are dropped until the request fits on one tier of that role
+  (``request_fits``: a request's pages land in one tier, blocks spread over them).
 - **A failed copy** leaves nothing half-moved: the moves are undone, the room given back,
   and the blocks dropped (reason ``demote_failed``); no byte is read from them again.
 
@@ -43,8 +46,9 @@ __all__ = ["BlockSpace", "RoomMaker"]
 class BlockSpace(Protocol):
     """Where a block store's bytes are: what ``RoomMaker`` asks and tells its store.
 
-    ``block_pages``: pages per block; ``has_disk``: a disk tier is there (``disk_fits(n)``:
-    it can take ``n`` pages of a request now); ``instant``:
+    ``block_pages``: pages per block; ``has_disk``: a disk tier is there;
+    ``request_fits(tier, n)``: one tier of that role (host or disk) can take ``n`` pages of
+    a request now; ``instant``:
     copies land at once and never fail (a modelled store; it needs no ``copy`` and no
     ``unreserve``: neither is called).
     ``reserve(tier, n)``: room for ``n`` blocks on the host (n = 1: the block's handle
@@ -63,7 +67,7 @@ class BlockSpace(Protocol):
     instant: bool
 
     def free_pages(self, tier: Tier) -> int: ...
-    def disk_fits(self, n: int) -> bool: ...
+    def request_fits(self, tier: Tier, n: int) -> bool: ...
     def capacity_pages(self, tier: Tier) -> int: ...
     def reserve(self, tier: Tier, n: int) -> Any: ...
     def unreserve(self, tier: Tier, room: Any) -> None: ...
@@ -103,7 +107,7 @@ class RoomMaker:
         nothing changed, when the tier is smaller or the blocks that may leave would not
         free enough (some may have gone before a False when the policy offers no more)."""
         if tier is Tier.DISK:
-            raise ValueError("RoomMaker.ensure: the disk makes room with ensure_disk")
+            raise ValueError("RoomMaker.ensure: the disk makes room with ensure_request")
         space = self.space
         free = space.free_pages
         have = free(tier)
@@ -123,21 +127,35 @@ class RoomMaker:
                 return False
         return True
 
-    def ensure_disk(self, n: int) -> bool:
-        """Drop disk blocks no request maps, in the disk policy's order, until the disk can
-        take ``n`` pages of a live request (its offload or demotion comes before cached
-        blocks, as on the device and the host). False at once, nothing dropped, when there is
-        no disk, it is smaller, or no block may leave; some may have gone before a False
-        when the policy offers no more."""
+    def ensure_request(self, tier: Tier, n: int) -> bool:
+        """Make room on ``tier`` (HOST or DISK) for ``n`` pages of a live request (its
+        offload or demotion comes before cached blocks): host blocks no request maps go
+        down, disk ones are dropped, in the tier policy's order, until the request fits
+        (``request_fits``). False at once, nothing moved, when there is no such tier, it is
+        smaller, or no block may leave; some may have gone before a False when the policy
+        offers no more."""
+        if tier is not Tier.HOST and tier is not Tier.DISK:
+            raise ValueError(f"RoomMaker.ensure_request: tier must be HOST or DISK, "
+                             f"got {tier!r}")
         space = self.space
-        if not space.has_disk:
+        if tier is Tier.DISK and not space.has_disk:
             return False
-        if space.disk_fits(n):
+        fits = space.request_fits
+        if fits(tier, n):
             return True
-        if n > space.capacity_pages(Tier.DISK) or not self.rules.reachable(
-                Tier.DISK, 1, self._clock()):
+        bp = space.block_pages
+        # the blocks that must leave at least: all of the shortfall (the host), or one (the
+        # disk, which drops them: a victim's descendants go with it)
+        least = max(1, -(-(n - space.free_pages(tier)) // bp)) if tier is Tier.HOST else 1
+        if n > space.capacity_pages(tier) or not self.rules.reachable(tier, least,
+                                                                      self._clock()):
             return False
-        while not space.disk_fits(n):
+        while not fits(tier, n):
+            if tier is Tier.HOST:
+                short = max(1, -(-(n - space.free_pages(tier)) // bp))
+                if not self._host_batch_down(short):
+                    return False
+                continue
             key = self.rules.victim(Tier.DISK, self._clock())
             if key is None:
                 return False

@@ -113,19 +113,41 @@ def test_a_device_victim_the_host_has_no_room_for_goes_to_disk_as_in_the_cache()
     store.check_integrity()
 
 
-def _two_disks(clock: SimClock) -> ModeledKVCache:
-    """Device 16 pages, host 8, and two disk-like tiers of 6 pages (a page of 4 tokens)."""
+def _chain(clock: SimClock, *tiers: tuple[str, Tier, int]) -> ModeledKVCache:
+    """A modelled cache over instant links: the device, then ``(name, role, pages)`` tiers,
+    each linked both ways with the host (a page of 4 tokens)."""
     import math
 
     from tiering.core.tiers import ModelledLink, PageTier, TierChain
 
     pb = 64
-    tiers = [PageTier("device", Tier.DEVICE, 16, pb), PageTier("host", Tier.HOST, 8, pb),
-             PageTier("nvme", Tier.DISK, 6, pb), PageTier("hdd", Tier.DISK, 6, pb)]
-    ends = (("device", "host"), ("host", "device"), ("host", "nvme"), ("nvme", "host"),
-            ("host", "hdd"), ("hdd", "host"))
-    return ModeledKVCache.from_chain(
-        TierChain(tiers, [ModelledLink(a, b, math.inf, 0.0) for a, b in ends]), 4, clock)
+    made = [PageTier(name, role, pages, pb) for name, role, pages in tiers]
+    ends = [("device", "host")] + [("host", t.name) for t in made if t.name not in (
+        "device", "host")]
+    links = [ModelledLink(a, b, math.inf, 0.0) for x, y in ends for a, b in ((x, y), (y, x))]
+    return ModeledKVCache.from_chain(TierChain(made, links), 4, clock)
+
+
+def _two_disks(clock: SimClock) -> ModeledKVCache:
+    """Device 16 pages, host 8, and two disk-like tiers of 6 pages."""
+    return _chain(clock, ("device", Tier.DEVICE, 16), ("host", Tier.HOST, 8),
+                  ("nvme", Tier.DISK, 6), ("hdd", Tier.DISK, 6))
+
+
+def _one_block_prompts(kv: ModeledKVCache, clock: SimClock, n: int):
+    """An lru block store on ``kv`` (a block is a page) holding ``n`` one-block prompts on
+    the device (leaves, each its own victim), published by requests that have gone."""
+    from tiering.apps.replay.block_tiers import PrefixBlocks
+
+    store = PrefixBlocks(kv, "lru", 4, clock)
+    for i in range(1, n + 1):
+        peek = store.peek((i,), 4)
+        att = store.attach_request(f"a{i}", peek)
+        assert kv.allocate(f"a{i}", 4)
+        kv.remove_request(f"a{i}")
+        store.release(att.mapped)
+        assert store.publish(peek.keys) == 1
+    return store
 
 
 def test_a_live_demotion_takes_room_on_one_disk_tier_not_the_sum_of_them():
@@ -133,19 +155,11 @@ def test_a_live_demotion_takes_room_on_one_disk_tier_not_the_sum_of_them():
     one tier fits it. Before, the disks' summed free pages were asked: the blocks stopped
     giving way as soon as the sum fitted, and the demotion was refused after two needless
     drops (nvme 2 free + hdd 3 free for 5 pages)."""
-    from tiering.apps.replay.block_tiers import PrefixBlocks
     from tiering.types import RequestState
 
     clock = SimClock()
     kv = _two_disks(clock)
-    store = PrefixBlocks(kv, "lru", 4, clock)
-    for i in range(1, 7):  # six one-block prompts: six leaves, each its own victim
-        peek = store.peek((i,), 4)
-        att = store.attach_request(f"a{i}", peek)
-        assert kv.allocate(f"a{i}", 4)
-        kv.remove_request(f"a{i}")
-        store.release(att.mapped)
-        assert store.publish(peek.keys) == 1
+    store = _one_block_prompts(kv, clock, 6)
     for rid, pages in (("r1", 3), ("h", 5)):  # the whole host
         kv.ingest_request(rid)
         assert kv.allocate(rid, pages * 4) and kv.offload(rid) > 0
@@ -164,5 +178,36 @@ def test_a_live_demotion_takes_room_on_one_disk_tier_not_the_sum_of_them():
     assert [r.ok for r in kv.poll()] == [True]
     assert kv.state_of("h") is RequestState.ON_DISK and kv.chain["nvme"].held("h") == 5
     assert store.counters.dropped == 5 and store.count(Tier.DISK) == 1
+    kv.check_integrity()
+    store.check_integrity()
+
+
+def test_a_live_offload_takes_room_on_one_host_like_tier_not_the_sum_of_them():
+    """With a host and a remote memory tier, cached host blocks go down to disk until a
+    live request fits on one host-like tier. Before, the summed free pages (host 3 +
+    remote 3) were asked: nothing moved, and a 5-page offload went to disk."""
+    from tiering.types import RequestState
+
+    clock = SimClock()
+    kv = _chain(clock, ("device", Tier.DEVICE, 16), ("host", Tier.HOST, 10),
+                ("remote", Tier.HOST, 10), ("disk", Tier.DISK, 40))
+    store = _one_block_prompts(kv, clock, 3)
+    for rid, pages in (("x", 4), ("z", 7)):  # x on the host, z on the remote tier
+        kv.ingest_request(rid)
+        assert kv.allocate(rid, pages * 4) and kv.offload(rid) > 0
+        clock.now += 1.0
+        kv.poll()
+    kv.ingest_request("y")
+    assert kv.allocate("y", 5 * 4)
+    kv.ingest_request("big")  # the device's last 11 pages: the three blocks go to the host
+    assert kv.allocate("big", 11 * 4)
+    kv.remove_request("big")
+    assert store.count(Tier.HOST) == 3
+    assert (kv.chain["host"].free_pages, kv.chain["remote"].free_pages) == (3, 3)
+    assert kv.offload("y") == 5 * kv.page_bytes
+    clock.now += 1.0
+    assert [r.ok for r in kv.poll()] == [True]
+    assert kv.state_of("y") is RequestState.ON_HOST and kv.chain["host"].held("y") == 5
+    assert store.count(Tier.DISK) == 3 and store.count(Tier.HOST) == 0  # one batched write
     kv.check_integrity()
     store.check_integrity()

@@ -128,11 +128,11 @@ class _ModelledPages:
     def capacity_pages(self, tier: Tier) -> int:
         return self.capacity[tier]
 
-    def disk_fits(self, n: int) -> bool:
-        """A request's ``n`` pages fit on the disk now: on one disk-like tier where the
-        backend says so (``disk_fits``), else in the disk's free pages."""
-        fits = getattr(self._kv, "disk_fits", None)
-        return fits(n) if fits is not None else self._kv.free_pages(Tier.DISK) >= n
+    def request_fits(self, tier: Tier, n: int) -> bool:
+        """A request's ``n`` pages fit on ``tier`` now: on one tier of that role where the
+        backend says so (``request_fits``), else in the role's free pages."""
+        fits = getattr(self._kv, "request_fits", None)
+        return fits(tier, n) if fits is not None else self._kv.free_pages(tier) >= n
 
     def reserve(self, tier: Tier, n: int) -> Any:
         """Room is taken by ``settle``, as the move lands at once: on the host a block's
@@ -469,15 +469,16 @@ class PrefixBlocks:
         return self.room.ensure(Tier.DEVICE, n)
 
     def ensure_host(self, n: int) -> bool:
-        """Free host pages held by cached blocks no request maps until ``n`` are free: the
-        host policy's victims go to disk in batches (``RoomMaker``). False, with nothing
-        changed, when the blocks that may leave would not free enough."""
-        return self.room.ensure(Tier.HOST, n)
+        """Free host pages held by cached blocks no request maps until a live request of
+        ``n`` pages fits on a host-like tier: the host policy's victims go to disk in
+        batches (``RoomMaker.ensure_request``). False, with nothing changed, when the
+        blocks that may leave would not free enough."""
+        return self.room.ensure_request(Tier.HOST, n)
 
     def ensure_disk(self, n: int) -> bool:
         """Drop disk blocks no request maps until the disk can take ``n`` pages of a live
-        request (``RoomMaker.ensure_disk``, as the cache's offload and demotion do)."""
-        return self.room.ensure_disk(n)
+        request (``RoomMaker.ensure_request``, as the cache's offload and demotion do)."""
+        return self.room.ensure_request(Tier.DISK, n)
 
     def drop_all_device(self) -> bool:
         """Drop every cached device block that may leave; False if none could."""

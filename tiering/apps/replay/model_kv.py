@@ -398,10 +398,15 @@ class ModeledKVCache(LifecycleAnswers):
             return tiers[0].free_pages
         return sum(t.free_pages for t in tiers)
 
-    def disk_fits(self, n: int) -> bool:
-        """Whether a request of ``n`` pages fits on a disk-like tier now (all on one: a
-        request's move lands in one tier, while cached blocks spread over them)."""
-        return self._mover.demote_to(n) is not None
+    def request_fits(self, tier: Tier, n: int) -> bool:
+        """Whether a request of ``n`` pages fits on a host-like (``tier`` HOST) or
+        disk-like (DISK) tier now: all on one, as a request's move lands in one tier, while
+        cached blocks spread over them."""
+        if tier is Tier.HOST:
+            return self._mover.offload_to(n, False) is not None
+        if tier is Tier.DISK:
+            return self._mover.demote_to(n) is not None
+        raise ValueError(f"request_fits: tier must be HOST or DISK, got {tier!r}")
 
     def take_block_pages(self, tier: Tier, n: int) -> bool:
         """``n`` pages of ``tier`` now hold cached blocks; False (nothing changed) if short."""
