@@ -190,3 +190,37 @@ def test_errors_module_imports_nothing_of_the_package():
         for alias in node.names
     ]
     assert all(m in ("__future__", "errno") for m in imported), imported  # the standard library only
+
+
+def _id_checkers():
+    """Every place a caller hands the package a request id it checks, built fresh."""
+    from tiering import KVGeometry, PagedKVCache, TieredKV
+    from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
+    from tiering.testing import FakeTieredResource
+
+    g = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=4, page_tokens=4)
+    kv = PagedKVCache(g, "cpu", device_pages=8, host_pages=8)
+    front = TieredKV.around(PagedKVCache(g, "cpu", device_pages=8, host_pages=8))
+    model = ModeledKVCache(16, 4, 8, 8, 8, LinkRates.instant(), lambda: 0.0)
+    return [("PagedKVCache.ingest_request", kv.ingest_request, kv),
+            ("TieredKV.add", front.add, front),
+            ("EvictionController.add_request", front.controller.add_request, None),
+            ("EvictionController.touch", front.controller.touch, None),
+            ("ModeledKVCache.ingest_request", model.ingest_request, None),
+            ("FakeTieredResource.add", lambda rid: FakeTieredResource(1 << 20).add(rid, 64), None)]
+
+
+@pytest.mark.parametrize("bad", [3, None, b"r", "", 2.5, ("r",)])
+def test_a_bad_request_id_is_one_error_that_is_a_type_and_a_value_error(bad):
+    """A request id that is not a non-empty str raises ``BadRequestId`` wherever it is
+    handed in (a TypeError and a ValueError at once, so either ``except`` catches it),
+    naming the id, with nothing registered. Before, the cache raised ValueError and the
+    front door TypeError for the same id."""
+    for where, call, owner in _id_checkers():
+        with pytest.raises(errors.BadRequestId) as caught:
+            call(bad)
+        assert isinstance(caught.value, TypeError) and isinstance(caught.value, ValueError)
+        assert repr(bad) in str(caught.value), where
+        if owner is not None:
+            assert owner.requests() == [], f"{where} registered {bad!r}"
+            owner.close()

@@ -334,9 +334,9 @@ def _two_requests(tkv: TieredKV, gen: torch.Generator) -> dict:
     (lambda t: t.synchronize(float("inf")), "timeout must be a finite number"),
     (lambda t: t.controller.evict_if_needed("ab"), "running must be a collection"),
     (lambda t: t.controller.plan_offload("ab", 1), "running must be a collection"),
-    (lambda t: t.controller.touch(["c"]), "touch: a request id is a str"),
-    (lambda t: t.controller.remove_request({}), "remove_request: a request id is a str"),
-    (lambda t: t.controller.request_reload(["c"]), "request_reload: a request id is a str"),
+    (lambda t: t.controller.touch(["c"]), "touch: a request id is a non-empty str"),
+    (lambda t: t.controller.remove_request({}), "remove_request: a request id is a non-empty str"),
+    (lambda t: t.controller.request_reload(["c"]), "request_reload: a request id is a non-empty str"),
     (lambda t: t.controller.add_request("c", ["kv"]), r"unknown resource \['kv'\]"),
 ])
 def test_bad_input_is_refused_by_name_and_changes_nothing(geom, call, match):

@@ -33,6 +33,7 @@ TRANSIENT_IO_ERRNOS = frozenset({
 __all__ = [
     # requests and their states
     "IllegalTransition",
+    "BadRequestId",
     "LayerNotReady",
     "UnknownRequest",
     "UnknownRequestError",
@@ -87,6 +88,12 @@ class LayerNotReady(IllegalTransition):
     """A layer of a request reloading layer by layer was read or written before it
     landed, and it did not land in time (or will not: its copy failed). Ask
     ``wait_layer`` first; it answers False instead of raising."""
+
+
+class BadRequestId(TypeError, ValueError):
+    """A request id that is not a non-empty str. A TypeError (a non-str id) and a
+    ValueError (an empty one) at once, so either ``except`` catches it wherever an id
+    is checked: the cache, the controller, the front door and the replay model."""
 
 
 class UnknownRequest(KeyError):

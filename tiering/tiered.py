@@ -40,7 +40,7 @@ from tiering.control.controller import ControllerConfig, EvictionController, Evi
 from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.control.protocols import TieredCache
 from tiering.core.validate import check_clock, check_timeout, is_int
-from tiering.errors import UnknownRequest
+from tiering.errors import BadRequestId, UnknownRequest
 from tiering.policies import PolicyRegistry, default_registry, make_policy
 from tiering.policies.base import Policy
 from tiering.resources.base import ResourceReqConfig, ResourceStep, StepContext
@@ -770,9 +770,10 @@ def _as_ids(ids: object, what: str, name: str) -> list[str]:
 
 
 def _check_ids(ids: Sequence[object], what: str, name: str) -> None:
-    bad = [rid for rid in ids if not isinstance(rid, str)]
+    bad = [rid for rid in ids if not isinstance(rid, str) or not rid]
     if bad:
-        raise TypeError(f"TieredKV.{what}: {name} ids must be str, got {bad[:5]!r}")
+        must = "non-empty" if all(isinstance(rid, str) for rid in bad) else "str"
+        raise BadRequestId(f"TieredKV.{what}: {name} ids must be {must}, got {bad[:5]!r}")
 
 
 def _check_step(step: object, what: str) -> int:

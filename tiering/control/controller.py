@@ -23,7 +23,7 @@ from tiering.control.eviction import DeviceEviction
 from tiering.control.request_table import RequestTable, ResourceHandle
 from tiering.control.stats import ControllerStats
 from tiering.core.validate import check_clock, check_timeout, is_integral
-from tiering.errors import UnknownRequest, UnknownRequestError
+from tiering.errors import BadRequestId, UnknownRequest, UnknownRequestError
 from tiering.policies.base import Candidate, Policy
 from tiering.types import Move, TransferResult
 
@@ -150,7 +150,7 @@ class EvictionController:
         with resources it already has changes nothing (not even its last use).
         """
         if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request id must be a non-empty string, got {rid!r}")
+            raise BadRequestId(f"request id must be a non-empty str, got {rid!r}")
         if resource is not None and (not isinstance(resource, str)
                                      or resource not in self._handles):
             raise ValueError(
@@ -512,8 +512,9 @@ class EvictionController:
 
 
 def _check_rid(rid: object, what: str) -> None:
-    if not isinstance(rid, str):
-        raise TypeError(f"EvictionController.{what}: a request id is a str, got {rid!r}")
+    if not isinstance(rid, str) or not rid:
+        raise BadRequestId(f"EvictionController.{what}: a request id is a non-empty str, "
+                           f"got {rid!r}")
 
 
 _RUNNING_TYPES = frozenset({frozenset, set, list, tuple, dict})  # the step path's own: no ABC check

@@ -27,7 +27,7 @@ import numpy as np
 
 from tiering.core.lifecycle import AT_REST, Counters, LifecycleAnswers, Op, guard
 from tiering.core.tiers import ChainRecord, InstantLink, PageMover, PageTier, TierChain
-from tiering.errors import UnknownRequest
+from tiering.errors import BadRequestId, UnknownRequest
 from tiering.resources.base import AdmitOutcome
 from tiering.testing.blocks import check_block_policy  # the contracts, importable from here
 from tiering.testing.policies import PolicyCheck, check_policy
@@ -217,7 +217,7 @@ class FakeTieredResource(LifecycleAnswers):
         closed resource) raises and changes nothing."""
         self._life.check_open("add")
         if not isinstance(rid, str) or not rid:
-            raise ValueError(f"add: rid must be a non-empty str, got {rid!r}")
+            raise BadRequestId(f"add: rid must be a non-empty str, got {rid!r}")
         if not isinstance(tier, Tier):
             raise ValueError(f"add({rid!r}): tier must be a Tier, got {tier!r}")
         if not _count(nbytes):

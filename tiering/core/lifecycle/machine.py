@@ -20,7 +20,7 @@ from tiering.core.lifecycle.tables import (
     guard,
     holds,
 )
-from tiering.errors import CacheClosed, UnknownRequest
+from tiering.errors import BadRequestId, CacheClosed, UnknownRequest
 from tiering.types import (
     CANCELLED,
     OFFLOADED_STATES,
@@ -95,7 +95,7 @@ class Lifecycle:
         ``overrides_type``: what ``overrides`` must be when not None (else TypeError)."""
         self.check_open("ingest_request")
         if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request id must be a non-empty str, got {rid!r}")
+            raise BadRequestId(f"request id must be a non-empty str, got {rid!r}")
         if overrides_type is not None and overrides is not None \
                 and not isinstance(overrides, overrides_type):
             raise TypeError(
