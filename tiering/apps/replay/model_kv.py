@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tiering.apps.replay.model_pages import RolePages
 from tiering.core.lifecycle import Counters, LifecycleAnswers, Op, guard
 from tiering.core.tiers import (
-    BLOCKS,
     ChainRecord,
     ModelledLink,
     PageMover,
@@ -227,12 +227,7 @@ class ModeledKVCache(LifecycleAnswers):
         self._dev = self._mover.device
         self._hosts = self._mover.hosts
         self._disks = self._mover.disks
-        self._by_role = {Role.DEVICE: (self._dev,), Role.HOST: self._hosts,
-                         Role.DISK: self._disks}
-        # (src, dst) -> their tiers, for each move of cached blocks down the chain
-        self._downs = {(r, q): (a, b) for r, a in self._by_role.items()
-                       for q, b in self._by_role.items()
-                       if a and b and chain.index(a[0]) < chain.index(b[0])}
+        self._pages = RolePages(chain, self._mover, clock)  # block pages, by role
         self.page_tokens = page_tokens
         self.page_bytes = self._mover.page_bytes
         self.device_pages = self._dev.capacity_pages
@@ -377,124 +372,35 @@ class ModeledKVCache(LifecycleAnswers):
         """Every later call raises CacheClosed (idempotent); nothing runs in the background."""
         self._life.closed = True
 
-    # -- cached prefix blocks --------------------------------------------------------
-
-    def _role(self, role: Tier, what: str) -> tuple[ChainTier, ...]:
-        tiers = self._by_role.get(role) if isinstance(role, Tier) else None
-        if tiers is None:
-            raise ValueError(f"{what}: tier must be a tiering.types.Tier, got {role!r}")
-        return tiers
+    # -- cached prefix blocks (their pages by role: ``RolePages``) -------------------
 
     def block_pages(self, tier: Tier) -> int:
         """Pages held in ``tier`` by cached prefix blocks (not by any request)."""
-        tiers = self._role(tier, "block_pages")
-        if len(tiers) == 1:
-            return tiers[0].held(BLOCKS)
-        return sum(t.held(BLOCKS) for t in tiers)
+        return self._pages.held(tier)
 
     def free_pages(self, tier: Tier) -> int:
-        tiers = self._role(tier, "free_pages")
-        if len(tiers) == 1:
-            return tiers[0].free_pages
-        return sum(t.free_pages for t in tiers)
+        return self._pages.free(tier)
 
     def request_fits(self, tier: Tier, n: int) -> bool:
         """Whether a request of ``n`` pages fits on a host-like (``tier`` HOST) or
         disk-like (DISK) tier now: all on one, as a request's move lands in one tier, while
         cached blocks spread over them."""
-        if tier is Tier.HOST:
-            return self._mover.offload_to(n, False) is not None
-        if tier is Tier.DISK:
-            return self._mover.demote_to(n) is not None
-        raise ValueError(f"request_fits: tier must be HOST or DISK, got {tier!r}")
+        return self._pages.request_fits(tier, n)
 
     def take_block_pages(self, tier: Tier, n: int) -> bool:
         """``n`` pages of ``tier`` now hold cached blocks; False (nothing changed) if short."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"take_block_pages: n must be an int >= 0, got {n!r}")
-        tiers = self._role(tier, "take_block_pages")
-        if len(tiers) == 1:
-            return tiers[0].reserve(BLOCKS, n)
-        if self.free_pages(tier) < n:
-            return False
-        self._spread(tiers, n)
-        return True
+        return self._pages.take(tier, n)
 
     def give_block_pages(self, tier: Tier, n: int) -> None:
         """``n`` pages of ``tier`` held by cached blocks are free again."""
-        tiers = self._role(tier, "give_block_pages")
-        held = self.block_pages(tier)
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= held:
-            raise ValueError(f"give_block_pages: n must be an int in [0, {held}] "
-                             f"for {tier.value}, got {n!r}")
-        self._gather(tiers, n)
+        self._pages.give(tier, n)
 
     def move_block_pages(self, src: Tier, dst: Tier, n: int) -> bool:
         """Cached blocks of ``n`` pages go from ``src`` down to ``dst`` (a slower tier): the
         destination is taken and the source freed at once, and the copy occupies its links
         (so transfers started after it queue behind it). False (nothing changed) if ``dst``
         is short."""
-        pair = self._downs.get((src, dst)) if isinstance(src, Tier) and isinstance(dst, Tier) \
-            else None
-        if pair is None:
-            raise ValueError(f"move_block_pages: no move from {src!r} to {dst!r}")
-        a, b = pair
-        chain = self.chain
-        if len(a) == 1 and len(b) == 1:  # the common case, checked as below
-            ta, tb = a[0], b[0]
-            held = ta.held(BLOCKS)
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= held:
-                raise ValueError(f"move_block_pages: n must be an int in [0, {held}] "
-                                 f"for {src.value}, got {n!r}")
-            if tb.free_pages < n:
-                return False
-            tb.reserve(BLOCKS, n)
-            ta.release(BLOCKS, n)
-            chain.copy(ta, tb, BLOCKS, n * self.page_bytes, now=self._clock())
-            return True
-        held = self.block_pages(src)
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= held:
-            raise ValueError(f"move_block_pages: n must be an int in [0, {held}] "
-                             f"for {src.value}, got {n!r}")
-        if self.free_pages(dst) < n:
-            return False
-        now = self._clock()
-        froms = [list(p) for p in self._gather(a, n)]
-        tos = [list(p) for p in self._spread(b, n)]
-        while froms:  # pair the pieces (both add up to n): each copies over its own route
-            k = min(froms[0][1], tos[0][1])
-            chain.copy(froms[0][0], tos[0][0], BLOCKS, k * self.page_bytes, now=now)
-            froms[0][1] -= k
-            tos[0][1] -= k
-            if not froms[0][1]:
-                froms.pop(0)
-            if not tos[0][1]:
-                tos.pop(0)
-        return True
-
-    @staticmethod
-    def _spread(tiers: Sequence[ChainTier], n: int) -> list[tuple[ChainTier, int]]:
-        """Reserve ``n`` block pages over ``tiers``, fastest first (they have room)."""
-        out = []
-        for t in tiers:
-            k = min(n, t.free_pages)
-            if k > 0:
-                t.reserve(BLOCKS, k)
-                out.append((t, k))
-                n -= k
-        return out
-
-    @staticmethod
-    def _gather(tiers: Sequence[ChainTier], n: int) -> list[tuple[ChainTier, int]]:
-        """Release ``n`` block pages from ``tiers``, slowest first (they hold them)."""
-        out = []
-        for t in reversed(tiers):
-            k = min(n, t.held(BLOCKS))
-            if k > 0:
-                t.release(BLOCKS, k)
-                out.append((t, k))
-                n -= k
-        return out
+        return self._pages.move_down(src, dst, n)
 
     # -- transfers --------------------------------------------------------------------
 
@@ -518,8 +424,7 @@ class ModeledKVCache(LifecycleAnswers):
             self.stats.prefix_loads_from_disk += 1
         else:
             raise ValueError(f"copy_in: source must be HOST or DISK, got {source!r}")
-        tiers = self._by_role[source]  # the one holding the most block pages of its role
-        src = tiers[0] if len(tiers) == 1 else max(tiers, key=lambda t: t.held(BLOCKS))
+        src = self._pages.source(source)
         return self.chain.copy(src, self._dev, PREFIX, nbytes, now=self._clock()).done
 
     def _current(self, rid: str, seq: int) -> ChainRecord | None:
