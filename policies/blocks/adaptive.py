@@ -50,7 +50,7 @@ from tiering.policies.blocks.base import (
     not_tracked,
 )
 from tiering.policies.blocks.chain import ChainOdds
-from tiering.policies.blocks.generic import ARCBlocks, LRUBlocks, S3FIFOBlocks
+from tiering.policies.blocks.generic import ARCBlocks, LRUBlocks, S3FIFOBlocks, _first_free
 
 __all__ = ["GHOST_FACTOR", "AdaptiveBlocks", "LIRSBlocks"]
 
@@ -137,7 +137,38 @@ class LIRSBlocks(BlockPolicy):
         self._prune()
 
     def on_insert(self, info: BlockInfo, now: float) -> None:
-        k = info.key
+        self._insert_key(info.key)
+
+    def on_insert_key(self, key: Hashable, depth: int, get: Callable[[Hashable], BlockInfo],
+                      now: float) -> None:
+        """``on_insert``, which reads only the key: no snapshot built."""
+        if self.overrides(LIRSBlocks, "on_insert"):
+            super().on_insert_key(key, depth, get, now)
+            return
+        self._insert_key(key)
+
+    def on_publish(self, keys: Sequence[Hashable], depth: int, room: Callable[[], int],
+                   insert: Callable[[Sequence[Hashable]], int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> tuple[int, bool]:
+        """As ``BlockPolicy.on_publish``: ``admit`` is the base class's (True, changing
+        nothing), so the blocks there is room for go in one ``insert`` and one
+        ``on_inserts``."""
+        if self.overrides(LIRSBlocks, "admit", "on_insert", "on_insert_key", "on_inserts"):
+            return super().on_publish(keys, depth, room, insert, get, now)
+        return self.publish_room(keys, depth, room, insert, get, now)
+
+    def on_inserts(self, keys: Sequence[Hashable], depths: Sequence[int],
+                   get: Callable[[Hashable], BlockInfo], now: float) -> None:
+        if self.overrides(LIRSBlocks, "on_insert", "on_insert_key", "__len__",
+                          "__contains__", "_tracked_count"):
+            super().on_inserts(keys, depths, get, now)
+            return
+        check_batch(self, "on_insert", keys, False)
+        insert = self._insert_key
+        for k in keys:
+            insert(k)
+
+    def _insert_key(self, k: Hashable) -> None:
         if k in self._lir or k in self._q:
             raise already_tracked(self, k)
         s = self._s
@@ -161,7 +192,22 @@ class LIRSBlocks(BlockPolicy):
             self._q[k] = None
 
     def on_hit(self, info: BlockInfo, now: float) -> None:
-        k, s = info.key, self._s
+        self._hit(info.key)
+
+    def on_commit(self, keys: Sequence[Hashable], hits: Sequence[Hashable],
+                  depths: Sequence[int], get: Callable[[Hashable], BlockInfo],
+                  now: float) -> None:
+        """``on_hit`` of each of ``hits``, which reads only the key: no snapshot built."""
+        if self.overrides(LIRSBlocks, "on_request", "on_hit"):
+            super().on_commit(keys, hits, depths, get, now)
+            return
+        check_batch(self, "on_hit", hits, True, repeats=True)
+        hit = self._hit
+        for k in hits:
+            hit(k)
+
+    def _hit(self, k: Hashable) -> None:
+        s = self._s
         if k in self._lir:
             bottom = next(iter(s)) == k
             s.move_to_end(k)
@@ -204,6 +250,17 @@ class LIRSBlocks(BlockPolicy):
             if k in lir:
                 yield k
 
+    def pop_victim(self, now: float, *busy: Container) -> Hashable | None:
+        """The first of ``victims_except``, the resident HIR FIFO searched without a
+        generator."""
+        if self.overrides(LIRSBlocks, "victims", "victims_except"):
+            return super().pop_victim(now, *busy)
+        k = _first_free(self._q, busy)
+        if k is None:
+            lir = self._lir
+            k = _first_free((k for k in self._s if k in lir), busy)
+        return k
+
 
 _EXPERTS: dict[str, Callable[..., BlockPolicy]] = {
     "chain": ChainOdds,
@@ -239,6 +296,8 @@ def _key_insert(p: BlockPolicy) -> Callable[[Hashable], None] | None:
         return p._insert_key
     if cls is ARCBlocks:
         return p._insert
+    if cls is LIRSBlocks:
+        return p._insert_key
     return None
 
 
