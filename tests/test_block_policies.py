@@ -878,3 +878,44 @@ def test_chain_check_integrity_catches_a_floor_above_another_class():
     p._floor = (max(e[0] for e in others) + 1.0, 0, None)  # a floor above some other class
     with pytest.raises(AssertionError, match="below the floor"):
         p.check_integrity()
+
+
+def test_a_lirs_subclass_changing_its_per_event_hooks_has_them_called_through_batches():
+    """LIRS's batch hooks (inserts, hits, publish, victims) skip its per-event hooks; a
+    subclass that changes one has it called for every event, and with the hooks
+    unchanged the replay is the plain policy's (hits, evictions). A control with no
+    override takes the batch path: its per-event hooks are never called."""
+    from tiering.policies.blocks.adaptive import LIRSBlocks
+
+    chains = synthetic_chains(300, seed=9)
+
+    def counting(override: bool):
+        calls = {"on_insert": 0, "on_hit": 0, "victims": 0}
+
+        class Counting(LIRSBlocks):
+            def on_insert(self, info, now):
+                calls["on_insert"] += 1
+                super().on_insert(info, now)
+
+            def on_hit(self, info, now):
+                calls["on_hit"] += 1
+                super().on_hit(info, now)
+
+            def victims(self, now):
+                calls["victims"] += 1
+                return super().victims(now)
+
+        if not override:
+            for name in calls:
+                delattr(Counting, name)
+        return Counting(capacity=60), calls
+
+    plain = replay_blocks(chains, 60, LIRSBlocks(capacity=60), slim=False)
+    p, calls = counting(True)
+    res = replay_blocks(chains, 60, p, slim=False)
+    assert res[2:9] == plain[2:9] and plain.evicted > 0
+    assert calls["on_insert"] == plain.inserted and calls["on_hit"] == plain.hits
+    assert calls["victims"] > 0
+    q, none = counting(False)
+    assert replay_blocks(chains, 60, q, slim=False)[2:9] == plain[2:9]
+    assert none == {"on_insert": 0, "on_hit": 0, "victims": 0}
