@@ -384,3 +384,55 @@ def test_admit_cancels_an_offload_that_has_not_started(gated):
     assert cache.state_of("a") is RequestState.ON_HOST
     assert_same(cache, "b", b)
     cache.check_integrity()
+
+
+_ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+@pytest.mark.parametrize("dtype", _ALL_DTYPES, ids=str)
+def test_every_dtype_a_geometry_takes_round_trips_bit_exact_and_the_rest_are_refused(dtype, tmp_path):
+    """A geometry took any torch dtype, so a quantized or sub-byte one (torch.qint8,
+    torch.int4) built a cache whose first write raised inside torch (an internal assert).
+    Now a dtype is refused by name at the geometry, or its random bytes come back exactly
+    from the host and the disk."""
+    from tiering.resources.kv_cache import PagedKVCache
+
+    from tiering.disk import DiskConfig
+
+    try:
+        geom = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, page_tokens=4, dtype=dtype)
+    except ValueError as err:
+        assert f"KVGeometry.dtype {dtype} cannot hold KV pages" in str(err)
+        name = str(dtype).removeprefix("torch.")  # only quantized and sub-byte ints refused
+        assert name.startswith(("qint", "quint")) or name in {
+            *(f"int{b}" for b in range(1, 8)), *(f"uint{b}" for b in range(1, 8))}, dtype
+        return
+    gen = torch.Generator().manual_seed(7)
+    width = 4 * geom.element_bytes
+    kv = PagedKVCache(geom, device_pages=8, host_pages=2,
+                      disk=DiskConfig(path=tmp_path / "d", capacity_bytes=16 * geom.page_bytes))
+    try:
+        wrote = {}
+        for rid, n in (("a", 7), ("b", 5)):
+            kv.ingest_request(rid)
+            assert kv.allocate(rid, n)
+            top = 2 if dtype is torch.bool else 256  # a bool byte other than 0 or 1 is not a bool
+            raw = torch.randint(0, top, (2, 2, n, 2, width), generator=gen, dtype=torch.uint8)
+            for layer in range(2):
+                kv.write(rid, layer, 0, raw[layer, 0].view(dtype), raw[layer, 1].view(dtype))
+            wrote[rid] = raw
+        for rid, tier in (("a", RequestState.ON_HOST), ("b", RequestState.ON_DISK)):
+            assert kv.offload(rid) > 0
+            kv.synchronize()
+            assert kv.state_of(rid) is tier
+        for rid in wrote:
+            assert kv.reload(rid)
+            kv.synchronize()
+            assert kv.state_of(rid) is RequestState.RESIDENT
+            for layer in range(2):
+                k, v = kv.read(rid, layer)
+                assert torch.equal(k.view(torch.uint8), wrote[rid][layer, 0]), (rid, layer)
+                assert torch.equal(v.view(torch.uint8), wrote[rid][layer, 1]), (rid, layer)
+        kv.check_integrity()
+    finally:
+        kv.close()
