@@ -18,6 +18,7 @@ from tiering.resources.engine_types import retention_offload_priority
 from tiering.resources.kv_options import KVContext
 from tiering.resources.kv_records import admitted_early, own_pages
 
+from tiering.core.validate import check_rids
 from tiering.errors import UnknownRequest
 from tiering.types import OFFLOADED_STATES, RequestState, Tier
 
@@ -102,6 +103,7 @@ class EvictionHooks:
 
     def reclaimable_many(self, rids) -> np.ndarray:
         self._life.check_open("reclaimable_many")
+        check_rids("reclaimable_many", rids)
         reqs = self._life.records
         try:
             pages = [
@@ -119,6 +121,7 @@ class EvictionHooks:
 
     def get_offload_priority_many(self, rids) -> np.ndarray:
         self._life.check_open("get_offload_priority_many")
+        check_rids("get_offload_priority_many", rids)
         return np.fromiter(
             (self.get_offload_priority(r) for r in rids), dtype=np.float64, count=len(rids)
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import threading
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_same, fill, random_kv
@@ -638,3 +639,40 @@ def test_build_without_a_geometry_names_what_the_config_lacks(geom):
     bad = NodeResourceSpec("kv", PagedKVCache, {"geometry": {"num_layers": 2}, "device_pages": 4})
     with pytest.raises(TypeError, match="'geometry' must be a KVGeometry, got dict"):
         PagedKVCache.build(bad, info)
+
+
+def _many_resources(kv):
+    """A PagedKVCache and a FakeTieredResource, each holding requests "a", "b" and "ab"
+    with different sizes, "a" and "b" resident."""
+    from tiering.testing import FakeTieredResource
+
+    cache = kv(device_pages=8, host_pages=8)
+    fake = FakeTieredResource(device_capacity=100, host_capacity=100, disk_capacity=100)
+    for res in (cache, fake):
+        for rid, n in (("a", 3), ("b", 9), ("ab", 0)):
+            res.ingest_request(rid)
+            assert res.allocate(rid, n)
+    return cache, fake
+
+
+@pytest.mark.parametrize("bad", ["ab", b"ab", 7, (r for r in ("a", "b"))],
+                         ids=["str", "bytes", "int", "generator"])
+def test_the_many_hooks_refuse_one_str_instead_of_a_collection_of_ids(kv, bad):
+    """``reclaimable_many("ab")`` answered for requests "a" and "b" (a str is a sequence of
+    its characters), the wrong requests and as many answers as characters; a generator
+    failed on ``len``. Now anything but a collection of ids is a TypeError naming the
+    hook, and nothing changes."""
+    for res in _many_resources(kv):
+        before = [res.reclaimable(r) for r in ("a", "b", "ab")], res.device_used_bytes()
+        for hook in (res.reclaimable_many, res.get_offload_priority_many):
+            with pytest.raises(TypeError, match=rf"{hook.__name__}: rids must be a collection "
+                                                r"of request ids"):
+                hook(bad)
+        assert ([res.reclaimable(r) for r in ("a", "b", "ab")],
+                res.device_used_bytes()) == before
+        res.check_integrity()
+        # the control: the same requests named in a list, a tuple or an array
+        for ids in (["a", "b"], ("ab",), np.array(["b", "a"])):
+            assert res.reclaimable_many(ids).tolist() == [res.reclaimable(r) for r in ids]
+            assert res.get_offload_priority_many(ids).tolist() == [
+                res.get_offload_priority(r) for r in ids]

@@ -9,7 +9,19 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+
+_ID_SEQUENCES = (list, tuple)  # the controller's own: no ABC check on the step path
+
+
+def check_rids(what: str, rids: object) -> None:
+    """``rids`` is a collection of request ids (a list, tuple, array...), not one str or
+    bytes, whose characters would be taken for ids; TypeError naming ``what`` otherwise."""
+    if type(rids) in _ID_SEQUENCES:
+        return
+    if isinstance(rids, (str, bytes)) or not isinstance(rids, Collection):
+        raise TypeError(f"{what}: rids must be a collection of request ids (a list or "
+                        f"tuple), got {rids!r:.80}")
 
 
 def is_int(value: object) -> bool:

@@ -27,6 +27,7 @@ import numpy as np
 
 from tiering.core.lifecycle import AT_REST, Counters, LifecycleAnswers, Op, guard
 from tiering.core.tiers import ChainRecord, InstantLink, PageMover, PageTier, TierChain
+from tiering.core.validate import check_rids
 from tiering.errors import UnknownRequest
 from tiering.resources.base import AdmitOutcome
 from tiering.testing.blocks import check_block_policy  # the contracts, importable from here
@@ -375,6 +376,7 @@ class FakeTieredResource(LifecycleAnswers):
         for an unknown one, CacheClosed once closed."""
         self.calls["reclaimable_many"] += 1
         self._life.check_open("reclaimable_many")
+        check_rids("reclaimable_many", rids)
         return _look_up_all(self._reclaimable_now, rids, np.int64)
 
     def get_offload_priority_many(self, rids: Sequence[str]) -> np.ndarray:
@@ -382,6 +384,7 @@ class FakeTieredResource(LifecycleAnswers):
         for an unknown one, CacheClosed once closed."""
         self.calls["get_offload_priority_many"] += 1
         self._life.check_open("get_offload_priority_many")
+        check_rids("get_offload_priority_many", rids)
         return _look_up_all(self.priorities, rids, np.float64)
 
     def get_offload_priority(self, rid: str) -> float:
