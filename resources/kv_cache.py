@@ -92,8 +92,8 @@ class PagedKVCache(LifecycleAnswers, Resource):
     exactly that size when CUDA is present, see ``tiering.core.pinning``); the
     disk tier is a ``DiskPageStore`` when ``disk`` is given
     (``disk_wrap_store`` wraps its zarr store: the fault-injection seam;
-    ``disk_store`` injects a ready-made store, which the cache then owns and
-    closes). ``offload``, ``demote`` and ``reload`` queue their copies and
+    ``disk_store`` injects a ready-made store, in place of ``disk``, laid out for this
+    geometry's pages, which the cache then owns and closes; a refused one stays open). ``offload``, ``demote`` and ``reload`` queue their copies and
     return at once; ``poll`` applies finished ones and ``synchronize`` waits
     for all of them. ``compute_stream`` names the CUDA stream the engine's
     kernels run on (default: the stream current when the cache is built).

@@ -43,6 +43,7 @@ class KVStorage:
                  disk_store=None, disk_wrap_store: Callable[[Any], Any] | None = None,
                  compute_stream=None, host_runtime: HostRuntime | None = None,
                  staging: StagingConfig | None = None, stage_disk_io: bool | None = None) -> None:
+        _check_injected(geometry, disk, disk_store, host_runtime)
         self.geometry = geometry
         self.stats = stats
         self.verify = verify
@@ -137,6 +138,38 @@ class KVStorage:
                 self.slab.release()
             else:
                 log.error("close: a copy worker is still running; the host slab stays registered")
+
+
+#: what the cache calls on a disk store it is given (``DiskPageStore`` has them all)
+_STORE_METHODS = ("reattached", "read", "write", "close")
+
+
+def _check_injected(geometry: KVGeometry, disk: Any, disk_store: Any,
+                    host_runtime: Any) -> None:
+    """A ready-made disk store and a host runtime are refused at the door, before the
+    cache takes the store (a refused one stays the caller's, open): a store next to a
+    ``disk`` config, one without the store's methods or laid out for other pages, a
+    runtime without ``register`` and ``unregister``."""
+    if host_runtime is not None and not all(
+            callable(getattr(host_runtime, m, None)) for m in ("register", "unregister")):
+        raise TypeError(f"PagedKVCache: host_runtime must be a HostRuntime (register, "
+                        f"unregister) or None, got {host_runtime!r:.80}")
+    if disk_store is None:
+        return
+    if disk is not None:
+        raise ValueError("PagedKVCache: disk (a DiskConfig the cache opens) and disk_store "
+                         "(a store already open) both name the disk tier; give one")
+    missing = [m for m in _STORE_METHODS if not callable(getattr(disk_store, m, None))]
+    if missing:
+        raise TypeError(f"PagedKVCache: disk_store must be a DiskPageStore (or offer its "
+                        f"methods); {type(disk_store).__name__} lacks {missing}")
+    fmt = getattr(disk_store, "format", None)
+    shape, dtype = getattr(fmt, "page_shape", None), getattr(fmt, "torch_dtype", None)
+    if fmt is not None and (tuple(shape) != geometry.page_shape or dtype != geometry.dtype):
+        raise ValueError(
+            f"PagedKVCache: disk_store holds pages of shape {shape} and dtype {dtype}; this "
+            f"cache's pages are {geometry.page_shape} of {geometry.dtype} (give the store "
+            "geometry.page_shape and geometry.dtype)")
 
 
 @contextlib.contextmanager

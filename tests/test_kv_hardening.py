@@ -7,6 +7,7 @@ Size: over 500 lines: each hardening case with the integrity checks after every 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import threading
 
@@ -303,6 +304,11 @@ def test_a_constructor_that_fails_leaves_no_threads(geom, tmp_path):
     class BadStore:
         def reattached(self):
             raise Refused("the disk tier cannot start")
+
+        def read(self, *args, **kwargs):  # the store's methods, never reached
+            raise AssertionError("read")
+
+        write = read
 
         closed = False
 
@@ -676,3 +682,48 @@ def test_the_many_hooks_refuse_one_str_instead_of_a_collection_of_ids(kv, bad):
             assert res.reclaimable_many(ids).tolist() == [res.reclaimable(r) for r in ids]
             assert res.get_offload_priority_many(ids).tolist() == [
                 res.get_offload_priority(r) for r in ids]
+
+
+def test_an_injected_disk_store_or_host_runtime_of_the_wrong_kind_is_refused_at_the_door(
+        geom, tmp_path):
+    """``disk_store=3`` and ``host_runtime=3`` raised AttributeError from deep in the set-up
+    (and logged that the disk tier "did not close cleanly"); a store laid out for other
+    pages was taken, and then every offload to it failed; ``disk`` next to ``disk_store``
+    was silently ignored. Each is now refused by name before the cache takes the store,
+    which stays the caller's, open and usable."""
+    from tiering.disk.store import DiskPageStore
+
+    cfg = DiskConfig(path=tmp_path / "d", capacity_bytes=16 * geom.page_bytes)
+    other = dataclasses.replace(geom, head_dim=geom.head_dim * 2, dtype=torch.float16)
+    wrong = DiskPageStore(cfg, other.page_shape, other.dtype)
+    cases = [
+        (dict(disk_store=3), TypeError, r"disk_store must be a DiskPageStore .*int lacks"),
+        (dict(host_runtime=3), TypeError, r"host_runtime must be a HostRuntime"),
+        (dict(host_runtime=object()), TypeError, r"host_runtime must be a HostRuntime"),
+        (dict(disk_store=wrong), ValueError, r"disk_store holds pages of shape"),
+        (dict(disk_store=wrong, disk=DiskConfig(path=tmp_path / "e", capacity_bytes=1 << 20)),
+         ValueError, r"disk \(a DiskConfig the cache opens\) and disk_store"),
+    ]
+    try:
+        for kwargs, error, match in cases:
+            with pytest.raises(error, match=match):
+                PagedKVCache(geom, device_pages=4, host_pages=4, **kwargs)
+        assert not (tmp_path / "e").exists()  # the config next to the store was never opened
+        assert wrong.reattached() == {}  # the refused store is still open, the caller's
+    finally:
+        wrong.close()
+    # the control: a store laid out for this geometry is taken and holds a request exactly
+    right = DiskPageStore(DiskConfig(path=tmp_path / "r", capacity_bytes=16 * geom.page_bytes),
+                          geom.page_shape, geom.dtype, fingerprint=geom.fingerprint())
+    kv = PagedKVCache(geom, device_pages=4, host_pages=1, disk_store=right)
+    try:
+        data = fill(kv, "a", torch.Generator().manual_seed(11), 2 * geom.page_tokens)
+        assert kv.offload("a") > 0
+        kv.synchronize()
+        assert kv.state_of("a") is S.ON_DISK
+        assert kv.reload("a")
+        kv.synchronize()
+        assert_same(kv, "a", data)
+        kv.check_integrity()
+    finally:
+        kv.close()
