@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tiering.resources.base import ResourceReqConfig
@@ -890,6 +891,28 @@ def test_a_disk_capacity_past_what_the_ledger_can_hold_is_refused_by_name(geom, 
     assert not path.exists()
     fits = DiskConfig(path=str(path), capacity_bytes=MAX_DISK_PAGES * geom.page_bytes)
     assert _config(geom, disk=fits).disk is fits  # the limit itself is taken
+
+
+@pytest.mark.parametrize("kind", [np.int8, np.int16, np.int32, np.int64, np.uint32, np.uint64])
+def test_a_numpy_integer_size_is_multiplied_exactly_never_in_its_own_width(kind):
+    """``gib(np.int32(5))`` was 1 GiB and ``gib(np.int32(2**31 - 1))`` negative: the size
+    was multiplied in the integer's own fixed width, which wrapped around silently."""
+    from tiering import gib, kib, mib, tib
+
+    big = int(np.iinfo(kind).max)
+    for fn, unit in ((kib, 1 << 10), (mib, 1 << 20), (gib, 1 << 30), (tib, 1 << 40)):
+        for n in (5, big):
+            got = fn(kind(n))
+            assert got == n * unit and type(got) is int, (fn.__name__, kind, n, got)
+
+
+def test_a_size_too_large_for_a_float_is_refused_by_name():
+    from tiering import gib, tib
+
+    with pytest.raises(ValueError, match=r"tib: 1e\+300 is more bytes than a float holds"):
+        tib(1e300)  # was OverflowError: cannot convert float infinity to integer
+    assert tib(10**300) == 10**300 << 40  # an int of any size is exact
+    assert gib(np.float32(0.5)) == 1 << 29
 
 
 def test_sizes_are_bytes_written_with_helpers_and_pools_can_be_given_in_bytes(geom):
