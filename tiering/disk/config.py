@@ -13,6 +13,7 @@ import numpy as np
 from zarr.abc.store import Store
 from zarr.storage import StorePath
 
+from tiering.core.validate import check_waitable
 from tiering.disk.array import CODECS
 
 ON_START = ("clear", "reattach")
@@ -136,6 +137,7 @@ class DiskConfig:
         ):
             raise ValueError(
                 f"DiskConfig.io_timeout_s must be a finite number > 0, got {self.io_timeout_s!r}")
+        check_waitable("DiskConfig.io_timeout_s", self.io_timeout_s)
         self._check_storage()
 
     def _check_storage(self) -> None:
