@@ -43,7 +43,7 @@ class KVStorage:
                  disk_store=None, disk_wrap_store: Callable[[Any], Any] | None = None,
                  compute_stream=None, host_runtime: HostRuntime | None = None,
                  staging: StagingConfig | None = None, stage_disk_io: bool | None = None) -> None:
-        _check_injected(geometry, disk, disk_store, host_runtime)
+        check_injected(geometry, disk, disk_store, host_runtime)
         self.geometry = geometry
         self.stats = stats
         self.verify = verify
@@ -144,7 +144,7 @@ class KVStorage:
 _STORE_METHODS = ("reattached", "read", "write", "close")
 
 
-def _check_injected(geometry: KVGeometry, disk: Any, disk_store: Any,
+def check_injected(geometry: KVGeometry, disk: Any, disk_store: Any,
                     host_runtime: Any) -> None:
     """A ready-made disk store and a host runtime are refused at the door, before the
     cache takes the store (a refused one stays the caller's, open): a store next to a

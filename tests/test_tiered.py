@@ -1024,3 +1024,31 @@ def test_an_allocate_refused_below_high_gets_room_from_make_room(geom):
                 got_k, got_v = tkv.kv.read(rid, layer)
                 assert torch.equal(got_k, k) and torch.equal(got_v, v)
         tkv.check_integrity()
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"copy_workers": 0}, ValueError, r"copy_workers must be an int >= 1, got 0"),
+    ({"io_workers": True}, ValueError, r"io_workers must be an int >= 1, got True"),
+    ({"staging": 3}, ValueError, r"staging must be a StagingConfig or None"),
+    ({"layerwise_reload": 1}, ValueError, r"layerwise_reload must be a bool, got 1"),
+    ({"layer_wait_timeout_s": float("nan")}, ValueError, r"layer_wait_timeout_s"),
+    ({"stream_window_pages": 3}, ValueError, r"stream_window_pages and stream_buffer_pages"),
+    ({"stream_window_pages": 5, "stream_buffer_pages": 3}, ValueError,
+     r"must leave device pages for other requests \(device_pages=8\)"),
+    ({"host_runtime": 3}, TypeError, r"host_runtime must be a HostRuntime"),
+    ({"disk_store": 3}, TypeError, r"disk_store must be a DiskPageStore"),
+])
+def test_a_bad_cache_option_value_is_refused_by_the_config_naming_it(geom, options, error, match):
+    """``TieredKVConfig(cache_options={"copy_workers": 0})`` was a valid config; only
+    ``TieredKV(config)`` refused it, later and wherever the config was built. The values
+    are now checked in ``__post_init__``, as the cache checks them."""
+    with pytest.raises(error, match=r"^TieredKVConfig\.cache_options: .*" + match):
+        _config(geom, cache_options=options)
+
+
+def test_good_cache_option_values_still_make_a_config_and_a_cache(geom):
+    cfg = _config(geom, cache_options={"copy_workers": 1, "layerwise_reload": True,
+                                       "stream_window_pages": 2, "stream_buffer_pages": 2})
+    with TieredKV(cfg) as tkv:
+        assert tkv.kv.layerwise_reload and tkv.kv.stream_window_pages == 2
+        tkv.check_integrity()
