@@ -84,6 +84,11 @@ class BlockResult(NamedTuple):
     reason: str = ""
 
 
+#: the largest ``ColdTierConfig.max_block_bytes``: a read's byte range (64-bit in the object
+#: store's API) must hold the whole framed block, header and trailer included
+MAX_BLOCK_BYTES = 1 << 62
+
+
 @dataclass(frozen=True)
 class ColdTierConfig:
     """Knobs of a worker's view of the shared tier (validated here)."""
@@ -99,6 +104,11 @@ class ColdTierConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ColdTierConfig.{name} must be an int >= 1, got {v!r}")
+        if self.max_block_bytes > MAX_BLOCK_BYTES:
+            raise ValueError(
+                f"ColdTierConfig.max_block_bytes must be at most {MAX_BLOCK_BYTES} (2**62: a read "
+                f"asks the store for a byte range, 64-bit, holding the whole framed block), "
+                f"got {self.max_block_bytes!r}")
         if not isinstance(self.breaker, BreakerConfig):
             raise ValueError(f"ColdTierConfig.breaker must be a BreakerConfig, got {type(self.breaker).__name__}")
 
