@@ -50,6 +50,7 @@ class KVStorage:
         self.fault = fault
         self.slab: PinnedSlab | None = None
         self.disk = None
+        self._opened_disk = disk_store is None  # a given store stays the caller's files
         self.ring: StagingRing | None = None
         self._read_fn: Any = None  # the disk's read last looked at, and whether it takes
         self._read_scratch = False  # out_is_scratch (see read_disk)
@@ -87,9 +88,12 @@ class KVStorage:
             self.stage = (self.device.type == "cuda") if stage_disk_io is None else bool(stage_disk_io)
             if self.disk is not None and self.stage:
                 pin = (lambda t: t.pin_memory()) if self.device.type == "cuda" else None
-                self.ring = StagingRing(staging or StagingConfig(), shape, geometry.dtype, pin=pin)
+                ring = staging or StagingConfig()
+                with _naming_shortage("staging buffers x pages", ring.buffers * ring.pages, pb,
+                                      "host"):
+                    self.ring = StagingRing(ring, shape, geometry.dtype, pin=pin)
         except BaseException:
-            self.close(joined=True)
+            self.close(joined=True, failed_start=True)
             raise
 
     def read_disk(self, extent, out: torch.Tensor, first_page: int) -> None:
@@ -125,12 +129,16 @@ class KVStorage:
                       getattr(extent, "chunks", extent), type(exc).__name__, exc)
             return False
 
-    def close(self, joined: bool) -> None:
+    def close(self, joined: bool, failed_start: bool = False) -> None:
         """Close the disk tier, then unregister the host slab, but only if every copy
-        worker has ``joined`` (a copy may still read it)."""
+        worker has ``joined`` (a copy may still read it). ``failed_start``: the cache is
+        not being built after all; a disk tier it opened itself is discarded (what its
+        start created, a preallocated slot file among them, is removed)."""
         if self.disk is not None:
+            discard = getattr(self.disk, "discard", None) if failed_start and self._opened_disk \
+                else None
             try:
-                self.disk.close()
+                (discard if callable(discard) else self.disk.close)()
             except Exception as exc:
                 log.error("close: the disk tier did not close cleanly: %s", why(exc))
         if self.slab is not None:
@@ -172,14 +180,19 @@ def check_injected(geometry: KVGeometry, disk: Any, disk_store: Any,
             "geometry.page_shape and geometry.dtype)")
 
 
+#: what torch's allocator says when a tensor cannot be had (beside MemoryError itself)
+_SHORTAGE_WORDS = ("memory", "bad_alloc", "overflow")
+
+
 @contextlib.contextmanager
 def _naming_shortage(name: str, pages: int, page_bytes: int, where: object):
     """A tier that cannot be allocated raises MemoryError naming the argument and its size
     (torch's own message may be empty)."""
     try:
         yield
-    except (MemoryError, RuntimeError) as exc:
-        if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower():
+    except (MemoryError, RuntimeError, OverflowError) as exc:  # overflow: past the address space
+        text = str(exc).lower()
+        if isinstance(exc, RuntimeError) and not any(w in text for w in _SHORTAGE_WORDS):
             raise
         raise MemoryError(
             f"PagedKVCache: {name}={pages:,} ({pages * page_bytes / 2**30:,.1f} GiB of {where}"

@@ -319,6 +319,69 @@ def test_a_tier_too_large_to_allocate_names_its_argument_and_size(kv, arg):
     assert threading.active_count() == threads  # the refused cache left nothing running
 
 
+@pytest.mark.parametrize("arg", ["device_pages", "host_pages"])
+@pytest.mark.parametrize("pages", [2**63, 2**70])
+def test_a_tier_past_the_address_space_names_its_argument_and_size(kv, arg, pages):
+    """A page count past the address space raised a bare OverflowError ("Python int too
+    large to convert to C ssize_t"), naming nothing."""
+    threads = threading.active_count()
+    with pytest.raises(MemoryError, match=rf"{arg}={pages:,} \(.* GiB .*\) could not be "
+                                          r"allocated: OverflowError"):
+        kv(**{"device_pages": 4, "host_pages": 4, arg: pages})
+    assert threading.active_count() == threads
+
+
+def test_a_staging_ring_too_large_to_allocate_names_itself(kv, tmp_path):
+    """A ring of 2**62 pages raised torch's RuntimeError ("Storage size calculation
+    overflowed"), naming nothing."""
+    from tiering.core.staging import StagingConfig
+    from tiering.disk import DiskConfig
+
+    with pytest.raises(MemoryError, match=r"staging buffers x pages=18,446,744,073,709,551,616 "
+                                          r"\(.* GiB of host memory\) could not be allocated"):
+        kv(device_pages=4, host_pages=4, stage_disk_io=True, staging=StagingConfig(pages=2**62),
+           disk=DiskConfig(path=tmp_path / "d", capacity_bytes=1 << 20))
+    assert not tmp_path.joinpath("d").exists()  # the directory the refused cache made is gone
+
+
+def test_a_cache_that_fails_to_start_leaves_no_disk_files_and_keeps_reattachable_data(
+        kv, tmp_path):
+    """A cache whose constructor failed after its disk tier had opened left the tier's
+    directory behind, with a slot file preallocated to capacity_bytes. Now what that start
+    created is removed; what an earlier process left to reattach is kept, byte for byte."""
+    from tiering.core.staging import StagingConfig
+    from tiering.disk import DiskConfig
+
+    too_big = dict(stage_disk_io=True, staging=StagingConfig(pages=2**62))
+    for made in (tmp_path / "new", tmp_path / "new" / "deeper"):
+        with pytest.raises(MemoryError):
+            kv(device_pages=4, host_pages=1, **too_big,
+               disk=DiskConfig(path=made, capacity_bytes=64 * kv.geometry.page_bytes))
+        assert not made.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(MemoryError):
+        kv(device_pages=4, host_pages=1, **too_big,
+           disk=DiskConfig(path=empty, capacity_bytes=64 * kv.geometry.page_bytes))
+    assert list(empty.iterdir()) == []  # a directory that was there stays, emptied of ours
+
+    kept = DiskConfig(path=tmp_path / "kept", capacity_bytes=64 * kv.geometry.page_bytes,
+                      on_start="reattach")
+    first = kv(device_pages=4, host_pages=1, disk=kept)
+    data = fill(first, "a", torch.Generator().manual_seed(5), 7)
+    assert first.offload("a") > 0
+    first.synchronize()
+    assert first.state_of("a") is RequestState.ON_DISK
+    first.close()
+    with pytest.raises(MemoryError):
+        kv(device_pages=4, host_pages=1, disk=kept, **too_big)
+    again = kv(device_pages=4, host_pages=1, disk=kept)
+    assert again.requests() == ["a"] and again.reload("a")
+    again.synchronize()
+    assert_same(again, "a", data)
+    again.check_integrity()
+
+
 def test_ingest_is_idempotent(cache):
     cfg = ResourceReqConfig(retention_priority=50)
     cache.ingest_request("x", cfg)
