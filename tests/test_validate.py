@@ -207,3 +207,47 @@ def _fault_plan(slow_seconds):
     from tiering.disk.faults import FaultPlan
 
     return FaultPlan(slow_seconds=slow_seconds)
+
+
+# -- checked configs travel: pickled (to a worker process) and deep-copied ---------------------
+
+
+def _configs():
+    from tiering.resources.kv_geometry import KVGeometry
+
+    from tiering.coldtier import SharedTierConfig, TrustConfig
+    from tiering.disk import DiskConfig
+    from tiering.tiered import TieredKVConfig
+
+    trust = TrustConfig(secret=bytes(range(32)))
+    options = {"endpoint": "http://127.0.0.1:9", "client_kwargs": {"region_name": "r1"}}
+    geom = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, page_tokens=4)
+    return {
+        "TieredKVConfig": TieredKVConfig(geometry=geom, cache_options={"copy_workers": 1}),
+        "DiskConfig": DiskConfig(path="s3://bucket/prefix", capacity_bytes=1 << 20,
+                                 storage_options=options, trust=trust),
+        "SharedTierConfig": SharedTierConfig(url="s3://bucket/prefix", storage_options=options,
+                                             trust=trust),
+    }
+
+
+@pytest.mark.parametrize("name", ["TieredKVConfig", "DiskConfig", "SharedTierConfig"])
+def test_a_checked_config_pickles_and_deep_copies_and_stays_read_only(name):
+    """These configs kept their mapping (cache_options, storage_options) as a
+    MappingProxyType, which cannot be pickled: a config could not be sent to a worker
+    process, nor deep-copied ("cannot pickle 'mappingproxy' object")."""
+    import copy
+    import pickle
+
+    config = _configs()[name]
+    field = "cache_options" if name == "TieredKVConfig" else "storage_options"
+    for back in (pickle.loads(pickle.dumps(config)), copy.deepcopy(config)):
+        assert back == config and dict(getattr(back, field)) == dict(getattr(config, field))
+    held = getattr(config, field)
+    with pytest.raises(TypeError):
+        held["copy_workers"] = 2  # what was checked is what is used
+    with pytest.raises(AttributeError):
+        held._data = {}
+    if name != "TieredKVConfig":  # a nested mapping is read-only too
+        with pytest.raises(TypeError):
+            held["client_kwargs"]["region_name"] = "elsewhere"

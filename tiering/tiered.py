@@ -31,7 +31,6 @@ import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +38,7 @@ import torch
 from tiering.control.controller import ControllerConfig, EvictionController, EvictionReport
 from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.control.protocols import TieredCache
+from tiering.core.frozen import FrozenMap
 from tiering.core.validate import check_clock, check_timeout, is_int
 from tiering.errors import UnknownRequest
 from tiering.policies import PolicyRegistry, default_registry, make_policy
@@ -163,7 +163,7 @@ class TieredKVConfig:
             )
         _check_cache_options(self, PagedKVCache)
         # a read-only copy: the caller's dict may change later, this checked config may not
-        object.__setattr__(self, "cache_options", MappingProxyType(dict(self.cache_options)))
+        object.__setattr__(self, "cache_options", FrozenMap(self.cache_options))
 
 
     @classmethod

@@ -36,9 +36,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from tiering.core.frozen import frozen_nested
 from tiering.core.validate import check_budget
 
 from ._io import Fault, classify, short
@@ -137,9 +137,7 @@ class SharedTierConfig:
         check_storage_options(self.storage_options)
         # read-only all the way down: a nested mapping (client_kwargs) is copied too, so what
         # was checked here is what the store is opened with
-        frozen = {k: MappingProxyType(dict(v)) if isinstance(v, Mapping) else v
-                  for k, v in dict(self.storage_options or {}).items()}
-        object.__setattr__(self, "storage_options", MappingProxyType(frozen))
+        object.__setattr__(self, "storage_options", frozen_nested(self.storage_options))
         if not isinstance(self.tier, ColdTierConfig):
             raise ValueError(f"SharedTierConfig.tier must be a ColdTierConfig, got {type(self.tier).__name__}")
         if isinstance(self.trust, str):
