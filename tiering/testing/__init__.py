@@ -500,6 +500,11 @@ class ExactPressure:
     def __init__(self, *resources: FakeTieredResource) -> None:
         if not resources:
             raise ValueError("ExactPressure needs at least one resource")
+        for r in resources:  # one list given for the resources is the usual slip
+            if not _count(getattr(r, "device_capacity_bytes", None)) or not hasattr(r, "device_used"):
+                raise TypeError(
+                    f"ExactPressure: each resource needs device_capacity_bytes and device_used "
+                    f"(a FakeTieredResource; pass them as ExactPressure(a, b)), got {r!r:.80}")
         self._resources = resources
         self._capacity = sum(r.device_capacity_bytes for r in resources)
         self.reads = 0
@@ -521,6 +526,11 @@ class LaggingPressure:
     """A poller stand-in: ``latest()`` returns the last sample published by ``sample()``."""
 
     def __init__(self, source: ExactPressure, clock: FakeClock | None = None) -> None:
+        if not callable(getattr(source, "read", None)):
+            raise TypeError(f"LaggingPressure: source must have read() (an ExactPressure), "
+                            f"got {source!r:.80}")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"LaggingPressure: clock must be callable or None, got {clock!r:.80}")
         self._source = source
         self._clock = clock
         self._latest: Reading | None = None
