@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from tiering.resources.base import AdmitOutcome, ResourceReqConfig, ResourceStep, StepContext
-from tiering.resources.engine_types import retention_offload_priority
+from tiering.resources.engine_types import retention_offload_priority, step_rid
 from tiering.resources.kv_options import KVContext
 from tiering.resources.kv_records import admitted_early, own_pages
 
@@ -62,7 +62,7 @@ class EvictionHooks:
     # -- step lifecycle (the engine's admit) -------------------------------------
 
     def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
-        r = self._life.get(step.rid, "admit")
+        r = self._life.get(step_rid(step, "admit"), "admit")
         r.undone = None  # a new step
         if r.state is S.RELOADING:
             self._transfers.finish_now(r)

@@ -727,3 +727,22 @@ def test_an_injected_disk_store_or_host_runtime_of_the_wrong_kind_is_refused_at_
         kv.check_integrity()
     finally:
         kv.close()
+
+
+@pytest.mark.parametrize("bad", ["a", None, 3], ids=["rid", "none", "int"])
+def test_admit_refuses_what_is_not_a_step_by_name_and_changes_nothing(kv, bad):
+    """``admit("a", ctx)`` (the request id where a ResourceStep goes) raised AttributeError
+    ("'str' object has no attribute 'rid'"), from the cache and the fake alike."""
+    from tiering.testing import FakeTieredResource
+
+    cache, fake = kv(device_pages=8, host_pages=8), FakeTieredResource(device_capacity=100)
+    for res in (cache, fake):
+        res.ingest_request("a")
+        assert res.allocate("a", 3)
+        before = res.state_of("a"), res.device_used_bytes()
+        for step in (bad, object()) if isinstance(bad, str) else (bad, ResourceStep(bad)):
+            with pytest.raises(TypeError, match=r"admit: step must be a ResourceStep"):
+                res.admit(step, StepContext(0))
+        assert (res.state_of("a"), res.device_used_bytes()) == before
+        assert res.admit(ResourceStep("a"), StepContext(0)).ok  # the control
+        res.check_integrity()

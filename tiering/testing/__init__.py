@@ -30,6 +30,7 @@ from tiering.core.tiers import ChainRecord, InstantLink, PageMover, PageTier, Ti
 from tiering.core.validate import check_rids
 from tiering.errors import UnknownRequest
 from tiering.resources.base import AdmitOutcome
+from tiering.resources.engine_types import step_rid
 from tiering.testing.blocks import check_block_policy  # the contracts, importable from here
 from tiering.testing.policies import PolicyCheck, check_policy
 from tiering.types import (
@@ -275,7 +276,7 @@ class FakeTieredResource(LifecycleAnswers):
 
     def admit(self, step, ctx) -> AdmitOutcome:
         """OK only when the request is resident and not moving."""
-        return AdmitOutcome(*self._life.admission(self._life.get(step.rid, "admit")))
+        return AdmitOutcome(*self._life.admission(self._life.get(step_rid(step, "admit"), "admit")))
 
     def close(self) -> None:
         """Every later call that looks a request up raises CacheClosed (idempotent)."""
