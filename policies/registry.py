@@ -44,6 +44,10 @@ class Registry:
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"a {type(self).__name__} never changes")
 
+    def __reduce__(self) -> tuple[type, tuple[dict[str, Callable[..., Any]]]]:
+        # pickled (to a worker process) and copied as its entries; a factory pickles by name
+        return type(self), (dict(self._factories),)
+
     @property
     def names(self) -> tuple[str, ...]:
         """The registered names, sorted."""

@@ -74,6 +74,16 @@ def _check_real(name: str, value: object, what: str) -> None:
         raise TypeError(f"ResourceReqConfig.{name} must be {what} or None, got {value!r}")
 
 
+def step_rid(step: object, what: str) -> str:
+    """The request id of ``step`` (a ``ResourceStep``); TypeError naming ``what`` for anything
+    else, such as a bare request id."""
+    rid = getattr(step, "rid", None)
+    if not isinstance(rid, str):
+        raise TypeError(f"{what}: step must be a ResourceStep (its rid a request id), "
+                        f"got {step!r:.80}")
+    return rid
+
+
 #: Retention priority assumed when a request names none (0..100 scale).
 DEFAULT_RETENTION = 35.0
 

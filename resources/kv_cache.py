@@ -92,8 +92,8 @@ class PagedKVCache(LifecycleAnswers, Resource):
     exactly that size when CUDA is present, see ``tiering.core.pinning``); the
     disk tier is a ``DiskPageStore`` when ``disk`` is given
     (``disk_wrap_store`` wraps its zarr store: the fault-injection seam;
-    ``disk_store`` injects a ready-made store, which the cache then owns and
-    closes). ``offload``, ``demote`` and ``reload`` queue their copies and
+    ``disk_store`` injects a ready-made store, in place of ``disk``, laid out for this
+    geometry's pages, which the cache then owns and closes; a refused one stays open). ``offload``, ``demote`` and ``reload`` queue their copies and
     return at once; ``poll`` applies finished ones and ``synchronize`` waits
     for all of them. ``compute_stream`` names the CUDA stream the engine's
     kernels run on (default: the stream current when the cache is built).
@@ -178,7 +178,7 @@ class PagedKVCache(LifecycleAnswers, Resource):
             if st.disk is not None:  # what an earlier process left intact on disk
                 adopt_reattached(st.disk, self._life.records, clock)
         except BaseException:
-            self._teardown(timeout=10.0)
+            self._teardown(timeout=10.0, failed_start=True)
             raise
 
     # -- the parts' state, by the names it had on the cache ----------------------------
@@ -510,9 +510,10 @@ class PagedKVCache(LifecycleAnswers, Resource):
             self._closed = True
             self._teardown(timeout=10.0)
 
-    def _teardown(self, timeout: float) -> None:
+    def _teardown(self, timeout: float, failed_start: bool = False) -> None:
         """Stop every worker, close the disk tier, then unregister the host slab
-        (only once every worker has joined: a copy may still read it)."""
+        (only once every worker has joined: a copy may still read it). ``failed_start``:
+        the constructor failed; a disk tier it opened is discarded, not kept."""
         self._closed = True
         if self._stream is not None:
             self._stream.stop()
@@ -520,7 +521,7 @@ class PagedKVCache(LifecycleAnswers, Resource):
             self._reuse.blocks.close(timeout)  # the shared tier's queue, if the cache built it
         joined = self._transfers.shutdown(timeout) if self._transfers is not None else True
         if self._storage is not None:
-            self._storage.close(joined)
+            self._storage.close(joined, failed_start)
 
     close = cleanup
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,8 @@ class KVGeometry:
     A page holds ``page_tokens`` tokens of K and V for every layer, laid out
     ``[layers, 2, page_tokens, num_kv_heads, head_dim]`` so that one page is one
     contiguous region across layers and a request's pages move in few copies.
+    ``dtype``: any dtype whose tensors torch copies and views as bytes (a quantized or
+    sub-byte one, such as ``torch.qint8`` or ``torch.int4``, is refused by name).
     """
 
     num_layers: int
@@ -29,6 +32,12 @@ class KVGeometry:
                 raise ValueError(f"KVGeometry.{name} must be a positive int, got {v!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"KVGeometry.dtype must be a torch.dtype, got {self.dtype!r}")
+        why = _cannot_hold_pages(self.dtype)
+        if why is not None:
+            raise ValueError(
+                f"KVGeometry.dtype {self.dtype} cannot hold KV pages: torch cannot copy, "
+                f"gather or byte-view tensors of it ({why}); use a plain dtype such as "
+                "torch.bfloat16, torch.float16, a float8 or an int")
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
@@ -55,6 +64,29 @@ class KVGeometry:
             f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}"
             f"-T{self.page_tokens}-{str(self.dtype).removeprefix('torch.')}"
         )
+
+
+#: the dtypes KV is usually kept in, known to hold pages (no probe needed)
+_PLAIN_DTYPES = frozenset((torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int8))
+
+
+def _cannot_hold_pages(dtype: torch.dtype) -> str | None:
+    """Why tensors of ``dtype`` cannot hold KV pages (a quantized or sub-byte dtype: the
+    copies the cache makes raise inside torch), or None when they can: the same
+    operations as a write (a slice ``copy_``), a read (``index_select`` over pages) and a
+    move (a byte view), run on a tiny pool."""
+    if dtype in _PLAIN_DTYPES:
+        return None
+    try:
+        with warnings.catch_warnings():  # a quantized dtype's deprecation notice
+            warnings.simplefilter("ignore")
+            pool = torch.empty((2, 1, 2, 2, 1, 1), dtype=dtype)
+            pool[1, 0, 0, 0:2].copy_(torch.empty((2, 1, 1), dtype=dtype))
+            pool[:, 0].index_select(0, torch.tensor([1, 0]))
+            pool.view(torch.uint8)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+    return None
 
 
 def parse_device(owner: str, device: object) -> torch.device:

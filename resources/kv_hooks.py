@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from tiering.resources.base import AdmitOutcome, ResourceReqConfig, ResourceStep, StepContext
-from tiering.resources.engine_types import retention_offload_priority
+from tiering.resources.engine_types import retention_offload_priority, step_rid
 from tiering.resources.kv_options import KVContext
 from tiering.resources.kv_records import admitted_early, own_pages
 
+from tiering.core.validate import check_rids
 from tiering.errors import UnknownRequest
 from tiering.types import OFFLOADED_STATES, RequestState, Tier
 
@@ -61,7 +62,7 @@ class EvictionHooks:
     # -- step lifecycle (the engine's admit) -------------------------------------
 
     def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
-        r = self._life.get(step.rid, "admit")
+        r = self._life.get(step_rid(step, "admit"), "admit")
         r.undone = None  # a new step
         if r.state is S.RELOADING:
             self._transfers.finish_now(r)
@@ -102,6 +103,7 @@ class EvictionHooks:
 
     def reclaimable_many(self, rids) -> np.ndarray:
         self._life.check_open("reclaimable_many")
+        check_rids("reclaimable_many", rids)
         reqs = self._life.records
         try:
             pages = [
@@ -119,6 +121,7 @@ class EvictionHooks:
 
     def get_offload_priority_many(self, rids) -> np.ndarray:
         self._life.check_open("get_offload_priority_many")
+        check_rids("get_offload_priority_many", rids)
         return np.fromiter(
             (self.get_offload_priority(r) for r in rids), dtype=np.float64, count=len(rids)
         )

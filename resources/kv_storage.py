@@ -43,12 +43,14 @@ class KVStorage:
                  disk_store=None, disk_wrap_store: Callable[[Any], Any] | None = None,
                  compute_stream=None, host_runtime: HostRuntime | None = None,
                  staging: StagingConfig | None = None, stage_disk_io: bool | None = None) -> None:
+        check_injected(geometry, disk, disk_store, host_runtime)
         self.geometry = geometry
         self.stats = stats
         self.verify = verify
         self.fault = fault
         self.slab: PinnedSlab | None = None
         self.disk = None
+        self._opened_disk = disk_store is None  # a given store stays the caller's files
         self.ring: StagingRing | None = None
         self._read_fn: Any = None  # the disk's read last looked at, and whether it takes
         self._read_scratch = False  # out_is_scratch (see read_disk)
@@ -86,9 +88,12 @@ class KVStorage:
             self.stage = (self.device.type == "cuda") if stage_disk_io is None else bool(stage_disk_io)
             if self.disk is not None and self.stage:
                 pin = (lambda t: t.pin_memory()) if self.device.type == "cuda" else None
-                self.ring = StagingRing(staging or StagingConfig(), shape, geometry.dtype, pin=pin)
+                ring = staging or StagingConfig()
+                with _naming_shortage("staging buffers x pages", ring.buffers * ring.pages, pb,
+                                      "host"):
+                    self.ring = StagingRing(ring, shape, geometry.dtype, pin=pin)
         except BaseException:
-            self.close(joined=True)
+            self.close(joined=True, failed_start=True)
             raise
 
     def read_disk(self, extent, out: torch.Tensor, first_page: int) -> None:
@@ -124,12 +129,16 @@ class KVStorage:
                       getattr(extent, "chunks", extent), type(exc).__name__, exc)
             return False
 
-    def close(self, joined: bool) -> None:
+    def close(self, joined: bool, failed_start: bool = False) -> None:
         """Close the disk tier, then unregister the host slab, but only if every copy
-        worker has ``joined`` (a copy may still read it)."""
+        worker has ``joined`` (a copy may still read it). ``failed_start``: the cache is
+        not being built after all; a disk tier it opened itself is discarded (what its
+        start created, a preallocated slot file among them, is removed)."""
         if self.disk is not None:
+            discard = getattr(self.disk, "discard", None) if failed_start and self._opened_disk \
+                else None
             try:
-                self.disk.close()
+                (discard if callable(discard) else self.disk.close)()
             except Exception as exc:
                 log.error("close: the disk tier did not close cleanly: %s", why(exc))
         if self.slab is not None:
@@ -139,14 +148,51 @@ class KVStorage:
                 log.error("close: a copy worker is still running; the host slab stays registered")
 
 
+#: what the cache calls on a disk store it is given (``DiskPageStore`` has them all)
+_STORE_METHODS = ("reattached", "read", "write", "close")
+
+
+def check_injected(geometry: KVGeometry, disk: Any, disk_store: Any,
+                    host_runtime: Any) -> None:
+    """A ready-made disk store and a host runtime are refused at the door, before the
+    cache takes the store (a refused one stays the caller's, open): a store next to a
+    ``disk`` config, one without the store's methods or laid out for other pages, a
+    runtime without ``register`` and ``unregister``."""
+    if host_runtime is not None and not all(
+            callable(getattr(host_runtime, m, None)) for m in ("register", "unregister")):
+        raise TypeError(f"PagedKVCache: host_runtime must be a HostRuntime (register, "
+                        f"unregister) or None, got {host_runtime!r:.80}")
+    if disk_store is None:
+        return
+    if disk is not None:
+        raise ValueError("PagedKVCache: disk (a DiskConfig the cache opens) and disk_store "
+                         "(a store already open) both name the disk tier; give one")
+    missing = [m for m in _STORE_METHODS if not callable(getattr(disk_store, m, None))]
+    if missing:
+        raise TypeError(f"PagedKVCache: disk_store must be a DiskPageStore (or offer its "
+                        f"methods); {type(disk_store).__name__} lacks {missing}")
+    fmt = getattr(disk_store, "format", None)
+    shape, dtype = getattr(fmt, "page_shape", None), getattr(fmt, "torch_dtype", None)
+    if fmt is not None and (tuple(shape) != geometry.page_shape or dtype != geometry.dtype):
+        raise ValueError(
+            f"PagedKVCache: disk_store holds pages of shape {shape} and dtype {dtype}; this "
+            f"cache's pages are {geometry.page_shape} of {geometry.dtype} (give the store "
+            "geometry.page_shape and geometry.dtype)")
+
+
+#: what torch's allocator says when a tensor cannot be had (beside MemoryError itself)
+_SHORTAGE_WORDS = ("memory", "bad_alloc", "overflow")
+
+
 @contextlib.contextmanager
 def _naming_shortage(name: str, pages: int, page_bytes: int, where: object):
     """A tier that cannot be allocated raises MemoryError naming the argument and its size
     (torch's own message may be empty)."""
     try:
         yield
-    except (MemoryError, RuntimeError) as exc:
-        if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower():
+    except (MemoryError, RuntimeError, OverflowError) as exc:  # overflow: past the address space
+        text = str(exc).lower()
+        if isinstance(exc, RuntimeError) and not any(w in text for w in _SHORTAGE_WORDS):
             raise
         raise MemoryError(
             f"PagedKVCache: {name}={pages:,} ({pages * page_bytes / 2**30:,.1f} GiB of {where}"

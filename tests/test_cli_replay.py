@@ -5,6 +5,7 @@ policy never consulted), another model's KV size, and figures that show what the
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from replay_helpers import MOONCAKE
@@ -265,3 +266,49 @@ def test_a_sweep_without_block_hashes_draws_no_hit_rate_figure(tmp_path):
     (tmp_path / "some").mkdir()
     names = {p.name for p in plot_sweep(rows(0.25), tmp_path / "some")}
     assert names == {"ttft_p99_vs_host.png", "hit_rate_vs_host.png"}
+
+
+_HF = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+       "hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256,
+       "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_attention_heads", 0),  # was ZeroDivisionError, a traceback out of the command
+    ("num_attention_heads", True),  # was head_dim 4096 (hidden // True): 32x the KV, silently
+    ("num_attention_heads", -32),
+    ("hidden_size", "4096"),  # was "unsupported operand type(s) for //", naming no field
+    ("head_dim", 0),  # was taken for "absent", silently
+    ("num_key_value_heads", 2.5),
+    ("intermediate_size", False),
+    ("vocab_size", -1),
+])
+def test_a_hugging_face_config_with_a_bad_count_is_refused_naming_the_field(
+        tmp_path, field, value):
+    from tiering.apps.replay.presets import model_from_file
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_HF, field: value}))
+    with pytest.raises(ValueError, match=rf"--model-config {path}: {field} must be an int >= 1, "
+                                         rf"got {re.escape(repr(value))}"):
+        model_from_file(str(path))
+
+
+def test_a_hugging_face_config_with_null_kv_heads_has_one_per_attention_head(tmp_path):
+    from tiering.apps.replay.presets import model_from_file
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_HF, "num_key_value_heads": None, "head_dim": None}))
+    model = model_from_file(str(path))  # null is absent, as Hugging Face writes it
+    assert (model.num_kv_heads, model.head_dim) == (32, 128)
+    path.write_text(json.dumps(_HF))  # the control
+    assert (model_from_file(str(path)).num_kv_heads, model_from_file(str(path)).head_dim) == (8, 128)
+
+
+def test_the_replay_command_names_a_config_with_no_attention_heads(tmp_path, capsys):
+    (tmp_path / "hf.json").write_text(json.dumps({**_HF, "num_attention_heads": 0}))
+    rc = replay_main([str(MOONCAKE), "--out", str(tmp_path / "o"), "--limit", "10",
+                      "--model-config", str(tmp_path / "hf.json")])
+    assert rc == 2
+    assert "num_attention_heads must be an int >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

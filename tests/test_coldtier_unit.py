@@ -727,3 +727,24 @@ def test_an_endpoint_region_or_credential_that_is_not_text_is_refused_by_name(op
         SharedTierConfig("s3://b/p", options)
     check_storage_options({"endpoint": "http://127.0.0.1:8333", "region": "us-east-1",
                            "anon": True})  # the control: text where text is due, a bool flag
+
+
+def test_a_block_cap_past_what_a_byte_range_holds_is_refused_not_every_fetch_failing():
+    """``ColdTierConfig(max_block_bytes=2**64 + 5)`` was taken; every fetch then asked the
+    store for a byte range past 64 bits, failed as UNAVAILABLE and counted against the
+    breaker: a shared tier that never hit, blamed on the store."""
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import BlockStatus, SharedBlockStore
+    from tiering.coldtier.blocks import MAX_BLOCK_BYTES
+
+    for bad in (2**64 + 5, 10**30, MAX_BLOCK_BYTES + 1):
+        with pytest.raises(ValueError, match=r"ColdTierConfig.max_block_bytes must be at most"):
+            ColdTierConfig(max_block_bytes=bad)
+    rng = random.Random(8)
+    s = SharedBlockStore(MemoryStore(), rng.randbytes(16), b"g",
+                         config=ColdTierConfig(max_block_bytes=MAX_BLOCK_BYTES), trust=TRUST)
+    key, payload = rng.randbytes(32), rng.randbytes(300)
+    assert s.publish(key, payload).status is BlockStatus.WRITTEN
+    got = s.fetch(key)  # the largest cap still reads back the block
+    assert got.status is BlockStatus.HIT and got.payload == payload

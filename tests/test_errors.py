@@ -224,3 +224,30 @@ def test_a_bad_request_id_is_one_error_that_is_a_type_and_a_value_error(bad):
         if owner is not None:
             assert owner.requests() == [], f"{where} registered {bad!r}"
             owner.close()
+
+
+def _an_instance(cls: type) -> BaseException:
+    """One instance of ``cls`` from the arguments its constructor takes."""
+    if cls is errors.RequestLost:
+        return cls("req-7", "reload from disk failed: checksum")
+    if cls is errors.MissingExtra:
+        return cls("matplotlib", "plots", "the demo's figure")
+    if issubclass(cls, OSError):
+        return cls(5, "disk store 'x': read failed")
+    return cls("what went wrong, named")
+
+
+@pytest.mark.parametrize("name", errors.__all__)
+def test_every_error_pickles_and_copies_whole(name):
+    """RequestLost and MissingExtra take several arguments but pickled only their message:
+    unpickling raised TypeError (missing 'reason'; missing 'extra' and 'needed_for'), so
+    one raised in a worker process (replay --jobs, a process pool) turned into that
+    TypeError in the parent, hiding the real error."""
+    import copy
+    import pickle
+
+    exc = _an_instance(getattr(errors, name))
+    for back in (pickle.loads(pickle.dumps(exc)), copy.deepcopy(exc)):
+        assert type(back) is type(exc) and str(back) == str(exc)
+        assert vars(back) == vars(exc)  # rid and reason, extra and needed_for, ...
+        assert back.args == exc.args

@@ -311,3 +311,25 @@ def test_the_contracts_import_from_tiering_testing_as_the_readme_shows():
     assert "check_policy" in testing.__all__
     checked = testing.check_policy(LRU, cases=3, seed=4)
     assert isinstance(checked, testing.PolicyCheck) and checked.cases == 3
+
+
+def test_the_testing_kits_pressure_stand_ins_refuse_what_they_cannot_read():
+    """``ExactPressure([res])`` (a list for the resources) raised AttributeError naming no
+    argument; ``LaggingPressure(3)`` was built and failed at its first ``sample``."""
+    from tiering.testing import ExactPressure, FakeClock, FakeTieredResource, LaggingPressure
+
+    res = FakeTieredResource(device_capacity=100)
+    for bad in ([res], 3, object()):
+        with pytest.raises(TypeError, match=r"ExactPressure: each resource needs "
+                                            r"device_capacity_bytes and device_used"):
+            ExactPressure(bad)
+    for bad in (3, res):
+        with pytest.raises(TypeError, match=r"LaggingPressure: source must have read\(\)"):
+            LaggingPressure(bad)
+    with pytest.raises(TypeError, match=r"LaggingPressure: clock must be callable"):
+        LaggingPressure(ExactPressure(res), clock=5.0)
+    res.ingest_request("a")  # the control: a real pair reads the resource
+    assert res.allocate("a", 40)
+    lagging = LaggingPressure(ExactPressure(res), clock=FakeClock(7.0))
+    assert lagging.latest() is None
+    assert lagging.sample() == (0.4, 1, 7.0) and lagging.latest().fraction == 0.4

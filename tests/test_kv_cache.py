@@ -319,6 +319,69 @@ def test_a_tier_too_large_to_allocate_names_its_argument_and_size(kv, arg):
     assert threading.active_count() == threads  # the refused cache left nothing running
 
 
+@pytest.mark.parametrize("arg", ["device_pages", "host_pages"])
+@pytest.mark.parametrize("pages", [2**63, 2**70])
+def test_a_tier_past_the_address_space_names_its_argument_and_size(kv, arg, pages):
+    """A page count past the address space raised a bare OverflowError ("Python int too
+    large to convert to C ssize_t"), naming nothing."""
+    threads = threading.active_count()
+    with pytest.raises(MemoryError, match=rf"{arg}={pages:,} \(.* GiB .*\) could not be "
+                                          r"allocated: OverflowError"):
+        kv(**{"device_pages": 4, "host_pages": 4, arg: pages})
+    assert threading.active_count() == threads
+
+
+def test_a_staging_ring_too_large_to_allocate_names_itself(kv, tmp_path):
+    """A ring of 2**62 pages raised torch's RuntimeError ("Storage size calculation
+    overflowed"), naming nothing."""
+    from tiering.core.staging import StagingConfig
+    from tiering.disk import DiskConfig
+
+    with pytest.raises(MemoryError, match=r"staging buffers x pages=18,446,744,073,709,551,616 "
+                                          r"\(.* GiB of host memory\) could not be allocated"):
+        kv(device_pages=4, host_pages=4, stage_disk_io=True, staging=StagingConfig(pages=2**62),
+           disk=DiskConfig(path=tmp_path / "d", capacity_bytes=1 << 20))
+    assert not tmp_path.joinpath("d").exists()  # the directory the refused cache made is gone
+
+
+def test_a_cache_that_fails_to_start_leaves_no_disk_files_and_keeps_reattachable_data(
+        kv, tmp_path):
+    """A cache whose constructor failed after its disk tier had opened left the tier's
+    directory behind, with a slot file preallocated to capacity_bytes. Now what that start
+    created is removed; what an earlier process left to reattach is kept, byte for byte."""
+    from tiering.core.staging import StagingConfig
+    from tiering.disk import DiskConfig
+
+    too_big = dict(stage_disk_io=True, staging=StagingConfig(pages=2**62))
+    for made in (tmp_path / "new", tmp_path / "new" / "deeper"):
+        with pytest.raises(MemoryError):
+            kv(device_pages=4, host_pages=1, **too_big,
+               disk=DiskConfig(path=made, capacity_bytes=64 * kv.geometry.page_bytes))
+        assert not made.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(MemoryError):
+        kv(device_pages=4, host_pages=1, **too_big,
+           disk=DiskConfig(path=empty, capacity_bytes=64 * kv.geometry.page_bytes))
+    assert list(empty.iterdir()) == []  # a directory that was there stays, emptied of ours
+
+    kept = DiskConfig(path=tmp_path / "kept", capacity_bytes=64 * kv.geometry.page_bytes,
+                      on_start="reattach")
+    first = kv(device_pages=4, host_pages=1, disk=kept)
+    data = fill(first, "a", torch.Generator().manual_seed(5), 7)
+    assert first.offload("a") > 0
+    first.synchronize()
+    assert first.state_of("a") is RequestState.ON_DISK
+    first.close()
+    with pytest.raises(MemoryError):
+        kv(device_pages=4, host_pages=1, disk=kept, **too_big)
+    again = kv(device_pages=4, host_pages=1, disk=kept)
+    assert again.requests() == ["a"] and again.reload("a")
+    again.synchronize()
+    assert_same(again, "a", data)
+    again.check_integrity()
+
+
 def test_ingest_is_idempotent(cache):
     cfg = ResourceReqConfig(retention_priority=50)
     cache.ingest_request("x", cfg)
@@ -384,3 +447,55 @@ def test_admit_cancels_an_offload_that_has_not_started(gated):
     assert cache.state_of("a") is RequestState.ON_HOST
     assert_same(cache, "b", b)
     cache.check_integrity()
+
+
+_ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+@pytest.mark.parametrize("dtype", _ALL_DTYPES, ids=str)
+def test_every_dtype_a_geometry_takes_round_trips_bit_exact_and_the_rest_are_refused(dtype, tmp_path):
+    """A geometry took any torch dtype, so a quantized or sub-byte one (torch.qint8,
+    torch.int4) built a cache whose first write raised inside torch (an internal assert).
+    Now a dtype is refused by name at the geometry, or its random bytes come back exactly
+    from the host and the disk."""
+    from tiering.resources.kv_cache import PagedKVCache
+
+    from tiering.disk import DiskConfig
+
+    try:
+        geom = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, page_tokens=4, dtype=dtype)
+    except ValueError as err:
+        assert f"KVGeometry.dtype {dtype} cannot hold KV pages" in str(err)
+        name = str(dtype).removeprefix("torch.")  # only quantized and sub-byte ints refused
+        assert name.startswith(("qint", "quint")) or name in {
+            *(f"int{b}" for b in range(1, 8)), *(f"uint{b}" for b in range(1, 8))}, dtype
+        return
+    gen = torch.Generator().manual_seed(7)
+    width = 4 * geom.element_bytes
+    kv = PagedKVCache(geom, device_pages=8, host_pages=2,
+                      disk=DiskConfig(path=tmp_path / "d", capacity_bytes=16 * geom.page_bytes))
+    try:
+        wrote = {}
+        for rid, n in (("a", 7), ("b", 5)):
+            kv.ingest_request(rid)
+            assert kv.allocate(rid, n)
+            top = 2 if dtype is torch.bool else 256  # a bool byte other than 0 or 1 is not a bool
+            raw = torch.randint(0, top, (2, 2, n, 2, width), generator=gen, dtype=torch.uint8)
+            for layer in range(2):
+                kv.write(rid, layer, 0, raw[layer, 0].view(dtype), raw[layer, 1].view(dtype))
+            wrote[rid] = raw
+        for rid, tier in (("a", RequestState.ON_HOST), ("b", RequestState.ON_DISK)):
+            assert kv.offload(rid) > 0
+            kv.synchronize()
+            assert kv.state_of(rid) is tier
+        for rid in wrote:
+            assert kv.reload(rid)
+            kv.synchronize()
+            assert kv.state_of(rid) is RequestState.RESIDENT
+            for layer in range(2):
+                k, v = kv.read(rid, layer)
+                assert torch.equal(k.view(torch.uint8), wrote[rid][layer, 0]), (rid, layer)
+                assert torch.equal(v.view(torch.uint8), wrote[rid][layer, 1]), (rid, layer)
+        kv.check_integrity()
+    finally:
+        kv.close()

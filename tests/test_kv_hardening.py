@@ -7,9 +7,11 @@ Size: over 500 lines: each hardening case with the integrity checks after every 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import threading
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_same, fill, random_kv
@@ -302,6 +304,11 @@ def test_a_constructor_that_fails_leaves_no_threads(geom, tmp_path):
     class BadStore:
         def reattached(self):
             raise Refused("the disk tier cannot start")
+
+        def read(self, *args, **kwargs):  # the store's methods, never reached
+            raise AssertionError("read")
+
+        write = read
 
         closed = False
 
@@ -638,3 +645,104 @@ def test_build_without_a_geometry_names_what_the_config_lacks(geom):
     bad = NodeResourceSpec("kv", PagedKVCache, {"geometry": {"num_layers": 2}, "device_pages": 4})
     with pytest.raises(TypeError, match="'geometry' must be a KVGeometry, got dict"):
         PagedKVCache.build(bad, info)
+
+
+def _many_resources(kv):
+    """A PagedKVCache and a FakeTieredResource, each holding requests "a", "b" and "ab"
+    with different sizes, "a" and "b" resident."""
+    from tiering.testing import FakeTieredResource
+
+    cache = kv(device_pages=8, host_pages=8)
+    fake = FakeTieredResource(device_capacity=100, host_capacity=100, disk_capacity=100)
+    for res in (cache, fake):
+        for rid, n in (("a", 3), ("b", 9), ("ab", 0)):
+            res.ingest_request(rid)
+            assert res.allocate(rid, n)
+    return cache, fake
+
+
+@pytest.mark.parametrize("bad", ["ab", b"ab", 7, (r for r in ("a", "b"))],
+                         ids=["str", "bytes", "int", "generator"])
+def test_the_many_hooks_refuse_one_str_instead_of_a_collection_of_ids(kv, bad):
+    """``reclaimable_many("ab")`` answered for requests "a" and "b" (a str is a sequence of
+    its characters), the wrong requests and as many answers as characters; a generator
+    failed on ``len``. Now anything but a collection of ids is a TypeError naming the
+    hook, and nothing changes."""
+    for res in _many_resources(kv):
+        before = [res.reclaimable(r) for r in ("a", "b", "ab")], res.device_used_bytes()
+        for hook in (res.reclaimable_many, res.get_offload_priority_many):
+            with pytest.raises(TypeError, match=rf"{hook.__name__}: rids must be a collection "
+                                                r"of request ids"):
+                hook(bad)
+        assert ([res.reclaimable(r) for r in ("a", "b", "ab")],
+                res.device_used_bytes()) == before
+        res.check_integrity()
+        # the control: the same requests named in a list, a tuple or an array
+        for ids in (["a", "b"], ("ab",), np.array(["b", "a"])):
+            assert res.reclaimable_many(ids).tolist() == [res.reclaimable(r) for r in ids]
+            assert res.get_offload_priority_many(ids).tolist() == [
+                res.get_offload_priority(r) for r in ids]
+
+
+def test_an_injected_disk_store_or_host_runtime_of_the_wrong_kind_is_refused_at_the_door(
+        geom, tmp_path):
+    """``disk_store=3`` and ``host_runtime=3`` raised AttributeError from deep in the set-up
+    (and logged that the disk tier "did not close cleanly"); a store laid out for other
+    pages was taken, and then every offload to it failed; ``disk`` next to ``disk_store``
+    was silently ignored. Each is now refused by name before the cache takes the store,
+    which stays the caller's, open and usable."""
+    from tiering.disk.store import DiskPageStore
+
+    cfg = DiskConfig(path=tmp_path / "d", capacity_bytes=16 * geom.page_bytes)
+    other = dataclasses.replace(geom, head_dim=geom.head_dim * 2, dtype=torch.float16)
+    wrong = DiskPageStore(cfg, other.page_shape, other.dtype)
+    cases = [
+        (dict(disk_store=3), TypeError, r"disk_store must be a DiskPageStore .*int lacks"),
+        (dict(host_runtime=3), TypeError, r"host_runtime must be a HostRuntime"),
+        (dict(host_runtime=object()), TypeError, r"host_runtime must be a HostRuntime"),
+        (dict(disk_store=wrong), ValueError, r"disk_store holds pages of shape"),
+        (dict(disk_store=wrong, disk=DiskConfig(path=tmp_path / "e", capacity_bytes=1 << 20)),
+         ValueError, r"disk \(a DiskConfig the cache opens\) and disk_store"),
+    ]
+    try:
+        for kwargs, error, match in cases:
+            with pytest.raises(error, match=match):
+                PagedKVCache(geom, device_pages=4, host_pages=4, **kwargs)
+        assert not (tmp_path / "e").exists()  # the config next to the store was never opened
+        assert wrong.reattached() == {}  # the refused store is still open, the caller's
+    finally:
+        wrong.close()
+    # the control: a store laid out for this geometry is taken and holds a request exactly
+    right = DiskPageStore(DiskConfig(path=tmp_path / "r", capacity_bytes=16 * geom.page_bytes),
+                          geom.page_shape, geom.dtype, fingerprint=geom.fingerprint())
+    kv = PagedKVCache(geom, device_pages=4, host_pages=1, disk_store=right)
+    try:
+        data = fill(kv, "a", torch.Generator().manual_seed(11), 2 * geom.page_tokens)
+        assert kv.offload("a") > 0
+        kv.synchronize()
+        assert kv.state_of("a") is S.ON_DISK
+        assert kv.reload("a")
+        kv.synchronize()
+        assert_same(kv, "a", data)
+        kv.check_integrity()
+    finally:
+        kv.close()
+
+
+@pytest.mark.parametrize("bad", ["a", None, 3], ids=["rid", "none", "int"])
+def test_admit_refuses_what_is_not_a_step_by_name_and_changes_nothing(kv, bad):
+    """``admit("a", ctx)`` (the request id where a ResourceStep goes) raised AttributeError
+    ("'str' object has no attribute 'rid'"), from the cache and the fake alike."""
+    from tiering.testing import FakeTieredResource
+
+    cache, fake = kv(device_pages=8, host_pages=8), FakeTieredResource(device_capacity=100)
+    for res in (cache, fake):
+        res.ingest_request("a")
+        assert res.allocate("a", 3)
+        before = res.state_of("a"), res.device_used_bytes()
+        for step in (bad, object()) if isinstance(bad, str) else (bad, ResourceStep(bad)):
+            with pytest.raises(TypeError, match=r"admit: step must be a ResourceStep"):
+                res.admit(step, StepContext(0))
+        assert (res.state_of("a"), res.device_used_bytes()) == before
+        assert res.admit(ResourceStep("a"), StepContext(0)).ok  # the control
+        res.check_integrity()

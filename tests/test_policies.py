@@ -1046,3 +1046,23 @@ def test_a_policy_that_does_not_read_the_bytes_does_not_gather_them(monkeypatch)
     LargestFirst().order(batch, 100.0)
     LargestFirst().order(batch, 100.0, 5)
     assert gathered == [50]
+
+
+def test_a_registry_pickles_and_copies_as_its_entries():
+    """A registry is an immutable value, yet pickling or deep-copying one (to hand it to a
+    worker process) raised TypeError: cannot pickle 'mappingproxy' object."""
+    import copy
+    import pickle
+
+    from tiering.policies import LRU, default_registry, make_policy, register_policy
+    from tiering.policies.blocks import default_block_registry, make_block_policy
+
+    mine = register_policy("mine", LRU)
+    for reg in (default_registry(), mine, default_block_registry()):
+        for back in (pickle.loads(pickle.dumps(reg)), copy.deepcopy(reg)):
+            assert type(back) is type(reg) and back.names == reg.names
+            with pytest.raises(AttributeError, match="never changes"):
+                back._factories = {}
+    assert isinstance(make_policy("mine", registry=pickle.loads(pickle.dumps(mine))), LRU)
+    blocks = pickle.loads(pickle.dumps(default_block_registry()))
+    assert make_block_policy("lru", registry=blocks, capacity=3).name == "lru"

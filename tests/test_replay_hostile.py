@@ -761,3 +761,41 @@ def test_preempt_policy_with_no_room_below_still_chooses():
     res = simulate(conversation_trace(3, 200), COST, spec, sim, kv_factory=factory, check=True)
     assert res.counters.preemptions > 3
     assert all(r.status == "finished" for r in res.requests)
+
+
+# -- block ids that are not a chain: refused where the trace is read, naming the line ---------
+
+
+@pytest.mark.parametrize("ids", [[1, 1, 1, 1], [1, 2, 1, 3], [7, 8, 9, 8]])
+def test_a_trace_line_whose_hash_ids_repeat_an_id_is_refused_naming_the_line(tmp_path, ids):
+    """An id names the prefix up to its block, so a chain never holds it twice; such a line
+    stopped the replay with a traceback from deep in the block index (or fed it nonsense)."""
+    bad = json.dumps({"timestamp": 5, "input_length": 2000, "output_length": 4, "hash_ids": ids})
+    path = tmp_path / "repeats.jsonl"
+    path.write_text(GOOD + bad + "\n")
+    with pytest.raises(TraceFormatError) as err:
+        load_trace(path)
+    assert "repeats.jsonl:2: hash_ids is not a chain" in str(err.value)
+    twice = next(h for i, h in enumerate(ids) if h in ids[:i])
+    assert f"id {twice} stands at positions {ids.index(twice)} and" in str(err.value)
+    control = tmp_path / "control.jsonl"  # the same line with distinct ids loads
+    control.write_text(GOOD + bad.replace(json.dumps(ids), json.dumps([7, 8, 9, 10])) + "\n")
+    assert [r.hash_ids for r in load_trace(control)] == [(1, 2), (7, 8, 9, 10)]
+
+
+def test_the_replay_command_names_a_trace_whose_hash_ids_repeat_an_id(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 2000, "output_length": 5, '
+                    '"hash_ids": [1, 1, 1, 1]}\n')
+    rc = replay_main([str(path), "--no-plots", "--out", str(tmp_path / "out"), "-q"])
+    assert rc == 2
+    assert "t.jsonl:1: hash_ids is not a chain: id 1 stands at positions 0 and 1" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_a_trace_request_built_in_code_refuses_a_repeated_block_id():
+    with pytest.raises(ValueError, match=r"TraceRequest.hash_ids is not a chain: id 4 stands "
+                                         r"at positions 0 and 2"):
+        TraceRequest(0.0, 1600, 3, (4, 5, 4))
+    assert TraceRequest(0.0, 1600, 3, (4, 5, 6)).hash_ids == (4, 5, 6)  # the control

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tiering.resources.base import ResourceReqConfig
@@ -892,6 +893,28 @@ def test_a_disk_capacity_past_what_the_ledger_can_hold_is_refused_by_name(geom, 
     assert _config(geom, disk=fits).disk is fits  # the limit itself is taken
 
 
+@pytest.mark.parametrize("kind", [np.int8, np.int16, np.int32, np.int64, np.uint32, np.uint64])
+def test_a_numpy_integer_size_is_multiplied_exactly_never_in_its_own_width(kind):
+    """``gib(np.int32(5))`` was 1 GiB and ``gib(np.int32(2**31 - 1))`` negative: the size
+    was multiplied in the integer's own fixed width, which wrapped around silently."""
+    from tiering import gib, kib, mib, tib
+
+    big = int(np.iinfo(kind).max)
+    for fn, unit in ((kib, 1 << 10), (mib, 1 << 20), (gib, 1 << 30), (tib, 1 << 40)):
+        for n in (5, big):
+            got = fn(kind(n))
+            assert got == n * unit and type(got) is int, (fn.__name__, kind, n, got)
+
+
+def test_a_size_too_large_for_a_float_is_refused_by_name():
+    from tiering import gib, tib
+
+    with pytest.raises(ValueError, match=r"tib: 1e\+300 is more bytes than a float holds"):
+        tib(1e300)  # was OverflowError: cannot convert float infinity to integer
+    assert tib(10**300) == 10**300 << 40  # an int of any size is exact
+    assert gib(np.float32(0.5)) == 1 << 29
+
+
 def test_sizes_are_bytes_written_with_helpers_and_pools_can_be_given_in_bytes(geom):
     import tiering
     from tiering import gib, kib, mib, tib
@@ -1000,4 +1023,32 @@ def test_an_allocate_refused_below_high_gets_room_from_make_room(geom):
             for layer, (k, v) in enumerate(data[rid]):
                 got_k, got_v = tkv.kv.read(rid, layer)
                 assert torch.equal(got_k, k) and torch.equal(got_v, v)
+        tkv.check_integrity()
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"copy_workers": 0}, ValueError, r"copy_workers must be an int >= 1, got 0"),
+    ({"io_workers": True}, ValueError, r"io_workers must be an int >= 1, got True"),
+    ({"staging": 3}, ValueError, r"staging must be a StagingConfig or None"),
+    ({"layerwise_reload": 1}, ValueError, r"layerwise_reload must be a bool, got 1"),
+    ({"layer_wait_timeout_s": float("nan")}, ValueError, r"layer_wait_timeout_s"),
+    ({"stream_window_pages": 3}, ValueError, r"stream_window_pages and stream_buffer_pages"),
+    ({"stream_window_pages": 5, "stream_buffer_pages": 3}, ValueError,
+     r"must leave device pages for other requests \(device_pages=8\)"),
+    ({"host_runtime": 3}, TypeError, r"host_runtime must be a HostRuntime"),
+    ({"disk_store": 3}, TypeError, r"disk_store must be a DiskPageStore"),
+])
+def test_a_bad_cache_option_value_is_refused_by_the_config_naming_it(geom, options, error, match):
+    """``TieredKVConfig(cache_options={"copy_workers": 0})`` was a valid config; only
+    ``TieredKV(config)`` refused it, later and wherever the config was built. The values
+    are now checked in ``__post_init__``, as the cache checks them."""
+    with pytest.raises(error, match=r"^TieredKVConfig\.cache_options: .*" + match):
+        _config(geom, cache_options=options)
+
+
+def test_good_cache_option_values_still_make_a_config_and_a_cache(geom):
+    cfg = _config(geom, cache_options={"copy_workers": 1, "layerwise_reload": True,
+                                       "stream_window_pages": 2, "stream_buffer_pages": 2})
+    with TieredKV(cfg) as tkv:
+        assert tkv.kv.layerwise_reload and tkv.kv.stream_window_pages == 2
         tkv.check_integrity()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -103,3 +104,150 @@ def test_check_timeout_refuses_unbounded_or_odd_waits_by_name(value):
     with pytest.raises(ValueError, match=r"thing\.wait: timeout must be a finite number") as err:
         check_timeout("thing.wait", value)
     assert repr(value) in str(err.value)
+
+
+# -- durations that are waited: never longer than the platform's longest wait ----------------
+
+LONG = 1e10  # finite, but past threading.TIMEOUT_MAX (about 9.2e9 s): a wait raised OverflowError
+
+
+def _cache(tmp_path, **kw):
+    import torch
+    from tiering.resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_geometry import KVGeometry
+
+    geom = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, page_tokens=4)
+    kv = PagedKVCache(geom, device_pages=8, host_pages=8, layerwise_reload=True, **kw)
+    kv.ingest_request("a")
+    assert kv.allocate("a", 6)
+    k = torch.randn(6, 1, 4).to(geom.dtype)
+    for layer in range(2):
+        kv.write("a", layer, 0, k, k)
+    return kv, k
+
+
+def test_a_wait_longer_than_the_platform_takes_is_refused_by_name_and_changes_nothing(tmp_path):
+    """``synchronize(1e10)``, ``wait_layer(..., 1e10)``, ``cleanup(1e10)`` passed the
+    timeout check (finite, >= 0) and then raised OverflowError ("timestamp out of range
+    for platform time_t") from inside the wait, naming nothing."""
+    import torch
+
+    from tiering.core.validate import MAX_WAIT_S
+
+    kv, k = _cache(tmp_path)
+    try:
+        assert kv.offload("a") > 0
+        for call, what in ((lambda: kv.synchronize(LONG), "synchronize"),
+                           (lambda: kv.cleanup(LONG), "cleanup")):
+            with pytest.raises(ValueError, match=rf"^{what}: timeout 10000000000.0 s is longer "
+                                                 r"than the longest wait the platform takes"):
+                call()
+        kv.synchronize(MAX_WAIT_S)  # the longest one is taken, and the copy lands
+        assert kv.state_of("a").value == "on_host"
+        assert kv.reload("a")
+        with pytest.raises(ValueError, match=r"wait_layer\('a'\): timeout 10000000000.0 s is"):
+            kv.wait_layer("a", 1, LONG)
+        assert kv.wait_layer("a", 1, MAX_WAIT_S)
+        kv.synchronize()
+        assert torch.equal(kv.read("a", 1)[0], k)
+        kv.check_integrity()
+    finally:
+        kv.close()
+
+
+@pytest.mark.parametrize("build, name", [
+    (lambda tmp: StagingConfig(timeout_s=LONG), "StagingConfig.timeout_s"),
+    (lambda tmp: LeaseConfig(ttl_s=3 * LONG, renew_every_s=LONG), "LeaseConfig.renew_every_s"),
+    (lambda tmp: _disk_config(tmp, io_timeout_s=LONG), "DiskConfig.io_timeout_s"),
+    (lambda tmp: _poller(LONG), "PressurePoller.interval_s"),
+    (lambda tmp: _cache(tmp, layer_wait_timeout_s=LONG), "layer_wait_timeout_s: timeout"),
+    (lambda tmp: _queue().wait_idle(LONG), "BlockQueue.wait_idle: timeout_s"),
+    (lambda tmp: _fault_plan(LONG), "FaultPlan.slow_seconds"),
+])
+def test_a_waited_duration_past_the_platforms_longest_wait_is_refused_where_it_is_given(
+        tmp_path, build, name):
+    """Each of these was taken, and the first wait on it (a staging buffer, a lease renewal,
+    a disk operation, the poller's sleep, a layer) raised OverflowError, in a worker thread
+    for the poller (which then died: its pressure never moved again)."""
+    with pytest.raises(ValueError, match=rf"{re.escape(name)} 10000000000.0 s is longer than "
+                                         r"the longest wait the platform takes"):
+        build(tmp_path)
+
+
+def test_a_staging_timeout_must_be_finite():
+    with pytest.raises(ValueError, match=r"StagingConfig.timeout_s must be finite, got inf"):
+        StagingConfig(timeout_s=math.inf)  # a wait for ever: every wait is bounded
+    assert StagingConfig(timeout_s=5.0).timeout_s == 5.0
+
+
+def _disk_config(tmp_path, **kw):
+    from tiering.disk import DiskConfig
+
+    return DiskConfig(path=tmp_path / "d", capacity_bytes=1 << 20, **kw)
+
+
+def _poller(interval_s):
+    from tiering.control.pressure import PressurePoller
+    from tiering.testing import ScriptedFraction
+
+    return PressurePoller(ScriptedFraction(0.5), interval_s=interval_s)
+
+
+def _queue():
+    from obstore.store import MemoryStore
+
+    from tiering.coldtier import BlockQueue, SharedBlockStore
+    from tiering.coldtier.trust import TrustConfig
+
+    return BlockQueue(SharedBlockStore(MemoryStore(), b"r" * 16, b"g",
+                                       trust=TrustConfig(secret=bytes(range(32)))))
+
+
+def _fault_plan(slow_seconds):
+    from tiering.disk.faults import FaultPlan
+
+    return FaultPlan(slow_seconds=slow_seconds)
+
+
+# -- checked configs travel: pickled (to a worker process) and deep-copied ---------------------
+
+
+def _configs():
+    from tiering.resources.kv_geometry import KVGeometry
+
+    from tiering.coldtier import SharedTierConfig, TrustConfig
+    from tiering.disk import DiskConfig
+    from tiering.tiered import TieredKVConfig
+
+    trust = TrustConfig(secret=bytes(range(32)))
+    options = {"endpoint": "http://127.0.0.1:9", "client_kwargs": {"region_name": "r1"}}
+    geom = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, page_tokens=4)
+    return {
+        "TieredKVConfig": TieredKVConfig(geometry=geom, cache_options={"copy_workers": 1}),
+        "DiskConfig": DiskConfig(path="s3://bucket/prefix", capacity_bytes=1 << 20,
+                                 storage_options=options, trust=trust),
+        "SharedTierConfig": SharedTierConfig(url="s3://bucket/prefix", storage_options=options,
+                                             trust=trust),
+    }
+
+
+@pytest.mark.parametrize("name", ["TieredKVConfig", "DiskConfig", "SharedTierConfig"])
+def test_a_checked_config_pickles_and_deep_copies_and_stays_read_only(name):
+    """These configs kept their mapping (cache_options, storage_options) as a
+    MappingProxyType, which cannot be pickled: a config could not be sent to a worker
+    process, nor deep-copied ("cannot pickle 'mappingproxy' object")."""
+    import copy
+    import pickle
+
+    config = _configs()[name]
+    field = "cache_options" if name == "TieredKVConfig" else "storage_options"
+    for back in (pickle.loads(pickle.dumps(config)), copy.deepcopy(config)):
+        assert back == config and dict(getattr(back, field)) == dict(getattr(config, field))
+    held = getattr(config, field)
+    with pytest.raises(TypeError):
+        held["copy_workers"] = 2  # what was checked is what is used
+    with pytest.raises(AttributeError):
+        held._data = {}
+    if name != "TieredKVConfig":  # a nested mapping is read-only too
+        with pytest.raises(TypeError):
+            held["client_kwargs"]["region_name"] = "elsewhere"

@@ -120,6 +120,9 @@ class RequestLost(RuntimeError):
         self.rid = rid
         self.reason = reason
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # pickled (across processes) whole
+        return type(self), (self.rid, self.reason)
+
 
 class CacheClosed(RuntimeError):
     """The cache was closed; every call after ``close()`` raises this and changes nothing."""
@@ -269,3 +272,7 @@ class MissingExtra(ImportError):
             name=module,
         )
         self.extra = extra
+        self.needed_for = needed_for
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:  # pickled (across processes) whole
+        return type(self), (self.name, self.extra, self.needed_for)

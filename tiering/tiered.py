@@ -31,7 +31,6 @@ import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +38,7 @@ import torch
 from tiering.control.controller import ControllerConfig, EvictionController, EvictionReport
 from tiering.control.pressure import PressureSource, cache_pressure
 from tiering.control.protocols import TieredCache
+from tiering.core.frozen import FrozenMap
 from tiering.core.validate import check_clock, check_timeout, is_int
 from tiering.errors import BadRequestId, UnknownRequest
 from tiering.policies import PolicyRegistry, default_registry, make_policy
@@ -80,7 +80,8 @@ class TieredKVConfig:
     ``pressure``: builds the pressure source from the cache (default
     ``cache_pressure``: the pool's own occupancy on a CPU; on a GPU the worse of
     that and the whole device as NVML sees it). ``cache_options``: further keyword
-    arguments of ``PagedKVCache`` (``copy_workers``, ``disk_wrap_store``, ...).
+    arguments of ``PagedKVCache`` (``copy_workers``, ``disk_wrap_store``, ...), their values
+    checked here as the cache checks them.
     ``disk``: a local directory that does not exist yet, with ``on_start="clear"``, is
     created by the cache and removed with everything in it (its preallocated slot file
     too) by ``close()``; create the directory first, or use ``on_start="reattach"``, to
@@ -160,8 +161,9 @@ class TieredKVConfig:
                 f"TieredKVConfig.cache_options: {unknown} are not options of PagedKVCache; "
                 f"known: {sorted(known)}"
             )
+        _check_cache_options(self, PagedKVCache)
         # a read-only copy: the caller's dict may change later, this checked config may not
-        object.__setattr__(self, "cache_options", MappingProxyType(dict(self.cache_options)))
+        object.__setattr__(self, "cache_options", FrozenMap(self.cache_options))
 
 
     @classmethod
@@ -187,6 +189,29 @@ class TieredKVConfig:
                     f"page ({geometry.page_bytes} bytes), got {nbytes!r}")
             pages[f"{name}_pages"] = nbytes // geometry.page_bytes
         return cls(geometry=geometry, **pages, **fields)
+
+
+def _check_cache_options(config: TieredKVConfig, cache_class: type) -> None:
+    """The values of ``config.cache_options``, checked as the cache will check them
+    (``KVOptions`` and the injected disk store and host runtime), so that a bad one is
+    refused by the config, naming ``TieredKVConfig.cache_options``, not later by
+    ``TieredKV``."""
+    from tiering.resources.kv_options import KVOptions
+    from tiering.resources.kv_storage import check_injected
+
+    given = {name: p.default for name, p in inspect.signature(cache_class).parameters.items()
+             if p.default is not inspect.Parameter.empty}
+    given.update(config.cache_options)
+    try:
+        KVOptions(config.device_pages, config.host_pages, config.verify,
+                  config.offload_to_disk_when_host_full, given["copy_workers"],
+                  given["io_workers"], time.monotonic, given["copy_fault_hook"],
+                  given["disk_wrap_store"], given["staging"], given["stage_disk_io"],
+                  given["layerwise_reload"], given["layer_wait_timeout_s"],
+                  given["stream_window_pages"], given["stream_buffer_pages"])
+        check_injected(config.geometry, config.disk, given["disk_store"], given["host_runtime"])
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"TieredKVConfig.cache_options: {exc}") from None
 
 
 _CACHE_METHODS = tuple(sorted({

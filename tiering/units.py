@@ -25,7 +25,12 @@ def _size(n: object, unit: int, name: str) -> int:
         raise TypeError(f"{name}: a size must be a number, got {n!r}")
     if not math.isfinite(n) or n < 0:
         raise ValueError(f"{name}: a size must be a finite number >= 0, got {n!r}")
-    return int(n * unit) if isinstance(n, numbers.Integral) else round(float(n) * unit)
+    if isinstance(n, numbers.Integral):  # numpy's too: multiplied as a Python int, never
+        return int(n) * unit  # in its own fixed width, where it would wrap around
+    nbytes = float(n) * unit
+    if not math.isfinite(nbytes):
+        raise ValueError(f"{name}: {n!r} is more bytes than a float holds; give an int")
+    return round(nbytes)
 
 
 def kib(n: float) -> int:

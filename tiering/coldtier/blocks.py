@@ -36,9 +36,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from tiering.core.frozen import frozen_nested
 from tiering.core.validate import check_budget
 
 from ._io import Fault, classify, short
@@ -84,6 +84,11 @@ class BlockResult(NamedTuple):
     reason: str = ""
 
 
+#: the largest ``ColdTierConfig.max_block_bytes``: a read's byte range (64-bit in the object
+#: store's API) must hold the whole framed block, header and trailer included
+MAX_BLOCK_BYTES = 1 << 62
+
+
 @dataclass(frozen=True)
 class ColdTierConfig:
     """Knobs of a worker's view of the shared tier (validated here)."""
@@ -99,6 +104,11 @@ class ColdTierConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ColdTierConfig.{name} must be an int >= 1, got {v!r}")
+        if self.max_block_bytes > MAX_BLOCK_BYTES:
+            raise ValueError(
+                f"ColdTierConfig.max_block_bytes must be at most {MAX_BLOCK_BYTES} (2**62: a read "
+                f"asks the store for a byte range, 64-bit, holding the whole framed block), "
+                f"got {self.max_block_bytes!r}")
         if not isinstance(self.breaker, BreakerConfig):
             raise ValueError(f"ColdTierConfig.breaker must be a BreakerConfig, got {type(self.breaker).__name__}")
 
@@ -127,9 +137,7 @@ class SharedTierConfig:
         check_storage_options(self.storage_options)
         # read-only all the way down: a nested mapping (client_kwargs) is copied too, so what
         # was checked here is what the store is opened with
-        frozen = {k: MappingProxyType(dict(v)) if isinstance(v, Mapping) else v
-                  for k, v in dict(self.storage_options or {}).items()}
-        object.__setattr__(self, "storage_options", MappingProxyType(frozen))
+        object.__setattr__(self, "storage_options", frozen_nested(self.storage_options))
         if not isinstance(self.tier, ColdTierConfig):
             raise ValueError(f"SharedTierConfig.tier must be a ColdTierConfig, got {type(self.tier).__name__}")
         if isinstance(self.trust, str):

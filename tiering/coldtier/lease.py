@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from tiering.core.validate import check_fields
+from tiering.core.validate import check_fields, check_timeout, check_waitable
 
 from ._io import Fault, classify, short
 from .errors import ColdTierUnavailable, LeaseHeld
@@ -49,6 +49,7 @@ class LeaseConfig:
         check_fields(self, numbers=("ttl_s", "renew_every_s"), zero_ok=("safety_s",))
         if not math.isfinite(self.ttl_s):  # a lease that never expires outlives a dead holder
             raise ValueError(f"LeaseConfig.ttl_s must be finite, got {self.ttl_s!r}")
+        check_waitable("LeaseConfig.renew_every_s", self.renew_every_s)  # its keeper waits it
         if self.renew_every_s + self.safety_s >= self.ttl_s:
             raise ValueError(
                 f"LeaseConfig: renew_every_s ({self.renew_every_s}) + safety_s ({self.safety_s}) "
@@ -257,6 +258,7 @@ class LeaseKeeper:
                 return  # lost: nothing left to renew
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        timeout_s = check_timeout("LeaseKeeper.stop", timeout_s)
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from tiering.control.pressure_source import PressureSource, _check_fraction, logger
-from tiering.core.validate import check_timeout
+from tiering.core.validate import check_timeout, check_waitable
 
 
 class PressureReading(NamedTuple):
@@ -49,6 +49,7 @@ class PressurePoller:
             or interval_s <= 0
         ):
             raise ValueError(f"PressurePoller.interval_s must be a number > 0, got {interval_s!r}")
+        check_waitable("PressurePoller.interval_s", interval_s)
         if not callable(clock):
             raise TypeError(f"PressurePoller.clock must be callable, got {clock!r}")
         self.source = source

@@ -12,6 +12,7 @@ Buffers are handed out by a blocking queue: ``acquire(timeout)`` waits at most
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiering.core.validate import check_fields, check_timeout
+from tiering.core.validate import check_fields, check_timeout, check_waitable
 from tiering.errors import StagingTimeout  # noqa: F401 (re-exported from its old home)
 
 
@@ -33,6 +34,9 @@ class StagingConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, ints={"buffers": 1, "pages": 1}, numbers=("timeout_s",))
+        if not math.isfinite(self.timeout_s):  # every wait is bounded
+            raise ValueError(f"StagingConfig.timeout_s must be finite, got {self.timeout_s!r}")
+        check_waitable("StagingConfig.timeout_s", self.timeout_s)
 
 
 class StagingRing:

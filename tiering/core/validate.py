@@ -9,7 +9,24 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Collection, Mapping, Sequence
+
+#: the longest wait the platform takes (``threading.TIMEOUT_MAX``: about 292 years on Linux);
+#: a longer one raises OverflowError inside the wait, so no duration that is waited exceeds it
+MAX_WAIT_S = float(threading.TIMEOUT_MAX)
+
+_ID_SEQUENCES = (list, tuple)  # the controller's own: no ABC check on the step path
+
+
+def check_rids(what: str, rids: object) -> None:
+    """``rids`` is a collection of request ids (a list, tuple, array...), not one str or
+    bytes, whose characters would be taken for ids; TypeError naming ``what`` otherwise."""
+    if type(rids) in _ID_SEQUENCES:
+        return
+    if isinstance(rids, (str, bytes)) or not isinstance(rids, Collection):
+        raise TypeError(f"{what}: rids must be a collection of request ids (a list or "
+                        f"tuple), got {rids!r:.80}")
 
 
 def is_int(value: object) -> bool:
@@ -84,7 +101,16 @@ def check_timeout(what: str, timeout: object) -> float:
     if not is_number(timeout) or not math.isfinite(timeout) or timeout < 0:
         raise ValueError(
             f"{what}: timeout must be a finite number of seconds >= 0, got {timeout!r}")
+    check_waitable(f"{what}: timeout", timeout)
     return float(timeout)
+
+
+def check_waitable(what: str, seconds: float) -> None:
+    """A finite duration that some thread will wait is at most ``MAX_WAIT_S``; else
+    ValueError naming ``what`` (the wait itself would raise OverflowError, later)."""
+    if seconds > MAX_WAIT_S:
+        raise ValueError(f"{what} {seconds!r} s is longer than the longest wait the platform "
+                         f"takes ({MAX_WAIT_S:.0f} s, threading.TIMEOUT_MAX)")
 
 
 def check_budget(what: str, timeout: object) -> float:
@@ -95,4 +121,5 @@ def check_budget(what: str, timeout: object) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
             or not math.isfinite(timeout):
         raise ValueError(f"{what} must be a finite number of seconds, got {timeout!r}")
+    check_waitable(what, timeout)
     return max(0.0, float(timeout))

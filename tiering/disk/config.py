@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -13,6 +12,8 @@ import numpy as np
 from zarr.abc.store import Store
 from zarr.storage import StorePath
 
+from tiering.core.frozen import frozen_nested
+from tiering.core.validate import check_waitable
 from tiering.disk.array import CODECS
 
 ON_START = ("clear", "reattach")
@@ -136,6 +137,7 @@ class DiskConfig:
         ):
             raise ValueError(
                 f"DiskConfig.io_timeout_s must be a finite number > 0, got {self.io_timeout_s!r}")
+        check_waitable("DiskConfig.io_timeout_s", self.io_timeout_s)
         self._check_storage()
 
     def _check_storage(self) -> None:
@@ -162,7 +164,7 @@ class DiskConfig:
                     f"not to {'a given store' if self.store is not None else repr(path)}"
                 )
             # a read-only copy: the caller's dict may change later, this config may not
-            object.__setattr__(self, "storage_options", MappingProxyType(dict(opts)))
+            object.__setattr__(self, "storage_options", frozen_nested(opts))
         url = s3_url(self.path) if self.store is None else None
         if url is None:
             if self.trust is not None:

@@ -41,6 +41,7 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
+from tiering.core.validate import check_waitable
 from tiering.disk.manifest import MANIFEST_KEY
 
 WRITE_KINDS = ("enospc_write", "eio_write")
@@ -99,6 +100,7 @@ class FaultPlan:
             or not 0 <= slow_seconds < float("inf")
         ):
             raise ValueError(f"slow_seconds must be a finite number >= 0, got {slow_seconds!r}")
+        check_waitable("FaultPlan.slow_seconds", slow_seconds)  # a slow fault sleeps it
         if not callable(sleep):
             raise ValueError(f"sleep must be callable, got {type(sleep).__name__}")
         self._rng = rng if rng is not None else random.Random(seed)

@@ -491,6 +491,24 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         self._backend_closed = True
         self._backend.close()
 
+    def discard(self) -> None:
+        """``close`` for a store whose owner failed to start around it (nothing of its own
+        was written here): also removes what this store's start created, as a failed
+        constructor does (the directory if it made it, else the files it added), so a
+        preallocated slot file is not left behind. Idempotent, and a no-op after ``close``."""
+        if self._ledger.close():
+            self._read_scratch.clear()
+            self._bounces.clear()
+            self._stop_flusher(2 * self.config.io_timeout_s)
+        elif self._backend_closed:
+            return
+        if not self.wait_idle(self.config.io_timeout_s):
+            log.warning("disk store discarded with I/O still in flight; its file stays open "
+                        "until close() is called again after the I/O has ended")
+            return
+        self._backend_closed = True
+        self._backend.discard()
+
     def __enter__(self) -> DiskPageStore:
         return self
 

@@ -27,8 +27,10 @@ import numpy as np
 
 from tiering.core.lifecycle import AT_REST, Counters, LifecycleAnswers, Op, guard
 from tiering.core.tiers import ChainRecord, InstantLink, PageMover, PageTier, TierChain
+from tiering.core.validate import check_rids
 from tiering.errors import BadRequestId, UnknownRequest
 from tiering.resources.base import AdmitOutcome
+from tiering.resources.engine_types import step_rid
 from tiering.testing.blocks import check_block_policy  # the contracts, importable from here
 from tiering.testing.policies import PolicyCheck, check_policy
 from tiering.types import (
@@ -274,7 +276,7 @@ class FakeTieredResource(LifecycleAnswers):
 
     def admit(self, step, ctx) -> AdmitOutcome:
         """OK only when the request is resident and not moving."""
-        return AdmitOutcome(*self._life.admission(self._life.get(step.rid, "admit")))
+        return AdmitOutcome(*self._life.admission(self._life.get(step_rid(step, "admit"), "admit")))
 
     def close(self) -> None:
         """Every later call that looks a request up raises CacheClosed (idempotent)."""
@@ -375,6 +377,7 @@ class FakeTieredResource(LifecycleAnswers):
         for an unknown one, CacheClosed once closed."""
         self.calls["reclaimable_many"] += 1
         self._life.check_open("reclaimable_many")
+        check_rids("reclaimable_many", rids)
         return _look_up_all(self._reclaimable_now, rids, np.int64)
 
     def get_offload_priority_many(self, rids: Sequence[str]) -> np.ndarray:
@@ -382,6 +385,7 @@ class FakeTieredResource(LifecycleAnswers):
         for an unknown one, CacheClosed once closed."""
         self.calls["get_offload_priority_many"] += 1
         self._life.check_open("get_offload_priority_many")
+        check_rids("get_offload_priority_many", rids)
         return _look_up_all(self.priorities, rids, np.float64)
 
     def get_offload_priority(self, rid: str) -> float:
@@ -497,6 +501,11 @@ class ExactPressure:
     def __init__(self, *resources: FakeTieredResource) -> None:
         if not resources:
             raise ValueError("ExactPressure needs at least one resource")
+        for r in resources:  # one list given for the resources is the usual slip
+            if not _count(getattr(r, "device_capacity_bytes", None)) or not hasattr(r, "device_used"):
+                raise TypeError(
+                    f"ExactPressure: each resource needs device_capacity_bytes and device_used "
+                    f"(a FakeTieredResource; pass them as ExactPressure(a, b)), got {r!r:.80}")
         self._resources = resources
         self._capacity = sum(r.device_capacity_bytes for r in resources)
         self.reads = 0
@@ -518,6 +527,11 @@ class LaggingPressure:
     """A poller stand-in: ``latest()`` returns the last sample published by ``sample()``."""
 
     def __init__(self, source: ExactPressure, clock: FakeClock | None = None) -> None:
+        if not callable(getattr(source, "read", None)):
+            raise TypeError(f"LaggingPressure: source must have read() (an ExactPressure), "
+                            f"got {source!r:.80}")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"LaggingPressure: clock must be callable or None, got {clock!r:.80}")
         self._source = source
         self._clock = clock
         self._latest: Reading | None = None

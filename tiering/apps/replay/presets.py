@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 GiB = 1 << 30
 TiB = 1 << 40
@@ -151,6 +152,23 @@ _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2
                 "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "int8": 1}
 
 
+_REQUIRED = object()
+
+
+def _hf_count(data: dict, key: str, default: object = _REQUIRED) -> Any:
+    """``data[key]`` of a Hugging Face config: an int >= 1 (a bool, a str, 0 or a negative
+    is refused naming ``key``: one would divide by zero or size the model silently wrong);
+    ``default`` when the key is absent or null (KeyError when there is none)."""
+    value = data.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise KeyError(key)
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be an int >= 1, got {value!r}")
+    return value
+
+
 def model_from_file(path: str) -> ModelPreset:
     """A model from a JSON file: either this class's fields (``name``, ``num_layers``,
     ``num_kv_heads``, ``head_dim``, ``dtype_bytes``, ``params_b``), or a Hugging Face
@@ -172,18 +190,18 @@ def model_from_file(path: str) -> ModelPreset:
         if "num_layers" in data:
             return ModelPreset(name, data["num_layers"], data["num_kv_heads"], data["head_dim"],
                                data.get("dtype_bytes", 2), data["params_b"])
-        layers = data["num_hidden_layers"]
-        heads = data["num_attention_heads"]
-        kv_heads = data.get("num_key_value_heads", heads)
-        hidden = data["hidden_size"]
-        head_dim = data.get("head_dim") or hidden // heads
+        layers = _hf_count(data, "num_hidden_layers")
+        heads = _hf_count(data, "num_attention_heads")
+        kv_heads = _hf_count(data, "num_key_value_heads", heads)
+        hidden = _hf_count(data, "hidden_size")
+        head_dim = _hf_count(data, "head_dim", None) or hidden // heads
         dtype = str(data.get("torch_dtype", "bfloat16")).replace("torch.", "")
         if dtype not in _DTYPE_BYTES:
             raise ValueError(f"torch_dtype {dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
         params_b = data.get("params_b")
         if params_b is None:
-            inter = data["intermediate_size"]
-            vocab = data["vocab_size"]
+            inter = _hf_count(data, "intermediate_size")
+            vocab = _hf_count(data, "vocab_size")
             attn = hidden * (heads * head_dim) * 2 + hidden * (kv_heads * head_dim) * 2
             mlp = 3 * hidden * inter
             embed = vocab * hidden * (1 if data.get("tie_word_embeddings") else 2)

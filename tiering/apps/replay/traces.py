@@ -43,7 +43,8 @@ class TraceRequest:
     ``arrival_s``: seconds from the first request of the trace (>= 0).
     ``input_tokens`` (>= 1) and ``output_tokens`` (>= 0): prompt and response
     lengths. ``hash_ids``: the prompt's chain of block ids (empty when the trace
-    has none); block ``i`` covers prompt tokens ``[512 i, 512 (i + 1))``.
+    has none); block ``i`` covers prompt tokens ``[512 i, 512 (i + 1))``. An id names
+    the whole prefix up to its block, so no id appears twice in one chain.
     """
 
     arrival_s: float
@@ -66,6 +67,9 @@ class TraceRequest:
         if not isinstance(self.hash_ids, tuple) or not _block_ids(self.hash_ids):
             raise ValueError(f"TraceRequest.hash_ids must be a tuple of ints >= 0, "
                              f"got {self.hash_ids!r}")
+        twice = _repeated_id(self.hash_ids)
+        if twice is not None:
+            raise ValueError(f"TraceRequest.hash_ids is not a chain: {_repeat_text(twice)}")
 
 
 def _is_int(value: object) -> bool:
@@ -77,6 +81,25 @@ def _block_ids(ids: Sequence[object]) -> bool:
     if all(type(h) is int for h in ids):  # the common case, checked in C
         return not ids or min(ids) >= 0
     return all(_is_int(h) and h >= 0 for h in ids)
+
+
+def _repeated_id(ids: Sequence[int]) -> tuple[int, int, int] | None:
+    """(id, first position, second position) of the first id that ``ids`` holds twice;
+    None when every id is distinct."""
+    if len(set(ids)) == len(ids):
+        return None
+    seen: dict[int, int] = {}
+    for i, h in enumerate(ids):
+        if h in seen:
+            return h, seen[h], i
+        seen[h] = i
+    return None  # pragma: no cover - the set said there is a repeat
+
+
+def _repeat_text(twice: tuple[int, int, int]) -> str:
+    h, first, second = twice
+    return (f"id {h} stands at positions {first} and {second}, but an id names the whole "
+            "prefix up to its block, so it appears at most once in a chain")
 
 
 def detect_format(path: str | Path) -> str:
@@ -195,6 +218,9 @@ def _read_mooncake(p: Path) -> Iterator[tuple[float, int, int, tuple[int, ...]]]
         ids = obj.get("hash_ids", [])
         if not isinstance(ids, list) or not _block_ids(ids):
             raise TraceFormatError(f"{where}: hash_ids must be a list of integers >= 0")
+        twice = _repeated_id(ids)
+        if twice is not None:
+            raise TraceFormatError(f"{where}: hash_ids is not a chain: {_repeat_text(twice)}")
         yield t, n_in, n_out, tuple(ids)
 
 
