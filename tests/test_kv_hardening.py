@@ -648,17 +648,19 @@ def test_build_without_a_geometry_names_what_the_config_lacks(geom):
 
 
 def _many_resources(kv):
-    """A PagedKVCache and a FakeTieredResource, each holding requests "a", "b" and "ab"
-    with different sizes, "a" and "b" resident."""
+    """A PagedKVCache, a FakeTieredResource and the replay's ModeledKVCache, each holding
+    requests "a", "b" and "ab" with different sizes, "a" and "b" resident."""
+    from tiering.apps.replay.model_kv import LinkRates, ModeledKVCache
     from tiering.testing import FakeTieredResource
 
     cache = kv(device_pages=8, host_pages=8)
     fake = FakeTieredResource(device_capacity=100, host_capacity=100, disk_capacity=100)
-    for res in (cache, fake):
+    model = ModeledKVCache(16, 4, 8, 8, 8, LinkRates.instant(), lambda: 0.0)
+    for res in (cache, fake, model):
         for rid, n in (("a", 3), ("b", 9), ("ab", 0)):
             res.ingest_request(rid)
             assert res.allocate(rid, n)
-    return cache, fake
+    return cache, fake, model
 
 
 @pytest.mark.parametrize("bad", ["ab", b"ab", 7, (r for r in ("a", "b"))],

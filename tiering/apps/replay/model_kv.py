@@ -45,6 +45,7 @@ from tiering.core.tiers import (
     TierChain,
 )
 from tiering.core.tiers import Tier as ChainTier
+from tiering.core.validate import check_rids
 from tiering.errors import UnknownRequest
 from tiering.resources.base import AdmitOutcome
 from tiering.resources.engine_types import ResourceReqConfig, retention_offload_priority
@@ -501,6 +502,7 @@ class ModeledKVCache(LifecycleAnswers):
 
     def reclaimable_many(self, rids: Sequence[str]) -> np.ndarray:
         """``reclaimable`` of each of ``rids`` (int64), in one call; changes nothing."""
+        check_rids("reclaimable_many", rids)
         reqs = self._reqs
         room = self._room_below()
         page_bytes = self.page_bytes
@@ -517,6 +519,7 @@ class ModeledKVCache(LifecycleAnswers):
 
     def get_offload_priority_many(self, rids: Sequence[str]) -> np.ndarray:
         """``get_offload_priority`` of each of ``rids`` (float64), in one call."""
+        check_rids("get_offload_priority_many", rids)
         return np.fromiter(map(self.get_offload_priority, rids), dtype=np.float64,
                            count=len(rids))
 
