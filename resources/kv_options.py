@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tiering.core.staging import StagingConfig
-from tiering.core.validate import check_clock, check_timeout
+from tiering.core.validate import check_clock, check_threads, check_timeout
 
 if TYPE_CHECKING:  # pragma: no cover
     from tiering.resources.kv_records import KVStats
@@ -45,6 +45,8 @@ class KVOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"PagedKVCache: {name} must be an int >= 1, got {v!r}")
+            if name.endswith("_workers"):
+                check_threads(f"PagedKVCache: {name}", v)
         for name in ("verify", "offload_to_disk_when_host_full", "layerwise_reload"):
             v = getattr(self, name)
             if not isinstance(v, bool):

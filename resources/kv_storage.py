@@ -173,7 +173,7 @@ def check_injected(geometry: KVGeometry, disk: Any, disk_store: Any,
                         f"methods); {type(disk_store).__name__} lacks {missing}")
     fmt = getattr(disk_store, "format", None)
     shape, dtype = getattr(fmt, "page_shape", None), getattr(fmt, "torch_dtype", None)
-    if fmt is not None and (tuple(shape) != geometry.page_shape or dtype != geometry.dtype):
+    if shape is not None and (tuple(shape) != geometry.page_shape or dtype != geometry.dtype):
         raise ValueError(
             f"PagedKVCache: disk_store holds pages of shape {shape} and dtype {dtype}; this "
             f"cache's pages are {geometry.page_shape} of {geometry.dtype} (give the store "

@@ -70,9 +70,14 @@ class Transfers:
             Move.RELOAD_FROM_DISK: self._done_reload_disk,
         }
         self.executors: list[PriorityExecutor] = []
-        self._d2h = self._executor(copy_workers, "tiering-d2h")
-        self._h2d = self._executor(copy_workers, "tiering-h2d")
-        self._io = self._executor(io_workers, "tiering-io")
+        try:
+            self._d2h = self._executor(copy_workers, "tiering-d2h")
+            self._h2d = self._executor(copy_workers, "tiering-h2d")
+            self._io = self._executor(io_workers, "tiering-io")
+        except BaseException:  # the cache never gets this part: stop what started here
+            for ex in self.executors:
+                ex.shutdown(timeout=10.0)
+            raise
 
     def _executor(self, workers: int, name: str) -> PriorityExecutor:
         ex = PriorityExecutor(workers, name)

@@ -214,6 +214,23 @@ def test_open_s3_store_refuses_bad_timeouts_given_as_arguments(kw):
         open_s3_store("s3://b/p", None, check=False, **kw)
 
 
+@pytest.mark.parametrize("name, value", [
+    ("timeout_s", 1e15), ("connect_timeout_s", 1e20), ("max_retries", 10**30),
+    ("max_retries", 1001),
+])
+def test_a_client_knob_past_what_the_client_holds_is_refused_by_name(name, value):
+    """A timeout of 1e15 s or 10**30 retries passed the check and then raised OverflowError
+    ("Python int too large to convert to C int") while the client was built, naming nothing."""
+    with pytest.raises(ValueError, match=rf"storage_options\['{name}'\]"):
+        SharedTierConfig("s3://b/p", {name: value})
+    with pytest.raises(ValueError, match=rf"open_s3_store: {name}"):
+        open_s3_store("s3://b/p", None, check=False, **{name: value})
+    limit = {"timeout_s": 9e9, "connect_timeout_s": 9e9, "max_retries": 1000}[name]
+    opts = {"endpoint": "http://127.0.0.1:9", "aws_access_key_id": "k",
+            "aws_secret_access_key": "s"}
+    assert open_s3_store("s3://b/p", opts, check=False, **{name: limit}) is not None
+
+
 def test_an_endless_cooldown_or_lease_and_a_bool_capacity_are_refused():
     """An infinite cooldown never tries the store again; an infinite ttl outlives a dead
     holder for ever; KnownBlocks(True) was a capacity of one. All three used to be taken."""

@@ -91,3 +91,56 @@ def test_a_bad_submit_is_refused_and_leaves_the_queue_working(priority, fn, matc
     assert queued.result(timeout=5) == 7  # the queue's order was not poisoned
     assert ex.submit(OFFLOAD, int, "9").result(timeout=5) == 9
     assert ex.shutdown(5) is True
+
+
+def test_an_executor_that_cannot_start_all_its_threads_stops_those_it_started(monkeypatch):
+    """When the platform refused a thread (its limit reached: a huge copy_workers), the
+    threads already started were left blocked on the queue for ever, and the error named
+    no count. Now they are stopped and the error says how many started of how many."""
+    import threading
+
+    from tiering.core.executor import PriorityExecutor
+
+    before = {t.ident for t in threading.enumerate()}
+    real_start, calls = threading.Thread.start, []
+
+    def start(self):
+        calls.append(self.name)
+        if len(calls) == 4:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match=r"tiering-x: could start only 3 of the 6 worker "
+                                           r"threads asked for: can't start new thread"):
+        PriorityExecutor(6, "tiering-x")
+    monkeypatch.undo()
+    left = [t for t in threading.enumerate() if t.ident not in before]
+    assert not [t.name for t in left if t.name.startswith("tiering-x")]
+    ex = PriorityExecutor(2, "tiering-y")  # the control: a full start runs jobs
+    assert ex.submit(0, lambda: 7).result(timeout=5) == 7 and ex.shutdown(5.0)
+
+
+def test_a_cache_whose_copy_threads_cannot_all_start_leaves_no_thread_running(monkeypatch, tmp_path):
+    """The cache's second executor failing to start left the first one's threads running
+    (the cache never got the part that would stop them)."""
+    import threading
+
+    from tiering.resources.kv_cache import PagedKVCache
+    from tiering.resources.kv_geometry import KVGeometry
+
+    before = {t.ident for t in threading.enumerate()}
+    real_start = threading.Thread.start
+
+    def start(self):
+        if self.name.startswith("tiering-h2d"):
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="tiering-h2d: could start only 0 of the 2"):
+        PagedKVCache(KVGeometry(num_layers=1, num_kv_heads=1, head_dim=4, page_tokens=4),
+                     device_pages=4, host_pages=4)
+    monkeypatch.undo()
+    left = [t.name for t in threading.enumerate() if t.ident not in before]
+    assert not [n for n in left if n.startswith("tiering-")], left

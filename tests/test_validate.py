@@ -251,3 +251,29 @@ def test_a_checked_config_pickles_and_deep_copies_and_stays_read_only(name):
     if name != "TieredKVConfig":  # a nested mapping is read-only too
         with pytest.raises(TypeError):
             held["client_kwargs"]["region_name"] = "elsewhere"
+
+
+@pytest.mark.parametrize("build, name", [
+    (lambda tmp, n: _cache(tmp, copy_workers=n), "PagedKVCache: copy_workers"),
+    (lambda tmp, n: _cache(tmp, io_workers=n), "PagedKVCache: io_workers"),
+    (lambda tmp, n: _disk_config(tmp, io_threads=n), "DiskConfig.io_threads"),
+    (lambda tmp, n: _cold_config(n), "ColdTierConfig.io_threads"),
+])
+def test_a_thread_count_past_what_one_pool_may_start_is_refused_by_name(tmp_path, build, name):
+    """copy_workers=10**7 started building ten million threads (and DiskConfig.io_threads
+    as many read buffers) before the platform refused one, exhausting the process first."""
+    from tiering.core.validate import MAX_WORKER_THREADS
+
+    with pytest.raises(ValueError, match=rf"{re.escape(name)} {MAX_WORKER_THREADS + 1} is more "
+                                         r"worker threads than one pool may start \(at most 64\)"):
+        build(tmp_path, MAX_WORKER_THREADS + 1)
+    made = build(tmp_path, 3)  # the control
+    close = getattr(made[0] if isinstance(made, tuple) else made, "close", None)
+    if callable(close):
+        close()
+
+
+def _cold_config(io_threads):
+    from tiering.coldtier import ColdTierConfig
+
+    return ColdTierConfig(io_threads=io_threads)

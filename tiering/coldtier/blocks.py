@@ -39,7 +39,7 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 from tiering.core.frozen import frozen_nested
-from tiering.core.validate import check_budget
+from tiering.core.validate import check_budget, check_threads
 
 from ._io import Fault, classify, short
 from .breaker import BreakerConfig, CircuitBreaker
@@ -104,6 +104,7 @@ class ColdTierConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ColdTierConfig.{name} must be an int >= 1, got {v!r}")
+        check_threads("ColdTierConfig.io_threads", self.io_threads)
         if self.max_block_bytes > MAX_BLOCK_BYTES:
             raise ValueError(
                 f"ColdTierConfig.max_block_bytes must be at most {MAX_BLOCK_BYTES} (2**62: a read "

@@ -20,6 +20,8 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+from tiering.core.validate import check_waitable
+
 from .errors import ColdTierUnavailable
 
 __all__ = ["S3Location", "check_storage_options", "open_s3_store", "open_zarr_store", "parse_s3_url",
@@ -77,6 +79,7 @@ def _check_timeout(what: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not (0 < value < float("inf")):
         raise ValueError(f"{what} must be a positive number, got {value!r}")
+    check_waitable(what, value)  # the client's durations overflow well before a float does
 
 
 def _check_text(what: str, value: object) -> None:
@@ -85,9 +88,13 @@ def _check_text(what: str, value: object) -> None:
         raise ValueError(f"{what} must be a non-empty str, got {value!r}")
 
 
+#: the most retries a request may be given (the retry budget is timeout x (retries + 1))
+MAX_RETRIES = 1000
+
+
 def _check_retries(what: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_RETRIES:
+        raise ValueError(f"{what} must be an int from 0 to {MAX_RETRIES}, got {value!r}")
 
 
 def _config(storage_options: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -39,8 +39,14 @@ class PriorityExecutor:
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
             for i in range(workers)
         ]
-        for t in self._threads:
-            t.start()
+        for i, t in enumerate(self._threads):
+            try:
+                t.start()
+            except RuntimeError as exc:  # the platform's thread limit: stop the ones started
+                self._threads = self._threads[:i]
+                self.shutdown(timeout=10.0)
+                raise RuntimeError(f"{name}: could start only {i} of the {workers} worker "
+                                   f"threads asked for: {exc}") from exc
 
     def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue ``fn(*args)`` at ``priority`` (an int, lower runs first); its Future.

@@ -16,6 +16,19 @@ from collections.abc import Collection, Mapping, Sequence
 #: a longer one raises OverflowError inside the wait, so no duration that is waited exceeds it
 MAX_WAIT_S = float(threading.TIMEOUT_MAX)
 
+#: the most worker threads one pool may be asked for: each is a thread of its own, started
+#: at once, so a count in the millions would exhaust the process before any copy ran
+MAX_WORKER_THREADS = 64
+
+
+def check_threads(what: str, value: int) -> None:
+    """An int >= 1 already checked is at most ``MAX_WORKER_THREADS``; else ValueError
+    naming ``what``."""
+    if value > MAX_WORKER_THREADS:
+        raise ValueError(f"{what} {value!r} is more worker threads than one pool may start "
+                         f"(at most {MAX_WORKER_THREADS})")
+
+
 _ID_SEQUENCES = (list, tuple)  # the controller's own: no ABC check on the step path
 
 

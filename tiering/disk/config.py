@@ -13,7 +13,7 @@ from zarr.abc.store import Store
 from zarr.storage import StorePath
 
 from tiering.core.frozen import frozen_nested
-from tiering.core.validate import check_waitable
+from tiering.core.validate import check_threads, check_waitable
 from tiering.disk.array import CODECS
 
 ON_START = ("clear", "reattach")
@@ -130,6 +130,7 @@ class DiskConfig:
             )
         if not _is_int(self.io_threads) or self.io_threads < 1:
             raise ValueError(f"DiskConfig.io_threads must be an int >= 1, got {self.io_threads!r}")
+        check_threads("DiskConfig.io_threads", self.io_threads)
         if (
             not isinstance(self.io_timeout_s, (int, float))
             or isinstance(self.io_timeout_s, bool)
