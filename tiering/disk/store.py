@@ -474,15 +474,7 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         again once ``wait_idle`` says the I/O has ended to let them go. In ``reattach``
         mode a manifest write that failed earlier is retried (once, quietly) before the
         location is let go; nothing is written there after that. Idempotent."""
-        if self._ledger.close():
-            self._read_scratch.clear()
-            self._bounces.clear()
-            self._stop_flusher(2 * self.config.io_timeout_s)
-        elif self._backend_closed:
-            return
-        if not self.wait_idle(self.config.io_timeout_s):
-            log.warning("disk store closed with I/O still in flight; its file stays open "
-                        "until close() is called again after the I/O has ended")
+        if not self._stop_work("closed"):
             return
         if self._persistent and self._manifest_dirty and self._flusher is None:
             # the last chance while the path is still held: a manifest that still lists
@@ -496,18 +488,25 @@ class DiskPageStore(ChunkIOPart, ManifestPart, StartPart, StatsPart):
         was written here): also removes what this store's start created, as a failed
         constructor does (the directory if it made it, else the files it added), so a
         preallocated slot file is not left behind. Idempotent, and a no-op after ``close``."""
+        if not self._stop_work("discarded"):
+            return
+        self._backend_closed = True
+        self._backend.discard()
+
+    def _stop_work(self, what: str) -> bool:
+        """Stop accepting work (the first time) and wait, bounded, for in-flight I/O; True
+        when the backend may be let go (``what``: closed or discarded, for the warning)."""
         if self._ledger.close():
             self._read_scratch.clear()
             self._bounces.clear()
             self._stop_flusher(2 * self.config.io_timeout_s)
         elif self._backend_closed:
-            return
+            return False
         if not self.wait_idle(self.config.io_timeout_s):
-            log.warning("disk store discarded with I/O still in flight; its file stays open "
+            log.warning(f"disk store {what} with I/O still in flight; its file stays open "
                         "until close() is called again after the I/O has ended")
-            return
-        self._backend_closed = True
-        self._backend.discard()
+            return False
+        return True
 
     def __enter__(self) -> DiskPageStore:
         return self
